@@ -1,0 +1,35 @@
+// One routed expert's FFN on MXFP4 weights with SiTU-GLU (SPEC.md section 4 step 3), scalar
+// reference:
+//   g = bf16(z . W1^T), u = bf16(z . W3^T)   [tokens, I]  (w1 = gate, w3 = up, as checkpointed)
+//   h = bf16(SiTU(g, u))
+//   y = bf16(h . W2^T)                       [tokens, D]
+// Weights are dequantized exactly to fp32 one row at a time; sums run in ascending order over
+// the reduction axis as in linear.h.
+//
+//   ExpertWeights w{w1, w3, w2};  // borrowed MXFP4 views
+//   ref::ExpertFfn(w, z, tokens, cfg.situ_beta, cfg.situ_linear_beta, y);
+#ifndef MOE_SERVICES_NUMERICS_EXPERT_FFN_H_
+#define MOE_SERVICES_NUMERICS_EXPERT_FFN_H_
+
+#include <cstdint>
+
+#include "services/numerics/mxfp4.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::numerics {
+
+struct ExpertWeights {
+  Mxfp4Matrix w1;  // gate: [I, D]
+  Mxfp4Matrix w3;  // up:   [I, D]
+  Mxfp4Matrix w2;  // down: [D, I]
+};
+
+namespace ref {
+// z: [tokens, D] -> y: [tokens, D].
+void ExpertFfn(const ExpertWeights& w, const tensor::Bf16* z, int64_t tokens, float beta,
+               float linear_beta, tensor::Bf16* y);
+}  // namespace ref
+
+}  // namespace moe::numerics
+
+#endif  // MOE_SERVICES_NUMERICS_EXPERT_FFN_H_

@@ -1,0 +1,47 @@
+// The sigmoid router with a selection-only bias (SPEC.md section 4 step 1), scalar reference.
+//
+//   logits = x . Wg^T (fp32), s = sigmoid(logits), c = s + bias, ids = top-k(c),
+//   w = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor   (renormalize = true)
+//   w = s[ids] * routed_scaling_factor                          (renormalize = false)
+//
+// Tie rule (SPEC asks to choose): order by biased score descending, then expert id ascending,
+// so among equal biased scores the lower expert id wins. ids are returned in that order (rank
+// order) and the weight sum runs over them in rank order, in fp32.
+//
+//   std::vector<float> scores(T * E);
+//   ref::RouterScores(x, T, H, gate, E, scores.data());
+//   Routing r = SelectExperts(scores.data(), bias.data(), T, E, k, true, 1.0f);
+#ifndef MOE_SERVICES_NUMERICS_ROUTER_H_
+#define MOE_SERVICES_NUMERICS_ROUTER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "services/tensor/bf16.h"
+
+namespace moe::numerics {
+
+// The routing decision for a batch: an output of the layer as well as an input of dispatch.
+struct Routing {
+  int64_t tokens = 0;
+  int64_t top_k = 0;
+  std::vector<int32_t> expert_ids;  // [tokens, top_k], rank order
+  std::vector<float> weights;       // [tokens, top_k], matching expert_ids
+};
+
+inline constexpr float kRouterWeightEpsilon = 1e-20f;
+
+// Selects the top-k experts of each token from fp32 scores [T, E] plus bias [E] (bias may be
+// null: zero). Scores must be finite; the caller validates.
+Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, int64_t num_experts,
+                      int64_t top_k, bool renormalize, float scaling_factor);
+
+namespace ref {
+// x: [T, H] bf16, gate: [E, H] bf16 -> scores: [T, E] fp32 sigmoid scores.
+void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden,
+                  const tensor::Bf16* gate, int64_t num_experts, float* scores);
+}  // namespace ref
+
+}  // namespace moe::numerics
+
+#endif  // MOE_SERVICES_NUMERICS_ROUTER_H_

@@ -1,0 +1,111 @@
+#include "services/tools/layer_runner.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/safetensors.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/status_macros.h"
+
+namespace moe::tools {
+namespace {
+
+using tensor::Bf16;
+using tensor::DType;
+
+template <typename T>
+std::vector<uint8_t> Bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+absl::StatusOr<std::vector<Bf16>> ReadInput(const std::string& path, const ModelConfig& cfg,
+                                            int64_t* tokens) {
+  MOE_ASSIGN_OR_RETURN(auto file, checkpoint::SafetensorsFile::Open(path));
+  const checkpoint::TensorInfo* x = file->Find("x");
+  if (x == nullptr) return absl::NotFoundError(absl::StrCat(path, ": no tensor \"x\""));
+  if (x->shape.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": x must be [tokens, hidden], got ",
+                                                   checkpoint::ShapeString(x->shape)));
+  }
+  if (x->shape[1] != cfg.hidden) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": x is ", x->shape[1],
+                                                   " wide; the layer takes hidden_size ",
+                                                   cfg.hidden));
+  }
+  *tokens = x->shape[0];
+  std::vector<Bf16> out(static_cast<size_t>(x->NumElements()));
+  const absl::Span<const uint8_t> data = file->Data(*x);
+  if (x->dtype == DType::kBF16) {
+    std::memcpy(out.data(), data.data(), data.size());
+  } else if (x->dtype == DType::kF32) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      float f;
+      std::memcpy(&f, data.data() + 4 * i, 4);
+      out[i] = Bf16::FromFloat(f);
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": x must be BF16 or F32, got ",
+                                                   tensor::DTypeName(x->dtype)));
+  }
+  return out;
+}
+
+}  // namespace
+
+uint64_t Fnv1a64(const void* data, size_t size) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < size; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
+  ForwardReport rep;
+  MOE_ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(req.checkpoint));
+  MOE_ASSIGN_OR_RETURN(rep.config, ckpt->LoadConfig());
+  rep.layer = req.layer >= 0 ? req.layer : rep.config.first_moe_layer;
+  const auto load_start = std::chrono::steady_clock::now();
+  MOE_ASSIGN_OR_RETURN(numerics::MoeLayerWeights weights,
+                       checkpoint::LoadMoeLayer(*ckpt, rep.config, rep.layer, {}));
+  rep.load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+
+  std::vector<Bf16> x;
+  if (!req.input.empty()) {
+    MOE_ASSIGN_OR_RETURN(x, ReadInput(req.input, rep.config, &rep.tokens));
+  } else {
+    rep.tokens = req.tokens;
+    if (rep.tokens > 0) x = checkpoint::SyntheticHiddenStates(rep.config, rep.tokens, req.input_seed);
+  }
+  numerics::LayerOutput best;
+  for (int r = 0; r < std::max(1, req.repeat); ++r) {
+    numerics::LayerTimings t;
+    MOE_ASSIGN_OR_RETURN(numerics::LayerOutput y,
+                         numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens,
+                                                        rep.config.hidden, nullptr, &t));
+    if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;
+    best = std::move(y);
+  }
+  rep.checksum = Fnv1a64(best.out.data(), best.out.size() * sizeof(Bf16));
+  for (const Bf16& v : best.out) rep.output_abs_sum += std::fabs(v.ToFloat());
+
+  if (!req.output.empty()) {
+    const int64_t t = rep.tokens, h = rep.config.hidden, k = rep.config.top_k;
+    MOE_RETURN_IF_ERROR(checkpoint::WriteSafetensors(
+        req.output,
+        {{{"x", DType::kBF16, {t, h}}, Bytes(x)},
+         {{"out", DType::kBF16, {t, h}}, Bytes(best.out)},
+         {{"expert_ids", DType::kI32, {t, k}}, Bytes(best.routing.expert_ids)},
+         {{"weights", DType::kF32, {t, k}}, Bytes(best.routing.weights)}},
+        {{"layer", std::to_string(rep.layer)}, {"checkpoint", req.checkpoint}}));
+  }
+  return rep;
+}
+
+}  // namespace moe::tools

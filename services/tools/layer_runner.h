@@ -1,0 +1,44 @@
+// What the moe-tool subcommands do, as a library the tests link: generate a synthetic
+// checkpoint, run one layer forward from a checkpoint and write its outputs.
+//
+//   ForwardRequest req; req.checkpoint = "/tmp/ckpt"; req.tokens = 64;
+//   MOE_ASSIGN_OR_RETURN(ForwardReport rep, RunLayerForward(req));
+#ifndef MOE_SERVICES_TOOLS_LAYER_RUNNER_H_
+#define MOE_SERVICES_TOOLS_LAYER_RUNNER_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "services/numerics/moe_layer.h"
+
+namespace moe::tools {
+
+struct ForwardRequest {
+  std::string checkpoint;   // directory or file
+  int64_t layer = -1;       // -1: the first MoE layer in the checkpoint's config
+  int64_t tokens = 64;      // synthetic input size when input is empty
+  uint64_t input_seed = 7;
+  std::string input;        // optional safetensors file with tensor "x" [T, H] (BF16 or F32)
+  std::string output;       // optional safetensors file for x, out, expert_ids, weights
+  int repeat = 1;           // forwards to time; the report keeps the fastest
+};
+
+struct ForwardReport {
+  ModelConfig config;
+  int64_t layer = 0;
+  int64_t tokens = 0;
+  double load_seconds = 0;
+  numerics::LayerTimings timings;  // of the fastest run
+  uint64_t checksum = 0;           // FNV-1a 64 over the output's bf16 bytes
+  double output_abs_sum = 0;
+};
+
+absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& request);
+
+// FNV-1a 64-bit hash.
+uint64_t Fnv1a64(const void* data, size_t size);
+
+}  // namespace moe::tools
+
+#endif  // MOE_SERVICES_TOOLS_LAYER_RUNNER_H_

@@ -1,0 +1,70 @@
+#include "services/tensor/bf16.h"
+
+#include <cmath>
+#include <limits>
+
+#include "gtest/gtest.h"
+#include "services/tensor/dtype.h"
+
+namespace moe::tensor {
+namespace {
+
+uint16_t Bits(float f) { return RoundToBf16Bits(f); }
+
+TEST(Bf16, ExactValuesKeepTheirBits) {
+  EXPECT_EQ(Bits(1.0f), 0x3f80);
+  EXPECT_EQ(Bits(-2.0f), 0xc000);
+  EXPECT_EQ(Bits(0.0f), 0x0000);
+  EXPECT_EQ(Bits(-0.0f), 0x8000);
+  EXPECT_EQ(Bf16BitsToFloat(0x3fc0), 1.5f);
+}
+
+TEST(Bf16, TiesRoundToEven) {
+  // 1 + 2^-8 lies halfway between 1.0 (mantissa ...0, even) and 1 + 2^-7 (odd): down to 1.0.
+  EXPECT_EQ(Bits(1.0f + std::ldexp(1.0f, -8)), 0x3f80);
+  // 1 + 3*2^-8 lies halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even): up.
+  EXPECT_EQ(Bits(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);
+  // Just above a tie rounds up, just below rounds down.
+  EXPECT_EQ(Bits(1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -20)), 0x3f81);
+  EXPECT_EQ(Bits(1.0f + std::ldexp(1.0f, -8) - std::ldexp(1.0f, -20)), 0x3f80);
+  EXPECT_EQ(Bits(-(1.0f + 3 * std::ldexp(1.0f, -8))), 0xbf82);
+}
+
+TEST(Bf16, OverflowInfinityAndNaN) {
+  EXPECT_EQ(Bits(std::numeric_limits<float>::max()), 0x7f80);  // rounds past the largest bf16
+  EXPECT_EQ(Bits(std::numeric_limits<float>::infinity()), 0x7f80);
+  EXPECT_EQ(Bits(-std::numeric_limits<float>::infinity()), 0xff80);
+  EXPECT_EQ(Bf16BitsToFloat(0x7f7f), 0x1.fep127f);  // largest finite bf16 stays finite
+  EXPECT_EQ(Bits(0x1.fep127f), 0x7f7f);
+  const uint16_t nan = Bits(std::nanf(""));
+  EXPECT_TRUE(std::isnan(Bf16BitsToFloat(nan)));
+  // A NaN whose payload sits only in the low 16 bits must not turn into Inf.
+  EXPECT_TRUE(std::isnan(Bf16BitsToFloat(Bits(BitsToFloat(0x7f800001u)))));
+}
+
+TEST(Bf16, SubnormalsRoundLikeNormals) {
+  EXPECT_EQ(Bits(BitsToFloat(0x00010000u)), 0x0001);
+  EXPECT_EQ(Bits(BitsToFloat(0x00008000u)), 0x0000);  // tie, down to even 0
+  EXPECT_EQ(Bits(BitsToFloat(0x00018000u)), 0x0002);  // tie, up to even 2
+}
+
+TEST(Bf16, RoundTripOfEveryBf16IsExact) {
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const float f = Bf16BitsToFloat(static_cast<uint16_t>(b));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(Bits(f), b);
+  }
+}
+
+TEST(DType, ParsesSafetensorsNames) {
+  EXPECT_EQ(*ParseDType("BF16"), DType::kBF16);
+  EXPECT_EQ(DTypeSize(DType::kBF16), 2u);
+  EXPECT_EQ(DTypeSize(DType::kF32), 4u);
+  EXPECT_EQ(DTypeSize(DType::kU8), 1u);
+  EXPECT_STREQ(DTypeName(DType::kF8E4M3), "F8_E4M3");
+  EXPECT_FALSE(ParseDType("bf16").ok());
+  EXPECT_FALSE(ParseDType("F4").ok());
+}
+
+}  // namespace
+}  // namespace moe::tensor
