@@ -1,0 +1,105 @@
+#!/usr/bin/python3
+"""NumPy reference vs the C++ in-process layer on the same synthetic checkpoint and input.
+
+For the tiny and mid presets (64 tokens each, router skew on, mid as a sharded checkpoint):
+moe-tool writes the checkpoint, runs the C++ reference layer and saves x, out, expert ids and
+weights; moe_reference.py recomputes the layer from the files alone. Asserts:
+  * the same experts for every token, in the same rank order;
+  * routing weights within MAX_WEIGHT_REL_DIFF;
+  * outputs bit-identical except for at most MAX_DIFFERING_FRACTION of them, which may differ by
+    at most MAX_ULP bf16 ulp.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_reference as ref  # noqa: E402
+
+# Both sides fix every summation order (SPEC.md section 8), so products and sums agree bit for
+# bit, and both evaluate exp and tanh in float64 rounded once to float32. What remains is the
+# two float64 exp/tanh implementations (libm here, NumPy's SIMD loops there), each within about
+# one float64 ulp: their float32 roundings differ only when the exact value lies within 2^-52
+# of a float32 rounding midpoint, about once in 2^29 evaluations. Such a flip can move a few
+# outputs by one ulp of the last rounding. (When the C++ side used glibc's expf/tanhf instead,
+# 39 of 65536 mid outputs differed, one by 32 ulp where o and sh nearly cancel in out = o + sh:
+# a bound in ulps of the output only holds when the orders and functions are pinned down.)
+MAX_ULP = 1
+MAX_DIFFERING_FRACTION = 1e-3
+# Router weights are fp32 quotients of sigmoids; one flipped exp moves them by a few fp32 ulp.
+MAX_WEIGHT_REL_DIFF = 4 * 2.0 ** -24
+
+CASES = [
+    # preset, extra synth flags
+    ("tiny", ["--single-file"]),
+    ("mid", ["--shard-mb", "16"]),
+]
+TOKENS = 64
+
+
+def run(cmd):
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stdout}{res.stderr}")
+    return res.stdout
+
+
+def check(tool, work, preset, synth_flags):
+    ckpt = os.path.join(work, preset)
+    os.makedirs(work, exist_ok=True)
+    run([tool, "synth", "--config", preset, "--out", ckpt, "--seed", "21", "--skew", "1.0"]
+        + synth_flags)
+    out_path = os.path.join(ckpt, "forward.safetensors")
+    run([tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS), "--seed", "5",
+         "--output", out_path])
+    cpp, _ = ref.read_safetensors(out_path)
+    t0 = time.time()
+    out, ids, weights = ref.layer_forward(ref.Checkpoint(ckpt), 1, cpp["x"])
+    seconds = time.time() - t0
+
+    failures = []
+    if not np.array_equal(ids, cpp["expert_ids"]):
+        bad = np.nonzero(np.any(ids != cpp["expert_ids"], axis=1))[0]
+        failures.append(f"expert selection differs for tokens {bad[:10].tolist()}")
+    wrel = np.max(np.abs(weights - cpp["weights"]) / np.abs(cpp["weights"]))
+    if wrel > MAX_WEIGHT_REL_DIFF:
+        failures.append(f"routing weights differ by {wrel:.3g} relative (> {MAX_WEIGHT_REL_DIFF:.3g})")
+    dist = ref.bf16_ulp_distance(out, cpp["out"])
+    differing = int(np.count_nonzero(dist))
+    frac = differing / dist.size
+    max_ulp = int(dist.max())
+    if max_ulp > MAX_ULP:
+        failures.append(f"max difference {max_ulp} bf16 ulp (> {MAX_ULP})")
+    if frac > MAX_DIFFERING_FRACTION:
+        failures.append(f"{differing} of {dist.size} outputs differ ({frac:.2e} > "
+                        f"{MAX_DIFFERING_FRACTION:.0e})")
+    print(f"{preset}: {TOKENS} tokens, experts identical: {np.array_equal(ids, cpp['expert_ids'])}, "
+          f"weights max rel diff {wrel:.2e}, outputs differing {differing}/{dist.size} "
+          f"({frac:.2e}), max {max_ulp} ulp; numpy took {seconds:.1f} s")
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe-tool", required=True)
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    passed = failed = 0
+    for preset, flags in CASES:
+        failures = check(args.moe_tool, args.work, preset, flags)
+        if failures:
+            failed += 1
+            for f in failures:
+                print(f"FAIL {preset}: {f}")
+        else:
+            passed += 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+#!/usr/bin/python3
+"""Independent NumPy reference of one Stable LatentMoE layer (SPEC.md section 4).
+
+Reads a K3-format safetensors checkpoint itself (no C++ involved) and computes the layer with
+the rounding points of SPEC.md and the summation orders SPEC.md section 8 asks an oracle to fix:
+  * every matrix product: bf16 x bf16 products (exact in fp32) summed in fp32 over the
+    reduction index in ascending order, starting from 0;
+  * router weights: the selected scores summed in rank order;
+  * combine: fp32 sum over a token's experts in ascending expert id;
+  * RMSNorm: squares summed in ascending order.
+Transcendental functions (exp, tanh) are evaluated in float64 and rounded once to float32, so
+they can differ from a C library's float versions by about one float32 ulp; that is the only
+expected source of disagreement with the C++ reference.
+
+Debian's NumPy has no bfloat16: bf16 values are kept as uint16 bit patterns and converted by
+hand (round to nearest even on the low 16 bits of the float32 pattern).
+
+Run standalone:
+  /usr/bin/python3 moe_reference.py --checkpoint DIR --input out.safetensors [--layer L]
+"""
+import argparse
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+
+F32 = np.float32
+
+# ---------------------------------------------------------------- safetensors and checkpoints
+
+_DTYPES = {"BF16": np.uint16, "F32": np.float32, "U8": np.uint8, "I32": np.int32,
+           "F16": np.float16, "I64": np.int64, "F64": np.float64}
+
+
+def read_safetensors(path):
+    """Returns {name: numpy array} (BF16 as uint16 bit patterns) and the metadata."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    data = blob[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        arr = np.frombuffer(data[begin:end], dtype=_DTYPES[info["dtype"]])
+        out[name] = arr.reshape(info["shape"])
+    return out, header.get("__metadata__", {})
+
+
+class Checkpoint:
+    def __init__(self, path):
+        self.dir = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        self.weight_map = None
+        self.cache = {}
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map = json.load(f)["weight_map"]
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        self.cfg = cfg.get("text_config", cfg)
+
+    def get(self, name):
+        fname = self.weight_map[name] if self.weight_map else "model.safetensors"
+        if fname not in self.cache:
+            self.cache[fname], _ = read_safetensors(os.path.join(self.dir, fname))
+        return self.cache[fname][name]
+
+
+# ---------------------------------------------------------------- number formats
+
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(x):
+    """Round float32 to bf16 bit patterns, nearest even; NaN stays NaN."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def round_bf16(x):
+    return bf16_to_f32(f32_to_bf16_bits(x))
+
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=F32)
+
+
+def dequant_mxfp4(packed, scales):
+    """packed [rows, cols/2] u8 (low nibble = even column), scales [rows, cols/32] E8M0."""
+    rows = packed.shape[0]
+    codes = np.empty((rows, packed.shape[1] * 2), dtype=np.uint8)
+    codes[:, 0::2] = packed & 0xF
+    codes[:, 1::2] = packed >> 4
+    if np.any(scales == 0xFF):
+        raise ValueError("E8M0 scale 0xFF (NaN)")
+    scale = np.ldexp(F32(1.0), scales.astype(np.int32) - 127).astype(F32)
+    return E2M1[codes] * np.repeat(scale, 32, axis=1)
+
+
+# ---------------------------------------------------------------- ops
+
+def matmul_seq(x, w):
+    """x [T, in] f32, w [out, in] f32 -> [T, out] f32, summed over `in` in ascending order."""
+    acc = np.zeros((x.shape[0], w.shape[0]), dtype=F32)
+    wt = np.ascontiguousarray(w.T)
+    for i in range(x.shape[1]):
+        acc += np.outer(x[:, i], wt[i])  # the product is exact; only the add rounds
+    return acc
+
+
+def sigmoid(x):
+    e = np.exp(-x.astype(np.float64)).astype(F32)
+    return (F32(1.0) / (F32(1.0) + e)).astype(F32)
+
+
+def tanh32(x):
+    return np.tanh(x.astype(np.float64)).astype(F32)
+
+
+def situ(g, u, b1, b2):
+    b1, b2 = F32(b1), F32(b2)
+    gate = (b1 * tanh32(g / b1)) * sigmoid(g)
+    up = b2 * tanh32(u / b2)
+    return (gate * up).astype(F32)
+
+
+def layer_forward(ck, layer, x_bits):
+    c = ck.cfg
+    H, D, I = c["hidden_size"], c["routed_expert_hidden_size"], c["moe_intermediate_size"]
+    E, k = c["num_experts"], c["num_experts_per_token"]
+    b1, b2 = c.get("activation_situ_beta", 4.0), c.get("activation_situ_linear_beta", 25.0)
+    eps = F32(c.get("rms_norm_eps", 1e-5))
+    scale = F32(c.get("routed_scaling_factor", 1.0))
+    p = f"language_model.model.layers.{layer}.block_sparse_moe."
+    W = lambda n: bf16_to_f32(ck.get(p + n))
+    x = bf16_to_f32(x_bits)
+    T = x.shape[0]
+    assert x.shape[1] == H
+
+    # 1. router, all fp32
+    s = sigmoid(matmul_seq(x, W("gate.weight")))
+    cbias = s + ck.get(p + "gate.e_score_correction_bias").astype(F32)
+    ids = np.argsort(-cbias, axis=1, kind="stable")[:, :k]  # ties: lower id first
+    sel = np.take_along_axis(s, ids, axis=1)
+    total = np.zeros(T, dtype=F32)
+    for j in range(k):
+        total = (total + sel[:, j]).astype(F32)
+    if c.get("moe_renormalize", True):
+        weights = (sel / (total + F32(1e-20))[:, None]).astype(F32) * scale
+    else:
+        weights = sel * scale
+
+    # 2. latent down-projection
+    z = round_bf16(matmul_seq(x, W("routed_expert_down_proj.weight")))
+
+    # 3. experts, tokens grouped by expert
+    y = np.zeros((T, k, D), dtype=F32)
+    for e in np.unique(ids):
+        rows, slots = np.nonzero(ids == e)
+        pe = p + f"experts.{e}."
+        w1 = dequant_mxfp4(ck.get(pe + "w1.weight_packed"), ck.get(pe + "w1.weight_scale"))
+        w3 = dequant_mxfp4(ck.get(pe + "w3.weight_packed"), ck.get(pe + "w3.weight_scale"))
+        w2 = dequant_mxfp4(ck.get(pe + "w2.weight_packed"), ck.get(pe + "w2.weight_scale"))
+        ze = z[rows]
+        g = round_bf16(matmul_seq(ze, w1))
+        u = round_bf16(matmul_seq(ze, w3))
+        h = round_bf16(situ(g, u, b1, b2))
+        y[rows, slots] = round_bf16(matmul_seq(h, w2))
+
+    # 4. combine in ascending expert id
+    order = np.argsort(ids, axis=1, kind="stable")
+    acc = np.zeros((T, D), dtype=F32)
+    for j in range(k):
+        slot = order[:, j]
+        ys = y[np.arange(T), slot]
+        ws = weights[np.arange(T), slot][:, None]
+        acc = (acc + (ys * ws).astype(F32)).astype(F32)
+    r = round_bf16(acc)
+
+    # 5. latent RMSNorm
+    ss = np.zeros(T, dtype=F32)
+    for d in range(D):
+        ss = (ss + r[:, d] * r[:, d]).astype(F32)
+    mean = (ss / F32(D)).astype(F32)
+    inv = (F32(1.0) / np.sqrt(mean + eps)).astype(F32)
+    n = round_bf16(r * inv[:, None])
+    rn = round_bf16(W("routed_expert_norm.weight")[None, :] * n)
+
+    # 6. up-projection; 7. shared experts; 8. sum
+    o = round_bf16(matmul_seq(rn, W("routed_expert_up_proj.weight")))
+    gs = round_bf16(matmul_seq(x, W("shared_experts.gate_proj.weight")))
+    us = round_bf16(matmul_seq(x, W("shared_experts.up_proj.weight")))
+    hs = round_bf16(situ(gs, us, b1, b2))
+    sh = round_bf16(matmul_seq(hs, W("shared_experts.down_proj.weight")))
+    out = f32_to_bf16_bits(o + sh)
+    return out, ids.astype(np.int32), weights
+
+
+def bf16_ulp_distance(a_bits, b_bits):
+    """Distance in bf16 ulps between two arrays of bf16 bit patterns (+0 and -0 are equal)."""
+    def ordered(b):
+        b = b.astype(np.int64)
+        return np.where(b & 0x8000, -(b & 0x7FFF), b & 0x7FFF)
+    return np.abs(ordered(a_bits) - ordered(b_bits))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--input", required=True, help="safetensors with x (and the C++ out)")
+    ap.add_argument("--layer", type=int, default=None)
+    args = ap.parse_args()
+    ck = Checkpoint(args.checkpoint)
+    tensors, meta = read_safetensors(args.input)
+    layer = args.layer if args.layer is not None else int(meta.get("layer", 1))
+    out, ids, weights = layer_forward(ck, layer, tensors["x"])
+    if "out" in tensors:
+        dist = bf16_ulp_distance(out, tensors["out"])
+        print(f"differing outputs: {np.count_nonzero(dist)} of {dist.size}, max ulp {dist.max()}")
+        print(f"same expert ids: {np.array_equal(ids, tensors['expert_ids'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
