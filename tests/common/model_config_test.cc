@@ -73,6 +73,7 @@ struct BadConfig {
   std::string body;
   std::string field;
 };
+void PrintTo(const BadConfig& c, std::ostream* os) { *os << c.field; }
 
 class ModelConfigRejects : public ::testing::TestWithParam<BadConfig> {};
 

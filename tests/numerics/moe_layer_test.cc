@@ -130,6 +130,7 @@ struct BadInputCase {
   float poison;  // written into x[1, 2] when not zero
   const char* expect;
 };
+void PrintTo(const BadInputCase& c, std::ostream* os) { *os << c.name; }
 
 class MoeLayerBadInput : public MoeLayerTest,
                          public ::testing::WithParamInterface<BadInputCase> {};

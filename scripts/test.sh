@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command of README.md: installs what is missing, builds with warnings as errors, runs
+# a bounded libFuzzer run of the safetensors parser, then every test (unit tests, the
+# NumPy-vs-C++ reference test) through ctest, whose summary is the last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+BUILD=${MOE_BUILD_DIR:-build}
+cmake -S . -B "$BUILD" -G Ninja -DMOE_WERROR=ON >/dev/null
+cmake --build "$BUILD"
+scripts/fuzz.sh
+ctest --test-dir "$BUILD" --output-on-failure -j2 --timeout 900
