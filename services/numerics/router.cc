@@ -1,12 +1,27 @@
 #include "services/numerics/router.h"
 
-#include <algorithm>
-#include <numeric>
 
 #include "services/numerics/linear.h"
 #include "services/numerics/situ.h"
 
 namespace moe::numerics {
+
+void TopK(const float* values, int64_t n, int64_t k, int32_t* out) {
+  // out[0, filled) is sorted in rank order. Candidates come in ascending index, so a candidate
+  // equal to an entry ranks below it: it enters only above strictly smaller values.
+  int64_t filled = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = values[j];
+    if (filled == k && !(v > values[out[k - 1]])) continue;
+    int64_t p = filled < k ? filled : k - 1;
+    while (p > 0 && values[out[p - 1]] < v) {
+      out[p] = out[p - 1];
+      --p;
+    }
+    out[p] = static_cast<int32_t>(j);
+    if (filled < k) ++filled;
+  }
+}
 
 Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, int64_t num_experts,
                       int64_t top_k, bool renormalize, float scaling_factor) {
@@ -15,17 +30,12 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
   r.top_k = top_k;
   r.expert_ids.resize(static_cast<size_t>(tokens * top_k));
   r.weights.resize(static_cast<size_t>(tokens * top_k));
-  std::vector<int32_t> order(static_cast<size_t>(num_experts));
+  std::vector<int32_t> order(static_cast<size_t>(top_k));
   std::vector<float> biased(static_cast<size_t>(num_experts));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* s = scores + t * num_experts;
     for (int64_t e = 0; e < num_experts; ++e) biased[e] = s[e] + (bias ? bias[e] : 0.0f);
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int32_t a, int32_t b) {
-                        if (biased[a] != biased[b]) return biased[a] > biased[b];
-                        return a < b;
-                      });
+    TopK(biased.data(), num_experts, top_k, order.data());
     float sum = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) sum += s[order[j]];
     const float denom = sum + kRouterWeightEpsilon;

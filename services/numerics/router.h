@@ -31,6 +31,10 @@ struct Routing {
 
 inline constexpr float kRouterWeightEpsilon = 1e-20f;
 
+// The k largest of values[0, n) in rank order (value descending, then index ascending), written
+// to out[0, k). k <= n; values must not be NaN. O(n) for small k (insertion into a sorted list).
+void TopK(const float* values, int64_t n, int64_t k, int32_t* out);
+
 // Selects the top-k experts of each token from fp32 scores [T, E] plus bias [E] (bias may be
 // null: zero). Scores must be finite; the caller validates.
 Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, int64_t num_experts,

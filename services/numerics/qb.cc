@@ -1,0 +1,360 @@
+#include "services/numerics/qb.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "services/common/status_macros.h"
+#include "services/numerics/router.h"
+
+namespace moe::numerics {
+namespace {
+
+constexpr char kMagic[4] = {'Q', 'B', 'H', '1'};
+
+// Top-(k+1) of the biased scores of one token: routes (first k) and the cutoff alpha.
+void RouteToken(const float* s, const float* bias, int64_t n, int64_t k, float* biased,
+                int32_t* top) {
+  for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
+  TopK(biased, n, k + 1, top);
+}
+
+void PutVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+template <typename T>
+void PutFixed(T v, std::string* out) {
+  char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
+  out->append(b, sizeof(T));
+}
+
+class Reader {
+ public:
+  explicit Reader(absl::string_view b) : b_(b) {}
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (pos_ >= b_.size()) return false;
+      const uint8_t c = static_cast<uint8_t>(b_[pos_++]);
+      *v |= static_cast<uint64_t>(c & 0x7f) << shift;
+      if ((c & 0x80) == 0) return true;
+    }
+    return false;
+  }
+  template <typename T>
+  bool Fixed(T* v) {
+    if (b_.size() - pos_ < sizeof(T)) return false;
+    std::memcpy(v, b_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool AtEnd() const { return pos_ == b_.size(); }
+
+ private:
+  absl::string_view b_;
+  size_t pos_ = 0;
+};
+
+absl::Status Corrupt(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("QB histogram: ", what));
+}
+
+}  // namespace
+
+absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t n,
+                             absl::Span<const float> bias, int64_t k) {
+  if (n < 2) return absl::InvalidArgumentError(absl::StrCat("QB needs n >= 2 experts, got ", n));
+  if (k < 1 || k >= n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QB needs 1 <= k < n (the (k+1)-th score is the cutoff); got k = ", k, ", n = ", n));
+  }
+  if (m < 0 || static_cast<int64_t>(scores.size()) != m * n) {
+    return absl::InvalidArgumentError(absl::StrCat("scores hold ", scores.size(),
+                                                   " values; [", m, ", ", n, "] needs ", m * n));
+  }
+  if (static_cast<int64_t>(bias.size()) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bias has ", bias.size(), " entries; there are ", n, " experts"));
+  }
+  for (size_t i = 0; i < scores.size(); ++i) {
+    if (!std::isfinite(scores[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("score of token ", i / n, ", expert ", i % n,
+                                                     " is not finite"));
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (!std::isfinite(bias[j])) {
+      return absl::InvalidArgumentError(absl::StrCat("bias of expert ", j, " is not finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> RouteLoads(absl::Span<const float> scores, int64_t m, int64_t n,
+                                absl::Span<const float> bias, int64_t k) {
+  std::vector<int64_t> loads(static_cast<size_t>(n), 0);
+  std::vector<float> biased(static_cast<size_t>(n));
+  std::vector<int32_t> top(static_cast<size_t>(k));
+  for (int64_t i = 0; i < m; ++i) {
+    const float* s = scores.data() + i * n;
+    for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
+    TopK(biased.data(), n, k, top.data());
+    for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
+  }
+  return loads;
+}
+
+std::vector<float> CenterBias(absl::Span<const float> bias) {
+  double mean = 0;
+  for (float b : bias) mean += b;
+  mean /= std::max<size_t>(1, bias.size());
+  std::vector<float> out(bias.size());
+  for (size_t j = 0; j < bias.size(); ++j) out[j] = static_cast<float>(bias[j] - mean);
+  return out;
+}
+
+absl::StatusOr<QbStep> QbExactStep(absl::Span<const float> scores, int64_t m, int64_t n,
+                                   absl::Span<const float> bias, int64_t k) {
+  MOE_RETURN_IF_ERROR(ValidateQbInput(scores, m, n, bias, k));
+  QbStep step;
+  step.loads.assign(static_cast<size_t>(n), 0);
+  if (m == 0) {
+    step.raw_bias.assign(bias.begin(), bias.end());
+    step.bias = step.raw_bias;
+    return step;
+  }
+  step.routes.resize(static_cast<size_t>(m * k));
+  step.cutoffs.resize(static_cast<size_t>(m));
+  std::vector<float> biased(static_cast<size_t>(n));
+  std::vector<int32_t> top(static_cast<size_t>(k + 1));
+  for (int64_t i = 0; i < m; ++i) {
+    RouteToken(scores.data() + i * n, bias.data(), n, k, biased.data(), top.data());
+    for (int64_t r = 0; r < k; ++r) {
+      step.routes[i * k + r] = top[r];
+      ++step.loads[top[r]];
+    }
+    step.cutoffs[i] = biased[top[k]];
+  }
+  // b-hat_j = -(the (floor(q)+1)-th largest margin of column j).
+  const double q = static_cast<double>(m) * k / n;
+  const int64_t rank = static_cast<int64_t>(std::floor(q));  // 0-based, descending
+  std::vector<float> column(static_cast<size_t>(m));
+  step.raw_bias.resize(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = 0; i < m; ++i) column[i] = scores[i * n + j] - step.cutoffs[i];
+    std::nth_element(column.begin(), column.begin() + rank, column.end(), std::greater<float>());
+    step.raw_bias[j] = -column[rank];
+  }
+  step.bias = CenterBias(step.raw_bias);
+  return step;
+}
+
+std::vector<float> SignRuleStep(absl::Span<const float> bias, absl::Span<const int64_t> loads,
+                                float gamma) {
+  int64_t total = 0;
+  for (int64_t l : loads) total += l;
+  const double q = static_cast<double>(total) / std::max<size_t>(1, loads.size());
+  std::vector<float> out(bias.begin(), bias.end());
+  for (size_t j = 0; j < out.size(); ++j) {
+    const double d = q - static_cast<double>(loads[j]);
+    out[j] += d > 0 ? gamma : (d < 0 ? -gamma : 0.0f);
+  }
+  return out;
+}
+
+absl::StatusOr<QbHistogram> QbHistogram::Create(const QbWindow& window,
+                                                absl::Span<const float> routing_bias) {
+  const int64_t n = static_cast<int64_t>(routing_bias.size());
+  MOE_RETURN_IF_ERROR(ValidateQbInput({}, 0, n, routing_bias, window.top_k));
+  if (window.bins < 1 || window.bins > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("QB histogram bins must be in [1, 2^20], got ",
+                                                   window.bins));
+  }
+  QbHistogram h;
+  h.window_ = window;
+  h.num_experts_ = n;
+  h.bias_.assign(routing_bias.begin(), routing_bias.end());
+  const auto [mn, mx] = std::minmax_element(routing_bias.begin(), routing_bias.end());
+  h.lo_ = static_cast<double>(*mn) - 1.0;
+  h.hi_ = static_cast<double>(*mx) + 1.0;
+  h.loads_.assign(static_cast<size_t>(n), 0);
+  h.counts_.assign(static_cast<size_t>(n * window.bins), 0);
+  return h;
+}
+
+absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) {
+  const int64_t n = num_experts_, k = window_.top_k, bins = window_.bins;
+  MOE_RETURN_IF_ERROR(ValidateQbInput(scores, m, n, bias_, k));
+  std::vector<float> biased(static_cast<size_t>(n));
+  std::vector<int32_t> top(static_cast<size_t>(k + 1));
+  const double inv_w = bins / (hi_ - lo_);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* s = scores.data() + i * n;
+    RouteToken(s, bias_.data(), n, k, biased.data(), top.data());
+    for (int64_t r = 0; r < k; ++r) ++loads_[top[r]];
+    const float alpha = biased[top[k]];
+    for (int64_t j = 0; j < n; ++j) {
+      const float r = alpha - s[j];  // required bias; exactly -(s - alpha)
+      const double pos = std::floor((static_cast<double>(r) - lo_) * inv_w);
+      const int64_t l = pos < 0 ? 0 : (pos >= bins ? bins - 1 : static_cast<int64_t>(pos));
+      ++counts_[j * bins + l];
+    }
+  }
+  tokens_ += m;
+  return absl::OkStatus();
+}
+
+absl::Status QbHistogram::Merge(const QbHistogram& o) {
+  if (o.window_.window_id != window_.window_id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "QB statistics are for window ", o.window_.window_id, ", this window is ",
+        window_.window_id));
+  }
+  if (o.window_.bias_version != window_.bias_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "QB statistics were routed with bias version ", o.window_.bias_version,
+        ", this window uses version ", window_.bias_version));
+  }
+  if (o.window_.layer != window_.layer || o.window_.top_k != window_.top_k ||
+      o.window_.bins != window_.bins || o.num_experts_ != num_experts_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "QB statistics shape (layer ", o.window_.layer, ", n ", o.num_experts_, ", k ",
+        o.window_.top_k, ", bins ", o.window_.bins, ") differs from this window's (layer ",
+        window_.layer, ", n ", num_experts_, ", k ", window_.top_k, ", bins ", window_.bins, ")"));
+  }
+  if (o.lo_ != lo_ || o.hi_ != hi_) {
+    return absl::FailedPreconditionError(absl::StrCat("QB statistics range [", o.lo_, ", ", o.hi_,
+                                                      "] differs from this window's [", lo_, ", ",
+                                                      hi_, "]"));
+  }
+  for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += o.counts_[i];
+  for (size_t j = 0; j < loads_.size(); ++j) loads_[j] += o.loads_[j];
+  tokens_ += o.tokens_;
+  return absl::OkStatus();
+}
+
+std::vector<float> QbHistogram::Solve() const {
+  if (tokens_ == 0) return bias_;
+  const int64_t n = num_experts_, bins = window_.bins;
+  const double q = static_cast<double>(tokens_) * window_.top_k / n;
+  const int64_t need = static_cast<int64_t>(std::ceil(q));
+  const double w = bin_width();
+  std::vector<float> raw(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* row = counts_.data() + j * bins;
+    int64_t before = 0;
+    int64_t l = 0;
+    for (; l < bins - 1 && before + row[l] < need; ++l) before += row[l];
+    const double h = row[l];
+    const double frac = h > 0 ? std::clamp((q - before) / h, 0.0, 1.0) : 0.0;
+    raw[j] = static_cast<float>(lo_ + (l + frac) * w);
+  }
+  return CenterBias(raw);
+}
+
+std::string QbHistogram::Serialize() const {
+  std::string out(kMagic, sizeof(kMagic));
+  PutFixed<uint64_t>(window_.window_id, &out);
+  PutFixed<uint64_t>(window_.bias_version, &out);
+  PutFixed<int32_t>(window_.layer, &out);
+  PutFixed<uint32_t>(static_cast<uint32_t>(num_experts_), &out);
+  PutFixed<uint32_t>(static_cast<uint32_t>(window_.top_k), &out);
+  PutFixed<uint32_t>(static_cast<uint32_t>(window_.bins), &out);
+  for (float b : bias_) PutFixed<float>(b, &out);
+  PutVarint(static_cast<uint64_t>(tokens_), &out);
+  for (int64_t l : loads_) PutVarint(static_cast<uint64_t>(l), &out);
+  for (uint32_t c : counts_) PutVarint(c, &out);
+  return out;
+}
+
+absl::StatusOr<QbHistogram> QbHistogram::Deserialize(absl::string_view bytes) {
+  if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+    return Corrupt("bad magic (not a serialized QB histogram)");
+  }
+  Reader r(bytes.substr(sizeof(kMagic)));
+  QbWindow w;
+  uint32_t n = 0, k = 0, bins = 0;
+  if (!r.Fixed(&w.window_id) || !r.Fixed(&w.bias_version) || !r.Fixed(&w.layer) || !r.Fixed(&n) ||
+      !r.Fixed(&k) || !r.Fixed(&bins)) {
+    return Corrupt("truncated header");
+  }
+  if (n < 2 || n > (1u << 20) || bins < 1 || bins > (1u << 20) ||
+      static_cast<uint64_t>(n) * bins > (uint64_t{1} << 28)) {
+    return Corrupt(absl::StrCat("implausible shape n = ", n, ", bins = ", bins));
+  }
+  w.top_k = k;
+  w.bins = static_cast<int32_t>(bins);
+  std::vector<float> bias(n);
+  for (float& b : bias) {
+    if (!r.Fixed(&b)) return Corrupt("truncated bias");
+  }
+  MOE_ASSIGN_OR_RETURN(QbHistogram h, Create(w, bias));
+  uint64_t v;
+  if (!r.Varint(&v) || v > (uint64_t{1} << 40)) return Corrupt("bad token count");
+  h.tokens_ = static_cast<int64_t>(v);
+  int64_t load_sum = 0;
+  for (int64_t& l : h.loads_) {
+    if (!r.Varint(&v) || v > static_cast<uint64_t>(h.tokens_)) return Corrupt("bad load count");
+    l = static_cast<int64_t>(v);
+    load_sum += l;
+  }
+  if (load_sum != h.tokens_ * static_cast<int64_t>(k)) {
+    return Corrupt(absl::StrCat("loads sum to ", load_sum, ", expected tokens * k = ",
+                                h.tokens_ * static_cast<int64_t>(k)));
+  }
+  for (uint32_t j = 0; j < n; ++j) {
+    uint64_t row = 0;
+    for (uint32_t l = 0; l < bins; ++l) {
+      if (!r.Varint(&v) || v > 0xffffffffull) return Corrupt("bad bin count");
+      h.counts_[static_cast<size_t>(j) * bins + l] = static_cast<uint32_t>(v);
+      row += v;
+    }
+    if (row != static_cast<uint64_t>(h.tokens_)) {
+      return Corrupt(absl::StrCat("row of expert ", j, " sums to ", row, ", expected ", h.tokens_,
+                                  " tokens"));
+    }
+  }
+  if (!r.AtEnd()) return Corrupt("trailing bytes");
+  return h;
+}
+
+BalanceMetrics ComputeBalance(absl::Span<const int64_t> loads,
+                              absl::Span<const int32_t> shard_of_expert) {
+  BalanceMetrics m;
+  const size_t n = loads.size();
+  if (n == 0) return m;
+  double total = 0;
+  for (int64_t l : loads) total += static_cast<double>(l);
+  m.target = total / n;
+  if (m.target <= 0) return m;
+  const auto [mn, mx] = std::minmax_element(loads.begin(), loads.end());
+  m.max_vio = *mx / m.target - 1.0;
+  m.min_over_target = *mn / m.target;
+  double var = 0;
+  for (int64_t l : loads) {
+    var += (l - m.target) * (l - m.target);
+    m.dead += l == 0;
+  }
+  m.cv = std::sqrt(var / n) / m.target;
+  m.shard_max_over_mean = 1.0;
+  if (shard_of_expert.size() == n) {
+    const int32_t shards = *std::max_element(shard_of_expert.begin(), shard_of_expert.end()) + 1;
+    std::vector<double> per(static_cast<size_t>(shards), 0.0);
+    for (size_t j = 0; j < n; ++j) per[shard_of_expert[j]] += static_cast<double>(loads[j]);
+    m.shard_max_over_mean = *std::max_element(per.begin(), per.end()) / (total / shards);
+  }
+  return m;
+}
+
+double NoiseFloorMaxVio(int64_t n, double q) {
+  return q > 0 ? std::sqrt(2.0 * std::log(static_cast<double>(n))) / std::sqrt(q) : 0.0;
+}
+
+}  // namespace moe::numerics

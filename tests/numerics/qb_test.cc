@@ -1,0 +1,340 @@
+// Quantile Balancing: everything QB.md "Tests that pin it down" lists.
+#include "services/numerics/qb.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "gtest/gtest.h"
+#include "services/common/random.h"
+#include "services/numerics/router.h"
+
+namespace moe::numerics {
+namespace {
+
+// A margin s - alpha with alpha = s' + b is rounded twice in fp32, so the built-in tie of the
+// (k+1)-th expert (margin exactly -b_j) holds up to one fp32 ulp of values below 2.
+constexpr float kMarginRoundingTol = 0x1p-23f;
+
+// Sigmoid scores with per-expert logit offsets: offset > 0 makes an expert hot, very negative
+// makes it dead.
+std::vector<float> SkewedScores(int64_t m, int64_t n, const std::vector<float>& offsets,
+                                uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> s(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      s[i * n + j] = 1.0f / (1.0f + std::exp(-(rng.Normal() + offsets[j])));
+    }
+  }
+  return s;
+}
+
+std::vector<float> PowerLawOffsets(int64_t n, float strength, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> o(static_cast<size_t>(n));
+  for (float& v : o) v = strength * static_cast<float>(std::pow(rng.Uniform(), 3.0));
+  return o;
+}
+
+TEST(TopK, MatchesAFullSortWithTheTieRule) {
+  Rng rng(17);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t n = 2 + rng.Next() % 40, k = 1 + rng.Next() % (n - 1);
+    std::vector<float> v(n);
+    for (float& x : v) x = static_cast<float>(rng.Next() % 5) * 0.25f;  // many ties
+    std::vector<int32_t> want(n);
+    std::iota(want.begin(), want.end(), 0);
+    std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return v[a] > v[b]; });
+    std::vector<int32_t> got(k);
+    TopK(v.data(), n, k, got.data());
+    ASSERT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + k)) << "trial " << trial;
+  }
+}
+
+TEST(QuantileBalancing, GoldenToy) {
+  // QB.md test 1: n = 4, k = 1, m = 8 (q = 2), b = 0, scores x 64.
+  const float raw[8][4] = {{37, 52, 16, 31}, {45, 6, 61, 30}, {63, 47, 27, 15}, {6, 60, 44, 24},
+                           {7, 61, 49, 11},  {29, 21, 26, 13}, {50, 15, 45, 29}, {54, 12, 42, 49}};
+  std::vector<float> s;
+  for (const auto& row : raw) {
+    for (float v : row) s.push_back(v / 64.0f);
+  }
+  const std::vector<float> b(4, 0.0f);
+  auto step = QbExactStep(s, 8, 4, b, 1);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->loads, (std::vector<int64_t>{4, 3, 1, 0}));
+  const std::vector<float> raw_x64 = {-5, -12, 0, 13};
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(step->raw_bias[j] * 64.0f, raw_x64[j]) << j;
+  EXPECT_EQ(step->bias, (std::vector<float>{-0.0625f, -0.171875f, 0.015625f, 0.21875f}));
+  EXPECT_EQ(RouteLoads(s, 8, 4, step->bias, 1), (std::vector<int64_t>{2, 2, 2, 2}));
+}
+
+struct Case {
+  int64_t m, n, k;
+  std::vector<float> s, b;
+};
+
+Case RandomCase(Rng& rng, int64_t max_m, int64_t max_n) {
+  Case c;
+  c.m = 1 + rng.Next() % max_m;
+  c.n = 2 + rng.Next() % (max_n - 1);
+  c.k = 1 + rng.Next() % (c.n - 1);
+  std::vector<float> offsets(c.n);
+  for (float& o : offsets) o = 2.0f * rng.Normal();
+  c.s = SkewedScores(c.m, c.n, offsets, rng.Next());
+  c.b.resize(c.n);
+  for (float& v : c.b) v = 0.1f * rng.Normal();
+  return c;
+}
+
+TEST(QuantileBalancing, FixedCutoffSandwichAndSignDirection) {
+  Rng rng(2);
+  for (int trial = 0; trial < 200; ++trial) {
+    const Case c = RandomCase(rng, 300, 40);
+    auto step = QbExactStep(c.s, c.m, c.n, c.b, c.k);
+    ASSERT_TRUE(step.ok());
+    const double q = double(c.m) * c.k / c.n;
+    for (int64_t j = 0; j < c.n; ++j) {
+      int64_t above = 0, at_least = 0;
+      for (int64_t i = 0; i < c.m; ++i) {
+        const float margin = c.s[i * c.n + j] - step->cutoffs[i];
+        above += margin > -step->raw_bias[j];
+        at_least += margin >= -step->raw_bias[j];
+      }
+      ASSERT_LE(above, q) << "trial " << trial << " expert " << j;
+      ASSERT_GE(at_least, q) << "trial " << trial << " expert " << j;
+      // Direction agrees with the sign rule.
+      if (step->loads[j] > q) {
+        ASSERT_LT(step->raw_bias[j], c.b[j]) << "trial " << trial << " expert " << j;
+      } else if (step->loads[j] < q) {
+        ASSERT_GE(step->raw_bias[j], c.b[j] - kMarginRoundingTol)
+            << "trial " << trial << " expert " << j;
+      }
+    }
+  }
+}
+
+TEST(QuantileBalancing, MatchesBruteForceSortReference) {
+  Rng rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    const Case c = RandomCase(rng, 50, 10);
+    auto step = QbExactStep(c.s, c.m, c.n, c.b, c.k);
+    ASSERT_TRUE(step.ok());
+    std::vector<float> alpha(c.m);
+    for (int64_t i = 0; i < c.m; ++i) {
+      std::vector<std::pair<float, int64_t>> row;
+      for (int64_t j = 0; j < c.n; ++j) row.push_back({-(c.s[i * c.n + j] + c.b[j]), j});
+      std::sort(row.begin(), row.end());  // biased descending, then id ascending
+      alpha[i] = -row[c.k].first;
+      for (int64_t r = 0; r < c.k; ++r) ASSERT_EQ(step->routes[i * c.k + r], row[r].second);
+    }
+    const int64_t rank = static_cast<int64_t>(std::floor(double(c.m) * c.k / c.n));
+    for (int64_t j = 0; j < c.n; ++j) {
+      std::vector<float> col;
+      for (int64_t i = 0; i < c.m; ++i) col.push_back(c.s[i * c.n + j] - alpha[i]);
+      std::sort(col.rbegin(), col.rend());
+      ASSERT_EQ(step->raw_bias[j], -col[rank]) << "trial " << trial << " expert " << j;
+    }
+  }
+}
+
+TEST(QuantileBalancing, CenteringChangesNoRouting) {
+  Rng rng(4);
+  for (int trial = 0; trial < 50; ++trial) {
+    const Case c = RandomCase(rng, 200, 64);
+    auto step = QbExactStep(c.s, c.m, c.n, c.b, c.k);
+    ASSERT_TRUE(step.ok());
+    double mean = 0;
+    for (float v : step->bias) mean += v;
+    EXPECT_NEAR(mean / c.n, 0.0, 1e-6);
+    const Case fresh = RandomCase(rng, 200, 64);
+    if (fresh.n != c.n) continue;
+    EXPECT_EQ(RouteLoads(fresh.s, fresh.m, c.n, step->bias, c.k),
+              RouteLoads(fresh.s, fresh.m, c.n, step->raw_bias, c.k));
+  }
+}
+
+TEST(QuantileBalancing, ConvergesOnASkewedFixedBatchAtK3Shape) {
+  const int64_t m = 8192, n = 896, k = 16;
+  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 3.0f, 5), 6);
+  std::vector<float> b(n, 0.0f);
+  const double before = ComputeBalance(RouteLoads(s, m, n, b, k)).max_vio;
+  EXPECT_GT(before, 2.0);
+  double vio = before;
+  int steps = 0;
+  for (; steps < 10 && vio >= 0.05; ++steps) {
+    auto step = QbExactStep(s, m, n, b, k);
+    ASSERT_TRUE(step.ok());
+    b = step->bias;
+    vio = ComputeBalance(RouteLoads(s, m, n, b, k)).max_vio;
+  }
+  EXPECT_LT(vio, 0.05) << "after " << steps << " steps, from " << before;
+}
+
+TEST(QuantileBalancing, RevivesDeadExpertsInOneStepWhereTheSignRuleCannot) {
+  const int64_t m = 4096, n = 128, k = 8;
+  std::vector<float> offsets = PowerLawOffsets(n, 1.0f, 7);
+  for (int64_t j = 0; j < 10; ++j) offsets[j] = -12.0f;  // never in anyone's top-k
+  const std::vector<float> s = SkewedScores(m, n, offsets, 8);
+  const std::vector<float> b(n, 0.0f);
+  const std::vector<int64_t> loads = RouteLoads(s, m, n, b, k);
+  EXPECT_EQ(ComputeBalance(loads).dead, 10);
+  auto step = QbExactStep(s, m, n, b, k);
+  ASSERT_TRUE(step.ok());
+  const std::vector<int64_t> after = RouteLoads(s, m, n, step->bias, k);
+  EXPECT_EQ(ComputeBalance(after).dead, 0);
+  for (int64_t j = 0; j < 10; ++j) EXPECT_GT(after[j], 0) << "expert " << j;
+  // The sign rule with a typical gamma moves each bias by 1e-3 per step: still dead.
+  const std::vector<float> signed_b = SignRuleStep(b, loads, 1e-3f);
+  EXPECT_EQ(ComputeBalance(RouteLoads(s, m, n, signed_b, k)).dead, 10);
+}
+
+QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins,
+                          uint64_t window = 1, uint64_t version = 1) {
+  QbWindow w;
+  w.window_id = window;
+  w.bias_version = version;
+  w.layer = 3;
+  w.top_k = k;
+  w.bins = bins;
+  return *QbHistogram::Create(w, bias);
+}
+
+TEST(QbHistogram, RowsSumToTokensAndMergeIsExactForAnySharding) {
+  Rng rng(9);
+  const int64_t m = 3000, n = 96, k = 6;
+  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 2.0f, 1), 2);
+  std::vector<float> b(n);
+  for (float& v : b) v = 0.2f * rng.Normal();
+  QbHistogram pooled = MakeHistogram(b, k, 1000);
+  ASSERT_TRUE(pooled.Accumulate(s, m).ok());
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t row = 0;
+    for (int l = 0; l < 1000; ++l) row += pooled.counts()[j * 1000 + l];
+    ASSERT_EQ(row, m);
+  }
+  EXPECT_EQ(pooled.loads(), RouteLoads(s, m, n, b, k));
+  for (int trial = 0; trial < 5; ++trial) {
+    // Split the tokens at random cut points into 1..4 nodes, each accumulating in pieces.
+    std::vector<int64_t> cuts = {0, m};
+    const int nodes = 1 + trial % 4;
+    for (int c = 1; c < nodes; ++c) cuts.push_back(rng.Next() % m);
+    std::sort(cuts.begin(), cuts.end());
+    QbHistogram merged = MakeHistogram(b, k, 1000);
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      QbHistogram node = MakeHistogram(b, k, 1000);
+      const int64_t lo = cuts[c], hi = cuts[c + 1], mid = lo + (hi - lo) / 2;
+      ASSERT_TRUE(node.Accumulate(absl::MakeSpan(s).subspan(lo * n, (mid - lo) * n), mid - lo).ok());
+      ASSERT_TRUE(node.Accumulate(absl::MakeSpan(s).subspan(mid * n, (hi - mid) * n), hi - mid).ok());
+      // Through the wire format, as attention nodes send it.
+      auto wire = QbHistogram::Deserialize(node.Serialize());
+      ASSERT_TRUE(wire.ok()) << wire.status();
+      ASSERT_TRUE(merged.Merge(*wire).ok());
+    }
+    EXPECT_EQ(merged.counts(), pooled.counts());
+    EXPECT_EQ(merged.loads(), pooled.loads());
+    EXPECT_EQ(merged.tokens(), m);
+    EXPECT_EQ(merged.Solve(), pooled.Solve());
+  }
+}
+
+TEST(QbHistogram, SolveIsWithinTwoBinWidthsOfExact) {
+  Rng rng(10);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t m = 500 + rng.Next() % 3000, n = 16 + rng.Next() % 200;
+    const int64_t k = 1 + rng.Next() % std::min<int64_t>(16, n - 1);
+    const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 2.5f, rng.Next()), rng.Next());
+    std::vector<float> b(n);
+    for (float& v : b) v = 0.3f * rng.Normal();
+    const int bins = trial % 2 ? 1000 : 100;
+    QbHistogram h = MakeHistogram(b, k, bins);
+    ASSERT_TRUE(h.Accumulate(s, m).ok());
+    const std::vector<float> hist = h.Solve();
+    auto exact = QbExactStep(s, m, n, b, k);
+    ASSERT_TRUE(exact.ok());
+    for (int64_t j = 0; j < n; ++j) {
+      ASSERT_LE(std::fabs(hist[j] - exact->bias[j]), 2 * h.bin_width())
+          << "trial " << trial << " expert " << j << " bins " << bins;
+    }
+  }
+}
+
+TEST(QbHistogram, RejectsMismatchedStatistics) {
+  const std::vector<float> b(8, 0.0f);
+  QbHistogram h = MakeHistogram(b, 2, 100, /*window=*/5, /*version=*/2);
+  auto expect_reject = [&](const QbHistogram& other, const char* word) {
+    const absl::Status st = h.Merge(other);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(std::string(st.message()).find(word), std::string::npos) << st;
+  };
+  expect_reject(MakeHistogram(b, 2, 100, 6, 2), "window 6");
+  expect_reject(MakeHistogram(b, 2, 100, 5, 3), "bias version 3");
+  expect_reject(MakeHistogram(b, 2, 50, 5, 2), "bins 50");
+  std::vector<float> shifted(8, 0.0f);
+  shifted[0] = 0.5f;  // another routing bias: another range
+  expect_reject(MakeHistogram(shifted, 2, 100, 5, 2), "range");
+  EXPECT_TRUE(h.Merge(MakeHistogram(b, 2, 100, 5, 2)).ok());
+}
+
+TEST(QbHistogram, SerializedFormRoundTripsAndRejectsCorruption) {
+  const int64_t m = 200, n = 32, k = 4;
+  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 2.0f, 3), 4);
+  QbHistogram h = MakeHistogram(std::vector<float>(n, 0.01f), k, 100);
+  ASSERT_TRUE(h.Accumulate(s, m).ok());
+  const std::string wire = h.Serialize();
+  auto back = QbHistogram::Deserialize(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->counts(), h.counts());
+  EXPECT_EQ(back->loads(), h.loads());
+  EXPECT_EQ(back->window().layer, 3);
+  EXPECT_EQ(back->Solve(), h.Solve());
+  for (size_t len = 0; len < wire.size(); len += 7) {
+    EXPECT_FALSE(QbHistogram::Deserialize(wire.substr(0, len)).ok()) << len;
+  }
+  Rng rng(5);
+  int rejected = 0;
+  for (int trial = 0; trial < 500; ++trial) {
+    std::string bad = wire;
+    bad[rng.Next() % bad.size()] ^= static_cast<char>(1 + rng.Next() % 255);
+    rejected += !QbHistogram::Deserialize(bad).ok();  // must not crash either way
+  }
+  EXPECT_GT(rejected, 400);  // the row-sum and load-sum checks catch most flips
+}
+
+TEST(QuantileBalancing, EdgeCases) {
+  const std::vector<float> s = {0.1f, 0.9f, 0.5f, 0.4f};
+  EXPECT_EQ(QbExactStep(s, 2, 2, {0, 0}, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(QbExactStep(s, 2, 2, {0, 0}, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(QbExactStep(s, 1, 2, {0, 0}, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<float> nan = s;
+  nan[2] = std::nanf("");
+  const auto st = QbExactStep(nan, 2, 2, {0, 0}, 1).status();
+  EXPECT_NE(std::string(st.message()).find("token 1, expert 0"), std::string::npos) << st;
+  // An empty window keeps the bias, in both forms.
+  const std::vector<float> b = {0.25f, -0.25f};
+  auto empty = QbExactStep({}, 0, 2, b, 1);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->bias, b);
+  EXPECT_EQ(MakeHistogram(b, 1, 10).Solve(), b);
+  QbWindow k_eq_n;
+  k_eq_n.top_k = 2;
+  EXPECT_FALSE(QbHistogram::Create(k_eq_n, b).ok());
+}
+
+TEST(BalanceMetrics, KnownValues) {
+  const std::vector<int64_t> loads = {4, 3, 1, 0};
+  const BalanceMetrics m = ComputeBalance(loads, std::vector<int32_t>{0, 0, 1, 1});
+  EXPECT_DOUBLE_EQ(m.target, 2.0);
+  EXPECT_DOUBLE_EQ(m.max_vio, 1.0);
+  EXPECT_DOUBLE_EQ(m.min_over_target, 0.0);
+  EXPECT_EQ(m.dead, 1);
+  EXPECT_DOUBLE_EQ(m.cv, std::sqrt((4.0 + 1.0 + 1.0 + 4.0) / 4) / 2.0);
+  EXPECT_DOUBLE_EQ(m.shard_max_over_mean, 7.0 / 4.0);
+  EXPECT_NEAR(NoiseFloorMaxVio(896, 1024), 0.115, 0.001);
+  const std::vector<float> stepped = SignRuleStep({0, 0, 0, 0}, loads, 0.5f);
+  EXPECT_EQ(stepped, (std::vector<float>{-0.5f, -0.5f, 0.5f, 0.5f}));
+}
+
+}  // namespace
+}  // namespace moe::numerics
