@@ -1,0 +1,26 @@
+// Runtime CPU dispatch: which instruction set the optimized CPU kernels use. Detected once from
+// CPUID; MOE_CPU_ISA=scalar|avx2|avx512 in the environment lowers it (tests run every path on
+// one machine). The shipped binary is built for baseline x86-64; only the kernel files are
+// compiled for AVX2 / AVX-512 and they run only after this check.
+//
+//   const cpu::Isa isa = cpu::ActiveIsa();  // kAvx512 on this project's machines
+#ifndef MOE_SERVICES_NUMERICS_CPU_CPU_ISA_H_
+#define MOE_SERVICES_NUMERICS_CPU_CPU_ISA_H_
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace moe::numerics::cpu {
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* IsaName(Isa isa);
+absl::StatusOr<Isa> ParseIsa(absl::string_view name);
+// The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL).
+Isa DetectIsa();
+// DetectIsa(), lowered by MOE_CPU_ISA when set; never above what the CPU supports.
+Isa ActiveIsa();
+
+}  // namespace moe::numerics::cpu
+
+#endif  // MOE_SERVICES_NUMERICS_CPU_CPU_ISA_H_

@@ -1,0 +1,114 @@
+#include "services/numerics/cpu/expert_ffn.h"
+
+#include <algorithm>
+
+namespace moe::numerics::cpu {
+
+using tensor::Bf16;
+
+namespace {
+
+struct ActiveExpert {
+  const ExpertWeights* w = nullptr;
+  std::vector<int64_t> pairs;  // token * k + slot, ascending
+  std::vector<float> zp;       // [n, PermutedCols(D)]
+  std::vector<float> hp;       // [n, PermutedCols(I)]
+};
+
+// FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
+void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, float beta,
+              float linear_beta) {
+  const int64_t n = static_cast<int64_t>(e.pairs.size());
+  const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
+  const int64_t ld_z = PermutedCols(d, k.mx_chunk), ld_h = PermutedCols(inter, k.mx_chunk);
+  std::vector<float> g(static_cast<size_t>(n * rows)), u(g.size()), h(g.size());
+  k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.data(), rows);
+  k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.data(), rows);
+  k.situ(g.data(), u.data(), n * rows, beta, linear_beta, h.data());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t r = r0; r < r1; ++r) {
+      e.hp[t * ld_h + PermutedIndex(r, k.mx_chunk)] = h[t * rows + (r - r0)];
+    }
+  }
+}
+
+// FC2 rows [r0, r1) -> y at the expert's (token, slot) pairs.
+void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r1, Bf16* y) {
+  const int64_t n = static_cast<int64_t>(e.pairs.size());
+  const int64_t inter = e.w->w2.cols, d = e.w->w2.rows, rows = r1 - r0;
+  const int64_t ld_h = PermutedCols(inter, k.mx_chunk);
+  std::vector<float> out(static_cast<size_t>(n * rows));
+  k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.data(),
+               rows);
+  for (int64_t t = 0; t < n; ++t) {
+    Bf16* dst = y + e.pairs[t] * d;
+    for (int64_t r = r0; r < r1; ++r) dst[r] = Bf16::FromFloat(out[t * rows + (r - r0)]);
+  }
+}
+
+void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>& active,
+               float beta, float linear_beta, Bf16* y) {
+  if (active.empty()) return;
+  const int64_t inter = active[0].w->w1.rows, d = active[0].w->w1.cols;
+  const int64_t fc1_blocks = (inter + kExpertRowBlock - 1) / kExpertRowBlock;
+  const int64_t fc2_blocks = (d + kExpertRowBlock - 1) / kExpertRowBlock;
+  const int64_t experts = static_cast<int64_t>(active.size());
+  pool->ParallelFor(experts * fc1_blocks, [&](int64_t item) {
+    const int64_t b = item % fc1_blocks;
+    Fc1Block(k, active[item / fc1_blocks], b * kExpertRowBlock,
+             std::min(inter, (b + 1) * kExpertRowBlock), beta, linear_beta);
+  });
+  pool->ParallelFor(experts * fc2_blocks, [&](int64_t item) {
+    const int64_t b = item % fc2_blocks;
+    Fc2Block(k, active[item / fc2_blocks], b * kExpertRowBlock,
+             std::min(d, (b + 1) * kExpertRowBlock), y);
+  });
+}
+
+void Prepare(const KernelTable& k, ActiveExpert& e, const Bf16* z, int64_t k_slots, int64_t d,
+             int64_t inter) {
+  const int64_t n = static_cast<int64_t>(e.pairs.size());
+  std::vector<float> zf(static_cast<size_t>(n * d));
+  for (int64_t t = 0; t < n; ++t) {
+    const Bf16* src = z + (e.pairs[t] / k_slots) * d;
+    for (int64_t i = 0; i < d; ++i) zf[t * d + i] = src[i].ToFloat();
+  }
+  e.zp.resize(static_cast<size_t>(n * PermutedCols(d, k.mx_chunk)));
+  PermuteForMxfp4(zf.data(), n, d, k.mx_chunk, e.zp.data());
+  e.hp.assign(static_cast<size_t>(n * PermutedCols(inter, k.mx_chunk)), 0.0f);
+}
+
+}  // namespace
+
+std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                             const MoeLayerWeights& w, const Routing& routing, const Bf16* z) {
+  const int64_t d = cfg.latent, k = routing.top_k;
+  std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
+  std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(cfg.num_experts));
+  for (int64_t p = 0; p < routing.tokens * k; ++p) pairs[routing.expert_ids[p]].push_back(p);
+  std::vector<ActiveExpert> active;
+  for (int64_t e = 0; e < cfg.num_experts; ++e) {
+    if (pairs[e].empty()) continue;
+    ActiveExpert a;
+    a.w = w.Expert(e);
+    a.pairs = std::move(pairs[e]);
+    active.push_back(std::move(a));
+  }
+  pool->ParallelFor(static_cast<int64_t>(active.size()), [&](int64_t i) {
+    Prepare(kernels, active[i], z, k, d, cfg.intermediate);
+  });
+  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, y.data());
+  return y;
+}
+
+void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const Bf16* z, int64_t tokens,
+               float beta, float linear_beta, Bf16* y) {
+  ThreadPool single(1);
+  std::vector<ActiveExpert> active(1);
+  active[0].w = &w;
+  for (int64_t t = 0; t < tokens; ++t) active[0].pairs.push_back(t);
+  Prepare(kernels, active[0], z, 1, w.w1.cols, w.w1.rows);
+  RunPhases(kernels, &single, active, beta, linear_beta, y);
+}
+
+}  // namespace moe::numerics::cpu

@@ -1,0 +1,38 @@
+// The routed experts on CPU: every (token, slot) of a Routing through its expert's MXFP4 FFN
+// with SiTU-GLU, weights read in their packed checkpoint layout.
+//
+// Tokens are grouped by expert, so each expert's weights stream once per batch. Two phases,
+// each a ParallelFor over (active expert x block of 64 rows): FC1 (w1 and w3 rows together,
+// SiTU fused right after, into the permuted h of that expert), then FC2. Each output element
+// is produced by one work item in a fixed order: results do not depend on the thread count.
+//
+//   std::vector<Bf16> y = cpu::RunExperts(kernels, &pool, cfg, weights, routing, z.data());
+#ifndef MOE_SERVICES_NUMERICS_CPU_EXPERT_FFN_H_
+#define MOE_SERVICES_NUMERICS_CPU_EXPERT_FFN_H_
+
+#include <vector>
+
+#include "services/common/model_config.h"
+#include "services/numerics/cpu/kernels.h"
+#include "services/numerics/cpu/thread_pool.h"
+#include "services/numerics/layer_weights.h"
+#include "services/numerics/router.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::numerics::cpu {
+
+inline constexpr int64_t kExpertRowBlock = 64;
+
+// z: [T, D] bf16 -> y: [T, k, D] bf16 in routing's slot order. Every routed expert must be
+// hosted by w.
+std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool,
+                                     const ModelConfig& cfg, const MoeLayerWeights& w,
+                                     const Routing& routing, const tensor::Bf16* z);
+
+// One expert for `tokens` rows of z [tokens, D] -> y [tokens, D] (single-threaded; tests).
+void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const tensor::Bf16* z,
+               int64_t tokens, float beta, float linear_beta, tensor::Bf16* y);
+
+}  // namespace moe::numerics::cpu
+
+#endif  // MOE_SERVICES_NUMERICS_CPU_EXPERT_FFN_H_

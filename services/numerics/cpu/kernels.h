@@ -1,0 +1,60 @@
+// The raw CPU kernels behind the optimized ops, one table per instruction set. Kernels take raw
+// pointers and never allocate; the op layer (packed_linear.h, expert_ffn.h, moe_layer.h) owns
+// buffers, threads and validation.
+//
+// Layouts:
+//  * gemm: x fp32 [tokens, in] row-major; wt: the Linear weight [out, in] repacked as column
+//    tiles of 128 outputs, tile j = bf16 bits [in, 128] at wt + j * in * 128 (zero-padded past
+//    `out`), so a tile streams sequentially; y fp32 [tokens, ld_y]. Computes columns [o0, o1)
+//    (multiples of 128). Each output is summed over `in` in ascending order from 0 with exact
+//    bf16 x bf16 products (FMA == multiply + add here), so every ISA agrees bit for bit with
+//    ref::LinearF32.
+//  * mxfp4_rows: rows [r0, r1) of an MXFP4 matrix in its checkpoint layout (never unpacked in
+//    memory) times activations xp in the ISA's permuted layout (PermuteForMxfp4) -> out fp32
+//    [tokens, ld_out], row r of the matrix in column r - r0. The products are exact, but the sum is split over
+//    vector lanes, so results differ from the reference by fp32 rounding.
+//  * situ: h = bf16(SiTU(bf16(g), bf16(u))) elementwise, fp32 in and out, with vectorized exp
+//    and tanh (a few fp32 ulp from the reference's correctly rounded ones).
+#ifndef MOE_SERVICES_NUMERICS_CPU_KERNELS_H_
+#define MOE_SERVICES_NUMERICS_CPU_KERNELS_H_
+
+#include <cstdint>
+
+#include "services/numerics/cpu/cpu_isa.h"
+
+namespace moe::numerics::cpu {
+
+inline constexpr int64_t kGemmColumnTile = 128;
+
+struct KernelTable {
+  Isa isa;
+  // Columns per chunk of the permuted MXFP4 activation layout: column i of chunk c sits at
+  // c * chunk + (i % 8) * (chunk / 8) + (i / 8) within the chunk (identity when chunk == 8).
+  int64_t mx_chunk;
+  void (*gemm)(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_t o0,
+               int64_t o1, float* y, int64_t ld_y);
+  void (*mxfp4_rows)(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
+                     int64_t r1, const float* xp, int64_t ld_xp, int64_t tokens, float* out,
+                     int64_t ld_out);
+  void (*situ)(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h);
+};
+
+const KernelTable& KernelsFor(Isa isa);
+
+// Per-ISA tables (defined in kernels_<isa>.cc).
+const KernelTable& ScalarKernels();
+const KernelTable& Avx2Kernels();
+const KernelTable& Avx512Kernels();
+
+// Padded width of the permuted layout for `cols` columns.
+inline int64_t PermutedCols(int64_t cols, int64_t chunk) { return (cols + chunk - 1) / chunk * chunk; }
+// x fp32 [tokens, cols] -> xp [tokens, PermutedCols] in the layout above, padding zeroed.
+void PermuteForMxfp4(const float* x, int64_t tokens, int64_t cols, int64_t chunk, float* xp);
+inline int64_t PermutedIndex(int64_t i, int64_t chunk) {
+  const int64_t within = i % chunk;
+  return i - within + (within % 8) * (chunk / 8) + within / 8;
+}
+
+}  // namespace moe::numerics::cpu
+
+#endif  // MOE_SERVICES_NUMERICS_CPU_KERNELS_H_

@@ -1,0 +1,216 @@
+// AVX-512 kernels (F, BW, DQ, VL). This file alone is compiled with -mavx512*; it holds no
+// inline code shared with other files (everything here has internal linkage), so no AVX-512
+// instruction can leak into code that runs before the CPUID check.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "services/numerics/cpu/kernels.h"
+
+namespace moe::numerics::cpu {
+namespace {
+
+// ---------------------------------------------------------------- dense bf16 GEMM
+
+inline __m512 LoadBf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// A strip of 16*OV columns at `col` of one 128-column tile, for TT tokens. w: the tile, [in, 128].
+template <int TT, int OV>
+void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y,
+               int64_t ld_y) {
+  __m512 acc[TT][OV];
+  for (int t = 0; t < TT; ++t) {
+    for (int j = 0; j < OV; ++j) acc[t][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < in; ++k) {
+    __m512 wv[OV];
+    for (int j = 0; j < OV; ++j) wv[j] = LoadBf16x16(w + k * kGemmColumnTile + col + 16 * j);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 xb = _mm512_set1_ps(x[t * in + k]);
+      for (int j = 0; j < OV; ++j) acc[t][j] = _mm512_fmadd_ps(xb, wv[j], acc[t][j]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    for (int j = 0; j < OV; ++j) _mm512_storeu_ps(y + t * ld_y + col + 16 * j, acc[t][j]);
+  }
+}
+
+template <int TT, int OV>
+void GemmTile(const float* x, int64_t in, const uint16_t* w, float* y, int64_t ld_y) {
+  for (int64_t col = 0; col < kGemmColumnTile; col += 16 * OV) {
+    GemmStrip<TT, OV>(x, in, w, col, y, ld_y);
+  }
+}
+
+void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_t o0, int64_t o1,
+          float* y, int64_t ld_y) {
+  for (int64_t o = o0; o < o1; o += kGemmColumnTile) {
+    const uint16_t* w = wt + (o / kGemmColumnTile) * in * kGemmColumnTile;
+    int64_t t = 0;
+    for (; t + 12 <= tokens; t += 12) GemmTile<12, 2>(x + t * in, in, w, y + t * ld_y + o, ld_y);
+    if (tokens - t >= 8) {
+      GemmTile<8, 2>(x + t * in, in, w, y + t * ld_y + o, ld_y);
+      t += 8;
+    }
+    if (tokens - t >= 4) {
+      GemmTile<4, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
+      t += 4;
+    }
+    if (tokens - t >= 2) {
+      GemmTile<2, 8>(x + t * in, in, w, y + t * ld_y + o, ld_y);
+      t += 2;
+    }
+    if (tokens - t >= 1) GemmTile<1, 8>(x + t * in, in, w, y + t * ld_y + o, ld_y);
+  }
+}
+
+// ---------------------------------------------------------------- MXFP4 rows
+
+// R rows x TT tokens. Each 128-column chunk is 64 packed bytes = 16 u32 lanes; lane i holds
+// columns 8i..8i+7, nibble n of the lane is column 8i+n, and vpermps reads only the low 4
+// bits of each index, so (lanes >> 4n) indexes the E2M1 table directly.
+template <int R, int TT>
+void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
+             const float* xp, int64_t ld_xp, float* out_r, int64_t ld_out) {
+  const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
+                                    -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
+  __m512 acc[R][TT];
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c * 128 < cols; ++c) {
+    const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
+    const __mmask16 lane_mask = width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
+    const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
+    __m512i lanes[R];
+    __m512 scale[R];
+    for (int i = 0; i < R; ++i) {
+      lanes[i] = _mm512_maskz_loadu_epi32(lane_mask, packed + (r + i) * row_bytes + c * 64);
+      const __m128i s4 = _mm_maskz_loadu_epi8(scale_mask, scales + (r + i) * scale_bytes + c * 4);
+      // E8M0 byte s -> float bits s << 23 = 2^(s-127) (s = 0, i.e. 2^-127, reads as 0).
+      scale[i] = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
+    }
+    const float* x = xp + c * 128;
+#pragma GCC unroll 8
+    for (int n = 0; n < 8; ++n) {
+      const __m128i shift = _mm_cvtsi32_si128(4 * n);
+      for (int i = 0; i < R; ++i) {
+        const __m512 v =
+            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srl_epi32(lanes[i], shift), lut), scale[i]);
+        for (int t = 0; t < TT; ++t) {
+          acc[i][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * ld_xp + n * 16), acc[i][t]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < TT; ++t) out_r[t * ld_out + i] = _mm512_reduce_add_ps(acc[i][t]);
+  }
+}
+
+template <int R, int TT>
+void MxRows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
+            const float* xp, int64_t ld_xp, float* out, int64_t ld_out) {
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    MxBlock<R, TT>(packed, scales, cols, r, xp, ld_xp, out + (r - r0), ld_out);
+  }
+  for (; r < r1; ++r) MxBlock<1, TT>(packed, scales, cols, r, xp, ld_xp, out + (r - r0), ld_out);
+}
+
+void Mxfp4Rows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
+               const float* xp, int64_t ld_xp, int64_t tokens, float* out, int64_t ld_out) {
+  int64_t t = 0;
+  for (; t + 8 <= tokens; t += 8) {
+    MxRows<2, 8>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+  }
+  if (tokens - t >= 4) {
+    MxRows<4, 4>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+    t += 4;
+  }
+  if (tokens - t >= 2) {
+    MxRows<4, 2>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+    t += 2;
+  }
+  if (tokens - t >= 1) {
+    MxRows<8, 1>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+  }
+}
+
+// ---------------------------------------------------------------- SiTU
+
+inline __m512 RoundBf16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// exp(x): n = round(x log2 e), r = x - n ln 2 (two-part ln 2), Taylor to r^7 (|r| <= 0.35:
+// truncation below 1e-8 relative), times 2^n with vscalefps. Inputs clamped to [-104, 89], so
+// results underflow to 0 (through subnormals) and overflow to +Inf where fp32 exp does: a tiny
+// nonzero where the reference has 0 would be hundreds of bf16 ulps away.
+inline __m512 Exp(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// tanh: odd Taylor polynomial to y^13 for |y| < 0.3 (error < 1e-10), else
+// sign(y) (1 - 2 / (exp(2|y|) + 1)).
+inline __m512 Tanh(__m512 y) {
+  const __m512 a = _mm512_abs_ps(y);
+  const __m512 y2 = _mm512_mul_ps(y, y);
+  __m512 p = _mm512_set1_ps(21844.0f / 6081075.0f);
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1382.0f / 155925.0f));
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(62.0f / 2835.0f));
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-17.0f / 315.0f));
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
+  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
+  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, y2), y, y);
+  const __m512 e = Exp(_mm512_add_ps(a, a));
+  __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                             _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  big = _mm512_or_ps(big, _mm512_and_ps(y, _mm512_set1_ps(-0.0f)));  // copy the sign of y
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.3f), _CMP_LT_OQ), big, small);
+}
+
+void Situ(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h) {
+  const __m512 b1 = _mm512_set1_ps(beta), b2 = _mm512_set1_ps(linear_beta);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 gv = RoundBf16(_mm512_maskz_loadu_ps(m, g + i));
+    const __m512 uv = RoundBf16(_mm512_maskz_loadu_ps(m, u + i));
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, Exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    const __m512 gate = _mm512_mul_ps(_mm512_mul_ps(b1, Tanh(_mm512_div_ps(gv, b1))), sig);
+    const __m512 up = _mm512_mul_ps(b2, Tanh(_mm512_div_ps(uv, b2)));
+    _mm512_mask_storeu_ps(h + i, m, RoundBf16(_mm512_mul_ps(gate, up)));
+  }
+}
+
+}  // namespace
+
+const KernelTable& Avx512Kernels() {
+  static const KernelTable table = {Isa::kAvx512, 128, Gemm, Mxfp4Rows, Situ};
+  return table;
+}
+
+}  // namespace moe::numerics::cpu

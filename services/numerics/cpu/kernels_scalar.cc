@@ -1,0 +1,84 @@
+// Portable kernels (the dispatch floor) and the dispatcher. Same summation orders as the
+// reference: the gemm is bit-exact; mxfp4_rows sums each row in column order.
+#include <cstring>
+
+#include "services/numerics/cpu/kernels.h"
+#include "services/numerics/mxfp4.h"
+#include "services/numerics/situ.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::numerics::cpu {
+namespace {
+
+void GemmScalar(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_t o0,
+                int64_t o1, float* y, int64_t ld_y) {
+  for (int64_t o = o0; o < o1; o += kGemmColumnTile) {
+    const uint16_t* tile = wt + (o / kGemmColumnTile) * in * kGemmColumnTile;
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* yt = y + t * ld_y + o;
+      for (int64_t c = 0; c < kGemmColumnTile; ++c) yt[c] = 0.0f;
+      for (int64_t k = 0; k < in; ++k) {
+        const float xk = x[t * in + k];
+        const uint16_t* w = tile + k * kGemmColumnTile;
+        for (int64_t c = 0; c < kGemmColumnTile; ++c) yt[c] += xk * tensor::Bf16BitsToFloat(w[c]);
+      }
+    }
+  }
+}
+
+void Mxfp4RowsScalar(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
+                     int64_t r1, const float* xp, int64_t ld_xp, int64_t tokens, float* out,
+                     int64_t ld_out) {
+  float row[kMxfp4BlockSize];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t t = 0; t < tokens; ++t) out[t * ld_out + (r - r0)] = 0.0f;
+    for (int64_t g = 0; g < cols / kMxfp4BlockSize; ++g) {
+      DequantizeMxfp4Row(packed + r * (cols / 2) + g * 16, scales + r * (cols / 32) + g,
+                         kMxfp4BlockSize, row);
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* x = xp + t * ld_xp + g * kMxfp4BlockSize;
+        float acc = out[t * ld_out + (r - r0)];
+        for (int i = 0; i < kMxfp4BlockSize; ++i) acc += row[i] * x[i];
+        out[t * ld_out + (r - r0)] = acc;
+      }
+    }
+  }
+}
+
+void SituScalar(const float* g, const float* u, int64_t n, float beta, float linear_beta,
+                float* h) {
+  for (int64_t i = 0; i < n; ++i) {
+    h[i] = tensor::RoundBf16(
+        Situ(tensor::RoundBf16(g[i]), tensor::RoundBf16(u[i]), beta, linear_beta));
+  }
+}
+
+}  // namespace
+
+const KernelTable& ScalarKernels() {
+  static const KernelTable table = {Isa::kScalar, 8, GemmScalar, Mxfp4RowsScalar, SituScalar};
+  return table;
+}
+
+const KernelTable& KernelsFor(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return Avx512Kernels();
+    case Isa::kAvx2:
+      return Avx2Kernels();
+    case Isa::kScalar:
+      break;
+  }
+  return ScalarKernels();
+}
+
+void PermuteForMxfp4(const float* x, int64_t tokens, int64_t cols, int64_t chunk, float* xp) {
+  const int64_t padded = PermutedCols(cols, chunk);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* dst = xp + t * padded;
+    std::memset(dst, 0, sizeof(float) * padded);
+    for (int64_t i = 0; i < cols; ++i) dst[PermutedIndex(i, chunk)] = x[t * cols + i];
+  }
+}
+
+}  // namespace moe::numerics::cpu

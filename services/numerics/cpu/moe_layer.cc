@@ -1,0 +1,159 @@
+#include "services/numerics/cpu/moe_layer.h"
+
+#include <chrono>
+
+#include "services/common/status_macros.h"
+#include "services/numerics/combine.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/rms_norm.h"
+#include "services/numerics/situ.h"
+
+namespace moe::numerics::cpu {
+
+using tensor::Bf16;
+
+namespace {
+
+class Stopwatch {
+ public:
+  explicit Stopwatch(double* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
+  ~Stopwatch() {
+    if (sink_) *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  double* sink_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+std::vector<float> ToFloat(const Bf16* x, int64_t n) {
+  std::vector<float> f(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) f[i] = x[i].ToFloat();
+  return f;
+}
+
+// y: [tokens, padded] fp32 -> [tokens, out] bf16.
+std::vector<Bf16> ToBf16(const std::vector<float>& y, int64_t tokens, int64_t padded,
+                         int64_t out) {
+  std::vector<Bf16> r(static_cast<size_t>(tokens * out));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t o = 0; o < out; ++o) r[t * out + o] = Bf16::FromFloat(y[t * padded + o]);
+  }
+  return r;
+}
+
+template <typename T>
+void Release(std::vector<T>& v) {
+  std::vector<T>().swap(v);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConfig& cfg,
+                                                                 MoeLayerWeights weights,
+                                                                 const CpuLayerOptions& options) {
+  MOE_RETURN_IF_ERROR(ValidateConfig(cfg));
+  MOE_RETURN_IF_ERROR(ValidateLayerWeights(cfg, weights, /*need_dense=*/true,
+                                           /*need_experts=*/true));
+  std::unique_ptr<CpuMoeLayer> l(new CpuMoeLayer());
+  l->cfg_ = cfg;
+  const Isa isa = static_cast<int>(options.isa) <= static_cast<int>(DetectIsa()) ? options.isa
+                                                                                 : DetectIsa();
+  l->kernels_ = &KernelsFor(isa);
+  l->pool_ = std::make_unique<ThreadPool>(options.threads);
+  const int64_t h = cfg.hidden, d = cfg.latent, e = cfg.num_experts, s = cfg.shared_intermediate();
+  l->gate_ = PackedLinear::Pack(weights.gate.data(), e, h);
+  l->down_ = PackedLinear::Pack(weights.down_proj.data(), d, h);
+  l->up_ = PackedLinear::Pack(weights.up_proj.data(), h, d);
+  l->shared_gate_ = PackedLinear::Pack(weights.shared_gate.data(), s, h);
+  l->shared_up_ = PackedLinear::Pack(weights.shared_up.data(), s, h);
+  l->shared_down_ = PackedLinear::Pack(weights.shared_down.data(), h, s);
+  Release(weights.gate);
+  Release(weights.down_proj);
+  Release(weights.up_proj);
+  Release(weights.shared_gate);
+  Release(weights.shared_up);
+  Release(weights.shared_down);
+  l->weights_ = std::move(weights);
+  return l;
+}
+
+size_t CpuMoeLayer::packed_dense_bytes() const {
+  return gate_.bytes() + down_.bytes() + up_.bytes() + shared_gate_.bytes() + shared_up_.bytes() +
+         shared_down_.bytes();
+}
+
+absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64_t tokens,
+                                                 int64_t width, const float* bias,
+                                                 LayerTimings* timings) {
+  MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg_, x, tokens, width));
+  const KernelTable& k = *kernels_;
+  ThreadPool* pool = pool_.get();
+  const int64_t h = cfg_.hidden, d = cfg_.latent, e = cfg_.num_experts, s = cfg_.shared_intermediate();
+  auto field = [timings](double LayerTimings::*m) { return timings ? &(timings->*m) : nullptr; };
+  const std::vector<float> xf = ToFloat(x.data(), tokens * h);
+  LayerOutput result;
+  {
+    Stopwatch sw(field(&LayerTimings::router));
+    std::vector<float> logits(static_cast<size_t>(tokens * gate_.padded_out()));
+    gate_.Apply(k, pool, xf.data(), tokens, logits.data());
+    std::vector<float> scores(static_cast<size_t>(tokens * e));
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < e; ++j) scores[t * e + j] = Sigmoid(logits[t * gate_.padded_out() + j]);
+    }
+    result.routing = SelectExperts(scores.data(), bias != nullptr ? bias : weights_.bias.data(),
+                                   tokens, e, cfg_.top_k, cfg_.renormalize,
+                                   cfg_.routed_scaling_factor);
+  }
+  std::vector<Bf16> z;
+  {
+    Stopwatch sw(field(&LayerTimings::down_proj));
+    std::vector<float> zf(static_cast<size_t>(tokens * down_.padded_out()));
+    down_.Apply(k, pool, xf.data(), tokens, zf.data());
+    z = ToBf16(zf, tokens, down_.padded_out(), d);
+  }
+  std::vector<Bf16> y;
+  {
+    Stopwatch sw(field(&LayerTimings::experts));
+    y = RunExperts(k, pool, cfg_, weights_, result.routing, z.data());
+  }
+  std::vector<Bf16> normed(static_cast<size_t>(tokens * d));
+  {
+    Stopwatch sw(field(&LayerTimings::combine_norm));
+    std::vector<Bf16> r(static_cast<size_t>(tokens * d));
+    ref::Combine(result.routing, y.data(), d, r.data());
+    ref::RmsNorm(r.data(), tokens, d, weights_.norm.data(), cfg_.rms_norm_eps, normed.data());
+  }
+  std::vector<float> of(static_cast<size_t>(tokens * up_.padded_out()));
+  {
+    Stopwatch sw(field(&LayerTimings::up_proj));
+    const std::vector<float> nf = ToFloat(normed.data(), tokens * d);
+    up_.Apply(k, pool, nf.data(), tokens, of.data());
+  }
+  {
+    Stopwatch sw(field(&LayerTimings::shared));
+    const int64_t sp = shared_gate_.padded_out();
+    std::vector<float> g(static_cast<size_t>(tokens * sp)), u(g.size());
+    shared_gate_.Apply(k, pool, xf.data(), tokens, g.data());
+    shared_up_.Apply(k, pool, xf.data(), tokens, u.data());
+    std::vector<float> hs(static_cast<size_t>(tokens * s));
+    pool->ParallelFor(tokens, [&](int64_t t) {
+      k.situ(g.data() + t * sp, u.data() + t * sp, s, cfg_.situ_beta, cfg_.situ_linear_beta,
+             hs.data() + t * s);
+    });
+    std::vector<float> sh(static_cast<size_t>(tokens * shared_down_.padded_out()));
+    shared_down_.Apply(k, pool, hs.data(), tokens, sh.data());
+    result.out.resize(static_cast<size_t>(tokens * h));
+    const int64_t op = up_.padded_out(), shp = shared_down_.padded_out();
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t i = 0; i < h; ++i) {
+        const float o = tensor::RoundBf16(of[t * op + i]);
+        const float shv = tensor::RoundBf16(sh[t * shp + i]);
+        result.out[t * h + i] = Bf16::FromFloat(o + shv);
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace moe::numerics::cpu

@@ -1,0 +1,49 @@
+// A fixed pool of worker threads for the CPU kernels. ParallelFor hands out item indices
+// dynamically; the calling thread works too. Every item is computed by exactly one thread with a
+// fixed internal order, so results never depend on the thread count.
+//
+//   ThreadPool pool(2);
+//   pool.ParallelFor(num_tiles, [&](int64_t tile) { ... });
+#ifndef MOE_SERVICES_NUMERICS_CPU_THREAD_POOL_H_
+#define MOE_SERVICES_NUMERICS_CPU_THREAD_POOL_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace moe::numerics::cpu {
+
+class ThreadPool {
+ public:
+  // threads <= 0: one per hardware thread.
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+  // Runs fn(i) for i in [0, n) and returns when all are done. Not reentrant.
+  void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+
+ private:
+  void WorkerLoop();
+  void RunItems();
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable start_cv_, done_cv_;
+  uint64_t generation_ = 0;
+  int active_ = 0;
+  bool stop_ = false;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+};
+
+}  // namespace moe::numerics::cpu
+
+#endif  // MOE_SERVICES_NUMERICS_CPU_THREAD_POOL_H_

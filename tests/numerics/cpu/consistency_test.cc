@@ -1,0 +1,306 @@
+// Backend consistency: every optimized CPU op against its scalar reference, on every ISA this
+// machine supports (scalar, AVX2, AVX-512), with named tolerances.
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/random.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/moe_layer.h"
+#include "services/numerics/cpu/packed_linear.h"
+#include "services/numerics/expert_ffn.h"
+#include "services/numerics/linear.h"
+#include "services/numerics/moe_layer.h"
+#include "services/numerics/shared_expert.h"
+#include "services/numerics/situ.h"
+
+namespace moe::numerics::cpu {
+namespace {
+
+using tensor::Bf16;
+
+// --- Named tolerances -------------------------------------------------------------------
+// Dense projections keep the reference's per-output order with exact products: bit-exact.
+// MXFP4 rows: the same exact products summed in vector lanes then across lanes. Any two fp32
+// summation orders of n terms differ by at most about 2 n eps sum|w x| (eps = 2^-24).
+constexpr double kMxfp4SumRelBound = 2.0 * 0x1p-24;
+// SiTU with vectorized exp/tanh (a few fp32 ulp from the correctly rounded reference) flips
+// the final bf16 rounding only when the exact value sits within those ulps of a rounding
+// midpoint: at most one bf16 ulp, on a small fraction of inputs.
+constexpr int kSituMaxUlp = 1;
+constexpr double kSituMaxDifferingFraction = 2e-3;
+// Expert FFN: the lane-order sums move g, u and y by fp32 noise. Now and then that flips the
+// bf16 rounding of one h element, which nudges every output of that (token, expert) by a
+// fraction of an ulp and flips a few of their roundings. Outputs near zero (cancellation in
+// the FC2 sum) can then differ by several of their own ulps, so the hard bound is stated at
+// the scale of the row: |got - want| <= kMaxRowUlps bf16 ulps of the row's RMS (measured: 2).
+constexpr double kMaxRowUlps = 2.0;
+constexpr double kFfnDifferingFraction = 0.01;
+constexpr double kFfnOver1UlpFraction = 1e-3;
+// Whole layer: identical routing (the router is bit-exact). An h flip in one (token, expert)
+// shifts that token's latent r by an ulp here and there, which RMSNorm and the up-projection
+// spread over the token's whole output row as changes of about one ulp of the up-projection's
+// terms; an output that is a small difference of large terms (inside o, or o + sh) then moves
+// by several of its own ulps. Stated: at most kLayerOver1UlpFraction of the outputs more than
+// 1 ulp apart, and every output within kLayerMaxRowUlps ulps of its row scale (the larger RMS
+// of out and sh): 8 ulps = 2^-5 of the RMS, hit only by those few outputs (measured: 4).
+constexpr double kLayerMaxRowUlps = 8.0;
+constexpr double kLayerOver1UlpFraction = 0.01;
+constexpr double kLayerDifferingFraction = 0.05;
+
+int UlpDistance(Bf16 a, Bf16 b) {
+  auto ordered = [](uint16_t v) { return (v & 0x8000) ? -static_cast<int>(v & 0x7fff) : static_cast<int>(v & 0x7fff); };
+  return std::abs(ordered(a.bits) - ordered(b.bits));
+}
+
+// bf16 ulp at the magnitude of v: 2^(floor(log2 |v|) - 7).
+double Bf16UlpAt(double v) { return std::ldexp(1.0, std::ilogb(std::fabs(v)) - 7); }
+
+struct UlpStats {
+  int64_t total = 0, differing = 0, over1 = 0;
+  int max_ulp = 0;
+  double max_row_ulps = 0;  // max |got - want| in bf16 ulps of the row scale
+  // got, want: rows of `width` values. The scale of a row is the RMS of want's row, or of the
+  // layer's shared-expert output `sh` when that is larger (out = o + sh can be much smaller
+  // than its summands).
+  void AddRows(const std::vector<Bf16>& got, const std::vector<Bf16>& want, int64_t width,
+               const std::vector<Bf16>* sh = nullptr) {
+    auto rms = [width](const std::vector<Bf16>& v, size_t row) {
+      double ss = 0;
+      for (int64_t i = 0; i < width; ++i) ss += double(v[row * width + i].ToFloat()) * v[row * width + i].ToFloat();
+      return std::sqrt(ss / width);
+    };
+    for (size_t row = 0; row * width < want.size(); ++row) {
+      const double ulp = Bf16UlpAt(std::max(rms(want, row), sh ? rms(*sh, row) : 0.0) + 1e-30);
+      for (int64_t i = 0; i < width; ++i) {
+        const Bf16 a = got[row * width + i], b = want[row * width + i];
+        const int u = UlpDistance(a, b);
+        ++total;
+        differing += u > 0;
+        over1 += u > 1;
+        max_ulp = std::max(max_ulp, u);
+        max_row_ulps = std::max(max_row_ulps, std::fabs(double(a.ToFloat()) - b.ToFloat()) / ulp);
+      }
+    }
+  }
+  std::string Str() const {
+    char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "%lld of %lld differ (%.2e), %lld by more than 1 ulp (%.2e), max %d ulp, "
+                  "max %.2f ulp of the row scale",
+                  static_cast<long long>(differing), static_cast<long long>(total),
+                  double(differing) / total, static_cast<long long>(over1), double(over1) / total,
+                  max_ulp, max_row_ulps);
+    return buf;
+  }
+};
+
+std::vector<Isa> SupportedIsas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (static_cast<int>(isa) <= static_cast<int>(DetectIsa())) out.push_back(isa);
+  }
+  return out;
+}
+
+class Consistency : public ::testing::TestWithParam<Isa> {
+ protected:
+  const KernelTable& k() const { return KernelsFor(GetParam()); }
+};
+
+std::vector<Bf16> RandomBf16(int64_t n, float scale, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<Bf16> v(static_cast<size_t>(n));
+  for (Bf16& b : v) b = Bf16::FromFloat(scale * rng.Normal());
+  return v;
+}
+
+TEST_P(Consistency, PackedLinearIsBitExact) {
+  ThreadPool pool(2);
+  for (auto [tokens, in, out] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {1, 64, 16}, {2, 96, 128}, {3, 200, 200}, {5, 128, 384}, {13, 64, 130}, {30, 100, 256}}) {
+    const std::vector<Bf16> x = RandomBf16(tokens * in, 1.0f, tokens + in);
+    const std::vector<Bf16> w = RandomBf16(out * in, 0.1f, out);
+    std::vector<float> want(static_cast<size_t>(tokens * out));
+    ref::LinearF32(x.data(), tokens, in, w.data(), out, want.data());
+    const PackedLinear p = PackedLinear::Pack(w.data(), out, in);
+    std::vector<float> xf(x.size());
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = x[i].ToFloat();
+    std::vector<float> got(static_cast<size_t>(tokens * p.padded_out()));
+    p.Apply(k(), &pool, xf.data(), tokens, got.data());
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t o = 0; o < out; ++o) {
+        ASSERT_EQ(got[t * p.padded_out() + o], want[t * out + o])
+            << tokens << "x" << in << "x" << out << " at " << t << "," << o;
+      }
+    }
+  }
+}
+
+TEST_P(Consistency, Mxfp4RowsWithinTheSummationBound) {
+  Rng rng(7);
+  for (int64_t cols : {32, 64, 96, 128, 448, 512}) {
+    const int64_t rows = 37, tokens = 11;
+    std::vector<float> wv(rows * cols);
+    for (float& v : wv) v = rng.Normal() * 0.05f;
+    std::vector<uint8_t> packed(rows * cols / 2), scales(rows * cols / 32);
+    for (int64_t r = 0; r < rows; ++r) {
+      QuantizeMxfp4Row(wv.data() + r * cols, cols, packed.data() + r * cols / 2,
+                       scales.data() + r * cols / 32);
+    }
+    std::vector<float> x(tokens * cols);
+    for (float& v : x) v = tensor::RoundBf16(rng.Normal());
+    std::vector<float> xp(tokens * PermutedCols(cols, k().mx_chunk));
+    PermuteForMxfp4(x.data(), tokens, cols, k().mx_chunk, xp.data());
+    for (int64_t t_count : {int64_t{1}, int64_t{2}, int64_t{5}, tokens}) {
+      const int64_t r0 = 3, r1 = rows;
+      std::vector<float> out(t_count * (r1 - r0), -1.0f);
+      k().mxfp4_rows(packed.data(), scales.data(), cols, r0, r1, xp.data(),
+                     PermutedCols(cols, k().mx_chunk), t_count, out.data(), r1 - r0);
+      std::vector<float> row(cols);
+      for (int64_t r = r0; r < r1; ++r) {
+        DequantizeMxfp4Row(packed.data() + r * cols / 2, scales.data() + r * cols / 32, cols,
+                           row.data());
+        for (int64_t t = 0; t < t_count; ++t) {
+          double exact = 0, abs_sum = 0;
+          for (int64_t i = 0; i < cols; ++i) {
+            exact += double(row[i]) * x[t * cols + i];
+            abs_sum += std::fabs(double(row[i]) * x[t * cols + i]);
+          }
+          ASSERT_NEAR(out[t * (r1 - r0) + (r - r0)], exact, cols * kMxfp4SumRelBound * abs_sum)
+              << "cols " << cols << " row " << r << " token " << t;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(Consistency, SituWithinOneUlp) {
+  Rng rng(8);
+  const int64_t n = 200003;  // not a multiple of the vector width
+  std::vector<float> g(n), u(n), h(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float scale = i % 3 == 0 ? 0.05f : (i % 3 == 1 ? 2.0f : 30.0f);
+    g[i] = scale * rng.Normal();
+    u[i] = scale * rng.Normal();
+  }
+  k().situ(g.data(), u.data(), n, 4.0f, 25.0f, h.data());
+  std::vector<Bf16> got(n), want(n);
+  for (int64_t i = 0; i < n; ++i) {
+    got[i] = Bf16::FromFloat(h[i]);
+    want[i] = Bf16::FromFloat(Situ(tensor::RoundBf16(g[i]), tensor::RoundBf16(u[i]), 4.0f, 25.0f));
+  }
+  UlpStats stats;
+  stats.AddRows(got, want, n);
+  std::printf("[ %s ] situ: %s\n", IsaName(GetParam()), stats.Str().c_str());
+  EXPECT_LE(stats.max_ulp, kSituMaxUlp) << stats.Str();
+  EXPECT_LE(double(stats.differing) / n, kSituMaxDifferingFraction) << stats.Str();
+}
+
+TEST_P(Consistency, ExpertFfnMatchesReference) {
+  const ModelConfig cfg = *PresetConfig("mid");
+  checkpoint::SyntheticOptions opt;
+  const MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
+  const int64_t tokens = 24;
+  const std::vector<Bf16> z = RandomBf16(tokens * cfg.latent, 1.0f, 3);
+  UlpStats stats;
+  for (int64_t e : {0, 17, 99}) {
+    std::vector<Bf16> want(tokens * cfg.latent), got(want.size());
+    ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, want.data());
+    ExpertFfn(k(), *w.Expert(e), z.data(), tokens, 4.0f, 25.0f, got.data());
+    stats.AddRows(got, want, cfg.latent);
+  }
+  std::printf("[ %s ] expert ffn: %s\n", IsaName(GetParam()), stats.Str().c_str());
+  EXPECT_LE(stats.max_row_ulps, kMaxRowUlps) << stats.Str();
+  EXPECT_LE(double(stats.over1) / stats.total, kFfnOver1UlpFraction) << stats.Str();
+  EXPECT_LE(double(stats.differing) / stats.total, kFfnDifferingFraction) << stats.Str();
+}
+
+void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed) {
+  const ModelConfig cfg = *PresetConfig(preset);
+  checkpoint::SyntheticOptions opt;
+  opt.router_skew = 1.0;
+  opt.seed = seed;
+  MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, seed + 4);
+  auto want = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden);
+  ASSERT_TRUE(want.ok());
+  CpuLayerOptions o;
+  o.isa = isa;
+  o.threads = 2;
+  auto layer = CpuMoeLayer::Create(cfg, std::move(w), o);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  auto got = (*layer)->Forward(x, tokens, cfg.hidden);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->routing.expert_ids, want->routing.expert_ids);
+  EXPECT_EQ(got->routing.weights, want->routing.weights);
+  // The shared experts' part of the output, for the row scale.
+  const MoeLayerWeights sw = checkpoint::SyntheticLayer(cfg, 1, opt);
+  std::vector<Bf16> sh(static_cast<size_t>(tokens * cfg.hidden));
+  ref::SharedExpert(x.data(), tokens, cfg.hidden, sw.shared_gate.data(), sw.shared_up.data(),
+                    sw.shared_down.data(), cfg.shared_intermediate(), cfg.situ_beta,
+                    cfg.situ_linear_beta, sh.data());
+  UlpStats stats;
+  stats.AddRows(got->out, want->out, cfg.hidden, &sh);
+  std::printf("[ %s ] %s layer, %lld tokens, seed %llu: %s\n", IsaName(isa), preset,
+              static_cast<long long>(tokens), static_cast<unsigned long long>(seed),
+              stats.Str().c_str());
+  EXPECT_LE(double(stats.over1) / stats.total, kLayerOver1UlpFraction) << stats.Str();
+  EXPECT_LE(double(stats.differing) / stats.total, kLayerDifferingFraction) << stats.Str();
+  EXPECT_LE(stats.max_row_ulps, kLayerMaxRowUlps) << stats.Str();
+}
+
+TEST_P(Consistency, TinyLayerMatchesReference) {
+  CheckLayer(GetParam(), "tiny", 64, 1);
+  CheckLayer(GetParam(), "tiny", 200, 2);
+}
+TEST_P(Consistency, MidLayerMatchesReference) {
+  CheckLayer(GetParam(), "mid", 64, 1);
+  CheckLayer(GetParam(), "mid", 96, 2);
+}
+
+TEST_P(Consistency, ResultsDoNotDependOnTheThreadCount) {
+  const ModelConfig cfg = *PresetConfig("mid");
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 19, 6);
+  std::vector<Bf16> first;
+  for (int threads : {1, 2, 3}) {
+    CpuLayerOptions o;
+    o.isa = GetParam();
+    o.threads = threads;
+    auto layer = CpuMoeLayer::Create(cfg, checkpoint::SyntheticLayer(cfg, 1, {}), o);
+    ASSERT_TRUE(layer.ok());
+    auto y = (*layer)->Forward(x, 19, cfg.hidden);
+    ASSERT_TRUE(y.ok());
+    if (first.empty()) {
+      first = y->out;
+      continue;
+    }
+    for (size_t i = 0; i < first.size(); ++i) {
+      ASSERT_EQ(first[i].bits, y->out[i].bits) << threads << " threads, element " << i;
+    }
+  }
+}
+
+TEST_P(Consistency, BadInputIsRejected) {
+  const ModelConfig cfg = *PresetConfig("tiny");
+  auto layer = CpuMoeLayer::Create(cfg, checkpoint::SyntheticLayer(cfg, 1, {}), {});
+  ASSERT_TRUE(layer.ok());
+  std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 2, 1);
+  EXPECT_EQ((*layer)->Forward(x, 0, cfg.hidden).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*layer)->Forward(x, 2, 96).status().code(), absl::StatusCode::kInvalidArgument);
+  x[5] = Bf16::FromFloat(std::nanf(""));
+  EXPECT_EQ((*layer)->Forward(x, 2, cfg.hidden).status().code(), absl::StatusCode::kInvalidArgument);
+  MoeLayerWeights partial = checkpoint::SyntheticLayer(cfg, 1, {});
+  partial.expert_hi = 4;
+  partial.experts.resize(4);
+  EXPECT_FALSE(CpuMoeLayer::Create(cfg, std::move(partial), {}).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, Consistency, ::testing::ValuesIn(SupportedIsas()),
+                         [](const auto& info) { return std::string(IsaName(info.param)); });
+
+}  // namespace
+}  // namespace moe::numerics::cpu
