@@ -1,6 +1,5 @@
 // Runtime CPU dispatch: which instruction set the optimized CPU kernels use. Detected once from
-// CPUID; MOE_CPU_ISA=scalar|avx2|avx512 in the environment lowers it (tests run every path on
-// one machine). The shipped binary is built for baseline x86-64; only the kernel files are
+// CPUID; MOE_CPU_ISA in the environment lowers it (tests run every path on one machine). The shipped binary is built for baseline x86-64; only the kernel files are
 // compiled for AVX2 / AVX-512 and they run only after this check.
 //
 //   const cpu::Isa isa = cpu::ActiveIsa();  // kAvx512 on this project's machines
@@ -12,13 +11,15 @@
 
 namespace moe::numerics::cpu {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// Ordered: each level includes the ones below it. kAvx512Bf16 adds vdpbf16ps (AVX512_BF16).
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 const char* IsaName(Isa isa);
 absl::StatusOr<Isa> ParseIsa(absl::string_view name);
 // The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL).
 Isa DetectIsa();
 // DetectIsa(), lowered by MOE_CPU_ISA when set; never above what the CPU supports.
+// MOE_CPU_ISA values: scalar, avx2, avx512, avx512bf16.
 Isa ActiveIsa();
 
 }  // namespace moe::numerics::cpu

@@ -11,8 +11,8 @@ namespace {
 struct ActiveExpert {
   const ExpertWeights* w = nullptr;
   std::vector<int64_t> pairs;  // token * k + slot, ascending
-  std::vector<float> zp;       // [n, PermutedCols(D)]
-  std::vector<float> hp;       // [n, PermutedCols(I)]
+  std::vector<float> zp;       // [n, ActivationSlots(D)]
+  std::vector<float> hp;       // [n, ActivationSlots(I)]
 };
 
 // FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
@@ -20,14 +20,14 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
               float linear_beta) {
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
-  const int64_t ld_z = PermutedCols(d, k.mx_chunk), ld_h = PermutedCols(inter, k.mx_chunk);
+  const int64_t ld_z = ActivationSlots(k, d), ld_h = ActivationSlots(k, inter);
   std::vector<float> g(static_cast<size_t>(n * rows)), u(g.size()), h(g.size());
   k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.data(), rows);
   k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.data(), rows);
   k.situ(g.data(), u.data(), n * rows, beta, linear_beta, h.data());
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t r = r0; r < r1; ++r) {
-      e.hp[t * ld_h + PermutedIndex(r, k.mx_chunk)] = h[t * rows + (r - r0)];
+      StoreActivation(k, e.hp.data() + t * ld_h, r, h[t * rows + (r - r0)]);
     }
   }
 }
@@ -36,7 +36,7 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
 void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r1, Bf16* y) {
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   const int64_t inter = e.w->w2.cols, d = e.w->w2.rows, rows = r1 - r0;
-  const int64_t ld_h = PermutedCols(inter, k.mx_chunk);
+  const int64_t ld_h = ActivationSlots(k, inter);
   std::vector<float> out(static_cast<size_t>(n * rows));
   k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.data(),
                rows);
@@ -73,9 +73,9 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const Bf16* z, int64_t k_slo
     const Bf16* src = z + (e.pairs[t] / k_slots) * d;
     for (int64_t i = 0; i < d; ++i) zf[t * d + i] = src[i].ToFloat();
   }
-  e.zp.resize(static_cast<size_t>(n * PermutedCols(d, k.mx_chunk)));
-  PermuteForMxfp4(zf.data(), n, d, k.mx_chunk, e.zp.data());
-  e.hp.assign(static_cast<size_t>(n * PermutedCols(inter, k.mx_chunk)), 0.0f);
+  e.zp.resize(static_cast<size_t>(n * ActivationSlots(k, d)));
+  PrepareActivations(k, zf.data(), n, d, e.zp.data());
+  e.hp.assign(static_cast<size_t>(n * ActivationSlots(k, inter)), 0.0f);
 }
 
 }  // namespace

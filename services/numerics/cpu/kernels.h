@@ -10,9 +10,10 @@
 //    bf16 x bf16 products (FMA == multiply + add here), so every ISA agrees bit for bit with
 //    ref::LinearF32.
 //  * mxfp4_rows: rows [r0, r1) of an MXFP4 matrix in its checkpoint layout (never unpacked in
-//    memory) times activations xp in the ISA's permuted layout (PermuteForMxfp4) -> out fp32
-//    [tokens, ld_out], row r of the matrix in column r - r0. The products are exact, but the sum is split over
-//    vector lanes, so results differ from the reference by fp32 rounding.
+//    memory) times activations in the table's layout (PrepareActivations, ld_xp 32-bit slots
+//    per token) -> out fp32 [tokens, ld_out], row r of the matrix in column r - r0. The
+//    products are exact, but the sums are split over vector lanes (and, with AVX512-BF16,
+//    over bf16 pairs), so results differ from the reference by fp32 rounding.
 //  * situ: h = bf16(SiTU(bf16(g), bf16(u))) elementwise, fp32 in and out, with vectorized exp
 //    and tanh (a few fp32 ulp from the reference's correctly rounded ones).
 #ifndef MOE_SERVICES_NUMERICS_CPU_KERNELS_H_
@@ -26,11 +27,18 @@ namespace moe::numerics::cpu {
 
 inline constexpr int64_t kGemmColumnTile = 128;
 
+// How mxfp4_rows wants its activations (one token = a run of 32-bit slots):
+//  kFloat:     fp32, column i of chunk c at slot c * chunk + (i % 8) * (chunk / 8) + (i % chunk) / 8
+//              (identity when chunk == 8);
+//  kBf16Pairs: bf16 pairs for vdpbf16ps, 128-column chunks of 64 slots: column 8l + m of a chunk
+//              in slot (m % 4) * 16 + l, low half for m < 4, high half otherwise.
+enum class MxLayout { kFloat, kBf16Pairs };
+
 struct KernelTable {
   Isa isa;
-  // Columns per chunk of the permuted MXFP4 activation layout: column i of chunk c sits at
-  // c * chunk + (i % 8) * (chunk / 8) + (i / 8) within the chunk (identity when chunk == 8).
-  int64_t mx_chunk;
+  const char* name;
+  MxLayout mx_layout;
+  int64_t mx_chunk;  // columns per chunk (kFloat)
   void (*gemm)(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_t o0,
                int64_t o1, float* y, int64_t ld_y);
   void (*mxfp4_rows)(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
@@ -45,15 +53,15 @@ const KernelTable& KernelsFor(Isa isa);
 const KernelTable& ScalarKernels();
 const KernelTable& Avx2Kernels();
 const KernelTable& Avx512Kernels();
+const KernelTable& Avx512Bf16Kernels();
 
-// Padded width of the permuted layout for `cols` columns.
-inline int64_t PermutedCols(int64_t cols, int64_t chunk) { return (cols + chunk - 1) / chunk * chunk; }
-// x fp32 [tokens, cols] -> xp [tokens, PermutedCols] in the layout above, padding zeroed.
-void PermuteForMxfp4(const float* x, int64_t tokens, int64_t cols, int64_t chunk, float* xp);
-inline int64_t PermutedIndex(int64_t i, int64_t chunk) {
-  const int64_t within = i % chunk;
-  return i - within + (within % 8) * (chunk / 8) + within / 8;
-}
+// 32-bit slots per token for `cols` columns (padding included).
+int64_t ActivationSlots(const KernelTable& k, int64_t cols);
+// Stores column i of one token (v must be a bf16 value for kBf16Pairs: z and h are).
+void StoreActivation(const KernelTable& k, float* slots, int64_t i, float v);
+// x fp32 [tokens, cols] -> [tokens, ActivationSlots] in the table's layout, padding zeroed.
+void PrepareActivations(const KernelTable& k, const float* x, int64_t tokens, int64_t cols,
+                        float* slots);
 
 }  // namespace moe::numerics::cpu
 

@@ -56,12 +56,15 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table = {Isa::kScalar, 8, GemmScalar, Mxfp4RowsScalar, SituScalar};
+  static const KernelTable table = {Isa::kScalar,   "scalar",        MxLayout::kFloat, 8,
+                                    GemmScalar,     Mxfp4RowsScalar, SituScalar};
   return table;
 }
 
 const KernelTable& KernelsFor(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16:
+      return Avx512Bf16Kernels();
     case Isa::kAvx512:
       return Avx512Kernels();
     case Isa::kAvx2:
@@ -72,12 +75,31 @@ const KernelTable& KernelsFor(Isa isa) {
   return ScalarKernels();
 }
 
-void PermuteForMxfp4(const float* x, int64_t tokens, int64_t cols, int64_t chunk, float* xp) {
-  const int64_t padded = PermutedCols(cols, chunk);
+int64_t ActivationSlots(const KernelTable& k, int64_t cols) {
+  if (k.mx_layout == MxLayout::kBf16Pairs) return (cols + 127) / 128 * 64;
+  return (cols + k.mx_chunk - 1) / k.mx_chunk * k.mx_chunk;
+}
+
+void StoreActivation(const KernelTable& k, float* slots, int64_t i, float v) {
+  if (k.mx_layout == MxLayout::kFloat) {
+    const int64_t within = i % k.mx_chunk;
+    slots[i - within + (within % 8) * (k.mx_chunk / 8) + within / 8] = v;
+    return;
+  }
+  const int64_t within = i % 128, m = within % 8;
+  const int64_t slot = (i / 128) * 64 + (m % 4) * 16 + within / 8;
+  const uint16_t bits = static_cast<uint16_t>(tensor::FloatBits(v) >> 16);
+  // Little-endian: the low half of a slot is its first two bytes.
+  std::memcpy(reinterpret_cast<char*>(slots + slot) + 2 * (m / 4), &bits, sizeof(bits));
+}
+
+void PrepareActivations(const KernelTable& k, const float* x, int64_t tokens, int64_t cols,
+                        float* slots) {
+  const int64_t n = ActivationSlots(k, cols);
   for (int64_t t = 0; t < tokens; ++t) {
-    float* dst = xp + t * padded;
-    std::memset(dst, 0, sizeof(float) * padded);
-    for (int64_t i = 0; i < cols; ++i) dst[PermutedIndex(i, chunk)] = x[t * cols + i];
+    float* dst = slots + t * n;
+    std::memset(dst, 0, sizeof(float) * n);
+    for (int64_t i = 0; i < cols; ++i) StoreActivation(k, dst, i, x[t * cols + i]);
   }
 }
 

@@ -100,7 +100,7 @@ struct UlpStats {
 
 std::vector<Isa> SupportedIsas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) <= static_cast<int>(DetectIsa())) out.push_back(isa);
   }
   return out;
@@ -153,13 +153,13 @@ TEST_P(Consistency, Mxfp4RowsWithinTheSummationBound) {
     }
     std::vector<float> x(tokens * cols);
     for (float& v : x) v = tensor::RoundBf16(rng.Normal());
-    std::vector<float> xp(tokens * PermutedCols(cols, k().mx_chunk));
-    PermuteForMxfp4(x.data(), tokens, cols, k().mx_chunk, xp.data());
+    std::vector<float> xp(tokens * ActivationSlots(k(), cols));
+    PrepareActivations(k(), x.data(), tokens, cols, xp.data());
     for (int64_t t_count : {int64_t{1}, int64_t{2}, int64_t{5}, tokens}) {
       const int64_t r0 = 3, r1 = rows;
       std::vector<float> out(t_count * (r1 - r0), -1.0f);
       k().mxfp4_rows(packed.data(), scales.data(), cols, r0, r1, xp.data(),
-                     PermutedCols(cols, k().mx_chunk), t_count, out.data(), r1 - r0);
+                     ActivationSlots(k(), cols), t_count, out.data(), r1 - r0);
       std::vector<float> row(cols);
       for (int64_t r = r0; r < r1; ++r) {
         DequantizeMxfp4Row(packed.data() + r * cols / 2, scales.data() + r * cols / 32, cols,
