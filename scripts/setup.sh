@@ -7,7 +7,7 @@ PACKAGES=(
   cmake ninja-build g++ ccache clang
   libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-numpy gnuplot-nox
+  python3-numpy gnuplot-nox libopenblas-dev
 )
 
 missing=()

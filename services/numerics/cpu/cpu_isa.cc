@@ -44,11 +44,12 @@ Isa DetectIsa() {
 Isa ActiveIsa() {
   static const Isa isa = [] {
     const Isa best = DetectIsa();
-    const char* env = std::getenv("MOE_CPU_ISA");
-    if (env == nullptr) return best;
-    auto wanted = ParseIsa(env);
-    if (!wanted.ok()) return best;
-    return static_cast<int>(*wanted) < static_cast<int>(best) ? *wanted : best;
+    Isa wanted = Isa::kAvx512;
+    if (const char* env = std::getenv("MOE_CPU_ISA"); env != nullptr) {
+      auto parsed = ParseIsa(env);
+      if (parsed.ok()) wanted = *parsed;
+    }
+    return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
   }();
   return isa;
 }

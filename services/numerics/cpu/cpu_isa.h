@@ -1,5 +1,5 @@
 // Runtime CPU dispatch: which instruction set the optimized CPU kernels use. Detected once from
-// CPUID; MOE_CPU_ISA in the environment lowers it (tests run every path on one machine). The shipped binary is built for baseline x86-64; only the kernel files are
+// CPUID; MOE_CPU_ISA in the environment picks another (tests run every path on one machine). The shipped binary is built for baseline x86-64; only the kernel files are
 // compiled for AVX2 / AVX-512 and they run only after this check.
 //
 //   const cpu::Isa isa = cpu::ActiveIsa();  // kAvx512 on this project's machines
@@ -18,8 +18,9 @@ const char* IsaName(Isa isa);
 absl::StatusOr<Isa> ParseIsa(absl::string_view name);
 // The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL).
 Isa DetectIsa();
-// DetectIsa(), lowered by MOE_CPU_ISA when set; never above what the CPU supports.
-// MOE_CPU_ISA values: scalar, avx2, avx512, avx512bf16.
+// The kernels to use: MOE_CPU_ISA (scalar, avx2, avx512, avx512bf16) when set, else the
+// fastest measured here, which is kAvx512 even where AVX512_BF16 exists (vdpbf16ps issues at
+// half the multiply-add rate of two FMA units: cpu_layer_bench); never above DetectIsa().
 Isa ActiveIsa();
 
 }  // namespace moe::numerics::cpu

@@ -24,18 +24,25 @@ template <int TT, int OV>
 void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y,
                int64_t ld_y) {
   __m256 acc[TT][OV];
+#pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
+#pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) acc[t][j] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < in; ++k) {
     __m256 wv[OV];
+#pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) wv[j] = LoadBf16x8(w + k * kGemmColumnTile + col + 8 * j);
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
       const __m256 xb = _mm256_broadcast_ss(x + t * in + k);
+#pragma GCC unroll 16
       for (int j = 0; j < OV; ++j) acc[t][j] = _mm256_fmadd_ps(xb, wv[j], acc[t][j]);
     }
   }
+#pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
+#pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) _mm256_storeu_ps(y + t * ld_y + col + 8 * j, acc[t][j]);
   }
 }
@@ -69,7 +76,9 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m256 acc[R][TT];
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[i][t] = _mm256_setzero_ps();
   }
   for (int64_t c = 0; c * 64 < cols; ++c) {
@@ -77,6 +86,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     const __m256i lane_mask = full ? _mm256_set1_epi32(-1) : _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
     __m256i lanes[R];
     __m256 scale[R];
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       lanes[i] = _mm256_maskload_epi32(
           reinterpret_cast<const int*>(packed + (r + i) * row_bytes + c * 32), lane_mask);
@@ -90,17 +100,21 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     for (int n = 0; n < 8; ++n) {
       const __m128i shift = _mm_cvtsi32_si128(4 * n);
       const __m128i sign_shift = _mm_cvtsi32_si128(28 - 4 * n);
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m256 mag = _mm256_permutevar8x32_ps(lut, _mm256_srl_epi32(lanes[i], shift));
         const __m256i sign = _mm256_and_si256(_mm256_sll_epi32(lanes[i], sign_shift), sign_bit);
         const __m256 v = _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), scale[i]);
+#pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) {
           acc[i][t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * ld_xp + n * 8), acc[i][t]);
         }
       }
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) out_r[t * ld_out + i] = ReduceAdd(acc[i][t]);
   }
 }

@@ -22,18 +22,25 @@ template <int TT, int OV>
 void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y,
                int64_t ld_y) {
   __m512 acc[TT][OV];
+#pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
+#pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) acc[t][j] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < in; ++k) {
     __m512 wv[OV];
+#pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) wv[j] = LoadBf16x16(w + k * kGemmColumnTile + col + 16 * j);
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
       const __m512 xb = _mm512_set1_ps(x[t * in + k]);
+#pragma GCC unroll 16
       for (int j = 0; j < OV; ++j) acc[t][j] = _mm512_fmadd_ps(xb, wv[j], acc[t][j]);
     }
   }
+#pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
+#pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) _mm512_storeu_ps(y + t * ld_y + col + 16 * j, acc[t][j]);
   }
 }
@@ -84,7 +91,9 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_setzero_ps();
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
@@ -93,6 +102,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i lanes[R];
     __m512 scale[R];
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
       // The same chunk of the rows two blocks down into L2 while this block computes, so
@@ -109,19 +119,24 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     const float* x = xp + c * 128;
     __m512 part[R][kScaleLate ? TT : 1];
     if constexpr (kScaleLate) {
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
       }
     }
 #pragma GCC unroll 8
     for (int n = 0; n < 8; ++n) {
       __m512 v[R];
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         v[i] = _mm512_permutexvar_ps(_mm512_srl_epi32(lanes[i], _mm_cvtsi32_si128(4 * n)), lut);
         if constexpr (!kScaleLate) v[i] = _mm512_mul_ps(v[i], scale[i]);
       }
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
         const __m512 xv = _mm512_loadu_ps(x + t * ld_xp + n * 16);
+#pragma GCC unroll 16
         for (int i = 0; i < R; ++i) {
           if constexpr (kScaleLate) {
             part[i][t] = _mm512_fmadd_ps(v[i], xv, part[i][t]);
@@ -132,12 +147,16 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       }
     }
     if constexpr (kScaleLate) {
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_fmadd_ps(part[i][t], scale[i], acc[i][t]);
       }
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) out_r[t * ld_out + i] = _mm512_reduce_add_ps(acc[i][t]);
   }
 }
@@ -202,7 +221,9 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
   const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_setzero_ps();
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
@@ -211,6 +232,7 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i words[R];
     __m512 scale[R];
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
@@ -221,26 +243,35 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
     }
     const float* x = xp + c * 64;
     __m512 part[R][TT];
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
     }
 #pragma GCC unroll 4
     for (int n = 0; n < 4; ++n) {
       __m512i w[R];
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512i idx = n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
         w[i] = _mm512_permutexvar_epi16(idx, lut);
       }
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * ld_xp + n * 16);
+#pragma GCC unroll 16
         for (int i = 0; i < R; ++i) part[i][t] = _mm512_dpbf16_ps(part[i][t], (__m512bh)w[i], xv);
       }
     }
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_fmadd_ps(part[i][t], scale[i], acc[i][t]);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) out_r[t * ld_out + i] = _mm512_reduce_add_ps(acc[i][t]);
   }
 }
@@ -255,7 +286,9 @@ void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t col
   const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_setzero_ps();
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
@@ -264,31 +297,40 @@ void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t col
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i words[R];
     __m512 part[R][TT];
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
       words[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
     }
     const float* x = xp + c * 64;
 #pragma GCC unroll 4
     for (int n = 0; n < 4; ++n) {
       __m512bh xv[TT];
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * ld_xp + n * 16);
+#pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m512i idx = n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
         const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
+#pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) part[i][t] = _mm512_dpbf16_ps(part[i][t], w, xv[t]);
       }
     }
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const __m128i s4 = _mm_maskz_loadu_epi8(scale_mask, scales + (r + i) * scale_bytes + c * 4);
       const __m512 scale = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_fmadd_ps(part[i][t], scale, acc[i][t]);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) out_r[t * ld_out + i] = _mm512_reduce_add_ps(acc[i][t]);
   }
 }
