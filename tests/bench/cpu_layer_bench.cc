@@ -234,7 +234,7 @@ void ExpertBench(double bandwidth, double fma_peak, double bf16_peak) {
           ">= 0.8 of bw");
     } else {
       Add("prefill, 256 tok/expert: FLOP/s", F("%.1f GFLOP/s", flops / s / 1e9),
-          F("%.1f bf16, %.1f fp32", bf16_peak / 1e9) + F(" fma %.1f", fma_peak / 1e9),
+          F("bf16 %.1f", bf16_peak / 1e9) + F(", fp32 %.1f", fma_peak / 1e9),
           F("%.2f", flops / s / bf16_peak) + F(" / %.2f", flops / s / fma_peak), ">= 0.5");
     }
   }

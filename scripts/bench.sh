@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The CPU benchmark of the CPU-kernel issue: this machine's limits, the K3 expert shape in
+# decode and prefill, and a whole k3 layer (optimized and reference), printed as one table.
+# Writes a synthetic k3 checkpoint (one layer, 16.1 GB) first if it is missing; about 2 min
+# to generate, 3 min to run.
+# Usage: scripts/bench.sh [--reference-tokens 1,16,64]   (MOE_CKPT_DIR overrides the path)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REF_TOKENS=1,16,64
+if [ "${1:-}" = "--reference-tokens" ]; then REF_TOKENS=$2; fi
+scripts/setup.sh
+BUILD=${MOE_BUILD_DIR:-build}
+cmake -S . -B "$BUILD" -G Ninja >/dev/null
+cmake --build "$BUILD" --target moe-tool cpu_layer_bench qb_bench
+CKPT=${MOE_CKPT_DIR:-out/ckpt-k3-seed1-skew1.0}
+if [ ! -f "$CKPT/config.json" ]; then
+  rm -rf "$CKPT" "$CKPT.tmp"
+  mkdir -p "$(dirname "$CKPT")"
+  "$BUILD/services/moe-tool" synth --config k3 --out "$CKPT.tmp" --seed 1 --skew 1.0
+  mv "$CKPT.tmp" "$CKPT"
+fi
+"$BUILD/tests/cpu_layer_bench" --checkpoint "$CKPT" --reference-tokens "$REF_TOKENS"
