@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The main job of README.md. For now (numerics core): generate a synthetic K3-format checkpoint
-# of the chosen preset with router skew, run one MoE layer forward with the reference CPU path,
-# and print timing per stage and a checksum of the output. The serving issue turns this into the
-# local cluster.
+# The main job of README.md. For now (numerics core + CPU kernels): generate a synthetic
+# K3-format checkpoint of the chosen preset with router skew, run one MoE layer forward with the
+# optimized CPU backend and with the scalar reference, and print timing per stage and a
+# checksum of each output. The serving issue turns this into the local cluster.
 # Usage: scripts/run.sh [--preset mid|tiny|k3] [--tokens N] [--seed N] [--skew X]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +33,11 @@ if [ ! -f "$CKPT/config.json" ]; then
   "$BUILD/services/moe-tool" synth --config "$PRESET" --out "$CKPT.tmp" --seed "$SEED" --skew "$SKEW"
   mv "$CKPT.tmp" "$CKPT"
 fi
-"$BUILD/services/moe-tool" forward --checkpoint "$CKPT" --tokens "$TOKENS" --seed 7 \
-  --output "$CKPT/forward-$TOKENS.safetensors"
+for BACKEND in cpu ref; do
+  if [ "$BACKEND" = ref ] && [ "$PRESET" = k3 ] && [ "$TOKENS" -gt 16 ]; then
+    echo "(skipping the reference for k3 above 16 tokens: about 1 s per token)"
+    continue
+  fi
+  "$BUILD/services/moe-tool" forward --checkpoint "$CKPT" --tokens "$TOKENS" --seed 7 \
+    --backend "$BACKEND" --repeat 2 --output "$CKPT/forward-$TOKENS-$BACKEND.safetensors"
+done

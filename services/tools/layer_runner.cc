@@ -9,6 +9,7 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/safetensors.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/numerics/cpu/moe_layer.h"
 #include "services/common/status_macros.h"
 
 namespace moe::tools {
@@ -83,12 +84,26 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
     rep.tokens = req.tokens;
     if (rep.tokens > 0) x = checkpoint::SyntheticHiddenStates(rep.config, rep.tokens, req.input_seed);
   }
+  if (req.backend != "cpu" && req.backend != "ref") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown backend \"", req.backend, "\"; use cpu or ref"));
+  }
+  std::unique_ptr<numerics::cpu::CpuMoeLayer> cpu;
+  if (req.backend == "cpu") {
+    MOE_ASSIGN_OR_RETURN(cpu, numerics::cpu::CpuMoeLayer::Create(rep.config, std::move(weights), {}));
+    rep.backend = absl::StrCat("cpu/", numerics::cpu::IsaName(cpu->isa()), ", ", cpu->threads(),
+                               " threads");
+  } else {
+    rep.backend = "ref (scalar reference, 1 thread)";
+  }
   numerics::LayerOutput best;
   for (int r = 0; r < std::max(1, req.repeat); ++r) {
     numerics::LayerTimings t;
-    MOE_ASSIGN_OR_RETURN(numerics::LayerOutput y,
-                         numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens,
-                                                        rep.config.hidden, nullptr, &t));
+    MOE_ASSIGN_OR_RETURN(
+        numerics::LayerOutput y,
+        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t)
+            : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens,
+                                             rep.config.hidden, nullptr, &t));
     if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;
     best = std::move(y);
   }

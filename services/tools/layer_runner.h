@@ -22,6 +22,7 @@ struct ForwardRequest {
   std::string input;        // optional safetensors file with tensor "x" [T, H] (BF16 or F32)
   std::string output;       // optional safetensors file for x, out, expert_ids, weights
   int repeat = 1;           // forwards to time; the report keeps the fastest
+  std::string backend = "cpu";  // "cpu" (optimized, numerics/cpu) or "ref" (scalar reference)
 };
 
 struct ForwardReport {
@@ -30,6 +31,7 @@ struct ForwardReport {
   int64_t tokens = 0;
   double load_seconds = 0;
   numerics::LayerTimings timings;  // of the fastest run
+  std::string backend;             // what ran: "ref" or "cpu/<isa>"
   uint64_t checksum = 0;           // FNV-1a 64 over the output's bf16 bytes
   double output_abs_sum = 0;
 };

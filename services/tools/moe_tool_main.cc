@@ -5,6 +5,7 @@
 //                  [--shard-mb 4096] [--single-file] [--threads 2]
 //   moe-tool forward --checkpoint /tmp/ckpt [--layer 1] [--tokens 64] [--seed 7]
 //                    [--input x.safetensors] [--output y.safetensors] [--repeat 1]
+//                    [--backend cpu|ref]
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,7 @@ int Usage() {
                "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
                "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
                "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
+               "                   [--backend cpu|ref]\n"
                "presets: k3, mid, tiny\n");
   return 2;
 }
@@ -116,6 +118,7 @@ int Forward(const Flags& f) {
   }
   if (f.count("input")) req.input = f.at("input");
   if (f.count("output")) req.output = f.at("output");
+  if (f.count("backend")) req.backend = f.at("backend");
   auto rep = moe::tools::RunLayerForward(req);
   if (!rep.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(rep.status().message()).c_str());
@@ -123,8 +126,8 @@ int Forward(const Flags& f) {
   }
   const moe::numerics::LayerTimings& t = rep->timings;
   const double total = t.Total();
-  std::printf("preset %s, layer %" PRId64 ", %" PRId64 " tokens, reference CPU path\n",
-              rep->config.name.c_str(), rep->layer, rep->tokens);
+  std::printf("preset %s, layer %" PRId64 ", %" PRId64 " tokens, backend %s\n",
+              rep->config.name.c_str(), rep->layer, rep->tokens, rep->backend.c_str());
   std::printf("load %.3f s; forward %.4f s (%.1f tokens/s)\n", rep->load_seconds, total,
               rep->tokens / total);
   std::printf("  router %.4f s | down-proj %.4f s | experts %.4f s | combine+norm %.4f s | "

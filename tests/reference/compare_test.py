@@ -55,7 +55,7 @@ def check(tool, work, preset, synth_flags):
         + synth_flags)
     out_path = os.path.join(ckpt, "forward.safetensors")
     run([tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS), "--seed", "5",
-         "--output", out_path])
+         "--backend", "ref", "--output", out_path])
     cpp, _ = ref.read_safetensors(out_path)
     t0 = time.time()
     out, ids, weights = ref.layer_forward(ref.Checkpoint(ckpt), 1, cpp["x"])
