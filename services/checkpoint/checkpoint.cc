@@ -50,9 +50,9 @@ absl::StatusOr<std::map<std::string, std::string>> ParseIndexJson(absl::string_v
     }
     const std::string file = it.value().get<std::string>();
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
-      return absl::DataLossError(absl::StrCat(label, ": weight_map entry for \"", it.key(),
-                                              "\" names \"", file,
-                                              "\", which is not a file in the checkpoint directory"));
+      return absl::DataLossError(
+          absl::StrCat(label, ": weight_map entry for \"", it.key(), "\" names \"", file,
+                       "\", which is not a file in the checkpoint directory"));
     }
     out[it.key()] = file;
   }
@@ -116,8 +116,8 @@ absl::StatusOr<TensorRef> Checkpoint::Get(const std::string& name) {
   MOE_ASSIGN_OR_RETURN(auto shard, Shard(file));
   const TensorInfo* info = shard->Find(name);
   if (info == nullptr) {
-    return absl::NotFoundError(absl::StrCat("checkpoint ", dir_, " has no tensor \"", name,
-                                            "\" (looked in ", file, ")"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", dir_, " has no tensor \"", name, "\" (looked in ", file, ")"));
   }
   return TensorRef{info, shard->Data(*info), shard};
 }

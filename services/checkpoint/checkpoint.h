@@ -49,8 +49,8 @@ class Checkpoint {
   absl::StatusOr<std::shared_ptr<const SafetensorsFile>> Shard(const std::string& file);
 
   std::string dir_;
-  std::string single_file_;                         // set when there is no index
-  std::map<std::string, std::string> weight_map_;   // tensor -> shard file name
+  std::string single_file_;                        // set when there is no index
+  std::map<std::string, std::string> weight_map_;  // tensor -> shard file name
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<const SafetensorsFile>> shards_;
 };

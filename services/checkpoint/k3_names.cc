@@ -16,9 +16,7 @@ std::string GateBiasName(int64_t layer) {
 std::string DownProjName(int64_t layer) {
   return MoePrefix(layer) + "routed_expert_down_proj.weight";
 }
-std::string NormWeightName(int64_t layer) {
-  return MoePrefix(layer) + "routed_expert_norm.weight";
-}
+std::string NormWeightName(int64_t layer) { return MoePrefix(layer) + "routed_expert_norm.weight"; }
 std::string UpProjName(int64_t layer) { return MoePrefix(layer) + "routed_expert_up_proj.weight"; }
 std::string SharedExpertName(int64_t layer, absl::string_view proj) {
   return absl::StrCat(MoePrefix(layer), "shared_experts.", proj, ".weight");
@@ -48,10 +46,10 @@ std::vector<TensorSpec> ExpertTensorSpecs(const ModelConfig& c, int64_t layer, i
   for (const char* m : {"w1", "w3", "w2"}) {
     const bool down = absl::string_view(m) == "w2";
     const int64_t rows = down ? d : i, cols = down ? i : d;
-    specs.push_back({ExpertTensorName(layer, expert, m, "weight_packed"), DType::kU8,
-                     {rows, cols / 2}});
-    specs.push_back({ExpertTensorName(layer, expert, m, "weight_scale"), DType::kU8,
-                     {rows, cols / 32}});
+    specs.push_back(
+        {ExpertTensorName(layer, expert, m, "weight_packed"), DType::kU8, {rows, cols / 2}});
+    specs.push_back(
+        {ExpertTensorName(layer, expert, m, "weight_scale"), DType::kU8, {rows, cols / 32}});
   }
   return specs;
 }

@@ -37,8 +37,8 @@ absl::Status CopyFinite(const TensorRef& ref, std::vector<T>* out) {
       v = (*out)[i];
     }
     if (!std::isfinite(v)) {
-      return absl::DataLossError(absl::StrCat("tensor \"", ref.info->name,
-                                              "\": non-finite value at element ", i));
+      return absl::DataLossError(
+          absl::StrCat("tensor \"", ref.info->name, "\": non-finite value at element ", i));
     }
   }
   return absl::OkStatus();
@@ -57,8 +57,8 @@ absl::StatusOr<MoeLayerWeights> LoadMoeLayer(Checkpoint& ckpt, const ModelConfig
   const int64_t lo = options.expert_lo;
   const int64_t hi = options.expert_hi < 0 ? cfg.num_experts : options.expert_hi;
   if (lo < 0 || lo > hi || hi > cfg.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("expert range [", lo, ", ", hi,
-                                                   ") is not inside [0, ", cfg.num_experts, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert range [", lo, ", ", hi, ") is not inside [0, ", cfg.num_experts, ")"));
   }
   MoeLayerWeights w;
   w.layer = layer;
@@ -66,9 +66,8 @@ absl::StatusOr<MoeLayerWeights> LoadMoeLayer(Checkpoint& ckpt, const ModelConfig
   w.expert_hi = hi;
   if (options.dense) {
     const std::vector<TensorSpec> specs = DenseTensorSpecs(cfg, layer);
-    std::vector<Bf16>* targets[] = {&w.gate,        nullptr,      &w.down_proj,
-                                    &w.norm,        &w.up_proj,   &w.shared_gate,
-                                    &w.shared_up,   &w.shared_down};
+    std::vector<Bf16>* targets[] = {&w.gate,    nullptr,        &w.down_proj, &w.norm,
+                                    &w.up_proj, &w.shared_gate, &w.shared_up, &w.shared_down};
     for (size_t i = 0; i < specs.size(); ++i) {
       MOE_ASSIGN_OR_RETURN(TensorRef ref, GetChecked(ckpt, specs[i]));
       if (targets[i] == nullptr) {
@@ -89,8 +88,8 @@ absl::StatusOr<MoeLayerWeights> LoadMoeLayer(Checkpoint& ckpt, const ModelConfig
       MOE_ASSIGN_OR_RETURN(TensorRef scales, GetChecked(ckpt, specs[2 * m + 1]));
       const absl::Status nan = numerics::ValidateE8M0Scales(scales.data);
       if (!nan.ok()) {
-        return absl::DataLossError(absl::StrCat("tensor \"", specs[2 * m + 1].name, "\": ",
-                                                nan.message()));
+        return absl::DataLossError(
+            absl::StrCat("tensor \"", specs[2 * m + 1].name, "\": ", nan.message()));
       }
       numerics::Mxfp4Matrix& mat = *mats[m];
       mat.rows = packed.info->shape[0];

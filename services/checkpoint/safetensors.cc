@@ -154,8 +154,8 @@ absl::Status SafetensorsFile::Parse() {
       if (!entry.is_object()) return Corrupt(label_, "__metadata__ is not an object");
       for (auto m = entry.begin(); m != entry.end(); ++m) {
         if (!m.value().is_string()) {
-          return Corrupt(label_, absl::StrCat("__metadata__ value of \"", m.key(),
-                                              "\" is not a string"));
+          return Corrupt(label_,
+                         absl::StrCat("__metadata__ value of \"", m.key(), "\" is not a string"));
         }
         metadata_[m.key()] = m.value().get<std::string>();
       }
@@ -178,8 +178,8 @@ absl::Status SafetensorsFile::Parse() {
     unsigned __int128 elements = 1;
     for (const Json& d : *shape) {
       if (!d.is_number_unsigned()) {
-        return TensorError(label_, name, absl::StrCat("shape entry ", d.dump(),
-                                                      " is not a non-negative integer"));
+        return TensorError(
+            label_, name, absl::StrCat("shape entry ", d.dump(), " is not a non-negative integer"));
       }
       const uint64_t dim = d.get<uint64_t>();
       if (dim > kMaxDim) {
@@ -199,8 +199,9 @@ absl::Status SafetensorsFile::Parse() {
     info.begin = (*offsets)[0].get<uint64_t>();
     info.end = (*offsets)[1].get<uint64_t>();
     if (info.begin > info.end) {
-      return TensorError(label_, name, absl::StrCat("data_offsets [", info.begin, ", ", info.end,
-                                                    "] are reversed"));
+      return TensorError(
+          label_, name,
+          absl::StrCat("data_offsets [", info.begin, ", ", info.end, "] are reversed"));
     }
     const unsigned __int128 want = elements * tensor::DTypeSize(info.dtype);
     if (want != info.end - info.begin) {
@@ -210,10 +211,10 @@ absl::Status SafetensorsFile::Parse() {
                                       " needs ", static_cast<uint64_t>(want)));
     }
     if (info.end > data_size) {
-      return TensorError(label_, name,
-                         absl::StrCat("data_offsets [", info.begin, ", ", info.end,
-                                      "] run past the end of the ", data_size,
-                                      "-byte data section (truncated?)"));
+      return TensorError(
+          label_, name,
+          absl::StrCat("data_offsets [", info.begin, ", ", info.end, "] run past the end of the ",
+                       data_size, "-byte data section (truncated?)"));
     }
     tensors_.push_back(std::move(info));
   }
@@ -253,8 +254,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   uint64_t offset = 0;
   for (const TensorSpec& spec : specs) {
     if (w->index_.count(spec.name) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", spec.name,
-                                                     "\" is listed twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor \"", spec.name, "\" is listed twice"));
     }
     TensorInfo info{spec.name, spec.dtype, spec.shape, offset,
                     offset + static_cast<uint64_t>(spec.NumBytes())};
@@ -292,8 +293,8 @@ SafetensorsWriter::~SafetensorsWriter() {
 absl::Status SafetensorsWriter::Write(absl::string_view name, absl::Span<const uint8_t> bytes) {
   auto it = index_.find(std::string(name));
   if (it == index_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": no tensor \"", name,
-                                                   "\" in this file's layout"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": no tensor \"", name, "\" in this file's layout"));
   }
   const TensorInfo& info = layout_[it->second];
   if (bytes.size() != info.end - info.begin) {
@@ -304,8 +305,8 @@ absl::Status SafetensorsWriter::Write(absl::string_view name, absl::Span<const u
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (written_[it->second]) {
-      return absl::FailedPreconditionError(absl::StrCat(path_, ": tensor \"", name,
-                                                        "\" written twice"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path_, ": tensor \"", name, "\" written twice"));
     }
     written_[it->second] = true;
   }
@@ -324,8 +325,8 @@ absl::Status SafetensorsWriter::Write(absl::string_view name, absl::Span<const u
 absl::Status SafetensorsWriter::Finish() {
   for (size_t i = 0; i < layout_.size(); ++i) {
     if (!written_[i]) {
-      return absl::FailedPreconditionError(absl::StrCat(path_, ": tensor \"", layout_[i].name,
-                                                        "\" was never written"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path_, ": tensor \"", layout_[i].name, "\" was never written"));
     }
   }
   if (::close(fd_) != 0) {

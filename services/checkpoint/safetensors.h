@@ -75,8 +75,8 @@ class SafetensorsFile {
   std::string label_;
   const uint8_t* base_ = nullptr;  // the whole file
   uint64_t size_ = 0;
-  void* mapping_ = nullptr;        // munmap on destruction when set
-  std::string owned_;              // FromBytes storage
+  void* mapping_ = nullptr;  // munmap on destruction when set
+  std::string owned_;        // FromBytes storage
   uint64_t data_start_ = 0;
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string, size_t> index_;

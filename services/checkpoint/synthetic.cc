@@ -5,10 +5,10 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -69,8 +69,8 @@ std::vector<uint8_t> DenseBytes(const ModelConfig& cfg, int64_t layer, size_t in
 }
 
 // The six tensors of one expert (ExpertTensorSpecs order): packed, scales for w1, w3, w2.
-void ExpertBytes(const ModelConfig& cfg, int64_t layer, int64_t expert,
-                 const SyntheticOptions& opt, std::vector<uint8_t> (&out)[6]) {
+void ExpertBytes(const ModelConfig& cfg, int64_t layer, int64_t expert, const SyntheticOptions& opt,
+                 std::vector<uint8_t> (&out)[6]) {
   const int64_t d = cfg.latent, inter = cfg.intermediate;
   std::vector<float> row(static_cast<size_t>(std::max(d, inter)));
   for (int m = 0; m < 3; ++m) {
@@ -138,8 +138,8 @@ numerics::MoeLayerWeights SyntheticLayer(const ModelConfig& cfg, int64_t layer,
   numerics::MoeLayerWeights w;
   w.layer = layer;
   w.has_dense = true;
-  std::vector<Bf16>* targets[] = {&w.gate,      nullptr,       &w.down_proj, &w.norm,
-                                  &w.up_proj,   &w.shared_gate, &w.shared_up, &w.shared_down};
+  std::vector<Bf16>* targets[] = {&w.gate,    nullptr,        &w.down_proj, &w.norm,
+                                  &w.up_proj, &w.shared_gate, &w.shared_up, &w.shared_down};
   for (size_t i = 0; i < 8; ++i) {
     const std::vector<uint8_t> bytes = DenseBytes(cfg, layer, i, opt);
     if (targets[i] == nullptr) {
@@ -178,9 +178,11 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
   const std::vector<int64_t> layers = LayersOf(cfg, opt);
   for (int64_t layer : layers) {
     if (!cfg.IsMoeLayer(layer)) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer (MoE "
-                                                     "layers are [", cfg.first_moe_layer, ", ",
-                                                     cfg.num_layers, "))"));
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer,
+                                                     " is not a MoE layer (MoE "
+                                                     "layers are [",
+                                                     cfg.first_moe_layer, ", ", cfg.num_layers,
+                                                     "))"));
     }
   }
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
@@ -229,12 +231,11 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
     }
     for (const TensorSpec& s : specs) weight_map[s.name] = shard.file;
     MOE_ASSIGN_OR_RETURN(
-        auto writer,
-        SafetensorsWriter::Create(dir + "/" + shard.file, specs,
-                                  {{"format", "pt"},
-                                   {"generator", "moe synthetic checkpoint"},
-                                   {"seed", std::to_string(opt.seed)},
-                                   {"router_skew", std::to_string(opt.router_skew)}}));
+        auto writer, SafetensorsWriter::Create(dir + "/" + shard.file, specs,
+                                               {{"format", "pt"},
+                                                {"generator", "moe synthetic checkpoint"},
+                                                {"seed", std::to_string(opt.seed)},
+                                                {"router_skew", std::to_string(opt.router_skew)}}));
     if (shard.dense) {
       for (int64_t layer : layers) {
         const std::vector<TensorSpec> dense = DenseTensorSpecs(cfg, layer);

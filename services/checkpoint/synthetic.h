@@ -30,9 +30,9 @@ namespace moe::checkpoint {
 struct SyntheticOptions {
   uint64_t seed = 1;
   double router_skew = 0.0;
-  std::vector<int64_t> layers;                  // empty: the first MoE layer only
-  int64_t shard_bytes = int64_t{4} << 30;       // experts are split into shards of about this
-  bool single_file = false;                     // model.safetensors, no index (small models)
+  std::vector<int64_t> layers;             // empty: the first MoE layer only
+  int64_t shard_bytes = int64_t{4} << 30;  // experts are split into shards of about this
+  bool single_file = false;                // model.safetensors, no index (small models)
   int threads = 2;
 };
 

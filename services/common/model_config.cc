@@ -49,14 +49,16 @@ absl::StatusOr<int64_t> GetInt(const Json& obj, const char* field, bool required
 absl::StatusOr<double> GetNumber(const Json& obj, const char* field, double fallback) {
   auto it = obj.find(field);
   if (it == obj.end() || it->is_null()) return fallback;
-  if (!it->is_number()) return FieldError(field, absl::StrCat("must be a number, got ", it->dump()));
+  if (!it->is_number())
+    return FieldError(field, absl::StrCat("must be a number, got ", it->dump()));
   return it->get<double>();
 }
 
 absl::StatusOr<bool> GetBool(const Json& obj, const char* field, bool fallback) {
   auto it = obj.find(field);
   if (it == obj.end() || it->is_null()) return fallback;
-  if (!it->is_boolean()) return FieldError(field, absl::StrCat("must be a boolean, got ", it->dump()));
+  if (!it->is_boolean())
+    return FieldError(field, absl::StrCat("must be a boolean, got ", it->dump()));
   return it->get<bool>();
 }
 
@@ -64,7 +66,8 @@ absl::Status ExpectString(const Json& obj, const char* field, const char* expect
   auto it = obj.find(field);
   if (it == obj.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_string() || it->get<std::string>() != expected) {
-    return FieldError(field, absl::StrCat("only \"", expected, "\" is supported, got ", it->dump()));
+    return FieldError(field,
+                      absl::StrCat("only \"", expected, "\" is supported, got ", it->dump()));
   }
   return absl::OkStatus();
 }
@@ -106,13 +109,13 @@ absl::Status ValidateConfig(const ModelConfig& c) {
                       absl::StrCat("must be a multiple of 32 (MXFP4 block), got ", c.intermediate));
   }
   if (c.top_k < 1 || c.top_k >= c.num_experts) {
-    return FieldError("num_experts_per_token",
-                      absl::StrCat("must be in [1, num_experts = ", c.num_experts, "), got ",
-                                   c.top_k));
+    return FieldError(
+        "num_experts_per_token",
+        absl::StrCat("must be in [1, num_experts = ", c.num_experts, "), got ", c.top_k));
   }
   if (!(c.rms_norm_eps > 0.0f) || !std::isfinite(c.rms_norm_eps)) {
-    return FieldError("rms_norm_eps", absl::StrCat("must be positive and finite, got ",
-                                                   c.rms_norm_eps));
+    return FieldError("rms_norm_eps",
+                      absl::StrCat("must be positive and finite, got ", c.rms_norm_eps));
   }
   if (!(c.routed_scaling_factor > 0.0f) || !std::isfinite(c.routed_scaling_factor)) {
     return FieldError("routed_scaling_factor",
@@ -127,7 +130,8 @@ absl::Status ValidateConfig(const ModelConfig& c) {
                       absl::StrCat("must be positive and finite, got ", c.situ_linear_beta));
   }
   if (c.num_layers < 1 || c.num_layers > 4096) {
-    return FieldError("num_hidden_layers", absl::StrCat("must be in [1, 4096], got ", c.num_layers));
+    return FieldError("num_hidden_layers",
+                      absl::StrCat("must be in [1, 4096], got ", c.num_layers));
   }
   if (c.first_moe_layer < 0 || c.first_moe_layer >= c.num_layers) {
     return FieldError("first_k_dense_replace",
@@ -143,8 +147,8 @@ absl::StatusOr<ModelConfig> PresetConfig(absl::string_view name) {
   if (name == "k3") return MakePreset("k3", 7168, 3072, 896, 16, 93);
   if (name == "mid") return MakePreset("mid", 1024, 448, 128, 8, 4);
   if (name == "tiny") return MakePreset("tiny", 128, 64, 16, 4, 3);
-  return absl::InvalidArgumentError(absl::StrCat("unknown preset \"", name, "\"; known: ",
-                                                 absl::StrJoin(PresetNames(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown preset \"", name, "\"; known: ", absl::StrJoin(PresetNames(), ", ")));
 }
 
 absl::StatusOr<ModelConfig> ParseHfConfig(absl::string_view json_text) {
@@ -184,8 +188,8 @@ absl::StatusOr<ModelConfig> ParseHfConfig(absl::string_view json_text) {
   for (const char* field : {"num_expert_group", "topk_group", "n_group"}) {
     MOE_ASSIGN_OR_RETURN(int64_t groups, GetInt(*t, field, false, 1));
     if (groups != 1) {
-      return FieldError(field, absl::StrCat("group-limited routing is not supported; must be 1, got ",
-                                            groups));
+      return FieldError(
+          field, absl::StrCat("group-limited routing is not supported; must be 1, got ", groups));
     }
   }
   MOE_RETURN_IF_ERROR(ValidateConfig(c));

@@ -40,7 +40,8 @@ class Rng {
   // normal and cheap enough to fill 15.7 GB of K3 experts.
   float Normal() {
     const uint64_t r = Next();
-    const uint32_t sum = static_cast<uint32_t>(r & 0xffff) + static_cast<uint32_t>((r >> 16) & 0xffff) +
+    const uint32_t sum = static_cast<uint32_t>(r & 0xffff) +
+                         static_cast<uint32_t>((r >> 16) & 0xffff) +
                          static_cast<uint32_t>((r >> 32) & 0xffff) + static_cast<uint32_t>(r >> 48);
     // sum / 65536 has mean 2 and variance 4/12; sqrt(3) restores variance 1.
     return (static_cast<float>(sum) * (1.0f / 65536.0f) - 2.0f) * 1.7320508f;

@@ -8,10 +8,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-#define MOE_RETURN_IF_ERROR(expr)                  \
-  do {                                             \
-    const ::absl::Status moe_status_ = (expr);     \
-    if (!moe_status_.ok()) return moe_status_;     \
+#define MOE_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    const ::absl::Status moe_status_ = (expr); \
+    if (!moe_status_.ok()) return moe_status_; \
   } while (0)
 
 #define MOE_STATUS_CONCAT_INNER_(a, b) a##b

@@ -27,8 +27,8 @@ void Mxfp4Linear(const Mxfp4Matrix& w, const float* xt, int64_t tokens, float* o
 
 }  // namespace
 
-void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta,
-               float linear_beta, Bf16* y) {
+void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta, float linear_beta,
+               Bf16* y) {
   const int64_t latent = w.w1.cols;
   const int64_t inter = w.w1.rows;
   const std::vector<float> zt = TransposeToFloat(z, tokens, latent);

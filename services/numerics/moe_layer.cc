@@ -46,9 +46,9 @@ absl::Status CheckSize(const char* tensor, size_t got, int64_t want) {
 absl::Status CheckMxfp4(int64_t expert, const char* name, const Mxfp4Matrix& m, int64_t rows,
                         int64_t cols) {
   if (m.rows != rows || m.cols != cols || m.packed == nullptr || m.scales == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer weights: expert ", expert, " ", name, " is [", m.rows, ", ", m.cols,
-                     "], config needs [", rows, ", ", cols, "]"));
+    return absl::FailedPreconditionError(absl::StrCat("layer weights: expert ", expert, " ", name,
+                                                      " is [", m.rows, ", ", m.cols,
+                                                      "], config needs [", rows, ", ", cols, "]"));
   }
   return absl::OkStatus();
 }
@@ -62,13 +62,12 @@ absl::Status ValidateHiddenStates(const ModelConfig& cfg, absl::Span<const Bf16>
         absl::StrCat("hidden states have ", tokens, " tokens; a forward needs at least one"));
   }
   if (width != cfg.hidden) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden states are ", width,
-                                                   " wide; this layer takes hidden_size ",
-                                                   cfg.hidden));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden states are ", width, " wide; this layer takes hidden_size ", cfg.hidden));
   }
   if (static_cast<int64_t>(x.size()) != tokens * width) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden states hold ", x.size(),
-                                                   " values; [", tokens, ", ", width, "] needs ",
+    return absl::InvalidArgumentError(absl::StrCat("hidden states hold ", x.size(), " values; [",
+                                                   tokens, ", ", width, "] needs ",
                                                    tokens * width));
   }
   for (size_t i = 0; i < x.size(); ++i) {
@@ -82,14 +81,15 @@ absl::Status ValidateHiddenStates(const ModelConfig& cfg, absl::Span<const Bf16>
   return absl::OkStatus();
 }
 
-absl::Status ValidateLayerWeights(const ModelConfig& cfg, const MoeLayerWeights& w,
-                                  bool need_dense, bool need_experts) {
+absl::Status ValidateLayerWeights(const ModelConfig& cfg, const MoeLayerWeights& w, bool need_dense,
+                                  bool need_experts) {
   const int64_t h = cfg.hidden, d = cfg.latent, e = cfg.num_experts, s = cfg.shared_intermediate();
   if (need_dense) {
     if (!w.has_dense) {
       return absl::FailedPreconditionError(
-          absl::StrCat("layer ", w.layer, ": the dense weights (router, projections, shared "
-                                          "experts) are not loaded"));
+          absl::StrCat("layer ", w.layer,
+                       ": the dense weights (router, projections, shared "
+                       "experts) are not loaded"));
     }
     MOE_RETURN_IF_ERROR(CheckSize("gate.weight", w.gate.size(), e * h));
     MOE_RETURN_IF_ERROR(CheckSize("gate.e_score_correction_bias", w.bias.size(), e));
@@ -190,9 +190,8 @@ std::vector<Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w, 
 }
 
 absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLayerWeights& w,
-                                            absl::Span<const Bf16> x, int64_t tokens,
-                                            int64_t width, const float* bias,
-                                            LayerTimings* timings) {
+                                            absl::Span<const Bf16> x, int64_t tokens, int64_t width,
+                                            const float* bias, LayerTimings* timings) {
   MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg, x, tokens, width));
   MOE_RETURN_IF_ERROR(ValidateLayerWeights(cfg, w, /*need_dense=*/true, /*need_experts=*/true));
   LayerOutput result;

@@ -37,8 +37,8 @@ absl::Status ValidateHiddenStates(const ModelConfig& cfg, absl::Span<const tenso
                                   int64_t tokens, int64_t width);
 // Checks that the weights have the shapes of cfg: the dense part if need_dense, and every
 // expert [lo, hi) if need_experts.
-absl::Status ValidateLayerWeights(const ModelConfig& cfg, const MoeLayerWeights& w,
-                                  bool need_dense, bool need_experts);
+absl::Status ValidateLayerWeights(const ModelConfig& cfg, const MoeLayerWeights& w, bool need_dense,
+                                  bool need_experts);
 
 namespace ref {
 
@@ -55,8 +55,8 @@ std::vector<tensor::Bf16> RunExperts(const ModelConfig& cfg, const MoeLayerWeigh
                                      const Routing& routing, const tensor::Bf16* z);
 // Steps 5 to 8 from the combined latent r: [T, D] -> out: [T, H].
 std::vector<tensor::Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w,
-                                      const tensor::Bf16* x, int64_t tokens,
-                                      const tensor::Bf16* r, LayerTimings* timings);
+                                      const tensor::Bf16* x, int64_t tokens, const tensor::Bf16* r,
+                                      LayerTimings* timings);
 
 // Steps 1 to 8. Validates x and the weights first; needs the dense part and all E experts.
 absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLayerWeights& w,

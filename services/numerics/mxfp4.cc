@@ -74,8 +74,8 @@ absl::Status ValidateE8M0Scales(absl::Span<const uint8_t> scales) {
   const void* nan = std::memchr(scales.data(), kE8M0NaN, scales.size());
   if (nan == nullptr) return absl::OkStatus();
   const size_t index = static_cast<const uint8_t*>(nan) - scales.data();
-  return absl::InvalidArgumentError(
-      absl::StrCat("E8M0 scale at byte ", index, " is 0xFF (NaN), which MXFP4 weights may not hold"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "E8M0 scale at byte ", index, " is 0xFF (NaN), which MXFP4 weights may not hold"));
 }
 
 }  // namespace moe::numerics

@@ -48,7 +48,7 @@ uint8_t FloatToE2M1(float v);
 // A packed matrix, borrowed: the bytes are owned elsewhere (a mapped checkpoint, a buffer).
 struct Mxfp4Matrix {
   int64_t rows = 0;
-  int64_t cols = 0;  // logical columns; a multiple of 32
+  int64_t cols = 0;                 // logical columns; a multiple of 32
   const uint8_t* packed = nullptr;  // [rows, cols / 2]
   const uint8_t* scales = nullptr;  // [rows, cols / 32]
 };

@@ -76,8 +76,8 @@ absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t 
         "QB needs 1 <= k < n (the (k+1)-th score is the cutoff); got k = ", k, ", n = ", n));
   }
   if (m < 0 || static_cast<int64_t>(scores.size()) != m * n) {
-    return absl::InvalidArgumentError(absl::StrCat("scores hold ", scores.size(),
-                                                   " values; [", m, ", ", n, "] needs ", m * n));
+    return absl::InvalidArgumentError(
+        absl::StrCat("scores hold ", scores.size(), " values; [", m, ", ", n, "] needs ", m * n));
   }
   if (static_cast<int64_t>(bias.size()) != n) {
     return absl::InvalidArgumentError(
@@ -92,8 +92,8 @@ absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t 
   }
   for (size_t i = 0; non_finite != 0 && i < scores.size(); ++i) {
     if (!std::isfinite(scores[i])) {
-      return absl::InvalidArgumentError(absl::StrCat("score of token ", i / n, ", expert ", i % n,
-                                                     " is not finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("score of token ", i / n, ", expert ", i % n, " is not finite"));
     }
   }
   for (int64_t j = 0; j < n; ++j) {
@@ -203,8 +203,8 @@ absl::StatusOr<QbHistogram> QbHistogram::Create(const QbWindow& window,
   const int64_t n = static_cast<int64_t>(routing_bias.size());
   MOE_RETURN_IF_ERROR(ValidateQbInput({}, 0, n, routing_bias, window.top_k));
   if (window.bins < 1 || window.bins > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("QB histogram bins must be in [1, 2^20], got ",
-                                                   window.bins));
+    return absl::InvalidArgumentError(
+        absl::StrCat("QB histogram bins must be in [1, 2^20], got ", window.bins));
   }
   QbHistogram h;
   h.window_ = window;
@@ -242,14 +242,14 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
 
 absl::Status QbHistogram::Merge(const QbHistogram& o) {
   if (o.window_.window_id != window_.window_id) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "QB statistics are for window ", o.window_.window_id, ", this window is ",
-        window_.window_id));
+    return absl::FailedPreconditionError(absl::StrCat("QB statistics are for window ",
+                                                      o.window_.window_id, ", this window is ",
+                                                      window_.window_id));
   }
   if (o.window_.bias_version != window_.bias_version) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "QB statistics were routed with bias version ", o.window_.bias_version,
-        ", this window uses version ", window_.bias_version));
+    return absl::FailedPreconditionError(
+        absl::StrCat("QB statistics were routed with bias version ", o.window_.bias_version,
+                     ", this window uses version ", window_.bias_version));
   }
   if (o.window_.layer != window_.layer || o.window_.top_k != window_.top_k ||
       o.window_.bins != window_.bins || o.num_experts_ != num_experts_) {
@@ -335,8 +335,8 @@ absl::StatusOr<QbHistogram> QbHistogram::Deserialize(absl::string_view bytes) {
     load_sum += l;
   }
   if (load_sum != h.tokens_ * static_cast<int64_t>(k)) {
-    return Corrupt(absl::StrCat("loads sum to ", load_sum, ", expected tokens * k = ",
-                                h.tokens_ * static_cast<int64_t>(k)));
+    return Corrupt(absl::StrCat("loads sum to ", load_sum,
+                                ", expected tokens * k = ", h.tokens_ * static_cast<int64_t>(k)));
   }
   for (uint32_t j = 0; j < n; ++j) {
     uint64_t row = 0;
@@ -346,8 +346,8 @@ absl::StatusOr<QbHistogram> QbHistogram::Deserialize(absl::string_view bytes) {
       row += v;
     }
     if (row != static_cast<uint64_t>(h.tokens_)) {
-      return Corrupt(absl::StrCat("row of expert ", j, " sums to ", row, ", expected ", h.tokens_,
-                                  " tokens"));
+      return Corrupt(
+          absl::StrCat("row of expert ", j, " sums to ", row, ", expected ", h.tokens_, " tokens"));
     }
   }
   if (!r.AtEnd()) return Corrupt("trailing bytes");

@@ -41,11 +41,11 @@ std::vector<int64_t> RouteLoads(absl::Span<const float> scores, int64_t m, int64
                                 absl::Span<const float> bias, int64_t k);
 
 struct QbStep {
-  std::vector<int32_t> routes;   // [m, k] with the old bias, rank order
-  std::vector<float> cutoffs;    // [m] alpha_i: the (k+1)-th biased score of token i
-  std::vector<int64_t> loads;    // [n] with the old bias
-  std::vector<float> raw_bias;   // [n] b-hat, before centering
-  std::vector<float> bias;       // [n] b-hat - mean(b-hat): the new bias
+  std::vector<int32_t> routes;  // [m, k] with the old bias, rank order
+  std::vector<float> cutoffs;   // [m] alpha_i: the (k+1)-th biased score of token i
+  std::vector<int64_t> loads;   // [n] with the old bias
+  std::vector<float> raw_bias;  // [n] b-hat, before centering
+  std::vector<float> bias;      // [n] b-hat - mean(b-hat): the new bias
 };
 
 // One exact QB step. b-hat_j = -(the (floor(q)+1)-th largest margin s_ij - alpha_i of column j),
@@ -119,11 +119,11 @@ class QbHistogram {
 };
 
 struct BalanceMetrics {
-  double target = 0;            // q = total load / n
-  double max_vio = 0;           // max_j load_j / q - 1
-  double cv = 0;                // std(load) / q
-  double min_over_target = 0;   // min_j load_j / q
-  int64_t dead = 0;             // experts with load 0
+  double target = 0;               // q = total load / n
+  double max_vio = 0;              // max_j load_j / q - 1
+  double cv = 0;                   // std(load) / q
+  double min_over_target = 0;      // min_j load_j / q
+  int64_t dead = 0;                // experts with load 0
   double shard_max_over_mean = 0;  // per-shard load max / mean (1 when no placement is given)
 };
 

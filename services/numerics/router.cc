@@ -1,6 +1,5 @@
 #include "services/numerics/router.h"
 
-
 #include "services/numerics/linear.h"
 #include "services/numerics/situ.h"
 
@@ -51,8 +50,8 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
 
 namespace ref {
 
-void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden,
-                  const tensor::Bf16* gate, int64_t num_experts, float* scores) {
+void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden, const tensor::Bf16* gate,
+                  int64_t num_experts, float* scores) {
   LinearF32(x, tokens, hidden, gate, num_experts, scores);
   for (int64_t i = 0; i < tokens * num_experts; ++i) scores[i] = Sigmoid(scores[i]);
 }

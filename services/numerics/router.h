@@ -42,8 +42,8 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
 
 namespace ref {
 // x: [T, H] bf16, gate: [E, H] bf16 -> scores: [T, E] fp32 sigmoid scores.
-void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden,
-                  const tensor::Bf16* gate, int64_t num_experts, float* scores);
+void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden, const tensor::Bf16* gate,
+                  int64_t num_experts, float* scores);
 }  // namespace ref
 
 }  // namespace moe::numerics

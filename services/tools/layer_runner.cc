@@ -9,8 +9,8 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/safetensors.h"
 #include "services/checkpoint/synthetic.h"
-#include "services/numerics/cpu/moe_layer.h"
 #include "services/common/status_macros.h"
+#include "services/numerics/cpu/moe_layer.h"
 
 namespace moe::tools {
 namespace {
@@ -35,9 +35,8 @@ absl::StatusOr<std::vector<Bf16>> ReadInput(const std::string& path, const Model
                                                    checkpoint::ShapeString(x->shape)));
   }
   if (x->shape[1] != cfg.hidden) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": x is ", x->shape[1],
-                                                   " wide; the layer takes hidden_size ",
-                                                   cfg.hidden));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": x is ", x->shape[1], " wide; the layer takes hidden_size ", cfg.hidden));
   }
   *tokens = x->shape[0];
   std::vector<Bf16> out(static_cast<size_t>(x->NumElements()));
@@ -51,8 +50,8 @@ absl::StatusOr<std::vector<Bf16>> ReadInput(const std::string& path, const Model
       out[i] = Bf16::FromFloat(f);
     }
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": x must be BF16 or F32, got ",
-                                                   tensor::DTypeName(x->dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": x must be BF16 or F32, got ", tensor::DTypeName(x->dtype)));
   }
   return out;
 }
@@ -82,7 +81,8 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
     MOE_ASSIGN_OR_RETURN(x, ReadInput(req.input, rep.config, &rep.tokens));
   } else {
     rep.tokens = req.tokens;
-    if (rep.tokens > 0) x = checkpoint::SyntheticHiddenStates(rep.config, rep.tokens, req.input_seed);
+    if (rep.tokens > 0)
+      x = checkpoint::SyntheticHiddenStates(rep.config, rep.tokens, req.input_seed);
   }
   if (req.backend != "cpu" && req.backend != "ref") {
     return absl::InvalidArgumentError(
@@ -90,20 +90,20 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   }
   std::unique_ptr<numerics::cpu::CpuMoeLayer> cpu;
   if (req.backend == "cpu") {
-    MOE_ASSIGN_OR_RETURN(cpu, numerics::cpu::CpuMoeLayer::Create(rep.config, std::move(weights), {}));
-    rep.backend = absl::StrCat("cpu/", numerics::cpu::IsaName(cpu->isa()), ", ", cpu->threads(),
-                               " threads");
+    MOE_ASSIGN_OR_RETURN(cpu,
+                         numerics::cpu::CpuMoeLayer::Create(rep.config, std::move(weights), {}));
+    rep.backend =
+        absl::StrCat("cpu/", numerics::cpu::IsaName(cpu->isa()), ", ", cpu->threads(), " threads");
   } else {
     rep.backend = "ref (scalar reference, 1 thread)";
   }
   numerics::LayerOutput best;
   for (int r = 0; r < std::max(1, req.repeat); ++r) {
     numerics::LayerTimings t;
-    MOE_ASSIGN_OR_RETURN(
-        numerics::LayerOutput y,
-        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t)
-            : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens,
-                                             rep.config.hidden, nullptr, &t));
+    MOE_ASSIGN_OR_RETURN(numerics::LayerOutput y,
+                         cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t)
+                             : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens,
+                                                              rep.config.hidden, nullptr, &t));
     if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;
     best = std::move(y);
   }

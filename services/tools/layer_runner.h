@@ -15,13 +15,13 @@
 namespace moe::tools {
 
 struct ForwardRequest {
-  std::string checkpoint;   // directory or file
-  int64_t layer = -1;       // -1: the first MoE layer in the checkpoint's config
-  int64_t tokens = 64;      // synthetic input size when input is empty
+  std::string checkpoint;  // directory or file
+  int64_t layer = -1;      // -1: the first MoE layer in the checkpoint's config
+  int64_t tokens = 64;     // synthetic input size when input is empty
   uint64_t input_seed = 7;
-  std::string input;        // optional safetensors file with tensor "x" [T, H] (BF16 or F32)
-  std::string output;       // optional safetensors file for x, out, expert_ids, weights
-  int repeat = 1;           // forwards to time; the report keeps the fastest
+  std::string input;            // optional safetensors file with tensor "x" [T, H] (BF16 or F32)
+  std::string output;           // optional safetensors file for x, out, expert_ids, weights
+  int repeat = 1;               // forwards to time; the report keeps the fastest
   std::string backend = "cpu";  // "cpu" (optimized, numerics/cpu) or "ref" (scalar reference)
 };
 

@@ -22,14 +22,15 @@ namespace {
 using Flags = std::map<std::string, std::string>;
 
 int Usage() {
-  std::fprintf(stderr,
-               "usage:\n"
-               "  moe-tool synth --config PRESET|config.json --out DIR [--seed N] [--skew X]\n"
-               "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
-               "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
-               "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
-               "                   [--backend cpu|ref]\n"
-               "presets: k3, mid, tiny\n");
+  std::fprintf(
+      stderr,
+      "usage:\n"
+      "  moe-tool synth --config PRESET|config.json --out DIR [--seed N] [--skew X]\n"
+      "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
+      "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
+      "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
+      "                   [--backend cpu|ref]\n"
+      "presets: k3, mid, tiny\n");
   return 2;
 }
 
@@ -130,9 +131,10 @@ int Forward(const Flags& f) {
               rep->config.name.c_str(), rep->layer, rep->tokens, rep->backend.c_str());
   std::printf("load %.3f s; forward %.4f s (%.1f tokens/s)\n", rep->load_seconds, total,
               rep->tokens / total);
-  std::printf("  router %.4f s | down-proj %.4f s | experts %.4f s | combine+norm %.4f s | "
-              "up-proj %.4f s | shared %.4f s\n",
-              t.router, t.down_proj, t.experts, t.combine_norm, t.up_proj, t.shared);
+  std::printf(
+      "  router %.4f s | down-proj %.4f s | experts %.4f s | combine+norm %.4f s | "
+      "up-proj %.4f s | shared %.4f s\n",
+      t.router, t.down_proj, t.experts, t.combine_norm, t.up_proj, t.shared);
   std::printf("checksum fnv1a64=%016" PRIx64 " sum|out|=%.6f\n", rep->checksum,
               rep->output_abs_sum);
   return 0;

@@ -63,7 +63,8 @@ QbSimResult RunQbSim(const QbSimOptions& o) {
   methods.push_back({Method::kNone, 0, 0, "none", {}});
   for (float g : o.gammas) methods.push_back({Method::kSign, g, 0, absl::StrCat("sign-", g), {}});
   methods.push_back({Method::kExact, 0, 0, "qb-exact", {}});
-  for (int b : o.bins) methods.push_back({Method::kHistogram, 0, b, absl::StrCat("qb-hist-", b), {}});
+  for (int b : o.bins)
+    methods.push_back({Method::kHistogram, 0, b, absl::StrCat("qb-hist-", b), {}});
   for (Method& me : methods) {
     me.bias.assign(static_cast<size_t>(n), 0.0f);
     result.methods.push_back(me.name);
@@ -142,9 +143,10 @@ std::string QbSimSummary(const QbSimResult& r) {
   const double q = static_cast<double>(o.window_tokens) * o.top_k / o.num_experts;
   std::string out = absl::StrFormat(
       "n=%d k=%d window=%d tokens (q=%.1f) windows=%d skew=%.2f drift=%.3f dead=%d\n"
-      "noise floor sqrt(2 ln n)/sqrt(q) = %.3f; 'reach' = first window with MaxVio <= %.2f x floor\n",
-      o.num_experts, o.top_k, o.window_tokens, q, o.windows, o.skew, o.drift, o.dead,
-      r.noise_floor, kReachFactor);
+      "noise floor sqrt(2 ln n)/sqrt(q) = %.3f; 'reach' = first window with MaxVio <= %.2f x "
+      "floor\n",
+      o.num_experts, o.top_k, o.window_tokens, q, o.windows, o.skew, o.drift, o.dead, r.noise_floor,
+      kReachFactor);
   absl::StrAppendFormat(&out, "%-16s %10s %10s %8s %14s %14s\n", "method", "MaxVio[0]",
                         "MaxVio[-1]", "reach", "MaxVio(tail)", "min/q(tail)");
   const int tail_from = o.windows - std::max(1, o.windows / 3);
@@ -194,7 +196,8 @@ absl::Status WriteQbSimChart(const QbSimResult& r, const std::string& png_path) 
     gp << "set terminal pngcairo size 1200,900 font 'sans,11'\n"
        << "set output '" << png_path << "'\n"
        << "titles = '" << titles << "'\n"
-       << "set multiplot layout 2,1 title '" << absl::StrFormat(
+       << "set multiplot layout 2,1 title '"
+       << absl::StrFormat(
               "Quantile Balancing vs baselines: n=%d, k=%d, %d tokens/window, skew %.1f, drift "
               "%.3f, dead %d",
               o.num_experts, o.top_k, o.window_tokens, o.skew, o.drift, o.dead)
@@ -220,7 +223,8 @@ absl::Status WriteQbSimChart(const QbSimResult& r, const std::string& png_path) 
   std::remove(dat.c_str());
   std::remove(script.c_str());
   if (rc != 0) {
-    return absl::UnavailableError(absl::StrCat("gnuplot failed (is gnuplot-nox installed?): ", msg));
+    return absl::UnavailableError(
+        absl::StrCat("gnuplot failed (is gnuplot-nox installed?): ", msg));
   }
   return absl::OkStatus();
 }

@@ -29,13 +29,13 @@ struct QbSimOptions {
   int64_t top_k = 16;
   int64_t window_tokens = 4096;
   int windows = 30;
-  double skew = 3.0;       // logit offset of the hottest experts
-  double drift = 0.0;      // std of each expert's popularity random-walk step per window
-  int64_t dead = 0;        // experts that no token picks without a bias
+  double skew = 3.0;   // logit offset of the hottest experts
+  double drift = 0.0;  // std of each expert's popularity random-walk step per window
+  int64_t dead = 0;    // experts that no token picks without a bias
   uint64_t seed = 1;
   std::vector<float> gammas = {1e-3f, 1e-2f};
   std::vector<int> bins = {100, 1000};
-  int nodes = 2;           // attention nodes the histogram method splits each window over
+  int nodes = 2;  // attention nodes the histogram method splits each window over
 };
 
 struct QbSimRow {

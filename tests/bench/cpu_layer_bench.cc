@@ -50,7 +50,9 @@ using Clock = std::chrono::steady_clock;
 
 const int kThreads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
-double Seconds(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
+double Seconds(Clock::time_point a) {
+  return std::chrono::duration<double>(Clock::now() - a).count();
+}
 
 // Median wall time of `reps` runs of fn (after one warm-up unless warm is false).
 double Median(int reps, const std::function<void()>& fn, bool warm = true) {
@@ -217,7 +219,12 @@ void ExpertBench(double bandwidth, double fma_peak, double bf16_peak) {
       }
     }
     const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(
-        [&] { ModelConfig h = c; h.hidden = c.latent; return h; }(), per_expert, 3);
+        [&] {
+          ModelConfig h = c;
+          h.hidden = c.latent;
+          return h;
+        }(),
+        per_expert, 3);
     const double s = Median(per_expert >= 256 ? 2 : 5, [&] {
       auto y = numerics::cpu::RunExperts(k, &pool, c, set.w, r, z.data());
       volatile uint16_t sink = y[0].bits;
@@ -258,7 +265,8 @@ void DenseBench(double bandwidth, double bf16_peak, double fma_peak) {
     Rng rng(5);
     for (float& v : x) v = tensor::RoundBf16(rng.Normal());
     std::vector<float> y(static_cast<size_t>(tokens * packed.padded_out()));
-    const double s = Median(tokens == 1 ? 10 : 3, [&] { packed.Apply(k, &pool, x.data(), tokens, y.data()); });
+    const double s =
+        Median(tokens == 1 ? 10 : 3, [&] { packed.Apply(k, &pool, x.data(), tokens, y.data()); });
     const double bytes = 2.0 * out * in, flops = 2.0 * out * in * tokens;
     if (tokens == 1) {
       Add("dense [6144x7168] T=1, own kernel", F("%.1f GB/s", bytes / s / 1e9),
@@ -339,10 +347,11 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<int64_t>& ref_tok
     }
     const double sum = best.Total();
     char shares[200];
-    std::snprintf(shares, sizeof(shares),
-                  "router %.0f%% down %.0f%% experts %.0f%% comb+norm %.0f%% up %.0f%% shared %.0f%%",
-                  100 * best.router / sum, 100 * best.down_proj / sum, 100 * best.experts / sum,
-                  100 * best.combine_norm / sum, 100 * best.up_proj / sum, 100 * best.shared / sum);
+    std::snprintf(
+        shares, sizeof(shares),
+        "router %.0f%% down %.0f%% experts %.0f%% comb+norm %.0f%% up %.0f%% shared %.0f%%",
+        100 * best.router / sum, 100 * best.down_proj / sum, 100 * best.experts / sum,
+        100 * best.combine_norm / sum, 100 * best.up_proj / sum, 100 * best.shared / sum);
     Add(std::string(reference ? "reference" : "cpu") + " layer T=" + std::to_string(tokens),
         F("%.2f tok/s", tokens / best_total) + F(" (%.3f s)", best_total), shares);
   };

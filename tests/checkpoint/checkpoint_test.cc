@@ -1,5 +1,7 @@
 // Synthetic checkpoints written to disk, read back through the index, loaded by layer and by
 // expert range; and the loader's errors for missing, mis-shaped and NaN-scaled tensors.
+#include "services/checkpoint/checkpoint.h"
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,7 +12,6 @@
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/k3_names.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -87,7 +88,8 @@ TEST_F(SyntheticCheckpointTest, IndexNamesEveryTensorAndShardsAreSeveral) {
   for (auto it = wm.begin(); it != wm.end(); ++it) files.insert(it.value().get<std::string>());
   EXPECT_GE(files.size(), 4u);
   EXPECT_TRUE(wm.contains(ExpertTensorName(2, 15, "w2", "weight_scale")));
-  EXPECT_TRUE(wm.contains("language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias"));
+  EXPECT_TRUE(
+      wm.contains("language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias"));
 }
 
 TEST_F(SyntheticCheckpointTest, ConfigJsonReadsBack) {
@@ -109,8 +111,8 @@ TEST_F(SyntheticCheckpointTest, LoadedLayerEqualsTheInMemoryGenerator) {
     const MoeLayerWeights mem = SyntheticLayer(*cfg_, layer, Options());
     EXPECT_EQ(0, std::memcmp(w->gate.data(), mem.gate.data(), mem.gate.size() * 2));
     EXPECT_EQ(w->bias, mem.bias);
-    EXPECT_EQ(0, std::memcmp(w->shared_down.data(), mem.shared_down.data(),
-                             mem.shared_down.size() * 2));
+    EXPECT_EQ(
+        0, std::memcmp(w->shared_down.data(), mem.shared_down.data(), mem.shared_down.size() * 2));
     ExpectSameExperts(*cfg_, *w, mem, 0, cfg_->num_experts);
   }
   // Different layers get different weights.

@@ -66,16 +66,15 @@ std::vector<Malformed> Corpus() {
       {"size_mismatch",
        FileWithHeader(R"({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}})", 10),
        "holds 10 bytes but BF16 [2, 3] needs 12"});
-  c.push_back(
-      {"reversed_offsets",
-       FileWithHeader(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [4, 2]}})", 4),
-       "reversed"});
+  c.push_back({"reversed_offsets",
+               FileWithHeader(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [4, 2]}})", 4),
+               "reversed"});
   c.push_back({"bad_offsets",
                FileWithHeader(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0]}})", 2),
                "data_offsets"});
-  c.push_back(
-      {"past_end", FileWithHeader(R"({"w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}})", 5),
-       "run past the end of the 5-byte data section"});
+  c.push_back({"past_end",
+               FileWithHeader(R"({"w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}})", 5),
+               "run past the end of the 5-byte data section"});
   c.push_back({"overlap",
                FileWithHeader(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
                                   "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}})",
@@ -86,8 +85,8 @@ std::vector<Malformed> Corpus() {
                                   "a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}})",
                               2),
                "more than once"});
-  c.push_back({"metadata_not_strings", FileWithHeader(R"({"__metadata__": {"k": 1}})", 0),
-               "__metadata__"});
+  c.push_back(
+      {"metadata_not_strings", FileWithHeader(R"({"__metadata__": {"k": 1}})", 0), "__metadata__"});
   c.push_back({"bad_utf8", FileWithHeader("{\"\xff\xfe\": 1}", 0), "not valid JSON"});
   return c;
 }

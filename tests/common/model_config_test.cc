@@ -92,20 +92,19 @@ TEST_P(ModelConfigRejects, NamingTheField) {
 
 INSTANTIATE_TEST_SUITE_P(
     Fields, ModelConfigRejects,
-    ::testing::Values(BadConfig{R"(, "num_experts_per_token": 16)", "num_experts_per_token"},
-                      BadConfig{R"(, "num_experts_per_token": 0)", "num_experts_per_token"},
-                      BadConfig{R"(, "routed_expert_hidden_size": 48)",
-                                "routed_expert_hidden_size"},
-                      BadConfig{R"(, "moe_intermediate_size": 100)", "moe_intermediate_size"},
-                      BadConfig{R"(, "hidden_size": -1)", "hidden_size"},
-                      BadConfig{R"(, "hidden_size": "128")", "hidden_size"},
-                      BadConfig{R"(, "moe_router_activation_func": "softmax")",
-                                "moe_router_activation_func"},
-                      BadConfig{R"(, "hidden_act": "silu")", "hidden_act"},
-                      BadConfig{R"(, "topk_group": 4)", "topk_group"},
-                      BadConfig{R"(, "rms_norm_eps": 0)", "rms_norm_eps"},
-                      BadConfig{R"(, "first_k_dense_replace": 3)", "first_k_dense_replace"},
-                      BadConfig{R"(, "moe_renormalize": 1)", "moe_renormalize"}));
+    ::testing::Values(
+        BadConfig{R"(, "num_experts_per_token": 16)", "num_experts_per_token"},
+        BadConfig{R"(, "num_experts_per_token": 0)", "num_experts_per_token"},
+        BadConfig{R"(, "routed_expert_hidden_size": 48)", "routed_expert_hidden_size"},
+        BadConfig{R"(, "moe_intermediate_size": 100)", "moe_intermediate_size"},
+        BadConfig{R"(, "hidden_size": -1)", "hidden_size"},
+        BadConfig{R"(, "hidden_size": "128")", "hidden_size"},
+        BadConfig{R"(, "moe_router_activation_func": "softmax")", "moe_router_activation_func"},
+        BadConfig{R"(, "hidden_act": "silu")", "hidden_act"},
+        BadConfig{R"(, "topk_group": 4)", "topk_group"},
+        BadConfig{R"(, "rms_norm_eps": 0)", "rms_norm_eps"},
+        BadConfig{R"(, "first_k_dense_replace": 3)", "first_k_dense_replace"},
+        BadConfig{R"(, "moe_renormalize": 1)", "moe_renormalize"}));
 
 TEST(ModelConfig, MissingFieldAndBadJsonAreClear) {
   auto missing = ParseHfConfig(R"({"text_config": {"hidden_size": 128}})");

@@ -99,7 +99,7 @@ TEST_F(MoeLayerTest, BiasOverrideChangesSelectionOnly) {
   ASSERT_TRUE(biased.ok());
   for (int64_t t = 0; t < kTokens; ++t) {
     EXPECT_EQ(biased->routing.expert_ids[t * cfg_.top_k], 0);  // rank 0 every time
-    EXPECT_LT(biased->routing.weights[t * cfg_.top_k], 1.0f);   // weight from the raw score
+    EXPECT_LT(biased->routing.weights[t * cfg_.top_k], 1.0f);  // weight from the raw score
   }
 }
 
@@ -132,8 +132,7 @@ struct BadInputCase {
 };
 void PrintTo(const BadInputCase& c, std::ostream* os) { *os << c.name; }
 
-class MoeLayerBadInput : public MoeLayerTest,
-                         public ::testing::WithParamInterface<BadInputCase> {};
+class MoeLayerBadInput : public MoeLayerTest, public ::testing::WithParamInterface<BadInputCase> {};
 
 TEST_P(MoeLayerBadInput, IsRejectedWithAClearMessage) {
   const BadInputCase& c = GetParam();

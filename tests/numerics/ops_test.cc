@@ -34,8 +34,8 @@ std::vector<Bf16> ToBf16(const std::vector<float>& v) {
 TEST(Situ, KnownPoints) {
   EXPECT_EQ(Situ(0.0f, 5.0f, 4.0f, 25.0f), 0.0f);
   EXPECT_EQ(Situ(3.0f, 0.0f, 4.0f, 25.0f), 0.0f);
-  for (auto [g, u] : {std::pair{1.0f, 1.0f}, {-1.0f, 2.0f}, {8.0f, -30.0f}, {-20.0f, 50.0f},
-                      {0.5f, 0.25f}}) {
+  for (auto [g, u] :
+       {std::pair{1.0f, 1.0f}, {-1.0f, 2.0f}, {8.0f, -30.0f}, {-20.0f, 50.0f}, {0.5f, 0.25f}}) {
     const double want = SituDouble(g, u);
     EXPECT_NEAR(Situ(g, u, 4.0f, 25.0f), want, std::fabs(want) * kSituFp32RelTol + 1e-30)
         << "g=" << g << " u=" << u;
@@ -109,7 +109,8 @@ TEST(RmsNorm, UnitRmsOnRandomRowsAndMatchesDoubleOracle) {
   ref::RmsNorm(r.data(), tokens, dim, gamma.data(), 1e-5f, out.data());
   for (int64_t t = 0; t < tokens; ++t) {
     double ss = 0, ss_out = 0;
-    for (int64_t d = 0; d < dim; ++d) ss += double(r[t * dim + d].ToFloat()) * r[t * dim + d].ToFloat();
+    for (int64_t d = 0; d < dim; ++d)
+      ss += double(r[t * dim + d].ToFloat()) * r[t * dim + d].ToFloat();
     const double inv = 1.0 / std::sqrt(ss / dim + 1e-5);
     for (int64_t d = 0; d < dim; ++d) {
       const double want = r[t * dim + d].ToFloat() * inv;
@@ -148,7 +149,7 @@ TEST(Router, ScoresAreSigmoidOfFp32Logits) {
   const std::vector<Bf16> x = ToBf16({1.0f, 2.0f}), gate = ToBf16({0.5f, -1.0f, 0.25f, 0.25f});
   std::vector<float> s(2);
   ref::RouterScores(x.data(), 1, 2, gate.data(), 2, s.data());
-  EXPECT_FLOAT_EQ(s[0], 1.0f / (1.0f + std::exp(1.5f)));   // logit -1.5
+  EXPECT_FLOAT_EQ(s[0], 1.0f / (1.0f + std::exp(1.5f)));    // logit -1.5
   EXPECT_FLOAT_EQ(s[1], 1.0f / (1.0f + std::exp(-0.75f)));  // logit 0.75
 }
 

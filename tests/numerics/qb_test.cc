@@ -54,7 +54,7 @@ TEST(TopK, MatchesAFullSortWithTheTieRule) {
 
 TEST(QuantileBalancing, GoldenToy) {
   // QB.md test 1: n = 4, k = 1, m = 8 (q = 2), b = 0, scores x 64.
-  const float raw[8][4] = {{37, 52, 16, 31}, {45, 6, 61, 30}, {63, 47, 27, 15}, {6, 60, 44, 24},
+  const float raw[8][4] = {{37, 52, 16, 31}, {45, 6, 61, 30},  {63, 47, 27, 15}, {6, 60, 44, 24},
                            {7, 61, 49, 11},  {29, 21, 26, 13}, {50, 15, 45, 29}, {54, 12, 42, 49}};
   std::vector<float> s;
   for (const auto& row : raw) {
@@ -190,8 +190,8 @@ TEST(QuantileBalancing, RevivesDeadExpertsInOneStepWhereTheSignRuleCannot) {
   EXPECT_EQ(ComputeBalance(RouteLoads(s, m, n, signed_b, k)).dead, 10);
 }
 
-QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins,
-                          uint64_t window = 1, uint64_t version = 1) {
+QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins, uint64_t window = 1,
+                          uint64_t version = 1) {
   QbWindow w;
   w.window_id = window;
   w.bias_version = version;
@@ -225,8 +225,10 @@ TEST(QbHistogram, RowsSumToTokensAndMergeIsExactForAnySharding) {
     for (size_t c = 0; c + 1 < cuts.size(); ++c) {
       QbHistogram node = MakeHistogram(b, k, 1000);
       const int64_t lo = cuts[c], hi = cuts[c + 1], mid = lo + (hi - lo) / 2;
-      ASSERT_TRUE(node.Accumulate(absl::MakeSpan(s).subspan(lo * n, (mid - lo) * n), mid - lo).ok());
-      ASSERT_TRUE(node.Accumulate(absl::MakeSpan(s).subspan(mid * n, (hi - mid) * n), hi - mid).ok());
+      ASSERT_TRUE(
+          node.Accumulate(absl::MakeSpan(s).subspan(lo * n, (mid - lo) * n), mid - lo).ok());
+      ASSERT_TRUE(
+          node.Accumulate(absl::MakeSpan(s).subspan(mid * n, (hi - mid) * n), hi - mid).ok());
       // Through the wire format, as attention nodes send it.
       auto wire = QbHistogram::Deserialize(node.Serialize());
       ASSERT_TRUE(wire.ok()) << wire.status();
@@ -244,7 +246,8 @@ TEST(QbHistogram, SolveIsWithinTwoBinWidthsOfExact) {
   for (int trial = 0; trial < 20; ++trial) {
     const int64_t m = 500 + rng.Next() % 3000, n = 16 + rng.Next() % 200;
     const int64_t k = 1 + rng.Next() % std::min<int64_t>(16, n - 1);
-    const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 2.5f, rng.Next()), rng.Next());
+    const std::vector<float> s =
+        SkewedScores(m, n, PowerLawOffsets(n, 2.5f, rng.Next()), rng.Next());
     std::vector<float> b(n);
     for (float& v : b) v = 0.3f * rng.Normal();
     const int bins = trial % 2 ? 1000 : 100;

@@ -25,8 +25,8 @@ absl::StatusOr<Isa> ParseIsa(absl::string_view name) {
   if (name == "avx2") return Isa::kAvx2;
   if (name == "avx512") return Isa::kAvx512;
   if (name == "avx512bf16") return Isa::kAvx512Bf16;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown CPU ISA \"", name, "\"; use scalar, avx2, avx512 or avx512bf16"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown CPU ISA \"", name, "\"; use scalar, avx2, avx512 or avx512bf16"));
 }
 
 Isa DetectIsa() {

@@ -1,6 +1,7 @@
 // Runtime CPU dispatch: which instruction set the optimized CPU kernels use. Detected once from
-// CPUID; MOE_CPU_ISA in the environment picks another (tests run every path on one machine). The shipped binary is built for baseline x86-64; only the kernel files are
-// compiled for AVX2 / AVX-512 and they run only after this check.
+// CPUID; MOE_CPU_ISA in the environment picks another (tests run every path on one machine). The
+// shipped binary is built for baseline x86-64; only the kernel files are compiled for AVX2 /
+// AVX-512 and they run only after this check.
 //
 //   const cpu::Isa isa = cpu::ActiveIsa();  // kAvx512 on this project's machines
 #ifndef MOE_SERVICES_NUMERICS_CPU_CPU_ISA_H_

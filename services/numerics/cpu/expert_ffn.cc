@@ -94,9 +94,8 @@ std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const
     a.pairs = std::move(pairs[e]);
     active.push_back(std::move(a));
   }
-  pool->ParallelFor(static_cast<int64_t>(active.size()), [&](int64_t i) {
-    Prepare(kernels, active[i], z, k, d, cfg.intermediate);
-  });
+  pool->ParallelFor(static_cast<int64_t>(active.size()),
+                    [&](int64_t i) { Prepare(kernels, active[i], z, k, d, cfg.intermediate); });
   RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, y.data());
   return y;
 }

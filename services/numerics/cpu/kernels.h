@@ -28,7 +28,8 @@ namespace moe::numerics::cpu {
 inline constexpr int64_t kGemmColumnTile = 128;
 
 // How mxfp4_rows wants its activations (one token = a run of 32-bit slots):
-//  kFloat:     fp32, column i of chunk c at slot c * chunk + (i % 8) * (chunk / 8) + (i % chunk) / 8
+//  kFloat:     fp32, column i of chunk c at slot c * chunk + (i % 8) * (chunk / 8) + (i % chunk) /
+//  8
 //              (identity when chunk == 8);
 //  kBf16Pairs: bf16 pairs for vdpbf16ps, 128-column chunks of 64 slots: column 8l + m of a chunk
 //              in slot (m % 4) * 16 + l, low half for m < 4, high half otherwise.

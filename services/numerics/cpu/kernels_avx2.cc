@@ -21,8 +21,7 @@ inline float ReduceAdd(__m256 v) {
 }
 
 template <int TT, int OV>
-void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y,
-               int64_t ld_y) {
+void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y, int64_t ld_y) {
   __m256 acc[TT][OV];
 #pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
@@ -70,8 +69,8 @@ void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_
 // 64-column chunks: 32 packed bytes = 8 u32 lanes, lane i = columns 8i..8i+7. vpermps reads 3
 // index bits, so the table holds magnitudes and the sign (nibble bit 3) is moved to bit 31.
 template <int R, int TT>
-void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
-             const float* xp, int64_t ld_xp, float* out_r, int64_t ld_out) {
+void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r, const float* xp,
+             int64_t ld_xp, float* out_r, int64_t ld_out) {
   const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
   const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
@@ -83,7 +82,8 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   }
   for (int64_t c = 0; c * 64 < cols; ++c) {
     const bool full = cols - c * 64 >= 64;
-    const __m256i lane_mask = full ? _mm256_set1_epi32(-1) : _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
+    const __m256i lane_mask =
+        full ? _mm256_set1_epi32(-1) : _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
     __m256i lanes[R];
     __m256 scale[R];
 #pragma GCC unroll 16
@@ -168,7 +168,8 @@ inline __m256 Exp(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i ni = _mm256_cvtps_epi32(n);
   const __m256i half = _mm256_srai_epi32(ni, 1);
-  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 f1 =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
   const __m256 f2 = _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
@@ -186,8 +187,9 @@ inline __m256 Tanh(__m256 y) {
   p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(-1.0f / 3.0f));
   const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, y2), y, y);
   const __m256 e = Exp(_mm256_add_ps(a, a));
-  __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                             _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+  __m256 big =
+      _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                    _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
   big = _mm256_or_ps(big, _mm256_and_ps(y, sign_mask));
   return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.3f), _CMP_LT_OQ));
 }
@@ -204,7 +206,8 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
     }
     const __m256 gv = RoundBf16(_mm256_loadu_ps(gb));
     const __m256 uv = RoundBf16(_mm256_loadu_ps(ub));
-    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, Exp(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+    const __m256 sig =
+        _mm256_div_ps(one, _mm256_add_ps(one, Exp(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
     const __m256 gate = _mm256_mul_ps(_mm256_mul_ps(b1, Tanh(_mm256_div_ps(gv, b1))), sig);
     const __m256 up = _mm256_mul_ps(b2, Tanh(_mm256_div_ps(uv, b2)));
     _mm256_storeu_ps(hb, RoundBf16(_mm256_mul_ps(gate, up)));
@@ -215,7 +218,8 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table = {Isa::kAvx2, "avx2", MxLayout::kFloat, 64, Gemm, Mxfp4Rows, Situ};
+  static const KernelTable table = {Isa::kAvx2, "avx2", MxLayout::kFloat, 64, Gemm,
+                                    Mxfp4Rows,  Situ};
   return table;
 }
 

@@ -1,6 +1,6 @@
-// AVX-512 kernels (F, BW, DQ, VL; the BF16 table also AVX512_BF16). This file alone is compiled with -mavx512*; it holds no
-// inline code shared with other files (everything here has internal linkage), so no AVX-512
-// instruction can leak into code that runs before the CPUID check.
+// AVX-512 kernels (F, BW, DQ, VL; the BF16 table also AVX512_BF16). This file alone is compiled
+// with -mavx512*; it holds no inline code shared with other files (everything here has internal
+// linkage), so no AVX-512 instruction can leak into code that runs before the CPUID check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -19,8 +19,7 @@ inline __m512 LoadBf16x16(const uint16_t* p) {
 
 // A strip of 16*OV columns at `col` of one 128-column tile, for TT tokens. w: the tile, [in, 128].
 template <int TT, int OV>
-void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y,
-               int64_t ld_y) {
+void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y, int64_t ld_y) {
   __m512 acc[TT][OV];
 #pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
@@ -83,8 +82,8 @@ void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_
 // the decoded weights (kScaleLate: one FMA per chunk and token instead of a multiply per
 // decoded vector), and to the decoded weights when many do.
 template <int R, int TT>
-void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
-             const float* xp, int64_t ld_xp, float* out_r, int64_t ld_out) {
+void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r, const float* xp,
+             int64_t ld_xp, float* out_r, int64_t ld_out) {
   constexpr bool kScaleLate = TT <= 4;
   const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
                                     -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
@@ -98,7 +97,8 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
     const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask = width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
+    const __mmask16 lane_mask =
+        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i lanes[R];
     __m512 scale[R];
@@ -162,8 +162,9 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
 }
 
 // Rows [r0, r1) through Block<R, TT> (whole groups of R) and Block<1, TT> (the rest).
-template <int R, int TT, void (*Block)(const uint8_t*, const uint8_t*, int64_t, int64_t,
-                                       const float*, int64_t, float*, int64_t),
+template <int R, int TT,
+          void (*Block)(const uint8_t*, const uint8_t*, int64_t, int64_t, const float*, int64_t,
+                        float*, int64_t),
           void (*Single)(const uint8_t*, const uint8_t*, int64_t, int64_t, const float*, int64_t,
                          float*, int64_t)>
 void MxRows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
@@ -178,22 +179,22 @@ void Mxfp4Rows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64
   // Tiles sized to stay in the 32 vector registers (lanes, scales, accumulators).
   int64_t t = 0;
   for (; t + 8 <= tokens; t += 8) {
-    MxRows<2, 8, MxBlock<2, 8>, MxBlock<1, 8>>(packed, scales, cols, r0, r1, xp + t * ld_xp,
-                                                ld_xp, out + t * ld_out, ld_out);
+    MxRows<2, 8, MxBlock<2, 8>, MxBlock<1, 8>>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp,
+                                               out + t * ld_out, ld_out);
   }
   if (tokens - t >= 4) {
-    MxRows<2, 4, MxBlock<2, 4>, MxBlock<1, 4>>(packed, scales, cols, r0, r1, xp + t * ld_xp,
-                                                ld_xp, out + t * ld_out, ld_out);
+    MxRows<2, 4, MxBlock<2, 4>, MxBlock<1, 4>>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp,
+                                               out + t * ld_out, ld_out);
     t += 4;
   }
   if (tokens - t >= 2) {
-    MxRows<4, 2, MxBlock<4, 2>, MxBlock<1, 2>>(packed, scales, cols, r0, r1, xp + t * ld_xp,
-                                                ld_xp, out + t * ld_out, ld_out);
+    MxRows<4, 2, MxBlock<4, 2>, MxBlock<1, 2>>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp,
+                                               out + t * ld_out, ld_out);
     t += 2;
   }
   if (tokens - t >= 1) {
-    MxRows<4, 1, MxBlock<4, 1>, MxBlock<1, 1>>(packed, scales, cols, r0, r1, xp + t * ld_xp,
-                                                ld_xp, out + t * ld_out, ld_out);
+    MxRows<4, 1, MxBlock<4, 1>, MxBlock<1, 1>>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp,
+                                               out + t * ld_out, ld_out);
   }
 }
 
@@ -209,10 +210,9 @@ void Mxfp4Rows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64
 // precision of the sums).
 // The 16 E2M1 values as bf16 bits, twice (vpermw reads 5 index bits).
 alignas(64) constexpr uint16_t kE2M1Bf16x2[32] = {
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-    0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80,
+    0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0, 0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040,
+    0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
 
 template <int R, int TT>
 void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
@@ -228,7 +228,8 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
     const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask = width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
+    const __mmask16 lane_mask =
+        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i words[R];
     __m512 scale[R];
@@ -253,7 +254,8 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
       __m512i w[R];
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
-        const __m512i idx = n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
+        const __m512i idx =
+            n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
         w[i] = _mm512_permutexvar_epi16(idx, lut);
       }
 #pragma GCC unroll 16
@@ -293,7 +295,8 @@ void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t col
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
     const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask = width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
+    const __mmask16 lane_mask =
+        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i words[R];
     __m512 part[R][TT];
@@ -313,7 +316,8 @@ void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t col
       for (int t = 0; t < TT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * ld_xp + n * 16);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
-        const __m512i idx = n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
+        const __m512i idx =
+            n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
         const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
 #pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) part[i][t] = _mm512_dpbf16_ps(part[i][t], w, xv[t]);
@@ -342,9 +346,8 @@ void Mxfp4RowsBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, i
   // 1 x 8 ran 25% slower per flop than 2 x 4).
   int64_t t = 0;
   for (; tokens - t >= 4; t += 4) {
-    MxRows<2, 4, MxBlockBf16<2, 4>, MxBlockBf16<1, 4>>(packed, scales, cols, r0, r1,
-                                                        xp + t * ld_xp, ld_xp, out + t * ld_out,
-                                                        ld_out);
+    MxRows<2, 4, MxBlockBf16<2, 4>, MxBlockBf16<1, 4>>(packed, scales, cols, r0, r1, xp + t * ld_xp,
+                                                       ld_xp, out + t * ld_out, ld_out);
   }
   if (tokens - t >= 2) {
     MxRows<4, 2, MxBlockBf16Decode<4, 2>, MxBlockBf16Decode<1, 2>>(
@@ -400,8 +403,9 @@ inline __m512 Tanh(__m512 y) {
   p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
   const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, y2), y, y);
   const __m512 e = Exp(_mm512_add_ps(a, a));
-  __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                             _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  __m512 big =
+      _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                    _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
   big = _mm512_or_ps(big, _mm512_and_ps(y, _mm512_set1_ps(-0.0f)));  // copy the sign of y
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.3f), _CMP_LT_OQ), big, small);
 }
@@ -413,7 +417,8 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
     const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
     const __m512 gv = RoundBf16(_mm512_maskz_loadu_ps(m, g + i));
     const __m512 uv = RoundBf16(_mm512_maskz_loadu_ps(m, u + i));
-    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, Exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    const __m512 sig =
+        _mm512_div_ps(one, _mm512_add_ps(one, Exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     const __m512 gate = _mm512_mul_ps(_mm512_mul_ps(b1, Tanh(_mm512_div_ps(gv, b1))), sig);
     const __m512 up = _mm512_mul_ps(b2, Tanh(_mm512_div_ps(uv, b2)));
     _mm512_mask_storeu_ps(h + i, m, RoundBf16(_mm512_mul_ps(gate, up)));
@@ -423,14 +428,14 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table = {Isa::kAvx512, "avx512", MxLayout::kFloat, 128,
-                                    Gemm,         Mxfp4Rows, Situ};
+  static const KernelTable table = {Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,
+                                    Mxfp4Rows,    Situ};
   return table;
 }
 
 const KernelTable& Avx512Bf16Kernels() {
-  static const KernelTable table = {Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128,
-                                    Gemm,             Mxfp4RowsBf16, Situ};
+  static const KernelTable table = {Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm,
+                                    Mxfp4RowsBf16,    Situ};
   return table;
 }
 

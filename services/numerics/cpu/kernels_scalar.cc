@@ -56,8 +56,8 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table = {Isa::kScalar,   "scalar",        MxLayout::kFloat, 8,
-                                    GemmScalar,     Mxfp4RowsScalar, SituScalar};
+  static const KernelTable table = {Isa::kScalar, "scalar",        MxLayout::kFloat, 8,
+                                    GemmScalar,   Mxfp4RowsScalar, SituScalar};
   return table;
 }
 

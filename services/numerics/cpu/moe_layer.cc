@@ -18,7 +18,8 @@ class Stopwatch {
  public:
   explicit Stopwatch(double* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
   ~Stopwatch() {
-    if (sink_) *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (sink_)
+      *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   }
 
  private:
@@ -33,8 +34,7 @@ std::vector<float> ToFloat(const Bf16* x, int64_t n) {
 }
 
 // y: [tokens, padded] fp32 -> [tokens, out] bf16.
-std::vector<Bf16> ToBf16(const std::vector<float>& y, int64_t tokens, int64_t padded,
-                         int64_t out) {
+std::vector<Bf16> ToBf16(const std::vector<float>& y, int64_t tokens, int64_t padded, int64_t out) {
   std::vector<Bf16> r(static_cast<size_t>(tokens * out));
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t o = 0; o < out; ++o) r[t * out + o] = Bf16::FromFloat(y[t * padded + o]);
@@ -57,8 +57,8 @@ absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConf
                                            /*need_experts=*/true));
   std::unique_ptr<CpuMoeLayer> l(new CpuMoeLayer());
   l->cfg_ = cfg;
-  const Isa isa = static_cast<int>(options.isa) <= static_cast<int>(DetectIsa()) ? options.isa
-                                                                                 : DetectIsa();
+  const Isa isa =
+      static_cast<int>(options.isa) <= static_cast<int>(DetectIsa()) ? options.isa : DetectIsa();
   l->kernels_ = &KernelsFor(isa);
   l->pool_ = std::make_unique<ThreadPool>(options.threads);
   const int64_t h = cfg.hidden, d = cfg.latent, e = cfg.num_experts, s = cfg.shared_intermediate();
@@ -89,7 +89,8 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
   MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg_, x, tokens, width));
   const KernelTable& k = *kernels_;
   ThreadPool* pool = pool_.get();
-  const int64_t h = cfg_.hidden, d = cfg_.latent, e = cfg_.num_experts, s = cfg_.shared_intermediate();
+  const int64_t h = cfg_.hidden, d = cfg_.latent, e = cfg_.num_experts,
+                s = cfg_.shared_intermediate();
   auto field = [timings](double LayerTimings::*m) { return timings ? &(timings->*m) : nullptr; };
   const std::vector<float> xf = ToFloat(x.data(), tokens * h);
   LayerOutput result;
@@ -99,11 +100,12 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
     gate_.Apply(k, pool, xf.data(), tokens, logits.data());
     std::vector<float> scores(static_cast<size_t>(tokens * e));
     for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t j = 0; j < e; ++j) scores[t * e + j] = Sigmoid(logits[t * gate_.padded_out() + j]);
+      for (int64_t j = 0; j < e; ++j)
+        scores[t * e + j] = Sigmoid(logits[t * gate_.padded_out() + j]);
     }
-    result.routing = SelectExperts(scores.data(), bias != nullptr ? bias : weights_.bias.data(),
-                                   tokens, e, cfg_.top_k, cfg_.renormalize,
-                                   cfg_.routed_scaling_factor);
+    result.routing =
+        SelectExperts(scores.data(), bias != nullptr ? bias : weights_.bias.data(), tokens, e,
+                      cfg_.top_k, cfg_.renormalize, cfg_.routed_scaling_factor);
   }
   std::vector<Bf16> z;
   {

@@ -29,8 +29,8 @@
 namespace moe::numerics::cpu {
 
 struct CpuLayerOptions {
-  int threads = 0;             // 0: one per hardware thread
-  Isa isa = ActiveIsa();       // capped at what the CPU supports
+  int threads = 0;        // 0: one per hardware thread
+  Isa isa = ActiveIsa();  // capped at what the CPU supports
 };
 
 class CpuMoeLayer {

@@ -52,7 +52,9 @@ constexpr double kLayerOver1UlpFraction = 0.01;
 constexpr double kLayerDifferingFraction = 0.05;
 
 int UlpDistance(Bf16 a, Bf16 b) {
-  auto ordered = [](uint16_t v) { return (v & 0x8000) ? -static_cast<int>(v & 0x7fff) : static_cast<int>(v & 0x7fff); };
+  auto ordered = [](uint16_t v) {
+    return (v & 0x8000) ? -static_cast<int>(v & 0x7fff) : static_cast<int>(v & 0x7fff);
+  };
   return std::abs(ordered(a.bits) - ordered(b.bits));
 }
 
@@ -70,7 +72,8 @@ struct UlpStats {
                const std::vector<Bf16>* sh = nullptr) {
     auto rms = [width](const std::vector<Bf16>& v, size_t row) {
       double ss = 0;
-      for (int64_t i = 0; i < width; ++i) ss += double(v[row * width + i].ToFloat()) * v[row * width + i].ToFloat();
+      for (int64_t i = 0; i < width; ++i)
+        ss += double(v[row * width + i].ToFloat()) * v[row * width + i].ToFloat();
       return std::sqrt(ss / width);
     };
     for (size_t row = 0; row * width < want.size(); ++row) {
@@ -120,8 +123,13 @@ std::vector<Bf16> RandomBf16(int64_t n, float scale, uint64_t seed) {
 
 TEST_P(Consistency, PackedLinearIsBitExact) {
   ThreadPool pool(2);
-  for (auto [tokens, in, out] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {1, 64, 16}, {2, 96, 128}, {3, 200, 200}, {5, 128, 384}, {13, 64, 130}, {30, 100, 256}}) {
+  for (auto [tokens, in, out] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 64, 16},
+                                                          {2, 96, 128},
+                                                          {3, 200, 200},
+                                                          {5, 128, 384},
+                                                          {13, 64, 130},
+                                                          {30, 100, 256}}) {
     const std::vector<Bf16> x = RandomBf16(tokens * in, 1.0f, tokens + in);
     const std::vector<Bf16> w = RandomBf16(out * in, 0.1f, out);
     std::vector<float> want(static_cast<size_t>(tokens * out));
@@ -289,10 +297,12 @@ TEST_P(Consistency, BadInputIsRejected) {
   auto layer = CpuMoeLayer::Create(cfg, checkpoint::SyntheticLayer(cfg, 1, {}), {});
   ASSERT_TRUE(layer.ok());
   std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 2, 1);
-  EXPECT_EQ((*layer)->Forward(x, 0, cfg.hidden).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*layer)->Forward(x, 0, cfg.hidden).status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*layer)->Forward(x, 2, 96).status().code(), absl::StatusCode::kInvalidArgument);
   x[5] = Bf16::FromFloat(std::nanf(""));
-  EXPECT_EQ((*layer)->Forward(x, 2, cfg.hidden).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*layer)->Forward(x, 2, cfg.hidden).status().code(),
+            absl::StatusCode::kInvalidArgument);
   MoeLayerWeights partial = checkpoint::SyntheticLayer(cfg, 1, {});
   partial.expert_hi = 4;
   partial.experts.resize(4);
