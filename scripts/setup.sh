@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  cmake ninja-build g++ ccache clang
+  cmake ninja-build g++ ccache clang clang-format git
   libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy gnuplot-nox libopenblas-dev

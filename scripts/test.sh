@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The test command of README.md: installs what is missing, builds with warnings as errors, runs
+# The test command of README.md: installs what is missing, checks formatting, builds with
+# warnings as errors, runs
 # a bounded libFuzzer run of the safetensors parser, then every test (unit tests, the
 # NumPy-vs-C++ reference test) through ctest, whose summary is the last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# Formatting is part of the contract (STYLE.md): clang-format, Google base, 100 columns.
+git ls-files '*.h' '*.cc' | xargs clang-format --dry-run --Werror
 BUILD=${MOE_BUILD_DIR:-build}
 cmake -S . -B "$BUILD" -G Ninja -DMOE_WERROR=ON >/dev/null
 cmake --build "$BUILD"
