@@ -75,6 +75,16 @@ void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_
 
 // ---------------------------------------------------------------- MXFP4 rows
 
+// The E8M0 scales of one 128-column chunk (4 bytes, fewer in a partial chunk) as 16 fp32
+// lanes: lane l belongs to block l / 4. Byte s becomes float bits s << 23 = 2^(s - 127) (s = 0,
+// 2^-127, reads as 0; 0xFF never gets here: the loader rejects it).
+inline __m512 ChunkScales(const uint8_t* s, __mmask16 mask) {
+  const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m128i s4 = _mm_maskz_loadu_epi8(mask, s);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
+}
+
 // R rows x TT tokens. Each 128-column chunk is 64 packed bytes = 16 u32 lanes; lane i holds
 // columns 8i..8i+7, nibble n of the lane is column 8i+n, and vpermps reads only the low 4
 // bits of each index, so (lanes >> 4n) indexes the E2M1 table directly. The block scales
@@ -87,7 +97,6 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   constexpr bool kScaleLate = TT <= 4;
   const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
                                     -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-  const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
 #pragma GCC unroll 16
@@ -111,10 +120,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       // cpu_layer_bench). A prefetch never faults, also past the end of the matrix.
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
       lanes[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
-      const __m128i s4 = _mm_maskz_loadu_epi8(scale_mask, scales + (r + i) * scale_bytes + c * 4);
-      // E8M0 byte s -> float bits s << 23 = 2^(s-127) (s = 0, i.e. 2^-127, reads as 0).
-      scale[i] = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
+      scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
     const float* x = xp + c * 128;
     __m512 part[R][kScaleLate ? TT : 1];
@@ -218,7 +224,6 @@ template <int R, int TT>
 void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
                  const float* xp, int64_t ld_xp, float* out_r, int64_t ld_out) {
   const __m512i lut = _mm512_loadu_si512(kE2M1Bf16x2);
-  const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
 #pragma GCC unroll 16
@@ -238,9 +243,7 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
       words[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
-      const __m128i s4 = _mm_maskz_loadu_epi8(scale_mask, scales + (r + i) * scale_bytes + c * 4);
-      scale[i] = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
+      scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
     const float* x = xp + c * 64;
     __m512 part[R][TT];
@@ -285,7 +288,6 @@ template <int R, int TT>
 void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
                        const float* xp, int64_t ld_xp, float* out_r, int64_t ld_out) {
   const __m512i lut = _mm512_loadu_si512(kE2M1Bf16x2);
-  const __m128i repeat4 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
 #pragma GCC unroll 16
@@ -325,9 +327,7 @@ void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t col
     }
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      const __m128i s4 = _mm_maskz_loadu_epi8(scale_mask, scales + (r + i) * scale_bytes + c * 4);
-      const __m512 scale = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
+      const __m512 scale = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_fmadd_ps(part[i][t], scale, acc[i][t]);
     }
