@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(
-  cmake ninja-build g++ ccache clang clang-format git
+  cmake ninja-build g++ ccache clang libclang-rt-14-dev clang-format git
   libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy gnuplot-nox libopenblas-dev
