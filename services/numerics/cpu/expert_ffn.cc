@@ -11,9 +11,20 @@ namespace {
 struct ActiveExpert {
   const ExpertWeights* w = nullptr;
   std::vector<int64_t> pairs;  // token * k + slot, ascending
-  std::vector<float> zp;       // [n, ActivationSlots(D)]
-  std::vector<float> hp;       // [n, ActivationSlots(I)]
+  // Decode-sized batches: token rows in the table's layout, [n, ActivationSlots(.)].
+  // Prefill (token_major): [Slots128(.), ld_t] with ld_t = n rounded up to 16 (mxfp4_rows_tm).
+  bool token_major = false;
+  int64_t ld_t = 0;
+  std::vector<float> zp;  // z of the expert's tokens
+  std::vector<float> hp;  // h, written by FC1
 };
+
+// Slot of column i in the token-major layout (the kFloat order of 128-column chunks).
+int64_t Slot128(int64_t i) {
+  const int64_t within = i % 128;
+  return i - within + (within % 8) * 16 + within / 8;
+}
+int64_t Slots128(int64_t cols) { return (cols + 127) / 128 * 128; }
 
 // FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
 void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, float beta,
@@ -22,12 +33,23 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
   const int64_t ld_z = ActivationSlots(k, d), ld_h = ActivationSlots(k, inter);
   std::vector<float> g(static_cast<size_t>(n * rows)), u(g.size()), h(g.size());
-  k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.data(), rows);
-  k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.data(), rows);
+  if (e.token_major) {
+    k.mxfp4_rows_tm(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), e.ld_t, n, g.data(),
+                    rows);
+    k.mxfp4_rows_tm(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), e.ld_t, n, u.data(),
+                    rows);
+  } else {
+    k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.data(), rows);
+    k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.data(), rows);
+  }
   k.situ(g.data(), u.data(), n * rows, beta, linear_beta, h.data());
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t r = r0; r < r1; ++r) {
-      StoreActivation(k, e.hp.data() + t * ld_h, r, h[t * rows + (r - r0)]);
+      if (e.token_major) {
+        e.hp[Slot128(r) * e.ld_t + t] = h[t * rows + (r - r0)];
+      } else {
+        StoreActivation(k, e.hp.data() + t * ld_h, r, h[t * rows + (r - r0)]);
+      }
     }
   }
 }
@@ -38,8 +60,13 @@ void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r
   const int64_t inter = e.w->w2.cols, d = e.w->w2.rows, rows = r1 - r0;
   const int64_t ld_h = ActivationSlots(k, inter);
   std::vector<float> out(static_cast<size_t>(n * rows));
-  k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.data(),
-               rows);
+  if (e.token_major) {
+    k.mxfp4_rows_tm(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), e.ld_t, n,
+                    out.data(), rows);
+  } else {
+    k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.data(),
+                 rows);
+  }
   for (int64_t t = 0; t < n; ++t) {
     Bf16* dst = y + e.pairs[t] * d;
     for (int64_t r = r0; r < r1; ++r) dst[r] = Bf16::FromFloat(out[t * rows + (r - r0)]);
@@ -72,6 +99,16 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const Bf16* z, int64_t k_slo
   for (int64_t t = 0; t < n; ++t) {
     const Bf16* src = z + (e.pairs[t] / k_slots) * d;
     for (int64_t i = 0; i < d; ++i) zf[t * d + i] = src[i].ToFloat();
+  }
+  e.token_major = k.mxfp4_rows_tm != nullptr && n >= kPrefillTokens;
+  if (e.token_major) {
+    e.ld_t = (n + 15) / 16 * 16;
+    e.zp.assign(static_cast<size_t>(Slots128(d) * e.ld_t), 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < d; ++i) e.zp[Slot128(i) * e.ld_t + t] = zf[t * d + i];
+    }
+    e.hp.assign(static_cast<size_t>(Slots128(inter) * e.ld_t), 0.0f);
+    return;
   }
   e.zp.resize(static_cast<size_t>(n * ActivationSlots(k, d)));
   PrepareActivations(k, zf.data(), n, d, e.zp.data());

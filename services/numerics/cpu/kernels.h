@@ -46,7 +46,17 @@ struct KernelTable {
                      int64_t r1, const float* xp, int64_t ld_xp, int64_t tokens, float* out,
                      int64_t ld_out);
   void (*situ)(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h);
+  // Prefill variant of mxfp4_rows (null where the ISA has none): activations token-major,
+  // xt[slot * ld_t + token] with the kFloat slot order of chunk 128 and ld_t a multiple of 16
+  // (padding tokens zero). Dequantizes a panel of rows to fp32 once and runs an FMA
+  // microkernel over it, so the decode cost is shared by all tokens.
+  void (*mxfp4_rows_tm)(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
+                        int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
+                        int64_t ld_out);
 };
+
+// Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).
+inline constexpr int64_t kPrefillTokens = 32;
 
 const KernelTable& KernelsFor(Isa isa);
 

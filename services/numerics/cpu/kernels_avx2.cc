@@ -219,7 +219,7 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
 
 const KernelTable& Avx2Kernels() {
   static const KernelTable table = {Isa::kAvx2, "avx2", MxLayout::kFloat, 64, Gemm,
-                                    Mxfp4Rows,  Situ};
+                                    Mxfp4Rows,  Situ,   nullptr};
   return table;
 }
 

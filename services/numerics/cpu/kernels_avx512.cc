@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "services/numerics/cpu/kernels.h"
 
@@ -202,6 +203,105 @@ void Mxfp4Rows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64
     MxRows<4, 1, MxBlock<4, 1>, MxBlock<1, 1>>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp,
                                                out + t * ld_out, ld_out);
   }
+}
+
+// ---------------------------------------------------------------- MXFP4 prefill (panel)
+
+// Decodes chunks [c0, c1) of one MXFP4 row to fp32 (scales applied) in the permuted slot order
+// of chunk 128; dst receives (c1 - c0) * 128 floats.
+void DecodeChunks(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t c0,
+                  int64_t c1, float* dst) {
+  const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
+                                    -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
+    const __mmask16 lane_mask =
+        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
+    const __m512i lanes = _mm512_maskz_loadu_epi32(lane_mask, packed + c * 64);
+    const __m512 scale =
+        ChunkScales(scales + c * 4, static_cast<__mmask16>((1u << (width / 32)) - 1));
+#pragma GCC unroll 8
+    for (int n = 0; n < 8; ++n) {
+      const __m512 v =
+          _mm512_permutexvar_ps(_mm512_srl_epi32(lanes, _mm_cvtsi32_si128(4 * n)), lut);
+      _mm512_storeu_ps(dst + (c - c0) * 128 + n * 16, _mm512_mul_ps(v, scale));
+    }
+  }
+}
+
+// RB rows x TV vectors of 16 tokens over kn slots: acc[r][j] += panel[r][k] * xt[k][16 j ...],
+// accumulating into acc_buf[r][token] (row stride ld_t). RB broadcasts + TV loads feed
+// RB x TV FMAs per k.
+template <int RB, int TV>
+void PanelTile(const float* panel, int64_t kn, const float* xt, int64_t ld_t, int64_t t0,
+               float* acc_buf) {
+  __m512 acc[RB][TV];
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < TV; ++j) acc[i][j] = _mm512_loadu_ps(acc_buf + i * ld_t + t0 + 16 * j);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    __m512 xv[TV];
+#pragma GCC unroll 16
+    for (int j = 0; j < TV; ++j) xv[j] = _mm512_loadu_ps(xt + k * ld_t + t0 + 16 * j);
+#pragma GCC unroll 16
+    for (int i = 0; i < RB; ++i) {
+      const __m512 w = _mm512_set1_ps(panel[i * kn + k]);
+#pragma GCC unroll 16
+      for (int j = 0; j < TV; ++j) acc[i][j] = _mm512_fmadd_ps(w, xv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < TV; ++j) _mm512_storeu_ps(acc_buf + i * ld_t + t0 + 16 * j, acc[i][j]);
+  }
+}
+
+template <int RB>
+void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, float* acc_buf) {
+  int64_t t0 = 0;
+  for (; t0 + 48 <= ld_t; t0 += 48) PanelTile<RB, 3>(panel, kn, xt, ld_t, t0, acc_buf);
+  for (; t0 < ld_t; t0 += 16) PanelTile<RB, 1>(panel, kn, xt, ld_t, t0, acc_buf);
+}
+
+// Prefill. Slots are walked in blocks of kKBlock so the token-major activations of a block
+// (kKBlock x ld_t floats) stay in L2 while every panel of 8 rows (decoded to fp32 once per
+// block) runs over them; sums accumulate per (row, token) in k order in acc_buf.
+void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
+             const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
+  constexpr int kRows = 8;
+  constexpr int64_t kChunksPerBlock = 4;  // 512 slots
+  const int64_t rows = r1 - r0, chunks = (cols + 127) / 128;
+  // malloc, not std::vector (see the top of the file).
+  float* acc_buf =
+      static_cast<float*>(std::calloc(static_cast<size_t>(rows * ld_t), sizeof(float)));
+  float* panel = static_cast<float*>(
+      std::malloc(sizeof(float) * static_cast<size_t>(kRows * kChunksPerBlock * 128)));
+  for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerBlock) {
+    const int64_t c1 = c0 + kChunksPerBlock < chunks ? c0 + kChunksPerBlock : chunks;
+    const int64_t kn = (c1 - c0) * 128;
+    const float* xb = xt + c0 * 128 * ld_t;
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      for (int i = 0; i < kRows; ++i) {
+        DecodeChunks(packed + (r0 + r + i) * (cols / 2), scales + (r0 + r + i) * (cols / 32), cols,
+                     c0, c1, panel + i * kn);
+      }
+      PanelRows<kRows>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+    }
+    for (; r < rows; ++r) {
+      DecodeChunks(packed + (r0 + r) * (cols / 2), scales + (r0 + r) * (cols / 32), cols, c0, c1,
+                   panel);
+      PanelRows<1>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < tokens; ++t) out[t * ld_out + r] = acc_buf[r * ld_t + t];
+  }
+  std::free(panel);
+  std::free(acc_buf);
 }
 
 // ---------------------------------------------------------------- MXFP4 rows, AVX512-BF16
@@ -429,13 +529,14 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
 
 const KernelTable& Avx512Kernels() {
   static const KernelTable table = {Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,
-                                    Mxfp4Rows,    Situ};
+                                    Mxfp4Rows,    Situ,     MxPanel};
   return table;
 }
 
 const KernelTable& Avx512Bf16Kernels() {
-  static const KernelTable table = {Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm,
-                                    Mxfp4RowsBf16,    Situ};
+  static const KernelTable table = {
+      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm, Mxfp4RowsBf16, Situ,
+      MxPanel};
   return table;
 }
 

@@ -57,7 +57,7 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
 
 const KernelTable& ScalarKernels() {
   static const KernelTable table = {Isa::kScalar, "scalar",        MxLayout::kFloat, 8,
-                                    GemmScalar,   Mxfp4RowsScalar, SituScalar};
+                                    GemmScalar,   Mxfp4RowsScalar, SituScalar,       nullptr};
   return table;
 }
 
