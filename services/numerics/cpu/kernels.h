@@ -56,7 +56,7 @@ struct KernelTable {
 };
 
 // Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).
-inline constexpr int64_t kPrefillTokens = 32;
+inline constexpr int64_t kPrefillTokens = 16;
 
 const KernelTable& KernelsFor(Isa isa);
 
