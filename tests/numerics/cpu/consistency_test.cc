@@ -148,40 +148,60 @@ TEST_P(Consistency, PackedLinearIsBitExact) {
   }
 }
 
-TEST_P(Consistency, Mxfp4RowsWithinTheSummationBound) {
-  Rng rng(7);
-  for (int64_t cols : {32, 64, 96, 128, 448, 512}) {
-    const int64_t rows = 37, tokens = 11;
+// A random MXFP4 matrix [rows, cols] (weights ~ N(0, 0.05^2)), quantized by the reference.
+struct RandomMxfp4 {
+  RandomMxfp4(int64_t rows, int64_t cols, Rng& rng)
+      : cols(cols), packed(rows * cols / 2), scales(rows * cols / 32) {
     std::vector<float> wv(rows * cols);
     for (float& v : wv) v = rng.Normal() * 0.05f;
-    std::vector<uint8_t> packed(rows * cols / 2), scales(rows * cols / 32);
     for (int64_t r = 0; r < rows; ++r) {
       QuantizeMxfp4Row(wv.data() + r * cols, cols, packed.data() + r * cols / 2,
                        scales.data() + r * cols / 32);
     }
-    std::vector<float> x(tokens * cols);
-    for (float& v : x) v = tensor::RoundBf16(rng.Normal());
+  }
+  // Asserts out[t * ld_out + (r - r0)] equals row r . x[t] (x: [tokens, cols]) within the fp32
+  // summation bound of any order, for rows [r0, r1).
+  void ExpectRows(int64_t r0, int64_t r1, const std::vector<float>& x, int64_t tokens,
+                  const std::vector<float>& out, int64_t ld_out) const {
+    std::vector<float> row(cols);
+    for (int64_t r = r0; r < r1; ++r) {
+      DequantizeMxfp4Row(packed.data() + r * cols / 2, scales.data() + r * cols / 32, cols,
+                         row.data());
+      for (int64_t t = 0; t < tokens; ++t) {
+        double exact = 0, abs_sum = 0;
+        for (int64_t i = 0; i < cols; ++i) {
+          exact += double(row[i]) * x[t * cols + i];
+          abs_sum += std::fabs(double(row[i]) * x[t * cols + i]);
+        }
+        ASSERT_NEAR(out[t * ld_out + (r - r0)], exact, cols * kMxfp4SumRelBound * abs_sum)
+            << "cols " << cols << " row " << r << " token " << t;
+      }
+    }
+  }
+  int64_t cols;
+  std::vector<uint8_t> packed, scales;
+};
+
+std::vector<float> RandomBf16Values(int64_t n, Rng& rng) {
+  std::vector<float> x(n);
+  for (float& v : x) v = tensor::RoundBf16(rng.Normal());
+  return x;
+}
+
+TEST_P(Consistency, Mxfp4RowsWithinTheSummationBound) {
+  Rng rng(7);
+  for (int64_t cols : {32, 64, 96, 128, 448, 512}) {
+    const int64_t rows = 37, tokens = 11;
+    const RandomMxfp4 w(rows, cols, rng);
+    const std::vector<float> x = RandomBf16Values(tokens * cols, rng);
     std::vector<float> xp(tokens * ActivationSlots(k(), cols));
     PrepareActivations(k(), x.data(), tokens, cols, xp.data());
     for (int64_t t_count : {int64_t{1}, int64_t{2}, int64_t{5}, tokens}) {
       const int64_t r0 = 3, r1 = rows;
       std::vector<float> out(t_count * (r1 - r0), -1.0f);
-      k().mxfp4_rows(packed.data(), scales.data(), cols, r0, r1, xp.data(),
+      k().mxfp4_rows(w.packed.data(), w.scales.data(), cols, r0, r1, xp.data(),
                      ActivationSlots(k(), cols), t_count, out.data(), r1 - r0);
-      std::vector<float> row(cols);
-      for (int64_t r = r0; r < r1; ++r) {
-        DequantizeMxfp4Row(packed.data() + r * cols / 2, scales.data() + r * cols / 32, cols,
-                           row.data());
-        for (int64_t t = 0; t < t_count; ++t) {
-          double exact = 0, abs_sum = 0;
-          for (int64_t i = 0; i < cols; ++i) {
-            exact += double(row[i]) * x[t * cols + i];
-            abs_sum += std::fabs(double(row[i]) * x[t * cols + i]);
-          }
-          ASSERT_NEAR(out[t * (r1 - r0) + (r - r0)], exact, cols * kMxfp4SumRelBound * abs_sum)
-              << "cols " << cols << " row " << r << " token " << t;
-        }
-      }
+      w.ExpectRows(r0, r1, x, t_count, out, r1 - r0);
     }
   }
 }
@@ -318,15 +338,9 @@ void CheckPanelRows(const KernelTable& k) {
   Rng rng(17);
   for (int64_t cols : {64, 448, 640}) {
     const int64_t rows = 29, tokens = 37, ld_t = 48, slots = (cols + 127) / 128 * 128;
-    std::vector<float> wv(rows * cols);
-    for (float& v : wv) v = rng.Normal() * 0.05f;
-    std::vector<uint8_t> packed(rows * cols / 2), scales(rows * cols / 32);
-    for (int64_t r = 0; r < rows; ++r) {
-      QuantizeMxfp4Row(wv.data() + r * cols, cols, packed.data() + r * cols / 2,
-                       scales.data() + r * cols / 32);
-    }
-    std::vector<float> x(tokens * cols), xt(slots * ld_t, 0.0f);
-    for (float& v : x) v = tensor::RoundBf16(rng.Normal());
+    const RandomMxfp4 w(rows, cols, rng);
+    const std::vector<float> x = RandomBf16Values(tokens * cols, rng);
+    std::vector<float> xt(slots * ld_t, 0.0f);  // token-major, kFloat slot order of chunk 128
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t i = 0; i < cols; ++i) {
         const int64_t within = i % 128;
@@ -335,22 +349,9 @@ void CheckPanelRows(const KernelTable& k) {
     }
     const int64_t r0 = 5, r1 = rows;
     std::vector<float> out(tokens * (r1 - r0), -1.0f);
-    k.mxfp4_rows_tm(packed.data(), scales.data(), cols, r0, r1, xt.data(), ld_t, tokens, out.data(),
-                    r1 - r0);
-    std::vector<float> row(cols);
-    for (int64_t r = r0; r < r1; ++r) {
-      DequantizeMxfp4Row(packed.data() + r * cols / 2, scales.data() + r * cols / 32, cols,
-                         row.data());
-      for (int64_t t = 0; t < tokens; ++t) {
-        double exact = 0, abs_sum = 0;
-        for (int64_t i = 0; i < cols; ++i) {
-          exact += double(row[i]) * x[t * cols + i];
-          abs_sum += std::fabs(double(row[i]) * x[t * cols + i]);
-        }
-        ASSERT_NEAR(out[t * (r1 - r0) + (r - r0)], exact, cols * kMxfp4SumRelBound * abs_sum)
-            << "cols " << cols << " row " << r << " token " << t;
-      }
-    }
+    k.mxfp4_rows_tm(w.packed.data(), w.scales.data(), cols, r0, r1, xt.data(), ld_t, tokens,
+                    out.data(), r1 - r0);
+    w.ExpectRows(r0, r1, x, tokens, out, r1 - r0);
   }
 }
 
