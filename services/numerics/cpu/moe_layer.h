@@ -7,7 +7,8 @@
 //    tests/numerics/cpu/consistency_test.cc;
 //  * everything runs on a thread pool; results do not depend on the thread count.
 // Create() repacks the dense weights and frees the row-major copies, so the layer holds the
-// packed dense weights once plus the borrowed (mapped) experts.
+// packed dense weights once plus the borrowed (mapped) experts. Forward uses the layer's own
+// thread pool and is not reentrant: concurrent callers must serialize (a server queues batches).
 //
 //   MOE_ASSIGN_OR_RETURN(auto layer, cpu::CpuMoeLayer::Create(cfg, std::move(weights), {}));
 //   MOE_ASSIGN_OR_RETURN(LayerOutput y, layer->Forward(x, tokens, cfg.hidden));
