@@ -17,24 +17,6 @@ using tensor::Bf16;
 
 namespace {
 
-class StageTimer {
- public:
-  explicit StageTimer(double* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
-  ~StageTimer() {
-    if (sink_ != nullptr) {
-      *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    }
-  }
-
- private:
-  double* sink_;
-  std::chrono::steady_clock::time_point start_;
-};
-
-double* Field(LayerTimings* t, double LayerTimings::*member) {
-  return t == nullptr ? nullptr : &(t->*member);
-}
-
 absl::Status CheckSize(const char* tensor, size_t got, int64_t want) {
   if (static_cast<int64_t>(got) != want) {
     return absl::FailedPreconditionError(
@@ -54,6 +36,16 @@ absl::Status CheckMxfp4(int64_t expert, const char* name, const Mxfp4Matrix& m, 
 }
 
 }  // namespace
+
+StageTimer::StageTimer(LayerTimings* timings, double LayerTimings::*field)
+    : sink_(timings == nullptr ? nullptr : &(timings->*field)),
+      start_(std::chrono::steady_clock::now()) {}
+
+StageTimer::~StageTimer() {
+  if (sink_ != nullptr) {
+    *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+}
 
 absl::Status ValidateHiddenStates(const ModelConfig& cfg, absl::Span<const Bf16> x, int64_t tokens,
                                   int64_t width) {
@@ -142,9 +134,7 @@ std::vector<Bf16> RunExperts(const ModelConfig& cfg, const MoeLayerWeights& w,
                              const Routing& routing, const Bf16* z) {
   const int64_t d = cfg.latent, k = routing.top_k;
   std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
-  // pairs[e]: the (token, slot) pairs routed to expert e, tokens ascending.
-  std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(cfg.num_experts));
-  for (int64_t p = 0; p < routing.tokens * k; ++p) pairs[routing.expert_ids[p]].push_back(p);
+  const std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
   std::vector<Bf16> zin, yout;
   for (int64_t e = 0; e < cfg.num_experts; ++e) {
     const std::vector<int64_t>& list = pairs[e];
@@ -169,17 +159,17 @@ std::vector<Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w, 
   const int64_t h = cfg.hidden, d = cfg.latent;
   std::vector<Bf16> normed(static_cast<size_t>(tokens * d));
   {
-    StageTimer timer(Field(timings, &LayerTimings::combine_norm));
+    StageTimer timer(timings, &LayerTimings::combine_norm);
     RmsNorm(r, tokens, d, w.norm.data(), cfg.rms_norm_eps, normed.data());
   }
   std::vector<Bf16> o(static_cast<size_t>(tokens * h));
   {
-    StageTimer timer(Field(timings, &LayerTimings::up_proj));
+    StageTimer timer(timings, &LayerTimings::up_proj);
     LinearBf16(normed.data(), tokens, d, w.up_proj.data(), h, o.data());
   }
   std::vector<Bf16> sh(static_cast<size_t>(tokens * h));
   {
-    StageTimer timer(Field(timings, &LayerTimings::shared));
+    StageTimer timer(timings, &LayerTimings::shared);
     SharedExpert(x, tokens, h, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(),
                  cfg.shared_intermediate(), cfg.situ_beta, cfg.situ_linear_beta, sh.data());
     for (int64_t i = 0; i < tokens * h; ++i) {
@@ -196,22 +186,22 @@ absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLay
   MOE_RETURN_IF_ERROR(ValidateLayerWeights(cfg, w, /*need_dense=*/true, /*need_experts=*/true));
   LayerOutput result;
   {
-    StageTimer timer(Field(timings, &LayerTimings::router));
+    StageTimer timer(timings, &LayerTimings::router);
     result.routing = Route(cfg, w, x.data(), tokens, bias);
   }
   std::vector<Bf16> z;
   {
-    StageTimer timer(Field(timings, &LayerTimings::down_proj));
+    StageTimer timer(timings, &LayerTimings::down_proj);
     z = LatentDown(cfg, w, x.data(), tokens);
   }
   std::vector<Bf16> y;
   {
-    StageTimer timer(Field(timings, &LayerTimings::experts));
+    StageTimer timer(timings, &LayerTimings::experts);
     y = RunExperts(cfg, w, result.routing, z.data());
   }
   std::vector<Bf16> r(static_cast<size_t>(tokens * cfg.latent));
   {
-    StageTimer timer(Field(timings, &LayerTimings::combine_norm));
+    StageTimer timer(timings, &LayerTimings::combine_norm);
     Combine(result.routing, y.data(), cfg.latent, r.data());
   }
   result.out = FinishLayer(cfg, w, x.data(), tokens, r.data(), timings);

@@ -7,6 +7,7 @@
 #ifndef MOE_SERVICES_NUMERICS_MOE_LAYER_H_
 #define MOE_SERVICES_NUMERICS_MOE_LAYER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -29,6 +30,20 @@ struct LayerOutput {
 struct LayerTimings {
   double router = 0, down_proj = 0, experts = 0, combine_norm = 0, up_proj = 0, shared = 0;
   double Total() const { return router + down_proj + experts + combine_norm + up_proj + shared; }
+};
+
+// Adds the wall time of its scope to one field of `timings` (nothing when it is null).
+//   { StageTimer t(timings, &LayerTimings::router); ... }
+class StageTimer {
+ public:
+  StageTimer(LayerTimings* timings, double LayerTimings::*field);
+  ~StageTimer();
+  StageTimer(const StageTimer&) = delete;
+  StageTimer& operator=(const StageTimer&) = delete;
+
+ private:
+  double* sink_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 // Checks x before any math: tokens >= 1, x.size() == tokens * width, width == H, every value

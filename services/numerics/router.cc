@@ -48,6 +48,14 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
   return r;
 }
 
+std::vector<std::vector<int64_t>> PairsByExpert(const Routing& routing, int64_t num_experts) {
+  std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(num_experts));
+  for (int64_t p = 0; p < routing.tokens * routing.top_k; ++p) {
+    pairs[routing.expert_ids[p]].push_back(p);
+  }
+  return pairs;
+}
+
 namespace ref {
 
 void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden, const tensor::Bf16* gate,

@@ -40,6 +40,11 @@ void TopK(const float* values, int64_t n, int64_t k, int32_t* out);
 Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, int64_t num_experts,
                       int64_t top_k, bool renormalize, float scaling_factor);
 
+// The (token, slot) pairs of each expert: result[e] holds token * top_k + slot for every slot
+// routed to e, ascending (so tokens ascending). Grouping by expert lets an expert's weights
+// stream once per batch.
+std::vector<std::vector<int64_t>> PairsByExpert(const Routing& routing, int64_t num_experts);
+
 namespace ref {
 // x: [T, H] bf16, gate: [E, H] bf16 -> scores: [T, E] fp32 sigmoid scores.
 void RouterScores(const tensor::Bf16* x, int64_t tokens, int64_t hidden, const tensor::Bf16* gate,

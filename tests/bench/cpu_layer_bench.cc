@@ -355,7 +355,6 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<int64_t>& ref_tok
     Add(std::string(reference ? "reference" : "cpu") + " layer T=" + std::to_string(tokens),
         F("%.2f tok/s", tokens / best_total) + F(" (%.3f s)", best_total), shares);
   };
-  ref_weights.gate.shrink_to_fit();
   for (int64_t t : {1, 16, 64, 256, 1024}) run(false, t);
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);

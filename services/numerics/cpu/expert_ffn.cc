@@ -121,8 +121,7 @@ std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const
                              const MoeLayerWeights& w, const Routing& routing, const Bf16* z) {
   const int64_t d = cfg.latent, k = routing.top_k;
   std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
-  std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(cfg.num_experts));
-  for (int64_t p = 0; p < routing.tokens * k; ++p) pairs[routing.expert_ids[p]].push_back(p);
+  std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
   std::vector<ActiveExpert> active;
   for (int64_t e = 0; e < cfg.num_experts; ++e) {
     if (pairs[e].empty()) continue;

@@ -59,9 +59,7 @@ void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_
     const uint16_t* w = wt + (o / kGemmColumnTile) * in * kGemmColumnTile;
     int64_t t = 0;
     for (; t + 6 <= tokens; t += 6) GemmTile<6, 2>(x + t * in, in, w, y + t * ld_y + o, ld_y);
-    if (tokens - t >= 2) {
-      for (; t + 2 <= tokens; t += 2) GemmTile<2, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
-    }
+    for (; t + 2 <= tokens; t += 2) GemmTile<2, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
     if (tokens - t >= 1) GemmTile<1, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
   }
 }

@@ -1,7 +1,5 @@
 #include "services/numerics/cpu/moe_layer.h"
 
-#include <chrono>
-
 #include "services/common/status_macros.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/expert_ffn.h"
@@ -13,19 +11,6 @@ namespace moe::numerics::cpu {
 using tensor::Bf16;
 
 namespace {
-
-class Stopwatch {
- public:
-  explicit Stopwatch(double* sink) : sink_(sink), start_(std::chrono::steady_clock::now()) {}
-  ~Stopwatch() {
-    if (sink_)
-      *sink_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-
- private:
-  double* sink_;
-  std::chrono::steady_clock::time_point start_;
-};
 
 std::vector<float> ToFloat(const Bf16* x, int64_t n) {
   std::vector<float> f(static_cast<size_t>(n));
@@ -91,11 +76,10 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
   ThreadPool* pool = pool_.get();
   const int64_t h = cfg_.hidden, d = cfg_.latent, e = cfg_.num_experts,
                 s = cfg_.shared_intermediate();
-  auto field = [timings](double LayerTimings::*m) { return timings ? &(timings->*m) : nullptr; };
   const std::vector<float> xf = ToFloat(x.data(), tokens * h);
   LayerOutput result;
   {
-    Stopwatch sw(field(&LayerTimings::router));
+    StageTimer timer(timings, &LayerTimings::router);
     std::vector<float> logits(static_cast<size_t>(tokens * gate_.padded_out()));
     gate_.Apply(k, pool, xf.data(), tokens, logits.data());
     std::vector<float> scores(static_cast<size_t>(tokens * e));
@@ -109,31 +93,31 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
   }
   std::vector<Bf16> z;
   {
-    Stopwatch sw(field(&LayerTimings::down_proj));
+    StageTimer timer(timings, &LayerTimings::down_proj);
     std::vector<float> zf(static_cast<size_t>(tokens * down_.padded_out()));
     down_.Apply(k, pool, xf.data(), tokens, zf.data());
     z = ToBf16(zf, tokens, down_.padded_out(), d);
   }
   std::vector<Bf16> y;
   {
-    Stopwatch sw(field(&LayerTimings::experts));
+    StageTimer timer(timings, &LayerTimings::experts);
     y = RunExperts(k, pool, cfg_, weights_, result.routing, z.data());
   }
   std::vector<Bf16> normed(static_cast<size_t>(tokens * d));
   {
-    Stopwatch sw(field(&LayerTimings::combine_norm));
+    StageTimer timer(timings, &LayerTimings::combine_norm);
     std::vector<Bf16> r(static_cast<size_t>(tokens * d));
     ref::Combine(result.routing, y.data(), d, r.data());
     ref::RmsNorm(r.data(), tokens, d, weights_.norm.data(), cfg_.rms_norm_eps, normed.data());
   }
   std::vector<float> of(static_cast<size_t>(tokens * up_.padded_out()));
   {
-    Stopwatch sw(field(&LayerTimings::up_proj));
+    StageTimer timer(timings, &LayerTimings::up_proj);
     const std::vector<float> nf = ToFloat(normed.data(), tokens * d);
     up_.Apply(k, pool, nf.data(), tokens, of.data());
   }
   {
-    Stopwatch sw(field(&LayerTimings::shared));
+    StageTimer timer(timings, &LayerTimings::shared);
     const int64_t sp = shared_gate_.padded_out();
     std::vector<float> g(static_cast<size_t>(tokens * sp)), u(g.size());
     shared_gate_.Apply(k, pool, xf.data(), tokens, g.data());
