@@ -8,6 +8,7 @@ PACKAGES=(
   libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy gnuplot-nox libopenblas-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
 )
 
 missing=()

@@ -1,5 +1,8 @@
 #include "services/numerics/cpu/moe_layer.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "services/common/status_macros.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/expert_ffn.h"
@@ -39,9 +42,10 @@ absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConf
                                                                  const CpuLayerOptions& options) {
   MOE_RETURN_IF_ERROR(ValidateConfig(cfg));
   MOE_RETURN_IF_ERROR(ValidateLayerWeights(cfg, weights, /*need_dense=*/true,
-                                           /*need_experts=*/true));
+                                           /*need_experts=*/options.experts));
   std::unique_ptr<CpuMoeLayer> l(new CpuMoeLayer());
   l->cfg_ = cfg;
+  l->has_experts_ = options.experts;
   const Isa isa =
       static_cast<int>(options.isa) <= static_cast<int>(DetectIsa()) ? options.isa : DetectIsa();
   l->kernels_ = &KernelsFor(isa);
@@ -71,44 +75,74 @@ size_t CpuMoeLayer::packed_dense_bytes() const {
 absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64_t tokens,
                                                  int64_t width, const float* bias,
                                                  LayerTimings* timings) {
-  MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg_, x, tokens, width));
-  const KernelTable& k = *kernels_;
-  ThreadPool* pool = pool_.get();
-  const int64_t h = cfg_.hidden, d = cfg_.latent, e = cfg_.num_experts,
-                s = cfg_.shared_intermediate();
-  const std::vector<float> xf = ToFloat(x.data(), tokens * h);
-  LayerOutput result;
-  {
-    StageTimer timer(timings, &LayerTimings::router);
-    std::vector<float> logits(static_cast<size_t>(tokens * gate_.padded_out()));
-    gate_.Apply(k, pool, xf.data(), tokens, logits.data());
-    std::vector<float> scores(static_cast<size_t>(tokens * e));
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t j = 0; j < e; ++j)
-        scores[t * e + j] = Sigmoid(logits[t * gate_.padded_out() + j]);
-    }
-    result.routing =
-        SelectExperts(scores.data(), bias != nullptr ? bias : weights_.bias.data(), tokens, e,
-                      cfg_.top_k, cfg_.renormalize, cfg_.routed_scaling_factor);
-  }
-  std::vector<Bf16> z;
-  {
-    StageTimer timer(timings, &LayerTimings::down_proj);
-    std::vector<float> zf(static_cast<size_t>(tokens * down_.padded_out()));
-    down_.Apply(k, pool, xf.data(), tokens, zf.data());
-    z = ToBf16(zf, tokens, down_.padded_out(), d);
-  }
+  MOE_ASSIGN_OR_RETURN(RoutedBatch batch, RouteAndProject(x, tokens, width, bias, timings));
   std::vector<Bf16> y;
   {
     StageTimer timer(timings, &LayerTimings::experts);
-    y = RunExperts(k, pool, cfg_, weights_, result.routing, z.data());
+    y = RunLocalExperts(batch.routing, batch.z.data());
   }
+  std::vector<Bf16> r(static_cast<size_t>(tokens * cfg_.latent));
+  {
+    StageTimer timer(timings, &LayerTimings::combine_norm);
+    ref::Combine(batch.routing, y.data(), cfg_.latent, r.data());
+  }
+  LayerOutput result;
+  result.out = Finish(batch, r.data(), timings);
+  result.routing = std::move(batch.routing);
+  return result;
+}
+
+absl::StatusOr<RoutedBatch> CpuMoeLayer::RouteAndProject(absl::Span<const Bf16> x, int64_t tokens,
+                                                         int64_t width, const float* bias,
+                                                         LayerTimings* timings) {
+  MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg_, x, tokens, width));
+  const KernelTable& k = *kernels_;
+  ThreadPool* pool = pool_.get();
+  const int64_t d = cfg_.latent, e = cfg_.num_experts;
+  RoutedBatch batch;
+  batch.tokens = tokens;
+  batch.xf = ToFloat(x.data(), tokens * cfg_.hidden);
+  {
+    StageTimer timer(timings, &LayerTimings::router);
+    std::vector<float> logits(static_cast<size_t>(tokens * gate_.padded_out()));
+    gate_.Apply(k, pool, batch.xf.data(), tokens, logits.data());
+    batch.scores.resize(static_cast<size_t>(tokens * e));
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < e; ++j)
+        batch.scores[t * e + j] = Sigmoid(logits[t * gate_.padded_out() + j]);
+    }
+    batch.routing =
+        SelectExperts(batch.scores.data(), bias != nullptr ? bias : weights_.bias.data(), tokens,
+                      e, cfg_.top_k, cfg_.renormalize, cfg_.routed_scaling_factor);
+  }
+  {
+    StageTimer timer(timings, &LayerTimings::down_proj);
+    std::vector<float> zf(static_cast<size_t>(tokens * down_.padded_out()));
+    down_.Apply(k, pool, batch.xf.data(), tokens, zf.data());
+    batch.z = ToBf16(zf, tokens, down_.padded_out(), d);
+  }
+  return batch;
+}
+
+std::vector<Bf16> CpuMoeLayer::RunLocalExperts(const Routing& routing, const Bf16* z) {
+  if (!has_experts_) {  // a programming error, not bad traffic
+    std::fprintf(stderr, "CpuMoeLayer::RunLocalExperts on a layer created without experts\n");
+    std::abort();
+  }
+  return RunExperts(*kernels_, pool_.get(), cfg_, weights_, routing, z);
+}
+
+std::vector<Bf16> CpuMoeLayer::Finish(const RoutedBatch& batch, const Bf16* r,
+                                      LayerTimings* timings) {
+  const KernelTable& k = *kernels_;
+  ThreadPool* pool = pool_.get();
+  const int64_t tokens = batch.tokens, h = cfg_.hidden, d = cfg_.latent,
+                s = cfg_.shared_intermediate();
+  const float* xf = batch.xf.data();
   std::vector<Bf16> normed(static_cast<size_t>(tokens * d));
   {
     StageTimer timer(timings, &LayerTimings::combine_norm);
-    std::vector<Bf16> r(static_cast<size_t>(tokens * d));
-    ref::Combine(result.routing, y.data(), d, r.data());
-    ref::RmsNorm(r.data(), tokens, d, weights_.norm.data(), cfg_.rms_norm_eps, normed.data());
+    ref::RmsNorm(r, tokens, d, weights_.norm.data(), cfg_.rms_norm_eps, normed.data());
   }
   std::vector<float> of(static_cast<size_t>(tokens * up_.padded_out()));
   {
@@ -116,12 +150,13 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
     const std::vector<float> nf = ToFloat(normed.data(), tokens * d);
     up_.Apply(k, pool, nf.data(), tokens, of.data());
   }
+  std::vector<Bf16> out(static_cast<size_t>(tokens * h));
   {
     StageTimer timer(timings, &LayerTimings::shared);
     const int64_t sp = shared_gate_.padded_out();
     std::vector<float> g(static_cast<size_t>(tokens * sp)), u(g.size());
-    shared_gate_.Apply(k, pool, xf.data(), tokens, g.data());
-    shared_up_.Apply(k, pool, xf.data(), tokens, u.data());
+    shared_gate_.Apply(k, pool, xf, tokens, g.data());
+    shared_up_.Apply(k, pool, xf, tokens, u.data());
     std::vector<float> hs(static_cast<size_t>(tokens * s));
     pool->ParallelFor(tokens, [&](int64_t t) {
       k.situ(g.data() + t * sp, u.data() + t * sp, s, cfg_.situ_beta, cfg_.situ_linear_beta,
@@ -129,17 +164,16 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
     });
     std::vector<float> sh(static_cast<size_t>(tokens * shared_down_.padded_out()));
     shared_down_.Apply(k, pool, hs.data(), tokens, sh.data());
-    result.out.resize(static_cast<size_t>(tokens * h));
     const int64_t op = up_.padded_out(), shp = shared_down_.padded_out();
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t i = 0; i < h; ++i) {
         const float o = tensor::RoundBf16(of[t * op + i]);
         const float shv = tensor::RoundBf16(sh[t * shp + i]);
-        result.out[t * h + i] = Bf16::FromFloat(o + shv);
+        out[t * h + i] = Bf16::FromFloat(o + shv);
       }
     }
   }
-  return result;
+  return out;
 }
 
 }  // namespace moe::numerics::cpu

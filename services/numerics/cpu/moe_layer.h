@@ -8,7 +8,8 @@
 //  * everything runs on a thread pool; results do not depend on the thread count.
 // Create() repacks the dense weights and frees the row-major copies, so the layer holds the
 // packed dense weights once plus the borrowed (mapped) experts. Forward uses the layer's own
-// thread pool and is not reentrant: concurrent callers must serialize (a server queues batches).
+// thread pool and is not reentrant (nor are its stages): concurrent callers must serialize (a
+// server queues batches).
 //
 //   MOE_ASSIGN_OR_RETURN(auto layer, cpu::CpuMoeLayer::Create(cfg, std::move(weights), {}));
 //   MOE_ASSIGN_OR_RETURN(LayerOutput y, layer->Forward(x, tokens, cfg.hidden));
@@ -32,6 +33,16 @@ namespace moe::numerics::cpu {
 struct CpuLayerOptions {
   int threads = 0;        // 0: one per hardware thread
   Isa isa = ActiveIsa();  // capped at what the CPU supports
+  bool experts = true;    // false: dense part only (an attention node; experts are remote)
+};
+
+// Steps 1 and 2 of one batch, kept for the rest of the layer.
+struct RoutedBatch {
+  int64_t tokens = 0;
+  Routing routing;
+  std::vector<float> scores;    // [T, E] sigmoid scores, unbiased (Quantile Balancing input)
+  std::vector<tensor::Bf16> z;  // [T, D] latent activations
+  std::vector<float> xf;        // [T, H] the input as fp32 (the shared experts read it)
 };
 
 class CpuMoeLayer {
@@ -44,6 +55,18 @@ class CpuMoeLayer {
                                       int64_t width, const float* bias = nullptr,
                                       LayerTimings* timings = nullptr);
 
+  // The stages of Forward, for the disaggregated path (the attention node runs steps 1-2,
+  // sends z to the expert servers, and finishes from the combined latent r).
+  // Steps 1-2; validates x. bias overrides the checkpoint's bias when not null ([E]).
+  absl::StatusOr<RoutedBatch> RouteAndProject(absl::Span<const tensor::Bf16> x, int64_t tokens,
+                                              int64_t width, const float* bias,
+                                              LayerTimings* timings);
+  // Step 3 on this layer's own experts: y [T, k, D] in routing's slot order (needs experts).
+  std::vector<tensor::Bf16> RunLocalExperts(const Routing& routing, const tensor::Bf16* z);
+  // Steps 5-8 from the combined latent r: [T, D] -> out: [T, H].
+  std::vector<tensor::Bf16> Finish(const RoutedBatch& batch, const tensor::Bf16* r,
+                                   LayerTimings* timings);
+
   Isa isa() const { return kernels_->isa; }
   int threads() const { return pool_->size(); }
   size_t packed_dense_bytes() const;
@@ -53,6 +76,7 @@ class CpuMoeLayer {
   CpuMoeLayer() = default;
 
   ModelConfig cfg_;
+  bool has_experts_ = true;
   MoeLayerWeights weights_;  // bias, norm and experts; the dense matrices live packed below
   const KernelTable* kernels_ = nullptr;
   std::unique_ptr<ThreadPool> pool_;
