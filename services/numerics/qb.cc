@@ -288,6 +288,42 @@ std::vector<float> QbHistogram::Solve() const {
   return CenterBias(raw);
 }
 
+std::vector<double> QbHistogram::PredictLoads(absl::Span<const float> bias) const {
+  const int64_t n = num_experts_, bins = window_.bins;
+  std::vector<double> loads(static_cast<size_t>(n), 0.0);
+  if (tokens_ == 0 || static_cast<int64_t>(bias.size()) != n) return loads;
+  // prefix[j * (bins + 1) + l]: count of expert j's values in bins [0, l).
+  std::vector<int64_t> prefix(static_cast<size_t>(n * (bins + 1)));
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t* p = prefix.data() + j * (bins + 1);
+    p[0] = 0;
+    for (int64_t l = 0; l < bins; ++l) p[l + 1] = p[l] + counts_[j * bins + l];
+  }
+  const double w = bin_width();
+  auto load_at = [&](int64_t j, double b) {
+    const int64_t* p = prefix.data() + j * (bins + 1);
+    const double pos = (b - lo_) / w;
+    if (pos <= 0) return 0.0;
+    if (pos >= static_cast<double>(bins)) return static_cast<double>(p[bins]);
+    const int64_t l = static_cast<int64_t>(pos);
+    return p[l] + (pos - l) * static_cast<double>(p[l + 1] - p[l]);
+  };
+  const double target = static_cast<double>(tokens_) * window_.top_k;
+  auto total_at = [&](double c) {
+    double sum = 0;
+    for (int64_t j = 0; j < n; ++j) sum += load_at(j, bias[j] + c);
+    return sum;
+  };
+  const auto [bmin, bmax] = std::minmax_element(bias.begin(), bias.end());
+  double c_lo = lo_ - *bmax, c_hi = hi_ - *bmin;  // total 0 at c_lo, tokens * n at c_hi
+  for (int it = 0; it < 64; ++it) {
+    const double mid = 0.5 * (c_lo + c_hi);
+    (total_at(mid) < target ? c_lo : c_hi) = mid;
+  }
+  for (int64_t j = 0; j < n; ++j) loads[j] = load_at(j, bias[j] + c_hi);
+  return loads;
+}
+
 std::string QbHistogram::Serialize() const {
   std::string out(kMagic, sizeof(kMagic));
   PutFixed<uint64_t>(window_.window_id, &out);

@@ -89,6 +89,12 @@ class QbHistogram {
   //   b-hat_j = lo + (l + clamp((q - c) / h, 0, 1)) * w, then centered.
   // An empty window returns the routing bias unchanged.
   std::vector<float> Solve() const;
+  // The loads this window would have had under `bias` at the fixed-cutoff approximation
+  // (QB.md): load_j = #{i : r_ij < b_j + c}, read off the histogram with linear interpolation
+  // inside a bin, where the constant c (routing ignores a common shift, fixed cutoffs do not)
+  // makes the loads sum to tokens * k. At the routing bias this returns the measured loads up
+  // to binning; at Solve()'s bias every load is close to q.
+  std::vector<double> PredictLoads(absl::Span<const float> bias) const;
 
   // Compact binary form (LEB128 varints for the counts) that travels from attention nodes to
   // the control plane; Deserialize validates everything (sizes, range, row sums == tokens).

@@ -263,6 +263,31 @@ TEST(QbHistogram, SolveIsWithinTwoBinWidthsOfExact) {
   }
 }
 
+TEST(QbHistogram, PredictedLoadsMatchMeasuredAtTheRoutingBiasAndEvenOutAtTheSolvedOne) {
+  const int64_t m = 4096, n = 128, k = 8;
+  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 3.0f, 3), 4);
+  std::vector<float> b(n, 0.0f);
+  QbHistogram h = MakeHistogram(b, k, 1000);
+  ASSERT_TRUE(h.Accumulate(s, m).ok());
+  const double q = static_cast<double>(m) * k / n;
+  // At the routing bias: the measured loads, up to the mass of one bin per expert.
+  const std::vector<double> at_routing = h.PredictLoads(b);
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    sum += at_routing[j];
+    int64_t bin_max = 0;
+    for (int64_t l = 0; l < 1000; ++l) bin_max = std::max<int64_t>(bin_max, h.counts()[j * 1000 + l]);
+    EXPECT_NEAR(at_routing[j], static_cast<double>(h.loads()[j]), bin_max + 1.0) << "expert " << j;
+  }
+  EXPECT_NEAR(sum, static_cast<double>(m * k), 1e-6 * m * k);
+  // The skewed window is far from even; the solved bias predicts every load within 2% of q.
+  EXPECT_GT(ComputeBalance(h.loads()).max_vio, 1.0);
+  const std::vector<double> after = h.PredictLoads(h.Solve());
+  for (int64_t j = 0; j < n; ++j) EXPECT_NEAR(after[j], q, 0.02 * q) << "expert " << j;
+  // Wrong size: all zero.
+  EXPECT_EQ(h.PredictLoads(std::vector<float>(3, 0.0f)), std::vector<double>(n, 0.0));
+}
+
 TEST(QbHistogram, RejectsMismatchedStatistics) {
   const std::vector<float> b(8, 0.0f);
   QbHistogram h = MakeHistogram(b, 2, 100, /*window=*/5, /*version=*/2);

@@ -1,0 +1,554 @@
+#include "expert-svc/expert_server.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "moe/v1/expert.grpc.pb.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/status_macros.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernels.h"
+#include "services/numerics/cpu/thread_pool.h"
+#include "services/numerics/moe_layer.h"
+#include "services/transport/grpc_server.h"
+#include "services/transport/status_convert.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::expert_svc {
+
+using numerics::MoeLayerWeights;
+using tensor::Bf16;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// A validated batch, ready to compute.
+struct Batch {
+  uint64_t batch_id = 0;
+  const MoeLayerWeights* layer = nullptr;
+  v1::ReplyMode mode = v1::REPLY_MODE_PER_PAIR;
+  int64_t rows = 0;
+  numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
+  std::vector<Bf16> z;        // [rows, D]
+  std::vector<int32_t> token_index;
+  std::vector<float> weights;
+  int32_t num_tokens = 0;
+  Clock::time_point arrived;
+  Clock::time_point expires = Clock::time_point::max();
+};
+
+class DispatchReactor;
+
+}  // namespace
+
+class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
+ public:
+  explicit Impl(const ExpertServerOptions& o) : options_(o) {}
+
+  absl::Status Load();
+  absl::Status StartServing();
+  void Shutdown(absl::Duration grace);
+
+  // Validates a request against what is hosted here (codes as in expert.proto).
+  absl::StatusOr<std::unique_ptr<Batch>> Validate(v1::DispatchRequest& req) const;
+  // Runs one batch and fills the reply (outputs, timings).
+  void Compute(const Batch& b, v1::DispatchReply* reply);
+  // Queues a batch for the compute thread; false when the queue is full or shutting down.
+  bool Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor);
+
+  grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* Dispatch(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
+                                    const v1::GetExpertInfoRequest* request,
+                                    v1::ExpertServerInfo* response) override;
+
+  const std::string& shard() const { return options_.shard; }
+  int port() const { return server_ != nullptr ? server_->port() : 0; }
+  void Wait() {
+    if (server_ != nullptr) server_->Wait();
+  }
+
+ private:
+  void ComputeLoop();
+  void RegistrarLoop();
+  void Finish(DispatchReactor* reactor, v1::DispatchReply reply);
+
+  ExpertServerOptions options_;
+  ModelConfig cfg_;
+  std::unique_ptr<checkpoint::Checkpoint> ckpt_;
+  std::map<int64_t, MoeLayerWeights> layers_;
+  const numerics::cpu::KernelTable* kernels_ = nullptr;
+  std::unique_ptr<numerics::cpu::ThreadPool> pool_;
+  std::unique_ptr<transport::GrpcServer> server_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::unique_ptr<Batch>, DispatchReactor*>> queue_;
+  bool stopping_ = false;
+  std::thread compute_thread_, registrar_thread_;
+  std::mutex reg_mu_;
+  std::condition_variable reg_cv_;
+};
+
+namespace {
+
+// One Dispatch stream. Reads run back to back; each batch goes to the compute queue; replies
+// are written one at a time from a queue. Finish happens once reads are done and no batch of
+// this stream is in flight, so the compute thread never touches a finished reactor.
+class DispatchReactor final : public grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply> {
+ public:
+  explicit DispatchReactor(ExpertServer::Impl* server) : server_(server) { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    const uint64_t id = request_.batch_id();
+    absl::StatusOr<std::unique_ptr<Batch>> batch = server_->Validate(request_);
+    if (!batch.ok()) {
+      v1::DispatchReply reply;
+      reply.set_batch_id(id);
+      reply.set_code(static_cast<int>(batch.status().code()));
+      reply.set_message(std::string(batch.status().message()));
+      reply.set_shard(server_->shard());
+      Reply(std::move(reply), /*from_compute=*/false);
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++in_flight_;
+      }
+      if (!server_->Enqueue(std::move(*batch), this)) {
+        v1::DispatchReply reply;
+        reply.set_batch_id(id);
+        reply.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+        reply.set_message(absl::StrCat("shard ", server_->shard(),
+                                       ": compute queue full or shutting down"));
+        reply.set_shard(server_->shard());
+        Reply(std::move(reply), /*from_compute=*/true);
+      }
+    }
+    request_.Clear();
+    StartRead(&request_);
+  }
+
+  // from_compute: the reply ends one in-flight batch.
+  void Reply(v1::DispatchReply reply, bool from_compute) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (from_compute) --in_flight_;
+    if (!broken_) {
+      outbox_.push_back(std::move(reply));
+      if (!writing_) {
+        writing_ = true;
+        StartWrite(&outbox_.front());
+      }
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    outbox_.pop_front();
+    if (!ok) {
+      broken_ = true;  // the client is gone: drop what is left
+      outbox_.clear();
+    }
+    if (!outbox_.empty()) {
+      StartWrite(&outbox_.front());
+    } else {
+      writing_ = false;
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = true;
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void MaybeFinishLocked() {
+    if (reads_done_ && in_flight_ == 0 && !writing_ && !finished_) {
+      finished_ = true;
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  ExpertServer::Impl* server_;
+  v1::DispatchRequest request_;
+  std::mutex mu_;
+  std::deque<v1::DispatchReply> outbox_;
+  int in_flight_ = 0;
+  bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;
+};
+
+}  // namespace
+
+absl::Status ExpertServer::Impl::Load() {
+  std::vector<int64_t> layers = options_.layers;
+  if (!options_.checkpoint.empty()) {
+    MOE_ASSIGN_OR_RETURN(ckpt_, checkpoint::Checkpoint::Open(options_.checkpoint));
+    MOE_ASSIGN_OR_RETURN(cfg_, ckpt_->LoadConfig());
+  } else {
+    MOE_ASSIGN_OR_RETURN(cfg_, PresetConfig(options_.preset));
+  }
+  if (layers.empty()) layers.push_back(cfg_.first_moe_layer);
+  const int64_t lo = options_.expert_lo;
+  const int64_t hi = options_.expert_hi < 0 ? cfg_.num_experts : options_.expert_hi;
+  if (lo < 0 || lo >= hi || hi > cfg_.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("expert range [", lo, ", ", hi,
+                                                   ") is not inside [0, ", cfg_.num_experts, ")"));
+  }
+  options_.expert_hi = hi;
+  for (int64_t layer : layers) {
+    if (!cfg_.IsMoeLayer(layer)) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
+    }
+    MoeLayerWeights w;
+    if (ckpt_ != nullptr) {
+      checkpoint::LoadOptions lo_opt;
+      lo_opt.dense = false;
+      lo_opt.expert_lo = lo;
+      lo_opt.expert_hi = hi;
+      MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt_, cfg_, layer, lo_opt));
+    } else {
+      checkpoint::SyntheticOptions so;
+      so.seed = options_.seed;
+      so.router_skew = options_.router_skew;
+      MoeLayerWeights full = checkpoint::SyntheticLayer(cfg_, layer, so);
+      w.layer = layer;
+      w.expert_lo = lo;
+      w.expert_hi = hi;
+      w.experts.assign(full.experts.begin() + lo, full.experts.begin() + hi);
+      w.backing = std::move(full.backing);
+    }
+    MOE_RETURN_IF_ERROR(numerics::ValidateLayerWeights(cfg_, w, /*need_dense=*/false,
+                                                       /*need_experts=*/true));
+    layers_[layer] = std::move(w);
+  }
+  const numerics::cpu::Isa isa = static_cast<int>(options_.isa) <=
+                                         static_cast<int>(numerics::cpu::DetectIsa())
+                                     ? options_.isa
+                                     : numerics::cpu::DetectIsa();
+  kernels_ = &numerics::cpu::KernelsFor(isa);
+  pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
+  return absl::OkStatus();
+}
+
+absl::Status ExpertServer::Impl::StartServing() {
+  compute_thread_ = std::thread([this] { ComputeLoop(); });
+  transport::GrpcServerOptions so;
+  so.host = options_.host;
+  so.port = options_.port;
+  so.max_receive_message_bytes = options_.max_message_bytes;
+  so.max_send_message_bytes = options_.max_message_bytes;
+  so.services = {this};
+  MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
+  server_->SetServing(true);
+  if (options_.advertise.empty()) options_.advertise = server_->endpoint();
+  if (!options_.port_file.empty()) {
+    MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
+  }
+  if (!options_.router.empty()) registrar_thread_ = std::thread([this] { RegistrarLoop(); });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
+    v1::DispatchRequest& req) const {
+  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id());
+  auto it = layers_.find(req.layer());
+  if (it == layers_.end()) {
+    std::vector<int64_t> hosted;
+    for (const auto& [l, w] : layers_) hosted.push_back(l);
+    return absl::NotFoundError(absl::StrCat(where, ": layer ", req.layer(),
+                                            " is not hosted here (layers ",
+                                            absl::StrJoin(hosted, ","), ")"));
+  }
+  auto b = std::make_unique<Batch>();
+  b->batch_id = req.batch_id();
+  b->layer = &it->second;
+  b->mode = req.reply_mode() == v1::REPLY_MODE_UNSPECIFIED ? v1::REPLY_MODE_PER_PAIR
+                                                           : req.reply_mode();
+  if (b->mode != v1::REPLY_MODE_PER_PAIR && b->mode != v1::REPLY_MODE_PARTIAL_SUM) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": unknown reply_mode ", static_cast<int>(req.reply_mode())));
+  }
+  if (req.groups_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": no expert groups"));
+  }
+  int64_t rows = 0;
+  int64_t prev = -1;
+  for (const v1::ExpertGroup& g : req.groups()) {
+    if (g.expert_id() < 0 || g.expert_id() >= cfg_.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expert id ", g.expert_id(),
+                                                     " outside [0, ", cfg_.num_experts, ")"));
+    }
+    if (!b->layer->HostsExpert(g.expert_id())) {
+      return absl::NotFoundError(absl::StrCat(where, ": expert ", g.expert_id(), " of layer ",
+                                              req.layer(), " is not hosted here (experts [",
+                                              options_.expert_lo, ", ", options_.expert_hi, "))"));
+    }
+    if (g.expert_id() <= prev) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expert ids must be strictly ascending (", g.expert_id(),
+                       " after ", prev, ")"));
+    }
+    if (g.token_count() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expert ", g.expert_id(),
+                                                     " has token_count ", g.token_count()));
+    }
+    prev = g.expert_id();
+    rows += g.token_count();
+  }
+  MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix z,
+                       transport::DecodeBf16Matrix(req.activations(), where + ": activations",
+                                                   cfg_.latent, /*accept_f32=*/false));
+  if (z.rows != rows) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": activations have ", z.rows,
+                                                   " rows but the groups count ", rows));
+  }
+  b->rows = rows;
+  b->routing.tokens = rows;
+  b->routing.top_k = 1;
+  b->routing.expert_ids.reserve(static_cast<size_t>(rows));
+  for (const v1::ExpertGroup& g : req.groups()) {
+    b->routing.expert_ids.insert(b->routing.expert_ids.end(), g.token_count(), g.expert_id());
+  }
+  b->routing.weights.assign(static_cast<size_t>(rows), 1.0f);
+  // NaN policy: non-finite activations are rejected (they would poison every partial sum).
+  const int64_t d = cfg_.latent;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < d; ++c) {
+      if (!std::isfinite(z.values[r * d + c].ToFloat())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": activations row ", r, " (expert ", b->routing.expert_ids[r],
+                         ") column ", c, " is not finite"));
+      }
+    }
+  }
+  b->z = std::move(z.values);
+  if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
+    if (req.token_index_size() != rows || req.weights_size() != rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": partial sums need one token_index and one weight per row (",
+                       rows, " rows, ", req.token_index_size(), " token_index, ",
+                       req.weights_size(), " weights)"));
+    }
+    if (req.num_tokens() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": num_tokens must be >= 1"));
+    }
+    int64_t row = 0;
+    for (const v1::ExpertGroup& g : req.groups()) {
+      int32_t last = -1;
+      for (int32_t i = 0; i < g.token_count(); ++i, ++row) {
+        const int32_t t = req.token_index(static_cast<int>(row));
+        const float w = req.weights(static_cast<int>(row));
+        if (t < 0 || t >= req.num_tokens() || t <= last) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              where, ": row ", row, " token_index ", t, " must lie in [0, ", req.num_tokens(),
+              ") and ascend within expert ", g.expert_id()));
+        }
+        if (!std::isfinite(w)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": row ", row, " weight is not finite"));
+        }
+        last = t;
+      }
+    }
+    b->token_index.assign(req.token_index().begin(), req.token_index().end());
+    b->weights.assign(req.weights().begin(), req.weights().end());
+    b->num_tokens = req.num_tokens();
+  }
+  b->arrived = Clock::now();
+  if (req.timeout_ms() > 0) b->expires = b->arrived + std::chrono::milliseconds(req.timeout_ms());
+  return b;
+}
+
+void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
+  const int64_t d = cfg_.latent;
+  // y: [rows, D], row i from expert routing.expert_ids[i].
+  const std::vector<Bf16> y =
+      numerics::cpu::RunExperts(*kernels_, pool_.get(), cfg_, *b.layer, b.routing, b.z.data());
+  if (b.mode == v1::REPLY_MODE_PER_PAIR) {
+    transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
+    return;
+  }
+  // Partial sums per distinct token, in ascending token order; over the token's experts in
+  // ascending expert id (the groups' order), each product rounded to fp32 before the add.
+  std::vector<int32_t> slot(static_cast<size_t>(b.num_tokens), -1);
+  for (int32_t t : b.token_index) slot[t] = 0;
+  int32_t distinct = 0;
+  for (int32_t& s : slot) {
+    if (s >= 0) s = distinct++;
+  }
+  std::vector<float> acc(static_cast<size_t>(distinct * d), 0.0f);
+  for (int64_t r = 0; r < b.rows; ++r) {
+    float* a = acc.data() + slot[b.token_index[r]] * d;
+    const float w = b.weights[r];
+    for (int64_t c = 0; c < d; ++c) a[c] += y[r * d + c].ToFloat() * w;
+  }
+  *reply->mutable_outputs() = transport::EncodeF32(acc, distinct, d);
+}
+
+bool ExpertServer::Impl::Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ || static_cast<int>(queue_.size()) >= options_.max_queued_batches) return false;
+  queue_.emplace_back(std::move(b), reactor);
+  cv_.notify_one();
+  return true;
+}
+
+void ExpertServer::Impl::ComputeLoop() {
+  for (;;) {
+    std::unique_ptr<Batch> b;
+    DispatchReactor* reactor = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      b = std::move(queue_.front().first);
+      reactor = queue_.front().second;
+      queue_.pop_front();
+    }
+    v1::DispatchReply reply;
+    reply.set_batch_id(b->batch_id);
+    reply.set_shard(options_.shard);
+    const auto start = Clock::now();
+    reply.set_queue_seconds(Seconds(start - b->arrived));
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stopping_;
+    }
+    if (stopping) {
+      reply.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+      reply.set_message(absl::StrCat("shard ", options_.shard, " is shutting down"));
+    } else if (start > b->expires) {
+      reply.set_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+      reply.set_message(absl::StrCat("shard ", options_.shard, ": batch ", b->batch_id,
+                                     " waited past its deadline in the queue"));
+    } else {
+      Compute(*b, &reply);
+      reply.set_compute_seconds(Seconds(Clock::now() - start));
+    }
+    reactor->Reply(std::move(reply), /*from_compute=*/true);
+  }
+}
+
+grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* ExpertServer::Impl::Dispatch(
+    grpc::CallbackServerContext* /*context*/) {
+  return new DispatchReactor(this);
+}
+
+grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContext* context,
+                                                      const v1::GetExpertInfoRequest*,
+                                                      v1::ExpertServerInfo* response) {
+  response->set_shard(options_.shard);
+  for (const auto& [l, w] : layers_) response->add_layers(static_cast<int32_t>(l));
+  response->set_expert_lo(static_cast<int32_t>(options_.expert_lo));
+  response->set_expert_hi(static_cast<int32_t>(options_.expert_hi));
+  response->set_num_experts(static_cast<int32_t>(cfg_.num_experts));
+  response->set_latent(static_cast<int32_t>(cfg_.latent));
+  response->set_backend(absl::StrCat("cpu/", numerics::cpu::IsaName(kernels_->isa)));
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void ExpertServer::Impl::RegistrarLoop() {
+  auto stub = v1::RouterService::NewStub(transport::MakeChannel(options_.router));
+  uint64_t lease = 0;
+  int64_t interval_ms = 500;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(reg_mu_);
+      if (reg_cv_.wait_for(lock, std::chrono::milliseconds(lease == 0 ? 200 : interval_ms),
+                           [&] {
+                             std::lock_guard<std::mutex> l(mu_);
+                             return stopping_;
+                           })) {
+        return;
+      }
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (lease == 0) {
+      v1::RegisterExpertServerRequest req;
+      req.set_shard(options_.shard);
+      req.set_endpoint(options_.advertise);
+      for (const auto& [l, w] : layers_) {
+        v1::ExpertRange* r = req.add_ranges();
+        r->set_layer(static_cast<int32_t>(l));
+        r->set_expert_lo(static_cast<int32_t>(w.expert_lo));
+        r->set_expert_hi(static_cast<int32_t>(w.expert_hi));
+      }
+      v1::RegisterExpertServerResponse resp;
+      const grpc::Status s = stub->RegisterExpertServer(&ctx, req, &resp);
+      if (s.ok()) {
+        lease = resp.lease_id();
+        if (resp.heartbeat_interval_ms() > 0) interval_ms = resp.heartbeat_interval_ms();
+      }
+    } else {
+      v1::HeartbeatRequest req;
+      req.set_lease_id(lease);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        req.set_queued_batches(static_cast<int64_t>(queue_.size()));
+      }
+      v1::HeartbeatResponse resp;
+      const grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) lease = 0;  // register again
+    }
+  }
+}
+
+void ExpertServer::Impl::Shutdown(absl::Duration grace) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  reg_cv_.notify_all();
+  if (registrar_thread_.joinable()) registrar_thread_.join();
+  // The compute thread answers what is queued (UNAVAILABLE) before the streams are cancelled.
+  if (compute_thread_.joinable()) compute_thread_.join();
+  if (server_ != nullptr) server_->Shutdown(grace);
+}
+
+ExpertServer::ExpertServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ExpertServer::~ExpertServer() { Shutdown(absl::ZeroDuration()); }
+
+absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
+    const ExpertServerOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  MOE_RETURN_IF_ERROR(impl->Load());
+  MOE_RETURN_IF_ERROR(impl->StartServing());
+  return std::unique_ptr<ExpertServer>(new ExpertServer(std::move(impl)));
+}
+
+int ExpertServer::port() const { return impl_->port(); }
+void ExpertServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
+void ExpertServer::Wait() { impl_->Wait(); }
+
+}  // namespace moe::expert_svc

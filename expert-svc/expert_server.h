@@ -1,0 +1,73 @@
+// expert-svc: hosts the routed experts [expert_lo, expert_hi) of one or more MoE layers as
+// MXFP4 weights and runs the expert FFN (MXFP4 matmul + SiTU-GLU) on dispatched latent rows
+// (ExpertService in proto/moe/v1/expert.proto).
+//
+// Requests arrive on long-lived Dispatch streams (callback API; reactions never block): each
+// batch is validated on arrival and queued; one compute thread runs the batches in arrival
+// order on the CPU backend's thread pool and hands the reply back to its stream. A bad batch is
+// answered with its own code and message; the stream and the server keep serving.
+// With a router endpoint, the server registers its ranges with router-svc and heartbeats.
+//
+//   ExpertServerOptions o; o.checkpoint = "out/mid"; o.expert_lo = 0; o.expert_hi = 64;
+//   MOE_ASSIGN_OR_RETURN(auto server, ExpertServer::Start(o));
+//   server->Wait();
+#ifndef MOE_EXPERT_SVC_EXPERT_SERVER_H_
+#define MOE_EXPERT_SVC_EXPERT_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "services/numerics/cpu/cpu_isa.h"
+
+namespace moe::expert_svc {
+
+struct ExpertServerOptions {
+  // Weights: a checkpoint directory, or (when empty) a synthetic layer made in memory from
+  // preset/seed/router_skew exactly as `moe-tool synth` writes it.
+  std::string checkpoint;
+  std::string preset = "mid";
+  uint64_t seed = 1;
+  double router_skew = 0.0;
+  std::vector<int64_t> layers;  // empty: the first MoE layer
+  int64_t expert_lo = 0;
+  int64_t expert_hi = -1;  // -1: all experts
+
+  std::string shard = "shard-0";
+  std::string host = "127.0.0.1";
+  int port = 0;
+  std::string port_file;  // written once the port is known
+  // router-svc host:port; empty: do not register. advertise is the endpoint registered
+  // (default host:port).
+  std::string router;
+  std::string advertise;
+
+  int threads = 0;  // compute threads (0: one per hardware thread)
+  numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
+  int max_queued_batches = 256;  // beyond: RESOURCE_EXHAUSTED
+  int max_message_bytes = 256 << 20;
+};
+
+class ExpertServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ExpertServer>> Start(const ExpertServerOptions& options);
+  ~ExpertServer();
+
+  int port() const;
+  // Stops registration, fails queued batches with UNAVAILABLE, stops the server.
+  void Shutdown(absl::Duration grace = absl::Seconds(2));
+  void Wait();
+
+  class Impl;
+
+ private:
+  explicit ExpertServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe::expert_svc
+
+#endif  // MOE_EXPERT_SVC_EXPERT_SERVER_H_

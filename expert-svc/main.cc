@@ -1,0 +1,36 @@
+// expert-svc: flags -> ExpertServerOptions -> start -> wait for SIGTERM/SIGINT.
+#include <cstdio>
+
+#include "expert-svc/expert_server.h"
+#include "services/common/svc_main.h"
+
+int main(int argc, char** argv) {
+  moe::expert_svc::ExpertServerOptions o;
+  moe::SvcFlags flags("expert-svc", "Serves the routed experts of an expert range over gRPC.");
+  flags.String("checkpoint", &o.checkpoint, "checkpoint directory (empty: synthetic in memory)");
+  flags.String("preset", &o.preset, "synthetic preset when no checkpoint: k3|mid|tiny");
+  flags.Uint64("seed", &o.seed, "synthetic seed");
+  flags.Double("router_skew", &o.router_skew, "synthetic router skew");
+  flags.IntList("layers", &o.layers, "MoE layers to host, comma-separated (empty: first)");
+  flags.Int64("expert_lo", &o.expert_lo, "first hosted expert");
+  flags.Int64("expert_hi", &o.expert_hi, "one past the last hosted expert (-1: all)");
+  flags.String("shard", &o.shard, "shard name (unique in the cluster)");
+  flags.String("host", &o.host, "listen address");
+  flags.Int("port", &o.port, "listen port (0: any free port)");
+  flags.String("port_file", &o.port_file, "write the bound port here");
+  flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
+  flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
+  flags.Int("threads", &o.threads, "compute threads (0: all cores)");
+  std::string isa = moe::numerics::cpu::IsaName(o.isa);
+  flags.String("isa", &isa, "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
+  flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
+  flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
+  if (!flags.Parse(argc, argv)) return 2;
+  auto parsed_isa = moe::numerics::cpu::ParseIsa(isa);
+  if (!parsed_isa.ok()) {
+    std::fprintf(stderr, "expert-svc: %s\n", parsed_isa.status().ToString().c_str());
+    return 2;
+  }
+  o.isa = *parsed_isa;
+  return moe::RunServer("expert-svc", [&]() { return moe::expert_svc::ExpertServer::Start(o); });
+}

@@ -1,0 +1,77 @@
+// What every service main() shares: a small flag parser (--name=value or --name value, --help)
+// and RunServer, which starts a server, waits for SIGINT/SIGTERM and shuts it down cleanly.
+// Flags live only in main.cc files (STYLE.md "Configuration").
+//
+//   SvcFlags flags("expert-svc", "Serves experts.");
+//   flags.Int("port", &o.port, "listen port");
+//   if (!flags.Parse(argc, argv)) return 2;
+//   return RunServer("expert-svc", [&] { return ExpertServer::Start(o); });
+#ifndef MOE_SERVICES_COMMON_SVC_MAIN_H_
+#define MOE_SERVICES_COMMON_SVC_MAIN_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe {
+
+class SvcFlags {
+ public:
+  SvcFlags(std::string program, std::string summary);
+
+  void String(const std::string& name, std::string* v, const std::string& help);
+  void Int(const std::string& name, int* v, const std::string& help);
+  void Int64(const std::string& name, int64_t* v, const std::string& help);
+  void Uint64(const std::string& name, uint64_t* v, const std::string& help);
+  void Double(const std::string& name, double* v, const std::string& help);
+  void Bool(const std::string& name, bool* v, const std::string& help);
+  // Comma-separated integers.
+  void IntList(const std::string& name, std::vector<int64_t>* v, const std::string& help);
+
+  // Parses argv[first..]; prints usage and returns false on --help or a bad flag (the message
+  // names it). Positional arguments are collected in positional().
+  bool Parse(int argc, char** argv, int first = 1);
+  const std::vector<std::string>& positional() const { return positional_; }
+  void PrintUsage(std::FILE* out) const;
+
+ private:
+  struct Flag {
+    std::string name, help, default_text;
+    bool is_bool = false;
+    std::function<bool(const std::string&)> set;
+  };
+  void Add(Flag f);
+  std::string program_, summary_;
+  std::vector<Flag> flags_;
+  std::vector<std::string> positional_;
+};
+
+// Blocks SIGINT and SIGTERM in every thread (call before starting any), then waits for one.
+void BlockTerminationSignals();
+int WaitForTerminationSignal();
+
+// start() returns a server with Shutdown(). Prints one line when serving and one on exit.
+template <typename StartFn>
+int RunServer(const char* name, StartFn start) {
+  BlockTerminationSignals();
+  auto server = start();
+  if (!server.ok()) {
+    std::fprintf(stderr, "%s: cannot start: %s\n", name, server.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "%s: serving on port %d\n", name, (*server)->port());
+  const int sig = WaitForTerminationSignal();
+  std::fprintf(stderr, "%s: signal %d, shutting down\n", name, sig);
+  (*server)->Shutdown();
+  server->reset();
+  std::fprintf(stderr, "%s: stopped\n", name);
+  return 0;
+}
+
+}  // namespace moe
+
+#endif  // MOE_SERVICES_COMMON_SVC_MAIN_H_

@@ -1,0 +1,83 @@
+#include "services/transport/grpc_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::transport {
+
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::unique_ptr<GrpcServer> s(new GrpcServer());
+  s->host_ = options.host;
+  const std::string address = options.host.find(':') != std::string::npos
+                                  ? absl::StrCat("[", options.host, "]:", options.port)
+                                  : absl::StrCat(options.host, ":", options.port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_send_message_bytes);
+  for (grpc::Service* service : options.services) builder.RegisterService(service);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  s->SetServing(false);
+  return s;
+}
+
+GrpcServer::~GrpcServer() {
+  if (server_ != nullptr && !shut_down_) Shutdown(absl::ZeroDuration());
+}
+
+std::string GrpcServer::endpoint() const {
+  return host_.find(':') != std::string::npos ? absl::StrCat("[", host_, "]:", port_)
+                                              : absl::StrCat(host_, ":", port_);
+}
+
+void GrpcServer::SetServing(bool serving) {
+  if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(serving);
+}
+
+void GrpcServer::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  SetServing(false);
+  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
+}
+
+void GrpcServer::Wait() { server_->Wait(); }
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // Each peer gets its own connection (an attention node's shard streams must not share one
+  // TCP connection with unrelated calls).
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
+}
+
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << port << "\n";
+    if (!f) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe::transport

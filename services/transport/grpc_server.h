@@ -1,0 +1,67 @@
+// A started gRPC server with what every server here carries (STYLE.md "gRPC"): the standard
+// health service, server reflection, loopback or any address, port 0 for tests, message limits.
+//
+//   GrpcServerOptions o; o.services = {&my_service};
+//   MOE_ASSIGN_OR_RETURN(auto server, GrpcServer::Start(o));
+//   server->SetServing(true);  // health: SERVING
+//   ... server->Shutdown(absl::Seconds(2));
+#ifndef MOE_SERVICES_TRANSPORT_GRPC_SERVER_H_
+#define MOE_SERVICES_TRANSPORT_GRPC_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace grpc {
+class Server;
+class Service;
+class Channel;
+}  // namespace grpc
+
+namespace moe::transport {
+
+inline constexpr int kDefaultMaxMessageBytes = 256 << 20;
+
+struct GrpcServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0: any free port (read it back with port())
+  int max_receive_message_bytes = kDefaultMaxMessageBytes;
+  int max_send_message_bytes = kDefaultMaxMessageBytes;
+  std::vector<grpc::Service*> services;  // not owned; must outlive the server
+};
+
+class GrpcServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const GrpcServerOptions& options);
+  ~GrpcServer();
+
+  int port() const { return port_; }
+  std::string endpoint() const;
+  // The overall health status ("" service) and that of each named service.
+  void SetServing(bool serving);
+  // Stops accepting calls, lets running ones finish until the deadline, then cancels them.
+  void Shutdown(absl::Duration grace);
+  void Wait();
+
+ private:
+  GrpcServer() = default;
+  std::unique_ptr<grpc::Server> server_;
+  std::string host_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+// A channel to host:port with fast reconnects (100 ms .. 1 s backoff) and the given limits.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint,
+                                           int max_message_bytes = kDefaultMaxMessageBytes);
+
+// Writes the port to path atomically (tmp file + rename), for launchers that start servers on
+// port 0.
+absl::Status WritePortFile(const std::string& path, int port);
+
+}  // namespace moe::transport
+
+#endif  // MOE_SERVICES_TRANSPORT_GRPC_SERVER_H_

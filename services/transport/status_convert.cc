@@ -1,0 +1,23 @@
+#include "services/transport/status_convert.h"
+
+#include <grpcpp/support/status.h>
+
+namespace moe::transport {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  return FromCode(static_cast<int>(status.error_code()), status.error_message());
+}
+
+absl::Status FromCode(int code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
+  if (code < 0 || code > 16) code = static_cast<int>(absl::StatusCode::kUnknown);
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+}  // namespace moe::transport

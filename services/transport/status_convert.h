@@ -1,0 +1,26 @@
+// The one place where absl::Status and grpc::Status meet (STYLE.md "Errors"). Codes map one to
+// one (both are google.rpc.Code); per-message codes inside stream replies use the same numbers.
+//
+//   return transport::ToGrpc(status);                    // in a service handler
+//   absl::Status s = transport::FromGrpc(grpc_status);   // in a client
+#ifndef MOE_SERVICES_TRANSPORT_STATUS_CONVERT_H_
+#define MOE_SERVICES_TRANSPORT_STATUS_CONVERT_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace grpc {
+class Status;
+}  // namespace grpc
+
+namespace moe::transport {
+
+grpc::Status ToGrpc(const absl::Status& status);
+absl::Status FromGrpc(const grpc::Status& status);
+// A code number from a message field (unknown numbers become UNKNOWN).
+absl::Status FromCode(int code, const std::string& message);
+
+}  // namespace moe::transport
+
+#endif  // MOE_SERVICES_TRANSPORT_STATUS_CONVERT_H_

@@ -1,0 +1,125 @@
+#include "services/transport/tensor_codec.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::transport {
+
+using tensor::Bf16;
+
+namespace {
+
+static_assert(sizeof(Bf16) == 2 && sizeof(float) == 4, "wire sizes");
+// The wire is little-endian; so is every machine this builds for (x86-64, aarch64 Linux).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian host expected");
+
+void SetShape(v1::Tensor* t, v1::DType dtype, int64_t rows, int64_t cols) {
+  t->set_dtype(dtype);
+  t->clear_shape();
+  t->add_shape(rows);
+  t->add_shape(cols);
+}
+
+absl::Status CheckRank2(const v1::Tensor& t, const std::string& what) {
+  if (t.shape_size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": expected a rank-2 tensor [rows, cols], got rank ", t.shape_size()));
+  }
+  if (t.shape(0) < 0 || t.shape(1) < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": negative dimension [", t.shape(0), ", ", t.shape(1), "]"));
+  }
+  // Keep rows * cols * 4 far from overflow; no real tensor comes near 2^40 elements.
+  if (t.shape(0) > (int64_t{1} << 40) || t.shape(1) > (int64_t{1} << 40) ||
+      (t.shape(1) > 0 && t.shape(0) > (int64_t{1} << 40) / t.shape(1))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shape [", t.shape(0), ", ", t.shape(1), "] is too large"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void EncodeBf16Into(absl::Span<const Bf16> values, int64_t rows, int64_t cols, v1::Tensor* out) {
+  SetShape(out, v1::DTYPE_BF16, rows, cols);
+  out->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
+                              values.size() * sizeof(Bf16));
+}
+
+v1::Tensor EncodeBf16(absl::Span<const Bf16> values, int64_t rows, int64_t cols) {
+  v1::Tensor t;
+  EncodeBf16Into(values, rows, cols, &t);
+  return t;
+}
+
+v1::Tensor EncodeF32(absl::Span<const float> values, int64_t rows, int64_t cols) {
+  v1::Tensor t;
+  SetShape(&t, v1::DTYPE_F32, rows, cols);
+  t.set_data(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  return t;
+}
+
+absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::string& what,
+                                            int64_t expected_cols, bool accept_f32,
+                                            bool allow_empty) {
+  if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
+  Bf16Matrix m;
+  m.rows = t.shape(0);
+  m.cols = t.shape(1);
+  if (expected_cols >= 0 && m.cols != expected_cols) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": width ", m.cols, " but this layer needs ", expected_cols));
+  }
+  if (m.rows == 0 && !allow_empty) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": no rows (T = 0)"));
+  }
+  const size_t n = static_cast<size_t>(m.rows * m.cols);
+  size_t elem = 0;
+  if (t.dtype() == v1::DTYPE_BF16) {
+    elem = 2;
+  } else if (t.dtype() == v1::DTYPE_F32 && accept_f32) {
+    elem = 4;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": dtype ", v1::DType_Name(t.dtype()), " not accepted (expected DTYPE_BF16",
+        accept_f32 ? " or DTYPE_F32)" : ")"));
+  }
+  if (t.data().size() != n * elem) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", t.data().size(),
+                                                   " bytes of data but shape [", m.rows, ", ",
+                                                   m.cols, "] needs ", n * elem));
+  }
+  m.values.resize(n);
+  if (elem == 2) {
+    std::memcpy(m.values.data(), t.data().data(), n * 2);
+  } else {
+    const char* p = t.data().data();
+    for (size_t i = 0; i < n; ++i) {
+      float f;
+      std::memcpy(&f, p + 4 * i, 4);
+      m.values[i] = Bf16::FromFloat(f);
+    }
+  }
+  return m;
+}
+
+absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const std::string& what,
+                                                   int64_t rows, int64_t cols) {
+  if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
+  if (t.dtype() != v1::DTYPE_F32 || t.shape(0) != rows || t.shape(1) != cols) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": expected DTYPE_F32 [", rows, ", ", cols, "], got ", v1::DType_Name(t.dtype()),
+        " [", t.shape(0), ", ", t.shape(1), "]"));
+  }
+  const size_t n = static_cast<size_t>(rows * cols);
+  if (t.data().size() != n * 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", t.data().size(), " bytes of data, shape needs ", n * 4));
+  }
+  std::vector<float> v(n);
+  std::memcpy(v.data(), t.data().data(), n * 4);
+  return v;
+}
+
+}  // namespace moe::transport

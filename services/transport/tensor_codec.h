@@ -1,0 +1,45 @@
+// Tensors on the wire (moe.v1.Tensor: dtype + shape + raw little-endian bytes) to and from the
+// project's bf16/fp32 buffers. Decoding validates dtype, rank, every dimension and the byte
+// count against the shape, and says which field was wrong.
+//
+//   v1::Tensor t = EncodeBf16(z, {rows, latent});
+//   MOE_ASSIGN_OR_RETURN(DecodedMatrix m, DecodeMatrix(t, "activations", latent));
+#ifndef MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
+#define MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "moe/v1/tensor.pb.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::transport {
+
+v1::Tensor EncodeBf16(absl::Span<const tensor::Bf16> values, int64_t rows, int64_t cols);
+v1::Tensor EncodeF32(absl::Span<const float> values, int64_t rows, int64_t cols);
+// Moves the bytes into the message without another copy where the message allows it.
+void EncodeBf16Into(absl::Span<const tensor::Bf16> values, int64_t rows, int64_t cols,
+                    v1::Tensor* out);
+
+struct Bf16Matrix {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<tensor::Bf16> values;  // [rows, cols]
+};
+
+// A rank-2 tensor [rows, cols] as bf16. F32 is accepted when accept_f32 (rounded RNE). cols must
+// equal expected_cols when that is >= 0 (the message names `what` and both widths); rows may be
+// 0 only when allow_empty.
+absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::string& what,
+                                            int64_t expected_cols, bool accept_f32,
+                                            bool allow_empty = false);
+// A rank-2 F32 tensor with exactly [rows, cols].
+absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const std::string& what,
+                                                   int64_t rows, int64_t cols);
+
+}  // namespace moe::transport
+
+#endif  // MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
