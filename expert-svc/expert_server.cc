@@ -25,6 +25,7 @@
 #include "services/numerics/moe_layer.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/status_convert.h"
+#include "services/transport/stream_reactor.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe::expert_svc {
@@ -53,7 +54,7 @@ struct Batch {
   Clock::time_point expires = Clock::time_point::max();
 };
 
-class DispatchReactor;
+using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
 }  // namespace
 
@@ -74,6 +75,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
 
   grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* Dispatch(
       grpc::CallbackServerContext* context) override;
+  void OnDispatch(v1::DispatchRequest req, DispatchReactor* stream);
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
                                     const v1::GetExpertInfoRequest* request,
                                     v1::ExpertServerInfo* response) override;
@@ -87,7 +89,6 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
  private:
   void ComputeLoop();
   void RegistrarLoop();
-  void Finish(DispatchReactor* reactor, v1::DispatchReply reply);
 
   ExpertServerOptions options_;
   ModelConfig cfg_;
@@ -107,100 +108,6 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
 };
 
 namespace {
-
-// One Dispatch stream. Reads run back to back; each batch goes to the compute queue; replies
-// are written one at a time from a queue. Finish happens once reads are done and no batch of
-// this stream is in flight, so the compute thread never touches a finished reactor.
-class DispatchReactor final : public grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply> {
- public:
-  explicit DispatchReactor(ExpertServer::Impl* server) : server_(server) { StartRead(&request_); }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      std::lock_guard<std::mutex> lock(mu_);
-      reads_done_ = true;
-      MaybeFinishLocked();
-      return;
-    }
-    const uint64_t id = request_.batch_id();
-    absl::StatusOr<std::unique_ptr<Batch>> batch = server_->Validate(request_);
-    if (!batch.ok()) {
-      v1::DispatchReply reply;
-      reply.set_batch_id(id);
-      reply.set_code(static_cast<int>(batch.status().code()));
-      reply.set_message(std::string(batch.status().message()));
-      reply.set_shard(server_->shard());
-      Reply(std::move(reply), /*from_compute=*/false);
-    } else {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++in_flight_;
-      }
-      if (!server_->Enqueue(std::move(*batch), this)) {
-        v1::DispatchReply reply;
-        reply.set_batch_id(id);
-        reply.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-        reply.set_message(absl::StrCat("shard ", server_->shard(),
-                                       ": compute queue full or shutting down"));
-        reply.set_shard(server_->shard());
-        Reply(std::move(reply), /*from_compute=*/true);
-      }
-    }
-    request_.Clear();
-    StartRead(&request_);
-  }
-
-  // from_compute: the reply ends one in-flight batch.
-  void Reply(v1::DispatchReply reply, bool from_compute) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (from_compute) --in_flight_;
-    if (!broken_) {
-      outbox_.push_back(std::move(reply));
-      if (!writing_) {
-        writing_ = true;
-        StartWrite(&outbox_.front());
-      }
-    }
-    MaybeFinishLocked();
-  }
-
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    outbox_.pop_front();
-    if (!ok) {
-      broken_ = true;  // the client is gone: drop what is left
-      outbox_.clear();
-    }
-    if (!outbox_.empty()) {
-      StartWrite(&outbox_.front());
-    } else {
-      writing_ = false;
-    }
-    MaybeFinishLocked();
-  }
-
-  void OnCancel() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    broken_ = true;
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  void MaybeFinishLocked() {
-    if (reads_done_ && in_flight_ == 0 && !writing_ && !finished_) {
-      finished_ = true;
-      Finish(grpc::Status::OK);
-    }
-  }
-
-  ExpertServer::Impl* server_;
-  v1::DispatchRequest request_;
-  std::mutex mu_;
-  std::deque<v1::DispatchReply> outbox_;
-  int in_flight_ = 0;
-  bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;
-};
 
 }  // namespace
 
@@ -242,8 +149,9 @@ absl::Status ExpertServer::Impl::Load() {
       w.experts.assign(full.experts.begin() + lo, full.experts.begin() + hi);
       w.backing = std::move(full.backing);
     }
+    // Checks the shapes of every expert of the range (need_experts would demand all E).
     MOE_RETURN_IF_ERROR(numerics::ValidateLayerWeights(cfg_, w, /*need_dense=*/false,
-                                                       /*need_experts=*/true));
+                                                       /*need_experts=*/false));
     layers_[layer] = std::move(w);
   }
   const numerics::cpu::Isa isa = static_cast<int>(options_.isa) <=
@@ -451,13 +359,39 @@ void ExpertServer::Impl::ComputeLoop() {
       Compute(*b, &reply);
       reply.set_compute_seconds(Seconds(Clock::now() - start));
     }
-    reactor->Reply(std::move(reply), /*from_compute=*/true);
+    reactor->Reply(std::move(reply), /*ends_work=*/true);
   }
 }
 
 grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* ExpertServer::Impl::Dispatch(
     grpc::CallbackServerContext* /*context*/) {
-  return new DispatchReactor(this);
+  return new DispatchReactor([this](v1::DispatchRequest&& req, DispatchReactor* stream) {
+    OnDispatch(std::move(req), stream);
+  });
+}
+
+void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* stream) {
+  const uint64_t id = req.batch_id();
+  auto error_reply = [&](const absl::Status& s) {
+    v1::DispatchReply reply;
+    reply.set_batch_id(id);
+    reply.set_code(static_cast<int>(s.code()));
+    reply.set_message(std::string(s.message()));
+    reply.set_shard(options_.shard);
+    return reply;
+  };
+  absl::StatusOr<std::unique_ptr<Batch>> batch = Validate(req);
+  if (!batch.ok()) {
+    stream->Reply(error_reply(batch.status()), /*ends_work=*/false);
+    return;
+  }
+  stream->BeginWork();
+  if (!Enqueue(std::move(*batch), stream)) {
+    stream->Reply(error_reply(absl::UnavailableError(absl::StrCat(
+                      "shard ", options_.shard, ": compute queue full (",
+                      options_.max_queued_batches, " batches) or shutting down"))),
+                  /*ends_work=*/true);
+  }
 }
 
 grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContext* context,

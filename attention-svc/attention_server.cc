@@ -1,0 +1,626 @@
+#include "attention-svc/attention_server.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "moe/v1/attention.grpc.pb.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/status_macros.h"
+#include "services/common/work_queue.h"
+#include "services/numerics/combine.h"
+#include "services/numerics/cpu/moe_layer.h"
+#include "services/numerics/qb.h"
+#include "services/transport/expert_stream.h"
+#include "services/transport/grpc_server.h"
+#include "services/transport/status_convert.h"
+#include "services/transport/stream_reactor.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::attention_svc {
+
+using numerics::LayerTimings;
+using numerics::QbHistogram;
+using numerics::cpu::CpuMoeLayer;
+using numerics::cpu::RoutedBatch;
+using tensor::Bf16;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ForwardStreamReactor = transport::StreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+struct HostedLayer {
+  std::unique_ptr<CpuMoeLayer> layer;
+  std::mutex mu;  // CpuMoeLayer is not reentrant
+  std::vector<float> checkpoint_bias;
+};
+
+struct BiasEntry {
+  uint64_t version = 0;
+  std::vector<float> bias;
+};
+
+struct ShardRef {
+  std::string shard, endpoint;
+  int32_t lo = 0, hi = 0;
+  bool healthy = false;
+  int64_t last_seen_ms = 0;
+};
+
+// Which shard serves each expert of one layer, from one placement version.
+struct LayerRoute {
+  std::vector<ShardRef> shards;  // ascending expert_lo (the partial-sum order)
+  std::vector<int32_t> owner;    // [E] index into shards, -1: nobody hosts it
+};
+
+}  // namespace
+
+class AttentionServer::Impl final : public v1::AttentionService::CallbackService {
+ public:
+  explicit Impl(const AttentionServerOptions& o) : options_(o) {}
+  ~Impl() override;
+
+  absl::Status Load();
+  absl::Status StartServing();
+  void Shutdown(absl::Duration grace);
+  int port() const { return server_ != nullptr ? server_->port() : 0; }
+  void Wait() {
+    if (server_ != nullptr) server_->Wait();
+  }
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
+                                    const v1::ForwardRequest* req,
+                                    v1::ForwardResponse* resp) override;
+  grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ForwardStream(
+      grpc::CallbackServerContext* ctx) override;
+
+ private:
+  absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
+                          v1::ForwardResponse* resp);
+  void Accumulate(int32_t layer, uint64_t version, const std::vector<float>& bias,
+                  const RoutedBatch& batch);
+  void ApplyPlacement(const v1::Placement& p);
+  void ApplyBias(const v1::LayerBias& b);
+  std::shared_ptr<transport::ExpertStream> StreamFor(const ShardRef& s);
+  void PlacementLoop();
+  void BiasLoop();
+  void ReportLoop();
+  void ReportNow();
+  // Runs a watch until it ends or the server stops; ctx is registered so Shutdown can cancel.
+  template <typename Msg, typename OpenFn, typename ApplyFn>
+  void WatchLoop(OpenFn open, ApplyFn apply);
+  bool SleepUnlessStopping(std::chrono::milliseconds d);
+
+  AttentionServerOptions options_;
+  ModelConfig cfg_;
+  v1::ReplyMode default_mode_ = v1::REPLY_MODE_PER_PAIR;
+  std::map<int32_t, std::unique_ptr<HostedLayer>> layers_;
+  std::unique_ptr<transport::GrpcServer> server_;
+  std::unique_ptr<WorkQueue> workers_;
+  std::shared_ptr<grpc::Channel> router_channel_;
+
+  std::mutex mu_;  // guards everything below
+  std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_;
+  std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_;
+  std::map<std::string, std::shared_ptr<transport::ExpertStream>> streams_;
+  std::set<grpc::ClientContext*> watch_contexts_;
+  bool stopping_ = false;
+  std::condition_variable stop_cv_;
+
+  std::mutex stats_mu_;
+  std::map<int32_t, std::optional<QbHistogram>> stats_;
+  std::vector<QbHistogram> outgoing_;  // finished windows of an older bias version
+
+  std::thread placement_thread_, bias_thread_, report_thread_;
+};
+
+AttentionServer::Impl::~Impl() { Shutdown(absl::ZeroDuration()); }
+
+absl::Status AttentionServer::Impl::Load() {
+  if (options_.router.empty()) {
+    return absl::InvalidArgumentError("attention-svc needs --router (placement and bias)");
+  }
+  if (options_.reply_mode == "per_pair") {
+    default_mode_ = v1::REPLY_MODE_PER_PAIR;
+  } else if (options_.reply_mode == "partial_sum") {
+    default_mode_ = v1::REPLY_MODE_PARTIAL_SUM;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reply mode '", options_.reply_mode, "' is not per_pair or partial_sum"));
+  }
+  std::unique_ptr<checkpoint::Checkpoint> ckpt;
+  if (!options_.checkpoint.empty()) {
+    MOE_ASSIGN_OR_RETURN(ckpt, checkpoint::Checkpoint::Open(options_.checkpoint));
+    MOE_ASSIGN_OR_RETURN(cfg_, ckpt->LoadConfig());
+  } else {
+    MOE_ASSIGN_OR_RETURN(cfg_, PresetConfig(options_.preset));
+  }
+  std::vector<int64_t> layers = options_.layers;
+  if (layers.empty()) layers.push_back(cfg_.first_moe_layer);
+  numerics::cpu::CpuLayerOptions lo;
+  lo.threads = options_.threads;
+  lo.isa = options_.isa;
+  lo.experts = false;
+  for (int64_t layer : layers) {
+    if (!cfg_.IsMoeLayer(layer)) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
+    }
+    numerics::MoeLayerWeights w;
+    if (ckpt != nullptr) {
+      checkpoint::LoadOptions opt;
+      opt.dense = true;
+      opt.expert_lo = 0;
+      opt.expert_hi = 0;
+      MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt, cfg_, layer, opt));
+    } else {
+      checkpoint::SyntheticOptions so;
+      so.seed = options_.seed;
+      so.router_skew = options_.router_skew;
+      w = checkpoint::SyntheticLayer(cfg_, layer, so);
+      w.experts.clear();
+      w.backing.clear();
+      w.expert_lo = w.expert_hi = 0;
+    }
+    auto hosted = std::make_unique<HostedLayer>();
+    hosted->checkpoint_bias = w.bias;
+    MOE_ASSIGN_OR_RETURN(hosted->layer, CpuMoeLayer::Create(cfg_, std::move(w), lo));
+    auto entry = std::make_shared<BiasEntry>();
+    entry->bias = hosted->checkpoint_bias;
+    bias_[static_cast<int32_t>(layer)] = std::move(entry);
+    layers_[static_cast<int32_t>(layer)] = std::move(hosted);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionServer::Impl::StartServing() {
+  workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
+  router_channel_ = transport::MakeChannel(options_.router);
+  transport::GrpcServerOptions so;
+  so.host = options_.host;
+  so.port = options_.port;
+  so.max_receive_message_bytes = options_.max_message_bytes;
+  so.max_send_message_bytes = options_.max_message_bytes;
+  so.services = {this};
+  MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
+  placement_thread_ = std::thread([this] { PlacementLoop(); });
+  bias_thread_ = std::thread([this] { BiasLoop(); });
+  report_thread_ = std::thread([this] { ReportLoop(); });
+  if (!options_.port_file.empty()) {
+    MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
+  }
+  return absl::OkStatus();
+}
+
+void AttentionServer::Impl::Shutdown(absl::Duration grace) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    stop_cv_.notify_all();
+    for (grpc::ClientContext* c : watch_contexts_) c->TryCancel();
+  }
+  if (server_ != nullptr) server_->Shutdown(grace);
+  workers_.reset();  // runs what is queued (bounded by deadlines), then joins
+  for (std::thread* t : {&placement_thread_, &bias_thread_, &report_thread_}) {
+    if (t->joinable()) t->join();
+  }
+  ReportNow();  // the last partial window
+}
+
+bool AttentionServer::Impl::SleepUnlessStopping(std::chrono::milliseconds d) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return !stop_cv_.wait_for(lock, d, [&] { return stopping_; });
+}
+
+template <typename Msg, typename OpenFn, typename ApplyFn>
+void AttentionServer::Impl::WatchLoop(OpenFn open, ApplyFn apply) {
+  for (;;) {
+    grpc::ClientContext ctx;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      watch_contexts_.insert(&ctx);
+    }
+    auto reader = open(&ctx);
+    Msg m;
+    while (reader->Read(&m)) apply(m);
+    reader->Finish();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      watch_contexts_.erase(&ctx);
+    }
+    if (!SleepUnlessStopping(std::chrono::milliseconds(200))) return;
+  }
+}
+
+void AttentionServer::Impl::PlacementLoop() {
+  auto stub = v1::RouterService::NewStub(router_channel_);
+  v1::GetPlacementRequest req;
+  WatchLoop<v1::Placement>([&](grpc::ClientContext* ctx) { return stub->WatchPlacement(ctx, req); },
+                           [&](const v1::Placement& p) { ApplyPlacement(p); });
+}
+
+void AttentionServer::Impl::BiasLoop() {
+  auto stub = v1::RouterService::NewStub(router_channel_);
+  v1::WatchBiasRequest req;
+  for (const auto& [l, hosted] : layers_) req.add_layers(l);
+  WatchLoop<v1::LayerBias>([&](grpc::ClientContext* ctx) { return stub->WatchBias(ctx, req); },
+                           [&](const v1::LayerBias& b) { ApplyBias(b); });
+}
+
+void AttentionServer::Impl::ApplyPlacement(const v1::Placement& p) {
+  bool covered = true;
+  std::map<int32_t, std::shared_ptr<const LayerRoute>> routes;
+  for (const auto& [layer, hosted] : layers_) {
+    auto route = std::make_shared<LayerRoute>();
+    for (const v1::ShardInfo& s : p.shards()) {
+      for (const v1::ExpertRange& r : s.ranges()) {
+        if (r.layer() != layer) continue;
+        route->shards.push_back(
+            {s.shard(), s.endpoint(), r.expert_lo(), r.expert_hi(), s.healthy(), s.last_seen_ms()});
+      }
+    }
+    std::sort(route->shards.begin(), route->shards.end(), [](const ShardRef& a, const ShardRef& b) {
+      return a.lo != b.lo ? a.lo < b.lo : a.shard < b.shard;
+    });
+    route->owner.assign(static_cast<size_t>(cfg_.num_experts), -1);
+    for (size_t i = 0; i < route->shards.size(); ++i) {
+      const ShardRef& s = route->shards[i];
+      for (int32_t e = std::max(0, s.lo); e < std::min<int32_t>(s.hi, cfg_.num_experts); ++e) {
+        int32_t& o = route->owner[e];
+        // A healthy replica wins over an unhealthy one; among equals the first (lowest lo).
+        if (o < 0 || (!route->shards[o].healthy && s.healthy)) o = static_cast<int32_t>(i);
+      }
+    }
+    for (int32_t o : route->owner) {
+      if (o < 0 || !route->shards[o].healthy) covered = false;
+    }
+    routes[layer] = std::move(route);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    routes_ = std::move(routes);
+  }
+  if (server_ != nullptr) server_->SetServing(covered);
+}
+
+void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
+  if (layers_.count(b.layer()) == 0 || b.bias_size() != cfg_.num_experts) return;
+  auto entry = std::make_shared<BiasEntry>();
+  entry->version = b.version();
+  entry->bias.assign(b.bias().begin(), b.bias().end());
+  std::lock_guard<std::mutex> lock(mu_);
+  bias_[b.layer()] = std::move(entry);
+}
+
+std::shared_ptr<transport::ExpertStream> AttentionServer::Impl::StreamFor(const ShardRef& s) {
+  const std::string key = s.shard + "@" + s.endpoint;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& stream = streams_[key];
+  if (stream == nullptr) {
+    stream = std::make_shared<transport::ExpertStream>(s.shard, s.endpoint,
+                                                       options_.max_message_bytes);
+  }
+  return stream;
+}
+
+void AttentionServer::Impl::Accumulate(int32_t layer, uint64_t version,
+                                       const std::vector<float>& bias, const RoutedBatch& batch) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  std::optional<QbHistogram>& acc = stats_[layer];
+  if (acc.has_value() && acc->window().bias_version != version) {
+    outgoing_.push_back(std::move(*acc));
+    acc.reset();
+  }
+  if (!acc.has_value()) {
+    numerics::QbWindow w;
+    w.window_id = version;
+    w.bias_version = version;
+    w.layer = layer;
+    w.top_k = cfg_.top_k;
+    w.bins = options_.qb_bins;
+    auto h = QbHistogram::Create(w, bias);
+    if (!h.ok()) return;  // the bias was validated upstream; nothing to report otherwise
+    acc = std::move(*h);
+  }
+  (void)acc->Accumulate(batch.scores, batch.tokens);
+}
+
+void AttentionServer::Impl::ReportNow() {
+  std::vector<QbHistogram> out;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    out.swap(outgoing_);
+    for (auto& [layer, acc] : stats_) {
+      if (acc.has_value() && acc->tokens() > 0) out.push_back(std::move(*acc));
+      acc.reset();
+    }
+  }
+  if (out.empty()) return;
+  auto stub = v1::RouterService::NewStub(router_channel_);
+  for (const QbHistogram& h : out) {
+    v1::ReportStatsRequest req;
+    req.set_node(options_.node);
+    req.set_layer(h.window().layer);
+    req.set_bias_version(h.window().bias_version);
+    req.set_tokens(h.tokens());
+    *req.mutable_loads() = {h.loads().begin(), h.loads().end()};
+    req.set_qb_histogram(h.Serialize());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::ReportStatsResponse resp;
+    const grpc::Status s = stub->ReportStats(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::fprintf(stderr, "attention-svc: ReportStats failed: %s\n", s.error_message().c_str());
+    }
+  }
+}
+
+void AttentionServer::Impl::ReportLoop() {
+  while (SleepUnlessStopping(std::chrono::milliseconds(options_.report_interval_ms))) ReportNow();
+}
+
+absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, absl::Time deadline,
+                                               v1::ForwardResponse* resp) {
+  auto it = layers_.find(req.layer());
+  if (it == layers_.end()) {
+    std::string hosted;
+    for (const auto& [l, h] : layers_) absl::StrAppend(&hosted, hosted.empty() ? "" : ",", l);
+    return absl::NotFoundError(
+        absl::StrCat("layer ", req.layer(), " is not hosted here (layers ", hosted, ")"));
+  }
+  HostedLayer& hosted = *it->second;
+  MOE_ASSIGN_OR_RETURN(
+      transport::Bf16Matrix x,
+      transport::DecodeBf16Matrix(req.hidden_states(), "hidden_states", cfg_.hidden,
+                                  /*accept_f32=*/true));
+  if (x.rows > options_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("hidden_states: ", x.rows,
+                                                     " tokens, this server takes at most ",
+                                                     options_.max_tokens, " per request"));
+  }
+  v1::ReplyMode mode = req.options().reply_mode();
+  if (mode == v1::REPLY_MODE_UNSPECIFIED) mode = default_mode_;
+  if (mode != v1::REPLY_MODE_PER_PAIR && mode != v1::REPLY_MODE_PARTIAL_SUM) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
+  }
+  std::shared_ptr<const BiasEntry> bias;
+  std::shared_ptr<const LayerRoute> route;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bias = bias_[req.layer()];
+    auto r = routes_.find(req.layer());
+    if (r != routes_.end()) route = r->second;
+  }
+  LayerTimings t;
+  RoutedBatch batch;
+  {
+    std::lock_guard<std::mutex> lock(hosted.mu);
+    MOE_ASSIGN_OR_RETURN(batch, hosted.layer->RouteAndProject(x.values, x.rows, x.cols,
+                                                              bias->bias.data(), &t));
+  }
+  Accumulate(req.layer(), bias->version, bias->bias, batch);
+
+  // Group the (token, slot) pairs by owning shard; each shard gets its experts ascending.
+  const int64_t tokens = batch.tokens, k = cfg_.top_k, d = cfg_.latent;
+  const std::vector<std::vector<int64_t>> pairs =
+      numerics::PairsByExpert(batch.routing, cfg_.num_experts);
+  if (route == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("no placement for layer ", req.layer(), " from router-svc yet"));
+  }
+  const size_t num_shards = route->shards.size();
+  std::vector<std::vector<int32_t>> experts_of(num_shards);
+  for (int32_t e = 0; e < cfg_.num_experts; ++e) {
+    if (pairs[e].empty()) continue;
+    const int32_t o = route->owner[e];
+    if (o < 0) {
+      return absl::UnavailableError(
+          absl::StrCat("no expert shard hosts expert ", e, " of layer ", req.layer()));
+    }
+    const ShardRef& s = route->shards[o];
+    if (!s.healthy) {
+      return absl::UnavailableError(absl::StrCat("expert shard ", s.shard, " (", s.endpoint,
+                                                 ") serving experts [", s.lo, ", ", s.hi,
+                                                 ") of layer ", req.layer(),
+                                                 " is unhealthy: no heartbeat for ",
+                                                 s.last_seen_ms, " ms"));
+    }
+    experts_of[o].push_back(e);
+  }
+  const auto dispatch_start = Clock::now();
+  const int64_t timeout_ms = std::max<int64_t>(
+      1, absl::ToInt64Milliseconds(deadline - absl::Now()));
+  std::vector<std::shared_ptr<transport::ExpertStream>> streams(num_shards);
+  std::vector<std::shared_ptr<transport::PendingReply>> pending(num_shards);
+  std::vector<std::vector<int32_t>> row_tokens(num_shards);  // partial sums: token of each row
+  for (size_t si = 0; si < num_shards; ++si) {
+    if (experts_of[si].empty()) continue;
+    v1::DispatchRequest dr;
+    dr.set_layer(req.layer());
+    dr.set_reply_mode(mode);
+    dr.set_timeout_ms(timeout_ms);
+    int64_t rows = 0;
+    for (int32_t e : experts_of[si]) rows += static_cast<int64_t>(pairs[e].size());
+    std::vector<Bf16> zrows(static_cast<size_t>(rows * d));
+    int64_t row = 0;
+    for (int32_t e : experts_of[si]) {
+      v1::ExpertGroup* g = dr.add_groups();
+      g->set_expert_id(e);
+      g->set_token_count(static_cast<int32_t>(pairs[e].size()));
+      for (int64_t p : pairs[e]) {
+        const int64_t tok = p / k;
+        std::copy_n(batch.z.data() + tok * d, d, zrows.data() + row * d);
+        if (mode == v1::REPLY_MODE_PARTIAL_SUM) {
+          dr.add_token_index(static_cast<int32_t>(tok));
+          dr.add_weights(batch.routing.weights[p]);
+        }
+        ++row;
+      }
+    }
+    if (mode == v1::REPLY_MODE_PARTIAL_SUM) dr.set_num_tokens(static_cast<int32_t>(tokens));
+    transport::EncodeBf16Into(zrows, rows, d, dr.mutable_activations());
+    streams[si] = StreamFor(route->shards[si]);
+    pending[si] = streams[si]->Send(std::move(dr));
+  }
+  std::vector<v1::DispatchReply> replies(num_shards);
+  for (size_t si = 0; si < num_shards; ++si) {
+    if (pending[si] == nullptr) continue;
+    MOE_ASSIGN_OR_RETURN(replies[si], streams[si]->Wait(*pending[si], deadline));
+  }
+  const double dispatch_seconds = Seconds(Clock::now() - dispatch_start);
+
+  std::vector<Bf16> r(static_cast<size_t>(tokens * d));
+  {
+    numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
+    if (mode == v1::REPLY_MODE_PER_PAIR) {
+      std::vector<Bf16> y(static_cast<size_t>(tokens * k * d));  // [T, k, D] slot order
+      for (size_t si = 0; si < num_shards; ++si) {
+        if (pending[si] == nullptr) continue;
+        int64_t rows = 0;
+        for (int32_t e : experts_of[si]) rows += static_cast<int64_t>(pairs[e].size());
+        MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix out,
+                             transport::DecodeBf16Matrix(
+                                 replies[si].outputs(),
+                                 absl::StrCat("reply of shard ", route->shards[si].shard), d,
+                                 /*accept_f32=*/false));
+        if (out.rows != rows) {
+          return absl::InternalError(absl::StrCat("shard ", route->shards[si].shard, " returned ",
+                                                  out.rows, " rows for ", rows));
+        }
+        int64_t row = 0;
+        for (int32_t e : experts_of[si]) {
+          for (int64_t p : pairs[e]) {
+            std::copy_n(out.values.data() + row * d, d, y.data() + p * d);
+            ++row;
+          }
+        }
+      }
+      numerics::ref::Combine(batch.routing, y.data(), d, r.data());
+    } else {
+      std::vector<float> acc(static_cast<size_t>(tokens * d), 0.0f);
+      for (size_t si = 0; si < num_shards; ++si) {  // ascending expert_lo
+        if (pending[si] == nullptr) continue;
+        std::vector<char> has(static_cast<size_t>(tokens), 0);
+        for (int32_t e : experts_of[si]) {
+          for (int64_t p : pairs[e]) has[p / k] = 1;
+        }
+        std::vector<int64_t> distinct;
+        for (int64_t tok = 0; tok < tokens; ++tok) {
+          if (has[tok]) distinct.push_back(tok);
+        }
+        MOE_ASSIGN_OR_RETURN(
+            std::vector<float> part,
+            transport::DecodeF32Matrix(replies[si].outputs(),
+                                       absl::StrCat("reply of shard ", route->shards[si].shard),
+                                       static_cast<int64_t>(distinct.size()), d));
+        for (size_t i = 0; i < distinct.size(); ++i) {
+          float* a = acc.data() + distinct[i] * d;
+          const float* p = part.data() + i * d;
+          for (int64_t c = 0; c < d; ++c) a[c] += p[c];
+        }
+      }
+      for (size_t i = 0; i < acc.size(); ++i) r[i] = Bf16::FromFloat(acc[i]);
+    }
+  }
+  std::vector<Bf16> out;
+  {
+    std::lock_guard<std::mutex> lock(hosted.mu);
+    out = hosted.layer->Finish(batch, r.data(), &t);
+  }
+  resp->set_request_id(req.request_id());
+  transport::EncodeBf16Into(out, tokens, cfg_.hidden, resp->mutable_output());
+  resp->set_bias_version(bias->version);
+  if (req.options().return_routing()) {
+    v1::Routing* rt = resp->mutable_routing();
+    rt->set_top_k(static_cast<int32_t>(k));
+    *rt->mutable_expert_ids() = {batch.routing.expert_ids.begin(), batch.routing.expert_ids.end()};
+    *rt->mutable_weights() = {batch.routing.weights.begin(), batch.routing.weights.end()};
+  }
+  v1::StageSeconds* sec = resp->mutable_seconds();
+  sec->set_router(t.router);
+  sec->set_down_proj(t.down_proj);
+  sec->set_dispatch(dispatch_seconds);
+  sec->set_combine_norm(t.combine_norm);
+  sec->set_up_proj(t.up_proj);
+  sec->set_shared(t.shared);
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionServer::Impl::Forward(grpc::CallbackServerContext* ctx,
+                                                         const v1::ForwardRequest* req,
+                                                         v1::ForwardResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Time deadline = absl::Now() + absl::Milliseconds(options_.default_timeout_ms);
+  deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  const bool queued = workers_->Submit([this, reactor, req, resp, deadline] {
+    reactor->Finish(transport::ToGrpc(RunForward(*req, deadline, resp)));
+  });
+  if (!queued) {
+    reactor->Finish(transport::ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
+        "attention node ", options_.node, ": too many requests waiting (", options_.max_queued,
+        ")"))));
+  }
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>*
+AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
+  const absl::Time stream_deadline = absl::FromChrono(ctx->deadline());
+  return new ForwardStreamReactor([this, stream_deadline](v1::ForwardRequest&& req,
+                                                          ForwardStreamReactor* stream) {
+    const absl::Time deadline = std::min(
+        stream_deadline, absl::Now() + absl::Milliseconds(options_.default_timeout_ms));
+    auto shared_req = std::make_shared<v1::ForwardRequest>(std::move(req));
+    stream->BeginWork();
+    auto run = [this, shared_req, stream, deadline] {
+      v1::ForwardResponse resp;
+      const absl::Status s = RunForward(*shared_req, deadline, &resp);
+      if (!s.ok()) {
+        resp.Clear();
+        resp.set_request_id(shared_req->request_id());
+        resp.set_code(static_cast<int>(s.code()));
+        resp.set_message(std::string(s.message()));
+      }
+      stream->Reply(std::move(resp), /*ends_work=*/true);
+    };
+    if (!workers_->Submit(run)) {
+      v1::ForwardResponse resp;
+      resp.set_request_id(shared_req->request_id());
+      resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+      resp.set_message("too many requests waiting");
+      stream->Reply(std::move(resp), /*ends_work=*/true);
+    }
+  });
+}
+
+AttentionServer::AttentionServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+AttentionServer::~AttentionServer() { Shutdown(absl::ZeroDuration()); }
+
+absl::StatusOr<std::unique_ptr<AttentionServer>> AttentionServer::Start(
+    const AttentionServerOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  MOE_RETURN_IF_ERROR(impl->Load());
+  MOE_RETURN_IF_ERROR(impl->StartServing());
+  return std::unique_ptr<AttentionServer>(new AttentionServer(std::move(impl)));
+}
+
+int AttentionServer::port() const { return impl_->port(); }
+void AttentionServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
+void AttentionServer::Wait() { impl_->Wait(); }
+
+}  // namespace moe::attention_svc

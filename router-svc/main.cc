@@ -1,0 +1,20 @@
+// router-svc: flags -> RouterServerOptions -> start -> wait for SIGTERM/SIGINT.
+#include "router-svc/router_server.h"
+#include "services/common/svc_main.h"
+
+int main(int argc, char** argv) {
+  moe::router_svc::RouterServerOptions o;
+  moe::SvcFlags flags("router-svc", "Control plane: placement, routing bias, load balancing.");
+  flags.String("checkpoint", &o.checkpoint, "checkpoint directory (config and bias)");
+  flags.IntList("layers", &o.layers, "MoE layers (empty: all whose bias is in the checkpoint)");
+  flags.String("host", &o.host, "listen address");
+  flags.Int("port", &o.port, "listen port (0: any free port)");
+  flags.String("port_file", &o.port_file, "write the bound port here");
+  flags.String("bias_mode", &o.bias_mode, "frozen|rebalance|continuous");
+  flags.Int64("continuous_tokens", &o.continuous_tokens, "continuous mode period in tokens");
+  flags.Int64("window_tokens", &o.window_tokens, "load/QB window in tokens");
+  flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");
+  flags.String("admin_token", &o.admin_token, "token for admin calls (empty: none needed)");
+  if (!flags.Parse(argc, argv)) return 2;
+  return moe::RunServer("router-svc", [&]() { return moe::router_svc::RouterServer::Start(o); });
+}

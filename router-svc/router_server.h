@@ -1,0 +1,63 @@
+// router-svc: the control plane (RouterService in proto/moe/v1/router.proto).
+//
+//  * Placement: expert servers register their (layer, expert range) and heartbeat; a shard whose
+//    heartbeats stop for 3 intervals is marked unhealthy. WatchPlacement streams every change.
+//  * Bias per layer, versioned: version 0 is the checkpoint's e_score_correction_bias; modes
+//    frozen / rebalance / continuous; every change is a new version with a reason, and
+//    RollbackBias makes an old one current again. WatchBias streams every new version.
+//  * Load statistics: attention nodes report QB histograms and loads; the current window holds
+//    the reports routed with the current bias version (bounded to window_tokens tokens).
+//  * Rebalance runs Quantile Balancing (the histogram form, QB.md) on the pooled window.
+//
+//   RouterServerOptions o; o.checkpoint = "out/mid";
+//   MOE_ASSIGN_OR_RETURN(auto router, RouterServer::Start(o));
+#ifndef MOE_ROUTER_SVC_ROUTER_SERVER_H_
+#define MOE_ROUTER_SVC_ROUTER_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace moe::router_svc {
+
+struct RouterServerOptions {
+  // config.json and the per-layer bias come from here.
+  std::string checkpoint;
+  std::vector<int64_t> layers;  // empty: every MoE layer whose bias the checkpoint holds
+
+  std::string host = "127.0.0.1";
+  int port = 0;
+  std::string port_file;
+
+  // "frozen", "rebalance" or "continuous" for every layer at start.
+  std::string bias_mode = "rebalance";
+  int64_t continuous_tokens = 16384;  // continuous mode: rebalance after this many tokens
+  int64_t window_tokens = 65536;      // the QB / imbalance window keeps the newest reports
+  int64_t heartbeat_interval_ms = 500;
+  // Admin calls need the metadata x-moe-admin-token equal to this; empty: no check.
+  std::string admin_token;
+};
+
+class RouterServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<RouterServer>> Start(const RouterServerOptions& options);
+  ~RouterServer();
+
+  int port() const;
+  void Shutdown(absl::Duration grace = absl::Seconds(2));
+  void Wait();
+
+  class Impl;
+
+ private:
+  explicit RouterServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe::router_svc
+
+#endif  // MOE_ROUTER_SVC_ROUTER_SERVER_H_

@@ -1,0 +1,241 @@
+#include "services/client/moe_client.h"
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "moe/v1/attention.grpc.pb.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "services/common/status_macros.h"
+#include "services/transport/grpc_server.h"
+#include "services/transport/status_convert.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::client {
+
+using tensor::Bf16;
+
+namespace {
+
+absl::StatusOr<ForwardResult> ToResult(const v1::ForwardResponse& r) {
+  ForwardResult out;
+  MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix m,
+                       transport::DecodeBf16Matrix(r.output(), "output", -1, false));
+  out.tokens = m.rows;
+  out.width = m.cols;
+  out.out = std::move(m.values);
+  out.top_k = r.routing().top_k();
+  out.expert_ids.assign(r.routing().expert_ids().begin(), r.routing().expert_ids().end());
+  out.weights.assign(r.routing().weights().begin(), r.routing().weights().end());
+  out.bias_version = r.bias_version();
+  out.seconds = r.seconds();
+  return out;
+}
+
+void FillRequest(int32_t layer, const ForwardOptions& o, v1::ForwardRequest* req) {
+  req->set_layer(layer);
+  req->mutable_options()->set_return_routing(o.return_routing);
+  req->mutable_options()->set_reply_mode(o.reply_mode);
+}
+
+class GrpcForwardStream final : public ForwardStream {
+ public:
+  GrpcForwardStream(v1::AttentionService::Stub* stub, absl::Duration timeout) {
+    ctx_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    rw_ = stub->ForwardStream(&ctx_);
+  }
+  ~GrpcForwardStream() override {
+    ctx_.TryCancel();
+    if (!finished_) rw_->Finish();
+  }
+
+  absl::StatusOr<uint64_t> Send(int32_t layer, absl::Span<const Bf16> x, int64_t tokens,
+                                int64_t width, const ForwardOptions& options) override {
+    v1::ForwardRequest req;
+    FillRequest(layer, options, &req);
+    const uint64_t id = next_id_++;
+    req.set_request_id(id);
+    transport::EncodeBf16Into(x, tokens, width, req.mutable_hidden_states());
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (!rw_->Write(req)) return absl::UnavailableError("forward stream closed");
+    return id;
+  }
+
+  absl::StatusOr<std::pair<uint64_t, absl::StatusOr<ForwardResult>>> Receive() override {
+    v1::ForwardResponse resp;
+    if (!rw_->Read(&resp)) {
+      finished_ = true;
+      const absl::Status s = transport::FromGrpc(rw_->Finish());
+      if (!s.ok()) return s;
+      return absl::OutOfRangeError("end of stream");
+    }
+    if (resp.code() != 0) {
+      return std::make_pair(resp.request_id(), absl::StatusOr<ForwardResult>(
+                                                   transport::FromCode(resp.code(), resp.message())));
+    }
+    return std::make_pair(resp.request_id(), ToResult(resp));
+  }
+
+  absl::Status CloseSend() override {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (!rw_->WritesDone()) return absl::UnavailableError("forward stream closed");
+    return absl::OkStatus();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ForwardRequest, v1::ForwardResponse>> rw_;
+  std::mutex write_mu_;
+  uint64_t next_id_ = 1;
+  bool finished_ = false;
+};
+
+class GrpcMoeClient final : public MoeClient {
+ public:
+  explicit GrpcMoeClient(const ClientOptions& o) : options_(o) {
+    if (!o.attention.empty()) {
+      attention_channel_ = transport::MakeChannel(o.attention, o.max_message_bytes);
+      attention_ = v1::AttentionService::NewStub(attention_channel_);
+    }
+    if (!o.router.empty()) router_ = v1::RouterService::NewStub(transport::MakeChannel(o.router));
+  }
+
+  absl::StatusOr<ForwardResult> Forward(int32_t layer, absl::Span<const Bf16> x, int64_t tokens,
+                                        int64_t width, const ForwardOptions& o) override {
+    v1::ForwardRequest req;
+    FillRequest(layer, o, &req);
+    transport::EncodeBf16Into(x, tokens, width, req.mutable_hidden_states());
+    return Call(req, o);
+  }
+
+  absl::StatusOr<ForwardResult> ForwardF32(int32_t layer, absl::Span<const float> x,
+                                           int64_t tokens, int64_t width,
+                                           const ForwardOptions& o) override {
+    v1::ForwardRequest req;
+    FillRequest(layer, o, &req);
+    *req.mutable_hidden_states() = transport::EncodeF32(x, tokens, width);
+    return Call(req, o);
+  }
+
+  absl::StatusOr<std::unique_ptr<ForwardStream>> OpenForwardStream(
+      absl::Duration timeout) override {
+    if (attention_ == nullptr) return absl::FailedPreconditionError("no attention endpoint");
+    return std::unique_ptr<ForwardStream>(new GrpcForwardStream(attention_.get(), timeout));
+  }
+
+  absl::StatusOr<v1::LoadStats> GetLoadStats(int32_t layer) override {
+    v1::GetLoadStatsRequest req;
+    req.set_layer(layer);
+    return RouterCall<v1::LoadStats>(&v1::RouterService::Stub::GetLoadStats, req, false);
+  }
+
+  absl::StatusOr<v1::RebalanceResponse> Rebalance(int32_t layer, bool dry_run) override {
+    v1::RebalanceRequest req;
+    req.set_layer(layer);
+    req.set_dry_run(dry_run);
+    return RouterCall<v1::RebalanceResponse>(&v1::RouterService::Stub::Rebalance, req, true);
+  }
+
+  absl::StatusOr<v1::LayerBias> RollbackBias(int32_t layer, uint64_t to_version) override {
+    v1::RollbackBiasRequest req;
+    req.set_layer(layer);
+    req.set_to_version(to_version);
+    return RouterCall<v1::LayerBias>(&v1::RouterService::Stub::RollbackBias, req, true);
+  }
+
+  absl::StatusOr<v1::LayerBias> SetBiasMode(int32_t layer, v1::BiasMode mode,
+                                            int64_t continuous_tokens) override {
+    v1::SetBiasModeRequest req;
+    req.set_layer(layer);
+    req.set_mode(mode);
+    req.set_continuous_tokens(continuous_tokens);
+    return RouterCall<v1::LayerBias>(&v1::RouterService::Stub::SetBiasMode, req, true);
+  }
+
+  absl::StatusOr<v1::LayerBias> GetBias(int32_t layer) override {
+    v1::GetBiasRequest req;
+    req.set_layer(layer);
+    return RouterCall<v1::LayerBias>(&v1::RouterService::Stub::GetBias, req, false);
+  }
+
+  absl::StatusOr<v1::Placement> GetPlacement() override {
+    return RouterCall<v1::Placement>(&v1::RouterService::Stub::GetPlacement,
+                                     v1::GetPlacementRequest(), false);
+  }
+
+  absl::StatusOr<bool> AttentionServing() override {
+    if (attention_channel_ == nullptr) return absl::FailedPreconditionError("no attention endpoint");
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    // grpc.health.v1.HealthCheckRequest{service: ""} serializes to zero bytes (an empty
+    // ByteBuffer is "no message": it needs one empty slice).
+    grpc::Slice empty("");
+    grpc::ByteBuffer request(&empty, 1), response;
+    grpc::GenericStub generic(attention_channel_);
+    grpc::Status status;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                      &response, [&](grpc::Status s) {
+                        std::lock_guard<std::mutex> lock(mu);
+                        status = std::move(s);
+                        done = true;
+                        cv.notify_all();
+                      });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    if (!status.ok()) return transport::FromGrpc(status);
+    std::vector<grpc::Slice> slices;
+    if (!response.Dump(&slices).ok()) return absl::InternalError("bad health response");
+    std::string bytes;
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    // HealthCheckResponse{status = 1 (SERVING)}: field 1, varint -> bytes 0x08 0x01.
+    return bytes.size() == 2 && bytes[0] == 0x08 && bytes[1] == 0x01;
+  }
+
+ private:
+  absl::StatusOr<ForwardResult> Call(const v1::ForwardRequest& req, const ForwardOptions& o) {
+    if (attention_ == nullptr) return absl::FailedPreconditionError("no attention endpoint");
+    grpc::ClientContext ctx;
+    const absl::Duration timeout = o.timeout > absl::ZeroDuration() ? o.timeout : options_.timeout;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    v1::ForwardResponse resp;
+    const grpc::Status s = attention_->Forward(&ctx, req, &resp);
+    if (!s.ok()) return transport::FromGrpc(s);
+    return ToResult(resp);
+  }
+
+  template <typename Resp, typename Req, typename Method>
+  absl::StatusOr<Resp> RouterCall(Method method, const Req& req, bool admin) {
+    if (router_ == nullptr) return absl::FailedPreconditionError("no router endpoint");
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    if (admin && !options_.admin_token.empty()) {
+      ctx.AddMetadata("x-moe-admin-token", options_.admin_token);
+    }
+    Resp resp;
+    const grpc::Status s = (router_.get()->*method)(&ctx, req, &resp);
+    if (!s.ok()) return transport::FromGrpc(s);
+    return resp;
+  }
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> attention_channel_;
+  std::unique_ptr<v1::AttentionService::Stub> attention_;
+  std::unique_ptr<v1::RouterService::Stub> router_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const ClientOptions& options) {
+  if (options.attention.empty() && options.router.empty()) {
+    return absl::InvalidArgumentError("MoeClient needs an attention or a router endpoint");
+  }
+  return std::unique_ptr<MoeClient>(new GrpcMoeClient(options));
+}
+
+}  // namespace moe::client

@@ -1,0 +1,214 @@
+#include "services/tools/local_cluster.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/client/moe_client.h"
+#include "services/common/status_macros.h"
+
+#ifndef MOE_BIN_DIR
+#define MOE_BIN_DIR ""
+#endif
+
+namespace moe::tools {
+
+namespace {
+
+std::string Tail(const std::string& path, size_t max_bytes = 2000) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string s = ss.str();
+  return s.size() > max_bytes ? s.substr(s.size() - max_bytes) : s;
+}
+
+}  // namespace
+
+absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
+  const std::string port_file = absl::StrCat(options_.work_dir, "/", c->name, ".port");
+  const std::string log_file = absl::StrCat(options_.work_dir, "/", c->name, ".log");
+  ::unlink(port_file.c_str());
+  std::vector<std::string> args = c->args;
+  args.push_back("--port_file=" + port_file);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(1);
+    const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::close(fd);
+    }
+    // Signals blocked by the launcher (sigwait) must not stay blocked in the child.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execv(argv[0], argv.data());
+    std::fprintf(stderr, "exec %s failed\n", argv[0]);
+    ::_exit(127);
+  }
+  c->pid = pid;
+  const absl::Time until = absl::Now() + timeout;
+  while (absl::Now() < until) {
+    std::ifstream f(port_file);
+    int port = 0;
+    if (f >> port && port > 0) {
+      c->port = port;
+      return absl::OkStatus();
+    }
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      c->pid = -1;
+      return absl::UnavailableError(absl::StrCat(c->name, " exited during start (status ",
+                                                 status, "); log ", log_file, ":\n",
+                                                 Tail(log_file)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat(c->name, " did not write its port within the start timeout; log:\n",
+                   Tail(log_file)));
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
+    const LocalClusterOptions& options) {
+  std::unique_ptr<LocalCluster> c(new LocalCluster());
+  c->options_ = options;
+  LocalClusterOptions& o = c->options_;
+  if (o.bin_dir.empty()) o.bin_dir = MOE_BIN_DIR;
+  if (o.work_dir.empty()) {
+    char tmpl[] = "/tmp/moe-cluster-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
+    o.work_dir = tmpl;
+  } else {
+    ::mkdir(o.work_dir.c_str(), 0755);
+  }
+  MOE_ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(o.checkpoint));
+  MOE_ASSIGN_OR_RETURN(ModelConfig cfg, ckpt->LoadConfig());
+  if (o.shard_ranges.empty()) {
+    if (o.num_shards < 1 || o.num_shards > cfg.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat("num_shards ", o.num_shards));
+    }
+    for (int i = 0; i < o.num_shards; ++i) {
+      o.shard_ranges.emplace_back(cfg.num_experts * i / o.num_shards,
+                                  cfg.num_experts * (i + 1) / o.num_shards);
+    }
+  }
+  const std::string threads = absl::StrCat("--threads=", o.threads);
+  c->router_.name = "router-svc";
+  c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint,
+                     "--admin_token=" + o.admin_token};
+  c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
+  MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
+  c->router_port_ = c->router_.port;
+  const std::string router = "--router=" + c->router_endpoint();
+  for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
+    Child s;
+    s.name = absl::StrCat("shard-", i);
+    s.args = {o.bin_dir + "/expert-svc",
+              "--checkpoint=" + o.checkpoint,
+              absl::StrCat("--expert_lo=", o.shard_ranges[i].first),
+              absl::StrCat("--expert_hi=", o.shard_ranges[i].second),
+              "--shard=" + s.name,
+              router,
+              threads};
+    s.args.insert(s.args.end(), o.expert_args.begin(), o.expert_args.end());
+    c->shards_.push_back(std::move(s));
+  }
+  for (Child& s : c->shards_) MOE_RETURN_IF_ERROR(c->Launch(&s, o.start_timeout));
+  c->attention_.name = "attention-svc";
+  c->attention_.args = {o.bin_dir + "/attention-svc", "--checkpoint=" + o.checkpoint, router,
+                        "--reply_mode=" + o.reply_mode, threads};
+  c->attention_.args.insert(c->attention_.args.end(), o.attention_args.begin(),
+                            o.attention_args.end());
+  MOE_RETURN_IF_ERROR(c->Launch(&c->attention_, o.start_timeout));
+  c->attention_port_ = c->attention_.port;
+  MOE_RETURN_IF_ERROR(c->WaitReady(o.start_timeout));
+  return c;
+}
+
+absl::Status LocalCluster::WaitReady(absl::Duration timeout) {
+  client::ClientOptions co;
+  co.attention = attention_endpoint();
+  co.timeout = absl::Seconds(2);
+  MOE_ASSIGN_OR_RETURN(auto client, client::MoeClient::Create(co));
+  const absl::Time until = absl::Now() + timeout;
+  absl::Status last;
+  while (absl::Now() < until) {
+    absl::StatusOr<bool> serving = client->AttentionServing();
+    if (serving.ok() && *serving) return absl::OkStatus();
+    last = serving.ok() ? absl::UnavailableError("NOT_SERVING") : serving.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("attention-svc not SERVING (placement incomplete?): ", last.ToString()));
+}
+
+absl::Status LocalCluster::SignalShard(int i, int sig) {
+  if (i < 0 || i >= num_shards() || shards_[i].pid <= 0) {
+    return absl::NotFoundError(absl::StrCat("no running shard ", i));
+  }
+  if (::kill(shards_[i].pid, sig) != 0) return absl::InternalError("kill failed");
+  if (sig == SIGKILL) {
+    ::waitpid(shards_[i].pid, nullptr, 0);
+    shards_[i].pid = -1;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::RestartShard(int i) {
+  if (i < 0 || i >= num_shards()) return absl::NotFoundError(absl::StrCat("no shard ", i));
+  if (shards_[i].pid > 0) return absl::FailedPreconditionError("shard is still running");
+  return Launch(&shards_[i], options_.start_timeout);
+}
+
+void LocalCluster::Stop(absl::Duration grace) {
+  if (stopped_) return;
+  stopped_ = true;
+  std::vector<Child*> all = {&attention_};
+  for (Child& s : shards_) all.push_back(&s);
+  all.push_back(&router_);
+  for (Child* c : all) {
+    if (c->pid > 0) {
+      ::kill(c->pid, SIGCONT);  // a stopped child cannot handle SIGTERM
+      ::kill(c->pid, SIGTERM);
+    }
+  }
+  const absl::Time until = absl::Now() + grace;
+  for (Child* c : all) {
+    while (c->pid > 0) {
+      if (::waitpid(c->pid, nullptr, WNOHANG) == c->pid) {
+        c->pid = -1;
+      } else if (absl::Now() > until) {
+        std::fprintf(stderr, "local cluster: %s did not stop in time, SIGKILL\n", c->name.c_str());
+        ::kill(c->pid, SIGKILL);
+        ::waitpid(c->pid, nullptr, 0);
+        c->pid = -1;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  }
+}
+
+LocalCluster::~LocalCluster() { Stop(); }
+
+}  // namespace moe::tools

@@ -1,0 +1,377 @@
+// moe-cli: the command line on the client SDK.
+//
+//   moe-cli forward   --attention HOST:PORT --layer L --input x.npy|x.safetensors [--output y.npy]
+//   moe-cli stats     --router HOST:PORT --layer L
+//   moe-cli rebalance --router HOST:PORT --layer L [--dry_run] [--admin_token T]
+//   moe-cli rollback  --router HOST:PORT --layer L --to V [--admin_token T]
+//   moe-cli mode      --router HOST:PORT --layer L --mode frozen|rebalance|continuous
+//   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
+//   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/client/moe_client.h"
+#include "services/common/model_config.h"
+#include "services/common/svc_main.h"
+#include "services/tools/load_generator.h"
+#include "services/tools/local_cluster.h"
+#include "services/tools/tensor_file.h"
+
+namespace moe::tools {
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+void OnSignal(int) { g_stop.store(true); }
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "moe-cli: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+struct Common {
+  std::string attention, router, admin_token;
+  int64_t layer = 1;
+  double timeout_s = 30;
+  void Register(SvcFlags& f) {
+    f.String("attention", &attention, "attention-svc host:port");
+    f.String("router", &router, "router-svc host:port");
+    f.String("admin_token", &admin_token, "admin token for rebalance/rollback/mode");
+    f.Int64("layer", &layer, "MoE layer");
+    f.Double("timeout", &timeout_s, "deadline of each call in seconds");
+  }
+  absl::StatusOr<std::unique_ptr<client::MoeClient>> Client() const {
+    client::ClientOptions o;
+    o.attention = attention;
+    o.router = router;
+    o.admin_token = admin_token;
+    o.timeout = absl::Seconds(timeout_s);
+    return client::MoeClient::Create(o);
+  }
+};
+
+v1::ReplyMode ParseReplyMode(const std::string& s) {
+  if (s == "per_pair") return v1::REPLY_MODE_PER_PAIR;
+  if (s == "partial_sum") return v1::REPLY_MODE_PARTIAL_SUM;
+  return v1::REPLY_MODE_UNSPECIFIED;
+}
+
+void PrintBalance(const char* what, const v1::Balance& b) {
+  std::printf("  %-18s MaxVio %.3f  CV %.3f  min/q %.2f  dead %lld  shard max/mean %.3f\n", what,
+              b.max_vio(), b.cv(), b.min_over_target(), static_cast<long long>(b.dead()),
+              b.shard_max_over_mean());
+}
+
+void PrintStats(const v1::LoadStats& s) {
+  std::printf("layer %d: bias version %llu (%s), rebalances %lld\n", s.layer(),
+              static_cast<unsigned long long>(s.bias_version()), v1::BiasMode_Name(s.mode()).c_str(),
+              static_cast<long long>(s.rebalances()));
+  std::printf("  window %lld tokens, total %lld tokens\n",
+              static_cast<long long>(s.window_tokens()), static_cast<long long>(s.total_tokens()));
+  PrintBalance("window balance", s.window_balance());
+  for (int i = 0; i < s.shard_names_size(); ++i) {
+    std::printf("  %-10s %lld routed tokens in the window\n", s.shard_names(i).c_str(),
+                static_cast<long long>(s.shard_loads(i)));
+  }
+  std::vector<std::pair<int64_t, int>> hot;
+  for (int j = 0; j < s.window_loads_size(); ++j) hot.emplace_back(s.window_loads(j), j);
+  std::sort(hot.rbegin(), hot.rend());
+  std::printf("  hottest experts (window):");
+  for (size_t i = 0; i < std::min<size_t>(8, hot.size()); ++i) {
+    std::printf(" %d:%lld", hot[i].second, static_cast<long long>(hot[i].first));
+  }
+  std::printf("\n");
+}
+
+void PrintRebalance(const v1::RebalanceResponse& r) {
+  std::printf("rebalance layer %d from %lld tokens: %s version %llu\n", r.layer(),
+              static_cast<long long>(r.window_tokens()), r.applied() ? "applied" : "dry run,",
+              static_cast<unsigned long long>(r.new_bias().version()));
+  PrintBalance("before", r.before());
+  PrintBalance("predicted after", r.predicted_after());
+  std::printf("  noise floor MaxVio %.3f\n", r.noise_floor_max_vio());
+}
+
+absl::StatusOr<int64_t> HiddenOf(const std::string& checkpoint, const std::string& preset) {
+  if (!checkpoint.empty()) {
+    auto ckpt = checkpoint::Checkpoint::Open(checkpoint);
+    if (!ckpt.ok()) return ckpt.status();
+    auto cfg = (*ckpt)->LoadConfig();
+    if (!cfg.ok()) return cfg.status();
+    return cfg->hidden;
+  }
+  auto cfg = PresetConfig(preset);
+  if (!cfg.ok()) return cfg.status();
+  return cfg->hidden;
+}
+
+int Forward(int argc, char** argv) {
+  Common c;
+  std::string input, tensor_name, output, reply_mode;
+  bool routing = false;
+  SvcFlags f("moe-cli forward", "One Forward call from a .npy or .safetensors file.");
+  c.Register(f);
+  f.String("input", &input, "x [T, H]: .npy (<f4 or <u2 bf16 bits) or .safetensors");
+  f.String("tensor", &tensor_name, "tensor name inside a .safetensors file");
+  f.String("output", &output, "write the output [T, H] as float32 .npy here");
+  f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
+  f.Bool("routing", &routing, "print the experts of the first tokens");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  auto x = ReadMatrix(input, tensor_name);
+  if (!x.ok()) return Fail(x.status());
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  client::ForwardOptions fo;
+  fo.return_routing = routing;
+  fo.reply_mode = ParseReplyMode(reply_mode);
+  auto y = (*client)->Forward(static_cast<int32_t>(c.layer), x->values, x->rows, x->cols, fo);
+  if (!y.ok()) return Fail(y.status());
+  const v1::StageSeconds& s = y->seconds;
+  std::printf("output [%lld, %lld], bias version %llu; ms: router %.2f down %.2f dispatch %.2f "
+              "combine+norm %.2f up %.2f shared %.2f\n",
+              static_cast<long long>(y->tokens), static_cast<long long>(y->width),
+              static_cast<unsigned long long>(y->bias_version), 1e3 * s.router(),
+              1e3 * s.down_proj(), 1e3 * s.dispatch(), 1e3 * s.combine_norm(), 1e3 * s.up_proj(),
+              1e3 * s.shared());
+  if (routing) {
+    for (int64_t t = 0; t < std::min<int64_t>(4, y->tokens); ++t) {
+      std::printf("  token %lld:", static_cast<long long>(t));
+      for (int64_t j = 0; j < y->top_k; ++j) {
+        std::printf(" %d(%.3f)", y->expert_ids[t * y->top_k + j], y->weights[t * y->top_k + j]);
+      }
+      std::printf("\n");
+    }
+  }
+  if (!output.empty()) {
+    std::vector<float> out(y->out.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = y->out[i].ToFloat();
+    if (absl::Status st = WriteNpyF32(output, out, y->tokens, y->width); !st.ok()) return Fail(st);
+    std::printf("wrote %s\n", output.c_str());
+  }
+  return 0;
+}
+
+int Stats(int argc, char** argv) {
+  Common c;
+  SvcFlags f("moe-cli stats", "Load statistics of a layer from router-svc.");
+  c.Register(f);
+  if (!f.Parse(argc, argv, 2)) return 2;
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto s = (*client)->GetLoadStats(static_cast<int32_t>(c.layer));
+  if (!s.ok()) return Fail(s.status());
+  PrintStats(*s);
+  return 0;
+}
+
+int Rebalance(int argc, char** argv) {
+  Common c;
+  bool dry_run = false;
+  SvcFlags f("moe-cli rebalance", "One Quantile Balancing step for a layer.");
+  c.Register(f);
+  f.Bool("dry_run", &dry_run, "predict only");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto r = (*client)->Rebalance(static_cast<int32_t>(c.layer), dry_run);
+  if (!r.ok()) return Fail(r.status());
+  PrintRebalance(*r);
+  return 0;
+}
+
+int Rollback(int argc, char** argv) {
+  Common c;
+  uint64_t to = 0;
+  SvcFlags f("moe-cli rollback", "Make an earlier bias version current again.");
+  c.Register(f);
+  f.Uint64("to", &to, "bias version");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto r = (*client)->RollbackBias(static_cast<int32_t>(c.layer), to);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("layer %d: bias version %llu (%s)\n", r->layer(),
+              static_cast<unsigned long long>(r->version()), r->reason().c_str());
+  return 0;
+}
+
+int Mode(int argc, char** argv) {
+  Common c;
+  std::string mode;
+  int64_t every = 0;
+  SvcFlags f("moe-cli mode", "Set a layer's bias mode.");
+  c.Register(f);
+  f.String("mode", &mode, "frozen|rebalance|continuous");
+  f.Int64("continuous_tokens", &every, "continuous: rebalance every this many tokens");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  v1::BiasMode m = v1::BIAS_MODE_UNSPECIFIED;
+  if (mode == "frozen") m = v1::BIAS_MODE_FROZEN;
+  if (mode == "rebalance") m = v1::BIAS_MODE_REBALANCE;
+  if (mode == "continuous") m = v1::BIAS_MODE_CONTINUOUS;
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto r = (*client)->SetBiasMode(static_cast<int32_t>(c.layer), m, every);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("layer %d: mode %s, bias version %llu\n", r->layer(),
+              v1::BiasMode_Name(r->mode()).c_str(), static_cast<unsigned long long>(r->version()));
+  return 0;
+}
+
+struct LoadFlags {
+  int concurrency = 4;
+  int64_t tokens = 64;
+  double duration_s = 10;
+  uint64_t seed = 1;
+  std::string reply_mode;
+  void Register(SvcFlags& f) {
+    f.Int("concurrency", &concurrency, "requests in flight");
+    f.Int64("tokens", &tokens, "tokens per request");
+    f.Double("duration", &duration_s, "seconds of traffic");
+    f.Uint64("seed", &seed, "input seed");
+    f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
+  }
+  LoadOptions Options(int64_t layer, int64_t hidden) const {
+    LoadOptions o;
+    o.layer = static_cast<int32_t>(layer);
+    o.hidden = hidden;
+    o.concurrency = concurrency;
+    o.tokens = tokens;
+    o.duration = absl::Seconds(duration_s);
+    o.seed = seed;
+    o.forward.reply_mode = ParseReplyMode(reply_mode);
+    o.stop = &g_stop;
+    return o;
+  }
+};
+
+int Loadgen(int argc, char** argv) {
+  Common c;
+  LoadFlags l;
+  std::string checkpoint, preset = "mid";
+  SvcFlags f("moe-cli loadgen", "Closed-loop Forward traffic: tokens/s, latency, errors.");
+  c.Register(f);
+  l.Register(f);
+  f.String("checkpoint", &checkpoint, "checkpoint (for H)");
+  f.String("preset", &preset, "preset (for H) when no checkpoint");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  auto hidden = HiddenOf(checkpoint, preset);
+  if (!hidden.ok()) return Fail(hidden.status());
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto r = RunLoad(**client, l.Options(c.layer, *hidden));
+  if (!r.ok()) return Fail(r.status());
+  std::printf("%s\n", r->Format().c_str());
+  return r->ok > 0 ? 0 : 1;
+}
+
+// The main job: a local cluster, traffic, imbalance, Rebalance, traffic again, report.
+int Cluster(int argc, char** argv) {
+  LoadFlags l;
+  LocalClusterOptions co;
+  int64_t layer = 1;
+  std::string work_dir;
+  double settle_s = 1.0;
+  SvcFlags f("moe-cli cluster",
+             "Starts router-svc, expert-svc shards and attention-svc on loopback, runs traffic, "
+             "rebalances, and reports.");
+  l.Register(f);
+  f.String("checkpoint", &co.checkpoint, "checkpoint directory");
+  f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
+  f.String("cluster_reply_mode", &co.reply_mode, "attention-svc default reply mode");
+  f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
+  f.String("bin_dir", &co.bin_dir, "where the service binaries are (default: the build's)");
+  f.String("work_dir", &work_dir, "logs and port files (default: a temp dir)");
+  f.Int64("layer", &layer, "MoE layer to drive");
+  f.Double("settle", &settle_s, "seconds to wait for the last statistics report");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  co.work_dir = work_dir;
+  co.admin_token = "local-admin";
+  co.router_args = {"--window_tokens=1000000"};
+  auto hidden = HiddenOf(co.checkpoint, "");
+  if (!hidden.ok()) return Fail(hidden.status());
+  std::printf("starting the local cluster (%d expert shards) from %s ...\n", co.num_shards,
+              co.checkpoint.c_str());
+  auto cluster = LocalCluster::Start(co);
+  if (!cluster.ok()) return Fail(cluster.status());
+  std::printf("router-svc %s, attention-svc %s, logs in %s\n",
+              (*cluster)->router_endpoint().c_str(), (*cluster)->attention_endpoint().c_str(),
+              (*cluster)->work_dir().c_str());
+  for (int i = 0; i < (*cluster)->num_shards(); ++i) {
+    std::printf("  %s at %s\n", (*cluster)->shard_name(i).c_str(),
+                (*cluster)->shard_endpoint(i).c_str());
+  }
+  client::ClientOptions cl;
+  cl.attention = (*cluster)->attention_endpoint();
+  cl.router = (*cluster)->router_endpoint();
+  cl.admin_token = co.admin_token;
+  auto client = client::MoeClient::Create(cl);
+  if (!client.ok()) return Fail(client.status());
+  const LoadOptions lo = l.Options(layer, *hidden);
+  int rc = 0;
+  auto phase = [&](const char* name) -> absl::StatusOr<v1::LoadStats> {
+    std::printf("\n== %s: %d concurrent requests of %lld tokens for %.0f s\n", name,
+                lo.concurrency, static_cast<long long>(lo.tokens), l.duration_s);
+    auto r = RunLoad(**client, lo);
+    if (!r.ok()) return r.status();
+    std::printf("%s\n", r->Format().c_str());
+    if (r->ok == 0) rc = 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(1000 * settle_s)));
+    auto s = (*client)->GetLoadStats(static_cast<int32_t>(layer));
+    if (!s.ok()) return s.status();
+    PrintStats(*s);
+    return s;
+  };
+  auto before = phase("traffic with the checkpoint's bias");
+  if (!before.ok()) return Fail(before.status());
+  double after_vio = -1;
+  if (!g_stop.load()) {
+    std::printf("\n== Rebalance (Quantile Balancing on the window)\n");
+    auto rb = (*client)->Rebalance(static_cast<int32_t>(layer), /*dry_run=*/false);
+    if (!rb.ok()) return Fail(rb.status());
+    PrintRebalance(*rb);
+    auto after = phase("traffic with the rebalanced bias");
+    if (!after.ok()) return Fail(after.status());
+    after_vio = after->window_balance().max_vio();
+  }
+  std::printf("\n== summary: MaxVio %.3f before rebalance, %.3f after%s\n",
+              before->window_balance().max_vio(), after_vio,
+              g_stop.load() ? " (interrupted)" : "");
+  (*cluster)->Stop();
+  std::printf("cluster stopped\n");
+  return g_stop.load() ? 130 : rc;
+}
+
+int Usage() {
+  std::fprintf(stderr,
+               "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster [flags] "
+               "(--help on each)\n");
+  return 2;
+}
+
+}  // namespace
+}  // namespace moe::tools
+
+int main(int argc, char** argv) {
+  using namespace moe::tools;
+  if (argc < 2) return Usage();
+  struct sigaction sa = {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const std::string cmd = argv[1];
+  if (cmd == "forward") return Forward(argc, argv);
+  if (cmd == "stats") return Stats(argc, argv);
+  if (cmd == "rebalance") return Rebalance(argc, argv);
+  if (cmd == "rollback") return Rollback(argc, argv);
+  if (cmd == "mode") return Mode(argc, argv);
+  if (cmd == "loadgen") return Loadgen(argc, argv);
+  if (cmd == "cluster") return Cluster(argc, argv);
+  return Usage();
+}

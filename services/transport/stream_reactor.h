@@ -1,0 +1,104 @@
+// A server-side bidirectional stream whose replies are produced later, off the gRPC threads
+// (a compute queue, a worker pool), in any order. Included only by service adapters (.cc files):
+// it pulls in grpcpp.
+//
+// Reads run back to back; on_message(request, reactor) must not block: it answers at once with
+// Reply(r, false), or calls BeginWork() and hands the request to a worker that later calls
+// Reply(r, true) exactly once. Replies go out one write at a time. The stream finishes once the
+// client has closed its side and no work is in flight, so a worker never touches a finished
+// reactor; after a cancel, replies are dropped.
+//
+//   return new StreamReactor<Req, Resp>([this](Req&& r, StreamReactor<Req, Resp>* s) {...});
+#ifndef MOE_SERVICES_TRANSPORT_STREAM_REACTOR_H_
+#define MOE_SERVICES_TRANSPORT_STREAM_REACTOR_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <utility>
+
+namespace moe::transport {
+
+template <typename Req, typename Resp>
+class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
+ public:
+  using Handler = std::function<void(Req&&, StreamReactor*)>;
+
+  explicit StreamReactor(Handler on_message) : on_message_(std::move(on_message)) {
+    this->StartRead(&request_);
+  }
+
+  void BeginWork() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++in_flight_;
+  }
+
+  // ends_work: this reply completes one BeginWork().
+  void Reply(Resp reply, bool ends_work) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ends_work) --in_flight_;
+    if (!broken_) {
+      outbox_.push_back(std::move(reply));
+      if (!writing_) {
+        writing_ = true;
+        this->StartWrite(&outbox_.front());
+      }
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    on_message_(std::move(request_), this);
+    request_ = Req();
+    this->StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    outbox_.pop_front();
+    if (!ok) {
+      broken_ = true;  // the client is gone: drop what is left
+      outbox_.clear();
+    }
+    if (!outbox_.empty()) {
+      this->StartWrite(&outbox_.front());
+    } else {
+      writing_ = false;
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = true;
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void MaybeFinishLocked() {
+    if (reads_done_ && in_flight_ == 0 && !writing_ && !finished_) {
+      finished_ = true;
+      this->Finish(grpc::Status::OK);
+    }
+  }
+
+  Handler on_message_;
+  Req request_;
+  std::mutex mu_;
+  std::deque<Resp> outbox_;
+  int in_flight_ = 0;
+  bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;
+};
+
+}  // namespace moe::transport
+
+#endif  // MOE_SERVICES_TRANSPORT_STREAM_REACTOR_H_
