@@ -1,0 +1,501 @@
+// Multi-process tests of the disaggregated layer: real router-svc, expert-svc and attention-svc
+// processes on loopback (port 0), started by LocalCluster, driven through the client SDK.
+// Oracles: the in-process CpuMoeLayer on the same checkpoint (bit-exact with per-pair replies),
+// cpu::RunExperts for single dispatched batches, and the balance metrics of the router.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/client/moe_client.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/moe_layer.h"
+#include "services/tools/load_generator.h"
+#include "services/tools/local_cluster.h"
+#include "services/transport/expert_stream.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe {
+namespace {
+
+using tensor::Bf16;
+using tools::LocalCluster;
+using tools::LocalClusterOptions;
+
+// Partial sums change the order of the fp32 latent sum (per shard, then across shards). r is
+// rounded to bf16 after the sum, so it differs only where the fp32 sum lies next to a bf16
+// rounding boundary; such a token's norm and up-projection then move a few outputs. Measured
+// (mid, shards [0,40) [40,128)): 0 differing outputs up to T = 64; at T = 256 5 of 262144, the
+// worst 2.2e-3 of the row's largest |output|. The bounds keep a margin of 3.5x and more.
+constexpr double kPartialSumMaxDifferingFraction = 0.01;  // outputs not bit-identical
+constexpr double kPartialSumMaxErrorOfRowScale = 0x1p-7;  // |diff| / max_i |out[t, i]|
+
+std::string MakeTempDir(const std::string& tag) {
+  std::string tmpl = ::testing::TempDir() + "/moe_" + tag + "_XXXXXX";
+  char* dir = ::mkdtemp(tmpl.data());
+  return dir != nullptr ? std::string(dir) : std::string();
+}
+
+// One synthetic checkpoint per preset for the whole test binary.
+const std::string& CheckpointFor(const std::string& preset) {
+  static std::map<std::string, std::string>* dirs = new std::map<std::string, std::string>();
+  auto it = dirs->find(preset);
+  if (it != dirs->end()) return it->second;
+  const std::string dir = MakeTempDir("ckpt_" + preset);
+  auto cfg = PresetConfig(preset);
+  EXPECT_TRUE(cfg.ok());
+  checkpoint::SyntheticOptions so;
+  so.seed = 5;
+  so.router_skew = 1.0;
+  so.single_file = preset == "tiny";
+  EXPECT_TRUE(checkpoint::WriteSyntheticCheckpoint(*cfg, dir, so).ok());
+  return (*dirs)[preset] = dir;
+}
+
+std::unique_ptr<client::MoeClient> ClientFor(const LocalCluster& c, const std::string& token = "") {
+  client::ClientOptions o;
+  o.attention = c.attention_endpoint();
+  o.router = c.router_endpoint();
+  o.admin_token = token;
+  o.timeout = absl::Seconds(30);
+  auto client = client::MoeClient::Create(o);
+  EXPECT_TRUE(client.ok());
+  return std::move(*client);
+}
+
+std::unique_ptr<numerics::cpu::CpuMoeLayer> InProcessLayer(const std::string& ckpt_dir,
+                                                          ModelConfig* cfg) {
+  auto ckpt = checkpoint::Checkpoint::Open(ckpt_dir);
+  EXPECT_TRUE(ckpt.ok());
+  *cfg = *(*ckpt)->LoadConfig();
+  auto w = checkpoint::LoadMoeLayer(**ckpt, *cfg, cfg->first_moe_layer, {});
+  EXPECT_TRUE(w.ok()) << w.status();
+  auto layer = numerics::cpu::CpuMoeLayer::Create(*cfg, std::move(*w), {});
+  EXPECT_TRUE(layer.ok());
+  return std::move(*layer);
+}
+
+bool SameBits(const std::vector<Bf16>& a, const std::vector<Bf16>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(Bf16)) == 0;
+}
+
+struct ClusterCase {
+  std::string preset;
+  std::vector<std::pair<int64_t, int64_t>> shards;  // unequal on purpose
+};
+
+class ClusterEquivalence : public ::testing::TestWithParam<ClusterCase> {};
+
+TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
+  const ClusterCase& p = GetParam();
+  const std::string& dir = CheckpointFor(p.preset);
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o;
+  o.checkpoint = dir;
+  o.shard_ranges = p.shards;
+  o.threads = 1;
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  // 1 and 5 tokens take the decode kernels; 64 tokens gives hot experts >= 16 tokens (the
+  // prefill kernel), so both expert paths cross the wire.
+  for (int64_t tokens : {1, 5, 64, 256}) {
+    SCOPED_TRACE(absl::StrCat(p.preset, " T=", tokens));
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 100 + tokens);
+    auto want = local->Forward(x, tokens, cfg.hidden);
+    ASSERT_TRUE(want.ok());
+
+    client::ForwardOptions per_pair;
+    per_pair.return_routing = true;
+    per_pair.reply_mode = v1::REPLY_MODE_PER_PAIR;
+    auto got = client->Forward(layer, x, tokens, cfg.hidden, per_pair);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->bias_version, 0u);
+    EXPECT_EQ(got->expert_ids, want->routing.expert_ids);
+    EXPECT_EQ(got->weights, want->routing.weights);
+    EXPECT_TRUE(SameBits(got->out, want->out)) << "per-pair replies must be bit-exact";
+
+    client::ForwardOptions partial;
+    partial.reply_mode = v1::REPLY_MODE_PARTIAL_SUM;
+    auto sum = client->Forward(layer, x, tokens, cfg.hidden, partial);
+    ASSERT_TRUE(sum.ok()) << sum.status();
+    int64_t differing = 0;
+    double worst = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      double scale = 0;
+      for (int64_t i = 0; i < cfg.hidden; ++i) {
+        scale = std::max(scale, std::fabs(double{want->out[t * cfg.hidden + i].ToFloat()}));
+      }
+      for (int64_t i = 0; i < cfg.hidden; ++i) {
+        const double a = sum->out[t * cfg.hidden + i].ToFloat();
+        const double b = want->out[t * cfg.hidden + i].ToFloat();
+        if (a != b) ++differing;
+        worst = std::max(worst, std::fabs(a - b) / scale);
+      }
+    }
+    const double fraction = static_cast<double>(differing) / static_cast<double>(sum->out.size());
+    std::printf("[partial sums %s T=%lld] %lld of %zu outputs differ (%.4f), worst %.2e of the "
+                "row scale\n",
+                p.preset.c_str(), static_cast<long long>(tokens), static_cast<long long>(differing),
+                sum->out.size(), fraction, worst);
+    EXPECT_LE(fraction, kPartialSumMaxDifferingFraction);
+    EXPECT_LE(worst, kPartialSumMaxErrorOfRowScale);
+
+    // fp32 input is accepted and rounded to bf16 on arrival (RNE): same result.
+    std::vector<float> xf(x.size());
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = x[i].ToFloat();
+    auto from_f32 = client->ForwardF32(layer, xf, tokens, cfg.hidden, per_pair);
+    ASSERT_TRUE(from_f32.ok()) << from_f32.status();
+    EXPECT_TRUE(SameBits(from_f32->out, want->out));
+  }
+
+  // The streaming RPC: several batches on one stream, each with its own result.
+  auto stream = client->OpenForwardStream(absl::Seconds(60));
+  ASSERT_TRUE(stream.ok());
+  std::map<uint64_t, std::vector<Bf16>> expected;
+  for (int64_t tokens : {3, 9}) {
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 7 + tokens);
+    auto id = (*stream)->Send(layer, x, tokens, cfg.hidden);
+    ASSERT_TRUE(id.ok());
+    expected[*id] = local->Forward(x, tokens, cfg.hidden)->out;
+  }
+  // A bad batch in the middle gets its own error and the stream goes on.
+  auto bad = (*stream)->Send(layer + 100, checkpoint::SyntheticHiddenStates(cfg, 2, 1), 2,
+                             cfg.hidden);
+  ASSERT_TRUE(bad.ok());
+  ASSERT_TRUE((*stream)->CloseSend().ok());
+  int received = 0;
+  for (int i = 0; i < 10; ++i) {
+    auto r = (*stream)->Receive();
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << r.status();
+      break;
+    }
+    ++received;
+    if (r->first == *bad) {
+      EXPECT_EQ(r->second.status().code(), absl::StatusCode::kNotFound);
+    } else {
+      ASSERT_TRUE(r->second.ok()) << r->second.status();
+      EXPECT_TRUE(SameBits(r->second->out, expected.at(r->first)));
+    }
+  }
+  EXPECT_EQ(received, 3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, ClusterEquivalence,
+                         ::testing::Values(ClusterCase{"tiny", {{0, 5}, {5, 16}}},
+                                           ClusterCase{"mid", {{0, 40}, {40, 128}}}),
+                         [](const auto& info) { return info.param.preset; });
+
+// Bad input to attention-svc and to expert-svc directly: the right code, a message that says
+// what is wrong, and the servers keep serving.
+TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o;
+  o.checkpoint = dir;
+  o.shard_ranges = {{0, 7}, {7, 16}};
+  o.threads = 1;
+  o.attention_args = {"--max_message_bytes=4194304", "--max_tokens=1024"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const int64_t h = cfg.hidden;
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 8, 3);
+
+  auto expect_error = [&](absl::StatusOr<client::ForwardResult> r, absl::StatusCode code,
+                          const std::string& needle) {
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_NE(r.status().message().find(needle), absl::string_view::npos) << r.status();
+  };
+  // Wrong width: 8 x 128 values sent as [16, 64].
+  expect_error(client->Forward(layer, x, 16, h / 2), absl::StatusCode::kInvalidArgument,
+               "width 64 but this layer needs 128");
+  expect_error(client->Forward(layer, {}, 0, h), absl::StatusCode::kInvalidArgument, "T = 0");
+  expect_error(client->Forward(layer + 5, x, 8, h), absl::StatusCode::kNotFound,
+               absl::StrCat("layer ", layer + 5, " is not hosted"));
+  std::vector<Bf16> nan_x = x;
+  nan_x[3 * h + 5] = Bf16::FromFloat(std::nanf(""));
+  expect_error(client->Forward(layer, nan_x, 8, h), absl::StatusCode::kInvalidArgument,
+               "token 3");
+  // Over max_tokens, and over the gRPC message limit (20000 x 128 bf16 = 5.1 MB > 4 MiB).
+  const std::vector<Bf16> many = checkpoint::SyntheticHiddenStates(cfg, 2000, 4);
+  expect_error(client->Forward(layer, many, 2000, h), absl::StatusCode::kResourceExhausted,
+               "at most 1024");
+  const std::vector<Bf16> huge(static_cast<size_t>(20000 * h), Bf16::FromFloat(0.5f));
+  auto too_big = client->Forward(layer, huge, 20000, h);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted) << too_big.status();
+  // Still serving, with the right numbers.
+  auto good = client->Forward(layer, x, 8, h);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_TRUE(SameBits(good->out, local->Forward(x, 8, h)->out));
+
+  // Straight to shard-0 (experts [0, 7)) on one Dispatch stream.
+  transport::ExpertStream stream("shard-0", (*cluster)->shard_endpoint(0), 64 << 20);
+  const int64_t d = cfg.latent;
+  const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(
+      [&] {
+        ModelConfig c = cfg;
+        c.hidden = d;
+        return c;
+      }(),
+      3, 9);
+  auto batch = [&](int32_t l, std::vector<std::pair<int32_t, int32_t>> groups,
+                   const std::vector<Bf16>& rows) {
+    v1::DispatchRequest r;
+    r.set_layer(l);
+    for (auto [e, n] : groups) {
+      auto* g = r.add_groups();
+      g->set_expert_id(e);
+      g->set_token_count(n);
+    }
+    int64_t n = 0;
+    for (auto [e, c] : groups) n += c;
+    transport::EncodeBf16Into(rows, n, d, r.mutable_activations());
+    return r;
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto expect_dispatch_error = [&](v1::DispatchRequest r, absl::StatusCode code,
+                                   const std::string& needle) {
+    auto reply = stream.Call(std::move(r), deadline);
+    ASSERT_FALSE(reply.ok());
+    EXPECT_EQ(reply.status().code(), code) << reply.status();
+    EXPECT_NE(reply.status().message().find(needle), absl::string_view::npos) << reply.status();
+    EXPECT_NE(reply.status().message().find("shard-0"), absl::string_view::npos);
+  };
+  expect_dispatch_error(batch(layer + 3, {{1, 3}}, z), absl::StatusCode::kNotFound,
+                        "is not hosted here");
+  expect_dispatch_error(batch(layer, {{9, 3}}, z), absl::StatusCode::kNotFound,
+                        "expert 9 of layer 1 is not hosted here");
+  expect_dispatch_error(batch(layer, {{99, 3}}, z), absl::StatusCode::kInvalidArgument,
+                        "outside [0, 16)");
+  expect_dispatch_error(batch(layer, {{2, 1}, {1, 2}}, z), absl::StatusCode::kInvalidArgument,
+                        "strictly ascending");
+  expect_dispatch_error(batch(layer, {{1, 4}}, z), absl::StatusCode::kInvalidArgument,
+                        "needs " + std::to_string(4 * d * 2));
+  std::vector<Bf16> z_nan = z;
+  z_nan[d + 2] = Bf16::FromFloat(std::numeric_limits<float>::infinity());
+  expect_dispatch_error(batch(layer, {{1, 3}}, z_nan), absl::StatusCode::kInvalidArgument,
+                        "row 1 (expert 1) column 2 is not finite");
+  // The same stream then computes a good batch exactly like the in-process expert kernels.
+  auto reply = stream.Call(batch(layer, {{1, 2}, {6, 1}}, z), deadline);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  auto out = transport::DecodeBf16Matrix(reply->outputs(), "outputs", d, false);
+  ASSERT_TRUE(out.ok());
+  numerics::Routing routing;
+  routing.tokens = 3;
+  routing.top_k = 1;
+  routing.expert_ids = {1, 1, 6};
+  routing.weights = {1, 1, 1};
+  numerics::cpu::ThreadPool pool(1);
+  const std::vector<Bf16> want = numerics::cpu::RunExperts(
+      numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg, local->weights(),
+      routing, z.data());
+  EXPECT_TRUE(SameBits(out->values, want));
+
+  // Partial sums: rows (token 0, expert 1), (token 2, expert 1), (token 0, expert 6) with
+  // weights; one fp32 row per distinct token (0 and 2), experts summed in ascending id.
+  v1::DispatchRequest partial = batch(layer, {{1, 2}, {6, 1}}, z);
+  partial.set_reply_mode(v1::REPLY_MODE_PARTIAL_SUM);
+  partial.set_num_tokens(3);
+  for (int32_t t : {0, 2, 0}) partial.add_token_index(t);
+  for (float w : {0.25f, 0.5f, 0.75f}) partial.add_weights(w);
+  auto sums = stream.Call(partial, deadline);
+  ASSERT_TRUE(sums.ok()) << sums.status();
+  auto got = transport::DecodeF32Matrix(sums->outputs(), "outputs", 2, d);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (int64_t c = 0; c < d; ++c) {
+    const float t0 = (0.0f + want[0 * d + c].ToFloat() * 0.25f) + want[2 * d + c].ToFloat() * 0.75f;
+    const float t2 = 0.0f + want[1 * d + c].ToFloat() * 0.5f;
+    ASSERT_EQ((*got)[c], t0) << "column " << c;
+    ASSERT_EQ((*got)[d + c], t2) << "column " << c;
+  }
+  partial.set_token_index(1, 7);  // outside num_tokens
+  expect_dispatch_error(partial, absl::StatusCode::kInvalidArgument, "token_index 7");
+  EXPECT_EQ(stream.streams_opened(), 1);  // errors never broke the stream
+}
+
+// A killed shard gives UNAVAILABLE naming it within the deadline; after it restarts (new port)
+// and registers again, requests succeed. A stalled shard gives DEADLINE_EXCEEDED naming it.
+TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o;
+  o.checkpoint = dir;
+  o.shard_ranges = {{0, 8}, {8, 16}};
+  o.threads = 1;
+  o.router_args = {"--heartbeat_interval_ms=200"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const int64_t tokens = 32;  // with 16 experts and k = 4, both shards are needed
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 11);
+  const std::vector<Bf16> want = local->Forward(x, tokens, cfg.hidden)->out;
+  ASSERT_TRUE(client->Forward(layer, x, tokens, cfg.hidden).ok());
+
+  client::ForwardOptions fo;
+  fo.timeout = absl::Seconds(5);
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGKILL).ok());
+  auto t0 = absl::Now();
+  auto dead = client->Forward(layer, x, tokens, cfg.hidden, fo);
+  ASSERT_FALSE(dead.ok());
+  EXPECT_EQ(dead.status().code(), absl::StatusCode::kUnavailable) << dead.status();
+  EXPECT_NE(dead.status().message().find("shard-1"), absl::string_view::npos) << dead.status();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  // Once the heartbeats are missed the router marks it unhealthy; still named.
+  std::this_thread::sleep_for(std::chrono::milliseconds(900));
+  auto unhealthy = client->Forward(layer, x, tokens, cfg.hidden, fo);
+  ASSERT_FALSE(unhealthy.ok());
+  EXPECT_EQ(unhealthy.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(unhealthy.status().message().find("shard-1"), absl::string_view::npos)
+      << unhealthy.status();
+
+  ASSERT_TRUE((*cluster)->RestartShard(1).ok());
+  absl::StatusOr<client::ForwardResult> back = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !back.ok(); ++i) {  // bounded: 100 x 100 ms
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = client->Forward(layer, x, tokens, cfg.hidden, fo);
+  }
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(SameBits(back->out, want));
+
+  // Stalled (SIGSTOP): the deadline fires and names the shard; after SIGCONT it serves again.
+  fo.timeout = absl::Milliseconds(800);
+  ASSERT_TRUE((*cluster)->SignalShard(0, SIGSTOP).ok());
+  t0 = absl::Now();
+  auto stalled = client->Forward(layer, x, tokens, cfg.hidden, fo);
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE((*cluster)->SignalShard(0, SIGCONT).ok());
+  ASSERT_FALSE(stalled.ok());
+  EXPECT_EQ(stalled.status().code(), absl::StatusCode::kDeadlineExceeded) << stalled.status();
+  EXPECT_NE(stalled.status().message().find("shard-0"), absl::string_view::npos)
+      << stalled.status();
+  EXPECT_LT(took, absl::Seconds(2));
+  fo.timeout = absl::Seconds(5);
+  back = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !back.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = client->Forward(layer, x, tokens, cfg.hidden, fo);
+  }
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(SameBits(back->out, want));
+}
+
+// Skewed traffic, Rebalance, fresh traffic: MaxVio over the next window falls. Admin calls need
+// the token; rollback restores the checkpoint's bias.
+TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
+  const std::string& dir = CheckpointFor("mid");
+  ModelConfig cfg = *PresetConfig("mid");
+  LocalClusterOptions o;
+  o.checkpoint = dir;
+  o.shard_ranges = {{0, 40}, {40, 128}};
+  o.admin_token = "s3cret";
+  o.attention_args = {"--report_interval_ms=100"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster, "s3cret");
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+
+  tools::LoadOptions lo;
+  lo.layer = layer;
+  lo.hidden = cfg.hidden;
+  lo.concurrency = 2;
+  lo.tokens = 64;
+  lo.duration = absl::Seconds(60);
+  lo.max_requests = 200;  // 12800 tokens: q = 800 per expert, noise floor MaxVio ~0.11
+  lo.distinct_batches = 200;
+  auto wait_for_window = [&](int64_t tokens) -> absl::StatusOr<v1::LoadStats> {
+    for (int i = 0; i < 100; ++i) {  // bounded: reports arrive every 100 ms
+      auto s = client->GetLoadStats(layer);
+      if (!s.ok() || s->window_tokens() >= tokens) return s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return absl::DeadlineExceededError("statistics did not arrive");
+  };
+  lo.seed = 1;
+  auto r1 = tools::RunLoad(*client, lo);
+  ASSERT_TRUE(r1.ok());
+  ASSERT_EQ(r1->ok, 200) << r1->Format();
+  auto before = wait_for_window(200 * 64);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->window_tokens(), 200 * 64);
+  int64_t sum = 0;
+  for (int64_t v : before->window_loads()) sum += v;
+  EXPECT_EQ(sum, 200 * 64 * cfg.top_k);  // every routed pair counted once
+  const double vio_before = before->window_balance().max_vio();
+
+  // Without the token: refused; a dry run needs none and changes nothing.
+  auto anonymous = ClientFor(**cluster);
+  auto refused = anonymous->Rebalance(layer, false);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  auto dry = anonymous->Rebalance(layer, true);
+  ASSERT_TRUE(dry.ok()) << dry.status();
+  EXPECT_FALSE(dry->applied());
+  EXPECT_EQ(client->GetBias(layer)->version(), 0u);
+
+  auto rb = client->Rebalance(layer, false);
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_TRUE(rb->applied());
+  EXPECT_EQ(rb->new_bias().version(), 1u);
+  EXPECT_NEAR(rb->before().max_vio(), vio_before, 1e-12);
+  EXPECT_LT(rb->predicted_after().max_vio(), 0.05);
+
+  // Wait until the attention node routes with version 1, then fresh inputs.
+  lo.seed = 2;
+  absl::StatusOr<client::ForwardResult> probe = absl::UnknownError("");
+  for (int i = 0; i < 100; ++i) {
+    probe = client->Forward(layer, checkpoint::SyntheticHiddenStates(cfg, 1, 1), 1, cfg.hidden);
+    if (probe.ok() && probe->bias_version == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(probe.ok());
+  ASSERT_EQ(probe->bias_version, 1u);
+  auto r2 = tools::RunLoad(*client, lo);
+  ASSERT_TRUE(r2.ok());
+  ASSERT_EQ(r2->ok, 200) << r2->Format();
+  auto after = wait_for_window(200 * 64);
+  ASSERT_TRUE(after.ok()) << after.status();
+  const double vio_after = after->window_balance().max_vio();
+  std::printf("[rebalance] MaxVio %.3f before, predicted %.3f, measured %.3f after (noise floor "
+              "%.3f)\n",
+              vio_before, rb->predicted_after().max_vio(), vio_after, rb->noise_floor_max_vio());
+  EXPECT_GT(vio_before, 1.0);  // the skewed checkpoint is far from balanced
+  EXPECT_LT(vio_after, 0.5);
+  EXPECT_LT(vio_after, vio_before / 3);
+
+  auto rolled = client->RollbackBias(layer, 0);
+  ASSERT_TRUE(rolled.ok()) << rolled.status();
+  EXPECT_EQ(rolled->version(), 2u);
+  auto v0 = client->GetLoadStats(layer);
+  ASSERT_TRUE(v0.ok());
+  EXPECT_EQ(v0->history_size(), 3);
+  EXPECT_EQ(v0->history(2).reason(), "rollback to 0");
+  auto bias = client->GetBias(layer);
+  ASSERT_TRUE(bias.ok());
+  ModelConfig unused;
+  auto ckpt_layer = InProcessLayer(dir, &unused);
+  EXPECT_EQ(std::vector<float>(bias->bias().begin(), bias->bias().end()),
+            ckpt_layer->weights().bias);
+}
+
+}  // namespace
+}  // namespace moe
