@@ -50,6 +50,9 @@ absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    // Its own process group: a terminal's Ctrl-C reaches only the launcher, which then stops
+    // the children in order (attention first, router last).
+    ::setpgid(0, 0);
     if (::getppid() != parent) ::_exit(1);
     const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd >= 0) {

@@ -322,6 +322,7 @@ int Cluster(int argc, char** argv) {
     if (!r.ok()) return r.status();
     std::printf("%s\n", r->Format().c_str());
     if (r->ok == 0) rc = 1;
+    if (g_stop.load()) return absl::CancelledError("interrupted");
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(1000 * settle_s)));
     auto s = (*client)->GetLoadStats(static_cast<int32_t>(layer));
     if (!s.ok()) return s.status();
@@ -329,20 +330,22 @@ int Cluster(int argc, char** argv) {
     return s;
   };
   auto before = phase("traffic with the checkpoint's bias");
-  if (!before.ok()) return Fail(before.status());
-  double after_vio = -1;
-  if (!g_stop.load()) {
+  if (!before.ok() && !g_stop.load()) return Fail(before.status());
+  if (before.ok() && !g_stop.load()) {
     std::printf("\n== Rebalance (Quantile Balancing on the window)\n");
     auto rb = (*client)->Rebalance(static_cast<int32_t>(layer), /*dry_run=*/false);
     if (!rb.ok()) return Fail(rb.status());
     PrintRebalance(*rb);
     auto after = phase("traffic with the rebalanced bias");
-    if (!after.ok()) return Fail(after.status());
-    after_vio = after->window_balance().max_vio();
+    if (!after.ok() && !g_stop.load()) return Fail(after.status());
+    if (after.ok()) {
+      std::printf("\n== summary: MaxVio %.3f with the checkpoint's bias, %.3f after Rebalance "
+                  "(noise floor of one window %.3f)\n",
+                  before->window_balance().max_vio(), after->window_balance().max_vio(),
+                  rb->noise_floor_max_vio());
+    }
   }
-  std::printf("\n== summary: MaxVio %.3f before rebalance, %.3f after%s\n",
-              before->window_balance().max_vio(), after_vio,
-              g_stop.load() ? " (interrupted)" : "");
+  if (g_stop.load()) std::printf("\ninterrupted: stopping the cluster\n");
   (*cluster)->Stop();
   std::printf("cluster stopped\n");
   return g_stop.load() ? 130 : rc;
