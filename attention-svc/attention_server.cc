@@ -454,40 +454,58 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
   std::vector<std::shared_ptr<transport::ExpertStream>> streams(num_shards);
   std::vector<std::shared_ptr<transport::PendingReply>> pending(num_shards);
-  std::vector<std::vector<int32_t>> row_tokens(num_shards);  // partial sums: token of each row
+  int64_t bytes_sent = 0, bytes_received = 0;
   for (size_t si = 0; si < num_shards; ++si) {
     if (experts_of[si].empty()) continue;
     v1::DispatchRequest dr;
     dr.set_layer(req.layer());
     dr.set_reply_mode(mode);
     dr.set_timeout_ms(timeout_ms);
-    int64_t rows = 0;
-    for (int32_t e : experts_of[si]) rows += static_cast<int64_t>(pairs[e].size());
-    std::vector<Bf16> zrows(static_cast<size_t>(rows * d));
-    int64_t row = 0;
+    // Each distinct token's z travels once per shard (row_source maps pairs to rows).
+    std::vector<int32_t> row_of_token(static_cast<size_t>(tokens), -1);
+    for (int32_t e : experts_of[si]) {
+      for (int64_t p : pairs[e]) row_of_token[p / k] = 0;
+    }
+    int32_t unique = 0;
+    for (int32_t& r : row_of_token) {
+      if (r >= 0) r = unique++;
+    }
+    std::vector<Bf16> zrows(static_cast<size_t>(unique * d));
+    for (int64_t tok = 0; tok < tokens; ++tok) {
+      if (row_of_token[tok] >= 0) {
+        std::copy_n(batch.z.data() + tok * d, d, zrows.data() + row_of_token[tok] * d);
+      }
+    }
     for (int32_t e : experts_of[si]) {
       v1::ExpertGroup* g = dr.add_groups();
       g->set_expert_id(e);
       g->set_token_count(static_cast<int32_t>(pairs[e].size()));
       for (int64_t p : pairs[e]) {
         const int64_t tok = p / k;
-        std::copy_n(batch.z.data() + tok * d, d, zrows.data() + row * d);
+        dr.add_row_source(row_of_token[tok]);
         if (mode == v1::REPLY_MODE_PARTIAL_SUM) {
           dr.add_token_index(static_cast<int32_t>(tok));
           dr.add_weights(batch.routing.weights[p]);
         }
-        ++row;
       }
     }
     if (mode == v1::REPLY_MODE_PARTIAL_SUM) dr.set_num_tokens(static_cast<int32_t>(tokens));
-    transport::EncodeBf16Into(zrows, rows, d, dr.mutable_activations());
+    transport::EncodeBf16Into(zrows, unique, d, dr.mutable_activations());
+    bytes_sent += static_cast<int64_t>(dr.activations().data().size());
     streams[si] = StreamFor(route->shards[si]);
     pending[si] = streams[si]->Send(std::move(dr));
+  }
+  // The shared experts need only x: they run here while the expert servers work.
+  std::vector<float> shared;
+  {
+    std::lock_guard<std::mutex> lock(hosted.mu);
+    shared = hosted.layer->SharedExperts(batch, &t);
   }
   std::vector<v1::DispatchReply> replies(num_shards);
   for (size_t si = 0; si < num_shards; ++si) {
     if (pending[si] == nullptr) continue;
     MOE_ASSIGN_OR_RETURN(replies[si], streams[si]->Wait(*pending[si], expert_deadline));
+    bytes_received += static_cast<int64_t>(replies[si].outputs().data().size());
   }
   const double dispatch_seconds = Seconds(Clock::now() - dispatch_start);
 
@@ -547,7 +565,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   std::vector<Bf16> out;
   {
     std::lock_guard<std::mutex> lock(hosted.mu);
-    out = hosted.layer->Finish(batch, r.data(), &t);
+    out = hosted.layer->Finish(batch, r.data(), &t, &shared);
   }
   resp->set_request_id(req.request_id());
   transport::EncodeBf16Into(out, tokens, cfg_.hidden, resp->mutable_output());
@@ -558,6 +576,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     *rt->mutable_expert_ids() = {batch.routing.expert_ids.begin(), batch.routing.expert_ids.end()};
     *rt->mutable_weights() = {batch.routing.weights.begin(), batch.routing.weights.end()};
   }
+  resp->set_dispatch_bytes_sent(bytes_sent);
+  resp->set_dispatch_bytes_received(bytes_received);
   v1::StageSeconds* sec = resp->mutable_seconds();
   sec->set_router(t.router);
   sec->set_down_proj(t.down_proj);

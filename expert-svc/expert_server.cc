@@ -231,9 +231,13 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
   MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix z,
                        transport::DecodeBf16Matrix(req.activations(), where + ": activations",
                                                    cfg_.latent, /*accept_f32=*/false));
-  if (z.rows != rows) {
+  if (req.row_source_size() == 0 && z.rows != rows) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": activations have ", z.rows,
                                                    " rows but the groups count ", rows));
+  }
+  if (req.row_source_size() != 0 && req.row_source_size() != rows) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", req.row_source_size(),
+                                                   " row_source entries for ", rows, " rows"));
   }
   b->rows = rows;
   b->routing.tokens = rows;
@@ -245,16 +249,33 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
   b->routing.weights.assign(static_cast<size_t>(rows), 1.0f);
   // NaN policy: non-finite activations are rejected (they would poison every partial sum).
   const int64_t d = cfg_.latent;
-  for (int64_t r = 0; r < rows; ++r) {
+  // bf16 is finite unless all 8 exponent bits are set: one test per value, no conversion.
+  uint16_t any_bad = 0;
+  for (const Bf16& v : z.values) any_bad |= static_cast<uint16_t>((v.bits & 0x7f80u) == 0x7f80u);
+  for (int64_t r = 0; any_bad != 0 && r < z.rows; ++r) {
     for (int64_t c = 0; c < d; ++c) {
       if (!std::isfinite(z.values[r * d + c].ToFloat())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": activations row ", r, " (expert ", b->routing.expert_ids[r],
-                         ") column ", c, " is not finite"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": activations row ", r,
+            req.row_source_size() == 0 ? absl::StrCat(" (expert ", b->routing.expert_ids[r], ")")
+                                       : std::string(),
+            " column ", c, " is not finite"));
       }
     }
   }
-  b->z = std::move(z.values);
+  if (req.row_source_size() == 0) {
+    b->z = std::move(z.values);
+  } else {
+    b->z.resize(static_cast<size_t>(rows * d));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t src = req.row_source(static_cast<int>(r));
+      if (src < 0 || src >= z.rows) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ", src,
+                                                       " outside [0, ", z.rows, ")"));
+      }
+      std::copy_n(z.values.data() + src * d, d, b->z.data() + r * d);
+    }
+  }
   if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
     if (req.token_index_size() != rows || req.weights_size() != rows) {
       return absl::InvalidArgumentError(

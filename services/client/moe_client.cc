@@ -32,6 +32,8 @@ absl::StatusOr<ForwardResult> ToResult(const v1::ForwardResponse& r) {
   out.weights.assign(r.routing().weights().begin(), r.routing().weights().end());
   out.bias_version = r.bias_version();
   out.seconds = r.seconds();
+  out.dispatch_bytes_sent = r.dispatch_bytes_sent();
+  out.dispatch_bytes_received = r.dispatch_bytes_received();
   return out;
 }
 

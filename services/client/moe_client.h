@@ -46,6 +46,7 @@ struct ForwardResult {
   int64_t top_k = 0;
   uint64_t bias_version = 0;
   v1::StageSeconds seconds;
+  int64_t dispatch_bytes_sent = 0, dispatch_bytes_received = 0;
 };
 
 // Many Forward batches on one stream; responses may come back in any order.

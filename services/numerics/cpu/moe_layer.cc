@@ -132,13 +132,35 @@ std::vector<Bf16> CpuMoeLayer::RunLocalExperts(const Routing& routing, const Bf1
   return RunExperts(*kernels_, pool_.get(), cfg_, weights_, routing, z);
 }
 
-std::vector<Bf16> CpuMoeLayer::Finish(const RoutedBatch& batch, const Bf16* r,
-                                      LayerTimings* timings) {
+std::vector<float> CpuMoeLayer::SharedExperts(const RoutedBatch& batch, LayerTimings* timings) {
+  StageTimer timer(timings, &LayerTimings::shared);
   const KernelTable& k = *kernels_;
   ThreadPool* pool = pool_.get();
-  const int64_t tokens = batch.tokens, h = cfg_.hidden, d = cfg_.latent,
-                s = cfg_.shared_intermediate();
-  const float* xf = batch.xf.data();
+  const int64_t tokens = batch.tokens, h = cfg_.hidden, s = cfg_.shared_intermediate();
+  const int64_t sp = shared_gate_.padded_out();
+  std::vector<float> g(static_cast<size_t>(tokens * sp)), u(g.size());
+  shared_gate_.Apply(k, pool, batch.xf.data(), tokens, g.data());
+  shared_up_.Apply(k, pool, batch.xf.data(), tokens, u.data());
+  std::vector<float> hs(static_cast<size_t>(tokens * s));
+  pool->ParallelFor(tokens, [&](int64_t t) {
+    k.situ(g.data() + t * sp, u.data() + t * sp, s, cfg_.situ_beta, cfg_.situ_linear_beta,
+           hs.data() + t * s);
+  });
+  const int64_t shp = shared_down_.padded_out();
+  std::vector<float> sh(static_cast<size_t>(tokens * shp));
+  shared_down_.Apply(k, pool, hs.data(), tokens, sh.data());
+  std::vector<float> out(static_cast<size_t>(tokens * h));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < h; ++i) out[t * h + i] = tensor::RoundBf16(sh[t * shp + i]);
+  }
+  return out;
+}
+
+std::vector<Bf16> CpuMoeLayer::Finish(const RoutedBatch& batch, const Bf16* r,
+                                      LayerTimings* timings, const std::vector<float>* shared) {
+  const KernelTable& k = *kernels_;
+  ThreadPool* pool = pool_.get();
+  const int64_t tokens = batch.tokens, h = cfg_.hidden, d = cfg_.latent;
   std::vector<Bf16> normed(static_cast<size_t>(tokens * d));
   {
     StageTimer timer(timings, &LayerTimings::combine_norm);
@@ -150,27 +172,17 @@ std::vector<Bf16> CpuMoeLayer::Finish(const RoutedBatch& batch, const Bf16* r,
     const std::vector<float> nf = ToFloat(normed.data(), tokens * d);
     up_.Apply(k, pool, nf.data(), tokens, of.data());
   }
+  std::vector<float> own;
+  if (shared == nullptr) {
+    own = SharedExperts(batch, timings);
+    shared = &own;
+  }
   std::vector<Bf16> out(static_cast<size_t>(tokens * h));
-  {
-    StageTimer timer(timings, &LayerTimings::shared);
-    const int64_t sp = shared_gate_.padded_out();
-    std::vector<float> g(static_cast<size_t>(tokens * sp)), u(g.size());
-    shared_gate_.Apply(k, pool, xf, tokens, g.data());
-    shared_up_.Apply(k, pool, xf, tokens, u.data());
-    std::vector<float> hs(static_cast<size_t>(tokens * s));
-    pool->ParallelFor(tokens, [&](int64_t t) {
-      k.situ(g.data() + t * sp, u.data() + t * sp, s, cfg_.situ_beta, cfg_.situ_linear_beta,
-             hs.data() + t * s);
-    });
-    std::vector<float> sh(static_cast<size_t>(tokens * shared_down_.padded_out()));
-    shared_down_.Apply(k, pool, hs.data(), tokens, sh.data());
-    const int64_t op = up_.padded_out(), shp = shared_down_.padded_out();
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < h; ++i) {
-        const float o = tensor::RoundBf16(of[t * op + i]);
-        const float shv = tensor::RoundBf16(sh[t * shp + i]);
-        out[t * h + i] = Bf16::FromFloat(o + shv);
-      }
+  const int64_t op = up_.padded_out();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < h; ++i) {
+      const float o = tensor::RoundBf16(of[t * op + i]);
+      out[t * h + i] = Bf16::FromFloat(o + (*shared)[t * h + i]);
     }
   }
   return out;

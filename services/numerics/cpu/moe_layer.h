@@ -63,9 +63,14 @@ class CpuMoeLayer {
                                               LayerTimings* timings);
   // Step 3 on this layer's own experts: y [T, k, D] in routing's slot order (needs experts).
   std::vector<tensor::Bf16> RunLocalExperts(const Routing& routing, const tensor::Bf16* z);
-  // Steps 5-8 from the combined latent r: [T, D] -> out: [T, H].
+  // Step 7 alone: the shared experts' output [T, H] as fp32 (rounded to bf16 values). An
+  // attention node runs it while the expert servers work.
+  std::vector<float> SharedExperts(const RoutedBatch& batch, LayerTimings* timings);
+  // Steps 5-8 from the combined latent r: [T, D] -> out: [T, H]. shared: SharedExperts() of
+  // this batch when already computed, else null.
   std::vector<tensor::Bf16> Finish(const RoutedBatch& batch, const tensor::Bf16* r,
-                                   LayerTimings* timings);
+                                   LayerTimings* timings,
+                                   const std::vector<float>* shared = nullptr);
 
   Isa isa() const { return kernels_->isa; }
   int threads() const { return pool_->size(); }
