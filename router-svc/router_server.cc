@@ -525,13 +525,14 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
                                                    sum, ", expected tokens * k = ",
                                                    req.tokens() * l->top_k));
   }
-  for (int64_t j = 0; j < l->experts; ++j) l->total_loads[j] += req.loads(static_cast<int>(j));
-  l->total_tokens += req.tokens();
   resp->set_current_bias_version(l->current().version());
   if (req.bias_version() != l->current().version() || req.tokens() == 0) {
+    for (int64_t j = 0; j < l->experts; ++j) l->total_loads[j] += req.loads(static_cast<int>(j));
+    l->total_tokens += req.tokens();
     resp->set_accepted_for_window(false);
     return absl::OkStatus();
   }
+  // Everything is checked before anything is counted: a refused report changes nothing.
   MOE_ASSIGN_OR_RETURN(QbHistogram h, QbHistogram::Deserialize(req.qb_histogram()));
   if (h.window().layer != l->layer || h.window().bias_version != req.bias_version() ||
       h.num_experts() != l->experts || h.tokens() != req.tokens() ||
@@ -541,12 +542,18 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
         h.window().bias_version, ", experts ", h.num_experts(), ", tokens ", h.tokens(),
         ") does not match the report"));
   }
+  if (!std::equal(h.loads().begin(), h.loads().end(), req.loads().begin(), req.loads().end())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report from ", req.node(), ": loads differ from the histogram's"));
+  }
   Report r{std::move(h), {req.loads().begin(), req.loads().end()}, req.tokens()};
   if (!l->window.empty()) {
     // Merge checks window id, version, range and shape against the window's first report.
     QbHistogram probe = l->window.front().hist;
     MOE_RETURN_IF_ERROR(probe.Merge(r.hist));
   }
+  for (int64_t j = 0; j < l->experts; ++j) l->total_loads[j] += r.loads[j];
+  l->total_tokens += r.tokens;
   for (int64_t j = 0; j < l->experts; ++j) l->window_loads[j] += r.loads[j];
   l->window_tokens += r.tokens;
   l->window.push_back(std::move(r));

@@ -1,6 +1,5 @@
 #include "services/client/moe_client.h"
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <condition_variable>
@@ -11,6 +10,7 @@
 #include "moe/v1/router.grpc.pb.h"
 #include "services/common/status_macros.h"
 #include "services/transport/grpc_server.h"
+#include "services/transport/health_check.h"
 #include "services/transport/status_convert.h"
 #include "services/transport/tensor_codec.h"
 
@@ -170,33 +170,7 @@ class GrpcMoeClient final : public MoeClient {
 
   absl::StatusOr<bool> AttentionServing() override {
     if (attention_channel_ == nullptr) return absl::FailedPreconditionError("no attention endpoint");
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
-    // grpc.health.v1.HealthCheckRequest{service: ""} serializes to zero bytes (an empty
-    // ByteBuffer is "no message": it needs one empty slice).
-    grpc::Slice empty("");
-    grpc::ByteBuffer request(&empty, 1), response;
-    grpc::GenericStub generic(attention_channel_);
-    grpc::Status status;
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                      &response, [&](grpc::Status s) {
-                        std::lock_guard<std::mutex> lock(mu);
-                        status = std::move(s);
-                        done = true;
-                        cv.notify_all();
-                      });
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    if (!status.ok()) return transport::FromGrpc(status);
-    std::vector<grpc::Slice> slices;
-    if (!response.Dump(&slices).ok()) return absl::InternalError("bad health response");
-    std::string bytes;
-    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    // HealthCheckResponse{status = 1 (SERVING)}: field 1, varint -> bytes 0x08 0x01.
-    return bytes.size() == 2 && bytes[0] == 0x08 && bytes[1] == 0x01;
+    return transport::CheckHealth(attention_channel_, options_.timeout);
   }
 
  private:

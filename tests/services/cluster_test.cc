@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include "services/tools/local_cluster.h"
 #include "services/tools/tensor_file.h"
 #include "services/transport/expert_stream.h"
+#include "services/transport/health_check.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe {
@@ -217,6 +219,22 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
   const int64_t h = cfg.hidden;
   const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 8, 3);
+
+  // Every server: the standard health service says SERVING, reflection lists its service.
+  const std::vector<std::pair<std::string, std::string>> servers = {
+      {(*cluster)->router_endpoint(), "moe.v1.RouterService"},
+      {(*cluster)->attention_endpoint(), "moe.v1.AttentionService"},
+      {(*cluster)->shard_endpoint(0), "moe.v1.ExpertService"},
+      {(*cluster)->shard_endpoint(1), "moe.v1.ExpertService"}};
+  for (const auto& [endpoint, service] : servers) {
+    auto serving = transport::CheckHealth(endpoint, absl::Seconds(5));
+    ASSERT_TRUE(serving.ok()) << endpoint << ": " << serving.status();
+    EXPECT_TRUE(*serving) << endpoint;
+    auto names = transport::ListServices(endpoint, absl::Seconds(5));
+    ASSERT_TRUE(names.ok()) << endpoint << ": " << names.status();
+    EXPECT_NE(std::find(names->begin(), names->end(), service), names->end()) << endpoint;
+    EXPECT_NE(std::find(names->begin(), names->end(), "grpc.health.v1.Health"), names->end());
+  }
 
   auto expect_error = [&](absl::StatusOr<client::ForwardResult> r, absl::StatusCode code,
                           const std::string& needle) {

@@ -1,0 +1,109 @@
+// expert-svc as a library in this process: a synthetic expert range made from a seed (no
+// checkpoint) answers Dispatch exactly like the CPU expert kernels on the same weights.
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+
+#include "expert-svc/expert_server.h"
+#include "gtest/gtest.h"
+#include "moe/v1/expert.grpc.pb.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/transport/expert_stream.h"
+#include "services/transport/grpc_server.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::expert_svc {
+namespace {
+
+using tensor::Bf16;
+
+TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
+  ExpertServerOptions o;
+  o.preset = "tiny";
+  o.seed = 5;
+  o.router_skew = 1.0;
+  o.expert_lo = 3;
+  o.expert_hi = 9;
+  o.shard = "shard-x";
+  o.threads = 1;
+  auto server = ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string endpoint = "127.0.0.1:" + std::to_string((*server)->port());
+
+  auto stub = v1::ExpertService::NewStub(transport::MakeChannel(endpoint));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ExpertServerInfo info;
+  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  EXPECT_EQ(info.shard(), "shard-x");
+  EXPECT_EQ(info.expert_lo(), 3);
+  EXPECT_EQ(info.expert_hi(), 9);
+  ASSERT_EQ(info.layers_size(), 1);
+  EXPECT_EQ(info.layers(0), 1);
+
+  const ModelConfig cfg = *PresetConfig("tiny");
+  checkpoint::SyntheticOptions so;
+  so.seed = 5;
+  so.router_skew = 1.0;
+  const numerics::MoeLayerWeights full = checkpoint::SyntheticLayer(cfg, 1, so);
+  ModelConfig zcfg = cfg;
+  zcfg.hidden = cfg.latent;
+  const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(zcfg, 4, 2);  // 4 distinct rows
+  // Pairs: expert 3 <- rows 0, 2; expert 8 <- rows 1, 2, 3 (row_source form).
+  v1::DispatchRequest req;
+  req.set_layer(1);
+  for (auto [e, n] : std::vector<std::pair<int, int>>{{3, 2}, {8, 3}}) {
+    auto* g = req.add_groups();
+    g->set_expert_id(e);
+    g->set_token_count(n);
+  }
+  for (int r : {0, 2, 1, 2, 3}) req.add_row_source(r);
+  transport::EncodeBf16Into(z, 4, cfg.latent, req.mutable_activations());
+  auto stream_owner = std::make_unique<transport::ExpertStream>("shard-x", endpoint, 64 << 20);
+  transport::ExpertStream& stream = *stream_owner;
+  auto reply = stream.Call(req, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->shard(), "shard-x");
+  auto out = transport::DecodeBf16Matrix(reply->outputs(), "outputs", cfg.latent, false);
+  ASSERT_TRUE(out.ok());
+  ASSERT_EQ(out->rows, 5);
+
+  numerics::Routing routing;
+  routing.tokens = 5;
+  routing.top_k = 1;
+  routing.expert_ids = {3, 3, 8, 8, 8};
+  routing.weights.assign(5, 1.0f);
+  std::vector<Bf16> rows;
+  for (int r : {0, 2, 1, 2, 3}) rows.insert(rows.end(), z.begin() + r * cfg.latent, z.begin() + (r + 1) * cfg.latent);
+  numerics::cpu::ThreadPool pool(1);
+  const std::vector<Bf16> want = numerics::cpu::RunExperts(
+      numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg, full, routing,
+      rows.data());
+  ASSERT_EQ(want.size(), out->values.size());
+  EXPECT_EQ(std::memcmp(want.data(), out->values.data(), want.size() * 2), 0);
+
+  // A bad row_source is refused on the same stream.
+  req.set_row_source(4, 9);
+  auto bad = stream.Call(req, absl::Now() + absl::Seconds(10));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("row_source[4] = 9 outside [0, 4)"),
+            absl::string_view::npos)
+      << bad.status();
+  stream_owner.reset();  // closes the stream, so shutdown needs no grace period
+  (*server)->Shutdown();
+}
+
+TEST(ExpertServer, RefusesARangeOutsideTheModel) {
+  ExpertServerOptions o;
+  o.preset = "tiny";
+  o.expert_lo = 10;
+  o.expert_hi = 40;
+  auto server = ExpertServer::Start(o);
+  ASSERT_FALSE(server.ok());
+  EXPECT_NE(server.status().message().find("[10, 40)"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace moe::expert_svc

@@ -1,0 +1,317 @@
+// router-svc as a library in this process, driven through its gRPC stub: placement with
+// heartbeats and health, the watch streams, statistics windows, Quantile Balancing on
+// Rebalance (oracle: QbHistogram::Solve on the same reports), modes, rollback, the admin token.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "router-svc/router_server.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/random.h"
+#include "services/numerics/qb.h"
+#include "services/transport/grpc_server.h"
+
+namespace moe::router_svc {
+namespace {
+
+std::string TinyCheckpoint() {
+  static std::string* dir = [] {
+    std::string tmpl = ::testing::TempDir() + "/moe_router_ckpt_XXXXXX";
+    auto* d = new std::string(::mkdtemp(tmpl.data()));
+    checkpoint::SyntheticOptions so;
+    so.seed = 3;
+    so.single_file = true;
+    EXPECT_TRUE(checkpoint::WriteSyntheticCheckpoint(*PresetConfig("tiny"), *d, so).ok());
+    return d;
+  }();
+  return *dir;
+}
+
+class Router {
+ public:
+  explicit Router(RouterServerOptions o) {
+    o.checkpoint = TinyCheckpoint();
+    auto s = RouterServer::Start(o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    stub_ = v1::RouterService::NewStub(
+        transport::MakeChannel("127.0.0.1:" + std::to_string(server_->port())));
+  }
+  v1::RouterService::Stub* operator->() { return stub_.get(); }
+  std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = "") {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!token.empty()) c->AddMetadata("x-moe-admin-token", token);
+    return c;
+  }
+
+ private:
+  std::unique_ptr<RouterServer> server_;
+  std::unique_ptr<v1::RouterService::Stub> stub_;
+};
+
+TEST(RouterServer, PlacementHealthFromHeartbeatsAndTheWatchStream) {
+  RouterServerOptions o;
+  o.heartbeat_interval_ms = 100;
+  Router r(o);
+  auto watch_ctx = r.Ctx();
+  auto watch = r->WatchPlacement(watch_ctx.get(), v1::GetPlacementRequest());
+  v1::Placement p;
+  ASSERT_TRUE(watch->Read(&p));
+  EXPECT_EQ(p.shards_size(), 0);
+
+  v1::RegisterExpertServerRequest reg;
+  reg.set_shard("shard-a");
+  reg.set_endpoint("127.0.0.1:1");
+  auto* range = reg.add_ranges();
+  range->set_layer(1);
+  range->set_expert_lo(0);
+  range->set_expert_hi(16);
+  v1::RegisterExpertServerResponse lease;
+  ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+  EXPECT_EQ(lease.heartbeat_interval_ms(), 100);
+  ASSERT_TRUE(watch->Read(&p));
+  ASSERT_EQ(p.shards_size(), 1);
+  EXPECT_EQ(p.shards(0).shard(), "shard-a");
+  EXPECT_TRUE(p.shards(0).healthy());
+
+  v1::HeartbeatRequest hb;
+  hb.set_lease_id(lease.lease_id());
+  v1::HeartbeatResponse hr;
+  EXPECT_TRUE(r->Heartbeat(r.Ctx().get(), hb, &hr).ok());
+  v1::HeartbeatRequest unknown;
+  unknown.set_lease_id(lease.lease_id() + 100);
+  EXPECT_EQ(r->Heartbeat(r.Ctx().get(), unknown, &hr).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // No heartbeats for 3 intervals: the watch reports it unhealthy; one heartbeat revives it.
+  ASSERT_TRUE(watch->Read(&p));
+  EXPECT_FALSE(p.shards(0).healthy());
+  EXPECT_GE(p.shards(0).last_seen_ms(), 300);
+  EXPECT_TRUE(r->Heartbeat(r.Ctx().get(), hb, &hr).ok());
+  ASSERT_TRUE(watch->Read(&p));
+  EXPECT_TRUE(p.shards(0).healthy());
+
+  // Registering again under the same name replaces the entry (a restarted pod).
+  reg.set_endpoint("127.0.0.1:2");
+  v1::RegisterExpertServerResponse lease2;
+  ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease2).ok());
+  EXPECT_NE(lease2.lease_id(), lease.lease_id());
+  EXPECT_EQ(r->Heartbeat(r.Ctx().get(), hb, &hr).error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::Placement now;
+  ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &now).ok());
+  ASSERT_EQ(now.shards_size(), 1);
+  EXPECT_EQ(now.shards(0).endpoint(), "127.0.0.1:2");
+
+  range->set_expert_hi(99);
+  EXPECT_EQ(r->RegisterExpertServer(r.Ctx().get(), reg, &lease2).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  watch_ctx->TryCancel();
+}
+
+// Skewed sigmoid scores [m, n] (expert j's logits shifted by 2 * (j / n)^3).
+std::vector<float> Scores(int64_t m, int64_t n, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> s(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double off = 2.0 * std::pow(static_cast<double>(j) / n, 3.0);
+      s[i * n + j] = static_cast<float>(1.0 / (1.0 + std::exp(-(rng.Normal() + off))));
+    }
+  }
+  return s;
+}
+
+numerics::QbHistogram Histogram(uint64_t version, const std::vector<float>& bias, int64_t m,
+                                uint64_t seed, int32_t layer = 1) {
+  numerics::QbWindow w;
+  w.window_id = version;
+  w.bias_version = version;
+  w.layer = layer;
+  w.top_k = 4;
+  w.bins = 200;
+  auto h = numerics::QbHistogram::Create(w, bias);
+  EXPECT_TRUE(h.ok());
+  EXPECT_TRUE(h->Accumulate(Scores(m, 16, seed), m).ok());
+  return std::move(*h);
+}
+
+v1::ReportStatsRequest Report(const numerics::QbHistogram& h) {
+  v1::ReportStatsRequest r;
+  r.set_node("test");
+  r.set_layer(h.window().layer);
+  r.set_bias_version(h.window().bias_version);
+  r.set_tokens(h.tokens());
+  *r.mutable_loads() = {h.loads().begin(), h.loads().end()};
+  r.set_qb_histogram(h.Serialize());
+  return r;
+}
+
+TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
+  RouterServerOptions o;
+  o.admin_token = "t0k";
+  Router r(o);
+  const std::string tok = "t0k";
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b0;
+  ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &b0).ok());
+  EXPECT_EQ(b0.version(), 0u);
+  EXPECT_EQ(b0.reason(), "checkpoint");
+  auto ckpt = checkpoint::Checkpoint::Open(TinyCheckpoint());
+  const std::vector<float> ckpt_bias =
+      checkpoint::LoadMoeLayer(**ckpt, *PresetConfig("tiny"), 1, {})->bias;
+  const std::vector<float> bias0(b0.bias().begin(), b0.bias().end());
+  EXPECT_EQ(bias0, ckpt_bias);
+  gb.set_layer(7);
+  EXPECT_EQ(r->GetBias(r.Ctx().get(), gb, &b0).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  v1::RebalanceRequest rb;
+  rb.set_layer(1);
+  v1::RebalanceResponse rr;
+  EXPECT_EQ(r->Rebalance(r.Ctx(tok).get(), rb, &rr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);  // no traffic yet
+
+  auto bias_ctx = r.Ctx();
+  v1::WatchBiasRequest wb;
+  wb.add_layers(1);
+  auto bias_watch = r->WatchBias(bias_ctx.get(), wb);
+  v1::LayerBias seen;
+  ASSERT_TRUE(bias_watch->Read(&seen));
+  EXPECT_EQ(seen.version(), 0u);
+
+  // Two nodes' reports of version 0.
+  const numerics::QbHistogram h1 = Histogram(0, bias0, 1500, 1);
+  const numerics::QbHistogram h2 = Histogram(0, bias0, 900, 2);
+  v1::ReportStatsResponse ack;
+  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(h1), &ack).ok());
+  EXPECT_TRUE(ack.accepted_for_window());
+  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(h2), &ack).ok());
+  // Bad reports are refused and change nothing.
+  v1::ReportStatsRequest bad = Report(h1);
+  bad.mutable_loads()->RemoveLast();
+  EXPECT_EQ(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  bad = Report(h1);
+  bad.set_tokens(h1.tokens() + 1);
+  EXPECT_EQ(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  bad = Report(h1);
+  bad.set_qb_histogram("garbage");
+  EXPECT_NE(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(), grpc::StatusCode::OK);
+  bad = Report(Histogram(0, bias0, 100, 3, /*layer=*/2));
+  bad.set_layer(1);
+  EXPECT_EQ(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  numerics::QbHistogram pooled = h1;
+  ASSERT_TRUE(pooled.Merge(h2).ok());
+  v1::GetLoadStatsRequest gs;
+  gs.set_layer(1);
+  v1::LoadStats stats;
+  ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), gs, &stats).ok());
+  EXPECT_EQ(stats.window_tokens(), 2400);
+  EXPECT_EQ(std::vector<int64_t>(stats.window_loads().begin(), stats.window_loads().end()),
+            pooled.loads());
+  EXPECT_DOUBLE_EQ(stats.window_balance().max_vio(),
+                   numerics::ComputeBalance(pooled.loads()).max_vio);
+
+  // Dry run: no token needed, the bias is exactly QB on the pooled histograms, nothing applied.
+  rb.set_dry_run(true);
+  ASSERT_TRUE(r->Rebalance(r.Ctx().get(), rb, &rr).ok());
+  EXPECT_FALSE(rr.applied());
+  const std::vector<float> solved = pooled.Solve();
+  EXPECT_EQ(std::vector<float>(rr.new_bias().bias().begin(), rr.new_bias().bias().end()), solved);
+  EXPECT_GT(rr.before().max_vio(), 0.3);
+  EXPECT_LT(rr.predicted_after().max_vio(), 0.05);
+  // Applying needs the token.
+  rb.set_dry_run(false);
+  EXPECT_EQ(r->Rebalance(r.Ctx().get(), rb, &rr).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(r->Rebalance(r.Ctx("wrong").get(), rb, &rr).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  ASSERT_TRUE(r->Rebalance(r.Ctx(tok).get(), rb, &rr).ok());
+  EXPECT_TRUE(rr.applied());
+  EXPECT_EQ(rr.new_bias().version(), 1u);
+  ASSERT_TRUE(bias_watch->Read(&seen));
+  EXPECT_EQ(seen.version(), 1u);
+  EXPECT_EQ(std::vector<float>(seen.bias().begin(), seen.bias().end()), solved);
+
+  // A report routed with version 0 now counts in the totals only.
+  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(h1), &ack).ok());
+  EXPECT_FALSE(ack.accepted_for_window());
+  EXPECT_EQ(ack.current_bias_version(), 1u);
+  ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), gs, &stats).ok());
+  EXPECT_EQ(stats.window_tokens(), 0);
+  EXPECT_EQ(stats.total_tokens(), 3900);
+
+  // Continuous mode: an automatic step once the window holds continuous_tokens.
+  v1::SetBiasModeRequest sm;
+  sm.set_layer(1);
+  sm.set_mode(v1::BIAS_MODE_CONTINUOUS);
+  sm.set_continuous_tokens(2000);
+  v1::LayerBias mode_ack;
+  EXPECT_EQ(r->SetBiasMode(r.Ctx().get(), sm, &mode_ack).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  ASSERT_TRUE(r->SetBiasMode(r.Ctx(tok).get(), sm, &mode_ack).ok());
+  EXPECT_EQ(mode_ack.mode(), v1::BIAS_MODE_CONTINUOUS);
+  ASSERT_TRUE(bias_watch->Read(&seen));  // the mode change
+  EXPECT_EQ(seen.mode(), v1::BIAS_MODE_CONTINUOUS);
+  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(1, solved, 1200, 4)), &ack).ok());
+  ASSERT_TRUE(r->GetBias(r.Ctx().get(), [] { v1::GetBiasRequest g; g.set_layer(1); return g; }(),
+                         &seen).ok());
+  EXPECT_EQ(seen.version(), 1u);
+  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(1, solved, 1200, 5)), &ack).ok());
+  ASSERT_TRUE(bias_watch->Read(&seen));
+  EXPECT_EQ(seen.version(), 2u);
+  EXPECT_EQ(seen.reason(), "continuous from 2400 tokens");
+
+  // Frozen: back to the checkpoint's bias as a new version; rebalancing is refused.
+  sm.set_mode(v1::BIAS_MODE_FROZEN);
+  ASSERT_TRUE(r->SetBiasMode(r.Ctx(tok).get(), sm, &mode_ack).ok());
+  EXPECT_EQ(mode_ack.version(), 3u);
+  EXPECT_EQ(std::vector<float>(mode_ack.bias().begin(), mode_ack.bias().end()), bias0);
+  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(3, bias0, 500, 6)), &ack).ok());
+  EXPECT_EQ(r->Rebalance(r.Ctx(tok).get(), rb, &rr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  v1::RollbackBiasRequest rbk;
+  rbk.set_layer(1);
+  rbk.set_to_version(1);
+  v1::LayerBias rolled;
+  EXPECT_EQ(r->RollbackBias(r.Ctx(tok).get(), rbk, &rolled).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  // Rollback (in rebalance mode) makes version 1's bias current as version 4.
+  sm.set_mode(v1::BIAS_MODE_REBALANCE);
+  ASSERT_TRUE(r->SetBiasMode(r.Ctx(tok).get(), sm, &mode_ack).ok());
+  EXPECT_EQ(r->RollbackBias(r.Ctx().get(), rbk, &rolled).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  ASSERT_TRUE(r->RollbackBias(r.Ctx(tok).get(), rbk, &rolled).ok());
+  EXPECT_EQ(rolled.version(), 4u);
+  EXPECT_EQ(rolled.reason(), "rollback to 1");
+  EXPECT_EQ(std::vector<float>(rolled.bias().begin(), rolled.bias().end()), solved);
+  rbk.set_to_version(99);
+  EXPECT_EQ(r->RollbackBias(r.Ctx(tok).get(), rbk, &rolled).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), gs, &stats).ok());
+  EXPECT_EQ(stats.history_size(), 5);
+  EXPECT_EQ(stats.rebalances(), 2);
+  bias_ctx->TryCancel();
+}
+
+TEST(RouterServer, RefusesABadModeAtStart) {
+  RouterServerOptions o;
+  o.checkpoint = TinyCheckpoint();
+  o.bias_mode = "sometimes";
+  auto s = RouterServer::Start(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("sometimes"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace moe::router_svc
