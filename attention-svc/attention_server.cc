@@ -82,8 +82,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
     if (server_ != nullptr) server_->Wait();
   }
 
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
-                                    const v1::ForwardRequest* req,
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
                                     v1::ForwardResponse* resp) override;
   grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ForwardStream(
       grpc::CallbackServerContext* ctx) override;
@@ -312,8 +311,8 @@ std::shared_ptr<transport::ExpertStream> AttentionServer::Impl::StreamFor(const 
   std::lock_guard<std::mutex> lock(mu_);
   auto& stream = streams_[key];
   if (stream == nullptr) {
-    stream = std::make_shared<transport::ExpertStream>(s.shard, s.endpoint,
-                                                       options_.max_message_bytes);
+    stream =
+        std::make_shared<transport::ExpertStream>(s.shard, s.endpoint, options_.max_message_bytes);
   }
   return stream;
 }
@@ -411,8 +410,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   RoutedBatch batch;
   {
     std::lock_guard<std::mutex> lock(hosted.mu);
-    MOE_ASSIGN_OR_RETURN(batch, hosted.layer->RouteAndProject(x.values, x.rows, x.cols,
-                                                              bias->bias.data(), &t));
+    MOE_ASSIGN_OR_RETURN(
+        batch, hosted.layer->RouteAndProject(x.values, x.rows, x.cols, bias->bias.data(), &t));
   }
   Accumulate(req.layer(), bias->version, bias->bias, batch);
 
@@ -435,11 +434,9 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     }
     const ShardRef& s = route->shards[o];
     if (!s.healthy) {
-      return absl::UnavailableError(absl::StrCat("expert shard ", s.shard, " (", s.endpoint,
-                                                 ") serving experts [", s.lo, ", ", s.hi,
-                                                 ") of layer ", req.layer(),
-                                                 " is unhealthy: no heartbeat for ",
-                                                 s.last_seen_ms, " ms"));
+      return absl::UnavailableError(absl::StrCat(
+          "expert shard ", s.shard, " (", s.endpoint, ") serving experts [", s.lo, ", ", s.hi,
+          ") of layer ", req.layer(), " is unhealthy: no heartbeat for ", s.last_seen_ms, " ms"));
     }
     experts_of[o].push_back(e);
   }
@@ -518,11 +515,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
         if (pending[si] == nullptr) continue;
         int64_t rows = 0;
         for (int32_t e : experts_of[si]) rows += static_cast<int64_t>(pairs[e].size());
-        MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix out,
-                             transport::DecodeBf16Matrix(
-                                 replies[si].outputs(),
-                                 absl::StrCat("reply of shard ", route->shards[si].shard), d,
-                                 /*accept_f32=*/false));
+        MOE_ASSIGN_OR_RETURN(
+            transport::Bf16Matrix out,
+            transport::DecodeBf16Matrix(replies[si].outputs(),
+                                        absl::StrCat("reply of shard ", route->shards[si].shard), d,
+                                        /*accept_f32=*/false));
         if (out.rows != rows) {
           return absl::InternalError(absl::StrCat("shard ", route->shards[si].shard, " returned ",
                                                   out.rows, " rows for ", rows));
@@ -598,9 +595,9 @@ grpc::ServerUnaryReactor* AttentionServer::Impl::Forward(grpc::CallbackServerCon
     reactor->Finish(transport::ToGrpc(RunForward(*req, deadline, resp)));
   });
   if (!queued) {
-    reactor->Finish(transport::ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
-        "attention node ", options_.node, ": too many requests waiting (", options_.max_queued,
-        ")"))));
+    reactor->Finish(transport::ToGrpc(absl::ResourceExhaustedError(
+        absl::StrCat("attention node ", options_.node, ": too many requests waiting (",
+                     options_.max_queued, ")"))));
   }
   return reactor;
 }
@@ -610,8 +607,8 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
   const absl::Time stream_deadline = absl::FromChrono(ctx->deadline());
   return new ForwardStreamReactor([this, stream_deadline](v1::ForwardRequest&& req,
                                                           ForwardStreamReactor* stream) {
-    const absl::Time deadline = std::min(
-        stream_deadline, absl::Now() + absl::Milliseconds(options_.default_timeout_ms));
+    const absl::Time deadline =
+        std::min(stream_deadline, absl::Now() + absl::Milliseconds(options_.default_timeout_ms));
     auto shared_req = std::make_shared<v1::ForwardRequest>(std::move(req));
     stream->BeginWork();
     auto run = [this, shared_req, stream, deadline] {

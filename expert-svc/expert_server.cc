@@ -107,9 +107,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::condition_variable reg_cv_;
 };
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 absl::Status ExpertServer::Impl::Load() {
   std::vector<int64_t> layers = options_.layers;
@@ -154,10 +152,10 @@ absl::Status ExpertServer::Impl::Load() {
                                                        /*need_experts=*/false));
     layers_[layer] = std::move(w);
   }
-  const numerics::cpu::Isa isa = static_cast<int>(options_.isa) <=
-                                         static_cast<int>(numerics::cpu::DetectIsa())
-                                     ? options_.isa
-                                     : numerics::cpu::DetectIsa();
+  const numerics::cpu::Isa isa =
+      static_cast<int>(options_.isa) <= static_cast<int>(numerics::cpu::DetectIsa())
+          ? options_.isa
+          : numerics::cpu::DetectIsa();
   kernels_ = &numerics::cpu::KernelsFor(isa);
   pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
   return absl::OkStatus();
@@ -195,8 +193,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
   auto b = std::make_unique<Batch>();
   b->batch_id = req.batch_id();
   b->layer = &it->second;
-  b->mode = req.reply_mode() == v1::REPLY_MODE_UNSPECIFIED ? v1::REPLY_MODE_PER_PAIR
-                                                           : req.reply_mode();
+  b->mode =
+      req.reply_mode() == v1::REPLY_MODE_UNSPECIFIED ? v1::REPLY_MODE_PER_PAIR : req.reply_mode();
   if (b->mode != v1::REPLY_MODE_PER_PAIR && b->mode != v1::REPLY_MODE_PARTIAL_SUM) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": unknown reply_mode ", static_cast<int>(req.reply_mode())));
@@ -217,13 +215,12 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
                                               options_.expert_lo, ", ", options_.expert_hi, "))"));
     }
     if (g.expert_id() <= prev) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": expert ids must be strictly ascending (", g.expert_id(),
-                       " after ", prev, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": expert ids must be strictly ascending (", g.expert_id(), " after ", prev, ")"));
     }
     if (g.token_count() < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": expert ", g.expert_id(),
-                                                     " has token_count ", g.token_count()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expert ", g.expert_id(), " has token_count ", g.token_count()));
     }
     prev = g.expert_id();
     rows += g.token_count();
@@ -232,8 +229,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
                        transport::DecodeBf16Matrix(req.activations(), where + ": activations",
                                                    cfg_.latent, /*accept_f32=*/false));
   if (req.row_source_size() == 0 && z.rows != rows) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": activations have ", z.rows,
-                                                   " rows but the groups count ", rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": activations have ", z.rows, " rows but the groups count ", rows));
   }
   if (req.row_source_size() != 0 && req.row_source_size() != rows) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", req.row_source_size(),
@@ -270,18 +267,17 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t src = req.row_source(static_cast<int>(r));
       if (src < 0 || src >= z.rows) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ", src,
-                                                       " outside [0, ", z.rows, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": row_source[", r, "] = ", src, " outside [0, ", z.rows, ")"));
       }
       std::copy_n(z.values.data() + src * d, d, b->z.data() + r * d);
     }
   }
   if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
     if (req.token_index_size() != rows || req.weights_size() != rows) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": partial sums need one token_index and one weight per row (",
-                       rows, " rows, ", req.token_index_size(), " token_index, ",
-                       req.weights_size(), " weights)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": partial sums need one token_index and one weight per row (", rows, " rows, ",
+          req.token_index_size(), " token_index, ", req.weights_size(), " weights)"));
     }
     if (req.num_tokens() < 1) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": num_tokens must be >= 1"));
@@ -293,9 +289,9 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
         const int32_t t = req.token_index(static_cast<int>(row));
         const float w = req.weights(static_cast<int>(row));
         if (t < 0 || t >= req.num_tokens() || t <= last) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              where, ": row ", row, " token_index ", t, " must lie in [0, ", req.num_tokens(),
-              ") and ascend within expert ", g.expert_id()));
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": row ", row, " token_index ", t, " must lie in [0, ",
+                           req.num_tokens(), ") and ascend within expert ", g.expert_id()));
         }
         if (!std::isfinite(w)) {
           return absl::InvalidArgumentError(
@@ -408,9 +404,9 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   }
   stream->BeginWork();
   if (!Enqueue(std::move(*batch), stream)) {
-    stream->Reply(error_reply(absl::UnavailableError(absl::StrCat(
-                      "shard ", options_.shard, ": compute queue full (",
-                      options_.max_queued_batches, " batches) or shutting down"))),
+    stream->Reply(error_reply(absl::UnavailableError(
+                      absl::StrCat("shard ", options_.shard, ": compute queue full (",
+                                   options_.max_queued_batches, " batches) or shutting down"))),
                   /*ends_work=*/true);
   }
 }
@@ -437,11 +433,10 @@ void ExpertServer::Impl::RegistrarLoop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(reg_mu_);
-      if (reg_cv_.wait_for(lock, std::chrono::milliseconds(lease == 0 ? 200 : interval_ms),
-                           [&] {
-                             std::lock_guard<std::mutex> l(mu_);
-                             return stopping_;
-                           })) {
+      if (reg_cv_.wait_for(lock, std::chrono::milliseconds(lease == 0 ? 200 : interval_ms), [&] {
+            std::lock_guard<std::mutex> l(mu_);
+            return stopping_;
+          })) {
         return;
       }
     }

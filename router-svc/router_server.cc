@@ -170,9 +170,9 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   }
 
   // RPCs (callback API; each handler is short and never blocks on I/O).
-  grpc::ServerUnaryReactor* RegisterExpertServer(
-      grpc::CallbackServerContext* ctx, const v1::RegisterExpertServerRequest* req,
-      v1::RegisterExpertServerResponse* resp) override {
+  grpc::ServerUnaryReactor* RegisterExpertServer(grpc::CallbackServerContext* ctx,
+                                                 const v1::RegisterExpertServerRequest* req,
+                                                 v1::RegisterExpertServerResponse* resp) override {
     return Done(ctx, DoRegister(*req, resp));
   }
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
@@ -187,16 +187,16 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     *resp = PlacementLocked();
     return Done(ctx, absl::OkStatus());
   }
-  grpc::ServerWriteReactor<v1::Placement>* WatchPlacement(
-      grpc::CallbackServerContext*, const v1::GetPlacementRequest*) override {
+  grpc::ServerWriteReactor<v1::Placement>* WatchPlacement(grpc::CallbackServerContext*,
+                                                          const v1::GetPlacementRequest*) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto* r = new WatchReactor<v1::Placement>(&mu_, &placement_watchers_, nullptr);
     placement_watchers_.insert(r);
     r->Push(PlacementLocked());
     return r;
   }
-  grpc::ServerUnaryReactor* GetBias(grpc::CallbackServerContext* ctx,
-                                    const v1::GetBiasRequest* req, v1::LayerBias* resp) override {
+  grpc::ServerUnaryReactor* GetBias(grpc::CallbackServerContext* ctx, const v1::GetBiasRequest* req,
+                                    v1::LayerBias* resp) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto layer = LayerLocked(req->layer());
     if (layer.ok()) *resp = (*layer)->current();
@@ -225,8 +225,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     if (s.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       auto layer = LayerLocked(req->layer());
-      s = layer.ok() ? RebalanceLocked(**layer, req->dry_run(), "rebalance", resp)
-                     : layer.status();
+      s = layer.ok() ? RebalanceLocked(**layer, req->dry_run(), "rebalance", resp) : layer.status();
     }
     return Done(ctx, s);
   }
@@ -254,8 +253,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   }
 
  private:
-  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx,
-                                        const absl::Status& s) {
+  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
     auto* r = ctx->DefaultReactor();
     r->Finish(transport::ToGrpc(s));
     return r;
@@ -377,13 +375,13 @@ absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,
   if (options_.admin_token.empty()) return absl::OkStatus();
   const auto& md = ctx->client_metadata();
   auto it = md.find("x-moe-admin-token");
-  if (it != md.end() && std::string(it->second.data(), it->second.size()) ==
-                            options_.admin_token) {
+  if (it != md.end() && std::string(it->second.data(), it->second.size()) == options_.admin_token) {
     return absl::OkStatus();
   }
   return absl::PermissionDeniedError(
-      absl::StrCat(what, " is an admin call: send the router's admin token in the "
-                         "x-moe-admin-token metadata"));
+      absl::StrCat(what,
+                   " is an admin call: send the router's admin token in the "
+                   "x-moe-admin-token metadata"));
 }
 
 absl::StatusOr<LayerState*> RouterServer::Impl::LayerLocked(int32_t layer) {
@@ -521,9 +519,9 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
     sum += v;
   }
   if (req.tokens() < 0 || sum != req.tokens() * l->top_k) {
-    return absl::InvalidArgumentError(absl::StrCat("report from ", req.node(), ": loads sum to ",
-                                                   sum, ", expected tokens * k = ",
-                                                   req.tokens() * l->top_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("report from ", req.node(), ": loads sum to ", sum,
+                     ", expected tokens * k = ", req.tokens() * l->top_k));
   }
   resp->set_current_bias_version(l->current().version());
   if (req.bias_version() != l->current().version() || req.tokens() == 0) {
@@ -535,12 +533,11 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
   // Everything is checked before anything is counted: a refused report changes nothing.
   MOE_ASSIGN_OR_RETURN(QbHistogram h, QbHistogram::Deserialize(req.qb_histogram()));
   if (h.window().layer != l->layer || h.window().bias_version != req.bias_version() ||
-      h.num_experts() != l->experts || h.tokens() != req.tokens() ||
-      h.window().top_k != l->top_k) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "report from ", req.node(), ": histogram (layer ", h.window().layer, ", version ",
-        h.window().bias_version, ", experts ", h.num_experts(), ", tokens ", h.tokens(),
-        ") does not match the report"));
+      h.num_experts() != l->experts || h.tokens() != req.tokens() || h.window().top_k != l->top_k) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report from ", req.node(), ": histogram (layer ", h.window().layer,
+                     ", version ", h.window().bias_version, ", experts ", h.num_experts(),
+                     ", tokens ", h.tokens(), ") does not match the report"));
   }
   if (!std::equal(h.loads().begin(), h.loads().end(), req.loads().begin(), req.loads().end())) {
     return absl::InvalidArgumentError(
@@ -625,8 +622,7 @@ absl::Status RouterServer::Impl::RebalanceLocked(LayerState& l, bool dry_run,
   const std::vector<double> predicted = pooled.PredictLoads(next);
   std::vector<int64_t> predicted_loads(predicted.size());
   for (size_t j = 0; j < predicted.size(); ++j) predicted_loads[j] = std::llround(predicted[j]);
-  FillBalance(numerics::ComputeBalance(predicted_loads, shard_of),
-              resp->mutable_predicted_after());
+  FillBalance(numerics::ComputeBalance(predicted_loads, shard_of), resp->mutable_predicted_after());
   resp->set_noise_floor_max_vio(numerics::NoiseFloorMaxVio(
       l.experts, static_cast<double>(l.window_tokens) * l.top_k / l.experts));
   if (dry_run) {
@@ -657,8 +653,8 @@ absl::Status RouterServer::Impl::DoRollback(const v1::RollbackBiasRequest& req,
   }
   if (req.to_version() >= l->history.size()) {
     return absl::NotFoundError(absl::StrCat("layer ", l->layer, " has no bias version ",
-                                            req.to_version(), " (newest ",
-                                            l->current().version(), ")"));
+                                            req.to_version(), " (newest ", l->current().version(),
+                                            ")"));
   }
   const v1::LayerBias& old = l->history[req.to_version()];
   AppendVersionLocked(*l, {old.bias().begin(), old.bias().end()},
@@ -667,8 +663,7 @@ absl::Status RouterServer::Impl::DoRollback(const v1::RollbackBiasRequest& req,
   return absl::OkStatus();
 }
 
-absl::Status RouterServer::Impl::DoSetMode(const v1::SetBiasModeRequest& req,
-                                           v1::LayerBias* resp) {
+absl::Status RouterServer::Impl::DoSetMode(const v1::SetBiasModeRequest& req, v1::LayerBias* resp) {
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));
   if (req.mode() == v1::BIAS_MODE_UNSPECIFIED || !v1::BiasMode_IsValid(req.mode())) {

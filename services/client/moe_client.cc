@@ -75,8 +75,8 @@ class GrpcForwardStream final : public ForwardStream {
       return absl::OutOfRangeError("end of stream");
     }
     if (resp.code() != 0) {
-      return std::make_pair(resp.request_id(), absl::StatusOr<ForwardResult>(
-                                                   transport::FromCode(resp.code(), resp.message())));
+      return std::make_pair(resp.request_id(), absl::StatusOr<ForwardResult>(transport::FromCode(
+                                                   resp.code(), resp.message())));
     }
     return std::make_pair(resp.request_id(), ToResult(resp));
   }
@@ -113,9 +113,8 @@ class GrpcMoeClient final : public MoeClient {
     return Call(req, o);
   }
 
-  absl::StatusOr<ForwardResult> ForwardF32(int32_t layer, absl::Span<const float> x,
-                                           int64_t tokens, int64_t width,
-                                           const ForwardOptions& o) override {
+  absl::StatusOr<ForwardResult> ForwardF32(int32_t layer, absl::Span<const float> x, int64_t tokens,
+                                           int64_t width, const ForwardOptions& o) override {
     v1::ForwardRequest req;
     FillRequest(layer, o, &req);
     *req.mutable_hidden_states() = transport::EncodeF32(x, tokens, width);
@@ -169,7 +168,8 @@ class GrpcMoeClient final : public MoeClient {
   }
 
   absl::StatusOr<bool> AttentionServing() override {
-    if (attention_channel_ == nullptr) return absl::FailedPreconditionError("no attention endpoint");
+    if (attention_channel_ == nullptr)
+      return absl::FailedPreconditionError("no attention endpoint");
     return transport::CheckHealth(attention_channel_, options_.timeout);
   }
 

@@ -74,8 +74,7 @@ absl::StatusOr<LoadReport> RunLoad(client::MoeClient& client, const LoadOptions&
     });
   }
   for (std::thread& t : threads) t.join();
-  report.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   report.tokens_per_second = report.tokens_ok / std::max(report.seconds, 1e-9);
   if (!latencies.empty()) {
     std::sort(latencies.begin(), latencies.end());

@@ -37,7 +37,7 @@ struct LoadReport {
   double seconds = 0;
   double tokens_per_second = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
-  std::map<std::string, int64_t> errors;         // status code name -> count
+  std::map<std::string, int64_t> errors;           // status code name -> count
   std::map<std::string, std::string> first_error;  // status code name -> first message
   std::string Format() const;
 };

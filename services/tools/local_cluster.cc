@@ -80,15 +80,13 @@ absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
     int status = 0;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
       c->pid = -1;
-      return absl::UnavailableError(absl::StrCat(c->name, " exited during start (status ",
-                                                 status, "); log ", log_file, ":\n",
-                                                 Tail(log_file)));
+      return absl::UnavailableError(absl::StrCat(c->name, " exited during start (status ", status,
+                                                 "); log ", log_file, ":\n", Tail(log_file)));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return absl::DeadlineExceededError(
-      absl::StrCat(c->name, " did not write its port within the start timeout; log:\n",
-                   Tail(log_file)));
+  return absl::DeadlineExceededError(absl::StrCat(
+      c->name, " did not write its port within the start timeout; log:\n", Tail(log_file)));
 }
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(

@@ -33,7 +33,7 @@ struct LocalClusterOptions {
   std::string work_dir;  // port files and logs (created); empty: a fresh temp dir
   std::string reply_mode = "per_pair";
   std::string admin_token;
-  int threads = 0;  // per process (0: all cores)
+  int threads = 0;                                                    // per process (0: all cores)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
   absl::Duration start_timeout = absl::Seconds(120);
 };

@@ -71,8 +71,8 @@ void PrintBalance(const char* what, const v1::Balance& b) {
 
 void PrintStats(const v1::LoadStats& s) {
   std::printf("layer %d: bias version %llu (%s), rebalances %lld\n", s.layer(),
-              static_cast<unsigned long long>(s.bias_version()), v1::BiasMode_Name(s.mode()).c_str(),
-              static_cast<long long>(s.rebalances()));
+              static_cast<unsigned long long>(s.bias_version()),
+              v1::BiasMode_Name(s.mode()).c_str(), static_cast<long long>(s.rebalances()));
   std::printf("  window %lld tokens, total %lld tokens\n",
               static_cast<long long>(s.window_tokens()), static_cast<long long>(s.total_tokens()));
   PrintBalance("window balance", s.window_balance());
@@ -134,12 +134,12 @@ int Forward(int argc, char** argv) {
   auto y = (*client)->Forward(static_cast<int32_t>(c.layer), x->values, x->rows, x->cols, fo);
   if (!y.ok()) return Fail(y.status());
   const v1::StageSeconds& s = y->seconds;
-  std::printf("output [%lld, %lld], bias version %llu; ms: router %.2f down %.2f dispatch %.2f "
-              "combine+norm %.2f up %.2f shared %.2f\n",
-              static_cast<long long>(y->tokens), static_cast<long long>(y->width),
-              static_cast<unsigned long long>(y->bias_version), 1e3 * s.router(),
-              1e3 * s.down_proj(), 1e3 * s.dispatch(), 1e3 * s.combine_norm(), 1e3 * s.up_proj(),
-              1e3 * s.shared());
+  std::printf(
+      "output [%lld, %lld], bias version %llu; ms: router %.2f down %.2f dispatch %.2f "
+      "combine+norm %.2f up %.2f shared %.2f\n",
+      static_cast<long long>(y->tokens), static_cast<long long>(y->width),
+      static_cast<unsigned long long>(y->bias_version), 1e3 * s.router(), 1e3 * s.down_proj(),
+      1e3 * s.dispatch(), 1e3 * s.combine_norm(), 1e3 * s.up_proj(), 1e3 * s.shared());
   if (routing) {
     for (int64_t t = 0; t < std::min<int64_t>(4, y->tokens); ++t) {
       std::printf("  token %lld:", static_cast<long long>(t));
@@ -316,8 +316,8 @@ int Cluster(int argc, char** argv) {
   const LoadOptions lo = l.Options(layer, *hidden);
   int rc = 0;
   auto phase = [&](const char* name) -> absl::StatusOr<v1::LoadStats> {
-    std::printf("\n== %s: %d concurrent requests of %lld tokens for %.0f s\n", name,
-                lo.concurrency, static_cast<long long>(lo.tokens), l.duration_s);
+    std::printf("\n== %s: %d concurrent requests of %lld tokens for %.0f s\n", name, lo.concurrency,
+                static_cast<long long>(lo.tokens), l.duration_s);
     auto r = RunLoad(**client, lo);
     if (!r.ok()) return r.status();
     std::printf("%s\n", r->Format().c_str());
@@ -339,10 +339,11 @@ int Cluster(int argc, char** argv) {
     auto after = phase("traffic with the rebalanced bias");
     if (!after.ok() && !g_stop.load()) return Fail(after.status());
     if (after.ok()) {
-      std::printf("\n== summary: MaxVio %.3f with the checkpoint's bias, %.3f after Rebalance "
-                  "(noise floor of one window %.3f)\n",
-                  before->window_balance().max_vio(), after->window_balance().max_vio(),
-                  rb->noise_floor_max_vio());
+      std::printf(
+          "\n== summary: MaxVio %.3f with the checkpoint's bias, %.3f after Rebalance "
+          "(noise floor of one window %.3f)\n",
+          before->window_balance().max_vio(), after->window_balance().max_vio(),
+          rb->noise_floor_max_vio());
     }
   }
   if (g_stop.load()) std::printf("\ninterrupted: stopping the cluster\n");

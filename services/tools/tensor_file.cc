@@ -77,7 +77,8 @@ absl::StatusOr<Matrix> ParseNpy(absl::string_view bytes, const std::string& labe
   const size_t n = static_cast<size_t>(m.rows * m.cols);
   const absl::string_view data = bytes.substr(offset + header_len);
   if (descr == "<f4") {
-    if (data.size() != n * 4) return Bad(label, absl::StrCat(data.size(), " data bytes, need ", n * 4));
+    if (data.size() != n * 4)
+      return Bad(label, absl::StrCat(data.size(), " data bytes, need ", n * 4));
     m.values.resize(n);
     for (size_t i = 0; i < n; ++i) {
       float f;
@@ -85,7 +86,8 @@ absl::StatusOr<Matrix> ParseNpy(absl::string_view bytes, const std::string& labe
       m.values[i] = Bf16::FromFloat(f);
     }
   } else if (descr == "<u2") {
-    if (data.size() != n * 2) return Bad(label, absl::StrCat(data.size(), " data bytes, need ", n * 2));
+    if (data.size() != n * 2)
+      return Bad(label, absl::StrCat(data.size(), " data bytes, need ", n * 2));
     m.values.resize(n);
     std::memcpy(m.values.data(), data.data(), n * 2);
   } else {
@@ -100,7 +102,8 @@ absl::StatusOr<Matrix> ReadMatrix(const std::string& path, const std::string& te
     const checkpoint::TensorInfo* info = nullptr;
     if (!tensor_name.empty()) {
       info = file->Find(tensor_name);
-      if (info == nullptr) return absl::NotFoundError(absl::StrCat(path, " has no tensor ", tensor_name));
+      if (info == nullptr)
+        return absl::NotFoundError(absl::StrCat(path, " has no tensor ", tensor_name));
     } else if (file->tensors().size() == 1) {
       info = &file->tensors()[0];
     } else {
@@ -136,8 +139,8 @@ absl::StatusOr<Matrix> ReadMatrix(const std::string& path, const std::string& te
 
 absl::Status WriteNpyF32(const std::string& path, const std::vector<float>& values, int64_t rows,
                          int64_t cols) {
-  std::string header = absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", rows,
-                                    ", ", cols, "), }");
+  std::string header =
+      absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", rows, ", ", cols, "), }");
   // Pad so that magic + version + length + header is a multiple of 64, ending in '\n'.
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';

@@ -170,7 +170,8 @@ std::shared_ptr<PendingReply> ExpertStream::Send(v1::DispatchRequest request) {
     }
     if (current_->Enqueue(req, p)) return p;  // else it broke between the check and here
   }
-  p->status = absl::UnavailableError(absl::StrCat(Describe(), " unavailable: cannot open a stream"));
+  p->status =
+      absl::UnavailableError(absl::StrCat(Describe(), " unavailable: cannot open a stream"));
   p->done = true;
   return p;
 }

@@ -18,7 +18,8 @@ std::string Flatten(const grpc::ByteBuffer& b) {
   std::vector<grpc::Slice> slices;
   std::string out;
   if (!b.Dump(&slices).ok()) return out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return out;
 }
 
@@ -85,8 +86,8 @@ absl::StatusOr<bool> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
   std::condition_variable cv;
   bool done = false;
   grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                    &response, [&](grpc::Status s) {
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
                       std::lock_guard<std::mutex> lock(mu);
                       status = std::move(s);
                       done = true;
@@ -111,7 +112,8 @@ absl::StatusOr<std::vector<std::string>> ListServices(const std::string& endpoin
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   // ServerReflectionRequest{list_services: ""}: field 7, length-delimited, empty.
   OneShotBidi call(std::string("\x3a\x00", 2));
-  generic.PrepareBidiStreamingCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/"
+  generic.PrepareBidiStreamingCall(&ctx,
+                                   "/grpc.reflection.v1alpha.ServerReflection/"
                                    "ServerReflectionInfo",
                                    grpc::StubOptions(), &call);
   call.Start();

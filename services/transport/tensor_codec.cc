@@ -81,9 +81,9 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::stri
   } else if (t.dtype() == v1::DTYPE_F32 && accept_f32) {
     elem = 4;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": dtype ", v1::DType_Name(t.dtype()), " not accepted (expected DTYPE_BF16",
-        accept_f32 ? " or DTYPE_F32)" : ")"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", v1::DType_Name(t.dtype()),
+                                                   " not accepted (expected DTYPE_BF16",
+                                                   accept_f32 ? " or DTYPE_F32)" : ")"));
   }
   if (t.data().size() != n * elem) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", t.data().size(),
@@ -108,9 +108,9 @@ absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const st
                                                    int64_t rows, int64_t cols) {
   if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
   if (t.dtype() != v1::DTYPE_F32 || t.shape(0) != rows || t.shape(1) != cols) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": expected DTYPE_F32 [", rows, ", ", cols, "], got ", v1::DType_Name(t.dtype()),
-        " [", t.shape(0), ", ", t.shape(1), "]"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": expected DTYPE_F32 [", rows, ", ", cols,
+                                                   "], got ", v1::DType_Name(t.dtype()), " [",
+                                                   t.shape(0), ", ", t.shape(1), "]"));
   }
   const size_t n = static_cast<size_t>(rows * cols);
   if (t.data().size() != n * 4) {

@@ -120,9 +120,10 @@ int Main(int argc, char** argv) {
               static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
               static_cast<long long>(cfg.top_k), shards, reply_mode.c_str());
   std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", copy_bw / 1e9);
-  std::printf("| T | in-process tok/s | cluster tok/s (1 in flight) | ratio | overhead | "
-              "cluster tok/s (2 in flight) | dispatch GB/s (wall) | dispatch GB/s (in dispatch) |"
-              " dispatch share |\n|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| T | in-process tok/s | cluster tok/s (1 in flight) | ratio | overhead | "
+      "cluster tok/s (2 in flight) | dispatch GB/s (wall) | dispatch GB/s (in dispatch) |"
+      " dispatch share |\n|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::string> stage_lines;
   for (int64_t t : sizes) {
     const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
@@ -178,8 +179,9 @@ int Main(int argc, char** argv) {
                 bytes / wall / 1e9, bytes / dispatch_s / 1e9, dispatch_s / wall);
     std::fflush(stdout);
   }
-  std::printf("\nms per batch, in-process / cluster (1 in flight):\n| T | router+down | experts "
-              "| combine+norm | up+shared |\n|---|---|---|---|---|\n");
+  std::printf(
+      "\nms per batch, in-process / cluster (1 in flight):\n| T | router+down | experts "
+      "| combine+norm | up+shared |\n|---|---|---|---|---|\n");
   for (const std::string& l : stage_lines) std::printf("%s\n", l.c_str());
   std::printf("\noverhead = in-process tok/s / cluster tok/s - 1 (target at T = 256: <= 15%%)\n");
   return 0;

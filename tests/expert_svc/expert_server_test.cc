@@ -1,10 +1,11 @@
 // expert-svc as a library in this process: a synthetic expert range made from a seed (no
 // checkpoint) answers Dispatch exactly like the CPU expert kernels on the same weights.
+#include "expert-svc/expert_server.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <cstring>
 
-#include "expert-svc/expert_server.h"
 #include "gtest/gtest.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/synthetic.h"
@@ -75,11 +76,12 @@ TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
   routing.expert_ids = {3, 3, 8, 8, 8};
   routing.weights.assign(5, 1.0f);
   std::vector<Bf16> rows;
-  for (int r : {0, 2, 1, 2, 3}) rows.insert(rows.end(), z.begin() + r * cfg.latent, z.begin() + (r + 1) * cfg.latent);
+  for (int r : {0, 2, 1, 2, 3})
+    rows.insert(rows.end(), z.begin() + r * cfg.latent, z.begin() + (r + 1) * cfg.latent);
   numerics::cpu::ThreadPool pool(1);
-  const std::vector<Bf16> want = numerics::cpu::RunExperts(
-      numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg, full, routing,
-      rows.data());
+  const std::vector<Bf16> want =
+      numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg,
+                                full, routing, rows.data());
   ASSERT_EQ(want.size(), out->values.size());
   EXPECT_EQ(std::memcmp(want.data(), out->values.data(), want.size() * 2), 0);
 

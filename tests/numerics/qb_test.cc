@@ -276,7 +276,8 @@ TEST(QbHistogram, PredictedLoadsMatchMeasuredAtTheRoutingBiasAndEvenOutAtTheSolv
   for (int64_t j = 0; j < n; ++j) {
     sum += at_routing[j];
     int64_t bin_max = 0;
-    for (int64_t l = 0; l < 1000; ++l) bin_max = std::max<int64_t>(bin_max, h.counts()[j * 1000 + l]);
+    for (int64_t l = 0; l < 1000; ++l)
+      bin_max = std::max<int64_t>(bin_max, h.counts()[j * 1000 + l]);
     EXPECT_NEAR(at_routing[j], static_cast<double>(h.loads()[j]), bin_max + 1.0) << "expert " << j;
   }
   EXPECT_NEAR(sum, static_cast<double>(m * k), 1e-6 * m * k);

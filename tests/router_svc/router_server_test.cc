@@ -1,6 +1,8 @@
 // router-svc as a library in this process, driven through its gRPC stub: placement with
 // heartbeats and health, the watch streams, statistics windows, Quantile Balancing on
 // Rebalance (oracle: QbHistogram::Solve on the same reports), modes, rollback, the admin token.
+#include "router-svc/router_server.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -9,7 +11,6 @@
 
 #include "gtest/gtest.h"
 #include "moe/v1/router.grpc.pb.h"
-#include "router-svc/router_server.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -231,8 +232,7 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
   EXPECT_LT(rr.predicted_after().max_vio(), 0.05);
   // Applying needs the token.
   rb.set_dry_run(false);
-  EXPECT_EQ(r->Rebalance(r.Ctx().get(), rb, &rr).error_code(),
-            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(r->Rebalance(r.Ctx().get(), rb, &rr).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(r->Rebalance(r.Ctx("wrong").get(), rb, &rr).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   ASSERT_TRUE(r->Rebalance(r.Ctx(tok).get(), rb, &rr).ok());
@@ -263,8 +263,15 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
   ASSERT_TRUE(bias_watch->Read(&seen));  // the mode change
   EXPECT_EQ(seen.mode(), v1::BIAS_MODE_CONTINUOUS);
   ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(1, solved, 1200, 4)), &ack).ok());
-  ASSERT_TRUE(r->GetBias(r.Ctx().get(), [] { v1::GetBiasRequest g; g.set_layer(1); return g; }(),
-                         &seen).ok());
+  ASSERT_TRUE(r->GetBias(
+                   r.Ctx().get(),
+                   [] {
+                     v1::GetBiasRequest g;
+                     g.set_layer(1);
+                     return g;
+                   }(),
+                   &seen)
+                  .ok());
   EXPECT_EQ(seen.version(), 1u);
   ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(1, solved, 1200, 5)), &ack).ok());
   ASSERT_TRUE(bias_watch->Read(&seen));

@@ -77,7 +77,7 @@ std::unique_ptr<client::MoeClient> ClientFor(const LocalCluster& c, const std::s
 }
 
 std::unique_ptr<numerics::cpu::CpuMoeLayer> InProcessLayer(const std::string& ckpt_dir,
-                                                          ModelConfig* cfg) {
+                                                           ModelConfig* cfg) {
   auto ckpt = checkpoint::Checkpoint::Open(ckpt_dir);
   EXPECT_TRUE(ckpt.ok());
   *cfg = *(*ckpt)->LoadConfig();
@@ -149,10 +149,11 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
       }
     }
     const double fraction = static_cast<double>(differing) / static_cast<double>(sum->out.size());
-    std::printf("[partial sums %s T=%lld] %lld of %zu outputs differ (%.4f), worst %.2e of the "
-                "row scale\n",
-                p.preset.c_str(), static_cast<long long>(tokens), static_cast<long long>(differing),
-                sum->out.size(), fraction, worst);
+    std::printf(
+        "[partial sums %s T=%lld] %lld of %zu outputs differ (%.4f), worst %.2e of the "
+        "row scale\n",
+        p.preset.c_str(), static_cast<long long>(tokens), static_cast<long long>(differing),
+        sum->out.size(), fraction, worst);
     EXPECT_LE(fraction, kPartialSumMaxDifferingFraction);
     EXPECT_LE(worst, kPartialSumMaxErrorOfRowScale);
 
@@ -175,8 +176,8 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
     expected[*id] = local->Forward(x, tokens, cfg.hidden)->out;
   }
   // A bad batch in the middle gets its own error and the stream goes on.
-  auto bad = (*stream)->Send(layer + 100, checkpoint::SyntheticHiddenStates(cfg, 2, 1), 2,
-                             cfg.hidden);
+  auto bad =
+      (*stream)->Send(layer + 100, checkpoint::SyntheticHiddenStates(cfg, 2, 1), 2, cfg.hidden);
   ASSERT_TRUE(bad.ok());
   ASSERT_TRUE((*stream)->CloseSend().ok());
   int received = 0;
@@ -250,8 +251,7 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
                absl::StrCat("layer ", layer + 5, " is not hosted"));
   std::vector<Bf16> nan_x = x;
   nan_x[3 * h + 5] = Bf16::FromFloat(std::nanf(""));
-  expect_error(client->Forward(layer, nan_x, 8, h), absl::StatusCode::kInvalidArgument,
-               "token 3");
+  expect_error(client->Forward(layer, nan_x, 8, h), absl::StatusCode::kInvalidArgument, "token 3");
   // Over max_tokens, and over the gRPC message limit (20000 x 128 bf16 = 5.1 MB > 4 MiB).
   const std::vector<Bf16> many = checkpoint::SyntheticHiddenStates(cfg, 2000, 4);
   expect_error(client->Forward(layer, many, 2000, h), absl::StatusCode::kResourceExhausted,
@@ -323,9 +323,9 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   routing.expert_ids = {1, 1, 6};
   routing.weights = {1, 1, 1};
   numerics::cpu::ThreadPool pool(1);
-  const std::vector<Bf16> want = numerics::cpu::RunExperts(
-      numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg, local->weights(),
-      routing, z.data());
+  const std::vector<Bf16> want =
+      numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg,
+                                local->weights(), routing, z.data());
   EXPECT_TRUE(SameBits(out->values, want));
 
   // Partial sums: rows (token 0, expert 1), (token 2, expert 1), (token 0, expert 6) with
@@ -494,9 +494,10 @@ TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
   auto after = wait_for_window(200 * 64);
   ASSERT_TRUE(after.ok()) << after.status();
   const double vio_after = after->window_balance().max_vio();
-  std::printf("[rebalance] MaxVio %.3f before, predicted %.3f, measured %.3f after (noise floor "
-              "%.3f)\n",
-              vio_before, rb->predicted_after().max_vio(), vio_after, rb->noise_floor_max_vio());
+  std::printf(
+      "[rebalance] MaxVio %.3f before, predicted %.3f, measured %.3f after (noise floor "
+      "%.3f)\n",
+      vio_before, rb->predicted_after().max_vio(), vio_after, rb->noise_floor_max_vio());
   EXPECT_GT(vio_before, 1.0);  // the skewed checkpoint is far from balanced
   EXPECT_LT(vio_after, 0.5);
   EXPECT_LT(vio_after, vio_before / 3);
@@ -586,10 +587,10 @@ TEST(MoeCli, ForwardFromNpyMatchesTheInProcessLayer) {
 
   std::this_thread::sleep_for(std::chrono::milliseconds(400));  // one statistics report
   out.clear();
-  ASSERT_EQ(RunCommand(absl::StrCat(cli, " stats --router ", (*cluster)->router_endpoint(),
-                                    " --layer 1"),
-                       &out),
-            0)
+  ASSERT_EQ(
+      RunCommand(absl::StrCat(cli, " stats --router ", (*cluster)->router_endpoint(), " --layer 1"),
+                 &out),
+      0)
       << out;
   EXPECT_NE(out.find("window 6 tokens"), std::string::npos) << out;
   out.clear();

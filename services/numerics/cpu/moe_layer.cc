@@ -112,8 +112,8 @@ absl::StatusOr<RoutedBatch> CpuMoeLayer::RouteAndProject(absl::Span<const Bf16> 
         batch.scores[t * e + j] = Sigmoid(logits[t * gate_.padded_out() + j]);
     }
     batch.routing =
-        SelectExperts(batch.scores.data(), bias != nullptr ? bias : weights_.bias.data(), tokens,
-                      e, cfg_.top_k, cfg_.renormalize, cfg_.routed_scaling_factor);
+        SelectExperts(batch.scores.data(), bias != nullptr ? bias : weights_.bias.data(), tokens, e,
+                      cfg_.top_k, cfg_.renormalize, cfg_.routed_scaling_factor);
   }
   {
     StageTimer timer(timings, &LayerTimings::down_proj);
