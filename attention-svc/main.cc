@@ -19,8 +19,12 @@ int main(int argc, char** argv) {
   flags.String("node", &o.node, "this node's name in statistics");
   flags.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
   flags.Int("threads", &o.threads, "dense compute threads (0: all cores)");
-  std::string isa = moe::numerics::cpu::IsaName(o.isa);
-  flags.String("isa", &isa, "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
+  flags.Custom("isa", moe::numerics::cpu::IsaName(o.isa),
+               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16", [&](const std::string& s) {
+                 auto isa = moe::numerics::cpu::ParseIsa(s);
+                 if (isa.ok()) o.isa = *isa;
+                 return isa.ok();
+               });
   flags.Int("workers", &o.workers, "requests in progress at once");
   flags.Int("max_queued", &o.max_queued, "waiting requests beyond: RESOURCE_EXHAUSTED");
   flags.Int64("max_tokens", &o.max_tokens, "tokens per request");
@@ -29,12 +33,6 @@ int main(int argc, char** argv) {
   flags.Int("qb_bins", &o.qb_bins, "QB histogram bins");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   if (!flags.Parse(argc, argv)) return 2;
-  auto parsed_isa = moe::numerics::cpu::ParseIsa(isa);
-  if (!parsed_isa.ok()) {
-    std::fprintf(stderr, "attention-svc: %s\n", parsed_isa.status().ToString().c_str());
-    return 2;
-  }
-  o.isa = *parsed_isa;
   return moe::RunServer("attention-svc",
                         [&]() { return moe::attention_svc::AttentionServer::Start(o); });
 }

@@ -21,16 +21,14 @@ int main(int argc, char** argv) {
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");
-  std::string isa = moe::numerics::cpu::IsaName(o.isa);
-  flags.String("isa", &isa, "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
+  flags.Custom("isa", moe::numerics::cpu::IsaName(o.isa),
+               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16", [&](const std::string& s) {
+                 auto isa = moe::numerics::cpu::ParseIsa(s);
+                 if (isa.ok()) o.isa = *isa;
+                 return isa.ok();
+               });
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   if (!flags.Parse(argc, argv)) return 2;
-  auto parsed_isa = moe::numerics::cpu::ParseIsa(isa);
-  if (!parsed_isa.ok()) {
-    std::fprintf(stderr, "expert-svc: %s\n", parsed_isa.status().ToString().c_str());
-    return 2;
-  }
-  o.isa = *parsed_isa;
   return moe::RunServer("expert-svc", [&]() { return moe::expert_svc::ExpertServer::Start(o); });
 }

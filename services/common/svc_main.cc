@@ -53,6 +53,11 @@ void SvcFlags::Bool(const std::string& name, bool* v, const std::string& help) {
        }});
 }
 
+void SvcFlags::Custom(const std::string& name, const std::string& default_text,
+                      const std::string& help, std::function<bool(const std::string&)> parse) {
+  Add({name, help, default_text, false, std::move(parse)});
+}
+
 void SvcFlags::IntList(const std::string& name, std::vector<int64_t>* v, const std::string& help) {
   std::string def;
   for (int64_t x : *v) def += (def.empty() ? "" : ",") + std::to_string(x);

@@ -29,6 +29,9 @@ class SvcFlags {
   void Uint64(const std::string& name, uint64_t* v, const std::string& help);
   void Double(const std::string& name, double* v, const std::string& help);
   void Bool(const std::string& name, bool* v, const std::string& help);
+  // Any type: parse returns false on a bad value.
+  void Custom(const std::string& name, const std::string& default_text, const std::string& help,
+              std::function<bool(const std::string&)> parse);
   // Comma-separated integers.
   void IntList(const std::string& name, std::vector<int64_t>* v, const std::string& help);
 

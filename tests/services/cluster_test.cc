@@ -88,6 +88,17 @@ std::unique_ptr<numerics::cpu::CpuMoeLayer> InProcessLayer(const std::string& ck
   return std::move(*layer);
 }
 
+// A cluster on `dir` with the given shard ranges (empty: two equal ones), one compute thread per
+// process (the tests run next to each other on two cores).
+LocalClusterOptions TestCluster(const std::string& dir,
+                                std::vector<std::pair<int64_t, int64_t>> ranges = {}) {
+  LocalClusterOptions o;
+  o.checkpoint = dir;
+  o.shard_ranges = std::move(ranges);
+  o.threads = 1;
+  return o;
+}
+
 bool SameBits(const std::vector<Bf16>& a, const std::vector<Bf16>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(Bf16)) == 0;
 }
@@ -104,10 +115,7 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   const std::string& dir = CheckpointFor(p.preset);
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o;
-  o.checkpoint = dir;
-  o.shard_ranges = p.shards;
-  o.threads = 1;
+  LocalClusterOptions o = TestCluster(dir, p.shards);
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto client = ClientFor(**cluster);
@@ -209,10 +217,7 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   const std::string& dir = CheckpointFor("tiny");
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o;
-  o.checkpoint = dir;
-  o.shard_ranges = {{0, 7}, {7, 16}};
-  o.threads = 1;
+  LocalClusterOptions o = TestCluster(dir, {{0, 7}, {7, 16}});
   o.attention_args = {"--max_message_bytes=4194304", "--max_tokens=1024"};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -356,10 +361,7 @@ TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
   const std::string& dir = CheckpointFor("tiny");
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o;
-  o.checkpoint = dir;
-  o.shard_ranges = {{0, 8}, {8, 16}};
-  o.threads = 1;
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
   o.router_args = {"--heartbeat_interval_ms=200"};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
@@ -423,9 +425,8 @@ TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
 TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
   const std::string& dir = CheckpointFor("mid");
   ModelConfig cfg = *PresetConfig("mid");
-  LocalClusterOptions o;
-  o.checkpoint = dir;
-  o.shard_ranges = {{0, 40}, {40, 128}};
+  LocalClusterOptions o = TestCluster(dir, {{0, 40}, {40, 128}});
+  o.threads = 0;  // all cores: 400 requests of mid traffic
   o.admin_token = "s3cret";
   o.attention_args = {"--report_interval_ms=100"};
   auto cluster = LocalCluster::Start(o);
@@ -560,9 +561,7 @@ TEST(MoeCli, ForwardFromNpyMatchesTheInProcessLayer) {
   const std::string& dir = CheckpointFor("tiny");
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o;
-  o.checkpoint = dir;
-  o.threads = 1;
+  LocalClusterOptions o = TestCluster(dir);
   o.attention_args = {"--report_interval_ms=100"};
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
