@@ -293,6 +293,14 @@ void AttentionServer::Impl::ApplyPlacement(const v1::Placement& p) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     routes_ = std::move(routes);
+    // Streams to shards no longer placed (a restarted shard on a new port) are closed.
+    for (auto it = streams_.begin(); it != streams_.end();) {
+      bool placed = false;
+      for (const auto& [layer, route] : routes_) {
+        for (const ShardRef& s : route->shards) placed |= it->first == s.shard + "@" + s.endpoint;
+      }
+      it = placed ? std::next(it) : streams_.erase(it);
+    }
   }
   if (server_ != nullptr) server_->SetServing(covered);
 }

@@ -70,8 +70,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   absl::StatusOr<std::unique_ptr<Batch>> Validate(v1::DispatchRequest& req) const;
   // Runs one batch and fills the reply (outputs, timings).
   void Compute(const Batch& b, v1::DispatchReply* reply);
-  // Queues a batch for the compute thread; false when the queue is full or shutting down.
-  bool Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor);
+  // Queues a batch for the compute thread: RESOURCE_EXHAUSTED when the queue is full,
+  // UNAVAILABLE when shutting down.
+  absl::Status Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor);
 
   grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* Dispatch(
       grpc::CallbackServerContext* context) override;
@@ -335,12 +336,19 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   *reply->mutable_outputs() = transport::EncodeF32(acc, distinct, d);
 }
 
-bool ExpertServer::Impl::Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor) {
+absl::Status ExpertServer::Impl::Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || static_cast<int>(queue_.size()) >= options_.max_queued_batches) return false;
+  if (stopping_) {
+    return absl::UnavailableError(absl::StrCat("shard ", options_.shard, " is shutting down"));
+  }
+  if (static_cast<int>(queue_.size()) >= options_.max_queued_batches) {
+    return absl::ResourceExhaustedError(absl::StrCat("shard ", options_.shard,
+                                                     ": compute queue full (",
+                                                     options_.max_queued_batches, " batches)"));
+  }
   queue_.emplace_back(std::move(b), reactor);
   cv_.notify_one();
-  return true;
+  return absl::OkStatus();
 }
 
 void ExpertServer::Impl::ComputeLoop() {
@@ -403,11 +411,8 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
     return;
   }
   stream->BeginWork();
-  if (!Enqueue(std::move(*batch), stream)) {
-    stream->Reply(error_reply(absl::UnavailableError(
-                      absl::StrCat("shard ", options_.shard, ": compute queue full (",
-                                   options_.max_queued_batches, " batches) or shutting down"))),
-                  /*ends_work=*/true);
+  if (absl::Status queued = Enqueue(std::move(*batch), stream); !queued.ok()) {
+    stream->Reply(error_reply(queued), /*ends_work=*/true);
   }
 }
 

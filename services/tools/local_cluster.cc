@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -167,10 +168,27 @@ absl::Status LocalCluster::SignalShard(int i, int sig) {
   if (i < 0 || i >= num_shards() || shards_[i].pid <= 0) {
     return absl::NotFoundError(absl::StrCat("no running shard ", i));
   }
-  if (::kill(shards_[i].pid, sig) != 0) return absl::InternalError("kill failed");
+  const pid_t pid = shards_[i].pid;
+  if (::kill(pid, sig) != 0) return absl::InternalError("kill failed");
   if (sig == SIGKILL) {
-    ::waitpid(shards_[i].pid, nullptr, 0);
+    ::waitpid(pid, nullptr, 0);
     shards_[i].pid = -1;
+  }
+  if (sig == SIGSTOP || sig == SIGCONT) {
+    // Signals arrive asynchronously: wait (bounded) until /proc shows the new state, so the
+    // caller's next step really meets a stopped (or running) process.
+    const char want_stopped = sig == SIGSTOP;
+    for (int tries = 0; tries < 400; ++tries) {
+      std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+      std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const size_t paren = stat.rfind(')');
+      if (paren != std::string::npos && paren + 2 < stat.size()) {
+        const bool stopped = stat[paren + 2] == 'T';
+        if (stopped == static_cast<bool>(want_stopped)) return absl::OkStatus();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return absl::DeadlineExceededError(absl::StrCat(shards_[i].name, " did not change state"));
   }
   return absl::OkStatus();
 }

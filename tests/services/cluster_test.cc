@@ -369,7 +369,13 @@ TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
   const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
   const int64_t tokens = 32;  // with 16 experts and k = 4, both shards are needed
   const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 11);
-  const std::vector<Bf16> want = local->Forward(x, tokens, cfg.hidden)->out;
+  auto in_process = local->Forward(x, tokens, cfg.hidden);
+  ASSERT_TRUE(in_process.ok());
+  const std::vector<Bf16> want = in_process->out;
+  // The batch needs both shards (else a stalled or dead shard would go unnoticed).
+  const auto& ids = in_process->routing.expert_ids;
+  ASSERT_TRUE(std::any_of(ids.begin(), ids.end(), [](int32_t e) { return e < 8; }));
+  ASSERT_TRUE(std::any_of(ids.begin(), ids.end(), [](int32_t e) { return e >= 8; }));
   ASSERT_TRUE(client->Forward(layer, x, tokens, cfg.hidden).ok());
 
   client::ForwardOptions fo;
@@ -405,7 +411,8 @@ TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
   auto stalled = client->Forward(layer, x, tokens, cfg.hidden, fo);
   const absl::Duration took = absl::Now() - t0;
   ASSERT_TRUE((*cluster)->SignalShard(0, SIGCONT).ok());
-  ASSERT_FALSE(stalled.ok());
+  ASSERT_FALSE(stalled.ok()) << "bias version " << stalled->bias_version << ", dispatch bytes "
+                             << stalled->dispatch_bytes_sent;
   EXPECT_EQ(stalled.status().code(), absl::StatusCode::kDeadlineExceeded) << stalled.status();
   EXPECT_NE(stalled.status().message().find("shard-0"), absl::string_view::npos)
       << stalled.status();
