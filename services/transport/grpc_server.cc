@@ -11,6 +11,11 @@
 
 namespace moe::transport {
 
+namespace {
+constexpr int kHttp2FrameBytes = 1 << 20;
+constexpr int kHttp2LookaheadBytes = 16 << 20;
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -23,6 +28,10 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &s->port_);
   builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   builder.SetMaxSendMessageSize(options.max_send_message_bytes);
+  // Tensor payloads are MBs: bigger HTTP/2 frames and windows mean fewer frames and flow-control
+  // round trips per batch (cluster_bench).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2FrameBytes);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2LookaheadBytes);
   for (grpc::Service* service : options.services) builder.RegisterService(service);
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
@@ -58,6 +67,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   args.SetMaxSendMessageSize(max_message_bytes);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2FrameBytes);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2LookaheadBytes);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
