@@ -4,13 +4,20 @@
 # Writes a synthetic k3 checkpoint (one layer, 16.1 GB) first if it is missing; about 2 min
 # to generate, 3 min to run.
 # Usage: scripts/bench.sh [--reference-tokens 1,16,64]   (MOE_CKPT_DIR overrides the path)
+#        scripts/bench.sh --cluster [cluster_bench flags]  (services issue: the disaggregated
+#        layer on loopback vs in process, mid preset, about 1 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF_TOKENS=1,16,64
-if [ "${1:-}" = "--reference-tokens" ]; then REF_TOKENS=$2; fi
 scripts/setup.sh
 BUILD=${MOE_BUILD_DIR:-build}
 cmake -S . -B "$BUILD" -G Ninja >/dev/null
+if [ "${1:-}" = "--cluster" ]; then
+  shift
+  cmake --build "$BUILD" --target cluster_bench router-svc expert-svc attention-svc
+  exec "$BUILD/tests/cluster_bench" "$@"
+fi
+if [ "${1:-}" = "--reference-tokens" ]; then REF_TOKENS=$2; fi
 cmake --build "$BUILD" --target moe-tool cpu_layer_bench qb_bench
 CKPT=${MOE_CKPT_DIR:-out/ckpt-k3-seed1-skew1.0}
 if [ ! -f "$CKPT/config.json" ]; then
