@@ -19,6 +19,8 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/common/status_macros.h"
 #include "services/common/work_queue.h"
+#include "services/metrics/metrics_server.h"
+#include "services/metrics/service_metrics.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/qb.h"
@@ -90,6 +92,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
  private:
   absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
                           v1::ForwardResponse* resp);
+  // RunForward plus its metrics (latency, errors by code, bytes from and to the client).
+  absl::Status ServeForward(const v1::ForwardRequest& req, absl::Time deadline,
+                            v1::ForwardResponse* resp, const char* method);
   void Accumulate(int32_t layer, uint64_t version, const std::vector<float>& bias,
                   const RoutedBatch& batch);
   void ApplyPlacement(const v1::Placement& p);
@@ -109,6 +114,8 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   v1::ReplyMode default_mode_ = v1::REPLY_MODE_PER_PAIR;
   std::map<int32_t, std::unique_ptr<HostedLayer>> layers_;
   std::unique_ptr<transport::GrpcServer> server_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<metrics::AttentionMetrics> metrics_;
   std::unique_ptr<WorkQueue> workers_;
   std::shared_ptr<grpc::Channel> router_channel_;
 
@@ -186,6 +193,19 @@ absl::Status AttentionServer::Impl::Load() {
 }
 
 absl::Status AttentionServer::Impl::StartServing() {
+  if (options_.metrics_port >= 0) {
+    MOE_ASSIGN_OR_RETURN(metrics_server_,
+                         metrics::MetricsServer::Start(options_.host, options_.metrics_port));
+    std::vector<int64_t> layers;
+    for (const auto& [l, hosted] : layers_) layers.push_back(l);
+    metrics_ = std::make_unique<metrics::AttentionMetrics>(
+        metrics_server_->registry(), layers, cfg_.num_experts, options_.per_expert_metrics);
+    for (int64_t l : layers) metrics_->BiasVersion(l, 0);
+    if (!options_.metrics_port_file.empty()) {
+      MOE_RETURN_IF_ERROR(
+          transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
+    }
+  }
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
   router_channel_ = transport::MakeChannel(options_.router);
   transport::GrpcServerOptions so;
@@ -312,6 +332,7 @@ void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
   entry->bias.assign(b.bias().begin(), b.bias().end());
   std::lock_guard<std::mutex> lock(mu_);
   bias_[b.layer()] = std::move(entry);
+  if (metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
 }
 
 std::shared_ptr<transport::ExpertStream> AttentionServer::Impl::StreamFor(const ShardRef& s) {
@@ -427,6 +448,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   const int64_t tokens = batch.tokens, k = cfg_.top_k, d = cfg_.latent;
   const std::vector<std::vector<int64_t>> pairs =
       numerics::PairsByExpert(batch.routing, cfg_.num_experts);
+  std::vector<int64_t> per_expert(pairs.size());
+  for (size_t e = 0; e < pairs.size(); ++e) per_expert[e] = static_cast<int64_t>(pairs[e].size());
   if (route == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("no placement for layer ", req.layer(), " from router-svc yet"));
@@ -447,6 +470,15 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
           ") of layer ", req.layer(), " is unhealthy: no heartbeat for ", s.last_seen_ms, " ms"));
     }
     experts_of[o].push_back(e);
+  }
+  if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
+    std::vector<std::pair<std::string, int64_t>> shard_pairs;
+    for (size_t si = 0; si < num_shards; ++si) {
+      int64_t n = 0;
+      for (int32_t e : experts_of[si]) n += per_expert[e];
+      if (n > 0) shard_pairs.emplace_back(route->shards[si].shard, n);
+    }
+    metrics_->Routed(req.layer(), per_expert, shard_pairs);
   }
   const auto dispatch_start = Clock::now();
   // The expert calls end a little before the caller's deadline (10% of what is left, within
@@ -497,6 +529,10 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     if (mode == v1::REPLY_MODE_PARTIAL_SUM) dr.set_num_tokens(static_cast<int32_t>(tokens));
     transport::EncodeBf16Into(zrows, unique, d, dr.mutable_activations());
     bytes_sent += static_cast<int64_t>(dr.activations().data().size());
+    if (metrics_ != nullptr) {
+      metrics_->wire.Add("sent", "bf16", "expert",
+                         static_cast<int64_t>(dr.activations().data().size()), unique);
+    }
     streams[si] = StreamFor(route->shards[si]);
     pending[si] = streams[si]->Send(std::move(dr));
   }
@@ -511,10 +547,17 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     if (pending[si] == nullptr) continue;
     MOE_ASSIGN_OR_RETURN(replies[si], streams[si]->Wait(*pending[si], expert_deadline));
     bytes_received += static_cast<int64_t>(replies[si].outputs().data().size());
+    if (metrics_ != nullptr) {
+      const v1::Tensor& o = replies[si].outputs();
+      metrics_->wire.Add("received", o.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "expert",
+                         static_cast<int64_t>(o.data().size()),
+                         o.shape_size() > 0 ? o.shape(0) : 0);
+    }
   }
   const double dispatch_seconds = Seconds(Clock::now() - dispatch_start);
 
   std::vector<Bf16> r(static_cast<size_t>(tokens * d));
+  const auto combine_start = Clock::now();
   {
     numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
     if (mode == v1::REPLY_MODE_PER_PAIR) {
@@ -567,6 +610,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       for (size_t i = 0; i < acc.size(); ++i) r[i] = Bf16::FromFloat(acc[i]);
     }
   }
+  const double combine_seconds = Seconds(Clock::now() - combine_start);
   std::vector<Bf16> out;
   {
     std::lock_guard<std::mutex> lock(hosted.mu);
@@ -590,7 +634,28 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   sec->set_combine_norm(t.combine_norm);
   sec->set_up_proj(t.up_proj);
   sec->set_shared(t.shared);
+  sec->set_combine(combine_seconds);
   return absl::OkStatus();
+}
+
+absl::Status AttentionServer::Impl::ServeForward(const v1::ForwardRequest& req, absl::Time deadline,
+                                                 v1::ForwardResponse* resp, const char* method) {
+  const auto start = Clock::now();
+  const absl::Status s = RunForward(req, deadline, resp);
+  if (metrics_ == nullptr) return s;
+  const v1::Tensor& x = req.hidden_states();
+  metrics_->wire.Add("received", x.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "client",
+                     static_cast<int64_t>(x.data().size()), x.shape_size() > 0 ? x.shape(0) : 0);
+  if (!s.ok()) {
+    metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
+    return s;
+  }
+  const int64_t tokens = resp->output().shape(0);
+  metrics_->wire.Add("sent", "bf16", "client", static_cast<int64_t>(resp->output().data().size()),
+                     tokens);
+  metrics_->ForwardDone(req.layer(), Seconds(Clock::now() - start), resp->seconds().dispatch(),
+                        resp->seconds().combine(), tokens);
+  return s;
 }
 
 grpc::ServerUnaryReactor* AttentionServer::Impl::Forward(grpc::CallbackServerContext* ctx,
@@ -600,9 +665,10 @@ grpc::ServerUnaryReactor* AttentionServer::Impl::Forward(grpc::CallbackServerCon
   absl::Time deadline = absl::Now() + absl::Milliseconds(options_.default_timeout_ms);
   deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
   const bool queued = workers_->Submit([this, reactor, req, resp, deadline] {
-    reactor->Finish(transport::ToGrpc(RunForward(*req, deadline, resp)));
+    reactor->Finish(transport::ToGrpc(ServeForward(*req, deadline, resp, "Forward")));
   });
   if (!queued) {
+    if (metrics_ != nullptr) metrics_->common.Error("Forward", "RESOURCE_EXHAUSTED");
     reactor->Finish(transport::ToGrpc(absl::ResourceExhaustedError(
         absl::StrCat("attention node ", options_.node, ": too many requests waiting (",
                      options_.max_queued, ")"))));
@@ -621,7 +687,7 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
     stream->BeginWork();
     auto run = [this, shared_req, stream, deadline] {
       v1::ForwardResponse resp;
-      const absl::Status s = RunForward(*shared_req, deadline, &resp);
+      const absl::Status s = ServeForward(*shared_req, deadline, &resp, "ForwardStream");
       if (!s.ok()) {
         resp.Clear();
         resp.set_request_id(shared_req->request_id());
@@ -631,6 +697,7 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
       stream->Reply(std::move(resp), /*ends_work=*/true);
     };
     if (!workers_->Submit(run)) {
+      if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
       v1::ForwardResponse resp;
       resp.set_request_id(shared_req->request_id());
       resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));

@@ -37,8 +37,11 @@ struct AttentionServerOptions {
 
   std::string host = "127.0.0.1";
   int port = 0;
-  std::string port_file;
-  std::string router;  // router-svc host:port (required)
+  std::string port_file;  // written after the metrics port file
+  int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
+  std::string metrics_port_file;
+  bool per_expert_metrics = true;  // E series per layer of moe_expert_tokens_total
+  std::string router;              // router-svc host:port (required)
   std::string node = "attention-0";
 
   std::string reply_mode = "per_pair";  // or "partial_sum"

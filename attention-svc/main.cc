@@ -15,6 +15,9 @@ int main(int argc, char** argv) {
   flags.String("host", &o.host, "listen address");
   flags.Int("port", &o.port, "listen port (0: any free port)");
   flags.String("port_file", &o.port_file, "write the bound port here");
+  flags.Int("metrics_port", &o.metrics_port, "Prometheus /metrics port (-1: off, 0: any)");
+  flags.String("metrics_port_file", &o.metrics_port_file, "write the metrics port here");
+  flags.Bool("per_expert_metrics", &o.per_expert_metrics, "export per-expert token counters");
   flags.String("router", &o.router, "router-svc host:port");
   flags.String("node", &o.node, "this node's name in statistics");
   flags.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");

@@ -19,6 +19,8 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/common/status_macros.h"
+#include "services/metrics/metrics_server.h"
+#include "services/metrics/service_metrics.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
@@ -98,6 +100,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   const numerics::cpu::KernelTable* kernels_ = nullptr;
   std::unique_ptr<numerics::cpu::ThreadPool> pool_;
   std::unique_ptr<transport::GrpcServer> server_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<metrics::ExpertMetrics> metrics_;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -163,6 +167,19 @@ absl::Status ExpertServer::Impl::Load() {
 }
 
 absl::Status ExpertServer::Impl::StartServing() {
+  // Metrics first: the gRPC port file is the launcher's signal that everything is up.
+  std::vector<int64_t> layers;
+  for (const auto& [l, w] : layers_) layers.push_back(l);
+  if (options_.metrics_port >= 0) {
+    MOE_ASSIGN_OR_RETURN(metrics_server_,
+                         metrics::MetricsServer::Start(options_.host, options_.metrics_port));
+    metrics_ = std::make_unique<metrics::ExpertMetrics>(metrics_server_->registry(), layers,
+                                                        options_.shard);
+    if (!options_.metrics_port_file.empty()) {
+      MOE_RETURN_IF_ERROR(
+          transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
+    }
+  }
   compute_thread_ = std::thread([this] { ComputeLoop(); });
   transport::GrpcServerOptions so;
   so.host = options_.host;
@@ -357,7 +374,10 @@ void ExpertServer::Impl::ComputeLoop() {
     DispatchReactor* reactor = nullptr;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      while (!cv_.wait_for(lock, std::chrono::seconds(1),
+                           [&] { return stopping_ || !queue_.empty(); })) {
+        if (metrics_ != nullptr) metrics_->Tick();  // the busy ratio decays while idle
+      }
       if (queue_.empty()) return;  // stopping, nothing left
       b = std::move(queue_.front().first);
       reactor = queue_.front().second;
@@ -384,6 +404,18 @@ void ExpertServer::Impl::ComputeLoop() {
       Compute(*b, &reply);
       reply.set_compute_seconds(Seconds(Clock::now() - start));
     }
+    if (metrics_ != nullptr) {
+      if (reply.code() == 0) {
+        metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(),
+                            b->rows);
+        metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
+                           static_cast<int64_t>(reply.outputs().data().size()),
+                           reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0);
+      } else {
+        metrics_->common.Error(
+            "Dispatch", absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));
+      }
+    }
     reactor->Reply(std::move(reply), /*ends_work=*/true);
   }
 }
@@ -405,13 +437,24 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
     reply.set_shard(options_.shard);
     return reply;
   };
+  if (metrics_ != nullptr) {
+    metrics_->wire.Add("received", "bf16", "attention",
+                       static_cast<int64_t>(req.activations().data().size()),
+                       req.activations().shape_size() > 0 ? req.activations().shape(0) : 0);
+  }
   absl::StatusOr<std::unique_ptr<Batch>> batch = Validate(req);
   if (!batch.ok()) {
+    if (metrics_ != nullptr) {
+      metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));
+    }
     stream->Reply(error_reply(batch.status()), /*ends_work=*/false);
     return;
   }
   stream->BeginWork();
   if (absl::Status queued = Enqueue(std::move(*batch), stream); !queued.ok()) {
+    if (metrics_ != nullptr) {
+      metrics_->common.Error("Dispatch", absl::StatusCodeToString(queued.code()));
+    }
     stream->Reply(error_reply(queued), /*ends_work=*/true);
   }
 }

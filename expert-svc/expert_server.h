@@ -39,7 +39,9 @@ struct ExpertServerOptions {
   std::string shard = "shard-0";
   std::string host = "127.0.0.1";
   int port = 0;
-  std::string port_file;  // written once the port is known
+  std::string port_file;  // written once the port is known (after the metrics port file)
+  int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
+  std::string metrics_port_file;
   // router-svc host:port; empty: do not register. advertise is the endpoint registered
   // (default host:port).
   std::string router;

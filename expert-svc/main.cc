@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   flags.String("host", &o.host, "listen address");
   flags.Int("port", &o.port, "listen port (0: any free port)");
   flags.String("port_file", &o.port_file, "write the bound port here");
+  flags.Int("metrics_port", &o.metrics_port, "Prometheus /metrics port (-1: off, 0: any)");
+  flags.String("metrics_port_file", &o.metrics_port_file, "write the metrics port here");
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");

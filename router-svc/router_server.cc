@@ -7,21 +7,37 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "moe/v1/router.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/k3_names.h"
 #include "services/common/status_macros.h"
+#include "services/metrics/http_server.h"
+#include "services/metrics/metrics_server.h"
+#include "services/metrics/service_metrics.h"
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::router_svc {
+
+// The page's files, embedded at build time from router-svc/web/ (cmake/embed_file.cmake).
+namespace web {
+extern const char kIndexHtml[];
+extern const std::size_t kIndexHtmlSize;
+extern const char kAppJs[];
+extern const std::size_t kAppJsSize;
+extern const char kStyleCss[];
+extern const std::size_t kStyleCssSize;
+}  // namespace web
 
 namespace {
 
@@ -173,19 +189,19 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* RegisterExpertServer(grpc::CallbackServerContext* ctx,
                                                  const v1::RegisterExpertServerRequest* req,
                                                  v1::RegisterExpertServerResponse* resp) override {
-    return Done(ctx, DoRegister(*req, resp));
+    return Done(ctx, "RegisterExpertServer", DoRegister(*req, resp));
   }
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse*) override {
-    return Done(ctx, DoHeartbeat(*req));
+    return Done(ctx, "Heartbeat", DoHeartbeat(*req));
   }
   grpc::ServerUnaryReactor* GetPlacement(grpc::CallbackServerContext* ctx,
                                          const v1::GetPlacementRequest*,
                                          v1::Placement* resp) override {
     std::lock_guard<std::mutex> lock(mu_);
     *resp = PlacementLocked();
-    return Done(ctx, absl::OkStatus());
+    return Done(ctx, "GetPlacement", absl::OkStatus());
   }
   grpc::ServerWriteReactor<v1::Placement>* WatchPlacement(grpc::CallbackServerContext*,
                                                           const v1::GetPlacementRequest*) override {
@@ -200,7 +216,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     auto layer = LayerLocked(req->layer());
     if (layer.ok()) *resp = (*layer)->current();
-    return Done(ctx, layer.status());
+    return Done(ctx, "GetBias", layer.status());
   }
   grpc::ServerWriteReactor<v1::LayerBias>* WatchBias(grpc::CallbackServerContext*,
                                                      const v1::WatchBiasRequest* req) override {
@@ -216,7 +232,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* ReportStats(grpc::CallbackServerContext* ctx,
                                         const v1::ReportStatsRequest* req,
                                         v1::ReportStatsResponse* resp) override {
-    return Done(ctx, DoReportStats(*req, resp));
+    return Done(ctx, "ReportStats", DoReportStats(*req, resp));
   }
   grpc::ServerUnaryReactor* Rebalance(grpc::CallbackServerContext* ctx,
                                       const v1::RebalanceRequest* req,
@@ -227,21 +243,21 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
       auto layer = LayerLocked(req->layer());
       s = layer.ok() ? RebalanceLocked(**layer, req->dry_run(), "rebalance", resp) : layer.status();
     }
-    return Done(ctx, s);
+    return Done(ctx, "Rebalance", s);
   }
   grpc::ServerUnaryReactor* RollbackBias(grpc::CallbackServerContext* ctx,
                                          const v1::RollbackBiasRequest* req,
                                          v1::LayerBias* resp) override {
     absl::Status s = CheckAdmin(ctx, "RollbackBias");
     if (s.ok()) s = DoRollback(*req, resp);
-    return Done(ctx, s);
+    return Done(ctx, "RollbackBias", s);
   }
   grpc::ServerUnaryReactor* SetBiasMode(grpc::CallbackServerContext* ctx,
                                         const v1::SetBiasModeRequest* req,
                                         v1::LayerBias* resp) override {
     absl::Status s = CheckAdmin(ctx, "SetBiasMode");
     if (s.ok()) s = DoSetMode(*req, resp);
-    return Done(ctx, s);
+    return Done(ctx, "SetBiasMode", s);
   }
   grpc::ServerUnaryReactor* GetLoadStats(grpc::CallbackServerContext* ctx,
                                          const v1::GetLoadStatsRequest* req,
@@ -249,11 +265,15 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     auto layer = LayerLocked(req->layer());
     if (layer.ok()) FillLoadStatsLocked(**layer, resp);
-    return Done(ctx, layer.status());
+    return Done(ctx, "GetLoadStats", layer.status());
   }
 
  private:
-  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const char* method,
+                                 const absl::Status& s) {
+    if (!s.ok() && metrics_ != nullptr) {
+      metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
+    }
     auto* r = ctx->DefaultReactor();
     r->Finish(transport::ToGrpc(s));
     return r;
@@ -271,15 +291,27 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
                                v1::RebalanceResponse* resp);
   void AppendVersionLocked(LayerState& l, std::vector<float> bias, const std::string& reason);
   v1::Placement PlacementLocked() const;
+  // A new placement version to every watcher (and the shard gauges).
+  void PublishPlacementLocked();
   // Expert -> shard index for a layer (empty unless every expert is covered).
   std::vector<int32_t> ShardOfExpertLocked(const LayerState& l,
                                            std::vector<std::string>* names) const;
   void FillLoadStatsLocked(const LayerState& l, v1::LoadStats* s) const;
   void HealthLoop();
 
+  // The load-balance page and its JSON API (web_port).
+  metrics::HttpResponse HandleHttp(const metrics::HttpRequest& req);
+  // Window figures of a layer as the page shows them.
+  nlohmann::json StateJsonLocked(const LayerState& l) const;
+  void UpdateLayerMetricsLocked(const LayerState& l);
+  void UpdateShardMetricsLocked();
+
   RouterServerOptions options_;
   ModelConfig cfg_;
   std::unique_ptr<transport::GrpcServer> server_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<metrics::RouterMetrics> metrics_;
+  std::unique_ptr<metrics::HttpServer> web_;
 
   mutable std::mutex mu_;
   std::map<int32_t, LayerState> layers_;
@@ -345,6 +377,32 @@ absl::Status RouterServer::Impl::Load() {
 }
 
 absl::Status RouterServer::Impl::StartServing() {
+  // Metrics and the page first: the gRPC port file tells a launcher that everything is up.
+  if (options_.metrics_port >= 0) {
+    MOE_ASSIGN_OR_RETURN(metrics_server_,
+                         metrics::MetricsServer::Start(options_.host, options_.metrics_port));
+    std::vector<int64_t> layers;
+    for (const auto& [l, state] : layers_) layers.push_back(l);
+    metrics_ = std::make_unique<metrics::RouterMetrics>(metrics_server_->registry(), layers);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [l, state] : layers_) UpdateLayerMetricsLocked(state);
+      metrics_->Shards(0, 0);
+    }
+    if (!options_.metrics_port_file.empty()) {
+      MOE_RETURN_IF_ERROR(
+          transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
+    }
+  }
+  if (options_.web_port >= 0) {
+    MOE_ASSIGN_OR_RETURN(web_, metrics::HttpServer::Start(options_.host, options_.web_port,
+                                                          [this](const metrics::HttpRequest& r) {
+                                                            return HandleHttp(r);
+                                                          }));
+    if (!options_.web_port_file.empty()) {
+      MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.web_port_file, web_->port()));
+    }
+  }
   transport::GrpcServerOptions so;
   so.host = options_.host;
   so.port = options_.port;
@@ -366,6 +424,7 @@ void RouterServer::Impl::Shutdown(absl::Duration grace) {
     stop_cv_.notify_all();
   }
   if (health_thread_.joinable()) health_thread_.join();
+  if (web_ != nullptr) web_->Stop();
   // Watches never end by themselves: a short grace, then the server cancels them.
   if (server_ != nullptr) server_->Shutdown(std::min(grace, absl::Milliseconds(200)));
 }
@@ -417,11 +476,7 @@ absl::Status RouterServer::Impl::DoRegister(const v1::RegisterExpertServerReques
   s.healthy = true;
   resp->set_lease_id(s.lease);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
-  ++placement_version_;
-  const v1::Placement p = PlacementLocked();
-  for (WatchReactorBase* w : placement_watchers_) {
-    static_cast<WatchReactor<v1::Placement>*>(w)->Push(p);
-  }
+  PublishPlacementLocked();
   std::fprintf(stderr, "router-svc: shard %s registered at %s (lease %llu)\n", req.shard().c_str(),
                req.endpoint().c_str(), static_cast<unsigned long long>(s.lease));
   return absl::OkStatus();
@@ -434,11 +489,7 @@ absl::Status RouterServer::Impl::DoHeartbeat(const v1::HeartbeatRequest& req) {
       s.last_seen = Clock::now();
       if (!s.healthy) {
         s.healthy = true;
-        ++placement_version_;
-        const v1::Placement p = PlacementLocked();
-        for (WatchReactorBase* w : placement_watchers_) {
-          static_cast<WatchReactor<v1::Placement>*>(w)->Push(p);
-        }
+        PublishPlacementLocked();
       }
       return absl::OkStatus();
     }
@@ -461,12 +512,21 @@ void RouterServer::Impl::HealthLoop() {
       }
     }
     if (changed) {
-      ++placement_version_;
-      const v1::Placement p = PlacementLocked();
-      for (WatchReactorBase* w : placement_watchers_) {
-        static_cast<WatchReactor<v1::Placement>*>(w)->Push(p);
-      }
+      PublishPlacementLocked();
     }
+  }
+}
+
+void RouterServer::Impl::PublishPlacementLocked() {
+  ++placement_version_;
+  const v1::Placement p = PlacementLocked();
+  for (WatchReactorBase* w : placement_watchers_) {
+    static_cast<WatchReactor<v1::Placement>*>(w)->Push(p);
+  }
+  if (metrics_ != nullptr) {
+    int64_t healthy = 0;
+    for (const auto& [name, shard] : shards_) healthy += shard.healthy ? 1 : 0;
+    metrics_->Shards(static_cast<int64_t>(shards_.size()), healthy);
   }
 }
 
@@ -528,6 +588,7 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
     for (int64_t j = 0; j < l->experts; ++j) l->total_loads[j] += req.loads(static_cast<int>(j));
     l->total_tokens += req.tokens();
     resp->set_accepted_for_window(false);
+    if (metrics_ != nullptr) metrics_->Report(false);
     return absl::OkStatus();
   }
   // Everything is checked before anything is counted: a refused report changes nothing.
@@ -572,10 +633,12 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
     l->window.erase(l->window.begin() + 1);
   }
   resp->set_accepted_for_window(true);
+  if (metrics_ != nullptr) metrics_->Report(true);
   if (l->mode == v1::BIAS_MODE_CONTINUOUS && l->window_tokens >= l->continuous_tokens) {
     v1::RebalanceResponse ignored;
     MOE_RETURN_IF_ERROR(RebalanceLocked(*l, /*dry_run=*/false, "continuous", &ignored));
   }
+  UpdateLayerMetricsLocked(*l);
   return absl::OkStatus();
 }
 
@@ -597,6 +660,16 @@ void RouterServer::Impl::AppendVersionLocked(LayerState& l, std::vector<float> b
   for (WatchReactorBase* w : bias_watchers_) {
     static_cast<WatchReactor<v1::LayerBias>*>(w)->Push(l.current());
   }
+  UpdateLayerMetricsLocked(l);
+}
+
+void RouterServer::Impl::UpdateLayerMetricsLocked(const LayerState& l) {
+  if (metrics_ == nullptr) return;
+  // An empty window has no imbalance to speak of: NaN (a gap in a graph), never a false 0.
+  const double max_vio = l.window_tokens > 0 ? numerics::ComputeBalance(l.window_loads).max_vio
+                                             : std::numeric_limits<double>::quiet_NaN();
+  metrics_->Window(l.layer, max_vio, l.window_tokens);
+  metrics_->BiasVersion(l.layer, l.current().version());
 }
 
 absl::Status RouterServer::Impl::RebalanceLocked(LayerState& l, bool dry_run,
@@ -638,6 +711,7 @@ absl::Status RouterServer::Impl::RebalanceLocked(LayerState& l, bool dry_run,
   AppendVersionLocked(l, std::move(next),
                       absl::StrCat(reason, " from ", resp->window_tokens(), " tokens"));
   ++l.rebalances;
+  if (metrics_ != nullptr) metrics_->Rebalanced(l.layer);
   *resp->mutable_new_bias() = l.current();
   resp->set_applied(true);
   return absl::OkStatus();
@@ -716,6 +790,152 @@ void RouterServer::Impl::FillLoadStatsLocked(const LayerState& l, v1::LoadStats*
     *h = b;
     h->clear_bias();
   }
+}
+
+nlohmann::json RouterServer::Impl::StateJsonLocked(const LayerState& l) const {
+  std::vector<std::string> names;
+  const std::vector<int32_t> shard_of = ShardOfExpertLocked(l, &names);
+  const numerics::BalanceMetrics b = numerics::ComputeBalance(l.window_loads, shard_of);
+  nlohmann::json j;
+  j["layer"] = l.layer;
+  j["bias_version"] = l.current().version();
+  j["mode"] = l.mode == v1::BIAS_MODE_FROZEN       ? "frozen"
+              : l.mode == v1::BIAS_MODE_CONTINUOUS ? "continuous"
+                                                   : "rebalance";
+  j["window_tokens"] = l.window_tokens;
+  j["total_tokens"] = l.total_tokens;
+  j["loads"] = l.window_loads;
+  j["target"] = static_cast<double>(l.window_tokens) * l.top_k / l.experts;
+  j["max_vio"] = l.window_tokens > 0 ? b.max_vio : 0.0;
+  j["cv"] = l.window_tokens > 0 ? b.cv : 0.0;
+  j["dead"] = l.window_tokens > 0 ? b.dead : 0;
+  j["shard_max_over_mean"] = l.window_tokens > 0 ? b.shard_max_over_mean : 0.0;
+  j["noise_floor"] =
+      l.window_tokens > 0
+          ? numerics::NoiseFloorMaxVio(l.experts,
+                                       static_cast<double>(l.window_tokens) * l.top_k / l.experts)
+          : 0.0;
+  j["rebalances"] = l.rebalances;
+  j["shards"] = nlohmann::json::array();
+  for (const auto& [name, shard] : shards_) {
+    for (const v1::ExpertRange& r : shard.ranges) {
+      if (r.layer() != l.layer) continue;
+      int64_t load = 0;
+      for (int32_t e = r.expert_lo(); e < r.expert_hi(); ++e) load += l.window_loads[e];
+      j["shards"].push_back({{"name", name},
+                             {"lo", r.expert_lo()},
+                             {"hi", r.expert_hi()},
+                             {"load", load},
+                             {"healthy", shard.healthy}});
+    }
+  }
+  j["history"] = nlohmann::json::array();
+  for (const v1::LayerBias& h : l.history) {
+    j["history"].push_back({{"version", h.version()},
+                            {"reason", h.reason()},
+                            {"created_unix_ms", h.created_unix_ms()}});
+  }
+  return j;
+}
+
+metrics::HttpResponse RouterServer::Impl::HandleHttp(const metrics::HttpRequest& req) {
+  auto json = [](int status, const nlohmann::json& j) {
+    return metrics::HttpResponse{status, "application/json", j.dump()};
+  };
+  auto error = [&](const absl::Status& s) {
+    int status = 500;
+    switch (s.code()) {
+      case absl::StatusCode::kInvalidArgument:
+        status = 400;
+        break;
+      case absl::StatusCode::kPermissionDenied:
+        status = 403;
+        break;
+      case absl::StatusCode::kNotFound:
+        status = 404;
+        break;
+      case absl::StatusCode::kFailedPrecondition:
+        status = 412;
+        break;
+      default:
+        break;
+    }
+    return json(status, {{"error", std::string(s.message())},
+                         {"code", absl::StatusCodeToString(s.code())}});
+  };
+  if (req.method == "GET" && (req.path == "/" || req.path == "/index.html")) {
+    return {200, "text/html; charset=utf-8", std::string(web::kIndexHtml, web::kIndexHtmlSize)};
+  }
+  if (req.method == "GET" && req.path == "/app.js") {
+    return {200, "text/javascript; charset=utf-8", std::string(web::kAppJs, web::kAppJsSize)};
+  }
+  if (req.method == "GET" && req.path == "/style.css") {
+    return {200, "text/css; charset=utf-8", std::string(web::kStyleCss, web::kStyleCssSize)};
+  }
+  if (req.method == "GET" && req.path == "/api/layers") {
+    std::lock_guard<std::mutex> lock(mu_);
+    nlohmann::json j;
+    j["layers"] = nlohmann::json::array();
+    for (const auto& [l, state] : layers_) j["layers"].push_back(l);
+    j["experts"] = cfg_.num_experts;
+    j["top_k"] = cfg_.top_k;
+    return json(200, j);
+  }
+  int32_t layer = 0;
+  auto it = req.query.find("layer");
+  if (it == req.query.end() || !absl::SimpleAtoi(it->second, &layer)) {
+    if (req.path.rfind("/api/", 0) == 0) {
+      return error(absl::InvalidArgumentError("the query needs ?layer=<MoE layer>"));
+    }
+    return {404, "text/plain; charset=utf-8", "not found\n"};
+  }
+  if (req.method == "GET" && req.path == "/api/state") {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto l = LayerLocked(layer);
+    if (!l.ok()) return error(l.status());
+    return json(200, StateJsonLocked(**l));
+  }
+  if (req.path == "/api/rebalance" || req.path == "/api/rollback") {
+    if (req.method != "POST") return {405, "text/plain; charset=utf-8", "POST only\n"};
+    // The page changes the bias only when router-svc has a token and the request carries it.
+    auto token = req.headers.find("x-moe-admin-token");
+    if (options_.admin_token.empty()) {
+      return error(absl::PermissionDeniedError(
+          "router-svc was started without --admin_token: the page cannot change the bias"));
+    }
+    if (token == req.headers.end() || token->second != options_.admin_token) {
+      return error(absl::PermissionDeniedError(token == req.headers.end() || token->second.empty()
+                                                   ? "an admin token is required"
+                                                   : "the admin token is wrong"));
+    }
+    if (req.path == "/api/rebalance") {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto l = LayerLocked(layer);
+      if (!l.ok()) return error(l.status());
+      v1::RebalanceResponse r;
+      if (absl::Status s = RebalanceLocked(**l, /*dry_run=*/false, "rebalance (page)", &r);
+          !s.ok()) {
+        return error(s);
+      }
+      return json(200, {{"applied", r.applied()},
+                        {"version", r.new_bias().version()},
+                        {"window_tokens", r.window_tokens()},
+                        {"before_max_vio", r.before().max_vio()},
+                        {"predicted_max_vio", r.predicted_after().max_vio()}});
+    }
+    uint64_t to = 0;
+    auto v = req.query.find("to");
+    if (v == req.query.end() || !absl::SimpleAtoi(v->second, &to)) {
+      return error(absl::InvalidArgumentError("rollback needs ?to=<version>"));
+    }
+    v1::RollbackBiasRequest rb;
+    rb.set_layer(layer);
+    rb.set_to_version(to);
+    v1::LayerBias out;
+    if (absl::Status s = DoRollback(rb, &out); !s.ok()) return error(s);
+    return json(200, {{"version", out.version()}, {"reason", out.reason()}});
+  }
+  return {404, "text/plain; charset=utf-8", "not found\n"};
 }
 
 RouterServer::RouterServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -31,7 +31,11 @@ struct RouterServerOptions {
 
   std::string host = "127.0.0.1";
   int port = 0;
-  std::string port_file;
+  std::string port_file;  // written last, after the metrics and web port files
+  int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
+  std::string metrics_port_file;
+  int web_port = -1;  // the load-balance page and its JSON API: -1 off, 0 any free port
+  std::string web_port_file;
 
   // "frozen", "rebalance" or "continuous" for every layer at start.
   std::string bias_mode = "rebalance";

@@ -8,7 +8,8 @@ PACKAGES=(
   libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy gnuplot-nox libopenblas-dev
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
+  prometheus chromium
 )
 
 missing=()
@@ -17,6 +18,9 @@ for p in "${PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
+# Node.js + npm drive the browser test (playwright-core); machines of this kind ship them, so the
+# Debian ones only come in where there is none.
+if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

@@ -39,9 +39,14 @@ std::string Tail(const std::string& path, size_t max_bytes = 2000) {
 
 absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
   const std::string port_file = absl::StrCat(options_.work_dir, "/", c->name, ".port");
+  const std::string metrics_file = absl::StrCat(options_.work_dir, "/", c->name, ".metrics_port");
   const std::string log_file = absl::StrCat(options_.work_dir, "/", c->name, ".log");
   ::unlink(port_file.c_str());
+  ::unlink(metrics_file.c_str());
   std::vector<std::string> args = c->args;
+  // Every service exports metrics on a free port; the port files come before the gRPC one.
+  args.push_back("--metrics_port=0");
+  args.push_back("--metrics_port_file=" + metrics_file);
   args.push_back("--port_file=" + port_file);
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -76,6 +81,8 @@ absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
     int port = 0;
     if (f >> port && port > 0) {
       c->port = port;
+      std::ifstream m(metrics_file);
+      if (!(m >> c->metrics_port)) c->metrics_port = 0;
       return absl::OkStatus();
     }
     int status = 0;
@@ -116,11 +123,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   }
   const std::string threads = absl::StrCat("--threads=", o.threads);
   c->router_.name = "router-svc";
+  const std::string web_file = o.work_dir + "/router-svc.web_port";
   c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint,
-                     "--admin_token=" + o.admin_token};
+                     "--admin_token=" + o.admin_token, "--web_port=0",
+                     "--web_port_file=" + web_file};
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
   c->router_port_ = c->router_.port;
+  {
+    std::ifstream w(web_file);
+    if (!(w >> c->web_port_)) c->web_port_ = 0;
+  }
   const std::string router = "--router=" + c->router_endpoint();
   for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
     Child s;
@@ -226,6 +239,20 @@ void LocalCluster::Stop(absl::Duration grace) {
       }
     }
   }
+}
+
+std::string LocalCluster::DescribeJson() const {
+  std::string shards;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    absl::StrAppend(&shards, i == 0 ? "" : ", ", "{\"name\": \"", shards_[i].name,
+                    "\", \"endpoint\": \"", Endpoint(shards_[i].port), "\", \"metrics\": \"",
+                    Endpoint(shards_[i].metrics_port), "\", \"pid\": ", shards_[i].pid, "}");
+  }
+  return absl::StrCat("{\"router\": \"", router_endpoint(), "\", \"router_metrics\": \"",
+                      router_metrics(), "\", \"web\": \"", web_endpoint(), "\", \"attention\": \"",
+                      attention_endpoint(), "\", \"attention_metrics\": \"", attention_metrics(),
+                      "\", \"admin_token\": \"", options_.admin_token, "\", \"work_dir\": \"",
+                      options_.work_dir, "\", \"shards\": [", shards, "]}");
 }
 
 LocalCluster::~LocalCluster() { Stop(); }

@@ -44,6 +44,13 @@ class LocalCluster {
   ~LocalCluster();
 
   std::string router_endpoint() const { return Endpoint(router_port_); }
+  // Prometheus /metrics of each process and router-svc's load-balance page (host:port).
+  std::string router_metrics() const { return Endpoint(router_.metrics_port); }
+  std::string attention_metrics() const { return Endpoint(attention_.metrics_port); }
+  std::string shard_metrics(int i) const { return Endpoint(shards_[i].metrics_port); }
+  std::string web_endpoint() const { return Endpoint(web_port_); }
+  // The whole cluster as JSON (endpoints, metrics endpoints, page, work dir).
+  std::string DescribeJson() const;
   std::string attention_endpoint() const { return Endpoint(attention_port_); }
   std::string shard_endpoint(int i) const { return Endpoint(shards_[i].port); }
   std::string shard_name(int i) const { return shards_[i].name; }
@@ -64,6 +71,7 @@ class LocalCluster {
     std::string name;
     pid_t pid = -1;
     int port = 0;
+    int metrics_port = 0;
     std::vector<std::string> args;
   };
   LocalCluster() = default;
@@ -74,7 +82,7 @@ class LocalCluster {
   Child router_;
   std::vector<Child> shards_;
   Child attention_;
-  int router_port_ = 0, attention_port_ = 0;
+  int router_port_ = 0, attention_port_ = 0, web_port_ = 0;
   bool stopped_ = false;
 };
 

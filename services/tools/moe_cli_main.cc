@@ -7,15 +7,19 @@
 //   moe-cli mode      --router HOST:PORT --layer L --mode frozen|rebalance|continuous
 //   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
 //   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
+//   moe-cli up        --checkpoint DIR [--work_dir D]   (a cluster kept up; D/cluster.json)
 #include <signal.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <thread>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "google/protobuf/util/json_util.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
 #include "services/common/model_config.h"
@@ -160,14 +164,67 @@ int Forward(int argc, char** argv) {
 
 int Stats(int argc, char** argv) {
   Common c;
+  bool json = false;
   SvcFlags f("moe-cli stats", "Load statistics of a layer from router-svc.");
   c.Register(f);
+  f.Bool("json", &json, "print the LoadStats message as proto3 JSON (64-bit ints as strings)");
   if (!f.Parse(argc, argv, 2)) return 2;
   auto client = c.Client();
   if (!client.ok()) return Fail(client.status());
   auto s = (*client)->GetLoadStats(static_cast<int32_t>(c.layer));
   if (!s.ok()) return Fail(s.status());
+  if (json) {
+    std::string out;
+    google::protobuf::util::JsonPrintOptions o;
+    o.always_print_primitive_fields = true;
+    if (!google::protobuf::util::MessageToJsonString(*s, &out, o).ok()) {
+      return Fail(absl::InternalError("cannot print JSON"));
+    }
+    std::printf("%s\n", out.c_str());
+    return 0;
+  }
   PrintStats(*s);
+  return 0;
+}
+
+// Starts a local cluster and keeps it up until SIGINT/SIGTERM (or --max_seconds): for the
+// observability tests and for poking at the page by hand. Writes <work_dir>/cluster.json.
+int Up(int argc, char** argv) {
+  LocalClusterOptions co;
+  std::string work_dir;
+  double max_seconds = 3600;
+  std::string attention_args;
+  SvcFlags f("moe-cli up", "Start a local cluster and keep it running.");
+  f.String("checkpoint", &co.checkpoint, "checkpoint directory");
+  f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
+  f.String("work_dir", &work_dir, "logs, port files and cluster.json (default: a temp dir)");
+  f.String("admin_token", &co.admin_token, "router-svc admin token");
+  f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
+  f.String("attention_args", &attention_args, "extra attention-svc flags, space-separated");
+  f.Double("max_seconds", &max_seconds, "stop by itself after this long");
+  if (!f.Parse(argc, argv, 2)) return 2;
+  co.work_dir = work_dir;
+  for (absl::string_view a : absl::StrSplit(attention_args, ' ', absl::SkipEmpty())) {
+    co.attention_args.emplace_back(a);
+  }
+  auto cluster = LocalCluster::Start(co);
+  if (!cluster.ok()) return Fail(cluster.status());
+  const std::string json = (*cluster)->DescribeJson();
+  const std::string path = (*cluster)->work_dir() + "/cluster.json";
+  {
+    std::ofstream out(path + ".tmp");
+    out << json << "\n";
+  }
+  std::rename((path + ".tmp").c_str(), path.c_str());
+  std::printf("%s\n", json.c_str());
+  std::fflush(stdout);
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(static_cast<int64_t>(1000 * max_seconds));
+  while (!g_stop.load() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  (*cluster)->Stop();
+  std::fprintf(stderr, "moe-cli up: cluster stopped\n");
   return 0;
 }
 
@@ -354,7 +411,7 @@ int Cluster(int argc, char** argv) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster [flags] "
+               "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up [flags] "
                "(--help on each)\n");
   return 2;
 }
@@ -377,5 +434,6 @@ int main(int argc, char** argv) {
   if (cmd == "mode") return Mode(argc, argv);
   if (cmd == "loadgen") return Loadgen(argc, argv);
   if (cmd == "cluster") return Cluster(argc, argv);
+  if (cmd == "up") return Up(argc, argv);
   return Usage();
 }

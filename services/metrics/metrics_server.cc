@@ -1,0 +1,34 @@
+#include "services/metrics/metrics_server.h"
+
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
+
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::metrics {
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& host,
+                                                                    int port) {
+  std::unique_ptr<MetricsServer> m(new MetricsServer());
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  const std::string address = host.find(':') != std::string::npos
+                                  ? absl::StrCat("[", host, "]:", port)
+                                  : absl::StrCat(host, ":", port);
+  try {  // civetweb reports a failed bind by throwing; nothing else here throws
+    m->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics endpoint: cannot listen on ", address, ": ", e.what()));
+  }
+  m->exposer_->RegisterCollectable(m->registry_);
+  const std::vector<int> ports = m->exposer_->GetListeningPorts();
+  if (ports.empty()) return absl::UnavailableError("metrics endpoint: no listening port");
+  m->port_ = ports[0];
+  return m;
+}
+
+MetricsServer::~MetricsServer() = default;
+
+}  // namespace moe::metrics

@@ -1,0 +1,284 @@
+#include "services/metrics/service_metrics.h"
+
+#include <string>
+
+#ifndef MOE_VERSION
+#define MOE_VERSION "dev"
+#endif
+
+namespace moe::metrics {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+
+namespace {
+
+std::string L(int64_t layer) { return std::to_string(layer); }
+
+}  // namespace
+
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 0.0005; v < 20; v *= 2) b.push_back(v);
+  return b;
+}
+
+CommonMetrics::CommonMetrics(prometheus::Registry& registry, const std::string& service)
+    : registry_(registry),
+      service_(service),
+      errors_(BuildCounter()
+                  .Name("moe_errors_total")
+                  .Help("Requests answered with an error, by service, method and status code")
+                  .Register(registry)) {
+  BuildGauge()
+      .Name("moe_build_info")
+      .Help("Always 1; the labels say which build and service this is")
+      .Register(registry)
+      .Add({{"service", service}, {"version", MOE_VERSION}})
+      .Set(1);
+}
+
+void CommonMetrics::Error(const std::string& method, const std::string& code) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prometheus::Counter*& c = error_counters_[{method, code}];
+  if (c == nullptr) {
+    c = &errors_.Add({{"service", service_}, {"method", method}, {"code", code}});
+  }
+  c->Increment();
+}
+
+WireMetrics::WireMetrics(prometheus::Registry& registry)
+    : bytes_(BuildCounter()
+                 .Name("moe_wire_bytes_total")
+                 .Help("Tensor payload bytes crossing this service, by direction, dtype and peer")
+                 .Register(registry)),
+      rows_(BuildCounter()
+                .Name("moe_wire_tokens_total")
+                .Help("Tensor rows (tokens or token-expert pairs) crossing this service, by "
+                      "direction, dtype and peer")
+                .Register(registry)) {}
+
+void WireMetrics::Add(const std::string& direction, const std::string& dtype,
+                      const std::string& peer, int64_t bytes, int64_t rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& entry = cache_[direction + "/" + dtype + "/" + peer];
+  if (entry.first == nullptr) {
+    const prometheus::Labels labels = {{"direction", direction}, {"dtype", dtype}, {"peer", peer}};
+    entry.first = &bytes_.Add(labels);
+    entry.second = &rows_.Add(labels);
+  }
+  entry.first->Increment(static_cast<double>(bytes));
+  entry.second->Increment(static_cast<double>(rows));
+}
+
+AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
+                                   const std::vector<int64_t>& layers, int64_t num_experts,
+                                   bool per_expert)
+    : common(registry, "attention-svc"),
+      wire(registry),
+      shard_tokens_(BuildCounter()
+                        .Name("moe_shard_tokens_total")
+                        .Help("Routed token-expert pairs dispatched to each expert shard")
+                        .Register(registry)) {
+  auto& forward = BuildHistogram()
+                      .Name("moe_forward_duration_seconds")
+                      .Help("Forward latency inside attention-svc (successful batches)")
+                      .Register(registry);
+  auto& dispatch = BuildHistogram()
+                       .Name("moe_dispatch_duration_seconds")
+                       .Help("From the first dispatch sent to the last expert reply, per batch")
+                       .Register(registry);
+  auto& combine = BuildHistogram()
+                      .Name("moe_combine_duration_seconds")
+                      .Help("Gather + weighted combine of the expert outputs, per batch")
+                      .Register(registry);
+  auto& tokens = BuildCounter()
+                     .Name("moe_forward_tokens_total")
+                     .Help("Tokens served by Forward (successful batches)")
+                     .Register(registry);
+  auto& version = BuildGauge()
+                      .Name("moe_attention_bias_version")
+                      .Help("The routing-bias version this attention node routes with")
+                      .Register(registry);
+  auto& experts = BuildCounter()
+                      .Name("moe_expert_tokens_total")
+                      .Help(
+                          "Routed token-expert pairs per expert (E series per layer; "
+                          "--per_expert_metrics=false turns them off)")
+                      .Register(registry);
+  for (int64_t layer : layers) {
+    Layer& l = layers_[layer];
+    l.forward = &forward.Add({{"layer", L(layer)}}, LatencyBuckets());
+    l.dispatch = &dispatch.Add({{"layer", L(layer)}}, LatencyBuckets());
+    l.combine = &combine.Add({{"layer", L(layer)}}, LatencyBuckets());
+    l.tokens = &tokens.Add({{"layer", L(layer)}});
+    l.bias_version = &version.Add({{"layer", L(layer)}});
+    if (per_expert) {
+      for (int64_t e = 0; e < num_experts; ++e) {
+        l.experts.push_back(&experts.Add({{"layer", L(layer)}, {"expert", std::to_string(e)}}));
+      }
+    }
+  }
+}
+
+void AttentionMetrics::ForwardDone(int64_t layer, double seconds, double dispatch_seconds,
+                                   double combine_seconds, int64_t tokens) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.forward->Observe(seconds);
+  it->second.dispatch->Observe(dispatch_seconds);
+  it->second.combine->Observe(combine_seconds);
+  it->second.tokens->Increment(static_cast<double>(tokens));
+}
+
+void AttentionMetrics::Routed(int64_t layer, const std::vector<int64_t>& counts,
+                              const std::vector<std::pair<std::string, int64_t>>& shard_pairs) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  for (size_t e = 0; e < it->second.experts.size() && e < counts.size(); ++e) {
+    if (counts[e] > 0) it->second.experts[e]->Increment(static_cast<double>(counts[e]));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [shard, n] : shard_pairs) {
+    prometheus::Counter*& c = shard_counters_[{layer, shard}];
+    if (c == nullptr) c = &shard_tokens_.Add({{"layer", L(layer)}, {"shard", shard}});
+    c->Increment(static_cast<double>(n));
+  }
+}
+
+void AttentionMetrics::BiasVersion(int64_t layer, uint64_t version) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) it->second.bias_version->Set(static_cast<double>(version));
+}
+
+ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers,
+                             const std::string& shard)
+    : common(registry, "expert-svc"),
+      wire(registry),
+      busy_seconds_(BuildCounter()
+                        .Name("moe_expert_busy_seconds_total")
+                        .Help("Seconds the compute thread spent running expert batches")
+                        .Register(registry)
+                        .Add({{"shard", shard}})),
+      busy_ratio_(BuildGauge()
+                      .Name("moe_expert_busy_ratio")
+                      .Help("Fraction of the last 10 s the compute thread was busy")
+                      .Register(registry)
+                      .Add({{"shard", shard}})) {
+  auto& compute = BuildHistogram()
+                      .Name("moe_expert_compute_duration_seconds")
+                      .Help("Expert FFN time per dispatched batch")
+                      .Register(registry);
+  auto& queue = BuildHistogram()
+                    .Name("moe_expert_queue_duration_seconds")
+                    .Help("Time a dispatched batch waited for the compute thread")
+                    .Register(registry);
+  auto& rows = BuildCounter()
+                   .Name("moe_expert_rows_total")
+                   .Help("Token-expert rows computed by this shard")
+                   .Register(registry);
+  for (int64_t layer : layers) {
+    Layer& l = layers_[layer];
+    l.compute = &compute.Add({{"layer", L(layer)}, {"shard", shard}}, LatencyBuckets());
+    l.queue = &queue.Add({{"layer", L(layer)}, {"shard", shard}}, LatencyBuckets());
+    l.rows = &rows.Add({{"layer", L(layer)}, {"shard", shard}});
+  }
+}
+
+void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double compute_seconds,
+                              int64_t rows) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) {
+    it->second.compute->Observe(compute_seconds);
+    it->second.queue->Observe(queue_seconds);
+    it->second.rows->Increment(static_cast<double>(rows));
+  }
+  busy_seconds_.Increment(compute_seconds);
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  recent_.emplace_back(now, compute_seconds);
+  UpdateBusyLocked(now);
+}
+
+void ExpertMetrics::Tick() {
+  std::lock_guard<std::mutex> lock(mu_);
+  UpdateBusyLocked(std::chrono::steady_clock::now());
+}
+
+void ExpertMetrics::UpdateBusyLocked(std::chrono::steady_clock::time_point now) {
+  const auto window = std::chrono::seconds(10);
+  while (!recent_.empty() && now - recent_.front().first > window) recent_.pop_front();
+  double busy = 0;
+  for (const auto& [end, s] : recent_) busy += s;
+  busy_ratio_.Set(std::min(1.0, busy / 10.0));
+}
+
+RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers)
+    : common(registry, "router-svc") {
+  auto& reports = BuildCounter()
+                      .Name("moe_stats_reports_total")
+                      .Help(
+                          "Statistics reports from attention nodes, by whether they joined the "
+                          "current window (routed with the current bias) or were stale")
+                      .Register(registry);
+  reports_accepted_ = &reports.Add({{"window", "current"}});
+  reports_stale_ = &reports.Add({{"window", "stale"}});
+  auto& shards = BuildGauge()
+                     .Name("moe_expert_shards")
+                     .Help("Registered expert shards, by health")
+                     .Register(registry);
+  shards_ = &shards.Add({{"health", "all"}});
+  shards_healthy_ = &shards.Add({{"health", "healthy"}});
+  auto& max_vio = BuildGauge()
+                      .Name("moe_imbalance_max_vio")
+                      .Help("MaxVio (max load / mean load - 1) over the current window")
+                      .Register(registry);
+  auto& window = BuildGauge()
+                     .Name("moe_window_tokens")
+                     .Help("Tokens in the current statistics window")
+                     .Register(registry);
+  auto& version = BuildGauge()
+                      .Name("moe_bias_version")
+                      .Help("Current routing-bias version (0: the checkpoint's)")
+                      .Register(registry);
+  auto& rebalances = BuildCounter()
+                         .Name("moe_rebalances_total")
+                         .Help("Quantile Balancing steps applied (button, RPC or continuous)")
+                         .Register(registry);
+  for (int64_t layer : layers) {
+    Layer& l = layers_[layer];
+    l.max_vio = &max_vio.Add({{"layer", L(layer)}});
+    l.window_tokens = &window.Add({{"layer", L(layer)}});
+    l.bias_version = &version.Add({{"layer", L(layer)}});
+    l.rebalances = &rebalances.Add({{"layer", L(layer)}});
+  }
+}
+
+void RouterMetrics::Window(int64_t layer, double max_vio, int64_t window_tokens) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.max_vio->Set(max_vio);
+  it->second.window_tokens->Set(static_cast<double>(window_tokens));
+}
+
+void RouterMetrics::BiasVersion(int64_t layer, uint64_t version) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) it->second.bias_version->Set(static_cast<double>(version));
+}
+
+void RouterMetrics::Rebalanced(int64_t layer) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) it->second.rebalances->Increment();
+}
+
+void RouterMetrics::Report(bool accepted) {
+  (accepted ? reports_accepted_ : reports_stale_)->Increment();
+}
+
+void RouterMetrics::Shards(int64_t total, int64_t healthy) {
+  shards_->Set(static_cast<double>(total));
+  shards_healthy_->Set(static_cast<double>(healthy));
+}
+
+}  // namespace moe::metrics

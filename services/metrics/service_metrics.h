@@ -1,0 +1,144 @@
+// Every metric the services export, declared in one place (STYLE.md: Envoy's stats lists).
+// Names carry the `moe_` prefix and base units; counters end in `_total`; labels are bounded
+// (layer, expert < E, shard, stage-like enums, status code). The README's metrics table lists
+// the same names; tests/metrics checks them against a live /metrics and the Grafana dashboard.
+//
+//   AttentionMetrics m(registry, layers, num_experts, /*per_expert=*/true);
+//   m.ForwardDone(layer, seconds, tokens);
+#ifndef MOE_SERVICES_METRICS_SERVICE_METRICS_H_
+#define MOE_SERVICES_METRICS_SERVICE_METRICS_H_
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace moe::metrics {
+
+// Latency buckets: 0.5 ms .. ~16 s, doubling.
+prometheus::Histogram::BucketBoundaries LatencyBuckets();
+
+// What every service exports: build info and errors by method and status code.
+class CommonMetrics {
+ public:
+  CommonMetrics(prometheus::Registry& registry, const std::string& service);
+  // code: the absl/grpc status code name, e.g. "INVALID_ARGUMENT".
+  void Error(const std::string& method, const std::string& code);
+
+ private:
+  prometheus::Registry& registry_;
+  std::string service_;
+  prometheus::Family<prometheus::Counter>& errors_;
+  std::mutex mu_;
+  std::map<std::pair<std::string, std::string>, prometheus::Counter*> error_counters_;
+};
+
+// Bytes and rows crossing a service's boundary: direction "sent"/"received", dtype "bf16"/"f32",
+// peer "client" (callers of this service) or "expert" (expert servers, from an attention node)
+// or "attention" (attention nodes, from an expert server).
+class WireMetrics {
+ public:
+  explicit WireMetrics(prometheus::Registry& registry);
+  void Add(const std::string& direction, const std::string& dtype, const std::string& peer,
+           int64_t bytes, int64_t rows);
+
+ private:
+  prometheus::Family<prometheus::Counter>& bytes_;
+  prometheus::Family<prometheus::Counter>& rows_;
+  std::mutex mu_;
+  std::map<std::string, std::pair<prometheus::Counter*, prometheus::Counter*>> cache_;
+};
+
+class AttentionMetrics {
+ public:
+  AttentionMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers,
+                   int64_t num_experts, bool per_expert);
+
+  CommonMetrics common;
+  WireMetrics wire;
+  // A successful forward of `tokens` tokens; stage durations in seconds.
+  void ForwardDone(int64_t layer, double seconds, double dispatch_seconds, double combine_seconds,
+                   int64_t tokens);
+  // Routed (token, expert) pairs of one batch: counts[e] for e < E; pairs per shard.
+  void Routed(int64_t layer, const std::vector<int64_t>& counts,
+              const std::vector<std::pair<std::string, int64_t>>& shard_pairs);
+  void BiasVersion(int64_t layer, uint64_t version);
+
+ private:
+  struct Layer {
+    prometheus::Histogram* forward = nullptr;
+    prometheus::Histogram* dispatch = nullptr;
+    prometheus::Histogram* combine = nullptr;
+    prometheus::Counter* tokens = nullptr;
+    prometheus::Gauge* bias_version = nullptr;
+    std::vector<prometheus::Counter*> experts;  // empty when per-expert series are off
+  };
+  std::map<int64_t, Layer> layers_;
+  prometheus::Family<prometheus::Counter>& shard_tokens_;
+  std::mutex mu_;
+  std::map<std::pair<int64_t, std::string>, prometheus::Counter*> shard_counters_;
+};
+
+class ExpertMetrics {
+ public:
+  ExpertMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers,
+                const std::string& shard);
+
+  CommonMetrics common;
+  WireMetrics wire;
+  void BatchDone(int64_t layer, double queue_seconds, double compute_seconds, int64_t rows);
+  // Fraction of the last window (10 s) the compute thread was busy; updated on each batch and
+  // by Tick() (call it periodically so an idle server decays to 0).
+  void Tick();
+
+ private:
+  void UpdateBusyLocked(std::chrono::steady_clock::time_point now);
+  struct Layer {
+    prometheus::Histogram* compute = nullptr;
+    prometheus::Histogram* queue = nullptr;
+    prometheus::Counter* rows = nullptr;
+  };
+  std::map<int64_t, Layer> layers_;
+  prometheus::Counter& busy_seconds_;
+  prometheus::Gauge& busy_ratio_;
+  std::mutex mu_;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, double>> recent_;  // end, seconds
+};
+
+class RouterMetrics {
+ public:
+  RouterMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers);
+
+  CommonMetrics common;
+  void Window(int64_t layer, double max_vio, int64_t window_tokens);
+  void BiasVersion(int64_t layer, uint64_t version);
+  void Rebalanced(int64_t layer);
+  void Report(bool accepted);
+  void Shards(int64_t total, int64_t healthy);
+
+ private:
+  struct Layer {
+    prometheus::Gauge* max_vio = nullptr;
+    prometheus::Gauge* window_tokens = nullptr;
+    prometheus::Gauge* bias_version = nullptr;
+    prometheus::Counter* rebalances = nullptr;
+  };
+  std::map<int64_t, Layer> layers_;
+  prometheus::Counter* reports_accepted_ = nullptr;
+  prometheus::Counter* reports_stale_ = nullptr;
+  prometheus::Gauge* shards_ = nullptr;
+  prometheus::Gauge* shards_healthy_ = nullptr;
+};
+
+}  // namespace moe::metrics
+
+#endif  // MOE_SERVICES_METRICS_SERVICE_METRICS_H_
