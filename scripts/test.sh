@@ -2,7 +2,8 @@
 # The test command of README.md: installs what is missing, checks formatting, builds with
 # warnings as errors, runs
 # a bounded libFuzzer run of the safetensors parser, then every test (unit tests, the
-# NumPy-vs-C++ reference test) through ctest, whose summary is the last line.
+# NumPy-vs-C++ reference test, multi-process cluster tests, a real Prometheus and a real
+# Chromium against a local cluster) through ctest, whose summary is the last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -12,4 +13,9 @@ BUILD=${MOE_BUILD_DIR:-build}
 cmake -S . -B "$BUILD" -G Ninja -DMOE_WERROR=ON >/dev/null
 cmake --build "$BUILD"
 scripts/fuzz.sh
+# The browser test's driver (playwright-core, pinned in tests/web/package-lock.json); it drives
+# Debian's /usr/bin/chromium, so no browser download.
+if [ ! -d tests/web/node_modules/playwright-core ]; then
+  npm ci --prefix tests/web --no-audit --no-fund --loglevel=error
+fi
 ctest --test-dir "$BUILD" --output-on-failure -j2 --timeout 900

@@ -286,8 +286,10 @@ struct LoadFlags {
   int64_t tokens = 64;
   double duration_s = 10;
   uint64_t seed = 1;
+  int batches = 16;
   std::string reply_mode;
   void Register(SvcFlags& f) {
+    f.Int("batches", &batches, "distinct synthetic input batches to cycle through");
     f.Int("concurrency", &concurrency, "requests in flight");
     f.Int64("tokens", &tokens, "tokens per request");
     f.Double("duration", &duration_s, "seconds of traffic");
@@ -302,6 +304,7 @@ struct LoadFlags {
     o.tokens = tokens;
     o.duration = absl::Seconds(duration_s);
     o.seed = seed;
+    o.distinct_batches = batches;
     o.forward.reply_mode = ParseReplyMode(reply_mode);
     o.stop = &g_stop;
     return o;

@@ -1,0 +1,140 @@
+// Browser test of router-svc's load-balance page: a real local cluster under skewed traffic,
+// Debian's headless Chromium driven by playwright-core.
+//   1. open the page, read the imbalance figure once the window holds enough tokens: above 1.0;
+//   2. click Rebalance without the token: refused on the page, the bias version stays 0;
+//   3. type the token, click Rebalance: version 1 applied; traffic keeps flowing;
+//   4. the figure, on a fresh window of enough tokens, falls below 0.3.
+// Screenshots before and after go to --artifacts (not committed). Every wait is bounded.
+//
+//   node page_test.mjs --moe-cli build/bin/moe-cli --moe-tool build/services/moe-tool \
+//        --work /tmp/pagetest --artifacts build/tests/web-artifacts
+import { spawn, spawnSync } from 'node:child_process';
+import fs from 'node:fs';
+import path from 'node:path';
+import { chromium } from 'playwright-core';
+
+const THRESHOLD_BEFORE = 1.0;  // skewed traffic on the mid preset: MaxVio ~1.6
+const THRESHOLD_AFTER = 0.3;   // one QB step: ~0.15-0.2 (noise floor ~0.14 at 8000 tokens)
+const MIN_WINDOW_TOKENS = 8000;
+const TOKEN = 'page-test-token';
+
+function arg(name) {
+  const i = process.argv.indexOf(`--${name}`);
+  if (i < 0 || i + 1 >= process.argv.length) throw new Error(`missing --${name}`);
+  return process.argv[i + 1];
+}
+
+function sleep(ms) { return new Promise((r) => setTimeout(r, ms)); }
+
+async function waitFor(what, fn, seconds) {
+  const until = Date.now() + seconds * 1000;
+  let last;
+  while (Date.now() < until) {
+    try {
+      const v = await fn();
+      if (v) return v;
+    } catch (e) { last = e; }
+    await sleep(250);
+  }
+  throw new Error(`timed out after ${seconds} s waiting for ${what}${last ? `: ${last}` : ''}`);
+}
+
+function assert(cond, message) {
+  if (!cond) throw new Error(message);
+}
+
+const cli = arg('moe-cli');
+const tool = arg('moe-tool');
+const work = arg('work');
+const artifacts = arg('artifacts');
+fs.mkdirSync(work, { recursive: true });
+fs.mkdirSync(artifacts, { recursive: true });
+const ckpt = path.join(work, 'ckpt-mid');
+if (!fs.existsSync(path.join(ckpt, 'config.json'))) {
+  const r = spawnSync(tool, ['synth', '--config', 'mid', '--out', ckpt, '--seed', '1', '--skew', '1.0'],
+                      { stdio: 'ignore', timeout: 300000 });
+  assert(r.status === 0, 'moe-tool synth failed');
+}
+const clusterDir = path.join(work, 'cluster');
+fs.rmSync(path.join(clusterDir, 'cluster.json'), { force: true });
+
+const children = [];
+let browser = null;
+function stopAll() {
+  for (const c of children.reverse()) {
+    if (c.exitCode === null) c.kill('SIGTERM');
+  }
+}
+process.on('exit', stopAll);
+
+try {
+  const up = spawn(cli, ['up', '--checkpoint', ckpt, '--work_dir', clusterDir, '--admin_token', TOKEN,
+                         '--threads', '1', '--max_seconds', '600',
+                         '--attention_args', '--report_interval_ms=200'], { stdio: 'ignore' });
+  children.push(up);
+  const clusterJson = path.join(clusterDir, 'cluster.json');
+  await waitFor('cluster.json', () => fs.existsSync(clusterJson), 120);
+  const cluster = JSON.parse(fs.readFileSync(clusterJson, 'utf8'));
+  const url = `http://${cluster.web}/`;
+
+  // Traffic that keeps flowing through the whole test (bounded: 240 s).
+  const load = spawn(cli, ['loadgen', '--attention', cluster.attention, '--checkpoint', ckpt,
+                           '--duration', '240', '--concurrency', '2', '--tokens', '64',
+                           '--batches', '64', '--seed', '9'], { stdio: 'ignore' });
+  children.push(load);
+
+  browser = await chromium.launch({
+    executablePath: '/usr/bin/chromium',
+    args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+           '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  });
+  const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+  const consoleErrors = [];
+  page.on('pageerror', (e) => consoleErrors.push(String(e)));
+  await page.goto(url);
+
+  const read = async () => ({
+    vio: parseFloat(await page.getAttribute('#maxvio', 'data-value')),
+    window: parseInt((await page.textContent('#window-tokens')).replace(/[^0-9]/g, ''), 10),
+    version: (await page.textContent('#bias-version')).trim(),
+  });
+
+  const before = await waitFor('a full window before Rebalance', async () => {
+    const s = await read();
+    return s.window >= MIN_WINDOW_TOKENS ? s : null;
+  }, 90);
+  console.log(`before: MaxVio ${before.vio.toFixed(3)} over ${before.window} tokens, bias version ${before.version}`);
+  assert(before.vio > THRESHOLD_BEFORE, `expected MaxVio above ${THRESHOLD_BEFORE}, read ${before.vio}`);
+  await page.screenshot({ path: path.join(artifacts, 'before.png'), fullPage: true });
+
+  // Without the token: refused, shown on the page, nothing changes.
+  await page.click('#rebalance');
+  await waitFor('the refusal on the page', async () =>
+    (await page.getAttribute('#message', 'class')) === 'error', 20);
+  const refusal = await page.textContent('#message');
+  console.log(`without token: "${refusal}"`);
+  assert(/admin token is required/.test(refusal), `unexpected message: ${refusal}`);
+  assert((await read()).version === '0', 'the bias changed without the token');
+
+  // With the token.
+  await page.fill('#token', TOKEN);
+  await page.click('#rebalance');
+  await waitFor('the applied message', async () =>
+    (await page.getAttribute('#message', 'class')) === 'ok', 20);
+  console.log(`with token: "${await page.textContent('#message')}"`);
+  const after = await waitFor(`MaxVio below ${THRESHOLD_AFTER} on a fresh window`, async () => {
+    const s = await read();
+    return s.version === '1' && s.window >= MIN_WINDOW_TOKENS && s.vio < THRESHOLD_AFTER ? s : null;
+  }, 120);
+  console.log(`after: MaxVio ${after.vio.toFixed(3)} over ${after.window} tokens, bias version ${after.version}`);
+  await page.screenshot({ path: path.join(artifacts, 'after.png'), fullPage: true });
+  assert(consoleErrors.length === 0, `page errors: ${consoleErrors.join('; ')}`);
+  console.log(`screenshots: ${path.join(artifacts, 'before.png')}, ${path.join(artifacts, 'after.png')}`);
+  console.log('PASS');
+} catch (e) {
+  console.error(`FAIL: ${e.message}`);
+  process.exitCode = 1;
+} finally {
+  if (browser) await browser.close();
+  stopAll();
+}
