@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -35,6 +36,11 @@ struct ExpertServerOptions {
   std::vector<int64_t> layers;  // empty: the first MoE layer
   int64_t expert_lo = 0;
   int64_t expert_hi = -1;  // -1: all experts
+  // Or the range from a placement table (the Helm chart's ConfigMap) by this pod's ordinal:
+  //   {"num_experts": E, "replicas_per_range": R, "ranges": [[lo, hi], ...]}
+  // ordinal o serves ranges[o / R]. ordinal -1: the trailing number of $HOSTNAME (StatefulSet).
+  std::string ranges_file;
+  int64_t ordinal = -1;
 
   std::string shard = "shard-0";
   std::string host = "127.0.0.1";
@@ -52,6 +58,13 @@ struct ExpertServerOptions {
   int max_queued_batches = 256;  // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;
 };
+
+// The range of `ordinal` in a placement table (format above); checks that the ranges are
+// ordered, non-empty, cover [0, E) exactly once and that the ordinal exists.
+absl::StatusOr<std::pair<int64_t, int64_t>> ExpertRangeForOrdinal(const std::string& ranges_json,
+                                                                  int64_t ordinal);
+// "moe-expert-7" -> 7.
+absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname);
 
 class ExpertServer {
  public:

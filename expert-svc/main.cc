@@ -14,6 +14,9 @@ int main(int argc, char** argv) {
   flags.IntList("layers", &o.layers, "MoE layers to host, comma-separated (empty: first)");
   flags.Int64("expert_lo", &o.expert_lo, "first hosted expert");
   flags.Int64("expert_hi", &o.expert_hi, "one past the last hosted expert (-1: all)");
+  flags.String("ranges_file", &o.ranges_file,
+               "placement table (JSON); the range comes from this pod's ordinal");
+  flags.Int64("ordinal", &o.ordinal, "with --ranges_file: -1 reads it from $HOSTNAME");
   flags.String("shard", &o.shard, "shard name (unique in the cluster)");
   flags.String("host", &o.host, "listen address");
   flags.Int("port", &o.port, "listen port (0: any free port)");

@@ -27,6 +27,7 @@ int Usage() {
       "usage:\n"
       "  moe-tool synth --config PRESET|config.json --out DIR [--seed N] [--skew X]\n"
       "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
+      "  moe-tool config --config PRESET|config.json [--out config.json]   (stdout without --out)\n"
       "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
       "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
       "                   [--backend cpu|ref]\n"
@@ -140,6 +141,28 @@ int Forward(const Flags& f) {
   return 0;
 }
 
+// Writes a preset's (or a parsed file's) config.json: the Helm chart's model ConfigMap comes
+// from here.
+int Config(const Flags& f) {
+  if (!f.count("config")) return Usage();
+  auto cfg = moe::ResolveConfig(f.at("config"));
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(cfg.status().message()).c_str());
+    return 1;
+  }
+  const std::string json = moe::ToHfConfigJson(*cfg);
+  if (!f.count("out")) {
+    std::fputs(json.c_str(), stdout);
+    return 0;
+  }
+  FILE* out = std::fopen(f.at("out").c_str(), "w");
+  if (out == nullptr || std::fputs(json.c_str(), out) < 0 || std::fclose(out) != 0) {
+    std::fprintf(stderr, "error: cannot write %s\n", f.at("out").c_str());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,6 +171,7 @@ int main(int argc, char** argv) {
   if (!ParseFlags(argc, argv, &flags)) return 2;
   const std::string cmd = argv[1];
   if (cmd == "synth") return Synth(flags);
+  if (cmd == "config") return Config(flags);
   if (cmd == "forward") return Forward(flags);
   return Usage();
 }

@@ -97,6 +97,28 @@ TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
   (*server)->Shutdown();
 }
 
+TEST(ExpertServer, RangeFromThePlacementTableByOrdinal) {
+  const std::string table =
+      R"({"num_experts": 16, "replicas_per_range": 2, "ranges": [[0, 5], [5, 11], [11, 16]]})";
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 5}, {0, 5},   {5, 11},
+                                                         {5, 11}, {11, 16}, {11, 16}};
+  for (int64_t o = 0; o < 6; ++o) {
+    auto r = ExpertRangeForOrdinal(table, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(*r, want[o]) << "ordinal " << o;
+  }
+  EXPECT_FALSE(ExpertRangeForOrdinal(table, 6).ok());
+  EXPECT_FALSE(ExpertRangeForOrdinal(table, -1).ok());
+  auto gap = ExpertRangeForOrdinal(R"({"num_experts": 16, "ranges": [[0, 5], [6, 16]]})", 0);
+  ASSERT_FALSE(gap.ok());
+  EXPECT_NE(gap.status().message().find("does not continue at 5"), absl::string_view::npos);
+  EXPECT_FALSE(ExpertRangeForOrdinal(R"({"num_experts": 16, "ranges": [[0, 8]]})", 0).ok());
+  EXPECT_FALSE(ExpertRangeForOrdinal("not json", 0).ok());
+  EXPECT_EQ(*OrdinalFromHostname("moe-serving-expert-12"), 12);
+  EXPECT_FALSE(OrdinalFromHostname("localhost").ok());
+  EXPECT_FALSE(OrdinalFromHostname("pod-x").ok());
+}
+
 TEST(ExpertServer, RefusesARangeOutsideTheModel) {
   ExpertServerOptions o;
   o.preset = "tiny";
