@@ -197,7 +197,7 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
     for (const TensorSpec& s : DenseTensorSpecs(cfg, layer)) plan[0].bytes += s.NumBytes();
   }
   for (int64_t layer : layers) {
-    for (int64_t e = 0; e < cfg.num_experts; ++e) {
+    for (int64_t e = 0; opt.experts && e < cfg.num_experts; ++e) {
       if (!opt.single_file && !plan.back().experts.empty() &&
           plan.back().bytes + cfg.ExpertBytes() > opt.shard_bytes) {
         plan.emplace_back();

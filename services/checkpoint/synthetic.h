@@ -33,6 +33,7 @@ struct SyntheticOptions {
   std::vector<int64_t> layers;             // empty: the first MoE layer only
   int64_t shard_bytes = int64_t{4} << 30;  // experts are split into shards of about this
   bool single_file = false;                // model.safetensors, no index (small models)
+  bool experts = true;  // false: the dense tensors only (what router-svc and attention-svc read)
   int threads = 2;
 };
 

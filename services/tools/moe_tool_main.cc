@@ -27,6 +27,7 @@ int Usage() {
       "usage:\n"
       "  moe-tool synth --config PRESET|config.json --out DIR [--seed N] [--skew X]\n"
       "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
+      "                 [--dense-only]   (no expert tensors: enough for router/attention)\n"
       "  moe-tool config --config PRESET|config.json [--out config.json]   (stdout without --out)\n"
       "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
       "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
@@ -46,7 +47,7 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
     const size_t eq = a.find('=');
     if (eq != std::string::npos) {
       (*flags)[a.substr(0, eq)] = a.substr(eq + 1);
-    } else if (a == "single-file") {
+    } else if (a == "single-file" || a == "dense-only") {
       (*flags)[a] = "1";
     } else if (i + 1 < argc) {
       (*flags)[a] = argv[++i];
@@ -87,6 +88,7 @@ int Synth(const Flags& f) {
   }
   opt.shard_bytes = shard_mb << 20;
   opt.single_file = f.count("single-file") != 0;
+  opt.experts = f.count("dense-only") == 0;
   if (f.count("layers")) {
     for (absl::string_view part : absl::StrSplit(f.at("layers"), ',')) {
       int64_t l;

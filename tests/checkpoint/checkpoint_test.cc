@@ -289,3 +289,36 @@ TEST(Checkpoint, BadIndexAndMissingFilesAreClear) {
 
 }  // namespace
 }  // namespace moe::checkpoint
+
+namespace moe::checkpoint {
+namespace {
+
+TEST(SyntheticCheckpoint, DenseOnlyHoldsTheDensePartAndNoExperts) {
+  const ModelConfig cfg = *PresetConfig("tiny");
+  std::string tmpl = ::testing::TempDir() + "/moe_dense_only_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  SyntheticOptions opt;
+  opt.seed = 4;
+  opt.experts = false;
+  ASSERT_TRUE(WriteSyntheticCheckpoint(cfg, dir, opt).ok());
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  LoadOptions dense;
+  dense.expert_hi = 0;
+  auto w = LoadMoeLayer(**ckpt, cfg, 1, dense);
+  ASSERT_TRUE(w.ok()) << w.status();
+  // The same dense bytes as the full checkpoint of that seed.
+  opt.experts = true;
+  const numerics::MoeLayerWeights full = SyntheticLayer(cfg, 1, opt);
+  EXPECT_EQ(w->bias, full.bias);
+  ASSERT_EQ(w->gate.size(), full.gate.size());
+  EXPECT_EQ(std::memcmp(w->gate.data(), full.gate.data(), full.gate.size() * 2), 0);
+  LoadOptions experts;
+  experts.dense = false;
+  auto missing = LoadMoeLayer(**ckpt, cfg, 1, experts);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace moe::checkpoint
