@@ -38,6 +38,11 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
   s->SetServing(false);
+  // Liveness ("moe.liveness") is SERVING while the process serves at all; readiness ("") only
+  // once the service can answer requests (for attention-svc: every expert has a healthy shard).
+  if (auto* health = s->server_->GetHealthCheckService()) {
+    health->SetServingStatus(kLivenessService, true);
+  }
   return s;
 }
 
@@ -51,13 +56,13 @@ std::string GrpcServer::endpoint() const {
 }
 
 void GrpcServer::SetServing(bool serving) {
-  if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(serving);
+  if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus("", serving);
 }
 
 void GrpcServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
-  SetServing(false);
+  if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
   server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
 }
 

@@ -24,6 +24,9 @@ class Channel;
 namespace moe::transport {
 
 inline constexpr int kDefaultMaxMessageBytes = 256 << 20;
+// The health-service name a liveness probe asks for (SERVING from start to shutdown); the
+// overall status "" is readiness.
+inline constexpr char kLivenessService[] = "moe.liveness";
 
 struct GrpcServerOptions {
   std::string host = "127.0.0.1";
@@ -40,7 +43,7 @@ class GrpcServer {
 
   int port() const { return port_; }
   std::string endpoint() const;
-  // The overall health status ("" service) and that of each named service.
+  // Readiness: the overall health status ("" service).
   void SetServing(bool serving);
   // Stops accepting calls, lets running ones finish until the deadline, then cancels them.
   void Shutdown(absl::Duration grace);

@@ -75,13 +75,17 @@ class OneShotBidi final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
 }  // namespace
 
 absl::StatusOr<bool> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
-                                 absl::Duration timeout) {
+                                 absl::Duration timeout, const std::string& service) {
   grpc::GenericStub generic(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  // HealthCheckRequest{service: ""} is zero bytes (an empty ByteBuffer means "no message", so
-  // it carries one empty slice).
-  grpc::ByteBuffer request = Buffer(""), response;
+  // HealthCheckRequest{service = 1}: empty for "" (an empty ByteBuffer means "no message", so
+  // it carries one empty slice), else tag 0x0a, length, bytes.
+  std::string req;
+  if (!service.empty() && service.size() < 128) {
+    req = std::string(1, '\x0a') + static_cast<char>(service.size()) + service;
+  }
+  grpc::ByteBuffer request = Buffer(req), response;
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -101,8 +105,9 @@ absl::StatusOr<bool> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
   return bytes.size() == 2 && bytes[0] == 0x08 && bytes[1] == 0x01;
 }
 
-absl::StatusOr<bool> CheckHealth(const std::string& endpoint, absl::Duration timeout) {
-  return CheckHealth(MakeChannel(endpoint), timeout);
+absl::StatusOr<bool> CheckHealth(const std::string& endpoint, absl::Duration timeout,
+                                 const std::string& service) {
+  return CheckHealth(MakeChannel(endpoint), timeout, service);
 }
 
 absl::StatusOr<std::vector<std::string>> ListServices(const std::string& endpoint,

@@ -19,10 +19,11 @@ class Channel;
 
 namespace moe::transport {
 
-// True when the server's overall status ("" service) is SERVING.
+// True when the status of `service` ("" = the server overall) is SERVING.
 absl::StatusOr<bool> CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
-                                 absl::Duration timeout);
-absl::StatusOr<bool> CheckHealth(const std::string& endpoint, absl::Duration timeout);
+                                 absl::Duration timeout, const std::string& service = "");
+absl::StatusOr<bool> CheckHealth(const std::string& endpoint, absl::Duration timeout,
+                                 const std::string& service = "");
 
 // The service names the server lists through reflection (ListServices).
 absl::StatusOr<std::vector<std::string>> ListServices(const std::string& endpoint,

@@ -25,6 +25,7 @@
 #include "services/tools/local_cluster.h"
 #include "services/tools/tensor_file.h"
 #include "services/transport/expert_stream.h"
+#include "services/transport/grpc_server.h"
 #include "services/transport/health_check.h"
 #include "services/transport/tensor_codec.h"
 
@@ -236,6 +237,11 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     auto serving = transport::CheckHealth(endpoint, absl::Seconds(5));
     ASSERT_TRUE(serving.ok()) << endpoint << ": " << serving.status();
     EXPECT_TRUE(*serving) << endpoint;
+    auto alive = transport::CheckHealth(endpoint, absl::Seconds(5), transport::kLivenessService);
+    ASSERT_TRUE(alive.ok()) << endpoint << ": " << alive.status();
+    EXPECT_TRUE(*alive) << endpoint;
+    auto unknown = transport::CheckHealth(endpoint, absl::Seconds(5), "no.such.service");
+    EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << endpoint;
     auto names = transport::ListServices(endpoint, absl::Seconds(5));
     ASSERT_TRUE(names.ok()) << endpoint << ": " << names.status();
     EXPECT_NE(std::find(names->begin(), names->end(), service), names->end()) << endpoint;
