@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the build and the tests need, only those that are missing.
 # Idempotent; needs root (CI and the dev machines run as root) or sudo.
+# Usage: scripts/setup.sh [--build-only]
 set -euo pipefail
 
-PACKAGES=(
-  cmake ninja-build g++ ccache clang libclang-rt-14-dev clang-format git
+# What building the services needs (the container image's build stage installs only these:
+# scripts/setup.sh --build-only).
+BUILD_PACKAGES=(
+  cmake ninja-build g++ ccache git
   libabsl-dev nlohmann-json3-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
+)
+# What the tests and benchmarks need on top: the fuzzer and formatter, test frameworks, the
+# NumPy reference, real peers (Prometheus, Chromium), the chart renderer (Go + sprig + yaml).
+TEST_PACKAGES=(
+  clang libclang-rt-14-dev clang-format
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy gnuplot-nox libopenblas-dev
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
   prometheus chromium
+  golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )
+PACKAGES=("${BUILD_PACKAGES[@]}")
+if [ "${1:-}" != "--build-only" ]; then PACKAGES+=("${TEST_PACKAGES[@]}"); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -20,7 +31,9 @@ for p in "${PACKAGES[@]}"; do
 done
 # Node.js + npm drive the browser test (playwright-core); machines of this kind ship them, so the
 # Debian ones only come in where there is none.
-if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
+if [ "${1:-}" != "--build-only" ] && ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

@@ -18,4 +18,8 @@ scripts/fuzz.sh
 if [ ! -d tests/web/node_modules/playwright-core ]; then
   npm ci --prefix tests/web --no-audit --no-fund --loglevel=error
 fi
+# The chart test's schema validator (kubernetes-models, js-yaml), pinned in tests/deploy.
+if [ ! -d tests/deploy/node_modules/kubernetes-models ]; then
+  npm ci --prefix tests/deploy --no-audit --no-fund --loglevel=error
+fi
 ctest --test-dir "$BUILD" --output-on-failure -j2 --timeout 900

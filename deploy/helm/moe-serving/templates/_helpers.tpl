@@ -1,0 +1,178 @@
+{{/* Names: <release>-<chart> unless the release name already contains the chart name. */}}
+{{- define "moe.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "moe.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "router") */}}
+{{- define "moe.selectorLabels" -}}
+app.kubernetes.io/name: {{ .ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "moe.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "moe.routerService" -}}{{ include "moe.fullname" . }}-router{{- end -}}
+{{- define "moe.expertHeadless" -}}{{ include "moe.fullname" . }}-expert{{- end -}}
+{{- define "moe.adminSecret" -}}
+{{- default (printf "%s-admin" (include "moe.fullname" .)) .Values.admin.existingSecret -}}
+{{- end -}}
+
+{{/* The model's config.json: the inline one or the preset's. */}}
+{{- define "moe.modelConfig" -}}
+{{- if .Values.model.config -}}
+{{- .Values.model.config -}}
+{{- else -}}
+{{- $file := printf "files/config-%s.json" .Values.model.preset -}}
+{{- $text := .Files.Get $file -}}
+{{- if not $text -}}
+{{- fail (printf "model.preset %q: no %s in the chart (tiny, mid or k3)" .Values.model.preset $file) -}}
+{{- end -}}
+{{- $text -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "moe.numExperts" -}}
+{{- (include "moe.modelConfig" . | fromJson).text_config.num_experts | int -}}
+{{- end -}}
+
+{{/* The placement table: experts [0, E) in `shards` contiguous ranges (E*i/n .. E*(i+1)/n),
+     read by expert-svc --ranges_file with its StatefulSet ordinal. */}}
+{{- define "moe.ranges" -}}
+{{- $e := include "moe.numExperts" . | int -}}
+{{- $n := .Values.experts.shards | int -}}
+{{- if or (lt $n 1) (gt $n $e) -}}
+{{- fail (printf "experts.shards = %d must lie in [1, E = %d]" $n $e) -}}
+{{- end -}}
+{{- if lt (int .Values.experts.replicasPerRange) 1 -}}
+{{- fail "experts.replicasPerRange must be at least 1" -}}
+{{- end -}}
+{{- $ranges := list -}}
+{{- range $i := until $n -}}
+{{- $ranges = append $ranges (list (div (mul $e $i) $n) (div (mul $e (add1 $i)) $n)) -}}
+{{- end -}}
+{{- dict "num_experts" $e "replicas_per_range" (int .Values.experts.replicasPerRange) "ranges" $ranges | toJson -}}
+{{- end -}}
+
+{{- define "moe.layersFlag" -}}
+{{- if .Values.model.layers -}}
+- --layers={{ join "," .Values.model.layers }}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes every pod has: the model ConfigMap and the checkpoint. */}}
+{{- define "moe.volumes" -}}
+- name: model
+  configMap:
+    name: {{ include "moe.fullname" . }}-model
+- name: checkpoint
+{{- if .Values.checkpoint.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.checkpoint.existingClaim }}
+    readOnly: true
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.checkpoint.synthetic.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{- define "moe.volumeMounts" -}}
+- name: model
+  mountPath: /etc/moe
+  readOnly: true
+- name: checkpoint
+  mountPath: /models
+{{- if .Values.checkpoint.existingClaim }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Where the services find the checkpoint. */}}
+{{- define "moe.checkpointPath" -}}
+{{- if and .Values.checkpoint.existingClaim .Values.checkpoint.subPath -}}
+/models/{{ .Values.checkpoint.subPath }}
+{{- else if .Values.checkpoint.existingClaim -}}
+/models
+{{- else -}}
+/models/synthetic
+{{- end -}}
+{{- end -}}
+
+{{/* Without a claim: an init container writes the synthetic checkpoint of the model config.
+     (dict "ctx" $ "denseOnly" true "resources" ...) */}}
+{{- define "moe.syntheticInit" -}}
+{{- if not .ctx.Values.checkpoint.existingClaim }}
+initContainers:
+  - name: synthetic-checkpoint
+    image: {{ include "moe.image" .ctx }}
+    imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+    command: ["moe-tool"]
+    args:
+      - synth
+      - --config
+      - /etc/moe/config.json
+      - --out
+      - /models/synthetic
+      - --seed
+      - {{ .ctx.Values.checkpoint.synthetic.seed | quote }}
+      - --skew
+      - {{ .ctx.Values.checkpoint.synthetic.routerSkew | quote }}
+      {{- if .ctx.Values.model.layers }}
+      - --layers
+      - {{ join "," .ctx.Values.model.layers | quote }}
+      {{- end }}
+      {{- if .denseOnly }}
+      - --dense-only
+      {{- end }}
+    volumeMounts:
+      {{- include "moe.volumeMounts" .ctx | nindent 6 }}
+    resources:
+      {{- toYaml .resources | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* gRPC health probes: readiness = the server's overall status, liveness = moe.liveness. */}}
+{{- define "moe.probes" -}}
+startupProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: moe.liveness
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: {{ .Values.probes.startupFailureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+    service: moe.liveness
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: 3
+readinessProbe:
+  grpc:
+    port: {{ .Values.ports.grpc }}
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: 2
+{{- end -}}
+
+{{- define "moe.podEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- end -}}

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The Helm chart and the image recipe, checked offline (no Kubernetes API server, Docker engine
+# or helm binary can run here):
+#   * the chart rendered by tests/deploy/render (Go text/template + sprig, Helm's engine) for the
+#     default values, values-k3.yaml and a third set (claim, existing Secret, 5 ranges x 3
+#     replicas, two layers), each validated by validate.mjs (Kubernetes schemas + invariants);
+#   * bad values fail to render with a clear message; deliberately broken manifests fail
+#     validation (each invariant can fail);
+#   * the chart's model configs are what moe-tool writes, its dashboard is deploy/grafana's;
+#   * the Dockerfile's runtime packages hold every shared library the binaries need.
+# Usage: chart_test.sh WORK_DIR MOE_TOOL BIN_DIR
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+WORK=$1
+MOE_TOOL=$2
+BIN_DIR=$3
+CHART=$ROOT/deploy/helm/moe-serving
+DASH=$ROOT/deploy/grafana/moe-dashboard.json
+mkdir -p "$WORK"
+cd "$ROOT/tests/deploy"
+
+GO111MODULE=off GOPATH=/usr/share/gocode GOCACHE="$WORK/gocache" \
+  go build -o "$WORK/render" ./render
+render() { "$WORK/render" -chart "$CHART" -release moe -namespace serving "$@"; }
+
+echo "== chart files"
+for preset in tiny mid k3; do
+  "$MOE_TOOL" config --config "$preset" | cmp - "$CHART/files/config-$preset.json"
+done
+cmp "$DASH" "$CHART/files/moe-dashboard.json"
+
+echo "== default values"
+render -out "$WORK/default.yaml" -notes "$WORK/default-notes.txt"
+node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH"
+grep -q "svc/moe-moe-serving-attention" "$WORK/default-notes.txt"
+grep -q "cannot change the bias" "$WORK/default-notes.txt"
+
+echo "== values-k3.yaml with an admin token"
+render -f "$CHART/values-k3.yaml" -set admin.token=s3cret -out "$WORK/k3.yaml"
+node validate.mjs --manifests "$WORK/k3.yaml" --dashboard "$DASH" --expect-admin-secret unused \
+  --expect-servicemonitor --expect-gpu
+grep -q 'num_experts.\{1,2\}:896' "$WORK/k3.yaml"
+
+echo "== claim, existing Secret, 5 ranges x 3 replicas, layers 1,2"
+render -set checkpoint.existingClaim=weights -set checkpoint.subPath=k3/ckpt \
+  -set admin.existingSecret=moe-admin -set experts.shards=5 -set experts.replicasPerRange=3 \
+  -set 'model.layers=[1, 2]' -set serviceMonitor.enabled=true -set grafanaDashboard.enabled=true \
+  -out "$WORK/claim.yaml"
+node validate.mjs --manifests "$WORK/claim.yaml" --dashboard "$DASH" --expect-admin-secret moe-admin \
+  --expect-servicemonitor
+grep -q "claimName: weights" "$WORK/claim.yaml"
+grep -q -- "--checkpoint=/models/k3/ckpt" "$WORK/claim.yaml"
+grep -q -- "--layers=1,2" "$WORK/claim.yaml"
+if grep -q "synthetic-checkpoint" "$WORK/claim.yaml"; then
+  echo "FAIL: an init container writes a synthetic checkpoint although a claim is given"; exit 1
+fi
+
+echo "== bad values fail to render, with the reason"
+expect_render_error() {
+  local want=$1; shift
+  if render "$@" -out "$WORK/bad.yaml" 2>"$WORK/bad.err"; then
+    echo "FAIL: rendered with $*"; exit 1
+  fi
+  grep -q "$want" "$WORK/bad.err" || { echo "FAIL: $* said: $(cat "$WORK/bad.err")"; exit 1; }
+  echo "refused ($*): $(grep -o "$want.*" "$WORK/bad.err" | head -1)"
+}
+expect_render_error "must lie in \[1, E = 128\]" -set experts.shards=0
+expect_render_error "must lie in \[1, E = 16\]" -set model.preset=tiny -set experts.shards=17
+expect_render_error "replicasPerRange must be at least 1" -set experts.replicasPerRange=0
+expect_render_error 'no files/config-huge.json' -set model.preset=huge
+
+echo "== every invariant can fail"
+for m in sts-replicas range-gap no-resources probe-port service-selector port-type; do
+  if node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" --mutate "$m" \
+      >"$WORK/mutate.out" 2>&1; then
+    echo "FAIL: mutation $m went unnoticed"; exit 1
+  fi
+  echo "caught $m: $(grep -m1 FAIL "$WORK/mutate.out")"
+done
+
+echo "== the image's runtime packages hold every shared library the binaries need"
+RUNTIME=$(sed -n '/^FROM .* AS runtime/,/^COPY/p' "$ROOT/deploy/docker/Dockerfile")
+grep -q "scripts/setup.sh --build-only" "$ROOT/deploy/docker/Dockerfile"
+for b in router-svc attention-svc expert-svc moe-cli; do
+  for f in "$BIN_DIR/$b" "$MOE_TOOL"; do
+    for so in $(objdump -p "$f" | awk '/NEEDED/{print $2}'); do
+      path=$(ldd "$f" | awk -v s="$so" '$1==s{print $3; exit}')
+      pkg=$(dpkg -S "$path" 2>/dev/null || dpkg -S "/usr$path" 2>/dev/null || true)
+      pkg=${pkg%%:*}
+      case "$pkg" in
+        libc6|libstdc++6|libgcc-s1) ;;  # in the debian:12 base image
+        "") echo "FAIL: no package for $so ($path)"; exit 1 ;;
+        *) echo "$RUNTIME" | grep -qw -- "$pkg" || { echo "FAIL: $b needs $so from $pkg, not in the runtime stage"; exit 1; } ;;
+      esac
+    done
+  done
+done
+echo "runtime libraries: covered"
+echo PASS

@@ -1,0 +1,207 @@
+// Validates a rendered moe-serving chart: every object against the Kubernetes schemas
+// (kubernetes-models; ServiceMonitor against prometheus-operator's), then the chart's own
+// invariants:
+//   * the expert shards cover every expert exactly once (ranges.json vs E of config.json, the
+//     StatefulSet's replicas and every ordinal);
+//   * container ports and probes match the services' flags (--port, --metrics_port,
+//     --web_port); Service target ports name existing container ports;
+//   * selectors match labels (workloads and Services), the StatefulSet's headless Service;
+//   * every container and init container has resource requests and limits;
+//   * the router address the others use is the router Service; the admin token comes from a
+//     Secret that exists (or is named as existing); the dashboard ConfigMap is the Grafana JSON.
+//
+//   node validate.mjs --manifests rendered.yaml --dashboard deploy/grafana/moe-dashboard.json
+//                     [--expect-admin-secret NAME] [--expect-servicemonitor] [--expect-gpu]
+import fs from 'node:fs';
+import { createRequire } from 'node:module';
+import yaml from 'js-yaml';
+
+const require = createRequire(import.meta.url);
+const models = {
+  'v1/ConfigMap': require('kubernetes-models/v1/ConfigMap').ConfigMap,
+  'v1/Secret': require('kubernetes-models/v1/Secret').Secret,
+  'v1/Service': require('kubernetes-models/v1/Service').Service,
+  'apps/v1/Deployment': require('kubernetes-models/apps/v1/Deployment').Deployment,
+  'apps/v1/StatefulSet': require('kubernetes-models/apps/v1/StatefulSet').StatefulSet,
+  'monitoring.coreos.com/v1/ServiceMonitor': (await import(
+    '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor')).ServiceMonitor,
+};
+
+function arg(name, fallback) {
+  const i = process.argv.indexOf(`--${name}`);
+  if (i < 0) return fallback;
+  return process.argv[i + 1];
+}
+const flag = (name) => process.argv.includes(`--${name}`);
+
+const failures = [];
+function check(cond, message) { if (!cond) failures.push(message); }
+
+const docs = yaml.loadAll(fs.readFileSync(arg('manifests'), 'utf8')).filter((d) => d);
+console.log(`${docs.length} objects`);
+
+// --mutate NAME breaks the manifests on purpose, so the test can show each check failing.
+const mutations = {
+  'sts-replicas': () => { docs.find((d) => d.kind === 'StatefulSet').spec.replicas += 1; },
+  'range-gap': () => {
+    const cm = docs.find((d) => d.data && d.data['ranges.json']);
+    const t = JSON.parse(cm.data['ranges.json']);
+    t.ranges[0][1] -= 1;
+    cm.data['ranges.json'] = JSON.stringify(t);
+  },
+  'no-resources': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].resources; },
+  'probe-port': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].readinessProbe.grpc.port += 1; },
+  'service-selector': () => { docs.find((d) => d.kind === 'Service').spec.selector['app.kubernetes.io/component'] = 'nobody'; },
+  'port-type': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].ports[0].containerPort = 'grpc'; },
+};
+const mutation = arg('mutate');
+if (mutation) {
+  if (!mutations[mutation]) { console.error(`unknown mutation ${mutation}`); process.exit(2); }
+  mutations[mutation]();
+}
+
+// 1. Schemas.
+for (const d of docs) {
+  const key = `${d.apiVersion}/${d.kind}`;
+  const Model = models[key];
+  if (!Model) { failures.push(`no schema for ${key} (${d.metadata?.name})`); continue; }
+  try { new Model(d).validate(); } catch (e) { failures.push(`${key} ${d.metadata?.name}: ${e.message}`); }
+}
+
+const byKind = (kind) => docs.filter((d) => d.kind === kind);
+const workloads = [...byKind('Deployment'), ...byKind('StatefulSet')];
+const services = byKind('Service');
+
+function flagValue(args, name) {
+  const a = (args || []).find((x) => x.startsWith(`--${name}=`));
+  return a === undefined ? undefined : a.slice(name.length + 3);
+}
+const matches = (selector, labels) =>
+  Object.entries(selector || {}).every(([k, v]) => labels && labels[k] === v);
+
+// 2. Expert coverage.
+const model = byKind('ConfigMap').find((c) => c.data && c.data['ranges.json']);
+check(model, 'no ConfigMap with ranges.json');
+if (model) {
+  const e = JSON.parse(model.data['config.json']).text_config.num_experts;
+  const table = JSON.parse(model.data['ranges.json']);
+  check(table.num_experts === e, `ranges.json says E = ${table.num_experts}, config.json ${e}`);
+  const owner = new Array(e).fill(0);
+  for (const [lo, hi] of table.ranges) for (let x = lo; x < hi; ++x) owner[x] += 1;
+  const bad = owner.map((n, x) => [x, n]).filter(([, n]) => n !== 1);
+  check(bad.length === 0, `experts not covered exactly once by the ranges: ${JSON.stringify(bad.slice(0, 5))}`);
+  const sts = byKind('StatefulSet')[0];
+  check(sts, 'no expert StatefulSet');
+  if (sts) {
+    const pods = sts.spec.replicas;
+    check(pods === table.ranges.length * table.replicas_per_range,
+          `StatefulSet replicas ${pods} != ${table.ranges.length} ranges x ${table.replicas_per_range}`);
+    // Every ordinal's range (ordinal / replicas_per_range), pooled: each range served by
+    // replicas_per_range pods, so every expert by exactly replicas_per_range pods.
+    const served = new Array(e).fill(0);
+    for (let o = 0; o < pods; ++o) {
+      const r = table.ranges[Math.floor(o / table.replicas_per_range)];
+      check(r !== undefined, `ordinal ${o} has no range`);
+      if (r) for (let x = r[0]; x < r[1]; ++x) served[x] += 1;
+    }
+    check(served.every((n) => n === table.replicas_per_range),
+          `every expert must be served by ${table.replicas_per_range} pods`);
+    const c = sts.spec.template.spec.containers[0];
+    check(flagValue(c.args, 'ranges_file') === '/etc/moe/ranges.json', 'expert-svc --ranges_file');
+    const mount = c.volumeMounts.find((m) => m.mountPath === '/etc/moe');
+    const vol = sts.spec.template.spec.volumes.find((v) => v.name === mount?.name);
+    check(vol?.configMap?.name === model.metadata.name, 'ranges.json is not mounted from the model ConfigMap');
+    const headless = services.find((s) => s.metadata.name === sts.spec.serviceName);
+    check(headless && headless.spec.clusterIP === 'None', 'StatefulSet serviceName is not a headless Service');
+    const adv = flagValue(c.args, 'advertise') || '';
+    check(adv.includes(`.${sts.spec.serviceName}.`), `--advertise ${adv} is not a pod DNS name under the headless Service`);
+    console.log(`experts: E = ${e}, ${table.ranges.length} ranges x ${table.replicas_per_range} = ${pods} pods, every expert once per replica set`);
+  }
+}
+
+// 3. Ports, probes, resources, selectors.
+for (const w of workloads) {
+  const name = `${w.kind} ${w.metadata.name}`;
+  const tmpl = w.spec.template;
+  check(matches(w.spec.selector.matchLabels, tmpl.metadata.labels), `${name}: selector does not match its pod labels`);
+  const all = [...(tmpl.spec.initContainers || []), ...tmpl.spec.containers];
+  for (const c of all) {
+    const r = c.resources || {};
+    check(r.requests && r.requests.cpu && r.requests.memory, `${name}/${c.name}: no cpu/memory requests`);
+    check(r.limits && r.limits.memory, `${name}/${c.name}: no memory limit`);
+  }
+  for (const c of tmpl.spec.containers) {
+    const ports = Object.fromEntries((c.ports || []).map((p) => [p.name, p.containerPort]));
+    const grpc = Number(flagValue(c.args, 'port'));
+    check(ports.grpc === grpc, `${name}/${c.name}: container port grpc ${ports.grpc} != --port ${grpc}`);
+    const metrics = Number(flagValue(c.args, 'metrics_port'));
+    check(ports.metrics === metrics, `${name}/${c.name}: metrics port ${ports.metrics} != --metrics_port ${metrics}`);
+    if (flagValue(c.args, 'web_port') !== undefined) {
+      check(ports.web === Number(flagValue(c.args, 'web_port')), `${name}/${c.name}: web port != --web_port`);
+    }
+    check(flagValue(c.args, 'host') === '0.0.0.0', `${name}/${c.name}: must listen on all pod addresses`);
+    for (const p of ['startupProbe', 'livenessProbe', 'readinessProbe']) {
+      check(c[p] && c[p].grpc && c[p].grpc.port === grpc, `${name}/${c.name}: ${p} is not a gRPC probe on ${grpc}`);
+    }
+    check(c.livenessProbe?.grpc?.service === 'moe.liveness', `${name}/${c.name}: liveness must ask moe.liveness`);
+    check(!c.readinessProbe?.grpc?.service, `${name}/${c.name}: readiness must ask the overall status`);
+    const router = flagValue(c.args, 'router');
+    if (router !== undefined) {
+      const [host, port] = router.split(':');
+      const svc = services.find((s) => s.metadata.name === host);
+      check(svc && svc.spec.ports.some((p) => p.port === Number(port) && p.name === 'grpc'),
+            `${name}/${c.name}: --router ${router} is not the router Service's grpc port`);
+      check(svc && matches(svc.spec.selector, workloads.find((x) => x.spec.template.spec.containers[0].name === 'router-svc')?.spec.template.metadata.labels),
+            `${name}/${c.name}: --router does not select the router pods`);
+    }
+    for (const env of c.env || []) {
+      const ref = env.valueFrom?.secretKeyRef;
+      if (!ref) continue;
+      const secret = byKind('Secret').find((s) => s.metadata.name === ref.name);
+      const expected = arg('expect-admin-secret');
+      check(secret ? secret.data && secret.data[ref.key] : ref.name === expected,
+            `${name}/${c.name}: env ${env.name} refers to a missing Secret ${ref.name}/${ref.key}`);
+    }
+  }
+}
+for (const s of services) {
+  const targets = workloads.filter((w) => matches(s.spec.selector, w.spec.template.metadata.labels));
+  check(targets.length === 1, `Service ${s.metadata.name} selects ${targets.length} workloads (want 1)`);
+  for (const p of s.spec.ports) {
+    const names = targets.flatMap((w) => w.spec.template.spec.containers.flatMap((c) => (c.ports || []).map((x) => x.name)));
+    check(names.includes(p.targetPort), `Service ${s.metadata.name} port ${p.name}: no container port named ${p.targetPort}`);
+  }
+}
+const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
+if (arg('expect-admin-secret')) {
+  const args = router.spec.template.spec.containers[0].args;
+  check(flagValue(args, 'admin_token') === '$(MOE_ADMIN_TOKEN)', 'router-svc does not take its admin token from the Secret');
+}
+
+// 4. Monitoring objects.
+const sm = byKind('ServiceMonitor');
+check(flag('expect-servicemonitor') ? sm.length === 1 : sm.length === 0, `ServiceMonitor count ${sm.length}`);
+for (const m of sm) {
+  for (const ep of m.spec.endpoints) {
+    const selected = services.filter((s) => matches(m.spec.selector.matchLabels, s.metadata.labels));
+    check(selected.length >= 3 && selected.every((s) => s.spec.ports.some((p) => p.name === ep.port)),
+          `ServiceMonitor port ${ep.port} missing on a selected Service`);
+  }
+}
+const dash = byKind('ConfigMap').find((c) => c.data && c.data['moe-dashboard.json']);
+check(dash && JSON.stringify(JSON.parse(dash.data['moe-dashboard.json'])) ===
+      JSON.stringify(JSON.parse(fs.readFileSync(arg('dashboard'), 'utf8'))),
+      'the dashboard ConfigMap differs from deploy/grafana/moe-dashboard.json');
+if (flag('expect-gpu')) {
+  const sts = byKind('StatefulSet')[0];
+  const spec = sts.spec.template.spec;
+  check(Object.keys(spec.containers[0].resources.limits).some((k) => k.endsWith('/gpu')), 'expert pods ask for no GPU');
+  check(spec.nodeSelector && Object.keys(spec.nodeSelector).length > 0, 'expert pods have no node selector for GPU nodes');
+  check(spec.tolerations && spec.tolerations.length > 0, 'expert pods tolerate no GPU taint');
+}
+
+if (failures.length) {
+  for (const f of failures) console.error(`FAIL: ${f}`);
+  process.exit(1);
+}
+console.log('PASS');
