@@ -14,12 +14,12 @@
 #include <mutex>
 #include <thread>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "nlohmann/json.hpp"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -137,8 +137,7 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ExpertRangeForOrdinal(const std::str
   std::vector<std::pair<int64_t, int64_t>> ranges;
   int64_t next = 0;
   for (const auto& r : j["ranges"]) {
-    if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() ||
-        !r[1].is_number_integer()) {
+    if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() || !r[1].is_number_integer()) {
       return absl::InvalidArgumentError("ranges file: each range is [lo, hi]");
     }
     const int64_t lo = r[0].get<int64_t>(), hi = r[1].get<int64_t>();
@@ -168,8 +167,8 @@ absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname) {
   int64_t ordinal = -1;
   if (dash == std::string::npos ||
       !absl::SimpleAtoi(absl::string_view(hostname).substr(dash + 1), &ordinal) || ordinal < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot read a StatefulSet ordinal from the host name '", hostname, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read a StatefulSet ordinal from the host name '", hostname, "'"));
   }
   return ordinal;
 }

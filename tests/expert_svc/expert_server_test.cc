@@ -100,7 +100,7 @@ TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
 TEST(ExpertServer, RangeFromThePlacementTableByOrdinal) {
   const std::string table =
       R"({"num_experts": 16, "replicas_per_range": 2, "ranges": [[0, 5], [5, 11], [11, 16]]})";
-  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 5}, {0, 5},   {5, 11},
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 5},  {0, 5},   {5, 11},
                                                          {5, 11}, {11, 16}, {11, 16}};
   for (int64_t o = 0; o < 6; ++o) {
     auto r = ExpertRangeForOrdinal(table, o);
