@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 
 namespace moe::numerics {
 
@@ -70,12 +69,9 @@ void PackMxfp4Row(const uint8_t* codes, int64_t cols, uint8_t* packed) {
   }
 }
 
-absl::Status ValidateE8M0Scales(absl::Span<const uint8_t> scales) {
-  const void* nan = std::memchr(scales.data(), kE8M0NaN, scales.size());
-  if (nan == nullptr) return absl::OkStatus();
-  const size_t index = static_cast<const uint8_t*>(nan) - scales.data();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "E8M0 scale at byte ", index, " is 0xFF (NaN), which MXFP4 weights may not hold"));
+int64_t FindE8M0NaN(const uint8_t* scales, size_t count) {
+  const void* nan = std::memchr(scales, kE8M0NaN, count);
+  return nan == nullptr ? -1 : static_cast<const uint8_t*>(nan) - scales;
 }
 
 }  // namespace moe::numerics

@@ -1,6 +1,7 @@
 // MXFP4 (OCP Microscaling v1.0, E2M1 elements with one E8M0 scale per 32) as the K3 checkpoint
 // stores it: SPEC.md section 3. This header is the one declaration of the format; the C++ and
-// the (later) CUDA kernels share it.
+// the CUDA kernels share it (no Abseil here: the standalone GPU check compiles it with nvcc's
+// host compiler only).
 //
 // Layout of a [rows, cols] matrix, blocks along cols (the reduction axis):
 //   packed[r, j] (rows x cols/2 bytes): low nibble = column 2j, high nibble = column 2j+1
@@ -16,8 +17,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "absl/status/status.h"
-#include "absl/types/span.h"
 
 namespace moe::numerics {
 
@@ -65,8 +64,9 @@ void DequantizeMxfp4Row(const uint8_t* packed, const uint8_t* scales, int64_t co
 void UnpackMxfp4Row(const uint8_t* packed, int64_t cols, uint8_t* codes);
 void PackMxfp4Row(const uint8_t* codes, int64_t cols, uint8_t* packed);
 
-// Rejects any E8M0 NaN (0xFF) scale; the message names the first offending index.
-absl::Status ValidateE8M0Scales(absl::Span<const uint8_t> scales);
+// The index of the first E8M0 NaN (0xFF) scale, or -1 when there is none (loaders reject such
+// weights).
+int64_t FindE8M0NaN(const uint8_t* scales, size_t count);
 
 }  // namespace moe::numerics
 

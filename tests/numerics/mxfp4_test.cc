@@ -48,11 +48,10 @@ TEST(Mxfp4, E8M0Edges) {
 
 TEST(Mxfp4, RejectsNaNScales) {
   std::vector<uint8_t> scales = {0, 127, 254};
-  EXPECT_TRUE(ValidateE8M0Scales(scales).ok());
+  EXPECT_EQ(FindE8M0NaN(scales.data(), scales.size()), -1);
   scales.push_back(0xFF);
-  const absl::Status st = ValidateE8M0Scales(scales);
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(std::string(st.message()).find("byte 3"), std::string::npos) << st;
+  scales.push_back(0xFF);
+  EXPECT_EQ(FindE8M0NaN(scales.data(), scales.size()), 3);
 }
 
 TEST(Mxfp4, QuantizeUsesFloorExponentAndTiesToEven) {
