@@ -10,6 +10,7 @@
 #   * the Dockerfile's runtime packages hold every shared library the binaries need.
 # Usage: chart_test.sh WORK_DIR MOE_TOOL BIN_DIR
 set -euo pipefail
+trap 'echo "FAIL: line $LINENO: $BASH_COMMAND"' ERR
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=$1
 MOE_TOOL=$2
@@ -84,13 +85,14 @@ grep -q "scripts/setup.sh --build-only" "$ROOT/deploy/docker/Dockerfile"
 for b in router-svc attention-svc expert-svc moe-cli; do
   for f in "$BIN_DIR/$b" "$MOE_TOOL"; do
     for so in $(objdump -p "$f" | awk '/NEEDED/{print $2}'); do
-      path=$(ldd "$f" | awk -v s="$so" '$1==s{print $3; exit}')
+      # (no early exit in awk: with pipefail, a SIGPIPE in ldd would end the script)
+      path=$(ldd "$f" | awk -v s="$so" '$1==s && !seen++{print $3}')
       pkg=$(dpkg -S "$path" 2>/dev/null || dpkg -S "/usr$path" 2>/dev/null || true)
       pkg=${pkg%%:*}
       case "$pkg" in
         libc6|libstdc++6|libgcc-s1) ;;  # in the debian:12 base image
         "") echo "FAIL: no package for $so ($path)"; exit 1 ;;
-        *) echo "$RUNTIME" | grep -qw -- "$pkg" || { echo "FAIL: $b needs $so from $pkg, not in the runtime stage"; exit 1; } ;;
+        *) grep -qw -- "$pkg" <<<"$RUNTIME" || { echo "FAIL: $b needs $so from $pkg, not in the runtime stage"; exit 1; } ;;
       esac
     done
   done
