@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "expert-svc/expert_backend.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -102,6 +104,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   ModelConfig cfg_;
   std::unique_ptr<checkpoint::Checkpoint> ckpt_;
   std::map<int64_t, MoeLayerWeights> layers_;
+  std::map<int64_t, std::unique_ptr<ExpertBackend>> backends_;  // per hosted layer
   const numerics::cpu::KernelTable* kernels_ = nullptr;
   std::unique_ptr<numerics::cpu::ThreadPool> pool_;
   std::unique_ptr<transport::GrpcServer> server_;
@@ -235,6 +238,14 @@ absl::Status ExpertServer::Impl::Load() {
           : numerics::cpu::DetectIsa();
   kernels_ = &numerics::cpu::KernelsFor(isa);
   pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
+  for (const auto& [layer, w] : layers_) {
+    MOE_ASSIGN_OR_RETURN(backends_[layer],
+                         MakeExpertBackend(options_.backend, cfg_, w, *kernels_, pool_.get()));
+  }
+  std::fprintf(stderr, "expert-svc: shard %s, experts [%lld, %lld), backend %s\n",
+               options_.shard.c_str(), static_cast<long long>(options_.expert_lo),
+               static_cast<long long>(options_.expert_hi),
+               backends_.begin()->second->name().c_str());
   return absl::OkStatus();
 }
 
@@ -402,8 +413,14 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
 void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;
   // y: [rows, D], row i from expert routing.expert_ids[i].
-  const std::vector<Bf16> y =
-      numerics::cpu::RunExperts(*kernels_, pool_.get(), cfg_, *b.layer, b.routing, b.z.data());
+  absl::StatusOr<std::vector<Bf16>> computed =
+      backends_.at(b.layer->layer)->Run(b.routing, b.z.data());
+  if (!computed.ok()) {
+    reply->set_code(static_cast<int>(computed.status().code()));
+    reply->set_message(absl::StrCat("shard ", options_.shard, ": ", computed.status().message()));
+    return;
+  }
+  const std::vector<Bf16>& y = *computed;
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
     transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
     return;
@@ -540,7 +557,7 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
   response->set_expert_hi(static_cast<int32_t>(options_.expert_hi));
   response->set_num_experts(static_cast<int32_t>(cfg_.num_experts));
   response->set_latent(static_cast<int32_t>(cfg_.latent));
-  response->set_backend(absl::StrCat("cpu/", numerics::cpu::IsaName(kernels_->isa)));
+  response->set_backend(backends_.begin()->second->name());
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -54,6 +54,9 @@ struct ExpertServerOptions {
   std::string advertise;
 
   int threads = 0;  // compute threads (0: one per hardware thread)
+  // Where the experts run: "auto" (CUDA when a GPU is usable, else CPU), "cpu" or "cuda"
+  // (expert_backend.h).
+  std::string backend = "auto";
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
   int max_queued_batches = 256;  // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;

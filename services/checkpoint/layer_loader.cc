@@ -88,9 +88,9 @@ absl::StatusOr<MoeLayerWeights> LoadMoeLayer(Checkpoint& ckpt, const ModelConfig
       MOE_ASSIGN_OR_RETURN(TensorRef scales, GetChecked(ckpt, specs[2 * m + 1]));
       const int64_t nan = numerics::FindE8M0NaN(scales.data.data(), scales.data.size());
       if (nan >= 0) {
-        return absl::DataLossError(absl::StrCat("tensor \"", specs[2 * m + 1].name,
-                                                "\": E8M0 scale at byte ", nan,
-                                                " is 0xFF (NaN), which MXFP4 weights may not hold"));
+        return absl::DataLossError(
+            absl::StrCat("tensor \"", specs[2 * m + 1].name, "\": E8M0 scale at byte ", nan,
+                         " is 0xFF (NaN), which MXFP4 weights may not hold"));
       }
       numerics::Mxfp4Matrix& mat = *mats[m];
       mat.rows = packed.info->shape[0];

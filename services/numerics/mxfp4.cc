@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstring>
 
-
 namespace moe::numerics {
 
 float E8M0ToFloat(uint8_t s) {

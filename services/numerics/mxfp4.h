@@ -17,7 +17,6 @@
 #include <cstddef>
 #include <cstdint>
 
-
 namespace moe::numerics {
 
 inline constexpr int kMxfp4BlockSize = 32;

@@ -10,6 +10,7 @@
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cuda/cuda_backend.h"
 #include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/tensor_codec.h"
@@ -117,6 +118,40 @@ TEST(ExpertServer, RangeFromThePlacementTableByOrdinal) {
   EXPECT_EQ(*OrdinalFromHostname("moe-serving-expert-12"), 12);
   EXPECT_FALSE(OrdinalFromHostname("localhost").ok());
   EXPECT_FALSE(OrdinalFromHostname("pod-x").ok());
+}
+
+// Without a usable GPU (this CI): "cuda" refuses to start with the reason, "auto" falls back to
+// the CPU kernels, an unknown name is refused. With a GPU, "auto" picks CUDA (tests/gpu checks
+// the kernels themselves).
+TEST(ExpertServer, BackendRegistryFallsBackToTheCpu) {
+  ExpertServerOptions o;
+  o.preset = "tiny";
+  o.threads = 1;
+  const bool gpu = numerics::cuda::CudaDeviceStatus().ok();
+  o.backend = "auto";
+  auto server = ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::ExpertService::NewStub(
+      transport::MakeChannel("127.0.0.1:" + std::to_string((*server)->port())));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ExpertServerInfo info;
+  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  EXPECT_EQ(info.backend().rfind(gpu ? "cuda/" : "cpu/", 0), 0u) << info.backend();
+  (*server)->Shutdown();
+  if (!gpu) {
+    o.backend = "cuda";
+    auto refused = ExpertServer::Start(o);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_NE(refused.status().message().find("backend cuda"), absl::string_view::npos)
+        << refused.status();
+    std::printf("[backend cuda without a GPU] %s\n", refused.status().ToString().c_str());
+  }
+  o.backend = "tpu";
+  auto unknown = ExpertServer::Start(o);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("not one of auto, cpu, cuda"), absl::string_view::npos);
 }
 
 TEST(ExpertServer, RefusesARangeOutsideTheModel) {

@@ -1,0 +1,72 @@
+#include "expert-svc/expert_backend.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "services/numerics/cpu/cpu_isa.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cuda/cuda_backend.h"
+
+namespace moe::expert_svc {
+
+namespace {
+
+class CpuBackend final : public ExpertBackend {
+ public:
+  CpuBackend(const ModelConfig& cfg, const numerics::MoeLayerWeights& w,
+             const numerics::cpu::KernelTable& k, numerics::cpu::ThreadPool* pool)
+      : cfg_(cfg), w_(w), k_(k), pool_(pool) {}
+  std::string name() const override {
+    return absl::StrCat("cpu/", numerics::cpu::IsaName(k_.isa));
+  }
+  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
+                                                const tensor::Bf16* z) override {
+    return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z);
+  }
+
+ private:
+  const ModelConfig cfg_;
+  const numerics::MoeLayerWeights& w_;
+  const numerics::cpu::KernelTable& k_;
+  numerics::cpu::ThreadPool* pool_;
+};
+
+class CudaBackend final : public ExpertBackend {
+ public:
+  explicit CudaBackend(std::unique_ptr<numerics::cuda::CudaExperts> experts)
+      : experts_(std::move(experts)), name_(numerics::cuda::CudaDeviceName()) {}
+  std::string name() const override { return name_; }
+  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
+                                                const tensor::Bf16* z) override {
+    return experts_->Run(routing, z);
+  }
+
+ private:
+  std::unique_ptr<numerics::cuda::CudaExperts> experts_;
+  std::string name_;
+};
+
+}  // namespace
+
+std::vector<std::string> ExpertBackendNames() { return {"auto", "cpu", "cuda"}; }
+
+absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
+    const std::string& name, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
+    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool) {
+  const bool want_cuda =
+      name == "cuda" || (name == "auto" && numerics::cuda::CudaDeviceStatus().ok());
+  if (name != "cpu" && name != "cuda" && name != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat("backend '", name, "' is not one of ",
+                                                   absl::StrJoin(ExpertBackendNames(), ", ")));
+  }
+  if (want_cuda) {
+    auto experts = numerics::cuda::CudaExperts::Create(cfg, weights);
+    if (!experts.ok()) {
+      return absl::Status(experts.status().code(),
+                          absl::StrCat("backend cuda: ", experts.status().message()));
+    }
+    return std::unique_ptr<ExpertBackend>(new CudaBackend(std::move(*experts)));
+  }
+  return std::unique_ptr<ExpertBackend>(new CpuBackend(cfg, weights, kernels, pool));
+}
+
+}  // namespace moe::expert_svc

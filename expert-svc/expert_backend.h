@@ -1,0 +1,45 @@
+// The backend registry of expert-svc: where a hosted layer's routed experts run.
+//   "cpu"   the optimized CPU kernels (numerics::cpu::RunExperts);
+//   "cuda"  the CUDA kernels (numerics::cuda::CudaExperts); fails at start without a usable GPU;
+//   "auto"  CUDA when a device is usable, else the CPU (the default).
+// Both honour RunExperts' contract: y [T, k, D] in the routing's slot order.
+//
+//   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend("auto", cfg, weights, kernels, &pool));
+//   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> y, backend->Run(routing, z));
+#ifndef MOE_EXPERT_SVC_EXPERT_BACKEND_H_
+#define MOE_EXPERT_SVC_EXPERT_BACKEND_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "services/common/model_config.h"
+#include "services/numerics/cpu/kernels.h"
+#include "services/numerics/cpu/thread_pool.h"
+#include "services/numerics/layer_weights.h"
+#include "services/numerics/router.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::expert_svc {
+
+class ExpertBackend {
+ public:
+  virtual ~ExpertBackend() = default;
+  // e.g. "cpu/avx512", "cuda/NVIDIA H200".
+  virtual std::string name() const = 0;
+  virtual absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
+                                                        const tensor::Bf16* z) = 0;
+};
+
+// The names MakeExpertBackend accepts.
+std::vector<std::string> ExpertBackendNames();
+
+// weights, kernels and pool must outlive the backend.
+absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
+    const std::string& name, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
+    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool);
+
+}  // namespace moe::expert_svc
+
+#endif  // MOE_EXPERT_SVC_EXPERT_BACKEND_H_

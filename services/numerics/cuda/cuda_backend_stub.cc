@@ -1,0 +1,26 @@
+// The op layer when the build has no CUDA (nvcc not found): every entry point says so.
+#include "services/numerics/cuda/cuda_backend.h"
+
+namespace moe::numerics::cuda {
+
+absl::Status CudaDeviceStatus() {
+  return absl::UnavailableError("built without CUDA (MOE_ENABLE_CUDA=OFF)");
+}
+
+std::string CudaDeviceName() { return "built without CUDA"; }
+
+class CudaExperts::Impl {};
+
+CudaExperts::CudaExperts(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaExperts::~CudaExperts() = default;
+
+absl::StatusOr<std::unique_ptr<CudaExperts>> CudaExperts::Create(const ModelConfig&,
+                                                                 const MoeLayerWeights&) {
+  return CudaDeviceStatus();
+}
+
+absl::StatusOr<std::vector<tensor::Bf16>> CudaExperts::Run(const Routing&, const tensor::Bf16*) {
+  return CudaDeviceStatus();
+}
+
+}  // namespace moe::numerics::cuda
