@@ -15,9 +15,7 @@ class CpuBackend final : public ExpertBackend {
   CpuBackend(const ModelConfig& cfg, const numerics::MoeLayerWeights& w,
              const numerics::cpu::KernelTable& k, numerics::cpu::ThreadPool* pool)
       : cfg_(cfg), w_(w), k_(k), pool_(pool) {}
-  std::string name() const override {
-    return absl::StrCat("cpu/", numerics::cpu::IsaName(k_.isa));
-  }
+  std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::IsaName(k_.isa)); }
   absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
                                                 const tensor::Bf16* z) override {
     return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z);

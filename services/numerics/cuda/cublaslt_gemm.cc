@@ -48,8 +48,8 @@ cublasStatus_t CublasLtGemm::Run(GemmInput input, const void* x, const void* w, 
   }
   const float alpha = 1.0f, beta = 0.0f;
   if (s == CUBLAS_STATUS_SUCCESS) {
-    s = cublasLtMatmul(handle_, desc, &alpha, w, a, x, b, &beta, out, c, out, c,
-                       &heuristic.algo, workspace_, workspace_bytes_, stream);
+    s = cublasLtMatmul(handle_, desc, &alpha, w, a, x, b, &beta, out, c, out, c, &heuristic.algo,
+                       workspace_, workspace_bytes_, stream);
   }
   if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
   if (c != nullptr) cublasLtMatrixLayoutDestroy(c);

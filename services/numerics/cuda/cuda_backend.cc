@@ -14,12 +14,12 @@ namespace {
 
 absl::Status FromCuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": CUDA error ", static_cast<int>(e), " (",
-                                          cudaGetErrorString(e), ")"));
+  return absl::InternalError(
+      absl::StrCat(what, ": CUDA error ", static_cast<int>(e), " (", cudaGetErrorString(e), ")"));
 }
 
-#define MOE_CUDA_RETURN(expr, what)                              \
-  do {                                                           \
+#define MOE_CUDA_RETURN(expr, what)                                    \
+  do {                                                                 \
     if (absl::Status s_ = FromCuda((expr), what); !s_.ok()) return s_; \
   } while (0)
 
@@ -69,7 +69,7 @@ class CudaExperts::Impl {
  public:
   ModelConfig cfg;
   int64_t lo = 0, hi = 0;
-  DeviceBuffer weights;                // every hosted expert's six arrays, back to back
+  DeviceBuffer weights;                 // every hosted expert's six arrays, back to back
   std::vector<DeviceExpert> host_ptrs;  // [hi - lo]
   DeviceBuffer experts, tiles, z, h, y;
   cudaStream_t stream = nullptr;
@@ -85,20 +85,17 @@ absl::StatusOr<std::unique_ptr<CudaExperts>> CudaExperts::Create(const ModelConf
                                                                  const MoeLayerWeights& w) {
   if (absl::Status s = CudaDeviceStatus(); !s.ok()) return s;
   if (cfg.latent % 64 != 0 || cfg.intermediate % 64 != 0 || cfg.top_k > 32) {
-    return absl::InvalidArgumentError(
-        "the CUDA experts need D and I multiples of 64 and k <= 32");
+    return absl::InvalidArgumentError("the CUDA experts need D and I multiples of 64 and k <= 32");
   }
   auto impl = std::make_unique<Impl>();
   impl->cfg = cfg;
   impl->lo = w.expert_lo;
   impl->hi = w.expert_hi;
   const int64_t d = cfg.latent, i = cfg.intermediate;
-  const size_t sizes[6] = {static_cast<size_t>(i * Mxfp4PackedBytes(d)),
-                           static_cast<size_t>(i * Mxfp4ScaleBytes(d)),
-                           static_cast<size_t>(i * Mxfp4PackedBytes(d)),
-                           static_cast<size_t>(i * Mxfp4ScaleBytes(d)),
-                           static_cast<size_t>(d * Mxfp4PackedBytes(i)),
-                           static_cast<size_t>(d * Mxfp4ScaleBytes(i))};
+  const size_t sizes[6] = {
+      static_cast<size_t>(i * Mxfp4PackedBytes(d)), static_cast<size_t>(i * Mxfp4ScaleBytes(d)),
+      static_cast<size_t>(i * Mxfp4PackedBytes(d)), static_cast<size_t>(i * Mxfp4ScaleBytes(d)),
+      static_cast<size_t>(d * Mxfp4PackedBytes(i)), static_cast<size_t>(d * Mxfp4ScaleBytes(i))};
   size_t per_expert = 0;
   for (size_t s : sizes) per_expert += (s + 255) / 256 * 256;
   const int64_t n = w.expert_hi - w.expert_lo;
@@ -157,24 +154,23 @@ absl::StatusOr<std::vector<Bf16>> CudaExperts::Run(const Routing& routing, const
   MOE_CUDA_RETURN(m.h.Reserve(total * i * 2), "cudaMalloc h");
   MOE_CUDA_RETURN(m.y.Reserve(total * d * 2), "cudaMalloc y");
   MOE_CUDA_RETURN(m.tiles.Reserve(tiles.size() * sizeof(RowTile)), "cudaMalloc tiles");
-  MOE_CUDA_RETURN(cudaMemcpyAsync(m.z.ptr, rows.data(), total * d * 2, cudaMemcpyHostToDevice,
-                                  m.stream),
-                  "upload z");
+  MOE_CUDA_RETURN(
+      cudaMemcpyAsync(m.z.ptr, rows.data(), total * d * 2, cudaMemcpyHostToDevice, m.stream),
+      "upload z");
   MOE_CUDA_RETURN(cudaMemcpyAsync(m.tiles.ptr, tiles.data(), tiles.size() * sizeof(RowTile),
                                   cudaMemcpyHostToDevice, m.stream),
                   "upload tiles");
-  MOE_CUDA_RETURN(LaunchExpertFfn(static_cast<const DeviceExpert*>(m.experts.ptr),
-                                  static_cast<const RowTile*>(m.tiles.ptr),
-                                  static_cast<int>(tiles.size()),
-                                  static_cast<const uint16_t*>(m.z.ptr), static_cast<int>(d),
-                                  static_cast<int>(i), m.cfg.situ_beta, m.cfg.situ_linear_beta,
-                                  static_cast<uint16_t*>(m.h.ptr), static_cast<uint16_t*>(m.y.ptr),
-                                  m.stream),
-                  "expert FFN kernels");
+  MOE_CUDA_RETURN(
+      LaunchExpertFfn(static_cast<const DeviceExpert*>(m.experts.ptr),
+                      static_cast<const RowTile*>(m.tiles.ptr), static_cast<int>(tiles.size()),
+                      static_cast<const uint16_t*>(m.z.ptr), static_cast<int>(d),
+                      static_cast<int>(i), m.cfg.situ_beta, m.cfg.situ_linear_beta,
+                      static_cast<uint16_t*>(m.h.ptr), static_cast<uint16_t*>(m.y.ptr), m.stream),
+      "expert FFN kernels");
   std::vector<Bf16> out(total * d);
-  MOE_CUDA_RETURN(cudaMemcpyAsync(out.data(), m.y.ptr, total * d * 2, cudaMemcpyDeviceToHost,
-                                  m.stream),
-                  "download y");
+  MOE_CUDA_RETURN(
+      cudaMemcpyAsync(out.data(), m.y.ptr, total * d * 2, cudaMemcpyDeviceToHost, m.stream),
+      "download y");
   MOE_CUDA_RETURN(cudaStreamSynchronize(m.stream), "expert FFN");
   for (size_t r = 0; r < total; ++r) {
     std::copy_n(out.data() + r * d, d, y.data() + pair_of_row[r] * d);

@@ -30,8 +30,8 @@ cudaError_t LaunchCombine(const uint16_t* y, const int32_t* ids, const float* we
 
 // Step 5: n = bf16(r * 1/sqrt(mean(r^2) + eps)), out = bf16(gamma * n). The sum of squares is a
 // tree reduction (order differs from the reference: tolerance in tests/gpu).
-cudaError_t LaunchRmsNorm(const uint16_t* r, int tokens, int dim, const uint16_t* gamma,
-                          float eps, uint16_t* out, cudaStream_t stream);
+cudaError_t LaunchRmsNorm(const uint16_t* r, int tokens, int dim, const uint16_t* gamma, float eps,
+                          uint16_t* out, cudaStream_t stream);
 
 // One expert's MXFP4 matrices on the device.
 struct DeviceExpert {
@@ -45,9 +45,9 @@ struct DeviceExpert {
 
 // A tile of 16 consecutive rows of one group (rows of one expert).
 struct RowTile {
-  int32_t group;     // index into the experts array
-  int32_t row;       // first row of the tile in the activations
-  int32_t row_end;   // one past the group's last row
+  int32_t group;    // index into the experts array
+  int32_t row;      // first row of the tile in the activations
+  int32_t row_end;  // one past the group's last row
 };
 
 // Step 3 for grouped rows (rows of one expert are contiguous): FC1 with SiTU fused,
