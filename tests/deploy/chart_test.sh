@@ -87,6 +87,16 @@ for b in router-svc attention-svc expert-svc moe-cli; do
     for so in $(objdump -p "$f" | awk '/NEEDED/{print $2}'); do
       # (no early exit in awk: with pipefail, a SIGPIPE in ldd would end the script)
       path=$(ldd "$f" | awk -v s="$so" '$1==s && !seen++{print $3}')
+      case "$path" in
+        /usr/local/cuda*)  # CUDA builds: the image's CUDA variant installs these from NVIDIA
+          case "$so" in
+            libcudart*) pkg=cuda-cudart ;;
+            libcublas*) pkg=libcublas ;;
+            *) echo "FAIL: $b needs an unexpected CUDA library $so"; exit 1 ;;
+          esac
+          grep -q -- "$pkg" <<<"$RUNTIME" || { echo "FAIL: $b needs $so ($path), not in the CUDA runtime stage"; exit 1; }
+          continue ;;
+      esac
       pkg=$(dpkg -S "$path" 2>/dev/null || dpkg -S "/usr$path" 2>/dev/null || true)
       pkg=${pkg%%:*}
       case "$pkg" in
