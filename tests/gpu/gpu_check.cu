@@ -67,6 +67,27 @@ T* Upload(const std::vector<T>& v) {
   CUDA_OK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return d;
 }
+uint16_t* UploadBf16(const std::vector<Bf16>& v) {
+  std::vector<uint16_t> bits(v.size());
+  std::memcpy(bits.data(), v.data(), v.size() * sizeof(Bf16));
+  return Upload(bits);
+}
+
+// Scratch for one grouped FFN run over `rows` rows.
+struct FfnBuffers {
+  uint16_t *z = nullptr, *h = nullptr, *y = nullptr;
+  FfnBuffers(const std::vector<Bf16>& zin, int rows) {
+    z = UploadBf16(zin);
+    CUDA_OK(cudaMalloc(&h, (size_t)rows * kI * 2));
+    CUDA_OK(cudaMalloc(&y, (size_t)rows * kD * 2));
+  }
+  ~FfnBuffers() {
+    cudaFree(z);
+    cudaFree(h);
+    cudaFree(y);
+  }
+};
+
 template <typename T>
 std::vector<T> Download(const T* d, size_t n) {
   std::vector<T> v(n);
@@ -110,6 +131,28 @@ bool CompareBf16(const std::vector<Bf16>& got, const std::vector<Bf16>& want, in
                 100 * fraction, 100 * kMaxFractionOver1Ulp, worst, kMaxUlpsOfRowScale);
   *detail = buf;
   return fraction <= kMaxFractionOver1Ulp && worst <= kMaxUlpsOfRowScale;
+}
+
+// |got - want| <= kGemmRelativeBound * sum_i |x_i w_i| for every output (x: [m, k], w: [n, k]).
+bool GemmWithinBound(const std::vector<float>& got, const std::vector<float>& want,
+                     const std::vector<Bf16>& x, const std::vector<Bf16>& w, int m, int n, int k,
+                     std::string* detail) {
+  double worst = 0;
+  for (int r = 0; r < m; ++r) {
+    for (int o = 0; o < n; ++o) {
+      double bound = 0;
+      for (int i = 0; i < k; ++i) {
+        bound += std::fabs((double)x[(size_t)r * k + i].ToFloat() * w[(size_t)o * k + i].ToFloat());
+      }
+      worst = std::max(
+          worst, std::fabs(got[(size_t)r * n + o] - want[(size_t)r * n + o]) / (bound + 1e-30));
+    }
+  }
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), "worst |diff| / sum|x w| = %.2e (bound %.0e)", worst,
+                kGemmRelativeBound);
+  *detail = buf;
+  return worst <= kGemmRelativeBound;
 }
 
 struct HostExpert {
@@ -203,9 +246,7 @@ int main() {
     const std::vector<Bf16> y = RandomBf16(static_cast<size_t>(t) * kK * kD, 0.05f, rng);
     std::vector<Bf16> r_want(static_cast<size_t>(t) * kD);
     mn::ref::Combine(want, y.data(), kD, r_want.data());
-    uint16_t* dy =
-        Upload(std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(y.data()),
-                                     reinterpret_cast<const uint16_t*>(y.data()) + y.size()));
+    uint16_t* dy = UploadBf16(y);
     uint16_t* dr = nullptr;
     CUDA_OK(cudaMalloc(&dr, r_want.size() * 2));
     CUDA_OK(mc::LaunchCombine(dy, di, dw, t, kK, kD, dr, 0));
@@ -217,9 +258,7 @@ int main() {
     const std::vector<Bf16> gamma = RandomBf16(kD, 1.0f, rng);
     std::vector<Bf16> n_want(r_want.size());
     mn::ref::RmsNorm(r_want.data(), t, kD, gamma.data(), 1e-5f, n_want.data());
-    uint16_t* dg = Upload(
-        std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(gamma.data()),
-                              reinterpret_cast<const uint16_t*>(gamma.data()) + gamma.size()));
+    uint16_t* dg = UploadBf16(gamma);
     uint16_t* dn = nullptr;
     CUDA_OK(cudaMalloc(&dn, n_want.size() * 2));
     CUDA_OK(mc::LaunchRmsNorm(dr, t, kD, dg, 1e-5f, dn, 0));
@@ -243,30 +282,16 @@ int main() {
           RandomBf16(static_cast<size_t>(kD) * kH, 1.0f / std::sqrt((float)kH), rng);
       std::vector<float> want(static_cast<size_t>(t) * kD);
       mn::ref::LinearF32(x.data(), t, kH, w.data(), kD, want.data());
-      uint16_t* dx =
-          Upload(std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(x.data()),
-                                       reinterpret_cast<const uint16_t*>(x.data()) + x.size()));
-      uint16_t* dwt =
-          Upload(std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(w.data()),
-                                       reinterpret_cast<const uint16_t*>(w.data()) + w.size()));
+      uint16_t* dx = UploadBf16(x);
+      uint16_t* dwt = UploadBf16(w);
       float* dout = nullptr;
       CUDA_OK(cudaMalloc(&dout, want.size() * 4));
       const bool ran =
           gemm.Run(mc::GemmInput::kBf16, dx, dwt, dout, t, kD, kH, 0) == CUBLAS_STATUS_SUCCESS;
       const auto got = Download(dout, want.size());
-      double worst = 0;
-      for (int r = 0; r < t; ++r) {
-        for (int o = 0; o < kD; ++o) {
-          double bound = 0;
-          for (int i = 0; i < kH; ++i)
-            bound += std::fabs((double)x[r * kH + i].ToFloat() * w[(size_t)o * kH + i].ToFloat());
-          worst = std::max(worst, std::fabs(got[r * kD + o] - want[r * kD + o]) / (bound + 1e-30));
-        }
-      }
-      char buf[128];
-      std::snprintf(buf, sizeof(buf), "worst |diff| / sum|x w| = %.2e (bound %.0e)", worst,
-                    kGemmRelativeBound);
-      Report("cuBLASLt bf16 down-proj (32 tokens)", ran && worst <= kGemmRelativeBound, buf);
+      std::string detail;
+      const bool ok = GemmWithinBound(got, want, x, w, t, kD, kH, &detail);
+      Report("cuBLASLt bf16 down-proj (32 tokens)", ran && ok, detail);
 
       // fp32 router GEMM: x as fp32, gate as fp32.
       const std::vector<Bf16> g =
@@ -282,19 +307,8 @@ int main() {
       const bool ran32 =
           gemm.Run(mc::GemmInput::kF32, dxf, dgf, dlog, t, kE, kH, 0) == CUBLAS_STATUS_SUCCESS;
       const auto rgot = Download(dlog, rwant.size());
-      worst = 0;
-      for (int r = 0; r < t; ++r) {
-        for (int o = 0; o < kE; ++o) {
-          double bound = 0;
-          for (int i = 0; i < kH; ++i)
-            bound += std::fabs((double)xf[r * kH + i] * gf[(size_t)o * kH + i]);
-          worst =
-              std::max(worst, std::fabs(rgot[r * kE + o] - rwant[r * kE + o]) / (bound + 1e-30));
-        }
-      }
-      std::snprintf(buf, sizeof(buf), "worst |diff| / sum|x w| = %.2e (bound %.0e)", worst,
-                    kGemmRelativeBound);
-      Report("cuBLASLt fp32 router (32 tokens)", ran32 && worst <= kGemmRelativeBound, buf);
+      const bool ok32 = GemmWithinBound(rgot, rwant, x, g, t, kE, kH, &detail);
+      Report("cuBLASLt fp32 router (32 tokens)", ran32 && ok32, detail);
     }
   }
 
@@ -318,12 +332,8 @@ int main() {
                          want.data() + (size_t)row * kD);
       row += counts[g];
     }
-    uint16_t* dz =
-        Upload(std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(z.data()),
-                                     reinterpret_cast<const uint16_t*>(z.data()) + z.size()));
-    uint16_t *dh = nullptr, *dy = nullptr;
-    CUDA_OK(cudaMalloc(&dh, (size_t)rows * kI * 2));
-    CUDA_OK(cudaMalloc(&dy, (size_t)rows * kD * 2));
+    FfnBuffers buf(z, rows);
+    uint16_t *dz = buf.z, *dh = buf.h, *dy = buf.y;
     mc::DeviceExpert* dexp = nullptr;
     mc::RowTile* dtiles = nullptr;
     int tiles = 0;
@@ -372,12 +382,8 @@ int main() {
     }
     const int rows = experts * per_expert;
     const std::vector<Bf16> z = RandomBf16(static_cast<size_t>(rows) * kD, 1.0f, rng);
-    uint16_t* dz =
-        Upload(std::vector<uint16_t>(reinterpret_cast<const uint16_t*>(z.data()),
-                                     reinterpret_cast<const uint16_t*>(z.data()) + z.size()));
-    uint16_t *dh = nullptr, *dy = nullptr;
-    CUDA_OK(cudaMalloc(&dh, (size_t)rows * kI * 2));
-    CUDA_OK(cudaMalloc(&dy, (size_t)rows * kD * 2));
+    FfnBuffers buf(z, rows);
+    uint16_t *dz = buf.z, *dh = buf.h, *dy = buf.y;
     mc::DeviceExpert* dexp = nullptr;
     mc::RowTile* dtiles = nullptr;
     int tiles = 0;
@@ -405,9 +411,6 @@ int main() {
            {d.w1_packed, d.w1_scales, d.w3_packed, d.w3_scales, d.w2_packed, d.w2_scales})
         cudaFree(const_cast<void*>(p));
     }
-    cudaFree(dz);
-    cudaFree(dh);
-    cudaFree(dy);
     cudaFree(dexp);
     cudaFree(dtiles);
     return best;
