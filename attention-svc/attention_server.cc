@@ -489,18 +489,43 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       deadline - std::clamp(left / 10, absl::Milliseconds(10), absl::Milliseconds(100));
   const int64_t timeout_ms =
       std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
-  std::vector<std::shared_ptr<transport::ExpertStream>> streams(num_shards);
-  std::vector<std::shared_ptr<transport::PendingReply>> pending(num_shards);
-  int64_t bytes_sent = 0, bytes_received = 0;
+  // Dispatch messages: a shard's experts (ascending) in chunks that keep each message and reply
+  // under max_dispatch_bytes. A chunk holds whole experts, so every expert still sees all its
+  // rows in one batch (the same kernel path as in process: bit-exact per-pair replies).
+  struct Chunk {
+    size_t shard;
+    std::vector<int32_t> experts;
+  };
+  std::vector<Chunk> chunks;
+  const int64_t reply_row_bytes = d * (mode == v1::REPLY_MODE_PER_PAIR ? 2 : 4);
   for (size_t si = 0; si < num_shards; ++si) {
     if (experts_of[si].empty()) continue;
+    Chunk cur{si, {}};
+    int64_t rows = 0;
+    for (int32_t e : experts_of[si]) {
+      const int64_t n = static_cast<int64_t>(pairs[e].size());
+      if (!cur.experts.empty() && (rows + n) * reply_row_bytes > options_.max_dispatch_bytes) {
+        chunks.push_back(std::move(cur));
+        cur = Chunk{si, {}};
+        rows = 0;
+      }
+      cur.experts.push_back(e);
+      rows += n;
+    }
+    chunks.push_back(std::move(cur));
+  }
+  std::vector<std::shared_ptr<transport::ExpertStream>> streams(chunks.size());
+  std::vector<std::shared_ptr<transport::PendingReply>> pending(chunks.size());
+  int64_t bytes_sent = 0, bytes_received = 0;
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    const Chunk& chunk = chunks[ci];
     v1::DispatchRequest dr;
     dr.set_layer(req.layer());
     dr.set_reply_mode(mode);
     dr.set_timeout_ms(timeout_ms);
-    // Each distinct token's z travels once per shard (row_source maps pairs to rows).
+    // Each distinct token's z travels once per message (row_source maps pairs to rows).
     std::vector<int32_t> row_of_token(static_cast<size_t>(tokens), -1);
-    for (int32_t e : experts_of[si]) {
+    for (int32_t e : chunk.experts) {
       for (int64_t p : pairs[e]) row_of_token[p / k] = 0;
     }
     int32_t unique = 0;
@@ -513,7 +538,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
         std::copy_n(batch.z.data() + tok * d, d, zrows.data() + row_of_token[tok] * d);
       }
     }
-    for (int32_t e : experts_of[si]) {
+    for (int32_t e : chunk.experts) {
       v1::ExpertGroup* g = dr.add_groups();
       g->set_expert_id(e);
       g->set_token_count(static_cast<int32_t>(pairs[e].size()));
@@ -533,8 +558,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       metrics_->wire.Add("sent", "bf16", "expert",
                          static_cast<int64_t>(dr.activations().data().size()), unique);
     }
-    streams[si] = StreamFor(route->shards[si]);
-    pending[si] = streams[si]->Send(std::move(dr));
+    streams[ci] = StreamFor(route->shards[chunk.shard]);
+    pending[ci] = streams[ci]->Send(std::move(dr));
   }
   // The shared experts need only x: they run here while the expert servers work.
   std::vector<float> shared;
@@ -542,13 +567,12 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     std::lock_guard<std::mutex> lock(hosted.mu);
     shared = hosted.layer->SharedExperts(batch, &t);
   }
-  std::vector<v1::DispatchReply> replies(num_shards);
-  for (size_t si = 0; si < num_shards; ++si) {
-    if (pending[si] == nullptr) continue;
-    MOE_ASSIGN_OR_RETURN(replies[si], streams[si]->Wait(*pending[si], expert_deadline));
-    bytes_received += static_cast<int64_t>(replies[si].outputs().data().size());
+  std::vector<v1::DispatchReply> replies(chunks.size());
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    MOE_ASSIGN_OR_RETURN(replies[ci], streams[ci]->Wait(*pending[ci], expert_deadline));
+    bytes_received += static_cast<int64_t>(replies[ci].outputs().data().size());
     if (metrics_ != nullptr) {
-      const v1::Tensor& o = replies[si].outputs();
+      const v1::Tensor& o = replies[ci].outputs();
       metrics_->wire.Add("received", o.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "expert",
                          static_cast<int64_t>(o.data().size()),
                          o.shape_size() > 0 ? o.shape(0) : 0);
@@ -562,21 +586,21 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
     if (mode == v1::REPLY_MODE_PER_PAIR) {
       std::vector<Bf16> y(static_cast<size_t>(tokens * k * d));  // [T, k, D] slot order
-      for (size_t si = 0; si < num_shards; ++si) {
-        if (pending[si] == nullptr) continue;
+      for (size_t ci = 0; ci < chunks.size(); ++ci) {
+        const Chunk& chunk = chunks[ci];
+        const std::string& shard = route->shards[chunk.shard].shard;
         int64_t rows = 0;
-        for (int32_t e : experts_of[si]) rows += static_cast<int64_t>(pairs[e].size());
-        MOE_ASSIGN_OR_RETURN(
-            transport::Bf16Matrix out,
-            transport::DecodeBf16Matrix(replies[si].outputs(),
-                                        absl::StrCat("reply of shard ", route->shards[si].shard), d,
-                                        /*accept_f32=*/false));
+        for (int32_t e : chunk.experts) rows += static_cast<int64_t>(pairs[e].size());
+        MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix out,
+                             transport::DecodeBf16Matrix(replies[ci].outputs(),
+                                                         absl::StrCat("reply of shard ", shard), d,
+                                                         /*accept_f32=*/false));
         if (out.rows != rows) {
-          return absl::InternalError(absl::StrCat("shard ", route->shards[si].shard, " returned ",
-                                                  out.rows, " rows for ", rows));
+          return absl::InternalError(
+              absl::StrCat("shard ", shard, " returned ", out.rows, " rows for ", rows));
         }
         int64_t row = 0;
-        for (int32_t e : experts_of[si]) {
+        for (int32_t e : chunk.experts) {
           for (int64_t p : pairs[e]) {
             std::copy_n(out.values.data() + row * d, d, y.data() + p * d);
             ++row;
@@ -586,21 +610,21 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       numerics::ref::Combine(batch.routing, y.data(), d, r.data());
     } else {
       std::vector<float> acc(static_cast<size_t>(tokens * d), 0.0f);
-      for (size_t si = 0; si < num_shards; ++si) {  // ascending expert_lo
-        if (pending[si] == nullptr) continue;
+      for (size_t ci = 0; ci < chunks.size(); ++ci) {  // ascending expert_lo, then expert id
+        const Chunk& chunk = chunks[ci];
         std::vector<char> has(static_cast<size_t>(tokens), 0);
-        for (int32_t e : experts_of[si]) {
+        for (int32_t e : chunk.experts) {
           for (int64_t p : pairs[e]) has[p / k] = 1;
         }
         std::vector<int64_t> distinct;
         for (int64_t tok = 0; tok < tokens; ++tok) {
           if (has[tok]) distinct.push_back(tok);
         }
-        MOE_ASSIGN_OR_RETURN(
-            std::vector<float> part,
-            transport::DecodeF32Matrix(replies[si].outputs(),
-                                       absl::StrCat("reply of shard ", route->shards[si].shard),
-                                       static_cast<int64_t>(distinct.size()), d));
+        MOE_ASSIGN_OR_RETURN(std::vector<float> part,
+                             transport::DecodeF32Matrix(
+                                 replies[ci].outputs(),
+                                 absl::StrCat("reply of shard ", route->shards[chunk.shard].shard),
+                                 static_cast<int64_t>(distinct.size()), d));
         for (size_t i = 0; i < distinct.size(); ++i) {
           float* a = acc.data() + distinct[i] * d;
           const float* p = part.data() + i * d;

@@ -54,6 +54,9 @@ struct AttentionServerOptions {
   int64_t report_interval_ms = 500;
   int qb_bins = 1000;
   int max_message_bytes = 256 << 20;
+  // A shard's dispatch is split (at expert boundaries) so that no message or reply exceeds
+  // about this many payload bytes (K3 batches of thousands of tokens would pass gRPC's limit).
+  int64_t max_dispatch_bytes = 64 << 20;
 };
 
 class AttentionServer {

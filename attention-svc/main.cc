@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
   flags.Int64("report_interval_ms", &o.report_interval_ms, "statistics report period");
   flags.Int("qb_bins", &o.qb_bins, "QB histogram bins");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
+  flags.Int64("max_dispatch_bytes", &o.max_dispatch_bytes,
+              "split a shard's dispatch (at expert boundaries) above this many bytes");
   if (!flags.Parse(argc, argv)) return 2;
   return moe::RunServer("attention-svc",
                         [&]() { return moe::attention_svc::AttentionServer::Start(o); });

@@ -105,8 +105,10 @@ bool SameBits(const std::vector<Bf16>& a, const std::vector<Bf16>& b) {
 }
 
 struct ClusterCase {
+  std::string name;
   std::string preset;
   std::vector<std::pair<int64_t, int64_t>> shards;  // unequal on purpose
+  std::vector<std::string> attention_args;
 };
 
 class ClusterEquivalence : public ::testing::TestWithParam<ClusterCase> {};
@@ -117,6 +119,7 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
   LocalClusterOptions o = TestCluster(dir, p.shards);
+  o.attention_args = p.attention_args;
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto client = ClientFor(**cluster);
@@ -207,10 +210,16 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   EXPECT_EQ(received, 3);
 }
 
+// mid_chunked: 64 KiB dispatch messages, so each shard's batch goes out in many messages split
+// at expert boundaries (as K3 batches of thousands of tokens do at the 64 MiB default).
 INSTANTIATE_TEST_SUITE_P(Presets, ClusterEquivalence,
-                         ::testing::Values(ClusterCase{"tiny", {{0, 5}, {5, 16}}},
-                                           ClusterCase{"mid", {{0, 40}, {40, 128}}}),
-                         [](const auto& info) { return info.param.preset; });
+                         ::testing::Values(ClusterCase{"tiny", "tiny", {{0, 5}, {5, 16}}, {}},
+                                           ClusterCase{"mid", "mid", {{0, 40}, {40, 128}}, {}},
+                                           ClusterCase{"mid_chunked",
+                                                       "mid",
+                                                       {{0, 40}, {40, 128}},
+                                                       {"--max_dispatch_bytes=65536"}}),
+                         [](const auto& info) { return info.param.name; });
 
 // Bad input to attention-svc and to expert-svc directly: the right code, a message that says
 // what is wrong, and the servers keep serving.
