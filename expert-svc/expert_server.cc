@@ -232,11 +232,7 @@ absl::Status ExpertServer::Impl::Load() {
                                                        /*need_experts=*/false));
     layers_[layer] = std::move(w);
   }
-  const numerics::cpu::Isa isa =
-      static_cast<int>(options_.isa) <= static_cast<int>(numerics::cpu::DetectIsa())
-          ? options_.isa
-          : numerics::cpu::DetectIsa();
-  kernels_ = &numerics::cpu::KernelsFor(isa);
+  kernels_ = &numerics::cpu::KernelsFor(numerics::cpu::CapIsa(options_.isa));
   pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
   for (const auto& [layer, w] : layers_) {
     MOE_ASSIGN_OR_RETURN(backends_[layer],

@@ -41,15 +41,19 @@ Isa DetectIsa() {
   return Isa::kScalar;
 }
 
+Isa CapIsa(Isa wanted) {
+  const Isa best = DetectIsa();
+  return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
+}
+
 Isa ActiveIsa() {
   static const Isa isa = [] {
-    const Isa best = DetectIsa();
     Isa wanted = Isa::kAvx512;
     if (const char* env = std::getenv("MOE_CPU_ISA"); env != nullptr) {
       auto parsed = ParseIsa(env);
       if (parsed.ok()) wanted = *parsed;
     }
-    return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
+    return CapIsa(wanted);
   }();
   return isa;
 }

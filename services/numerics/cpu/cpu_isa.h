@@ -19,6 +19,8 @@ const char* IsaName(Isa isa);
 absl::StatusOr<Isa> ParseIsa(absl::string_view name);
 // The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL).
 Isa DetectIsa();
+// `wanted`, lowered to DetectIsa() when the CPU lacks it.
+Isa CapIsa(Isa wanted);
 // The kernels to use: MOE_CPU_ISA (scalar, avx2, avx512, avx512bf16) when set, else the
 // fastest measured here, which is kAvx512 even where AVX512_BF16 exists (vdpbf16ps issues at
 // half the multiply-add rate of two FMA units: cpu_layer_bench); never above DetectIsa().

@@ -46,9 +46,7 @@ absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConf
   std::unique_ptr<CpuMoeLayer> l(new CpuMoeLayer());
   l->cfg_ = cfg;
   l->has_experts_ = options.experts;
-  const Isa isa =
-      static_cast<int>(options.isa) <= static_cast<int>(DetectIsa()) ? options.isa : DetectIsa();
-  l->kernels_ = &KernelsFor(isa);
+  l->kernels_ = &KernelsFor(CapIsa(options.isa));
   l->pool_ = std::make_unique<ThreadPool>(options.threads);
   const int64_t h = cfg.hidden, d = cfg.latent, e = cfg.num_experts, s = cfg.shared_intermediate();
   l->gate_ = PackedLinear::Pack(weights.gate.data(), e, h);
