@@ -11,6 +11,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/cpu/moe_layer.h"
+#include "services/tools/tensor_file.h"
 
 namespace moe::tools {
 namespace {
@@ -27,33 +28,13 @@ std::vector<uint8_t> Bytes(const std::vector<T>& v) {
 
 absl::StatusOr<std::vector<Bf16>> ReadInput(const std::string& path, const ModelConfig& cfg,
                                             int64_t* tokens) {
-  MOE_ASSIGN_OR_RETURN(auto file, checkpoint::SafetensorsFile::Open(path));
-  const checkpoint::TensorInfo* x = file->Find("x");
-  if (x == nullptr) return absl::NotFoundError(absl::StrCat(path, ": no tensor \"x\""));
-  if (x->shape.size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": x must be [tokens, hidden], got ",
-                                                   checkpoint::ShapeString(x->shape)));
-  }
-  if (x->shape[1] != cfg.hidden) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": x is ", x->shape[1], " wide; the layer takes hidden_size ", cfg.hidden));
-  }
-  *tokens = x->shape[0];
-  std::vector<Bf16> out(static_cast<size_t>(x->NumElements()));
-  const absl::Span<const uint8_t> data = file->Data(*x);
-  if (x->dtype == DType::kBF16) {
-    std::memcpy(out.data(), data.data(), data.size());
-  } else if (x->dtype == DType::kF32) {
-    for (size_t i = 0; i < out.size(); ++i) {
-      float f;
-      std::memcpy(&f, data.data() + 4 * i, 4);
-      out[i] = Bf16::FromFloat(f);
-    }
-  } else {
+  MOE_ASSIGN_OR_RETURN(Matrix x, ReadMatrix(path, "x"));
+  if (x.cols != cfg.hidden) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": x must be BF16 or F32, got ", tensor::DTypeName(x->dtype)));
+        absl::StrCat(path, ": x is ", x.cols, " wide; the layer takes hidden_size ", cfg.hidden));
   }
-  return out;
+  *tokens = x.rows;
+  return std::move(x.values);
 }
 
 }  // namespace

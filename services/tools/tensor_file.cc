@@ -110,7 +110,10 @@ absl::StatusOr<Matrix> ReadMatrix(const std::string& path, const std::string& te
       return absl::InvalidArgumentError(
           absl::StrCat(path, " holds ", file->tensors().size(), " tensors: name one (--tensor)"));
     }
-    if (info->shape.size() != 2) return Bad(path, absl::StrCat(info->name, " is not 2-D"));
+    if (info->shape.size() != 2) {
+      return Bad(path, absl::StrCat(info->name, " must be 2-D [rows, cols], got ",
+                                    checkpoint::ShapeString(info->shape)));
+    }
     Matrix m;
     m.rows = info->shape[0];
     m.cols = info->shape[1];
@@ -126,7 +129,8 @@ absl::StatusOr<Matrix> ReadMatrix(const std::string& path, const std::string& te
         m.values[i] = Bf16::FromFloat(f);
       }
     } else {
-      return Bad(path, absl::StrCat(info->name, " must be BF16 or F32"));
+      return Bad(path, absl::StrCat(info->name, " must be BF16 or F32, got ",
+                                    tensor::DTypeName(info->dtype)));
     }
     return m;
   }

@@ -1,6 +1,6 @@
 // Reads a [T, H] activation matrix from a .npy file (float32 '<f4', or bf16 bit patterns stored
 // as '<u2') or from a .safetensors file (a BF16 or F32 tensor, by name or the only one), and
-// writes float32 .npy files. For the CLI's `forward` subcommand.
+// writes float32 .npy files. For `moe-cli forward` and `moe-tool forward --input`.
 //
 //   MOE_ASSIGN_OR_RETURN(Matrix x, ReadMatrix("x.npy", ""));
 //   MOE_RETURN_IF_ERROR(WriteNpyF32("y.npy", y, rows, cols));
