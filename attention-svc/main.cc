@@ -7,16 +7,8 @@
 int main(int argc, char** argv) {
   moe::attention_svc::AttentionServerOptions o;
   moe::SvcFlags flags("attention-svc", "MoE layer entry point; routed experts remote.");
-  flags.String("checkpoint", &o.checkpoint, "checkpoint directory (empty: synthetic in memory)");
-  flags.String("preset", &o.preset, "synthetic preset when no checkpoint: k3|mid|tiny");
-  flags.Uint64("seed", &o.seed, "synthetic seed");
-  flags.Double("router_skew", &o.router_skew, "synthetic router skew");
-  flags.IntList("layers", &o.layers, "MoE layers to host, comma-separated (empty: first)");
-  flags.String("host", &o.host, "listen address");
-  flags.Int("port", &o.port, "listen port (0: any free port)");
-  flags.String("port_file", &o.port_file, "write the bound port here");
-  flags.Int("metrics_port", &o.metrics_port, "Prometheus /metrics port (-1: off, 0: any)");
-  flags.String("metrics_port_file", &o.metrics_port_file, "write the metrics port here");
+  moe::AddWeightFlags(flags, &o);
+  moe::AddServingFlags(flags, &o);
   flags.Bool("per_expert_metrics", &o.per_expert_metrics, "export per-expert token counters");
   flags.String("router", &o.router, "router-svc host:port");
   flags.String("node", &o.node, "this node's name in statistics");

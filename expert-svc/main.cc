@@ -7,22 +7,14 @@
 int main(int argc, char** argv) {
   moe::expert_svc::ExpertServerOptions o;
   moe::SvcFlags flags("expert-svc", "Serves the routed experts of an expert range over gRPC.");
-  flags.String("checkpoint", &o.checkpoint, "checkpoint directory (empty: synthetic in memory)");
-  flags.String("preset", &o.preset, "synthetic preset when no checkpoint: k3|mid|tiny");
-  flags.Uint64("seed", &o.seed, "synthetic seed");
-  flags.Double("router_skew", &o.router_skew, "synthetic router skew");
-  flags.IntList("layers", &o.layers, "MoE layers to host, comma-separated (empty: first)");
+  moe::AddWeightFlags(flags, &o);
   flags.Int64("expert_lo", &o.expert_lo, "first hosted expert");
   flags.Int64("expert_hi", &o.expert_hi, "one past the last hosted expert (-1: all)");
   flags.String("ranges_file", &o.ranges_file,
                "placement table (JSON); the range comes from this pod's ordinal");
   flags.Int64("ordinal", &o.ordinal, "with --ranges_file: -1 reads it from $HOSTNAME");
   flags.String("shard", &o.shard, "shard name (unique in the cluster)");
-  flags.String("host", &o.host, "listen address");
-  flags.Int("port", &o.port, "listen port (0: any free port)");
-  flags.String("port_file", &o.port_file, "write the bound port here");
-  flags.Int("metrics_port", &o.metrics_port, "Prometheus /metrics port (-1: off, 0: any)");
-  flags.String("metrics_port_file", &o.metrics_port_file, "write the metrics port here");
+  moe::AddServingFlags(flags, &o);
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");

@@ -7,11 +7,7 @@ int main(int argc, char** argv) {
   moe::SvcFlags flags("router-svc", "Control plane: placement, routing bias, load balancing.");
   flags.String("checkpoint", &o.checkpoint, "checkpoint directory (config and bias)");
   flags.IntList("layers", &o.layers, "MoE layers (empty: all whose bias is in the checkpoint)");
-  flags.String("host", &o.host, "listen address");
-  flags.Int("port", &o.port, "listen port (0: any free port)");
-  flags.String("port_file", &o.port_file, "write the bound port here");
-  flags.Int("metrics_port", &o.metrics_port, "Prometheus /metrics port (-1: off, 0: any)");
-  flags.String("metrics_port_file", &o.metrics_port_file, "write the metrics port here");
+  moe::AddServingFlags(flags, &o);
   flags.Int("web_port", &o.web_port, "load-balance page port (-1: off, 0: any)");
   flags.String("web_port_file", &o.web_port_file, "write the page's port here");
   flags.String("bias_mode", &o.bias_mode, "frozen|rebalance|continuous");

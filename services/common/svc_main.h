@@ -53,6 +53,29 @@ class SvcFlags {
   std::vector<std::string> positional_;
 };
 
+// The flags every server has: where it listens and where it writes its ports (Options fields
+// host, port, port_file, metrics_port, metrics_port_file).
+template <typename Options>
+void AddServingFlags(SvcFlags& flags, Options* o) {
+  flags.String("host", &o->host, "listen address");
+  flags.Int("port", &o->port, "listen port (0: any free port)");
+  flags.String("port_file", &o->port_file, "write the bound port here");
+  flags.Int("metrics_port", &o->metrics_port, "Prometheus /metrics port (-1: off, 0: any)");
+  flags.String("metrics_port_file", &o->metrics_port_file, "write the metrics port here");
+}
+
+// The weights of a server that computes: a checkpoint, or a synthetic layer from preset, seed
+// and router skew; the layers it hosts (Options fields checkpoint, preset, seed, router_skew,
+// layers).
+template <typename Options>
+void AddWeightFlags(SvcFlags& flags, Options* o) {
+  flags.String("checkpoint", &o->checkpoint, "checkpoint directory (empty: synthetic in memory)");
+  flags.String("preset", &o->preset, "synthetic preset when no checkpoint: k3|mid|tiny");
+  flags.Uint64("seed", &o->seed, "synthetic seed");
+  flags.Double("router_skew", &o->router_skew, "synthetic router skew");
+  flags.IntList("layers", &o->layers, "MoE layers to host, comma-separated (empty: first)");
+}
+
 // Blocks SIGINT and SIGTERM in every thread (call before starting any), then waits for one.
 void BlockTerminationSignals();
 int WaitForTerminationSignal();
