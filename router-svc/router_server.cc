@@ -66,23 +66,20 @@ void FillBalance(const numerics::BalanceMetrics& m, v1::Balance* b) {
   b->set_shard_max_over_mean(m.shard_max_over_mean);
 }
 
-class WatchReactorBase;
+template <typename Msg>
+class WatchReactor;
 
 // The streams watching placement or bias. Guarded by the router's mutex.
-using WatchSet = std::set<WatchReactorBase*>;
-
-class WatchReactorBase {
- public:
-  virtual ~WatchReactorBase() = default;
-};
+template <typename Msg>
+using WatchSet = std::set<WatchReactor<Msg>*>;
 
 // A server-streaming watch: Push queues a message (called with the router's mutex held),
 // writes go out one at a time, and the stream ends when the client cancels or the server shuts
 // down. OnDone removes the reactor from its set under the router's mutex before deleting it.
 template <typename Msg>
-class WatchReactor final : public grpc::ServerWriteReactor<Msg>, public WatchReactorBase {
+class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
  public:
-  WatchReactor(std::mutex* router_mu, WatchSet* set, std::function<bool(const Msg&)> filter)
+  WatchReactor(std::mutex* router_mu, WatchSet<Msg>* set, std::function<bool(const Msg&)> filter)
       : router_mu_(router_mu), set_(set), filter_(std::move(filter)) {}
 
   void Push(const Msg& m) {
@@ -131,7 +128,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg>, public WatchRea
   }
 
   std::mutex* router_mu_;
-  WatchSet* set_;
+  WatchSet<Msg>* set_;
   std::function<bool(const Msg&)> filter_;
   std::mutex mu_;
   std::deque<Msg> outbox_;
@@ -296,6 +293,14 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   // Expert -> shard index for a layer (empty unless every expert is covered).
   std::vector<int32_t> ShardOfExpertLocked(const LayerState& l,
                                            std::vector<std::string>* names) const;
+  // The window's routed tokens on each registered expert range of a layer.
+  struct ShardLoad {
+    std::string name;
+    int32_t lo = 0, hi = 0;
+    int64_t load = 0;
+    bool healthy = false;
+  };
+  std::vector<ShardLoad> ShardLoadsLocked(const LayerState& l) const;
   void FillLoadStatsLocked(const LayerState& l, v1::LoadStats* s) const;
   void HealthLoop();
 
@@ -318,7 +323,8 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   std::map<std::string, Shard> shards_;
   uint64_t next_lease_ = 1;
   uint64_t placement_version_ = 1;
-  WatchSet placement_watchers_, bias_watchers_;
+  WatchSet<v1::Placement> placement_watchers_;
+  WatchSet<v1::LayerBias> bias_watchers_;
   bool stopping_ = false;
   std::condition_variable stop_cv_;
   std::thread health_thread_;
@@ -520,8 +526,8 @@ void RouterServer::Impl::HealthLoop() {
 void RouterServer::Impl::PublishPlacementLocked() {
   ++placement_version_;
   const v1::Placement p = PlacementLocked();
-  for (WatchReactorBase* w : placement_watchers_) {
-    static_cast<WatchReactor<v1::Placement>*>(w)->Push(p);
+  for (WatchReactor<v1::Placement>* w : placement_watchers_) {
+    w->Push(p);
   }
   if (metrics_ != nullptr) {
     int64_t healthy = 0;
@@ -657,8 +663,8 @@ void RouterServer::Impl::AppendVersionLocked(LayerState& l, std::vector<float> b
   std::fill(l.window_loads.begin(), l.window_loads.end(), 0);
   std::fprintf(stderr, "router-svc: layer %d bias version %llu (%s)\n", l.layer,
                static_cast<unsigned long long>(l.current().version()), reason.c_str());
-  for (WatchReactorBase* w : bias_watchers_) {
-    static_cast<WatchReactor<v1::LayerBias>*>(w)->Push(l.current());
+  for (WatchReactor<v1::LayerBias>* w : bias_watchers_) {
+    w->Push(l.current());
   }
   UpdateLayerMetricsLocked(l);
 }
@@ -755,12 +761,26 @@ absl::Status RouterServer::Impl::DoSetMode(const v1::SetBiasModeRequest& req, v1
     AppendVersionLocked(*l, {ckpt.begin(), ckpt.end()}, "frozen: checkpoint bias");
   } else {
     l->history.back().set_mode(l->mode);
-    for (WatchReactorBase* w : bias_watchers_) {
-      static_cast<WatchReactor<v1::LayerBias>*>(w)->Push(l->current());
+    for (WatchReactor<v1::LayerBias>* w : bias_watchers_) {
+      w->Push(l->current());
     }
   }
   *resp = l->current();
   return absl::OkStatus();
+}
+
+std::vector<RouterServer::Impl::ShardLoad> RouterServer::Impl::ShardLoadsLocked(
+    const LayerState& l) const {
+  std::vector<ShardLoad> out;
+  for (const auto& [name, shard] : shards_) {
+    for (const v1::ExpertRange& r : shard.ranges) {
+      if (r.layer() != l.layer) continue;
+      int64_t load = 0;
+      for (int32_t e = r.expert_lo(); e < r.expert_hi(); ++e) load += l.window_loads[e];
+      out.push_back({name, r.expert_lo(), r.expert_hi(), load, shard.healthy});
+    }
+  }
+  return out;
 }
 
 void RouterServer::Impl::FillLoadStatsLocked(const LayerState& l, v1::LoadStats* s) const {
@@ -776,13 +796,9 @@ void RouterServer::Impl::FillLoadStatsLocked(const LayerState& l, v1::LoadStats*
   if (l.window_tokens > 0) {
     FillBalance(numerics::ComputeBalance(l.window_loads, shard_of), s->mutable_window_balance());
   }
-  if (!shard_of.empty()) {
-    std::vector<int64_t> per(names.size(), 0);
-    for (size_t j = 0; j < shard_of.size(); ++j) per[shard_of[j]] += l.window_loads[j];
-    for (size_t i = 0; i < names.size(); ++i) {
-      s->add_shard_names(names[i]);
-      s->add_shard_loads(per[i]);
-    }
+  for (const ShardLoad& x : ShardLoadsLocked(l)) {
+    s->add_shard_names(x.name);
+    s->add_shard_loads(x.load);
   }
   s->set_rebalances(l.rebalances);
   for (const v1::LayerBias& b : l.history) {
@@ -817,17 +833,9 @@ nlohmann::json RouterServer::Impl::StateJsonLocked(const LayerState& l) const {
           : 0.0;
   j["rebalances"] = l.rebalances;
   j["shards"] = nlohmann::json::array();
-  for (const auto& [name, shard] : shards_) {
-    for (const v1::ExpertRange& r : shard.ranges) {
-      if (r.layer() != l.layer) continue;
-      int64_t load = 0;
-      for (int32_t e = r.expert_lo(); e < r.expert_hi(); ++e) load += l.window_loads[e];
-      j["shards"].push_back({{"name", name},
-                             {"lo", r.expert_lo()},
-                             {"hi", r.expert_hi()},
-                             {"load", load},
-                             {"healthy", shard.healthy}});
-    }
+  for (const ShardLoad& x : ShardLoadsLocked(l)) {
+    j["shards"].push_back(
+        {{"name", x.name}, {"lo", x.lo}, {"hi", x.hi}, {"load", x.load}, {"healthy", x.healthy}});
   }
   j["history"] = nlohmann::json::array();
   for (const v1::LayerBias& h : l.history) {
