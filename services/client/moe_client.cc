@@ -2,7 +2,6 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <condition_variable>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"

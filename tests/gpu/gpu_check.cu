@@ -195,7 +195,7 @@ void RunFfn(const std::vector<mc::DeviceExpert>& experts, const std::vector<int>
   std::vector<mc::RowTile> tiles;
   int row = 0;
   for (size_t g = 0; g < counts.size(); ++g) {
-    for (int r = row; r < row + counts[g]; r += 16) tiles.push_back({(int)g, r, row + counts[g]});
+    mc::AppendRowTiles(static_cast<int32_t>(g), row, row + counts[g], &tiles);
     row += counts[g];
   }
   if (*dexp == nullptr) *dexp = Upload(experts);

@@ -143,9 +143,7 @@ absl::StatusOr<std::vector<Bf16>> CudaExperts::Run(const Routing& routing, const
       pair_of_row.push_back(p);
     }
     const int32_t end = static_cast<int32_t>(pair_of_row.size());
-    for (int32_t r = start; r < end; r += 16) {
-      tiles.push_back({static_cast<int32_t>(e - m.lo), r, end});
-    }
+    AppendRowTiles(static_cast<int32_t>(e - m.lo), start, end, &tiles);
   }
   std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
   if (tiles.empty()) return y;

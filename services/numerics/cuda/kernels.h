@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace moe::numerics::cuda {
 
@@ -49,6 +50,11 @@ struct RowTile {
   int32_t row;      // first row of the tile in the activations
   int32_t row_end;  // one past the group's last row
 };
+
+// Appends the 16-row tiles of one group's rows [start, end) (tiles never straddle groups).
+inline void AppendRowTiles(int32_t group, int32_t start, int32_t end, std::vector<RowTile>* tiles) {
+  for (int32_t r = start; r < end; r += 16) tiles->push_back({group, r, end});
+}
 
 // Step 3 for grouped rows (rows of one expert are contiguous): FC1 with SiTU fused,
 // h = bf16(SiTU(bf16(z W1^T), bf16(z W3^T))), then FC2, y = bf16(h W2^T). bf16 tensor-core MMA
