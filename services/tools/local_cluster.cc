@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
 #include "services/common/status_macros.h"
@@ -242,17 +243,22 @@ void LocalCluster::Stop(absl::Duration grace) {
 }
 
 std::string LocalCluster::DescribeJson() const {
-  std::string shards;
-  for (size_t i = 0; i < shards_.size(); ++i) {
-    absl::StrAppend(&shards, i == 0 ? "" : ", ", "{\"name\": \"", shards_[i].name,
-                    "\", \"endpoint\": \"", Endpoint(shards_[i].port), "\", \"metrics\": \"",
-                    Endpoint(shards_[i].metrics_port), "\", \"pid\": ", shards_[i].pid, "}");
+  nlohmann::json j;
+  j["router"] = router_endpoint();
+  j["router_metrics"] = router_metrics();
+  j["web"] = web_endpoint();
+  j["attention"] = attention_endpoint();
+  j["attention_metrics"] = attention_metrics();
+  j["admin_token"] = options_.admin_token;
+  j["work_dir"] = options_.work_dir;
+  j["shards"] = nlohmann::json::array();
+  for (const Child& s : shards_) {
+    j["shards"].push_back({{"name", s.name},
+                           {"endpoint", Endpoint(s.port)},
+                           {"metrics", Endpoint(s.metrics_port)},
+                           {"pid", s.pid}});
   }
-  return absl::StrCat("{\"router\": \"", router_endpoint(), "\", \"router_metrics\": \"",
-                      router_metrics(), "\", \"web\": \"", web_endpoint(), "\", \"attention\": \"",
-                      attention_endpoint(), "\", \"attention_metrics\": \"", attention_metrics(),
-                      "\", \"admin_token\": \"", options_.admin_token, "\", \"work_dir\": \"",
-                      options_.work_dir, "\", \"shards\": [", shards, "]}");
+  return j.dump();
 }
 
 LocalCluster::~LocalCluster() { Stop(); }
