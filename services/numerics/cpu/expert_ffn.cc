@@ -19,13 +19,6 @@ struct ActiveExpert {
   std::vector<float> hp;  // h, written by FC1
 };
 
-// Slot of column i in the token-major layout (the kFloat order of 128-column chunks).
-int64_t Slot128(int64_t i) {
-  const int64_t within = i % 128;
-  return i - within + (within % 8) * 16 + within / 8;
-}
-int64_t Slots128(int64_t cols) { return (cols + 127) / 128 * 128; }
-
 // FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
 void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, float beta,
               float linear_beta) {
@@ -46,7 +39,7 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t r = r0; r < r1; ++r) {
       if (e.token_major) {
-        e.hp[Slot128(r) * e.ld_t + t] = h[t * rows + (r - r0)];
+        e.hp[TokenMajorSlot(k, r) * e.ld_t + t] = h[t * rows + (r - r0)];
       } else {
         StoreActivation(k, e.hp.data() + t * ld_h, r, h[t * rows + (r - r0)]);
       }
@@ -103,11 +96,12 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const Bf16* z, int64_t k_slo
   e.token_major = k.mxfp4_rows_tm != nullptr && n >= kPrefillTokens;
   if (e.token_major) {
     e.ld_t = (n + 15) / 16 * 16;
-    e.zp.assign(static_cast<size_t>(Slots128(d) * e.ld_t), 0.0f);
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t i = 0; i < d; ++i) e.zp[Slot128(i) * e.ld_t + t] = zf[t * d + i];
+    e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);
+    for (int64_t i = 0; i < d; ++i) {
+      const int64_t slot = TokenMajorSlot(k, i);
+      for (int64_t t = 0; t < n; ++t) e.zp[slot * e.ld_t + t] = zf[t * d + i];
     }
-    e.hp.assign(static_cast<size_t>(Slots128(inter) * e.ld_t), 0.0f);
+    e.hp.assign(static_cast<size_t>(TokenMajorSlots(k, inter) * e.ld_t), 0.0f);
     return;
   }
   e.zp.resize(static_cast<size_t>(n * ActivationSlots(k, d)));

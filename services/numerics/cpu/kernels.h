@@ -32,8 +32,12 @@ inline constexpr int64_t kGemmColumnTile = 128;
 //  8
 //              (identity when chunk == 8);
 //  kBf16Pairs: bf16 pairs for vdpbf16ps, 128-column chunks of 64 slots: column 8l + m of a chunk
-//              in slot (m % 4) * 16 + l, low half for m < 4, high half otherwise.
-enum class MxLayout { kFloat, kBf16Pairs };
+//              in slot (m % 4) * 16 + l, low half for m < 4, high half otherwise;
+//  kByteLut:   fp32 in the order the AVX2 byte-shuffle decode produces, 64-column chunks (32
+//              packed bytes, one ymm load): column i = 32 L + 2 j + h of a chunk (L: 128-bit
+//              half, j: byte in that half, h: high nibble) in slot 8 n + 4 L + q, with
+//              n = 4 h + 2 (j / 8) + j % 2 and q = (j % 8) / 2 (kernels_avx2.cc).
+enum class MxLayout { kFloat, kBf16Pairs, kByteLut };
 
 struct KernelTable {
   Isa isa;
@@ -47,12 +51,16 @@ struct KernelTable {
                      int64_t ld_out);
   void (*situ)(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h);
   // Prefill variant of mxfp4_rows (null where the ISA has none): activations token-major,
-  // xt[slot * ld_t + token] with the kFloat slot order of chunk 128 and ld_t a multiple of 16
-  // (padding tokens zero). Dequantizes a panel of rows to fp32 once and runs an FMA
+  // xt[slot * ld_t + token] in the slot order of tm_layout (TokenMajorSlot) and ld_t a
+  // multiple of 16 (padding tokens zero). Dequantizes a panel of rows to fp32 once and runs an FMA
   // microkernel over it, so the decode cost is shared by all tokens.
   void (*mxfp4_rows_tm)(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
                         int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
                         int64_t ld_out);
+  // The slot order of mxfp4_rows_tm's token-major activations (a float layout: kFloat with
+  // tm_chunk columns per chunk, or kByteLut).
+  MxLayout tm_layout;
+  int64_t tm_chunk;
 };
 
 // Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).
@@ -73,6 +81,10 @@ void StoreActivation(const KernelTable& k, float* slots, int64_t i, float v);
 // x fp32 [tokens, cols] -> [tokens, ActivationSlots] in the table's layout, padding zeroed.
 void PrepareActivations(const KernelTable& k, const float* x, int64_t tokens, int64_t cols,
                         float* slots);
+// Token-major layout of mxfp4_rows_tm: slots per token column (padding included) and the slot
+// of column i.
+int64_t TokenMajorSlots(const KernelTable& k, int64_t cols);
+int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
 
 }  // namespace moe::numerics::cpu
 

@@ -3,6 +3,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "services/numerics/cpu/kernels.h"
 
@@ -20,6 +22,11 @@ inline float ReduceAdd(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
+// ---------------------------------------------------------------- dense bf16 GEMM
+
+// Few tokens: a strip of 8*OV columns of one 128-column tile for TT tokens, weights converted
+// from bf16 as they stream (each weight is used TT times, so the conversion is not amortized
+// and the loop runs at memory bandwidth).
 template <int TT, int OV>
 void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y, int64_t ld_y) {
   __m256 acc[TT][OV];
@@ -53,10 +60,88 @@ void GemmTile(const float* x, int64_t in, const uint16_t* w, float* y, int64_t l
   }
 }
 
+// Many tokens: the weights of a 16-column strip are converted to fp32 once per block of
+// kGemmKBlock reduction steps (an L1-resident panel) and reused by every group of 6 tokens; the
+// 6 x 16 microkernel holds 12 accumulators, 2 weight vectors and a broadcast in the 16 ymm
+// registers. Accumulators go through y between blocks (an fp32 store and reload is exact), so
+// every output is still summed over k in ascending order from 0.
+constexpr int64_t kGemmKBlock = 256;
+constexpr int64_t kGemmPackTokens = 24;  // from here the panel conversion pays for itself
+
+template <int TT>
+void GemmPanelTile(const float* x, int64_t in, const float* panel, int64_t kn, bool first, float* y,
+                   int64_t ld_y) {
+  __m256 acc[TT][2];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) {
+    acc[t][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + t * ld_y);
+    acc[t][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + t * ld_y + 8);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 w0 = _mm256_load_ps(panel + k * 16), w1 = _mm256_load_ps(panel + k * 16 + 8);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(x + t * in + k);
+      acc[t][0] = _mm256_fmadd_ps(xb, w0, acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(xb, w1, acc[t][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) {
+    _mm256_storeu_ps(y + t * ld_y, acc[t][0]);
+    _mm256_storeu_ps(y + t * ld_y + 8, acc[t][1]);
+  }
+}
+
+void GemmPacked(const float* x, int64_t tokens, int64_t in, const uint16_t* w, float* y,
+                int64_t ld_y) {
+  alignas(32) float panel[kGemmKBlock * 16];
+  for (int64_t col = 0; col < kGemmColumnTile; col += 16) {
+    for (int64_t k0 = 0; k0 < in; k0 += kGemmKBlock) {
+      const int64_t kn = in - k0 < kGemmKBlock ? in - k0 : kGemmKBlock;
+      for (int64_t k = 0; k < kn; ++k) {
+        const uint16_t* src = w + (k0 + k) * kGemmColumnTile + col;
+        _mm256_store_ps(panel + k * 16, LoadBf16x8(src));
+        _mm256_store_ps(panel + k * 16 + 8, LoadBf16x8(src + 8));
+      }
+      const bool first = k0 == 0;
+      const float* xk = x + k0;
+      float* yc = y + col;
+      int64_t t = 0;
+      for (; t + 6 <= tokens; t += 6) {
+        GemmPanelTile<6>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+      }
+      switch (tokens - t) {
+        case 5:
+          GemmPanelTile<5>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+          break;
+        case 4:
+          GemmPanelTile<4>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+          break;
+        case 3:
+          GemmPanelTile<3>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+          break;
+        case 2:
+          GemmPanelTile<2>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+          break;
+        case 1:
+          GemmPanelTile<1>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+          break;
+        default:
+          break;
+      }
+    }
+  }
+}
+
 void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_t o0, int64_t o1,
           float* y, int64_t ld_y) {
   for (int64_t o = o0; o < o1; o += kGemmColumnTile) {
     const uint16_t* w = wt + (o / kGemmColumnTile) * in * kGemmColumnTile;
+    if (tokens >= kGemmPackTokens) {
+      GemmPacked(x, tokens, in, w, y + o, ld_y);
+      continue;
+    }
     int64_t t = 0;
     for (; t + 6 <= tokens; t += 6) GemmTile<6, 2>(x + t * in, in, w, y + t * ld_y + o, ld_y);
     for (; t + 2 <= tokens; t += 2) GemmTile<2, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
@@ -64,82 +149,326 @@ void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_
   }
 }
 
-// 64-column chunks: 32 packed bytes = 8 u32 lanes, lane i = columns 8i..8i+7. vpermps reads 3
-// index bits, so the table holds magnitudes and the sign (nibble bit 3) is moved to bit 31.
+// ---------------------------------------------------------------- MXFP4 decode (byte shuffles)
+
+// A 64-column chunk is 32 packed bytes, one ymm load. The nibbles are split into two byte
+// vectors (low nibbles: even columns, high nibbles: odd columns); two vpshufb lookups give the
+// high and the low byte of each weight's bf16 value (E2M1 is exact in bf16), one unpack pairs
+// them into bf16 words, and a shift (even words) or a mask (odd words) widens each word to fp32.
+// That is 19 instructions per 64 weights, about half of the vpermps decode with a separate sign
+// (the AVX2 vpermps reads only 3 index bits). The resulting column order is MxLayout::kByteLut;
+// the activations are stored in that order, so no shuffle is spent on them.
+struct ByteLut {
+  __m256i hi, lo, nibble;
+};
+
+inline ByteLut MakeByteLut() {
+  // bf16 of E2M1 code c: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x3F00 .. 0x40C0), codes 8..15 negated.
+  const __m256i hi = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, -128, -65,
+                                      -65, -65, -64, -64, -64, -64, 0x00, 0x3F, 0x3F, 0x3F, 0x40,
+                                      0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64);
+  const __m256i lo =
+      _mm256_setr_epi8(0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64, 0,
+                       0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64);
+  return {hi, lo, _mm256_set1_epi8(0x0F)};
+}
+
+// Decodes half h of a chunk (h = 0: the low nibbles, even columns; h = 1: the high nibbles)
+// into v[0..3]: v[n] holds slots 8 (4 h + n) .. 8 (4 h + n) + 7 of the chunk (kByteLut). The
+// even bf16 words are widened with a shift, or, with kShuffleWiden, with a vpshufb that puts
+// them in the upper half of their dword (the same result on the shuffle port, which leaves the
+// two FMA ports to the multiply-adds when several tokens share the decoded weights).
+template <bool kShuffleWiden>
+inline void DecodeHalf(const ByteLut& lut, __m256i packed, int h, __m256 v[4]) {
+  const __m256i idx = h == 0 ? _mm256_and_si256(packed, lut.nibble)
+                             : _mm256_and_si256(_mm256_srli_epi16(packed, 4), lut.nibble);
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i hb = _mm256_shuffle_epi8(lut.hi, idx);
+  const __m256i lb = _mm256_shuffle_epi8(lut.lo, idx);
+  const __m256i w0 = _mm256_unpacklo_epi8(lb, hb), w1 = _mm256_unpackhi_epi8(lb, hb);
+  if constexpr (kShuffleWiden) {
+    // Byte 4q + 2, 4q + 3 of the result <- bytes 4q, 4q + 1; the low bytes zeroed (index bit 7).
+    const __m256i even_high =
+        _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13, -1, -1, 0, 1, -1,
+                         -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
+    v[0] = _mm256_castsi256_ps(_mm256_shuffle_epi8(w0, even_high));
+    v[2] = _mm256_castsi256_ps(_mm256_shuffle_epi8(w1, even_high));
+  } else {
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    v[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+  }
+  v[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, mask));
+  v[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, mask));
+}
+
+// 32 packed bytes of chunk c of a row; a 32-column tail chunk fills the upper half with zeros
+// (code 0 decodes to +0, and the activation padding is zero too).
+inline __m256i LoadChunk(const uint8_t* row, int64_t c, int64_t cols) {
+  if (cols - c * 64 >= 64)
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+  return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32)));
+}
+
+// 2^(s - 127) as float bits s << 23, for every E8M0 byte s (s = 0 reads as 0; 0xFF never
+// gets here: the loader rejects it).
+struct E8M0Table {
+  alignas(64) float v[256];
+  E8M0Table() {
+    for (uint32_t s = 0; s < 256; ++s) {
+      const uint32_t bits = s << 23;
+      std::memcpy(&v[s], &bits, sizeof(bits));
+    }
+  }
+};
+const E8M0Table kE8M0;
+
+// The scales of chunk c as 8 fp32 lanes: the lower 128 bits (columns 0..31) belong to block
+// 2c, the upper to block 2c+1 (two broadcast loads and one insert).
+inline __m256 ChunkScale(const uint8_t* s, int64_t c, int64_t cols) {
+  const __m128 s0 = _mm_broadcast_ss(&kE8M0.v[s[2 * c]]);
+  const __m128 s1 = _mm_broadcast_ss(&kE8M0.v[cols - c * 64 > 32 ? s[2 * c + 1] : 0]);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(s0), s1, 1);
+}
+
+// Decode: R rows x TT tokens. The chunk is decoded in halves so that only 4 decoded vectors
+// are live next to the accumulators. Two ways to apply the block scales, chosen so that there
+// are enough independent FMA chains (4-cycle latency, 2 ports) in the 16 registers:
+//  * one token (kLate): the 8 products of a row and chunk go into one partial sum that the
+//    scales multiply once (one FMA per chunk instead of 8 multiplies); R = 4 rows give 4 chains;
+//  * 2-8 tokens: the decoded weights are scaled (8 multiplies per chunk, shared by the tokens)
+//    and each (row, token) sums the two halves in two chains (R x TT x 2 = 8 in all), or in one
+//    for 8 tokens (8 chains, and 8 accumulators leave room for the decoded vectors).
 template <int R, int TT>
-void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r, const float* xp,
-             int64_t ld_xp, float* out_r, int64_t ld_out) {
-  const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-  const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r, int64_t c0,
+             int64_t c1, const float* xp, int64_t ld_xp, float* acc_io, bool first, bool last,
+             float* out_r, int64_t ld_out) {
+  constexpr bool kLate = TT == 1;
+  constexpr int kChains = kLate || TT >= 8 ? 1 : 2;
+  const ByteLut lut = MakeByteLut();
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
-  __m256 acc[R][TT];
+  __m256 acc[R][TT][kChains];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[i][t] = _mm256_setzero_ps();
+    for (int t = 0; t < TT; ++t) {
+#pragma GCC unroll 2
+      for (int h = 0; h < kChains; ++h) {
+        acc[i][t][h] = first ? _mm256_setzero_ps()
+                             : _mm256_loadu_ps(acc_io + ((i * TT + t) * kChains + h) * 8);
+      }
+    }
   }
-  for (int64_t c = 0; c * 64 < cols; ++c) {
-    const bool full = cols - c * 64 >= 64;
-    const __m256i lane_mask =
-        full ? _mm256_set1_epi32(-1) : _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0);
-    __m256i lanes[R];
-    __m256 scale[R];
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* x = xp + c * 64;
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      lanes[i] = _mm256_maskload_epi32(
-          reinterpret_cast<const int*>(packed + (r + i) * row_bytes + c * 32), lane_mask);
-      const uint8_t* s = scales + (r + i) * scale_bytes + c * 2;
-      const int s0 = s[0], s1 = full ? s[1] : 0;
-      scale[i] = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1), 23));
-    }
-    const float* x = xp + c * 64;
-#pragma GCC unroll 8
-    for (int n = 0; n < 8; ++n) {
-      const __m128i shift = _mm_cvtsi32_si128(4 * n);
-      const __m128i sign_shift = _mm_cvtsi32_si128(28 - 4 * n);
-#pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) {
-        const __m256 mag = _mm256_permutevar8x32_ps(lut, _mm256_srl_epi32(lanes[i], shift));
-        const __m256i sign = _mm256_and_si256(_mm256_sll_epi32(lanes[i], sign_shift), sign_bit);
-        const __m256 v = _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), scale[i]);
+      const uint8_t* row = packed + (r + i) * row_bytes;
+      // The same chunk two blocks of rows down, so later rows stream in ahead of time; a
+      // prefetch never faults, also past the end of the matrix.
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes + c * 32), _MM_HINT_T0);
+      const __m256i bytes = LoadChunk(row, c, cols);
+      const __m256 scale = ChunkScale(scales + (r + i) * scale_bytes, c, cols);
+      __m256 part[TT];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256 v[4];
+        DecodeHalf<!kLate>(lut, bytes, h, v);
+        if constexpr (!kLate) {
+#pragma GCC unroll 4
+          for (int n = 0; n < 4; ++n) v[n] = _mm256_mul_ps(v[n], scale);
+        }
 #pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) {
-          acc[i][t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * ld_xp + n * 8), acc[i][t]);
+          const float* xt = x + t * ld_xp + 32 * h;
+          if constexpr (kLate) {
+            if (h == 0) part[t] = _mm256_mul_ps(v[0], _mm256_loadu_ps(xt));
+#pragma GCC unroll 4
+            for (int n = h == 0 ? 1 : 0; n < 4; ++n) {
+              part[t] = _mm256_fmadd_ps(v[n], _mm256_loadu_ps(xt + 8 * n), part[t]);
+            }
+          } else {
+#pragma GCC unroll 4
+            for (int n = 0; n < 4; ++n) {
+              acc[i][t][h % kChains] =
+                  _mm256_fmadd_ps(v[n], _mm256_loadu_ps(xt + 8 * n), acc[i][t][h % kChains]);
+            }
+          }
         }
+      }
+      if constexpr (kLate) {
+#pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) acc[i][t][0] = _mm256_fmadd_ps(part[t], scale, acc[i][t][0]);
       }
     }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) out_r[t * ld_out + i] = ReduceAdd(acc[i][t]);
+    for (int t = 0; t < TT; ++t) {
+      if (!last) {
+#pragma GCC unroll 2
+        for (int h = 0; h < kChains; ++h) {
+          _mm256_storeu_ps(acc_io + ((i * TT + t) * kChains + h) * 8, acc[i][t][h]);
+        }
+        continue;
+      }
+      const __m256 sum =
+          kChains == 1 ? acc[i][t][0] : _mm256_add_ps(acc[i][t][0], acc[i][t][kChains - 1]);
+      out_r[t * ld_out + i] = ReduceAdd(sum);
+    }
   }
 }
 
+// Rows [r0, r1) for TT tokens. The columns are walked in blocks whose activations (TT x block
+// x 4 bytes <= 16 KB) stay in L1 while every row of the range runs over them: without it each
+// weight row re-read all its activations from L2 (57 KB for 4 tokens of a K3 row), and the
+// L2 bandwidth, not the FMA ports, set the speed (4 tokens: 32 cycles per 64-weight chunk, 16
+// with blocks). Vector accumulators go through acc_io between blocks (exact).
 template <int R, int TT>
 void MxRows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
             const float* xp, int64_t ld_xp, float* out, int64_t ld_out) {
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    MxBlock<R, TT>(packed, scales, cols, r, xp, ld_xp, out + (r - r0), ld_out);
+  constexpr int kChains = TT == 1 || TT >= 8 ? 1 : 2;
+  constexpr int64_t kBlockChunks = 16384 / (TT * 64 * 4) < 1 ? 1 : 16384 / (TT * 64 * 4);
+  const int64_t chunks = (cols + 63) / 64;
+  // malloc, not std::vector: no inline code shared with other files (see kernels_avx512.cc).
+  float* acc_io = chunks > kBlockChunks
+                      ? static_cast<float*>(std::malloc(
+                            sizeof(float) * static_cast<size_t>((r1 - r0) * TT * kChains * 8)))
+                      : nullptr;
+  for (int64_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    const int64_t c1 = c0 + kBlockChunks < chunks ? c0 + kBlockChunks : chunks;
+    const bool first = c0 == 0, last = c1 == chunks;
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      MxBlock<R, TT>(packed, scales, cols, r, c0, c1, xp, ld_xp,
+                     acc_io + (r - r0) * TT * kChains * 8, first, last, out + (r - r0), ld_out);
+    }
+    for (; r < r1; ++r) {
+      MxBlock<1, TT>(packed, scales, cols, r, c0, c1, xp, ld_xp,
+                     acc_io + (r - r0) * TT * kChains * 8, first, last, out + (r - r0), ld_out);
+    }
   }
-  for (; r < r1; ++r) MxBlock<1, TT>(packed, scales, cols, r, xp, ld_xp, out + (r - r0), ld_out);
+  std::free(acc_io);
 }
 
 void Mxfp4Rows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
                const float* xp, int64_t ld_xp, int64_t tokens, float* out, int64_t ld_out) {
   int64_t t = 0;
-  for (; t + 4 <= tokens; t += 4) {
-    MxRows<2, 4>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+  for (; t + 8 <= tokens; t += 8) {
+    MxRows<1, 8>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
   }
-  for (; t + 2 <= tokens; t += 2) {
+  for (; t + 4 <= tokens; t += 4) {
+    MxRows<1, 4>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+  }
+  if (tokens - t >= 2) {
     MxRows<2, 2>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+    t += 2;
   }
   if (t < tokens) {
     MxRows<4, 1>(packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
   }
 }
+
+// ---------------------------------------------------------------- MXFP4 prefill (panel)
+
+// Chunks [c0, c1) of one row decoded to fp32 with the scales applied, in kByteLut slot order;
+// dst receives (c1 - c0) * 64 floats.
+void DecodeChunks(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t c0,
+                  int64_t c1, float* dst) {
+  const ByteLut lut = MakeByteLut();
+  for (int64_t c = c0; c < c1; ++c) {
+    const __m256i bytes = LoadChunk(packed, c, cols);
+    const __m256 scale = ChunkScale(scales, c, cols);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 v[4];
+      DecodeHalf<false>(lut, bytes, h, v);
+#pragma GCC unroll 4
+      for (int n = 0; n < 4; ++n) {
+        _mm256_storeu_ps(dst + (c - c0) * 64 + 8 * (4 * h + n), _mm256_mul_ps(v[n], scale));
+      }
+    }
+  }
+}
+
+// RB rows x TV vectors of 8 tokens over kn slots, accumulating into acc_buf[row][token]:
+// RB broadcasts and TV loads feed RB x TV FMAs per slot (4 x 3: 12 accumulators, 3 token
+// vectors and a broadcast in the 16 ymm registers).
+template <int RB, int TV>
+void PanelTile(const float* panel, int64_t kn, const float* xt, int64_t ld_t, int64_t t0,
+               float* acc_buf) {
+  __m256 acc[RB][TV];
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < TV; ++j) acc[i][j] = _mm256_loadu_ps(acc_buf + i * ld_t + t0 + 8 * j);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    __m256 xv[TV];
+#pragma GCC unroll 16
+    for (int j = 0; j < TV; ++j) xv[j] = _mm256_loadu_ps(xt + k * ld_t + t0 + 8 * j);
+#pragma GCC unroll 16
+    for (int i = 0; i < RB; ++i) {
+      const __m256 w = _mm256_broadcast_ss(panel + i * kn + k);
+#pragma GCC unroll 16
+      for (int j = 0; j < TV; ++j) acc[i][j] = _mm256_fmadd_ps(w, xv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < RB; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < TV; ++j) _mm256_storeu_ps(acc_buf + i * ld_t + t0 + 8 * j, acc[i][j]);
+  }
+}
+
+template <int RB>
+void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, float* acc_buf) {
+  int64_t t0 = 0;
+  for (; t0 + 24 <= ld_t; t0 += 24) PanelTile<RB, 3>(panel, kn, xt, ld_t, t0, acc_buf);
+  for (; t0 + 16 <= ld_t; t0 += 16) PanelTile<RB, 2>(panel, kn, xt, ld_t, t0, acc_buf);
+  for (; t0 < ld_t; t0 += 8) PanelTile<RB, 1>(panel, kn, xt, ld_t, t0, acc_buf);
+}
+
+// Prefill. Slots are walked in blocks of 256 so that the token-major activations of a block
+// (256 x ld_t floats: 256 KB at 256 tokens, half of a Zen 3 L2) stay in L2 while every panel of
+// 4 rows (decoded to fp32 once per block) runs over them; sums accumulate per (row, token) in
+// slot order in acc_buf.
+void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
+             const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
+  constexpr int kRows = 4;
+  constexpr int64_t kChunksPerBlock = 4;  // 256 slots
+  const int64_t rows = r1 - r0, chunks = (cols + 63) / 64;
+  // malloc, not std::vector: no inline code shared with other files (see kernels_avx512.cc).
+  float* acc_buf =
+      static_cast<float*>(std::calloc(static_cast<size_t>(rows * ld_t), sizeof(float)));
+  float* panel = static_cast<float*>(
+      std::malloc(sizeof(float) * static_cast<size_t>(kRows * kChunksPerBlock * 64)));
+  for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerBlock) {
+    const int64_t c1 = c0 + kChunksPerBlock < chunks ? c0 + kChunksPerBlock : chunks;
+    const int64_t kn = (c1 - c0) * 64;
+    const float* xb = xt + c0 * 64 * ld_t;
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      for (int i = 0; i < kRows; ++i) {
+        DecodeChunks(packed + (r0 + r + i) * (cols / 2), scales + (r0 + r + i) * (cols / 32), cols,
+                     c0, c1, panel + i * kn);
+      }
+      PanelRows<kRows>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+    }
+    for (; r < rows; ++r) {
+      DecodeChunks(packed + (r0 + r) * (cols / 2), scales + (r0 + r) * (cols / 32), cols, c0, c1,
+                   panel);
+      PanelRows<1>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < tokens; ++t) out[t * ld_out + r] = acc_buf[r * ld_t + t];
+  }
+  std::free(panel);
+  std::free(acc_buf);
+}
+
+// ---------------------------------------------------------------- SiTU
 
 inline __m256 RoundBf16(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
@@ -216,8 +545,8 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table = {Isa::kAvx2, "avx2", MxLayout::kFloat, 64, Gemm,
-                                    Mxfp4Rows,  Situ,   nullptr};
+  static const KernelTable table = {Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64, Gemm, Mxfp4Rows,
+                                    Situ,       MxPanel, MxLayout::kByteLut, 64};
   return table;
 }
 

@@ -528,15 +528,15 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table = {Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,
-                                    Mxfp4Rows,    Situ,     MxPanel};
+  static const KernelTable table = {Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm, Mxfp4Rows,
+                                    Situ,         MxPanel,  MxLayout::kFloat, 128};
   return table;
 }
 
 const KernelTable& Avx512Bf16Kernels() {
   static const KernelTable table = {
-      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm, Mxfp4RowsBf16, Situ,
-      MxPanel};
+      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm, Mxfp4RowsBf16, Situ, MxPanel,
+      MxLayout::kFloat, 128};
   return table;
 }
 

@@ -56,8 +56,9 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table = {Isa::kScalar, "scalar",        MxLayout::kFloat, 8,
-                                    GemmScalar,   Mxfp4RowsScalar, SituScalar,       nullptr};
+  static const KernelTable table = {
+      Isa::kScalar, "scalar", MxLayout::kFloat, 8,  GemmScalar, Mxfp4RowsScalar,
+      SituScalar,   nullptr,  MxLayout::kFloat, 128};
   return table;
 }
 
@@ -75,15 +76,44 @@ const KernelTable& KernelsFor(Isa isa) {
   return ScalarKernels();
 }
 
+namespace {
+
+// Slot of column i in a float layout (kFloat with `chunk` columns per chunk, or kByteLut).
+int64_t FloatSlot(MxLayout layout, int64_t chunk, int64_t i) {
+  if (layout == MxLayout::kByteLut) {
+    const int64_t within = i % 64, half = within / 32, r = within % 32;
+    const int64_t nibble = r % 2, j = r / 2;
+    const int64_t n = 4 * nibble + 2 * (j / 8) + j % 2, q = (j % 8) / 2;
+    return i - within + 8 * n + 4 * half + q;
+  }
+  const int64_t within = i % chunk;
+  return i - within + (within % 8) * (chunk / 8) + within / 8;
+}
+
+int64_t FloatChunk(MxLayout layout, int64_t chunk) {
+  return layout == MxLayout::kByteLut ? 64 : chunk;
+}
+
+}  // namespace
+
 int64_t ActivationSlots(const KernelTable& k, int64_t cols) {
   if (k.mx_layout == MxLayout::kBf16Pairs) return (cols + 127) / 128 * 64;
-  return (cols + k.mx_chunk - 1) / k.mx_chunk * k.mx_chunk;
+  const int64_t chunk = FloatChunk(k.mx_layout, k.mx_chunk);
+  return (cols + chunk - 1) / chunk * chunk;
+}
+
+int64_t TokenMajorSlots(const KernelTable& k, int64_t cols) {
+  const int64_t chunk = FloatChunk(k.tm_layout, k.tm_chunk);
+  return (cols + chunk - 1) / chunk * chunk;
+}
+
+int64_t TokenMajorSlot(const KernelTable& k, int64_t i) {
+  return FloatSlot(k.tm_layout, k.tm_chunk, i);
 }
 
 void StoreActivation(const KernelTable& k, float* slots, int64_t i, float v) {
-  if (k.mx_layout == MxLayout::kFloat) {
-    const int64_t within = i % k.mx_chunk;
-    slots[i - within + (within % 8) * (k.mx_chunk / 8) + within / 8] = v;
+  if (k.mx_layout != MxLayout::kBf16Pairs) {
+    slots[FloatSlot(k.mx_layout, k.mx_chunk, i)] = v;
     return;
   }
   const int64_t within = i % 128, m = within % 8;

@@ -129,7 +129,11 @@ TEST_P(Consistency, PackedLinearIsBitExact) {
                                                           {3, 200, 200},
                                                           {5, 128, 384},
                                                           {13, 64, 130},
-                                                          {30, 100, 256}}) {
+                                                          {30, 100, 256},
+                                                          // many tokens: the packed-panel path,
+                                                          // reduction not a multiple of a block
+                                                          {100, 600, 256},
+                                                          {37, 257, 130}}) {
     const std::vector<Bf16> x = RandomBf16(tokens * in, 1.0f, tokens + in);
     const std::vector<Bf16> w = RandomBf16(out * in, 0.1f, out);
     std::vector<float> want(static_cast<size_t>(tokens * out));
@@ -190,7 +194,9 @@ std::vector<float> RandomBf16Values(int64_t n, Rng& rng) {
 
 TEST_P(Consistency, Mxfp4RowsWithinTheSummationBound) {
   Rng rng(7);
-  for (int64_t cols : {32, 64, 96, 128, 448, 512}) {
+  // 1056 and 2080 columns reach the column blocks of the AVX2 decode (activations of a block
+  // <= 16 KB), with a 32-column tail chunk.
+  for (int64_t cols : {32, 64, 96, 128, 448, 512, 1056, 2080}) {
     const int64_t rows = 37, tokens = 11;
     const RandomMxfp4 w(rows, cols, rng);
     const std::vector<float> x = RandomBf16Values(tokens * cols, rng);
@@ -337,15 +343,12 @@ TEST_P(Consistency, BadInputIsRejected) {
 void CheckPanelRows(const KernelTable& k) {
   Rng rng(17);
   for (int64_t cols : {64, 448, 640}) {
-    const int64_t rows = 29, tokens = 37, ld_t = 48, slots = (cols + 127) / 128 * 128;
+    const int64_t rows = 29, tokens = 37, ld_t = 48, slots = TokenMajorSlots(k, cols);
     const RandomMxfp4 w(rows, cols, rng);
     const std::vector<float> x = RandomBf16Values(tokens * cols, rng);
-    std::vector<float> xt(slots * ld_t, 0.0f);  // token-major, kFloat slot order of chunk 128
+    std::vector<float> xt(slots * ld_t, 0.0f);  // token-major, in the table's slot order
     for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < cols; ++i) {
-        const int64_t within = i % 128;
-        xt[(i - within + (within % 8) * 16 + within / 8) * ld_t + t] = x[t * cols + i];
-      }
+      for (int64_t i = 0; i < cols; ++i) xt[TokenMajorSlot(k, i) * ld_t + t] = x[t * cols + i];
     }
     const int64_t r0 = 5, r1 = rows;
     std::vector<float> out(tokens * (r1 - r0), -1.0f);
