@@ -61,6 +61,9 @@ struct KernelTable {
   // tm_chunk columns per chunk, or kByteLut).
   MxLayout tm_layout;
   int64_t tm_chunk;
+  // The fp32 multiply-add peak probe of this ISA: `iters` iterations of independent
+  // register-resident FMA chains (more chains than latency x ports); returns the flops done.
+  double (*fma_probe)(int64_t iters);
 };
 
 // Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).

@@ -24,18 +24,23 @@ inline float ReduceAdd(__m256 v) {
 
 // ---------------------------------------------------------------- dense bf16 GEMM
 
-// Few tokens: a strip of 8*OV columns of one 128-column tile for TT tokens, weights converted
-// from bf16 as they stream (each weight is used TT times, so the conversion is not amortized
-// and the loop runs at memory bandwidth).
+// Few tokens: a strip of 8*OV columns of one 128-column tile for TT tokens over reduction
+// steps [k0, k1), weights converted from bf16 as they stream (each weight is used TT times, so
+// the conversion is not amortized and the loop runs at memory bandwidth). The strips of a tile
+// walk the reduction in blocks of kGemmKBlock (accumulators through y between blocks, exact), so
+// the tile streams from memory once and the other strips find its block in L2.
 template <int TT, int OV>
-void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float* y, int64_t ld_y) {
+void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, int64_t k0, int64_t k1,
+               float* y, int64_t ld_y) {
   __m256 acc[TT][OV];
 #pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) {
 #pragma GCC unroll 16
-    for (int j = 0; j < OV; ++j) acc[t][j] = _mm256_setzero_ps();
+    for (int j = 0; j < OV; ++j) {
+      acc[t][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + t * ld_y + col + 8 * j);
+    }
   }
-  for (int64_t k = 0; k < in; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     __m256 wv[OV];
 #pragma GCC unroll 16
     for (int j = 0; j < OV; ++j) wv[j] = LoadBf16x8(w + k * kGemmColumnTile + col + 8 * j);
@@ -53,13 +58,6 @@ void GemmStrip(const float* x, int64_t in, const uint16_t* w, int64_t col, float
   }
 }
 
-template <int TT, int OV>
-void GemmTile(const float* x, int64_t in, const uint16_t* w, float* y, int64_t ld_y) {
-  for (int64_t col = 0; col < kGemmColumnTile; col += 8 * OV) {
-    GemmStrip<TT, OV>(x, in, w, col, y, ld_y);
-  }
-}
-
 // Many tokens: the weights of a 16-column strip are converted to fp32 once per block of
 // kGemmKBlock reduction steps (an L1-resident panel) and reused by every group of 6 tokens; the
 // 6 x 16 microkernel holds 12 accumulators, 2 weight vectors and a broadcast in the 16 ymm
@@ -67,6 +65,16 @@ void GemmTile(const float* x, int64_t in, const uint16_t* w, float* y, int64_t l
 // every output is still summed over k in ascending order from 0.
 constexpr int64_t kGemmKBlock = 256;
 constexpr int64_t kGemmPackTokens = 24;  // from here the panel conversion pays for itself
+
+template <int TT, int OV>
+void GemmTile(const float* x, int64_t in, const uint16_t* w, float* y, int64_t ld_y) {
+  for (int64_t k0 = 0; k0 < in; k0 += kGemmKBlock) {
+    const int64_t k1 = in - k0 < kGemmKBlock ? in : k0 + kGemmKBlock;
+    for (int64_t col = 0; col < kGemmColumnTile; col += 8 * OV) {
+      GemmStrip<TT, OV>(x, in, w, col, k0, k1, y, ld_y);
+    }
+  }
+}
 
 template <int TT>
 void GemmPanelTile(const float* x, int64_t in, const float* panel, int64_t kn, bool first, float* y,
@@ -96,9 +104,11 @@ void GemmPanelTile(const float* x, int64_t in, const float* panel, int64_t kn, b
 void GemmPacked(const float* x, int64_t tokens, int64_t in, const uint16_t* w, float* y,
                 int64_t ld_y) {
   alignas(32) float panel[kGemmKBlock * 16];
-  for (int64_t col = 0; col < kGemmColumnTile; col += 16) {
-    for (int64_t k0 = 0; k0 < in; k0 += kGemmKBlock) {
-      const int64_t kn = in - k0 < kGemmKBlock ? in - k0 : kGemmKBlock;
+  // k blocks outermost: the activations of a block (tokens x kGemmKBlock floats, 96 KB for the
+  // 96-token items of PackedLinear) stay in L2 while every strip of the tile runs over them.
+  for (int64_t k0 = 0; k0 < in; k0 += kGemmKBlock) {
+    const int64_t kn = in - k0 < kGemmKBlock ? in - k0 : kGemmKBlock;
+    for (int64_t col = 0; col < kGemmColumnTile; col += 16) {
       for (int64_t k = 0; k < kn; ++k) {
         const uint16_t* src = w + (k0 + k) * kGemmColumnTile + col;
         _mm256_store_ps(panel + k * 16, LoadBf16x8(src));
@@ -145,7 +155,7 @@ void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_
     int64_t t = 0;
     for (; t + 6 <= tokens; t += 6) GemmTile<6, 2>(x + t * in, in, w, y + t * ld_y + o, ld_y);
     for (; t + 2 <= tokens; t += 2) GemmTile<2, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
-    if (tokens - t >= 1) GemmTile<1, 4>(x + t * in, in, w, y + t * ld_y + o, ld_y);
+    if (tokens - t >= 1) GemmTile<1, 8>(x + t * in, in, w, y + t * ld_y + o, ld_y);
   }
 }
 
@@ -542,11 +552,29 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
   }
 }
 
+// 10 independent chains: 2 FMA ports x 4-5 cycles of latency.
+double FmaProbe(int64_t iters) {
+  __m256 acc[10];
+#pragma GCC unroll 10
+  for (int i = 0; i < 10; ++i) acc[i] = _mm256_set1_ps(0.001f * static_cast<float>(i));
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-4f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 10  // the accumulators must live in registers
+    for (int i = 0; i < 10; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  }
+  __m256 sum = acc[0];
+#pragma GCC unroll 10
+  for (int i = 1; i < 10; ++i) sum = _mm256_add_ps(sum, acc[i]);
+  volatile float sink = _mm256_cvtss_f32(sum);
+  (void)sink;
+  return 2.0 * 8 * 10 * static_cast<double>(iters);
+}
+
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table = {Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64, Gemm, Mxfp4Rows,
-                                    Situ,       MxPanel, MxLayout::kByteLut, 64};
+  static const KernelTable table = {Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64, Gemm,    Mxfp4Rows,
+                                    Situ,       MxPanel, MxLayout::kByteLut, 64, FmaProbe};
   return table;
 }
 

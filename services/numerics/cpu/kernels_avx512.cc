@@ -52,10 +52,85 @@ void GemmTile(const float* x, int64_t in, const uint16_t* w, float* y, int64_t l
   }
 }
 
+// Many tokens: the weights of a 32-column strip are converted to fp32 once per block of
+// kGemmKBlock reduction steps (a 32 KB panel in L1) and reused by every group of 12 tokens;
+// the 12 x 32 microkernel holds 24 accumulators, 2 weight vectors and a broadcast in the 32 zmm
+// registers (converting per use had capped T = 256 at 0.37 of the FMA peak: cpu_layer_bench).
+// Accumulators go through y between blocks (exact), so each output is still summed over k in
+// ascending order from 0.
+constexpr int64_t kGemmKBlock = 256;
+constexpr int64_t kGemmPackTokens = 48;  // from here the panel conversion pays for itself
+
+template <int TT>
+void GemmPanelTile(const float* x, int64_t in, const float* panel, int64_t kn, bool first, float* y,
+                   int64_t ld_y) {
+  __m512 acc[TT][2];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) {
+    acc[t][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + t * ld_y);
+    acc[t][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + t * ld_y + 16);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m512 w0 = _mm512_load_ps(panel + k * 32), w1 = _mm512_load_ps(panel + k * 32 + 16);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      const __m512 xb = _mm512_set1_ps(x[t * in + k]);
+      acc[t][0] = _mm512_fmadd_ps(xb, w0, acc[t][0]);
+      acc[t][1] = _mm512_fmadd_ps(xb, w1, acc[t][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) {
+    _mm512_storeu_ps(y + t * ld_y, acc[t][0]);
+    _mm512_storeu_ps(y + t * ld_y + 16, acc[t][1]);
+  }
+}
+
+void GemmPacked(const float* x, int64_t tokens, int64_t in, const uint16_t* w, float* y,
+                int64_t ld_y) {
+  alignas(64) float panel[kGemmKBlock * 32];
+  // k blocks outermost: the activations of a block (tokens x kGemmKBlock floats, 96 KB for the
+  // 96-token items of PackedLinear) stay in L2 while every strip of the tile runs over them.
+  for (int64_t k0 = 0; k0 < in; k0 += kGemmKBlock) {
+    const int64_t kn = in - k0 < kGemmKBlock ? in - k0 : kGemmKBlock;
+    for (int64_t col = 0; col < kGemmColumnTile; col += 32) {
+      for (int64_t k = 0; k < kn; ++k) {
+        const uint16_t* src = w + (k0 + k) * kGemmColumnTile + col;
+        _mm512_store_ps(panel + k * 32, LoadBf16x16(src));
+        _mm512_store_ps(panel + k * 32 + 16, LoadBf16x16(src + 16));
+      }
+      const bool first = k0 == 0;
+      const float* xk = x + k0;
+      float* yc = y + col;
+      int64_t t = 0;
+      for (; t + 12 <= tokens; t += 12) {
+        GemmPanelTile<12>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+      }
+      if (tokens - t >= 8) {
+        GemmPanelTile<8>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+        t += 8;
+      }
+      if (tokens - t >= 4) {
+        GemmPanelTile<4>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+        t += 4;
+      }
+      if (tokens - t >= 2) {
+        GemmPanelTile<2>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+        t += 2;
+      }
+      if (tokens - t >= 1) GemmPanelTile<1>(xk + t * in, in, panel, kn, first, yc + t * ld_y, ld_y);
+    }
+  }
+}
+
 void Gemm(const float* x, int64_t tokens, int64_t in, const uint16_t* wt, int64_t o0, int64_t o1,
           float* y, int64_t ld_y) {
   for (int64_t o = o0; o < o1; o += kGemmColumnTile) {
     const uint16_t* w = wt + (o / kGemmColumnTile) * in * kGemmColumnTile;
+    if (tokens >= kGemmPackTokens) {
+      GemmPacked(x, tokens, in, w, y + o, ld_y);
+      continue;
+    }
     int64_t t = 0;
     for (; t + 12 <= tokens; t += 12) GemmTile<12, 2>(x + t * in, in, w, y + t * ld_y + o, ld_y);
     if (tokens - t >= 8) {
@@ -525,18 +600,45 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
   }
 }
 
+// 12 independent chains: 2 FMA ports x 4-6 cycles of latency.
+double FmaProbe(int64_t iters) {
+  __m512 acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12  // the accumulators must live in registers
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  }
+  __m512 sum = acc[0];
+#pragma GCC unroll 12
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return 2.0 * 16 * 12 * static_cast<double>(iters);
+}
+
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table = {Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm, Mxfp4Rows,
-                                    Situ,         MxPanel,  MxLayout::kFloat, 128};
+  static const KernelTable table = {
+      Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,    Mxfp4Rows,
+      Situ,         MxPanel,  MxLayout::kFloat, 128, FmaProbe};
   return table;
 }
 
 const KernelTable& Avx512Bf16Kernels() {
-  static const KernelTable table = {
-      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm, Mxfp4RowsBf16, Situ, MxPanel,
-      MxLayout::kFloat, 128};
+  static const KernelTable table = {Isa::kAvx512Bf16,
+                                    "avx512bf16",
+                                    MxLayout::kBf16Pairs,
+                                    128,
+                                    Gemm,
+                                    Mxfp4RowsBf16,
+                                    Situ,
+                                    MxPanel,
+                                    MxLayout::kFloat,
+                                    128,
+                                    FmaProbe};
   return table;
 }
 

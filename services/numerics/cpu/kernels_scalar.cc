@@ -53,12 +53,28 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
   }
 }
 
+// Scalar multiply + add (the build does not contract them into FMA) on 8 independent chains.
+double FmaProbeScalar(int64_t iters) {
+  float acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = 0.001f * static_cast<float>(i);
+  const float a = 0.999f, b = 1e-4f;
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + b;
+  }
+  float sum = 0;
+  for (float v : acc) sum += v;
+  volatile float sink = sum;
+  (void)sink;
+  return 2.0 * 8 * static_cast<double>(iters);
+}
+
 }  // namespace
 
 const KernelTable& ScalarKernels() {
   static const KernelTable table = {
-      Isa::kScalar, "scalar", MxLayout::kFloat, 8,  GemmScalar, Mxfp4RowsScalar,
-      SituScalar,   nullptr,  MxLayout::kFloat, 128};
+      Isa::kScalar, "scalar", MxLayout::kFloat, 8,   GemmScalar,    Mxfp4RowsScalar,
+      SituScalar,   nullptr,  MxLayout::kFloat, 128, FmaProbeScalar};
   return table;
 }
 
