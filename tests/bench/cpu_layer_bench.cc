@@ -164,8 +164,9 @@ std::string Judge(double fraction, double target) {
 }
 
 struct Limits {
-  double bandwidth = 0;
-  double fma[4][2] = {};  // [isa][0: one thread, 1: all threads]
+  double bandwidth = 0;      // all threads
+  double bandwidth_one = 0;  // one thread (what a 1-thread row can read at most)
+  double fma[4][2] = {};     // [isa][0: one thread, 1: all threads]
   double bf16 = 0;
 };
 
@@ -178,6 +179,7 @@ void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet
   const numerics::cpu::KernelTable& k = KernelsFor(isa);
   ThreadPool pool(threads);
   const double fma = lim.fma[static_cast<int>(isa)][threads > 1 ? 1 : 0];
+  const double bandwidth = threads > 1 ? lim.bandwidth : lim.bandwidth_one;
   const std::string tag = std::string(IsaName(isa)) + ", " + std::to_string(threads) + "t: ";
   for (int64_t per_expert : {1, 4, 64, 256}) {
     const ExpertSet& set = per_expert >= 256 ? set8 : (per_expert >= 64 ? set16 : set64);
@@ -205,12 +207,12 @@ void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet
     const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
     const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * per_expert * experts;
     if (per_expert <= 4) {
-      const double roof = std::min(lim.bandwidth, fma / (4.0 * per_expert));
+      const double roof = std::min(bandwidth, fma / (4.0 * per_expert));
       const double target = per_expert == 1 ? 0.8 : 0.6;
-      const double frac = weight_bytes / s / (per_expert == 1 ? lim.bandwidth : roof);
+      const double frac = weight_bytes / s / (per_expert == 1 ? bandwidth : roof);
       Add(tag + std::to_string(per_expert) + " tok/expert, weights",
           F("%.1f GB/s", weight_bytes / s / 1e9) + F(" %.0f GF/s", flops / s / 1e9),
-          F("bw %.1f", lim.bandwidth / 1e9) + F(" roof %.1f GB/s", roof / 1e9), Judge(frac, target),
+          F("bw %.1f", bandwidth / 1e9) + F(" roof %.1f GB/s", roof / 1e9), Judge(frac, target),
           per_expert == 1 ? ">= 0.8 of bw" : ">= 0.6 of roof");
     } else {
       Add(tag + std::to_string(per_expert) + " tok/expert, FLOP/s",
@@ -442,7 +444,9 @@ int main(int argc, char** argv) {
   {
     ThreadPool all(kThreads), one(1);
     lim.bandwidth = moe::numerics::cpu::MeasureReadBandwidth(&all, int64_t{1} << 30, 5);
-    Add("limit: streaming read, 1 GiB, all threads", F("%.1f GB/s", lim.bandwidth / 1e9));
+    lim.bandwidth_one = moe::numerics::cpu::MeasureReadBandwidth(&one, int64_t{1} << 30, 3);
+    Add("limit: streaming read, 1 GiB, all threads", F("%.1f GB/s", lim.bandwidth / 1e9),
+        F("1 thread %.1f", lim.bandwidth_one / 1e9));
     for (Isa isa : isas) {
       const auto& k = KernelsFor(isa);
       lim.fma[static_cast<int>(isa)][0] = moe::numerics::cpu::MeasureFmaPeak(k, &one, 0.2);

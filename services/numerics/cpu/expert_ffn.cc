@@ -1,6 +1,7 @@
 #include "services/numerics/cpu/expert_ffn.h"
 
 #include <algorithm>
+#include <memory>
 
 namespace moe::numerics::cpu {
 
@@ -25,24 +26,30 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
   const int64_t ld_z = ActivationSlots(k, d), ld_h = ActivationSlots(k, inter);
-  std::vector<float> g(static_cast<size_t>(n * rows)), u(g.size()), h(g.size());
+  // Scratch written in full by the kernels: no zero-fill (it cost about 5% at 256 tokens).
+  const size_t count = static_cast<size_t>(n * rows);
+  std::unique_ptr<float[]> g(new float[count]), u(new float[count]), h(new float[count]);
   if (e.token_major) {
-    k.mxfp4_rows_tm(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), e.ld_t, n, g.data(),
+    k.mxfp4_rows_tm(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), e.ld_t, n, g.get(),
                     rows);
-    k.mxfp4_rows_tm(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), e.ld_t, n, u.data(),
+    k.mxfp4_rows_tm(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), e.ld_t, n, u.get(),
                     rows);
   } else {
-    k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.data(), rows);
-    k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.data(), rows);
+    k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.get(), rows);
+    k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.get(), rows);
   }
-  k.situ(g.data(), u.data(), n * rows, beta, linear_beta, h.data());
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (e.token_major) {
-        e.hp[TokenMajorSlot(k, r) * e.ld_t + t] = h[t * rows + (r - r0)];
-      } else {
-        StoreActivation(k, e.hp.data() + t * ld_h, r, h[t * rows + (r - r0)]);
-      }
+  k.situ(g.get(), u.get(), n * rows, beta, linear_beta, h.get());
+  // h into the FC2 activations: the slot of each row once, not once per element.
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* hr = h.get() + (r - r0);
+    if (e.token_major) {
+      float* dst = e.hp.data() + TokenMajorSlot(k, r) * e.ld_t;
+      for (int64_t t = 0; t < n; ++t) dst[t] = hr[t * rows];
+    } else if (k.mx_layout != MxLayout::kBf16Pairs) {
+      float* dst = e.hp.data() + ActivationSlot(k, r);
+      for (int64_t t = 0; t < n; ++t) dst[t * ld_h] = hr[t * rows];
+    } else {
+      for (int64_t t = 0; t < n; ++t) StoreActivation(k, e.hp.data() + t * ld_h, r, hr[t * rows]);
     }
   }
 }
@@ -52,17 +59,18 @@ void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   const int64_t inter = e.w->w2.cols, d = e.w->w2.rows, rows = r1 - r0;
   const int64_t ld_h = ActivationSlots(k, inter);
-  std::vector<float> out(static_cast<size_t>(n * rows));
+  std::unique_ptr<float[]> out(new float[static_cast<size_t>(n * rows)]);
   if (e.token_major) {
     k.mxfp4_rows_tm(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), e.ld_t, n,
-                    out.data(), rows);
+                    out.get(), rows);
   } else {
-    k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.data(),
+    k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.get(),
                  rows);
   }
   for (int64_t t = 0; t < n; ++t) {
     Bf16* dst = y + e.pairs[t] * d;
-    for (int64_t r = r0; r < r1; ++r) dst[r] = Bf16::FromFloat(out[t * rows + (r - r0)]);
+    const float* src = out.get() + t * rows - r0;
+    for (int64_t r = r0; r < r1; ++r) dst[r] = Bf16::FromFloat(src[r]);
   }
 }
 

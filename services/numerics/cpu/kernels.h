@@ -79,6 +79,8 @@ const KernelTable& Avx512Bf16Kernels();
 
 // 32-bit slots per token for `cols` columns (padding included).
 int64_t ActivationSlots(const KernelTable& k, int64_t cols);
+// Slot of column i in a float layout (kFloat, kByteLut; not kBf16Pairs, whose slots hold pairs).
+int64_t ActivationSlot(const KernelTable& k, int64_t i);
 // Stores column i of one token (v must be a bf16 value for kBf16Pairs: z and h are).
 void StoreActivation(const KernelTable& k, float* slots, int64_t i, float v);
 // x fp32 [tokens, cols] -> [tokens, ActivationSlots] in the table's layout, padding zeroed.

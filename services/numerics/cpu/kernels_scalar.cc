@@ -123,6 +123,10 @@ int64_t TokenMajorSlots(const KernelTable& k, int64_t cols) {
   return (cols + chunk - 1) / chunk * chunk;
 }
 
+int64_t ActivationSlot(const KernelTable& k, int64_t i) {
+  return FloatSlot(k.mx_layout, k.mx_chunk, i);
+}
+
 int64_t TokenMajorSlot(const KernelTable& k, int64_t i) {
   return FloatSlot(k.tm_layout, k.tm_chunk, i);
 }
