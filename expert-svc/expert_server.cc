@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "expert-svc/batch_verifier.h"
 #include "expert-svc/expert_backend.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
@@ -30,6 +31,7 @@
 #include "services/metrics/service_metrics.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/kernels.h"
+#include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/moe_layer.h"
 #include "services/transport/grpc_server.h"
@@ -110,6 +112,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
   std::unique_ptr<metrics::ExpertMetrics> metrics_;
+  numerics::cpu::MachineLimits limits_;  // zero when not measured
+  std::unique_ptr<BatchVerifier> verifier_;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -120,7 +124,38 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::condition_variable reg_cv_;
 };
 
-namespace {}  // namespace
+namespace {
+
+// The reference weights of the production check: regenerated from the seed (independent of the
+// serving copy in memory), or read through a mapping of the checkpoint of our own (read-only
+// pages: what the file holds).
+BatchVerifier::ReferenceWeights ReferenceWeightsFor(const ExpertServerOptions& o,
+                                                    const ModelConfig& cfg) {
+  if (o.checkpoint.empty()) {
+    checkpoint::SyntheticOptions so;
+    so.seed = o.seed;
+    so.router_skew = o.router_skew;
+    return [cfg, so](int64_t layer, int64_t e) -> absl::StatusOr<MoeLayerWeights> {
+      return checkpoint::SyntheticExperts(cfg, layer, e, e + 1, so);
+    };
+  }
+  auto ckpt = std::make_shared<std::unique_ptr<checkpoint::Checkpoint>>();
+  auto mu = std::make_shared<std::mutex>();
+  return [dir = o.checkpoint, cfg, ckpt, mu](int64_t layer,
+                                             int64_t e) -> absl::StatusOr<MoeLayerWeights> {
+    std::lock_guard<std::mutex> lock(*mu);
+    if (*ckpt == nullptr) {
+      MOE_ASSIGN_OR_RETURN(*ckpt, checkpoint::Checkpoint::Open(dir));
+    }
+    checkpoint::LoadOptions lo;
+    lo.dense = false;
+    lo.expert_lo = e;
+    lo.expert_hi = e + 1;
+    return checkpoint::LoadMoeLayer(**ckpt, cfg, layer, lo);
+  };
+}
+
+}  // namespace
 
 absl::StatusOr<std::pair<int64_t, int64_t>> ExpertRangeForOrdinal(const std::string& ranges_json,
                                                                   int64_t ordinal) {
@@ -220,12 +255,8 @@ absl::Status ExpertServer::Impl::Load() {
       checkpoint::SyntheticOptions so;
       so.seed = options_.seed;
       so.router_skew = options_.router_skew;
-      MoeLayerWeights full = checkpoint::SyntheticLayer(cfg_, layer, so);
-      w.layer = layer;
-      w.expert_lo = lo;
-      w.expert_hi = hi;
-      w.experts.assign(full.experts.begin() + lo, full.experts.begin() + hi);
-      w.backing = std::move(full.backing);
+      // Only this server's range (the whole k3 layer would be 15.7 GB).
+      w = checkpoint::SyntheticExperts(cfg_, layer, lo, hi, so);
     }
     // Checks the shapes of every expert of the range (need_experts would demand all E).
     MOE_RETURN_IF_ERROR(numerics::ValidateLayerWeights(cfg_, w, /*need_dense=*/false,
@@ -242,6 +273,21 @@ absl::Status ExpertServer::Impl::Load() {
                options_.shard.c_str(), static_cast<long long>(options_.expert_lo),
                static_cast<long long>(options_.expert_hi),
                backends_.begin()->second->name().c_str());
+  // The limits of the CPU the kernels run on, before any traffic (bounded: 512 MiB read, 3 x
+  // 50 ms of FMAs, about 0.4 s). A GPU backend's limits are not these.
+  if (options_.measure_limits && backends_.begin()->second->name().rfind("cpu", 0) == 0) {
+    numerics::cpu::LimitsOptions lo;
+    lo.read_bytes = int64_t{512} << 20;
+    lo.read_passes = 3;
+    lo.fma_seconds = 0.05;
+    limits_ = numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
+    std::fprintf(stderr,
+                 "expert-svc: shard %s, this machine: read %.1f GB/s, %s FMA peak %.1f GFLOP/s "
+                 "(%d threads, measured in %.2f s)\n",
+                 options_.shard.c_str(), limits_.read_bytes_per_second / 1e9,
+                 numerics::cpu::IsaName(limits_.isa), limits_.fma_flops_per_second / 1e9,
+                 limits_.threads, limits_.seconds);
+  }
   return absl::OkStatus();
 }
 
@@ -258,6 +304,23 @@ absl::Status ExpertServer::Impl::StartServing() {
       MOE_RETURN_IF_ERROR(
           transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
     }
+  }
+  if (metrics_ != nullptr && limits_.threads > 0) {
+    metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
+                               numerics::cpu::IsaName(limits_.isa));
+  }
+  if (options_.verify_fraction > 0) {
+    BatchVerifierOptions vo;
+    vo.fraction = options_.verify_fraction;
+    verifier_ = std::make_unique<BatchVerifier>(
+        cfg_, vo, ReferenceWeightsFor(options_, cfg_),
+        [this](VerifyResult r, const std::string& detail) {
+          if (r == VerifyResult::kMismatch || r == VerifyResult::kError) {
+            std::fprintf(stderr, "expert-svc: shard %s: production check %s: %s\n",
+                         options_.shard.c_str(), VerifyResultName(r), detail.c_str());
+          }
+          if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
+        });
   }
   compute_thread_ = std::thread([this] { ComputeLoop(); });
   transport::GrpcServerOptions so;
@@ -417,6 +480,8 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
     return;
   }
   const std::vector<Bf16>& y = *computed;
+  if (verifier_ != nullptr)
+    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z.data(), y.data());
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
     transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
     return;
@@ -491,8 +556,13 @@ void ExpertServer::Impl::ComputeLoop() {
     }
     if (metrics_ != nullptr) {
       if (reply.code() == 0) {
+        // Each distinct expert's weights stream once per batch (rows are grouped by expert).
+        int64_t experts = 0;
+        const std::vector<int32_t>& ids = b->routing.expert_ids;
+        for (size_t r = 0; r < ids.size(); ++r) experts += r == 0 || ids[r] != ids[r - 1];
         metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(),
-                            b->rows);
+                            b->rows, static_cast<double>(experts) * cfg_.ExpertBytes(),
+                            6.0 * cfg_.latent * cfg_.intermediate * b->rows);
         metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
                            static_cast<int64_t>(reply.outputs().data().size()),
                            reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0);
@@ -616,6 +686,7 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
   if (registrar_thread_.joinable()) registrar_thread_.join();
   // The compute thread answers what is queued (UNAVAILABLE) before the streams are cancelled.
   if (compute_thread_.joinable()) compute_thread_.join();
+  verifier_.reset();  // finishes the check in progress; what waits is counted as skipped
   if (server_ != nullptr) server_->Shutdown(grace);
 }
 

@@ -60,6 +60,12 @@ struct ExpertServerOptions {
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
   int max_queued_batches = 256;  // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;
+  // The production check (batch_verifier.h): this fraction of the batches is recomputed off the
+  // hot path with the scalar reference on independent weights (0: off).
+  double verify_fraction = 1e-3;
+  // Measure this machine's read bandwidth and FMA peak at start (about 0.4 s, CPU backend) and
+  // export what the kernels achieve as fractions of them.
+  bool measure_limits = true;
 };
 
 // The range of `ordinal` in a placement table (format above); checks that the ranges are

@@ -27,6 +27,11 @@ int main(int argc, char** argv) {
                });
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
+  flags.Double(
+      "verify_fraction", &o.verify_fraction,
+      "fraction of batches recomputed with the scalar reference off the hot path (0: off)");
+  flags.Bool("measure_limits", &o.measure_limits,
+             "measure read bandwidth and FMA peak at start (CPU backend, about 0.4 s)");
   if (!flags.Parse(argc, argv)) return 2;
   return moe::RunServer("expert-svc", [&]() { return moe::expert_svc::ExpertServer::Start(o); });
 }

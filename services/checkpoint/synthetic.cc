@@ -150,15 +150,27 @@ numerics::MoeLayerWeights SyntheticLayer(const ModelConfig& cfg, int64_t layer,
       std::memcpy(targets[i]->data(), bytes.data(), bytes.size());
     }
   }
-  w.expert_lo = 0;
-  w.expert_hi = cfg.num_experts;
-  w.experts.resize(static_cast<size_t>(cfg.num_experts));
-  for (int64_t e = 0; e < cfg.num_experts; ++e) {
+  numerics::MoeLayerWeights experts = SyntheticExperts(cfg, layer, 0, cfg.num_experts, opt);
+  w.expert_lo = experts.expert_lo;
+  w.expert_hi = experts.expert_hi;
+  w.experts = std::move(experts.experts);
+  w.backing = std::move(experts.backing);
+  return w;
+}
+
+numerics::MoeLayerWeights SyntheticExperts(const ModelConfig& cfg, int64_t layer, int64_t lo,
+                                           int64_t hi, const SyntheticOptions& opt) {
+  numerics::MoeLayerWeights w;
+  w.layer = layer;
+  w.expert_lo = lo;
+  w.expert_hi = hi;
+  w.experts.resize(static_cast<size_t>(hi - lo));
+  for (int64_t e = lo; e < hi; ++e) {
     auto parts = std::make_shared<std::array<std::vector<uint8_t>, 6>>();
     std::vector<uint8_t> tmp[6];
     ExpertBytes(cfg, layer, e, opt, tmp);
     for (int i = 0; i < 6; ++i) (*parts)[i] = std::move(tmp[i]);
-    numerics::ExpertWeights& ew = w.experts[e];
+    numerics::ExpertWeights& ew = w.experts[e - lo];
     numerics::Mxfp4Matrix* mats[] = {&ew.w1, &ew.w3, &ew.w2};
     for (int m = 0; m < 3; ++m) {
       mats[m]->rows = m == 2 ? cfg.latent : cfg.intermediate;

@@ -53,6 +53,10 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
 // The same layer in memory (owned buffers), for tests.
 numerics::MoeLayerWeights SyntheticLayer(const ModelConfig& cfg, int64_t layer,
                                          const SyntheticOptions& options);
+// Only the routed experts [lo, hi) of that layer (no dense part): what an expert server of that
+// range holds, and, for one expert, an independent copy to check against.
+numerics::MoeLayerWeights SyntheticExperts(const ModelConfig& cfg, int64_t layer, int64_t lo,
+                                           int64_t hi, const SyntheticOptions& options);
 
 // Per-expert popularity p_e in [0, 1) used by the router skew.
 std::vector<float> ExpertPopularity(const ModelConfig& cfg, int64_t layer, uint64_t seed);

@@ -1,5 +1,6 @@
 #include "services/metrics/service_metrics.h"
 
+#include <cmath>
 #include <string>
 
 #ifndef MOE_VERSION
@@ -156,6 +157,7 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                              const std::string& shard)
     : common(registry, "expert-svc"),
       wire(registry),
+      shard_(shard),
       busy_seconds_(BuildCounter()
                         .Name("moe_expert_busy_seconds_total")
                         .Help("Seconds the compute thread spent running expert batches")
@@ -165,7 +167,46 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                       .Name("moe_expert_busy_ratio")
                       .Help("Fraction of the last 10 s the compute thread was busy")
                       .Register(registry)
-                      .Add({{"shard", shard}})) {
+                      .Add({{"shard", shard}})),
+      weight_bytes_(BuildCounter()
+                        .Name("moe_expert_weight_read_bytes_total")
+                        .Help("MXFP4 weight bytes the expert batches streamed (each distinct "
+                              "expert of a batch once)")
+                        .Register(registry)
+                        .Add({{"shard", shard}})),
+      flops_(BuildCounter()
+                 .Name("moe_expert_flops_total")
+                 .Help("Floating-point operations of the expert FFNs (2 per multiply-add)")
+                 .Register(registry)
+                 .Add({{"shard", shard}})),
+      bandwidth_fraction_(BuildGauge()
+                              .Name("moe_expert_weight_bandwidth_fraction")
+                              .Help("Weight bytes/s while computing, last 10 s, over this "
+                                    "machine's measured read bandwidth (NaN while idle)")
+                              .Register(registry)
+                              .Add({{"shard", shard}})),
+      fma_fraction_(BuildGauge()
+                        .Name("moe_expert_fma_peak_fraction")
+                        .Help("FLOP/s while computing, last 10 s, over this machine's measured "
+                              "fp32 FMA peak of the kernels' ISA (NaN while idle)")
+                        .Register(registry)
+                        .Add({{"shard", shard}})),
+      read_bandwidth_(BuildGauge()
+                          .Name("moe_expert_machine_read_bandwidth_bytes_per_second")
+                          .Help("Streaming read bandwidth measured at start, all compute threads "
+                                "(0: not measured)")
+                          .Register(registry)
+                          .Add({{"shard", shard}})),
+      fma_peak_(BuildGauge()
+                    .Name("moe_expert_machine_fma_peak_flops_per_second")
+                    .Help("fp32 multiply-add peak of the kernels' ISA measured at start, all "
+                          "compute threads")
+                    .Register(registry)),
+      verified_(BuildCounter()
+                    .Name("moe_expert_verified_batches_total")
+                    .Help("Sampled batches recomputed with the scalar reference, by result "
+                          "(match, mismatch, skipped, error)")
+                    .Register(registry)) {
   auto& compute = BuildHistogram()
                       .Name("moe_expert_compute_duration_seconds")
                       .Help("Expert FFN time per dispatched batch")
@@ -184,10 +225,15 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
     l.queue = &queue.Add({{"layer", L(layer)}, {"shard", shard}}, LatencyBuckets());
     l.rows = &rows.Add({{"layer", L(layer)}, {"shard", shard}});
   }
+  for (const char* result : {"match", "mismatch", "skipped", "error"}) {
+    verified_.Add({{"shard", shard}, {"result", result}});  // all four series from the start
+  }
+  bandwidth_fraction_.Set(std::nan(""));
+  fma_fraction_.Set(std::nan(""));
 }
 
 void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double compute_seconds,
-                              int64_t rows) {
+                              int64_t rows, double weight_bytes, double flops) {
   auto it = layers_.find(layer);
   if (it != layers_.end()) {
     it->second.compute->Observe(compute_seconds);
@@ -195,23 +241,46 @@ void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double comput
     it->second.rows->Increment(static_cast<double>(rows));
   }
   busy_seconds_.Increment(compute_seconds);
+  weight_bytes_.Increment(weight_bytes);
+  flops_.Increment(flops);
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
-  recent_.emplace_back(now, compute_seconds);
-  UpdateBusyLocked(now);
+  recent_.push_back({now, compute_seconds, weight_bytes, flops});
+  UpdateWindowLocked(now);
+}
+
+void ExpertMetrics::SetMachineLimits(double read_bytes_per_second, double fma_flops_per_second,
+                                     const std::string& isa) {
+  read_bandwidth_.Set(read_bytes_per_second);
+  fma_peak_.Add({{"shard", shard_}, {"isa", isa}}).Set(fma_flops_per_second);
+  std::lock_guard<std::mutex> lock(mu_);
+  limit_bandwidth_ = read_bytes_per_second;
+  limit_flops_ = fma_flops_per_second;
+  UpdateWindowLocked(std::chrono::steady_clock::now());
+}
+
+void ExpertMetrics::Verified(const std::string& result) {
+  verified_.Add({{"shard", shard_}, {"result", result}}).Increment();
 }
 
 void ExpertMetrics::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
-  UpdateBusyLocked(std::chrono::steady_clock::now());
+  UpdateWindowLocked(std::chrono::steady_clock::now());
 }
 
-void ExpertMetrics::UpdateBusyLocked(std::chrono::steady_clock::time_point now) {
+void ExpertMetrics::UpdateWindowLocked(std::chrono::steady_clock::time_point now) {
   const auto window = std::chrono::seconds(10);
-  while (!recent_.empty() && now - recent_.front().first > window) recent_.pop_front();
-  double busy = 0;
-  for (const auto& [end, s] : recent_) busy += s;
+  while (!recent_.empty() && now - recent_.front().end > window) recent_.pop_front();
+  double busy = 0, bytes = 0, flops = 0;
+  for (const Recent& r : recent_) {
+    busy += r.seconds;
+    bytes += r.weight_bytes;
+    flops += r.flops;
+  }
   busy_ratio_.Set(std::min(1.0, busy / 10.0));
+  const double nan = std::nan("");
+  bandwidth_fraction_.Set(busy > 0 && limit_bandwidth_ > 0 ? bytes / busy / limit_bandwidth_ : nan);
+  fma_fraction_.Set(busy > 0 && limit_flops_ > 0 ? flops / busy / limit_flops_ : nan);
 }
 
 RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers)

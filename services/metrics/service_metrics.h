@@ -95,23 +95,45 @@ class ExpertMetrics {
 
   CommonMetrics common;
   WireMetrics wire;
-  void BatchDone(int64_t layer, double queue_seconds, double compute_seconds, int64_t rows);
+  // weight_bytes: MXFP4 bytes of the batch's distinct experts (each streams once per batch);
+  // flops: 2 per multiply-add of the expert FFNs.
+  void BatchDone(int64_t layer, double queue_seconds, double compute_seconds, int64_t rows,
+                 double weight_bytes, double flops);
+  // This machine's limits, measured once at start (numerics/cpu/machine_limits.h); the achieved
+  // weight bytes/s and FLOP/s of the last window are exported as fractions of them.
+  void SetMachineLimits(double read_bytes_per_second, double fma_flops_per_second,
+                        const std::string& isa);
+  // A production check's result: "match", "mismatch", "skipped" or "error" (batch_verifier.h).
+  void Verified(const std::string& result);
   // Fraction of the last window (10 s) the compute thread was busy; updated on each batch and
   // by Tick() (call it periodically so an idle server decays to 0).
   void Tick();
 
  private:
-  void UpdateBusyLocked(std::chrono::steady_clock::time_point now);
+  struct Recent {
+    std::chrono::steady_clock::time_point end;
+    double seconds, weight_bytes, flops;
+  };
+  void UpdateWindowLocked(std::chrono::steady_clock::time_point now);
   struct Layer {
     prometheus::Histogram* compute = nullptr;
     prometheus::Histogram* queue = nullptr;
     prometheus::Counter* rows = nullptr;
   };
+  const std::string shard_;
   std::map<int64_t, Layer> layers_;
   prometheus::Counter& busy_seconds_;
   prometheus::Gauge& busy_ratio_;
+  prometheus::Counter& weight_bytes_;
+  prometheus::Counter& flops_;
+  prometheus::Gauge& bandwidth_fraction_;
+  prometheus::Gauge& fma_fraction_;
+  prometheus::Gauge& read_bandwidth_;
+  prometheus::Family<prometheus::Gauge>& fma_peak_;
+  prometheus::Family<prometheus::Counter>& verified_;
   std::mutex mu_;
-  std::deque<std::pair<std::chrono::steady_clock::time_point, double>> recent_;  // end, seconds
+  std::deque<Recent> recent_;
+  double limit_bandwidth_ = 0, limit_flops_ = 0;
 };
 
 class RouterMetrics {

@@ -4,7 +4,11 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "moe/v1/expert.grpc.pb.h"
@@ -14,6 +18,7 @@
 #include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/tensor_codec.h"
+#include "tests/common/http_client.h"
 
 namespace moe::expert_svc {
 namespace {
@@ -95,6 +100,96 @@ TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
             absl::string_view::npos)
       << bad.status();
   stream_owner.reset();  // closes the stream, so shutdown needs no grace period
+  (*server)->Shutdown();
+}
+
+// The value of the first sample of `name` whose labels contain every part of `labels` in a
+// Prometheus text page; NaN when there is none.
+double Sample(const std::string& page, const std::string& name,
+              const std::vector<std::string>& labels) {
+  size_t pos = 0;
+  while ((pos = page.find(name, pos)) != std::string::npos) {
+    const size_t eol = page.find('\n', pos);
+    const std::string line = page.substr(pos, eol - pos);
+    pos = eol;
+    if (line.size() <= name.size() || (line[name.size()] != '{' && line[name.size()] != ' ')) {
+      continue;
+    }
+    bool all = true;
+    for (const std::string& l : labels) all &= line.find(l) != std::string::npos;
+    if (all) return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return std::nan("");
+}
+
+TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionChecks) {
+  const std::string port_file = ::testing::TempDir() + "/expert_metrics_port";
+  std::remove(port_file.c_str());
+  ExpertServerOptions o;
+  o.preset = "mid";
+  o.seed = 4;
+  o.expert_lo = 0;
+  o.expert_hi = 32;
+  o.shard = "shard-m";
+  o.threads = 2;
+  o.metrics_port = 0;
+  o.metrics_port_file = port_file;
+  o.verify_fraction = 1.0;  // every batch
+  auto server = ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  ASSERT_GT(metrics_port, 0);
+
+  const ModelConfig cfg = *PresetConfig("mid");
+  ModelConfig zcfg = cfg;
+  zcfg.hidden = cfg.latent;
+  auto stream = std::make_unique<transport::ExpertStream>(
+      "shard-m", "127.0.0.1:" + std::to_string((*server)->port()), 64 << 20);
+  // Three batches: experts {2, 5, 30} x 4 rows each; 12 rows, 3 distinct experts per batch.
+  for (int b = 0; b < 3; ++b) {
+    const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(zcfg, 12, 20 + b);
+    v1::DispatchRequest req;
+    req.set_layer(1);
+    for (int e : {2, 5, 30}) {
+      auto* g = req.add_groups();
+      g->set_expert_id(e);
+      g->set_token_count(4);
+    }
+    transport::EncodeBf16Into(z, 12, cfg.latent, req.mutable_activations());
+    ASSERT_TRUE(stream->Call(req, absl::Now() + absl::Seconds(10)).ok());
+  }
+  const std::vector<std::string> shard = {"shard=\"shard-m\""};
+  std::string page;
+  for (int i = 0; i < 200; ++i) {  // the checks run in the background: at most 20 s
+    page = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
+        metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+    if (Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}) >= 3) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}), 3) << page;
+  EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"mismatch\""}), 0);
+  EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"error\""}), 0);
+  // Work done, counted independently: 3 batches x 3 experts streamed, 36 rows of FFN.
+  const double bytes = 3.0 * 3 * cfg.ExpertBytes();
+  const double flops = 36.0 * 6 * cfg.latent * cfg.intermediate;
+  EXPECT_EQ(Sample(page, "moe_expert_weight_read_bytes_total", shard), bytes);
+  EXPECT_EQ(Sample(page, "moe_expert_flops_total", shard), flops);
+  // The limits were measured (any machine reads over 1 GB/s and multiplies-adds over 1 GFLOP/s).
+  const double bw = Sample(page, "moe_expert_machine_read_bandwidth_bytes_per_second", shard);
+  const std::string isa =
+      std::string("isa=\"") + numerics::cpu::IsaName(numerics::cpu::CapIsa(o.isa)) + "\"";
+  const double peak = Sample(page, "moe_expert_machine_fma_peak_flops_per_second", {isa});
+  EXPECT_GT(bw, 1e9) << page;
+  EXPECT_GT(peak, 1e9) << page;
+  // The fractions are the window's work over its compute time over the limits.
+  const double busy = Sample(page, "moe_expert_busy_seconds_total", shard);
+  ASSERT_GT(busy, 0);
+  EXPECT_NEAR(Sample(page, "moe_expert_weight_bandwidth_fraction", shard), bytes / busy / bw,
+              1e-6 * bytes / busy / bw);
+  EXPECT_NEAR(Sample(page, "moe_expert_fma_peak_fraction", shard), flops / busy / peak,
+              1e-6 * flops / busy / peak);
+  stream.reset();  // closes the stream, so shutdown needs no grace period
   (*server)->Shutdown();
 }
 

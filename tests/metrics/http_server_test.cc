@@ -1,51 +1,19 @@
 // The page's HTTP server and router-svc's JSON API over real loopback sockets.
 #include "services/metrics/http_server.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <string>
 
 #include "gtest/gtest.h"
 #include "router-svc/router_server.h"
 #include "services/checkpoint/synthetic.h"
+#include "tests/common/http_client.h"
 
 namespace moe::metrics {
 namespace {
 
-// Sends raw bytes to 127.0.0.1:port and returns the whole response.
-std::string Exchange(int port, const std::string& request) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a = {};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string out;
-  char buf[4096];
-  for (int i = 0; i < 10000; ++i) {
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
-
-int StatusOf(const std::string& response) {
-  return response.size() > 12 ? std::stoi(response.substr(9, 3)) : 0;
-}
-
-std::string BodyOf(const std::string& response) {
-  const size_t p = response.find("\r\n\r\n");
-  return p == std::string::npos ? "" : response.substr(p + 4);
-}
+using moe::testing::HttpBodyOf;
+using moe::testing::HttpExchange;
+using moe::testing::HttpStatusOf;
 
 TEST(HttpServer, ParsesRequestsAndBoundsThem) {
   HttpRequest seen;
@@ -56,22 +24,23 @@ TEST(HttpServer, ParsesRequestsAndBoundsThem) {
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   const std::string r =
-      Exchange(port,
-               "POST /a/b?x=1&name=two%20words&flag HTTP/1.1\r\nHost: h\r\nX-Moe-Admin-Token: "
-               "t0k \r\nContent-Length: 5\r\n\r\nworld");
-  EXPECT_EQ(StatusOf(r), 200);
-  EXPECT_EQ(BodyOf(r), "hello world");
+      HttpExchange(port,
+                   "POST /a/b?x=1&name=two%20words&flag HTTP/1.1\r\nHost: h\r\nX-Moe-Admin-Token: "
+                   "t0k \r\nContent-Length: 5\r\n\r\nworld");
+  EXPECT_EQ(HttpStatusOf(r), 200);
+  EXPECT_EQ(HttpBodyOf(r), "hello world");
   EXPECT_EQ(seen.method, "POST");
   EXPECT_EQ(seen.path, "/a/b");
   EXPECT_EQ(seen.query.at("x"), "1");
   EXPECT_EQ(seen.query.at("name"), "two words");
   EXPECT_EQ(seen.query.count("flag"), 1u);
   EXPECT_EQ(seen.headers.at("x-moe-admin-token"), "t0k");
-  EXPECT_EQ(StatusOf(Exchange(port, "garbage\r\n\r\n")), 400);
-  EXPECT_EQ(StatusOf(Exchange(port, "GET / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n")), 413);
-  EXPECT_EQ(StatusOf(Exchange(port, "GET /" + std::string(20000, 'a'))), 413);
+  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "garbage\r\n\r\n")), 400);
+  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n")),
+            413);
+  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET /" + std::string(20000, 'a'))), 413);
   // Still serving.
-  EXPECT_EQ(StatusOf(Exchange(port, "GET / HTTP/1.1\r\n\r\n")), 200);
+  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\n\r\n")), 200);
   (*server)->Stop();
 }
 
@@ -96,48 +65,49 @@ TEST(RouterPage, ServesTheEmbeddedPageAndAnswersTheApiWithClearErrors) {
     std::fclose(f);
   }
   auto get = [&](const std::string& path, const std::string& extra = "") {
-    return Exchange(port, "GET " + path + " HTTP/1.1\r\n" + extra + "\r\n");
+    return HttpExchange(port, "GET " + path + " HTTP/1.1\r\n" + extra + "\r\n");
   };
   auto post = [&](const std::string& path, const std::string& extra = "") {
-    return Exchange(port, "POST " + path + " HTTP/1.1\r\nContent-Length: 0\r\n" + extra + "\r\n");
+    return HttpExchange(port,
+                        "POST " + path + " HTTP/1.1\r\nContent-Length: 0\r\n" + extra + "\r\n");
   };
   std::string r = get("/");
-  EXPECT_EQ(StatusOf(r), 200);
-  EXPECT_NE(BodyOf(r).find("<script src=\"/app.js\">"), std::string::npos);
+  EXPECT_EQ(HttpStatusOf(r), 200);
+  EXPECT_NE(HttpBodyOf(r).find("<script src=\"/app.js\">"), std::string::npos);
   EXPECT_NE(r.find("Content-Type: text/html"), std::string::npos);
   // The page loads nothing from outside (no CDN).
   for (const char* asset : {"/", "/app.js", "/style.css"}) {
-    const std::string body = BodyOf(get(asset));
+    const std::string body = HttpBodyOf(get(asset));
     EXPECT_FALSE(body.empty()) << asset;
     EXPECT_EQ(body.find("http://"), std::string::npos) << asset;
     EXPECT_EQ(body.find("https://"), std::string::npos) << asset;
   }
   r = get("/api/layers");
-  EXPECT_EQ(StatusOf(r), 200);
-  EXPECT_EQ(BodyOf(r), R"({"experts":16,"layers":[1],"top_k":4})");
+  EXPECT_EQ(HttpStatusOf(r), 200);
+  EXPECT_EQ(HttpBodyOf(r), R"({"experts":16,"layers":[1],"top_k":4})");
   r = get("/api/state?layer=1");
-  EXPECT_EQ(StatusOf(r), 200);
-  EXPECT_NE(BodyOf(r).find(R"("window_tokens":0)"), std::string::npos) << BodyOf(r);
+  EXPECT_EQ(HttpStatusOf(r), 200);
+  EXPECT_NE(HttpBodyOf(r).find(R"("window_tokens":0)"), std::string::npos) << HttpBodyOf(r);
   r = get("/api/state?layer=9");
-  EXPECT_EQ(StatusOf(r), 404);
-  EXPECT_NE(BodyOf(r).find("layer 9 is not managed"), std::string::npos) << BodyOf(r);
-  EXPECT_EQ(StatusOf(get("/api/state")), 400);
-  EXPECT_EQ(StatusOf(get("/nope")), 404);
-  EXPECT_EQ(StatusOf(get("/api/rebalance?layer=1")), 405);
+  EXPECT_EQ(HttpStatusOf(r), 404);
+  EXPECT_NE(HttpBodyOf(r).find("layer 9 is not managed"), std::string::npos) << HttpBodyOf(r);
+  EXPECT_EQ(HttpStatusOf(get("/api/state")), 400);
+  EXPECT_EQ(HttpStatusOf(get("/nope")), 404);
+  EXPECT_EQ(HttpStatusOf(get("/api/rebalance?layer=1")), 405);
   r = post("/api/rebalance?layer=1");
-  EXPECT_EQ(StatusOf(r), 403);
-  EXPECT_NE(BodyOf(r).find("admin token is required"), std::string::npos);
+  EXPECT_EQ(HttpStatusOf(r), 403);
+  EXPECT_NE(HttpBodyOf(r).find("admin token is required"), std::string::npos);
   r = post("/api/rebalance?layer=1", "X-Moe-Admin-Token: wrong\r\n");
-  EXPECT_EQ(StatusOf(r), 403);
-  EXPECT_NE(BodyOf(r).find("wrong"), std::string::npos);
+  EXPECT_EQ(HttpStatusOf(r), 403);
+  EXPECT_NE(HttpBodyOf(r).find("wrong"), std::string::npos);
   r = post("/api/rebalance?layer=1", "X-Moe-Admin-Token: abc\r\n");
-  EXPECT_EQ(StatusOf(r), 412);  // no traffic yet
-  EXPECT_NE(BodyOf(r).find("no traffic"), std::string::npos) << BodyOf(r);
+  EXPECT_EQ(HttpStatusOf(r), 412);  // no traffic yet
+  EXPECT_NE(HttpBodyOf(r).find("no traffic"), std::string::npos) << HttpBodyOf(r);
   r = post("/api/rollback?layer=1&to=0", "X-Moe-Admin-Token: abc\r\n");
-  EXPECT_EQ(StatusOf(r), 200);
-  EXPECT_EQ(BodyOf(r), R"({"reason":"rollback to 0","version":1})");
+  EXPECT_EQ(HttpStatusOf(r), 200);
+  EXPECT_EQ(HttpBodyOf(r), R"({"reason":"rollback to 0","version":1})");
   r = post("/api/rollback?layer=1&to=7", "X-Moe-Admin-Token: abc\r\n");
-  EXPECT_EQ(StatusOf(r), 404);
+  EXPECT_EQ(HttpStatusOf(r), 404);
   (*router)->Shutdown();
 }
 
