@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The CPU benchmark of the CPU-kernel issue: this machine's limits, the K3 expert shape in
-# decode and prefill, and a whole k3 layer (optimized and reference), printed as one table.
-# Writes a synthetic k3 checkpoint (one layer, 16.1 GB) first if it is missing; about 2 min
-# to generate, 3 min to run.
-# Usage: scripts/bench.sh [--reference-tokens 1,16,64]   (MOE_CKPT_DIR overrides the path)
+# The CPU benchmark of the CPU-kernel issues: this machine's limits (read bandwidth, FMA peak per
+# ISA), the K3 expert shape in decode and prefill and the dense projections for every ISA the
+# CPU has with 1 and all threads, and a whole k3 layer per ISA (and the reference at T = 1),
+# printed as one table with the targets. Writes a synthetic k3 checkpoint (one layer, 16.1 GB)
+# first if it is missing; about 2.5 min to generate, 3.5 min to run on two cores.
+# Usage: scripts/bench.sh [--reference-tokens 1,16]   (MOE_CKPT_DIR overrides the path)
 #        scripts/bench.sh --cluster [cluster_bench flags]  (services issue: the disaggregated
 #        layer on loopback vs in process, mid preset, about 1 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REF_TOKENS=1,16,64
+REF_TOKENS=1
 scripts/setup.sh
 BUILD=${MOE_BUILD_DIR:-build}
 cmake -S . -B "$BUILD" -G Ninja >/dev/null
