@@ -12,6 +12,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "attention-svc/dispatch_plan.h"
+#include "attention-svc/expert_channel.h"
+#include "attention-svc/expert_channel_grpc.h"
 #include "moe/v1/attention.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
@@ -24,7 +27,6 @@
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/qb.h"
-#include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/status_convert.h"
 #include "services/transport/stream_reactor.h"
@@ -54,19 +56,6 @@ struct HostedLayer {
 struct BiasEntry {
   uint64_t version = 0;
   std::vector<float> bias;
-};
-
-struct ShardRef {
-  std::string shard, endpoint;
-  int32_t lo = 0, hi = 0;
-  bool healthy = false;
-  int64_t last_seen_ms = 0;
-};
-
-// Which shard serves each expert of one layer, from one placement version.
-struct LayerRoute {
-  std::vector<ShardRef> shards;  // ascending expert_lo (the partial-sum order)
-  std::vector<int32_t> owner;    // [E] index into shards, -1: nobody hosts it
 };
 
 }  // namespace
@@ -99,7 +88,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
                   const RoutedBatch& batch);
   void ApplyPlacement(const v1::Placement& p);
   void ApplyBias(const v1::LayerBias& b);
-  std::shared_ptr<transport::ExpertStream> StreamFor(const ShardRef& s);
+  std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
   void PlacementLoop();
   void BiasLoop();
   void ReportLoop();
@@ -111,7 +100,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
 
   AttentionServerOptions options_;
   ModelConfig cfg_;
-  v1::ReplyMode default_mode_ = v1::REPLY_MODE_PER_PAIR;
+  ReplyMode default_mode_ = ReplyMode::kPerPair;
   std::map<int32_t, std::unique_ptr<HostedLayer>> layers_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
@@ -122,7 +111,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::mutex mu_;  // guards everything below
   std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_;
   std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_;
-  std::map<std::string, std::shared_ptr<transport::ExpertStream>> streams_;
+  std::map<std::string, std::shared_ptr<ExpertChannel>> channels_;  // by shard@endpoint
   std::set<grpc::ClientContext*> watch_contexts_;
   bool stopping_ = false;
   std::condition_variable stop_cv_;
@@ -141,9 +130,9 @@ absl::Status AttentionServer::Impl::Load() {
     return absl::InvalidArgumentError("attention-svc needs --router (placement and bias)");
   }
   if (options_.reply_mode == "per_pair") {
-    default_mode_ = v1::REPLY_MODE_PER_PAIR;
+    default_mode_ = ReplyMode::kPerPair;
   } else if (options_.reply_mode == "partial_sum") {
-    default_mode_ = v1::REPLY_MODE_PARTIAL_SUM;
+    default_mode_ = ReplyMode::kPartialSum;
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("reply mode '", options_.reply_mode, "' is not per_pair or partial_sum"));
@@ -285,41 +274,29 @@ void AttentionServer::Impl::ApplyPlacement(const v1::Placement& p) {
   bool covered = true;
   std::map<int32_t, std::shared_ptr<const LayerRoute>> routes;
   for (const auto& [layer, hosted] : layers_) {
-    auto route = std::make_shared<LayerRoute>();
+    std::vector<ShardRef> shards;
     for (const v1::ShardInfo& s : p.shards()) {
       for (const v1::ExpertRange& r : s.ranges()) {
         if (r.layer() != layer) continue;
-        route->shards.push_back(
+        shards.push_back(
             {s.shard(), s.endpoint(), r.expert_lo(), r.expert_hi(), s.healthy(), s.last_seen_ms()});
       }
     }
-    std::sort(route->shards.begin(), route->shards.end(), [](const ShardRef& a, const ShardRef& b) {
-      return a.lo != b.lo ? a.lo < b.lo : a.shard < b.shard;
-    });
-    route->owner.assign(static_cast<size_t>(cfg_.num_experts), -1);
-    for (size_t i = 0; i < route->shards.size(); ++i) {
-      const ShardRef& s = route->shards[i];
-      for (int32_t e = std::max(0, s.lo); e < std::min<int32_t>(s.hi, cfg_.num_experts); ++e) {
-        int32_t& o = route->owner[e];
-        // A healthy replica wins over an unhealthy one; among equals the first (lowest lo).
-        if (o < 0 || (!route->shards[o].healthy && s.healthy)) o = static_cast<int32_t>(i);
-      }
-    }
-    for (int32_t o : route->owner) {
-      if (o < 0 || !route->shards[o].healthy) covered = false;
-    }
+    auto route = std::make_shared<LayerRoute>(
+        BuildRoute(layer, static_cast<int32_t>(cfg_.num_experts), std::move(shards)));
+    covered &= Covered(*route);
     routes[layer] = std::move(route);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     routes_ = std::move(routes);
-    // Streams to shards no longer placed (a restarted shard on a new port) are closed.
-    for (auto it = streams_.begin(); it != streams_.end();) {
+    // Channels to shards no longer placed (a restarted shard on a new port) are closed.
+    for (auto it = channels_.begin(); it != channels_.end();) {
       bool placed = false;
       for (const auto& [layer, route] : routes_) {
         for (const ShardRef& s : route->shards) placed |= it->first == s.shard + "@" + s.endpoint;
       }
-      it = placed ? std::next(it) : streams_.erase(it);
+      it = placed ? std::next(it) : channels_.erase(it);
     }
   }
   if (server_ != nullptr) server_->SetServing(covered);
@@ -335,15 +312,14 @@ void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
   if (metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
 }
 
-std::shared_ptr<transport::ExpertStream> AttentionServer::Impl::StreamFor(const ShardRef& s) {
+std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef& s) {
   const std::string key = s.shard + "@" + s.endpoint;
   std::lock_guard<std::mutex> lock(mu_);
-  auto& stream = streams_[key];
-  if (stream == nullptr) {
-    stream =
-        std::make_shared<transport::ExpertStream>(s.shard, s.endpoint, options_.max_message_bytes);
+  auto& channel = channels_[key];
+  if (channel == nullptr) {
+    channel = std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, options_.max_message_bytes);
   }
-  return stream;
+  return channel;
 }
 
 void AttentionServer::Impl::Accumulate(int32_t layer, uint64_t version,
@@ -421,11 +397,19 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
                                                      " tokens, this server takes at most ",
                                                      options_.max_tokens, " per request"));
   }
-  v1::ReplyMode mode = req.options().reply_mode();
-  if (mode == v1::REPLY_MODE_UNSPECIFIED) mode = default_mode_;
-  if (mode != v1::REPLY_MODE_PER_PAIR && mode != v1::REPLY_MODE_PARTIAL_SUM) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
+  ReplyMode mode = default_mode_;
+  switch (req.options().reply_mode()) {
+    case v1::REPLY_MODE_UNSPECIFIED:
+      break;
+    case v1::REPLY_MODE_PER_PAIR:
+      mode = ReplyMode::kPerPair;
+      break;
+    case v1::REPLY_MODE_PARTIAL_SUM:
+      mode = ReplyMode::kPartialSum;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
   std::shared_ptr<const BiasEntry> bias;
   std::shared_ptr<const LayerRoute> route;
@@ -444,42 +428,21 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   }
   Accumulate(req.layer(), bias->version, bias->bias, batch);
 
-  // Group the (token, slot) pairs by owning shard; each shard gets its experts ascending.
-  const int64_t tokens = batch.tokens, k = cfg_.top_k, d = cfg_.latent;
-  const std::vector<std::vector<int64_t>> pairs =
-      numerics::PairsByExpert(batch.routing, cfg_.num_experts);
-  std::vector<int64_t> per_expert(pairs.size());
-  for (size_t e = 0; e < pairs.size(); ++e) per_expert[e] = static_cast<int64_t>(pairs[e].size());
   if (route == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("no placement for layer ", req.layer(), " from router-svc yet"));
   }
-  const size_t num_shards = route->shards.size();
-  std::vector<std::vector<int32_t>> experts_of(num_shards);
-  for (int32_t e = 0; e < cfg_.num_experts; ++e) {
-    if (pairs[e].empty()) continue;
-    const int32_t o = route->owner[e];
-    if (o < 0) {
-      return absl::UnavailableError(
-          absl::StrCat("no expert shard hosts expert ", e, " of layer ", req.layer()));
-    }
-    const ShardRef& s = route->shards[o];
-    if (!s.healthy) {
-      return absl::UnavailableError(absl::StrCat(
-          "expert shard ", s.shard, " (", s.endpoint, ") serving experts [", s.lo, ", ", s.hi,
-          ") of layer ", req.layer(), " is unhealthy: no heartbeat for ", s.last_seen_ms, " ms"));
-    }
-    experts_of[o].push_back(e);
-  }
+  DispatchSpec spec;
+  spec.mode = mode;
+  spec.num_experts = cfg_.num_experts;
+  spec.latent = cfg_.latent;
+  spec.max_message_bytes = options_.max_dispatch_bytes;
+  MOE_ASSIGN_OR_RETURN(DispatchPlan plan,
+                       PlanDispatch(batch.routing, batch.z.data(), *route, spec));
   if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
-    std::vector<std::pair<std::string, int64_t>> shard_pairs;
-    for (size_t si = 0; si < num_shards; ++si) {
-      int64_t n = 0;
-      for (int32_t e : experts_of[si]) n += per_expert[e];
-      if (n > 0) shard_pairs.emplace_back(route->shards[si].shard, n);
-    }
-    metrics_->Routed(req.layer(), per_expert, shard_pairs);
+    metrics_->Routed(req.layer(), plan.per_expert, plan.shard_rows);
   }
+  const int64_t tokens = batch.tokens, d = cfg_.latent;
   const auto dispatch_start = Clock::now();
   // The expert calls end a little before the caller's deadline (10% of what is left, within
   // [10 ms, 100 ms]), so that the caller hears which shard was late rather than a bare
@@ -487,79 +450,24 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   const absl::Duration left = deadline - absl::Now();
   const absl::Time expert_deadline =
       deadline - std::clamp(left / 10, absl::Milliseconds(10), absl::Milliseconds(100));
-  const int64_t timeout_ms =
+  DispatchHeader header;
+  header.layer = req.layer();
+  header.mode = mode;
+  header.num_tokens = tokens;
+  header.latent = d;
+  header.timeout_ms =
       std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
-  // Dispatch messages: a shard's experts (ascending) in chunks that keep each message and reply
-  // under max_dispatch_bytes. A chunk holds whole experts, so every expert still sees all its
-  // rows in one batch (the same kernel path as in process: bit-exact per-pair replies).
-  struct Chunk {
-    size_t shard;
-    std::vector<int32_t> experts;
-  };
-  std::vector<Chunk> chunks;
-  const int64_t reply_row_bytes = d * (mode == v1::REPLY_MODE_PER_PAIR ? 2 : 4);
-  for (size_t si = 0; si < num_shards; ++si) {
-    if (experts_of[si].empty()) continue;
-    Chunk cur{si, {}};
-    int64_t rows = 0;
-    for (int32_t e : experts_of[si]) {
-      const int64_t n = static_cast<int64_t>(pairs[e].size());
-      if (!cur.experts.empty() && (rows + n) * reply_row_bytes > options_.max_dispatch_bytes) {
-        chunks.push_back(std::move(cur));
-        cur = Chunk{si, {}};
-        rows = 0;
-      }
-      cur.experts.push_back(e);
-      rows += n;
-    }
-    chunks.push_back(std::move(cur));
-  }
-  std::vector<std::shared_ptr<transport::ExpertStream>> streams(chunks.size());
-  std::vector<std::shared_ptr<transport::PendingReply>> pending(chunks.size());
+  // Every message goes out before any reply is awaited.
+  std::vector<std::unique_ptr<ExpertCall>> calls(plan.messages.size());
   int64_t bytes_sent = 0, bytes_received = 0;
-  for (size_t ci = 0; ci < chunks.size(); ++ci) {
-    const Chunk& chunk = chunks[ci];
-    v1::DispatchRequest dr;
-    dr.set_layer(req.layer());
-    dr.set_reply_mode(mode);
-    dr.set_timeout_ms(timeout_ms);
-    // Each distinct token's z travels once per message (row_source maps pairs to rows).
-    std::vector<int32_t> row_of_token(static_cast<size_t>(tokens), -1);
-    for (int32_t e : chunk.experts) {
-      for (int64_t p : pairs[e]) row_of_token[p / k] = 0;
-    }
-    int32_t unique = 0;
-    for (int32_t& r : row_of_token) {
-      if (r >= 0) r = unique++;
-    }
-    std::vector<Bf16> zrows(static_cast<size_t>(unique * d));
-    for (int64_t tok = 0; tok < tokens; ++tok) {
-      if (row_of_token[tok] >= 0) {
-        std::copy_n(batch.z.data() + tok * d, d, zrows.data() + row_of_token[tok] * d);
-      }
-    }
-    for (int32_t e : chunk.experts) {
-      v1::ExpertGroup* g = dr.add_groups();
-      g->set_expert_id(e);
-      g->set_token_count(static_cast<int32_t>(pairs[e].size()));
-      for (int64_t p : pairs[e]) {
-        const int64_t tok = p / k;
-        dr.add_row_source(row_of_token[tok]);
-        if (mode == v1::REPLY_MODE_PARTIAL_SUM) {
-          dr.add_token_index(static_cast<int32_t>(tok));
-          dr.add_weights(batch.routing.weights[p]);
-        }
-      }
-    }
-    if (mode == v1::REPLY_MODE_PARTIAL_SUM) dr.set_num_tokens(static_cast<int32_t>(tokens));
-    transport::EncodeBf16Into(zrows, unique, d, dr.mutable_activations());
-    bytes_sent += static_cast<int64_t>(dr.activations().data().size());
+  for (size_t i = 0; i < plan.messages.size(); ++i) {
+    const DispatchMessage& m = plan.messages[i];
+    const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
+    bytes_sent += bytes;
     if (metrics_ != nullptr) {
-      metrics_->wire.Add("sent", "bf16", "expert",
-                         static_cast<int64_t>(dr.activations().data().size()), unique);
+      metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()));
     }
-    streams[ci] = StreamFor(route->shards[chunk.shard]);
-    pending[ci] = streams[ci]->Send(std::move(dr));
+    calls[i] = ChannelFor(route->shards[m.shard])->Send(header, m);
   }
   // The shared experts need only x: they run here while the expert servers work.
   std::vector<float> shared;
@@ -567,72 +475,24 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     std::lock_guard<std::mutex> lock(hosted.mu);
     shared = hosted.layer->SharedExperts(batch, &t);
   }
-  std::vector<v1::DispatchReply> replies(chunks.size());
-  for (size_t ci = 0; ci < chunks.size(); ++ci) {
-    MOE_ASSIGN_OR_RETURN(replies[ci], streams[ci]->Wait(*pending[ci], expert_deadline));
-    bytes_received += static_cast<int64_t>(replies[ci].outputs().data().size());
+  std::vector<ExpertReply> replies(plan.messages.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    MOE_ASSIGN_OR_RETURN(replies[i], calls[i]->Wait(expert_deadline));
+    const bool f32 = mode == ReplyMode::kPartialSum;
+    const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
+                              : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
+    bytes_received += bytes;
     if (metrics_ != nullptr) {
-      const v1::Tensor& o = replies[ci].outputs();
-      metrics_->wire.Add("received", o.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "expert",
-                         static_cast<int64_t>(o.data().size()),
-                         o.shape_size() > 0 ? o.shape(0) : 0);
+      metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows);
     }
   }
   const double dispatch_seconds = Seconds(Clock::now() - dispatch_start);
 
-  std::vector<Bf16> r(static_cast<size_t>(tokens * d));
   const auto combine_start = Clock::now();
+  std::vector<Bf16> r;
   {
     numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
-    if (mode == v1::REPLY_MODE_PER_PAIR) {
-      std::vector<Bf16> y(static_cast<size_t>(tokens * k * d));  // [T, k, D] slot order
-      for (size_t ci = 0; ci < chunks.size(); ++ci) {
-        const Chunk& chunk = chunks[ci];
-        const std::string& shard = route->shards[chunk.shard].shard;
-        int64_t rows = 0;
-        for (int32_t e : chunk.experts) rows += static_cast<int64_t>(pairs[e].size());
-        MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix out,
-                             transport::DecodeBf16Matrix(replies[ci].outputs(),
-                                                         absl::StrCat("reply of shard ", shard), d,
-                                                         /*accept_f32=*/false));
-        if (out.rows != rows) {
-          return absl::InternalError(
-              absl::StrCat("shard ", shard, " returned ", out.rows, " rows for ", rows));
-        }
-        int64_t row = 0;
-        for (int32_t e : chunk.experts) {
-          for (int64_t p : pairs[e]) {
-            std::copy_n(out.values.data() + row * d, d, y.data() + p * d);
-            ++row;
-          }
-        }
-      }
-      numerics::ref::Combine(batch.routing, y.data(), d, r.data());
-    } else {
-      std::vector<float> acc(static_cast<size_t>(tokens * d), 0.0f);
-      for (size_t ci = 0; ci < chunks.size(); ++ci) {  // ascending expert_lo, then expert id
-        const Chunk& chunk = chunks[ci];
-        std::vector<char> has(static_cast<size_t>(tokens), 0);
-        for (int32_t e : chunk.experts) {
-          for (int64_t p : pairs[e]) has[p / k] = 1;
-        }
-        std::vector<int64_t> distinct;
-        for (int64_t tok = 0; tok < tokens; ++tok) {
-          if (has[tok]) distinct.push_back(tok);
-        }
-        MOE_ASSIGN_OR_RETURN(std::vector<float> part,
-                             transport::DecodeF32Matrix(
-                                 replies[ci].outputs(),
-                                 absl::StrCat("reply of shard ", route->shards[chunk.shard].shard),
-                                 static_cast<int64_t>(distinct.size()), d));
-        for (size_t i = 0; i < distinct.size(); ++i) {
-          float* a = acc.data() + distinct[i] * d;
-          const float* p = part.data() + i * d;
-          for (int64_t c = 0; c < d; ++c) a[c] += p[c];
-        }
-      }
-      for (size_t i = 0; i < acc.size(); ++i) r[i] = Bf16::FromFloat(acc[i]);
-    }
+    MOE_ASSIGN_OR_RETURN(r, Gather(plan, batch.routing, *route, replies));
   }
   const double combine_seconds = Seconds(Clock::now() - combine_start);
   std::vector<Bf16> out;
@@ -645,7 +505,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   resp->set_bias_version(bias->version);
   if (req.options().return_routing()) {
     v1::Routing* rt = resp->mutable_routing();
-    rt->set_top_k(static_cast<int32_t>(k));
+    rt->set_top_k(static_cast<int32_t>(batch.routing.top_k));
     *rt->mutable_expert_ids() = {batch.routing.expert_ids.begin(), batch.routing.expert_ids.end()};
     *rt->mutable_weights() = {batch.routing.weights.begin(), batch.routing.weights.end()};
   }

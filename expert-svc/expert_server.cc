@@ -29,6 +29,7 @@
 #include "services/common/status_macros.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/service_metrics.h"
+#include "services/numerics/combine.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/machine_limits.h"
@@ -486,21 +487,12 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
     transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
     return;
   }
-  // Partial sums per distinct token, in ascending token order; over the token's experts in
-  // ascending expert id (the groups' order), each product rounded to fp32 before the add.
-  std::vector<int32_t> slot(static_cast<size_t>(b.num_tokens), -1);
-  for (int32_t t : b.token_index) slot[t] = 0;
-  int32_t distinct = 0;
-  for (int32_t& s : slot) {
-    if (s >= 0) s = distinct++;
-  }
-  std::vector<float> acc(static_cast<size_t>(distinct * d), 0.0f);
-  for (int64_t r = 0; r < b.rows; ++r) {
-    float* a = acc.data() + slot[b.token_index[r]] * d;
-    const float w = b.weights[r];
-    for (int64_t c = 0; c < d; ++c) a[c] += y[r * d + c].ToFloat() * w;
-  }
-  *reply->mutable_outputs() = transport::EncodeF32(acc, distinct, d);
+  // Partial sums per distinct token (ascending), over the token's experts in ascending expert
+  // id (the groups' order): numerics/combine.h.
+  std::vector<float> acc;
+  const std::vector<int64_t> distinct = numerics::PartialSums(
+      y.data(), b.rows, d, b.token_index.data(), b.weights.data(), b.num_tokens, &acc);
+  *reply->mutable_outputs() = transport::EncodeF32(acc, static_cast<int64_t>(distinct.size()), d);
 }
 
 absl::Status ExpertServer::Impl::Enqueue(std::unique_ptr<Batch> b, DispatchReactor* reactor) {

@@ -28,3 +28,38 @@ void Combine(const Routing& routing, const tensor::Bf16* y, int64_t latent, tens
 }
 
 }  // namespace moe::numerics::ref
+
+namespace moe::numerics {
+
+std::vector<int64_t> PartialSums(const tensor::Bf16* y, int64_t rows, int64_t latent,
+                                 const int32_t* token_index, const float* weights,
+                                 int64_t num_tokens, std::vector<float>* out) {
+  std::vector<int64_t> slot(static_cast<size_t>(num_tokens), -1);
+  for (int64_t r = 0; r < rows; ++r) slot[token_index[r]] = 0;
+  std::vector<int64_t> distinct;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] >= 0) {
+      slot[t] = static_cast<int64_t>(distinct.size());
+      distinct.push_back(t);
+    }
+  }
+  out->assign(distinct.size() * static_cast<size_t>(latent), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* a = out->data() + slot[token_index[r]] * latent;
+    const tensor::Bf16* yr = y + r * latent;
+    const float w = weights[r];
+    for (int64_t c = 0; c < latent; ++c) a[c] += yr[c].ToFloat() * w;
+  }
+  return distinct;
+}
+
+void AddPartialSums(const float* part, const std::vector<int64_t>& tokens, int64_t latent,
+                    float* acc) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    float* a = acc + tokens[i] * latent;
+    const float* p = part + static_cast<int64_t>(i) * latent;
+    for (int64_t c = 0; c < latent; ++c) a[c] += p[c];
+  }
+}
+
+}  // namespace moe::numerics

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -110,6 +111,8 @@ struct ClusterCase {
   std::vector<std::pair<int64_t, int64_t>> shards;  // unequal on purpose
   std::vector<std::string> attention_args;
 };
+// ctest names the instances by this, not by a dump of the struct's bytes.
+void PrintTo(const ClusterCase& c, std::ostream* os) { *os << c.name; }
 
 class ClusterEquivalence : public ::testing::TestWithParam<ClusterCase> {};
 

@@ -1,0 +1,170 @@
+#include "attention-svc/dispatch_plan.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "services/numerics/combine.h"
+
+namespace moe::attention_svc {
+
+using tensor::Bf16;
+
+const char* ReplyModeName(ReplyMode m) {
+  return m == ReplyMode::kPartialSum ? "partial_sum" : "per_pair";
+}
+
+LayerRoute BuildRoute(int32_t layer, int32_t num_experts, std::vector<ShardRef> shards) {
+  LayerRoute route;
+  route.layer = layer;
+  route.shards = std::move(shards);
+  std::sort(route.shards.begin(), route.shards.end(), [](const ShardRef& a, const ShardRef& b) {
+    return a.lo != b.lo ? a.lo < b.lo : a.shard < b.shard;
+  });
+  route.owner.assign(static_cast<size_t>(num_experts), -1);
+  for (size_t i = 0; i < route.shards.size(); ++i) {
+    const ShardRef& s = route.shards[i];
+    for (int32_t e = std::max(0, s.lo); e < std::min(s.hi, num_experts); ++e) {
+      int32_t& o = route.owner[e];
+      // A healthy replica wins over an unhealthy one; among equals the first (lowest lo).
+      if (o < 0 || (!route.shards[o].healthy && s.healthy)) o = static_cast<int32_t>(i);
+    }
+  }
+  return route;
+}
+
+bool Covered(const LayerRoute& route) {
+  for (int32_t o : route.owner) {
+    if (o < 0 || !route.shards[o].healthy) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const Bf16* z,
+                                          const LayerRoute& route, const DispatchSpec& spec) {
+  DispatchPlan plan;
+  plan.mode = spec.mode;
+  plan.tokens = routing.tokens;
+  plan.top_k = routing.top_k;
+  plan.latent = spec.latent;
+  const int64_t k = routing.top_k, d = spec.latent;
+  // (token, slot) pairs of each expert, ascending.
+  const std::vector<std::vector<int64_t>> pairs =
+      numerics::PairsByExpert(routing, spec.num_experts);
+  plan.per_expert.resize(pairs.size());
+  for (size_t e = 0; e < pairs.size(); ++e) {
+    plan.per_expert[e] = static_cast<int64_t>(pairs[e].size());
+  }
+  // Each shard's routed experts, ascending.
+  std::vector<std::vector<int32_t>> experts_of(route.shards.size());
+  for (int32_t e = 0; e < static_cast<int32_t>(spec.num_experts); ++e) {
+    if (pairs[e].empty()) continue;
+    const int32_t o = e < static_cast<int32_t>(route.owner.size()) ? route.owner[e] : -1;
+    if (o < 0) {
+      return absl::UnavailableError(
+          absl::StrCat("no expert shard hosts expert ", e, " of layer ", route.layer));
+    }
+    const ShardRef& s = route.shards[o];
+    if (!s.healthy) {
+      return absl::UnavailableError(absl::StrCat(
+          "expert shard ", s.shard, " (", s.endpoint, ") serving experts [", s.lo, ", ", s.hi,
+          ") of layer ", route.layer, " is unhealthy: no heartbeat for ", s.last_seen_ms, " ms"));
+    }
+    experts_of[o].push_back(e);
+  }
+  // Messages: a shard's experts in order, a new message whenever the reply would pass the byte
+  // budget; whole experts only, so every expert sees all its rows in one batch (the same kernel
+  // path as in process).
+  const int64_t reply_row_bytes = d * (spec.mode == ReplyMode::kPerPair ? 2 : 4);
+  for (size_t si = 0; si < route.shards.size(); ++si) {
+    if (experts_of[si].empty()) continue;
+    int64_t shard_rows = 0;
+    std::vector<std::vector<int32_t>> chunks(1);
+    int64_t rows = 0;
+    for (int32_t e : experts_of[si]) {
+      const int64_t n = plan.per_expert[e];
+      if (!chunks.back().empty() && (rows + n) * reply_row_bytes > spec.max_message_bytes) {
+        chunks.emplace_back();
+        rows = 0;
+      }
+      chunks.back().push_back(e);
+      rows += n;
+      shard_rows += n;
+    }
+    plan.shard_rows.emplace_back(route.shards[si].shard, shard_rows);
+    for (const std::vector<int32_t>& experts : chunks) {
+      DispatchMessage m;
+      m.shard = si;
+      // Each distinct token's z once (row_source maps the rows to it).
+      std::vector<int32_t> row_of_token(static_cast<size_t>(routing.tokens), -1);
+      for (int32_t e : experts) {
+        for (int64_t p : pairs[e]) row_of_token[p / k] = 0;
+      }
+      for (int64_t t = 0; t < routing.tokens; ++t) {
+        if (row_of_token[t] < 0) continue;
+        row_of_token[t] = static_cast<int32_t>(m.tokens.size());
+        m.tokens.push_back(t);
+      }
+      m.z.resize(m.tokens.size() * static_cast<size_t>(d));
+      for (size_t i = 0; i < m.tokens.size(); ++i) {
+        std::copy_n(z + m.tokens[i] * d, d, m.z.data() + static_cast<int64_t>(i) * d);
+      }
+      for (int32_t e : experts) {
+        m.groups.emplace_back(e, static_cast<int32_t>(pairs[e].size()));
+        for (int64_t p : pairs[e]) {
+          const int64_t t = p / k;
+          m.pairs.push_back(p);
+          m.row_source.push_back(row_of_token[t]);
+          if (spec.mode == ReplyMode::kPartialSum) {
+            m.token_index.push_back(static_cast<int32_t>(t));
+            m.weights.push_back(routing.weights[p]);
+          }
+        }
+      }
+      plan.messages.push_back(std::move(m));
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<std::vector<Bf16>> Gather(const DispatchPlan& plan, const numerics::Routing& routing,
+                                         const LayerRoute& route,
+                                         const std::vector<ExpertReply>& replies) {
+  const int64_t d = plan.latent, k = plan.top_k;
+  if (replies.size() != plan.messages.size()) {
+    return absl::InternalError(
+        absl::StrCat(replies.size(), " replies for ", plan.messages.size(), " dispatch messages"));
+  }
+  std::vector<Bf16> r(static_cast<size_t>(plan.tokens * d));
+  if (plan.mode == ReplyMode::kPerPair) {
+    std::vector<Bf16> y(static_cast<size_t>(plan.tokens * k * d));  // [T, k, D] slot order
+    for (size_t i = 0; i < replies.size(); ++i) {
+      const DispatchMessage& m = plan.messages[i];
+      const ExpertReply& rep = replies[i];
+      if (rep.rows != m.rows() || static_cast<int64_t>(rep.bf16.size()) != m.rows() * d) {
+        return absl::InternalError(absl::StrCat("shard ", route.shards[m.shard].shard, " returned ",
+                                                rep.rows, " rows for ", m.rows()));
+      }
+      for (int64_t row = 0; row < m.rows(); ++row) {
+        std::copy_n(rep.bf16.data() + row * d, d, y.data() + m.pairs[row] * d);
+      }
+    }
+    numerics::ref::Combine(routing, y.data(), d, r.data());
+    return r;
+  }
+  // Partial sums: messages are in ascending expert order, the order of the cross-server sum.
+  std::vector<float> acc(static_cast<size_t>(plan.tokens * d), 0.0f);
+  for (size_t i = 0; i < replies.size(); ++i) {
+    const DispatchMessage& m = plan.messages[i];
+    const ExpertReply& rep = replies[i];
+    const int64_t want = static_cast<int64_t>(m.tokens.size());
+    if (rep.rows != want || static_cast<int64_t>(rep.f32.size()) != want * d) {
+      return absl::InternalError(absl::StrCat("shard ", route.shards[m.shard].shard, " returned ",
+                                              rep.rows, " partial sums for ", want, " tokens"));
+    }
+    numerics::AddPartialSums(rep.f32.data(), m.tokens, d, acc.data());
+  }
+  for (size_t i = 0; i < acc.size(); ++i) r[i] = Bf16::FromFloat(acc[i]);
+  return r;
+}
+
+}  // namespace moe::attention_svc

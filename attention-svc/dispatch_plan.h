@@ -1,0 +1,108 @@
+// The attention node's dispatch and gather, as plain functions over plain data (no gRPC, no
+// protobuf): which rows go to which expert shard in which message, and how the replies become
+// the combined latent r. attention_server.cc sends the messages through an ExpertChannel
+// (expert_channel.h); the tests check plans and gathers without processes.
+//
+//   MOE_ASSIGN_OR_RETURN(DispatchPlan plan, PlanDispatch(routing, z, route, spec));
+//   std::vector<ExpertReply> replies = ...;  // one per plan.messages[i], from the channels
+//   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> r, Gather(plan, routing, route, replies));
+//
+// Contract (the same as proto/moe/v1/expert.proto): a message carries whole experts of one
+// shard, ascending; each distinct token's z travels once per message (row_source maps each
+// (token, expert) row to it); rows of an expert are in ascending (token, slot) order. Per-pair
+// replies give one bf16 row per row and the node combines them with numerics::ref::Combine, so
+// the cluster is bit-exact with the in-process layer. Partial-sum replies give one fp32 row per
+// distinct token of the message, summed over its experts on the server; the node adds them in
+// ascending expert order (numerics::AddPartialSums).
+#ifndef MOE_ATTENTION_SVC_DISPATCH_PLAN_H_
+#define MOE_ATTENTION_SVC_DISPATCH_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "services/numerics/router.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::attention_svc {
+
+enum class ReplyMode { kPerPair, kPartialSum };
+const char* ReplyModeName(ReplyMode m);  // "per_pair", "partial_sum"
+
+// One expert shard of a layer's placement.
+struct ShardRef {
+  std::string shard, endpoint;
+  int32_t lo = 0, hi = 0;  // experts [lo, hi)
+  bool healthy = false;
+  int64_t last_seen_ms = 0;
+};
+
+// Which shard serves each expert of one layer, from one placement version.
+struct LayerRoute {
+  int32_t layer = 0;
+  std::vector<ShardRef> shards;  // ascending expert_lo, then name (the partial-sum order)
+  std::vector<int32_t> owner;    // [E] index into shards, -1: nobody hosts it
+};
+
+// A layer's route from the shards that host some of its experts (any order): a healthy shard
+// wins an expert over an unhealthy one; among equals the first by (lo, name).
+LayerRoute BuildRoute(int32_t layer, int32_t num_experts, std::vector<ShardRef> shards);
+// Whether every expert has a healthy owner.
+bool Covered(const LayerRoute& route);
+
+struct DispatchSpec {
+  ReplyMode mode = ReplyMode::kPerPair;
+  int64_t num_experts = 0;
+  int64_t latent = 0;
+  // A message's reply stays under this many bytes (an expert with more rows gets a message of
+  // its own: experts are never split).
+  int64_t max_message_bytes = int64_t{64} << 20;
+};
+
+// One message to one shard.
+struct DispatchMessage {
+  size_t shard = 0;                                 // index into the route's shards
+  std::vector<std::pair<int32_t, int32_t>> groups;  // (expert id, rows), ascending expert
+  std::vector<int64_t> pairs;       // per row: token * k + slot (where its output goes)
+  std::vector<int32_t> row_source;  // per row: index into tokens / z
+  std::vector<int64_t> tokens;      // the distinct tokens of the message, ascending
+  std::vector<tensor::Bf16> z;      // [tokens.size(), latent]
+  // Partial sums only: per row the token (as an index < num_tokens) and routing weight.
+  std::vector<int32_t> token_index;
+  std::vector<float> weights;
+  int64_t rows() const { return static_cast<int64_t>(pairs.size()); }
+};
+
+struct DispatchPlan {
+  ReplyMode mode = ReplyMode::kPerPair;
+  int64_t tokens = 0, top_k = 0, latent = 0;
+  std::vector<int64_t> per_expert;                          // [E] routed rows
+  std::vector<std::pair<std::string, int64_t>> shard_rows;  // rows per shard with any
+  std::vector<DispatchMessage> messages;                    // ascending (shard order, expert id)
+};
+
+// routing: the layer's [T, k] routing; z: [T, latent]. UNAVAILABLE when a routed expert has no
+// owner or an unhealthy one (naming the expert or the shard).
+absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const tensor::Bf16* z,
+                                          const LayerRoute& route, const DispatchSpec& spec);
+
+// A shard's answer to one message: per-pair, `bf16` [rows, latent]; partial sums, `f32`
+// [tokens.size(), latent].
+struct ExpertReply {
+  int64_t rows = 0;
+  std::vector<tensor::Bf16> bf16;
+  std::vector<float> f32;
+};
+
+// The combined latent r [T, latent] from the replies (replies[i] answers plan.messages[i]);
+// INTERNAL naming the shard when a reply has the wrong shape.
+absl::StatusOr<std::vector<tensor::Bf16>> Gather(const DispatchPlan& plan,
+                                                 const numerics::Routing& routing,
+                                                 const LayerRoute& route,
+                                                 const std::vector<ExpertReply>& replies);
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_DISPATCH_PLAN_H_

@@ -1,0 +1,89 @@
+#include "attention-svc/expert_channel_grpc.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "services/common/status_macros.h"
+#include "services/transport/expert_stream.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::attention_svc {
+
+namespace {
+
+class GrpcCall final : public ExpertCall {
+ public:
+  GrpcCall(std::shared_ptr<transport::ExpertStream> stream,
+           std::shared_ptr<transport::PendingReply> pending, ReplyMode mode, int64_t latent,
+           int64_t rows, int64_t tokens)
+      : stream_(std::move(stream)),
+        pending_(std::move(pending)),
+        mode_(mode),
+        latent_(latent),
+        rows_(rows),
+        tokens_(tokens) {}
+
+  absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
+    MOE_ASSIGN_OR_RETURN(v1::DispatchReply reply, stream_->Wait(*pending_, deadline));
+    const std::string what = absl::StrCat("reply of shard ", stream_->shard());
+    ExpertReply out;
+    if (mode_ == ReplyMode::kPerPair) {
+      MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix m,
+                           transport::DecodeBf16Matrix(reply.outputs(), what, latent_,
+                                                       /*accept_f32=*/false));
+      if (m.rows != rows_) {
+        return absl::InternalError(
+            absl::StrCat("shard ", stream_->shard(), " returned ", m.rows, " rows for ", rows_));
+      }
+      out.rows = m.rows;
+      out.bf16 = std::move(m.values);
+      return out;
+    }
+    MOE_ASSIGN_OR_RETURN(out.f32,
+                         transport::DecodeF32Matrix(reply.outputs(), what, tokens_, latent_));
+    out.rows = tokens_;
+    return out;
+  }
+
+ private:
+  std::shared_ptr<transport::ExpertStream> stream_;
+  std::shared_ptr<transport::PendingReply> pending_;
+  const ReplyMode mode_;
+  const int64_t latent_, rows_, tokens_;
+};
+
+}  // namespace
+
+GrpcExpertChannel::GrpcExpertChannel(std::string shard, std::string endpoint, int max_message_bytes)
+    : shard_(shard),
+      stream_(std::make_shared<transport::ExpertStream>(std::move(shard), std::move(endpoint),
+                                                        max_message_bytes)) {}
+
+GrpcExpertChannel::~GrpcExpertChannel() = default;
+
+std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header,
+                                                    const DispatchMessage& m) {
+  v1::DispatchRequest dr;
+  dr.set_layer(header.layer);
+  dr.set_reply_mode(header.mode == ReplyMode::kPerPair ? v1::REPLY_MODE_PER_PAIR
+                                                       : v1::REPLY_MODE_PARTIAL_SUM);
+  dr.set_timeout_ms(header.timeout_ms);
+  for (const auto& [expert, rows] : m.groups) {
+    v1::ExpertGroup* g = dr.add_groups();
+    g->set_expert_id(expert);
+    g->set_token_count(rows);
+  }
+  *dr.mutable_row_source() = {m.row_source.begin(), m.row_source.end()};
+  if (header.mode == ReplyMode::kPartialSum) {
+    *dr.mutable_token_index() = {m.token_index.begin(), m.token_index.end()};
+    *dr.mutable_weights() = {m.weights.begin(), m.weights.end()};
+    dr.set_num_tokens(static_cast<int32_t>(header.num_tokens));
+  }
+  transport::EncodeBf16Into(m.z, static_cast<int64_t>(m.tokens.size()), header.latent,
+                            dr.mutable_activations());
+  auto pending = stream_->Send(std::move(dr));
+  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, header.latent,
+                                    m.rows(), static_cast<int64_t>(m.tokens.size()));
+}
+
+}  // namespace moe::attention_svc

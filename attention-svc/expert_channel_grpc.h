@@ -1,0 +1,36 @@
+// ExpertChannel over in-band gRPC: each message becomes one ExpertService.Dispatch batch on the
+// shard's long-lived stream (transport::ExpertStream), activations and replies as tensor bytes.
+//
+//   GrpcExpertChannel ch("shard-0", "127.0.0.1:5001", 256 << 20);
+#ifndef MOE_ATTENTION_SVC_EXPERT_CHANNEL_GRPC_H_
+#define MOE_ATTENTION_SVC_EXPERT_CHANNEL_GRPC_H_
+
+#include <memory>
+#include <string>
+
+#include "attention-svc/expert_channel.h"
+
+namespace moe::transport {
+class ExpertStream;
+}
+
+namespace moe::attention_svc {
+
+class GrpcExpertChannel final : public ExpertChannel {
+ public:
+  GrpcExpertChannel(std::string shard, std::string endpoint, int max_message_bytes);
+  ~GrpcExpertChannel() override;
+
+  std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
+                                   const DispatchMessage& message) override;
+  const std::string& shard() const override { return shard_; }
+  const char* transport() const override { return "grpc"; }
+
+ private:
+  const std::string shard_;
+  std::shared_ptr<transport::ExpertStream> stream_;
+};
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_EXPERT_CHANNEL_GRPC_H_
