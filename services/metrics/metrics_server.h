@@ -2,7 +2,7 @@
 // own port (0: any free port; read it back with port()). Scraped at /metrics.
 //
 //   MOE_ASSIGN_OR_RETURN(auto metrics, MetricsServer::Start("127.0.0.1", 0));
-//   ExpertMetrics m(*metrics->registry(), "expert-svc");
+//   ExpertMetrics m(metrics->registry(), /*layers=*/{1}, "shard-0");
 #ifndef MOE_SERVICES_METRICS_METRICS_SERVER_H_
 #define MOE_SERVICES_METRICS_METRICS_SERVER_H_
 

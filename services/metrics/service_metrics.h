@@ -4,7 +4,7 @@
 // the same names; tests/metrics checks them against a live /metrics and the Grafana dashboard.
 //
 //   AttentionMetrics m(registry, layers, num_experts, /*per_expert=*/true);
-//   m.ForwardDone(layer, seconds, tokens);
+//   m.ForwardDone(layer, seconds, dispatch_seconds, combine_seconds, tokens);
 #ifndef MOE_SERVICES_METRICS_SERVICE_METRICS_H_
 #define MOE_SERVICES_METRICS_SERVICE_METRICS_H_
 

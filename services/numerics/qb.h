@@ -14,10 +14,11 @@
 //   MOE_ASSIGN_OR_RETURN(QbStep step, QbExactStep(scores, m, n, bias, k));
 //   bias = step.bias;  // applies to the next window, never to the one it came from
 //
-//   MOE_ASSIGN_OR_RETURN(QbHistogram h, QbHistogram::Create({window, version, layer, k}, bias));
+//   QbWindow w; w.window_id = 7; w.bias_version = version; w.layer = 1; w.top_k = k;
+//   MOE_ASSIGN_OR_RETURN(QbHistogram h, QbHistogram::Create(w, bias));
 //   MOE_RETURN_IF_ERROR(h.Accumulate(scores, m));      // on each attention node
 //   MOE_RETURN_IF_ERROR(pooled.Merge(h));               // on the control plane
-//   MOE_ASSIGN_OR_RETURN(std::vector<float> next, pooled.Solve());
+//   std::vector<float> next = pooled.Solve();
 #ifndef MOE_SERVICES_NUMERICS_QB_H_
 #define MOE_SERVICES_NUMERICS_QB_H_
 

@@ -8,7 +8,7 @@
 // deadline with DEADLINE_EXCEEDED naming the shard, so nothing ever hangs on a dead or stalled
 // server.
 //
-//   ExpertStream s("shard-0", "127.0.0.1:5001");
+//   ExpertStream s("shard-0", "127.0.0.1:5001", /*max_message_bytes=*/256 << 20);
 //   auto pending = s.Send(std::move(request));          // to every shard first ...
 //   MOE_ASSIGN_OR_RETURN(v1::DispatchReply r, s.Wait(*pending, deadline));  // ... then wait
 #ifndef MOE_SERVICES_TRANSPORT_EXPERT_STREAM_H_

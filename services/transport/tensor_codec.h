@@ -2,8 +2,9 @@
 // project's bf16/fp32 buffers. Decoding validates dtype, rank, every dimension and the byte
 // count against the shape, and says which field was wrong.
 //
-//   v1::Tensor t = EncodeBf16(z, {rows, latent});
-//   MOE_ASSIGN_OR_RETURN(DecodedMatrix m, DecodeMatrix(t, "activations", latent));
+//   v1::Tensor t = EncodeBf16(z, rows, latent);
+//   MOE_ASSIGN_OR_RETURN(Bf16Matrix m, DecodeBf16Matrix(t, "activations", latent,
+//                                                       /*accept_f32=*/false));
 #ifndef MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
 #define MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
 

@@ -4,7 +4,7 @@
 // out^T = W . x^T (A = W with transpose, B = x). No Abseil: the standalone GPU check uses it.
 //
 //   CublasLtGemm g;  g.Init();
-//   g.Run(DataType::kBf16, x, w, out, M, N, K, stream);
+//   g.Run(GemmInput::kBf16, x, w, out, M, N, K, stream);  // cublasStatus_t
 #ifndef MOE_SERVICES_NUMERICS_CUDA_CUBLASLT_GEMM_H_
 #define MOE_SERVICES_NUMERICS_CUDA_CUBLASLT_GEMM_H_
 
