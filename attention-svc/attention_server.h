@@ -1,7 +1,7 @@
 // attention-svc: the attention instance of attention-FFN disaggregation for the MoE layer
 // (AttentionService in proto/moe/v1/attention.proto). For each hosted layer it holds the
-// full-width weights (router, latent projections, latent norm, shared experts) and runs SPEC.md
-// section 4 with the routed experts remote:
+// full-width weights (router, latent projections, latent norm, shared experts) and runs
+// docs/math.md section 4 with the routed experts remote:
 //
 //   route (current bias from router-svc) -> z = down(x) -> group (token, expert) pairs by the
 //   shard that owns the expert -> dispatch to every shard concurrently on long-lived streams ->

@@ -1,5 +1,5 @@
 # Warnings for every target of the project, and the floating-point contract the reference
-# kernels need: no contraction of a*b+c into FMA behind our back (SPEC.md fixes where each
+# kernels need: no contraction of a*b+c into FMA behind our back (docs/math.md fixes where each
 # rounding happens; optimized kernels use FMA explicitly through intrinsics).
 # (C/C++ only: nvcc gets its own flags, --fmad=false on the kernels, in services/CMakeLists.txt.)
 add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:-Wall;-Wextra;-Wno-unused-parameter>")

@@ -7,7 +7,8 @@
 //    RollbackBias makes an old one current again. WatchBias streams every new version.
 //  * Load statistics: attention nodes report QB histograms and loads; the current window holds
 //    the reports routed with the current bias version (bounded to window_tokens tokens).
-//  * Rebalance runs Quantile Balancing (the histogram form, QB.md) on the pooled window.
+//  * Rebalance runs Quantile Balancing (the histogram form, docs/quantile-balancing.md) on the
+//  pooled window.
 //
 //   RouterServerOptions o; o.checkpoint = "out/mid";
 //   MOE_ASSIGN_OR_RETURN(auto router, RouterServer::Start(o));

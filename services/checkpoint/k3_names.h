@@ -1,4 +1,4 @@
-// The K3 checkpoint's tensor names, dtypes and shapes for one MoE layer (SPEC.md section 2).
+// The K3 checkpoint's tensor names, dtypes and shapes for one MoE layer (docs/math.md section 2).
 //
 //   GateWeightName(3) == "language_model.model.layers.3.block_sparse_moe.gate.weight"
 //   ExpertTensorName(3, 17, "w1", "weight_packed")

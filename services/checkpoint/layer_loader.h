@@ -1,7 +1,7 @@
 // Loads one MoE layer's weights from a checkpoint into numerics::MoeLayerWeights: the dense
 // part (copied, checked finite) and/or an expert range [lo, hi) (zero-copy views into the
 // mapped shards, every E8M0 scale checked for 0xFF). Every tensor's dtype and shape is checked
-// against SPEC.md section 2; errors name the tensor.
+// against docs/math.md section 2; errors name the tensor.
 //
 //   LoadOptions opt; opt.dense = false; opt.expert_lo = 0; opt.expert_hi = 448;
 //   MOE_ASSIGN_OR_RETURN(MoeLayerWeights w, LoadMoeLayer(*ckpt, cfg, /*layer=*/1, opt));

@@ -1,4 +1,4 @@
-// ModelConfig: the shapes and constants of one Stable LatentMoE layer (SPEC.md section 1).
+// ModelConfig: the shapes and constants of one Stable LatentMoE layer (docs/math.md section 1).
 //
 // Three presets keep K3's structure (D = H/2, S = 2*I, sigmoid router, SiTU betas 4 and 25):
 //   "k3"   the released Kimi K3 shapes exactly (H 7168, D 3584, I 3072, E 896, k 16)

@@ -1,4 +1,4 @@
-// Every sum of the combine step (SPEC.md section 4 step 4) lives here, so that the in-process
+// Every sum of the combine step (docs/math.md section 4 step 4) lives here, so that the in-process
 // layer, the expert servers and the attention node add in the same, documented order:
 //  * ref::Combine, the reference: r[t] = bf16( sum_k fp32(y[t, k]) * w[t, k] ), the fp32 sum
 //    over the token's experts in ascending expert id (not rank order), starting from 0.0f; each

@@ -1,4 +1,4 @@
-// One routed expert's FFN on MXFP4 weights with SiTU-GLU (SPEC.md section 4 step 3), scalar
+// One routed expert's FFN on MXFP4 weights with SiTU-GLU (docs/math.md section 4 step 3), scalar
 // reference:
 //   g = bf16(z . W1^T), u = bf16(z . W3^T)   [tokens, I]  (w1 = gate, w3 = up, as checkpointed)
 //   h = bf16(SiTU(g, u))

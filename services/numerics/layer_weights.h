@@ -1,4 +1,4 @@
-// The weights of one Stable LatentMoE layer as the math uses them (SPEC.md section 2), without
+// The weights of one Stable LatentMoE layer as the math uses them (docs/math.md section 2), without
 // any knowledge of files: services/checkpoint fills this from safetensors, tests and the
 // synthetic generator fill it in memory.
 //

@@ -3,7 +3,7 @@
 //
 // Every product of two bf16 values is exact in fp32, so the only roundings are the fp32
 // additions. The reference fixes their order: i ascending from 0.0f, one running sum per output
-// (SPEC.md section 8 asks the oracle to fix what PyTorch leaves open). The NumPy reference
+// (docs/math.md section 8 asks the oracle to fix what PyTorch leaves open). The NumPy reference
 // (tests/reference) sums in the same order, so both agree bit for bit up to transcendental
 // functions.
 //

@@ -1,5 +1,5 @@
 // The whole Stable LatentMoE layer x[T, H] -> out[T, H] in process, scalar reference, with the
-// rounding points of SPEC.md section 4. The stages are public so that the disaggregated path
+// rounding points of docs/math.md section 4. The stages are public so that the disaggregated path
 // (attention node: route, down, combine, finish; expert server: experts) runs the same code.
 //
 //   MOE_ASSIGN_OR_RETURN(LayerOutput y, ref::MoeLayerForward(cfg, weights, x, tokens, width));

@@ -1,5 +1,5 @@
 // MXFP4 (OCP Microscaling v1.0, E2M1 elements with one E8M0 scale per 32) as the K3 checkpoint
-// stores it: SPEC.md section 3. This header is the one declaration of the format; the C++ and
+// stores it: docs/math.md section 3. This header is the one declaration of the format; the C++ and
 // the CUDA kernels share it (no Abseil here: the standalone GPU check compiles it with nvcc's
 // host compiler only).
 //

@@ -1,4 +1,4 @@
-// Quantile Balancing (../shared/QB.md): per-expert selection biases computed from score
+// Quantile Balancing (docs/quantile-balancing.md): per-expert selection biases computed from score
 // quantiles so that every expert gets its target load q = m*k/n, with no auxiliary loss and no
 // step size. Plain deterministic C++; no gRPC.
 //
@@ -50,7 +50,8 @@ struct QbStep {
 };
 
 // One exact QB step. b-hat_j = -(the (floor(q)+1)-th largest margin s_ij - alpha_i of column j),
-// which for integer q is QB.md's (q+1)-th largest and for any q keeps the fixed-cutoff sandwich
+// which for integer q is docs/quantile-balancing.md's (q+1)-th largest and for any q keeps the
+// fixed-cutoff sandwich
 // #{s_ij + b-hat_j > alpha_i} <= q <= #{s_ij + b-hat_j >= alpha_i}. An empty window (m = 0)
 // keeps the bias.
 absl::StatusOr<QbStep> QbExactStep(absl::Span<const float> scores, int64_t m, int64_t n,
@@ -91,10 +92,10 @@ class QbHistogram {
   // An empty window returns the routing bias unchanged.
   std::vector<float> Solve() const;
   // The loads this window would have had under `bias` at the fixed-cutoff approximation
-  // (QB.md): load_j = #{i : r_ij < b_j + c}, read off the histogram with linear interpolation
-  // inside a bin, where the constant c (routing ignores a common shift, fixed cutoffs do not)
-  // makes the loads sum to tokens * k. At the routing bias this returns the measured loads up
-  // to binning; at Solve()'s bias every load is close to q.
+  // (docs/quantile-balancing.md): load_j = #{i : r_ij < b_j + c}, read off the histogram with
+  // linear interpolation inside a bin, where the constant c (routing ignores a common shift, fixed
+  // cutoffs do not) makes the loads sum to tokens * k. At the routing bias this returns the
+  // measured loads up to binning; at Solve()'s bias every load is close to q.
   std::vector<double> PredictLoads(absl::Span<const float> bias) const;
 
   // Compact binary form (LEB128 varints for the counts) that travels from attention nodes to
@@ -138,7 +139,8 @@ struct BalanceMetrics {
 BalanceMetrics ComputeBalance(absl::Span<const int64_t> loads,
                               absl::Span<const int32_t> shard_of_expert = {});
 
-// sqrt(2 ln n) / sqrt(q): the MaxVio that sampling noise alone produces (QB.md).
+// sqrt(2 ln n) / sqrt(q): the MaxVio that sampling noise alone produces
+// (docs/quantile-balancing.md).
 double NoiseFloorMaxVio(int64_t n, double q);
 
 }  // namespace moe::numerics

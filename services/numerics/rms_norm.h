@@ -1,4 +1,4 @@
-// Latent RMSNorm (SPEC.md section 4 step 5), scalar reference:
+// Latent RMSNorm (docs/math.md section 4 step 5), scalar reference:
 //   n  = bf16( fp32(r) * (1 / sqrt(mean(fp32(r)^2) + eps)) )
 //   r' = bf16( gamma * n )
 // The sum of squares runs over d ascending in fp32 (each square of a bf16 is exact), the mean

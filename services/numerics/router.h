@@ -1,4 +1,4 @@
-// The sigmoid router with a selection-only bias (SPEC.md section 4 step 1), scalar reference.
+// The sigmoid router with a selection-only bias (docs/math.md section 4 step 1), scalar reference.
 //
 //   logits = x . Wg^T (fp32), s = sigmoid(logits), c = s + bias, ids = top-k(c),
 //   w = s[ids] / (sum s[ids] + 1e-20) * routed_scaling_factor   (renormalize = true)

@@ -1,5 +1,5 @@
 // The always-on shared experts, merged into one SiTU-GLU MLP of width S = 2 * I on the
-// full-width input (SPEC.md section 4 step 7), scalar reference:
+// full-width input (docs/math.md section 4 step 7), scalar reference:
 //   sh = bf16( bf16(SiTU(bf16(x . G^T), bf16(x . U^T))) . Dn^T )
 //
 //   ref::SharedExpert(x, tokens, hidden, gate, up, down, shared, beta, linear_beta, sh);

@@ -1,4 +1,4 @@
-// SiTU-GLU activation of K3's expert and shared MLPs (SPEC.md section 5).
+// SiTU-GLU activation of K3's expert and shared MLPs (docs/math.md section 5).
 //
 //   SiTU(g, u) = [b1 * tanh(g / b1) * sigmoid(g)] * [b2 * tanh(u / b2)],  b1 = 4, b2 = 25
 //

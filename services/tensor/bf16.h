@@ -48,7 +48,7 @@ struct Bf16 {
 };
 static_assert(sizeof(Bf16) == 2, "Bf16 must be exactly two bytes");
 
-// Rounds an fp32 value through bf16 and back: the "bf16(...)" of SPEC.md section 4.
+// Rounds an fp32 value through bf16 and back: the "bf16(...)" of docs/math.md section 4.
 inline float RoundBf16(float f) { return Bf16BitsToFloat(RoundToBf16Bits(f)); }
 
 }  // namespace moe::tensor

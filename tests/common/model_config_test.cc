@@ -21,7 +21,7 @@ TEST(ModelConfig, K3PresetMatchesSpecSectionOne) {
   EXPECT_FLOAT_EQ(c.situ_beta, 4.0f);
   EXPECT_FLOAT_EQ(c.situ_linear_beta, 25.0f);
   EXPECT_TRUE(c.renormalize);
-  EXPECT_EQ(c.ExpertBytes(), 17547264);  // SPEC.md section 3
+  EXPECT_EQ(c.ExpertBytes(), 17547264);  // docs/math.md section 3
   EXPECT_EQ(c.MoeLayers().size(), 92u);
 }
 

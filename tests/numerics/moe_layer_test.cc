@@ -104,7 +104,8 @@ TEST_F(MoeLayerTest, BiasOverrideChangesSelectionOnly) {
 }
 
 // On the mid preset (128 experts, k = 8) with 4096 tokens the sampling-noise floor of MaxVio is
-// about sqrt(2 ln 128) / sqrt(256) = 0.19 (QB.md); skew 1 must stand far above it, skew 0 not.
+// about sqrt(2 ln 128) / sqrt(256) = 0.19 (docs/quantile-balancing.md); skew 1 must stand far above
+// it, skew 0 not.
 TEST(SyntheticRouter, SkewMakesSomeExpertsHot) {
   const ModelConfig cfg = *PresetConfig("mid");
   const int64_t tokens = 4096;

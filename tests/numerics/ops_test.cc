@@ -211,7 +211,7 @@ TEST(Combine, WeightsScaleEachExpertOutput) {
 }
 
 // The expert FFN against a straightforward re-implementation: dequantize whole matrices first,
-// then plain loops with the rounding points of SPEC.md section 4 step 3.
+// then plain loops with the rounding points of docs/math.md section 4 step 3.
 TEST(ExpertFfn, MatchesDequantizedOracleBitExactly) {
   const int64_t d = 64, inter = 96, tokens = 5;
   Rng rng(9);

@@ -1,4 +1,4 @@
-// Quantile Balancing: everything QB.md "Tests that pin it down" lists.
+// Quantile Balancing: everything docs/quantile-balancing.md "Tests that pin it down" lists.
 #include "services/numerics/qb.h"
 
 #include <algorithm>
@@ -53,7 +53,7 @@ TEST(TopK, MatchesAFullSortWithTheTieRule) {
 }
 
 TEST(QuantileBalancing, GoldenToy) {
-  // QB.md test 1: n = 4, k = 1, m = 8 (q = 2), b = 0, scores x 64.
+  // docs/quantile-balancing.md test 1: n = 4, k = 1, m = 8 (q = 2), b = 0, scores x 64.
   const float raw[8][4] = {{37, 52, 16, 31}, {45, 6, 61, 30},  {63, 47, 27, 15}, {6, 60, 44, 24},
                            {7, 61, 49, 11},  {29, 21, 26, 13}, {50, 15, 45, 29}, {54, 12, 42, 49}};
   std::vector<float> s;

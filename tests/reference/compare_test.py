@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_reference as ref  # noqa: E402
 
-# Both sides fix every summation order (SPEC.md section 8), so products and sums agree bit for
+# Both sides fix every summation order (docs/math.md section 8), so products and sums agree bit for
 # bit, and both evaluate exp and tanh in float64 rounded once to float32. What remains is the
 # two float64 exp/tanh implementations (libm here, NumPy's SIMD loops there), each within about
 # one float64 ulp: their float32 roundings differ only when the exact value lies within 2^-52

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""Independent NumPy reference of one Stable LatentMoE layer (SPEC.md section 4).
+"""Independent NumPy reference of one Stable LatentMoE layer (docs/math.md section 4).
 
 Reads a K3-format safetensors checkpoint itself (no C++ involved) and computes the layer with
-the rounding points of SPEC.md and the summation orders SPEC.md section 8 asks an oracle to fix:
+the rounding points of docs/math.md and the summation orders docs/math.md section 8 asks an oracle to fix:
   * every matrix product: bf16 x bf16 products (exact in fp32) summed in fp32 over the
     reduction index in ascending order, starting from 0;
   * router weights: the selected scores summed in rank order;

@@ -36,7 +36,7 @@ __device__ __forceinline__ float Situ(float g, float u, float beta, float linear
   return __fmul_rn(gate, up);
 }
 
-// E2M1 (SPEC.md section 3, mxfp4.h kE2M1Values): bit 3 sign, bits 2..1 exponent, bit 0
+// E2M1 (docs/math.md section 3, mxfp4.h kE2M1Values): bit 3 sign, bits 2..1 exponent, bit 0
 // mantissa; exponent 0 is subnormal (0 or 0.5).
 __device__ __forceinline__ float E2M1(uint32_t code) {
   const uint32_t e = (code >> 1) & 3u, m = code & 1u;

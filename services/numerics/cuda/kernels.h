@@ -1,5 +1,5 @@
-// CUDA kernels of the Stable LatentMoE layer (SPEC.md section 4), Hopper/Ampere (sm_90, sm_80).
-// Kernels take raw device pointers and a stream and return cudaError_t; the op layer
+// CUDA kernels of the Stable LatentMoE layer (docs/math.md section 4), Hopper/Ampere (sm_90,
+// sm_80). Kernels take raw device pointers and a stream and return cudaError_t; the op layer
 // (cuda_backend.h) turns that into absl::Status. bf16 values travel as uint16_t bit patterns
 // (tensor::Bf16), MXFP4 in the checkpoint layout of mxfp4.h (decoded to bf16 on the fly:
 // Hopper has no FP4 tensor cores).
