@@ -13,32 +13,6 @@ const char* ReplyModeName(ReplyMode m) {
   return m == ReplyMode::kPartialSum ? "partial_sum" : "per_pair";
 }
 
-LayerRoute BuildRoute(int32_t layer, int32_t num_experts, std::vector<ShardRef> shards) {
-  LayerRoute route;
-  route.layer = layer;
-  route.shards = std::move(shards);
-  std::sort(route.shards.begin(), route.shards.end(), [](const ShardRef& a, const ShardRef& b) {
-    return a.lo != b.lo ? a.lo < b.lo : a.shard < b.shard;
-  });
-  route.owner.assign(static_cast<size_t>(num_experts), -1);
-  for (size_t i = 0; i < route.shards.size(); ++i) {
-    const ShardRef& s = route.shards[i];
-    for (int32_t e = std::max(0, s.lo); e < std::min(s.hi, num_experts); ++e) {
-      int32_t& o = route.owner[e];
-      // A healthy replica wins over an unhealthy one; among equals the first (lowest lo).
-      if (o < 0 || (!route.shards[o].healthy && s.healthy)) o = static_cast<int32_t>(i);
-    }
-  }
-  return route;
-}
-
-bool Covered(const LayerRoute& route) {
-  for (int32_t o : route.owner) {
-    if (o < 0 || !route.shards[o].healthy) return false;
-  }
-  return true;
-}
-
 absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const Bf16* z,
                                           const LayerRoute& route, const DispatchSpec& spec) {
   DispatchPlan plan;

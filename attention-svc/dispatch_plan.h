@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "services/numerics/router.h"
+#include "services/placement/placement.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::attention_svc {
@@ -31,26 +32,10 @@ namespace moe::attention_svc {
 enum class ReplyMode { kPerPair, kPartialSum };
 const char* ReplyModeName(ReplyMode m);  // "per_pair", "partial_sum"
 
-// One expert shard of a layer's placement.
-struct ShardRef {
-  std::string shard, endpoint;
-  int32_t lo = 0, hi = 0;  // experts [lo, hi)
-  bool healthy = false;
-  int64_t last_seen_ms = 0;
-};
-
-// Which shard serves each expert of one layer, from one placement version.
-struct LayerRoute {
-  int32_t layer = 0;
-  std::vector<ShardRef> shards;  // ascending expert_lo, then name (the partial-sum order)
-  std::vector<int32_t> owner;    // [E] index into shards, -1: nobody hosts it
-};
-
-// A layer's route from the shards that host some of its experts (any order): a healthy shard
-// wins an expert over an unhealthy one; among equals the first by (lo, name).
-LayerRoute BuildRoute(int32_t layer, int32_t num_experts, std::vector<ShardRef> shards);
-// Whether every expert has a healthy owner.
-bool Covered(const LayerRoute& route);
+using placement::BuildRoute;
+using placement::Covered;
+using placement::LayerRoute;
+using placement::ShardRef;
 
 struct DispatchSpec {
   ReplyMode mode = ReplyMode::kPerPair;

@@ -22,7 +22,6 @@
 #include "expert-svc/expert_backend.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
-#include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -35,6 +34,7 @@
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/moe_layer.h"
+#include "services/placement/placement.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/status_convert.h"
 #include "services/transport/stream_reactor.h"
@@ -158,60 +158,6 @@ BatchVerifier::ReferenceWeights ReferenceWeightsFor(const ExpertServerOptions& o
 
 }  // namespace
 
-absl::StatusOr<std::pair<int64_t, int64_t>> ExpertRangeForOrdinal(const std::string& ranges_json,
-                                                                  int64_t ordinal) {
-  const nlohmann::json j = nlohmann::json::parse(ranges_json, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("ranges") || !j["ranges"].is_array() ||
-      !j.contains("num_experts") || !j["num_experts"].is_number_integer()) {
-    return absl::InvalidArgumentError(
-        "ranges file: expected {\"num_experts\": E, \"replicas_per_range\": R, \"ranges\": "
-        "[[lo, hi], ...]}");
-  }
-  const int64_t e = j["num_experts"].get<int64_t>();
-  const int64_t replicas =
-      j.contains("replicas_per_range") && j["replicas_per_range"].is_number_integer()
-          ? j["replicas_per_range"].get<int64_t>()
-          : 1;
-  if (replicas < 1) return absl::InvalidArgumentError("ranges file: replicas_per_range < 1");
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  int64_t next = 0;
-  for (const auto& r : j["ranges"]) {
-    if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() || !r[1].is_number_integer()) {
-      return absl::InvalidArgumentError("ranges file: each range is [lo, hi]");
-    }
-    const int64_t lo = r[0].get<int64_t>(), hi = r[1].get<int64_t>();
-    if (lo != next || hi <= lo) {
-      return absl::InvalidArgumentError(absl::StrCat("ranges file: range [", lo, ", ", hi,
-                                                     ") does not continue at ", next,
-                                                     " (ranges must tile [0, E) in order)"));
-    }
-    ranges.emplace_back(lo, hi);
-    next = hi;
-  }
-  if (next != e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ranges file: the ranges end at ", next, ", not at E = ", e));
-  }
-  const int64_t pods = static_cast<int64_t>(ranges.size()) * replicas;
-  if (ordinal < 0 || ordinal >= pods) {
-    return absl::InvalidArgumentError(absl::StrCat("ordinal ", ordinal, " outside [0, ", pods,
-                                                   ") (", ranges.size(), " ranges x ", replicas,
-                                                   " replicas)"));
-  }
-  return ranges[static_cast<size_t>(ordinal / replicas)];
-}
-
-absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname) {
-  const size_t dash = hostname.rfind('-');
-  int64_t ordinal = -1;
-  if (dash == std::string::npos ||
-      !absl::SimpleAtoi(absl::string_view(hostname).substr(dash + 1), &ordinal) || ordinal < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read a StatefulSet ordinal from the host name '", hostname, "'"));
-  }
-  return ordinal;
-}
-
 absl::Status ExpertServer::Impl::Load() {
   if (!options_.ranges_file.empty()) {
     std::ifstream f(options_.ranges_file);
@@ -220,11 +166,12 @@ absl::Status ExpertServer::Impl::Load() {
     int64_t ordinal = options_.ordinal;
     if (ordinal < 0) {
       const char* host = std::getenv("HOSTNAME");
-      MOE_ASSIGN_OR_RETURN(ordinal, OrdinalFromHostname(host != nullptr ? host : ""));
+      MOE_ASSIGN_OR_RETURN(ordinal, placement::OrdinalFromHostname(host != nullptr ? host : ""));
     }
-    MOE_ASSIGN_OR_RETURN(auto range, ExpertRangeForOrdinal(text, ordinal));
-    options_.expert_lo = range.first;
-    options_.expert_hi = range.second;
+    MOE_ASSIGN_OR_RETURN(placement::RangeTable table, placement::ParseRangeTable(text));
+    MOE_ASSIGN_OR_RETURN(placement::Range range, placement::RangeForOrdinal(table, ordinal));
+    options_.expert_lo = range.lo;
+    options_.expert_hi = range.hi;
   }
   std::vector<int64_t> layers = options_.layers;
   if (!options_.checkpoint.empty()) {

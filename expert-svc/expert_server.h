@@ -36,9 +36,9 @@ struct ExpertServerOptions {
   std::vector<int64_t> layers;  // empty: the first MoE layer
   int64_t expert_lo = 0;
   int64_t expert_hi = -1;  // -1: all experts
-  // Or the range from a placement table (the Helm chart's ConfigMap) by this pod's ordinal:
-  //   {"num_experts": E, "replicas_per_range": R, "ranges": [[lo, hi], ...]}
-  // ordinal o serves ranges[o / R]. ordinal -1: the trailing number of $HOSTNAME (StatefulSet).
+  // Or the range from a placement table (the Helm chart's ConfigMap) by this pod's ordinal
+  // (services/placement: ordinal o serves ranges[o / replicas_per_range]). ordinal -1: the
+  // trailing number of $HOSTNAME (StatefulSet).
   std::string ranges_file;
   int64_t ordinal = -1;
 
@@ -67,13 +67,6 @@ struct ExpertServerOptions {
   // export what the kernels achieve as fractions of them.
   bool measure_limits = true;
 };
-
-// The range of `ordinal` in a placement table (format above); checks that the ranges are
-// ordered, non-empty, cover [0, E) exactly once and that the ordinal exists.
-absl::StatusOr<std::pair<int64_t, int64_t>> ExpertRangeForOrdinal(const std::string& ranges_json,
-                                                                  int64_t ordinal);
-// "moe-expert-7" -> 7.
-absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname);
 
 class ExpertServer {
  public:

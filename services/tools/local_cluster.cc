@@ -19,6 +19,7 @@
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
 #include "services/common/status_macros.h"
+#include "services/placement/placement.h"
 
 #ifndef MOE_BIN_DIR
 #define MOE_BIN_DIR ""
@@ -117,9 +118,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     if (o.num_shards < 1 || o.num_shards > cfg.num_experts) {
       return absl::InvalidArgumentError(absl::StrCat("num_shards ", o.num_shards));
     }
-    for (int i = 0; i < o.num_shards; ++i) {
-      o.shard_ranges.emplace_back(cfg.num_experts * i / o.num_shards,
-                                  cfg.num_experts * (i + 1) / o.num_shards);
+    for (const placement::Range& r : placement::EvenSplit(cfg.num_experts, o.num_shards)) {
+      o.shard_ranges.emplace_back(r.lo, r.hi);
     }
   }
   const std::string threads = absl::StrCat("--threads=", o.threads);

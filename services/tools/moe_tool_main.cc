@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/placement/placement.h"
 #include "services/tools/layer_runner.h"
 
 namespace {
@@ -29,6 +30,8 @@ int Usage() {
       "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
       "                 [--dense-only]   (no expert tensors: enough for router/attention)\n"
       "  moe-tool config --config PRESET|config.json [--out config.json]   (stdout without --out)\n"
+      "  moe-tool ranges --config PRESET|config.json [--shards N] [--replicas R]   (placement "
+      "table)\n"
       "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
       "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
       "                   [--backend cpu|ref]\n"
@@ -165,6 +168,26 @@ int Config(const Flags& f) {
   return 0;
 }
 
+// The placement table of `shards` even ranges x `replicas` (services/placement): what the Helm
+// chart renders into its ranges.json (tests/deploy/chart_test.sh compares them).
+int Ranges(const Flags& f) {
+  if (!f.count("config")) return Usage();
+  auto cfg = moe::ResolveConfig(f.at("config"));
+  int64_t shards = 2, replicas = 1;
+  if (!cfg.ok() || (f.count("shards") && !absl::SimpleAtoi(f.at("shards"), &shards)) ||
+      (f.count("replicas") && !absl::SimpleAtoi(f.at("replicas"), &replicas)) || shards < 1 ||
+      shards > cfg->num_experts || replicas < 1) {
+    std::fprintf(stderr, "error: %s\n",
+                 cfg.ok() ? "--shards must lie in [1, E], --replicas at least 1"
+                          : std::string(cfg.status().message()).c_str());
+    return 1;
+  }
+  std::printf("%s\n", moe::placement::RangeTableJson(
+                          moe::placement::EvenTable(cfg->num_experts, shards, replicas))
+                          .c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -174,6 +197,7 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "synth") return Synth(flags);
   if (cmd == "config") return Config(flags);
+  if (cmd == "ranges") return Ranges(flags);
   if (cmd == "forward") return Forward(flags);
   return Usage();
 }

@@ -1,4 +1,4 @@
-// The attention node's dispatch plan and gather without processes: routes from placements, the
+// The attention node's dispatch plan and gather without processes: the
 // messages a hand-made routing produces (rows, row_source, distinct tokens, chunking at the
 // byte budget, partial-sum fields), the errors, and the round trip through in-process expert
 // channels against the in-process layer (bit-exact per pair, within a named bound with partial
@@ -29,42 +29,6 @@ constexpr numerics::Tolerance kPartialSumLatentTolerance = {1.0, 1e-3, 0.01, -1}
 
 ShardRef Shard(const std::string& name, int32_t lo, int32_t hi, bool healthy = true) {
   return {name, "127.0.0.1:" + std::to_string(5000 + lo), lo, hi, healthy, 0};
-}
-
-TEST(BuildRoute, OrdersShardsAndPrefersHealthyReplicas) {
-  struct Case {
-    std::string name;
-    std::vector<ShardRef> shards;
-    std::vector<std::string> owner_of;  // per expert of E = 4; "" when nobody
-    bool covered;
-  };
-  const std::vector<Case> cases = {
-      {"two ranges, given out of order",
-       {Shard("b", 2, 4), Shard("a", 0, 2)},
-       {"a", "a", "b", "b"},
-       true},
-      {"a gap", {Shard("a", 0, 2), Shard("b", 3, 4)}, {"a", "a", "", "b"}, false},
-      {"the healthy replica wins",
-       {Shard("r0", 0, 4, /*healthy=*/false), Shard("r1", 0, 4)},
-       {"r1", "r1", "r1", "r1"},
-       true},
-      {"equal replicas: the first by name",
-       {Shard("z", 0, 4), Shard("m", 0, 4)},
-       {"m", "m", "m", "m"},
-       true},
-      {"only unhealthy", {Shard("a", 0, 4, false)}, {"a", "a", "a", "a"}, false},
-      {"a range past E is clipped", {Shard("a", 0, 9)}, {"a", "a", "a", "a"}, true},
-  };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const LayerRoute r = BuildRoute(1, 4, c.shards);
-    for (size_t i = 1; i < r.shards.size(); ++i) EXPECT_LE(r.shards[i - 1].lo, r.shards[i].lo);
-    ASSERT_EQ(r.owner.size(), 4u);
-    for (int e = 0; e < 4; ++e) {
-      EXPECT_EQ(r.owner[e] < 0 ? "" : r.shards[r.owner[e]].shard, c.owner_of[e]) << "expert " << e;
-    }
-    EXPECT_EQ(Covered(r), c.covered);
-  }
 }
 
 // T = 3 tokens, k = 2: token 0 -> {1, 6}, token 1 -> {6, 9}, token 2 -> {9, 1} (rank order).

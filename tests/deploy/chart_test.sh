@@ -30,16 +30,22 @@ for preset in tiny mid k3; do
 done
 cmp "$DASH" "$CHART/files/moe-dashboard.json"
 
+# The placement tables the chart must render (services/placement's rule, via moe-tool).
+"$MOE_TOOL" ranges --config mid --shards 2 --replicas 1 >"$WORK/ranges-default.json"
+"$MOE_TOOL" ranges --config k3 --shards 8 --replicas 2 >"$WORK/ranges-k3.json"
+"$MOE_TOOL" ranges --config mid --shards 5 --replicas 3 >"$WORK/ranges-claim.json"
+
 echo "== default values"
 render -out "$WORK/default.yaml" -notes "$WORK/default-notes.txt"
-node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH"
+node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json"
 grep -q "svc/moe-moe-serving-attention" "$WORK/default-notes.txt"
 grep -q "cannot change the bias" "$WORK/default-notes.txt"
 
 echo "== values-k3.yaml with an admin token"
 render -f "$CHART/values-k3.yaml" -set admin.token=s3cret -out "$WORK/k3.yaml"
 node validate.mjs --manifests "$WORK/k3.yaml" --dashboard "$DASH" --expect-admin-secret unused \
-  --expect-servicemonitor --expect-gpu
+  --expect-servicemonitor --expect-gpu --expect-ranges "$WORK/ranges-k3.json"
 grep -q 'num_experts.\{1,2\}:896' "$WORK/k3.yaml"
 
 echo "== claim, existing Secret, 5 ranges x 3 replicas, layers 1,2"
@@ -48,7 +54,7 @@ render -set checkpoint.existingClaim=weights -set checkpoint.subPath=k3/ckpt \
   -set 'model.layers=[1, 2]' -set serviceMonitor.enabled=true -set grafanaDashboard.enabled=true \
   -out "$WORK/claim.yaml"
 node validate.mjs --manifests "$WORK/claim.yaml" --dashboard "$DASH" --expect-admin-secret moe-admin \
-  --expect-servicemonitor
+  --expect-servicemonitor --expect-ranges "$WORK/ranges-claim.json"
 grep -q "claimName: weights" "$WORK/claim.yaml"
 grep -q -- "--checkpoint=/models/k3/ckpt" "$WORK/claim.yaml"
 grep -q -- "--layers=1,2" "$WORK/claim.yaml"

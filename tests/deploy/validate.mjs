@@ -12,6 +12,7 @@
 //
 //   node validate.mjs --manifests rendered.yaml --dashboard deploy/grafana/moe-dashboard.json
 //                     [--expect-admin-secret NAME] [--expect-servicemonitor] [--expect-gpu]
+//                     [--expect-ranges ranges.json]  (moe-tool ranges: the placement rule)
 import fs from 'node:fs';
 import { createRequire } from 'node:module';
 import yaml from 'js-yaml';
@@ -90,6 +91,15 @@ if (model) {
   for (const [lo, hi] of table.ranges) for (let x = lo; x < hi; ++x) owner[x] += 1;
   const bad = owner.map((n, x) => [x, n]).filter(([, n]) => n !== 1);
   check(bad.length === 0, `experts not covered exactly once by the ranges: ${JSON.stringify(bad.slice(0, 5))}`);
+  // The chart's table is the placement library's rule (moe-tool ranges), not a copy of it.
+  const expected = arg('expect-ranges');
+  if (expected) {
+    const want = JSON.parse(fs.readFileSync(expected, 'utf8'));
+    check(table.num_experts === want.num_experts &&
+          table.replicas_per_range === want.replicas_per_range &&
+          JSON.stringify(table.ranges) === JSON.stringify(want.ranges),
+          `ranges.json ${JSON.stringify(table)} != moe-tool ranges ${JSON.stringify(want)}`);
+  }
   const sts = byKind('StatefulSet')[0];
   check(sts, 'no expert StatefulSet');
   if (sts) {

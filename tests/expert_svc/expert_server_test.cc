@@ -193,26 +193,34 @@ TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionCh
   (*server)->Shutdown();
 }
 
+// The range comes from the placement table by ordinal (services/placement), as in a
+// StatefulSet pod: ordinal 3 of 3 ranges x 2 replicas serves [5, 11).
 TEST(ExpertServer, RangeFromThePlacementTableByOrdinal) {
-  const std::string table =
-      R"({"num_experts": 16, "replicas_per_range": 2, "ranges": [[0, 5], [5, 11], [11, 16]]})";
-  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 5},  {0, 5},   {5, 11},
-                                                         {5, 11}, {11, 16}, {11, 16}};
-  for (int64_t o = 0; o < 6; ++o) {
-    auto r = ExpertRangeForOrdinal(table, o);
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(*r, want[o]) << "ordinal " << o;
-  }
-  EXPECT_FALSE(ExpertRangeForOrdinal(table, 6).ok());
-  EXPECT_FALSE(ExpertRangeForOrdinal(table, -1).ok());
-  auto gap = ExpertRangeForOrdinal(R"({"num_experts": 16, "ranges": [[0, 5], [6, 16]]})", 0);
-  ASSERT_FALSE(gap.ok());
-  EXPECT_NE(gap.status().message().find("does not continue at 5"), absl::string_view::npos);
-  EXPECT_FALSE(ExpertRangeForOrdinal(R"({"num_experts": 16, "ranges": [[0, 8]]})", 0).ok());
-  EXPECT_FALSE(ExpertRangeForOrdinal("not json", 0).ok());
-  EXPECT_EQ(*OrdinalFromHostname("moe-serving-expert-12"), 12);
-  EXPECT_FALSE(OrdinalFromHostname("localhost").ok());
-  EXPECT_FALSE(OrdinalFromHostname("pod-x").ok());
+  const std::string path = ::testing::TempDir() + "/ranges.json";
+  std::ofstream(path)
+      << R"({"num_experts": 16, "replicas_per_range": 2, "ranges": [[0, 5], [5, 11], [11, 16]]})";
+  ExpertServerOptions o;
+  o.preset = "tiny";
+  o.ranges_file = path;
+  o.ordinal = 3;
+  o.threads = 1;
+  o.measure_limits = false;
+  auto server = ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::ExpertService::NewStub(
+      transport::MakeChannel("127.0.0.1:" + std::to_string((*server)->port())));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ExpertServerInfo info;
+  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  EXPECT_EQ(info.expert_lo(), 5);
+  EXPECT_EQ(info.expert_hi(), 11);
+  (*server)->Shutdown();
+  o.ordinal = 6;  // 6 pods: 0..5
+  auto refused = ExpertServer::Start(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("ordinal 6 outside [0, 6)"), absl::string_view::npos)
+      << refused.status();
 }
 
 // Without a usable GPU (this CI): "cuda" refuses to start with the reason, "auto" falls back to
