@@ -1,0 +1,105 @@
+#include "router-svc/placement_registry.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe::router_svc {
+
+absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
+                                                     const std::string& endpoint,
+                                                     const std::vector<LayerRange>& ranges,
+                                                     Clock::time_point now) {
+  if (shard.empty() || endpoint.empty()) {
+    return absl::InvalidArgumentError("registration needs a shard name and an endpoint");
+  }
+  if (ranges.empty()) return absl::InvalidArgumentError("registration without ranges");
+  for (const LayerRange& r : ranges) {
+    if (r.lo < 0 || r.lo >= r.hi || r.hi > num_experts_) {
+      return absl::InvalidArgumentError(absl::StrCat("shard ", shard, ": range [", r.lo, ", ", r.hi,
+                                                     ") of layer ", r.layer, " is invalid"));
+    }
+  }
+  Shard& s = shards_[shard];
+  s.endpoint = endpoint;
+  s.ranges = ranges;
+  s.lease = next_lease_++;
+  s.last_seen = now;
+  s.healthy = true;
+  ++version_;
+  return s.lease;
+}
+
+absl::StatusOr<bool> PlacementRegistry::Heartbeat(uint64_t lease, Clock::time_point now) {
+  for (auto& [name, s] : shards_) {
+    if (s.lease != lease) continue;
+    s.last_seen = now;
+    if (s.healthy) return false;
+    s.healthy = true;
+    ++version_;
+    return true;
+  }
+  return absl::NotFoundError(absl::StrCat("lease ", lease, " is unknown: register"));
+}
+
+std::vector<std::string> PlacementRegistry::ExpireStale(Clock::time_point now,
+                                                        Clock::duration stale) {
+  std::vector<std::string> expired;
+  for (auto& [name, s] : shards_) {
+    if (s.healthy && now - s.last_seen > stale) {
+      s.healthy = false;
+      expired.push_back(name);
+    }
+  }
+  if (!expired.empty()) ++version_;
+  return expired;
+}
+
+PlacementSnapshot PlacementRegistry::Snapshot(Clock::time_point now) const {
+  PlacementSnapshot p;
+  p.version = version_;
+  for (const auto& [name, s] : shards_) {
+    p.shards.push_back(
+        {name, s.endpoint, s.ranges, s.lease, s.healthy,
+         std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count()});
+  }
+  return p;
+}
+
+int64_t PlacementRegistry::healthy_shards() const {
+  int64_t n = 0;
+  for (const auto& [name, s] : shards_) n += s.healthy ? 1 : 0;
+  return n;
+}
+
+std::vector<int32_t> PlacementRegistry::ShardOfExpert(int32_t layer,
+                                                      std::vector<std::string>* names) const {
+  std::vector<int32_t> of(static_cast<size_t>(num_experts_), -1);
+  names->clear();
+  for (const auto& [name, s] : shards_) {
+    for (const LayerRange& r : s.ranges) {
+      if (r.layer != layer) continue;
+      const int32_t id = static_cast<int32_t>(names->size());
+      names->push_back(name);
+      for (int32_t e = r.lo; e < r.hi; ++e) of[e] = id;
+    }
+  }
+  for (int32_t v : of) {
+    if (v < 0) return {};
+  }
+  return of;
+}
+
+std::vector<ShardLoad> PlacementRegistry::ShardLoads(int32_t layer,
+                                                     const std::vector<int64_t>& loads) const {
+  std::vector<ShardLoad> out;
+  for (const auto& [name, s] : shards_) {
+    for (const LayerRange& r : s.ranges) {
+      if (r.layer != layer) continue;
+      int64_t load = 0;
+      for (int32_t e = r.lo; e < r.hi; ++e) load += loads[e];
+      out.push_back({name, r.lo, r.hi, load, s.healthy});
+    }
+  }
+  return out;
+}
+
+}  // namespace moe::router_svc

@@ -1,0 +1,91 @@
+// router-svc's registry of expert servers: which shard serves which expert ranges of which
+// layers, under which lease, and whether its heartbeats still arrive. It owns that state and
+// nothing else; the gRPC adapter (router_server.cc) holds the lock, passes the time in, and
+// publishes each new snapshot to the WatchPlacement streams.
+//
+//   PlacementRegistry reg(/*num_experts=*/128);
+//   MOE_ASSIGN_OR_RETURN(uint64_t lease, reg.Register("shard-0", "10.0.0.1:5001", ranges, now));
+//   reg.Heartbeat(lease, now);                  // true when the shard came back to health
+//   reg.ExpireStale(now, std::chrono::milliseconds(1500));  // names that just went unhealthy
+#ifndef MOE_ROUTER_SVC_PLACEMENT_REGISTRY_H_
+#define MOE_ROUTER_SVC_PLACEMENT_REGISTRY_H_
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe::router_svc {
+
+using Clock = std::chrono::steady_clock;
+
+struct LayerRange {
+  int32_t layer = 0;
+  int32_t lo = 0, hi = 0;  // experts [lo, hi)
+};
+
+struct ShardEntry {
+  std::string name, endpoint;
+  std::vector<LayerRange> ranges;
+  uint64_t lease = 0;
+  bool healthy = true;
+  int64_t last_seen_ms = 0;  // ago, at the snapshot
+};
+
+struct PlacementSnapshot {
+  uint64_t version = 0;
+  std::vector<ShardEntry> shards;  // by name
+};
+
+// The window's routed rows on one registered range.
+struct ShardLoad {
+  std::string name;
+  int32_t lo = 0, hi = 0;
+  int64_t load = 0;
+  bool healthy = false;
+};
+
+class PlacementRegistry {
+ public:
+  explicit PlacementRegistry(int64_t num_experts) : num_experts_(num_experts) {}
+
+  // A new or re-registering shard (a re-registration replaces its ranges and lease). Returns
+  // the lease id; INVALID_ARGUMENT for a missing name or endpoint or an invalid range.
+  absl::StatusOr<uint64_t> Register(const std::string& shard, const std::string& endpoint,
+                                    const std::vector<LayerRange>& ranges, Clock::time_point now);
+  // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again.
+  absl::StatusOr<bool> Heartbeat(uint64_t lease, Clock::time_point now);
+  // Marks shards silent for longer than `stale` unhealthy; returns their names.
+  std::vector<std::string> ExpireStale(Clock::time_point now, Clock::duration stale);
+
+  // Every change (registration, health) makes a new version.
+  uint64_t version() const { return version_; }
+  PlacementSnapshot Snapshot(Clock::time_point now) const;
+  int64_t shards() const { return static_cast<int64_t>(shards_.size()); }
+  int64_t healthy_shards() const;
+
+  // Expert -> shard id of one layer (names[id]); empty unless every expert is covered.
+  std::vector<int32_t> ShardOfExpert(int32_t layer, std::vector<std::string>* names) const;
+  // loads [E] summed over every registered range of the layer.
+  std::vector<ShardLoad> ShardLoads(int32_t layer, const std::vector<int64_t>& loads) const;
+
+ private:
+  struct Shard {
+    std::string endpoint;
+    std::vector<LayerRange> ranges;
+    uint64_t lease = 0;
+    Clock::time_point last_seen;
+    bool healthy = true;
+  };
+  const int64_t num_experts_;
+  std::map<std::string, Shard> shards_;
+  uint64_t next_lease_ = 1;
+  uint64_t version_ = 1;
+};
+
+}  // namespace moe::router_svc
+
+#endif  // MOE_ROUTER_SVC_PLACEMENT_REGISTRY_H_
