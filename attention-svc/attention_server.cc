@@ -20,6 +20,7 @@
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/client/router_link.h"
 #include "services/common/status_macros.h"
 #include "services/common/work_queue.h"
 #include "services/metrics/metrics_server.h"
@@ -89,13 +90,8 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   void ApplyPlacement(const v1::Placement& p);
   void ApplyBias(const v1::LayerBias& b);
   std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
-  void PlacementLoop();
-  void BiasLoop();
   void ReportLoop();
   void ReportNow();
-  // Runs a watch until it ends or the server stops; ctx is registered so Shutdown can cancel.
-  template <typename Msg, typename OpenFn, typename ApplyFn>
-  void WatchLoop(OpenFn open, ApplyFn apply);
   bool SleepUnlessStopping(std::chrono::milliseconds d);
 
   AttentionServerOptions options_;
@@ -106,13 +102,12 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
   std::unique_ptr<metrics::AttentionMetrics> metrics_;
   std::unique_ptr<WorkQueue> workers_;
-  std::shared_ptr<grpc::Channel> router_channel_;
+  std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
 
   std::mutex mu_;  // guards everything below
   std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_;
   std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_;
   std::map<std::string, std::shared_ptr<ExpertChannel>> channels_;  // by shard@endpoint
-  std::set<grpc::ClientContext*> watch_contexts_;
   bool stopping_ = false;
   std::condition_variable stop_cv_;
 
@@ -120,7 +115,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::map<int32_t, std::optional<QbHistogram>> stats_;
   std::vector<QbHistogram> outgoing_;  // finished windows of an older bias version
 
-  std::thread placement_thread_, bias_thread_, report_thread_;
+  std::thread report_thread_;
 };
 
 AttentionServer::Impl::~Impl() { Shutdown(absl::ZeroDuration()); }
@@ -196,7 +191,7 @@ absl::Status AttentionServer::Impl::StartServing() {
     }
   }
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
-  router_channel_ = transport::MakeChannel(options_.router);
+  router_ = std::make_unique<client::RouterLink>(options_.router);
   transport::GrpcServerOptions so;
   so.host = options_.host;
   so.port = options_.port;
@@ -204,8 +199,10 @@ absl::Status AttentionServer::Impl::StartServing() {
   so.max_send_message_bytes = options_.max_message_bytes;
   so.services = {this};
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
-  placement_thread_ = std::thread([this] { PlacementLoop(); });
-  bias_thread_ = std::thread([this] { BiasLoop(); });
+  router_->WatchPlacement([this](const v1::Placement& p) { ApplyPlacement(p); });
+  std::vector<int32_t> hosted;
+  for (const auto& [l, h] : layers_) hosted.push_back(l);
+  router_->WatchBias(hosted, [this](const v1::LayerBias& b) { ApplyBias(b); });
   report_thread_ = std::thread([this] { ReportLoop(); });
   if (!options_.port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
@@ -219,55 +216,17 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
     if (stopping_) return;
     stopping_ = true;
     stop_cv_.notify_all();
-    for (grpc::ClientContext* c : watch_contexts_) c->TryCancel();
   }
+  if (router_ != nullptr) router_->Stop();  // ends the watches; reports still go out
   if (server_ != nullptr) server_->Shutdown(grace);
   workers_.reset();  // runs what is queued (bounded by deadlines), then joins
-  for (std::thread* t : {&placement_thread_, &bias_thread_, &report_thread_}) {
-    if (t->joinable()) t->join();
-  }
+  if (report_thread_.joinable()) report_thread_.join();
   ReportNow();  // the last partial window
 }
 
 bool AttentionServer::Impl::SleepUnlessStopping(std::chrono::milliseconds d) {
   std::unique_lock<std::mutex> lock(mu_);
   return !stop_cv_.wait_for(lock, d, [&] { return stopping_; });
-}
-
-template <typename Msg, typename OpenFn, typename ApplyFn>
-void AttentionServer::Impl::WatchLoop(OpenFn open, ApplyFn apply) {
-  for (;;) {
-    grpc::ClientContext ctx;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
-      watch_contexts_.insert(&ctx);
-    }
-    auto reader = open(&ctx);
-    Msg m;
-    while (reader->Read(&m)) apply(m);
-    reader->Finish();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      watch_contexts_.erase(&ctx);
-    }
-    if (!SleepUnlessStopping(std::chrono::milliseconds(200))) return;
-  }
-}
-
-void AttentionServer::Impl::PlacementLoop() {
-  auto stub = v1::RouterService::NewStub(router_channel_);
-  v1::GetPlacementRequest req;
-  WatchLoop<v1::Placement>([&](grpc::ClientContext* ctx) { return stub->WatchPlacement(ctx, req); },
-                           [&](const v1::Placement& p) { ApplyPlacement(p); });
-}
-
-void AttentionServer::Impl::BiasLoop() {
-  auto stub = v1::RouterService::NewStub(router_channel_);
-  v1::WatchBiasRequest req;
-  for (const auto& [l, hosted] : layers_) req.add_layers(l);
-  WatchLoop<v1::LayerBias>([&](grpc::ClientContext* ctx) { return stub->WatchBias(ctx, req); },
-                           [&](const v1::LayerBias& b) { ApplyBias(b); });
 }
 
 void AttentionServer::Impl::ApplyPlacement(const v1::Placement& p) {
@@ -355,7 +314,7 @@ void AttentionServer::Impl::ReportNow() {
     }
   }
   if (out.empty()) return;
-  auto stub = v1::RouterService::NewStub(router_channel_);
+  if (router_ == nullptr) return;
   for (const QbHistogram& h : out) {
     v1::ReportStatsRequest req;
     req.set_node(options_.node);
@@ -364,12 +323,9 @@ void AttentionServer::Impl::ReportNow() {
     req.set_tokens(h.tokens());
     *req.mutable_loads() = {h.loads().begin(), h.loads().end()};
     req.set_qb_histogram(h.Serialize());
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    v1::ReportStatsResponse resp;
-    const grpc::Status s = stub->ReportStats(&ctx, req, &resp);
-    if (!s.ok()) {
-      std::fprintf(stderr, "attention-svc: ReportStats failed: %s\n", s.error_message().c_str());
+    if (auto r = router_->ReportStats(req); !r.ok()) {
+      std::fprintf(stderr, "attention-svc: ReportStats failed: %s\n",
+                   std::string(r.status().message()).c_str());
     }
   }
 }

@@ -25,6 +25,7 @@
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/client/router_link.h"
 #include "services/common/status_macros.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/service_metrics.h"
@@ -101,7 +102,6 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
 
  private:
   void ComputeLoop();
-  void RegistrarLoop();
 
   ExpertServerOptions options_;
   ModelConfig cfg_;
@@ -120,9 +120,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::condition_variable cv_;
   std::deque<std::pair<std::unique_ptr<Batch>, DispatchReactor*>> queue_;
   bool stopping_ = false;
-  std::thread compute_thread_, registrar_thread_;
-  std::mutex reg_mu_;
-  std::condition_variable reg_cv_;
+  std::thread compute_thread_;
+  std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
 };
 
 namespace {
@@ -283,7 +282,22 @@ absl::Status ExpertServer::Impl::StartServing() {
   if (!options_.port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
   }
-  if (!options_.router.empty()) registrar_thread_ = std::thread([this] { RegistrarLoop(); });
+  if (!options_.router.empty()) {
+    v1::RegisterExpertServerRequest req;
+    req.set_shard(options_.shard);
+    req.set_endpoint(options_.advertise);
+    for (const auto& [l, w] : layers_) {
+      v1::ExpertRange* r = req.add_ranges();
+      r->set_layer(static_cast<int32_t>(l));
+      r->set_expert_lo(static_cast<int32_t>(w.expert_lo));
+      r->set_expert_hi(static_cast<int32_t>(w.expert_hi));
+    }
+    router_ = std::make_unique<client::RouterLink>(options_.router);
+    router_->KeepRegistered(std::move(req), [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      return static_cast<int64_t>(queue_.size());
+    });
+  }
   return absl::OkStatus();
 }
 
@@ -568,52 +582,6 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
   return reactor;
 }
 
-void ExpertServer::Impl::RegistrarLoop() {
-  auto stub = v1::RouterService::NewStub(transport::MakeChannel(options_.router));
-  uint64_t lease = 0;
-  int64_t interval_ms = 500;
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(reg_mu_);
-      if (reg_cv_.wait_for(lock, std::chrono::milliseconds(lease == 0 ? 200 : interval_ms), [&] {
-            std::lock_guard<std::mutex> l(mu_);
-            return stopping_;
-          })) {
-        return;
-      }
-    }
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    if (lease == 0) {
-      v1::RegisterExpertServerRequest req;
-      req.set_shard(options_.shard);
-      req.set_endpoint(options_.advertise);
-      for (const auto& [l, w] : layers_) {
-        v1::ExpertRange* r = req.add_ranges();
-        r->set_layer(static_cast<int32_t>(l));
-        r->set_expert_lo(static_cast<int32_t>(w.expert_lo));
-        r->set_expert_hi(static_cast<int32_t>(w.expert_hi));
-      }
-      v1::RegisterExpertServerResponse resp;
-      const grpc::Status s = stub->RegisterExpertServer(&ctx, req, &resp);
-      if (s.ok()) {
-        lease = resp.lease_id();
-        if (resp.heartbeat_interval_ms() > 0) interval_ms = resp.heartbeat_interval_ms();
-      }
-    } else {
-      v1::HeartbeatRequest req;
-      req.set_lease_id(lease);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        req.set_queued_batches(static_cast<int64_t>(queue_.size()));
-      }
-      v1::HeartbeatResponse resp;
-      const grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
-      if (s.error_code() == grpc::StatusCode::NOT_FOUND) lease = 0;  // register again
-    }
-  }
-}
-
 void ExpertServer::Impl::Shutdown(absl::Duration grace) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -621,8 +589,7 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
     stopping_ = true;
     cv_.notify_all();
   }
-  reg_cv_.notify_all();
-  if (registrar_thread_.joinable()) registrar_thread_.join();
+  if (router_ != nullptr) router_->Stop();
   // The compute thread answers what is queued (UNAVAILABLE) before the streams are cancelled.
   if (compute_thread_.joinable()) compute_thread_.join();
   verifier_.reset();  // finishes the check in progress; what waits is counted as skipped

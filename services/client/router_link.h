@@ -1,0 +1,76 @@
+// The servers' one control-plane client of router-svc. Expert servers stay registered (register,
+// heartbeat at the interval the router asks for, register again when the router no longer
+// knows the lease, as after a router restart); attention nodes watch the placement and the
+// bias (each watch on its own thread, reopened after a break) and report their statistics.
+// Every unary call has a deadline; Stop() cancels the watches and joins every thread.
+//
+//   RouterLink link("127.0.0.1:7000");
+//   link.WatchPlacement([&](const v1::Placement& p) { ApplyPlacement(p); });
+//   link.KeepRegistered(registration, [&] { return queued(); });  // on an expert server
+//   link.Stop();
+#ifndef MOE_SERVICES_CLIENT_ROUTER_LINK_H_
+#define MOE_SERVICES_CLIENT_ROUTER_LINK_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "moe/v1/router.grpc.pb.h"
+
+namespace moe::client {
+
+// How the link paces itself.
+struct RouterLinkTimings {
+  absl::Duration call_timeout = absl::Seconds(2);              // every unary call
+  absl::Duration reconnect_delay = absl::Milliseconds(200);    // a broken watch, a failed register
+  absl::Duration default_heartbeat = absl::Milliseconds(500);  // until the router says otherwise
+};
+
+class RouterLink {
+ public:
+  explicit RouterLink(const std::string& router, RouterLinkTimings timings = {});
+  ~RouterLink();  // Stop()
+  RouterLink(const RouterLink&) = delete;
+  RouterLink& operator=(const RouterLink&) = delete;
+
+  // Attention nodes. Each callback runs on the watch's thread, for every message.
+  void WatchPlacement(std::function<void(const v1::Placement&)> on_placement);
+  void WatchBias(std::vector<int32_t> layers, std::function<void(const v1::LayerBias&)> on_bias);
+  absl::StatusOr<v1::ReportStatsResponse> ReportStats(const v1::ReportStatsRequest& req);
+
+  // Expert servers: registers `req` and heartbeats on a thread until Stop(); queued() gives the
+  // queue length each heartbeat carries.
+  void KeepRegistered(v1::RegisterExpertServerRequest req, std::function<int64_t()> queued);
+  // The lease of the current registration (0 while unregistered).
+  uint64_t lease() const;
+
+  void Stop();
+
+ private:
+  template <typename Msg, typename OpenFn, typename ApplyFn>
+  void WatchLoop(OpenFn open, ApplyFn apply);
+  // Waits d; false when stopping.
+  bool Sleep(absl::Duration d);
+
+  const RouterLinkTimings timings_;
+  std::unique_ptr<v1::RouterService::Stub> stub_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<grpc::ClientContext*> open_watches_ ABSL_GUARDED_BY(mu_);
+  uint64_t lease_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace moe::client
+
+#endif  // MOE_SERVICES_CLIENT_ROUTER_LINK_H_
