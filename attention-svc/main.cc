@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   flags.Int64("max_dispatch_bytes", &o.max_dispatch_bytes,
               "split a shard's dispatch (at expert boundaries) above this many bytes");
-  if (!flags.Parse(argc, argv)) return 2;
+  if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
   return moe::RunServer("attention-svc",
                         [&]() { return moe::attention_svc::AttentionServer::Start(o); });
 }

@@ -32,6 +32,6 @@ int main(int argc, char** argv) {
       "fraction of batches recomputed with the scalar reference off the hot path (0: off)");
   flags.Bool("measure_limits", &o.measure_limits,
              "measure read bandwidth and FMA peak at start (CPU backend, about 0.4 s)");
-  if (!flags.Parse(argc, argv)) return 2;
+  if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
   return moe::RunServer("expert-svc", [&]() { return moe::expert_svc::ExpertServer::Start(o); });
 }

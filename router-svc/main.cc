@@ -15,6 +15,6 @@ int main(int argc, char** argv) {
   flags.Int64("window_tokens", &o.window_tokens, "load/QB window in tokens");
   flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");
   flags.String("admin_token", &o.admin_token, "token for admin calls (empty: none needed)");
-  if (!flags.Parse(argc, argv)) return 2;
+  if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
   return moe::RunServer("router-svc", [&]() { return moe::router_svc::RouterServer::Start(o); });
 }

@@ -1,10 +1,10 @@
-// What every service main() shares: a small flag parser (--name=value or --name value, --help)
-// and RunServer, which starts a server, waits for SIGINT/SIGTERM and shuts it down cleanly.
-// Flags live only in main.cc files (STYLE.md "Configuration").
+// What every service main() shares: the serving and weight flags (flags.h), and RunServer, which
+// starts a server, waits for SIGINT/SIGTERM and shuts it down cleanly. Flags live only in
+// main.cc files (STYLE.md "Configuration").
 //
 //   SvcFlags flags("expert-svc", "Serves experts.");
-//   flags.Int("port", &o.port, "listen port");
-//   if (!flags.Parse(argc, argv)) return 2;
+//   AddServingFlags(flags, &o);
+//   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
 //   return RunServer("expert-svc", [&] { return ExpertServer::Start(o); });
 #ifndef MOE_SERVICES_COMMON_SVC_MAIN_H_
 #define MOE_SERVICES_COMMON_SVC_MAIN_H_
@@ -16,42 +16,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/common/flags.h"
 
 namespace moe {
-
-class SvcFlags {
- public:
-  SvcFlags(std::string program, std::string summary);
-
-  void String(const std::string& name, std::string* v, const std::string& help);
-  void Int(const std::string& name, int* v, const std::string& help);
-  void Int64(const std::string& name, int64_t* v, const std::string& help);
-  void Uint64(const std::string& name, uint64_t* v, const std::string& help);
-  void Double(const std::string& name, double* v, const std::string& help);
-  void Bool(const std::string& name, bool* v, const std::string& help);
-  // Any type: parse returns false on a bad value.
-  void Custom(const std::string& name, const std::string& default_text, const std::string& help,
-              std::function<bool(const std::string&)> parse);
-  // Comma-separated integers.
-  void IntList(const std::string& name, std::vector<int64_t>* v, const std::string& help);
-
-  // Parses argv[first..]; prints usage and returns false on --help or a bad flag (the message
-  // names it). Positional arguments are collected in positional().
-  bool Parse(int argc, char** argv, int first = 1);
-  const std::vector<std::string>& positional() const { return positional_; }
-  void PrintUsage(std::FILE* out) const;
-
- private:
-  struct Flag {
-    std::string name, help, default_text;
-    bool is_bool = false;
-    std::function<bool(const std::string&)> set;
-  };
-  void Add(Flag f);
-  std::string program_, summary_;
-  std::vector<Flag> flags_;
-  std::vector<std::string> positional_;
-};
 
 // The flags every server has: where it listens and where it writes its ports (Options fields
 // host, port, port_file, metrics_port, metrics_port_file).

@@ -127,7 +127,7 @@ int Forward(int argc, char** argv) {
   f.String("output", &output, "write the output [T, H] as float32 .npy here");
   f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
   f.Bool("routing", &routing, "print the experts of the first tokens");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto x = ReadMatrix(input, tensor_name);
   if (!x.ok()) return Fail(x.status());
   auto client = c.Client();
@@ -168,7 +168,7 @@ int Stats(int argc, char** argv) {
   SvcFlags f("moe-cli stats", "Load statistics of a layer from router-svc.");
   c.Register(f);
   f.Bool("json", &json, "print the LoadStats message as proto3 JSON (64-bit ints as strings)");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto client = c.Client();
   if (!client.ok()) return Fail(client.status());
   auto s = (*client)->GetLoadStats(static_cast<int32_t>(c.layer));
@@ -202,7 +202,7 @@ int Up(int argc, char** argv) {
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
   f.String("attention_args", &attention_args, "extra attention-svc flags, space-separated");
   f.Double("max_seconds", &max_seconds, "stop by itself after this long");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   co.work_dir = work_dir;
   for (absl::string_view a : absl::StrSplit(attention_args, ' ', absl::SkipEmpty())) {
     co.attention_args.emplace_back(a);
@@ -234,7 +234,7 @@ int Rebalance(int argc, char** argv) {
   SvcFlags f("moe-cli rebalance", "One Quantile Balancing step for a layer.");
   c.Register(f);
   f.Bool("dry_run", &dry_run, "predict only");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto client = c.Client();
   if (!client.ok()) return Fail(client.status());
   auto r = (*client)->Rebalance(static_cast<int32_t>(c.layer), dry_run);
@@ -249,7 +249,7 @@ int Rollback(int argc, char** argv) {
   SvcFlags f("moe-cli rollback", "Make an earlier bias version current again.");
   c.Register(f);
   f.Uint64("to", &to, "bias version");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto client = c.Client();
   if (!client.ok()) return Fail(client.status());
   auto r = (*client)->RollbackBias(static_cast<int32_t>(c.layer), to);
@@ -267,7 +267,7 @@ int Mode(int argc, char** argv) {
   c.Register(f);
   f.String("mode", &mode, "frozen|rebalance|continuous");
   f.Int64("continuous_tokens", &every, "continuous: rebalance every this many tokens");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   v1::BiasMode m = v1::BIAS_MODE_UNSPECIFIED;
   if (mode == "frozen") m = v1::BIAS_MODE_FROZEN;
   if (mode == "rebalance") m = v1::BIAS_MODE_REBALANCE;
@@ -320,7 +320,7 @@ int Loadgen(int argc, char** argv) {
   l.Register(f);
   f.String("checkpoint", &checkpoint, "checkpoint (for H)");
   f.String("preset", &preset, "preset (for H) when no checkpoint");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto hidden = HiddenOf(checkpoint, preset);
   if (!hidden.ok()) return Fail(hidden.status());
   auto client = c.Client();
@@ -350,7 +350,7 @@ int Cluster(int argc, char** argv) {
   f.String("work_dir", &work_dir, "logs and port files (default: a temp dir)");
   f.Int64("layer", &layer, "MoE layer to drive");
   f.Double("settle", &settle_s, "seconds to wait for the last statistics report");
-  if (!f.Parse(argc, argv, 2)) return 2;
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   co.work_dir = work_dir;
   co.admin_token = "local-admin";
   co.router_args = {"--window_tokens=1000000"};
@@ -430,6 +430,12 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   const std::string cmd = argv[1];
+  if (cmd == "--help" || cmd == "-h") {
+    std::printf(
+        "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up [flags] "
+        "(--help on each)\n");
+    return 0;
+  }
   if (cmd == "forward") return Forward(argc, argv);
   if (cmd == "stats") return Stats(argc, argv);
   if (cmd == "rebalance") return Rebalance(argc, argv);
@@ -438,5 +444,6 @@ int main(int argc, char** argv) {
   if (cmd == "loadgen") return Loadgen(argc, argv);
   if (cmd == "cluster") return Cluster(argc, argv);
   if (cmd == "up") return Up(argc, argv);
+  std::fprintf(stderr, "moe-cli: unknown command '%s'\n", cmd.c_str());
   return Usage();
 }

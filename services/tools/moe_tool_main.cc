@@ -2,130 +2,97 @@
 // over services/tools/layer_runner).
 //
 //   moe-tool synth --config mid --out /tmp/ckpt --skew 1.0 --seed 1 [--layers 1,2]
-//                  [--shard-mb 4096] [--single-file] [--threads 2]
+//                  [--shard_mb 4096] [--single_file] [--threads 2] [--dense_only]
+//   moe-tool config --config mid [--out config.json]
+//   moe-tool ranges --config k3 --shards 8 --replicas 2
 //   moe-tool forward --checkpoint /tmp/ckpt [--layer 1] [--tokens 64] [--seed 7]
 //                    [--input x.safetensors] [--output y.safetensors] [--repeat 1]
 //                    [--backend cpu|ref]
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <string>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "absl/status/statusor.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/common/flags.h"
 #include "services/placement/placement.h"
 #include "services/tools/layer_runner.h"
 
 namespace {
 
-using Flags = std::map<std::string, std::string>;
+constexpr char kUsage[] =
+    "usage: moe-tool COMMAND [flags]   (moe-tool COMMAND --help lists a command's flags)\n"
+    "  synth    write a synthetic checkpoint (config, shards, index)\n"
+    "  config   print or write a preset's config.json\n"
+    "  ranges   print the placement table of even expert ranges\n"
+    "  forward  run one layer forward from a checkpoint and time it\n"
+    "presets: k3, mid, tiny\n";
 
 int Usage() {
-  std::fprintf(
-      stderr,
-      "usage:\n"
-      "  moe-tool synth --config PRESET|config.json --out DIR [--seed N] [--skew X]\n"
-      "                 [--layers L1,L2] [--shard-mb N] [--single-file] [--threads N]\n"
-      "                 [--dense-only]   (no expert tensors: enough for router/attention)\n"
-      "  moe-tool config --config PRESET|config.json [--out config.json]   (stdout without --out)\n"
-      "  moe-tool ranges --config PRESET|config.json [--shards N] [--replicas R]   (placement "
-      "table)\n"
-      "  moe-tool forward --checkpoint DIR [--layer L] [--tokens T] [--seed N]\n"
-      "                   [--input x.safetensors] [--output out.safetensors] [--repeat N]\n"
-      "                   [--backend cpu|ref]\n"
-      "presets: k3, mid, tiny\n");
+  std::fputs(kUsage, stderr);
   return 2;
 }
 
-bool ParseFlags(int argc, char** argv, Flags* flags) {
-  for (int i = 2; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--", 0) != 0) {
-      std::fprintf(stderr, "unexpected argument \"%s\"\n", a.c_str());
-      return false;
-    }
-    a = a.substr(2);
-    const size_t eq = a.find('=');
-    if (eq != std::string::npos) {
-      (*flags)[a.substr(0, eq)] = a.substr(eq + 1);
-    } else if (a == "single-file" || a == "dense-only") {
-      (*flags)[a] = "1";
-    } else if (i + 1 < argc) {
-      (*flags)[a] = argv[++i];
-    } else {
-      std::fprintf(stderr, "flag --%s needs a value\n", a.c_str());
-      return false;
-    }
-  }
-  return true;
+// A required flag that was not given.
+int Missing(const char* command, const char* flag) {
+  std::fprintf(stderr, "moe-tool %s: --%s is required (see --help)\n", command, flag);
+  return 2;
 }
 
-template <typename T>
-bool Number(const Flags& f, const char* name, T* out) {
-  auto it = f.find(name);
-  if (it == f.end()) return true;
-  bool ok;
-  if constexpr (std::is_same_v<T, double>) {
-    ok = absl::SimpleAtod(it->second, out);
-  } else {
-    ok = absl::SimpleAtoi(it->second, out);
-  }
-  if (!ok) std::fprintf(stderr, "flag --%s: \"%s\" is not a number\n", name, it->second.c_str());
-  return ok;
+absl::StatusOr<moe::ModelConfig> Config(const std::string& config) {
+  auto cfg = moe::ResolveConfig(config);
+  if (!cfg.ok()) std::fprintf(stderr, "error: %s\n", std::string(cfg.status().message()).c_str());
+  return cfg;
 }
 
-int Synth(const Flags& f) {
-  if (!f.count("config") || !f.count("out")) return Usage();
-  auto cfg = moe::ResolveConfig(f.at("config"));
-  if (!cfg.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(cfg.status().message()).c_str());
-    return 1;
-  }
+int Synth(int argc, char** argv) {
+  std::string config, out;
   moe::checkpoint::SyntheticOptions opt;
   int64_t shard_mb = opt.shard_bytes >> 20;
-  if (!Number(f, "seed", &opt.seed) || !Number(f, "skew", &opt.router_skew) ||
-      !Number(f, "shard-mb", &shard_mb) || !Number(f, "threads", &opt.threads)) {
-    return 2;
-  }
+  bool dense_only = false;
+  moe::SvcFlags f("moe-tool synth", "Writes a synthetic checkpoint: config.json, shards, index.");
+  f.String("config", &config, "preset (k3, mid, tiny) or a config.json");
+  f.String("out", &out, "output directory");
+  f.Uint64("seed", &opt.seed, "seed of every tensor");
+  f.Double("skew", &opt.router_skew, "router skew (0: balanced in expectation)");
+  f.IntList("layers", &opt.layers, "MoE layers, comma-separated (empty: the first)");
+  f.Int64("shard_mb", &shard_mb, "experts split into shards of about this many MB");
+  f.Bool("single_file", &opt.single_file, "one model.safetensors, no index (small models)");
+  f.Int("threads", &opt.threads, "generator threads");
+  f.Bool("dense_only", &dense_only, "no expert tensors: enough for router-svc and attention-svc");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (config.empty()) return Missing("synth", "config");
+  if (out.empty()) return Missing("synth", "out");
+  auto cfg = Config(config);
+  if (!cfg.ok()) return 1;
   opt.shard_bytes = shard_mb << 20;
-  opt.single_file = f.count("single-file") != 0;
-  opt.experts = f.count("dense-only") == 0;
-  if (f.count("layers")) {
-    for (absl::string_view part : absl::StrSplit(f.at("layers"), ',')) {
-      int64_t l;
-      if (!absl::SimpleAtoi(part, &l)) {
-        std::fprintf(stderr, "flag --layers: \"%s\" is not a list of layer numbers\n",
-                     f.at("layers").c_str());
-        return 2;
-      }
-      opt.layers.push_back(l);
-    }
-  }
+  opt.experts = !dense_only;
   moe::checkpoint::SyntheticReport rep;
-  absl::Status st = moe::checkpoint::WriteSyntheticCheckpoint(*cfg, f.at("out"), opt, &rep);
+  absl::Status st = moe::checkpoint::WriteSyntheticCheckpoint(*cfg, out, opt, &rep);
   if (!st.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
     return 1;
   }
   std::printf("wrote %s checkpoint to %s: %.1f MB in %d shard(s), %.1f s (%.0f MB/s)\n",
-              cfg->name.c_str(), f.at("out").c_str(), rep.bytes / 1e6, rep.shards, rep.seconds,
+              cfg->name.c_str(), out.c_str(), rep.bytes / 1e6, rep.shards, rep.seconds,
               rep.bytes / 1e6 / rep.seconds);
   return 0;
 }
 
-int Forward(const Flags& f) {
-  if (!f.count("checkpoint")) return Usage();
+int Forward(int argc, char** argv) {
   moe::tools::ForwardRequest req;
-  req.checkpoint = f.at("checkpoint");
-  if (!Number(f, "layer", &req.layer) || !Number(f, "tokens", &req.tokens) ||
-      !Number(f, "seed", &req.input_seed) || !Number(f, "repeat", &req.repeat)) {
-    return 2;
-  }
-  if (f.count("input")) req.input = f.at("input");
-  if (f.count("output")) req.output = f.at("output");
-  if (f.count("backend")) req.backend = f.at("backend");
+  moe::SvcFlags f("moe-tool forward", "Runs one layer forward from a checkpoint and times it.");
+  f.String("checkpoint", &req.checkpoint, "checkpoint directory or file");
+  f.Int64("layer", &req.layer, "MoE layer (-1: the first)");
+  f.Int64("tokens", &req.tokens, "synthetic input tokens when there is no --input");
+  f.Uint64("seed", &req.input_seed, "seed of the synthetic input");
+  f.String("input", &req.input, "safetensors file with x [T, H] (BF16 or F32)");
+  f.String("output", &req.output, "safetensors file for x, out, expert_ids, weights");
+  f.Int("repeat", &req.repeat, "forwards to time (the fastest is reported)");
+  f.String("backend", &req.backend, "cpu (optimized) or ref (scalar reference)");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (req.checkpoint.empty()) return Missing("forward", "checkpoint");
   auto rep = moe::tools::RunLayerForward(req);
   if (!rep.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(rep.status().message()).c_str());
@@ -148,21 +115,23 @@ int Forward(const Flags& f) {
 
 // Writes a preset's (or a parsed file's) config.json: the Helm chart's model ConfigMap comes
 // from here.
-int Config(const Flags& f) {
-  if (!f.count("config")) return Usage();
-  auto cfg = moe::ResolveConfig(f.at("config"));
-  if (!cfg.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(cfg.status().message()).c_str());
-    return 1;
-  }
+int ConfigCommand(int argc, char** argv) {
+  std::string config, out;
+  moe::SvcFlags f("moe-tool config", "Prints (or writes) a preset's config.json.");
+  f.String("config", &config, "preset (k3, mid, tiny) or a config.json");
+  f.String("out", &out, "write here instead of stdout");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (config.empty()) return Missing("config", "config");
+  auto cfg = Config(config);
+  if (!cfg.ok()) return 1;
   const std::string json = moe::ToHfConfigJson(*cfg);
-  if (!f.count("out")) {
+  if (out.empty()) {
     std::fputs(json.c_str(), stdout);
     return 0;
   }
-  FILE* out = std::fopen(f.at("out").c_str(), "w");
-  if (out == nullptr || std::fputs(json.c_str(), out) < 0 || std::fclose(out) != 0) {
-    std::fprintf(stderr, "error: cannot write %s\n", f.at("out").c_str());
+  FILE* file = std::fopen(out.c_str(), "w");
+  if (file == nullptr || std::fputs(json.c_str(), file) < 0 || std::fclose(file) != 0) {
+    std::fprintf(stderr, "error: cannot write %s\n", out.c_str());
     return 1;
   }
   return 0;
@@ -170,17 +139,21 @@ int Config(const Flags& f) {
 
 // The placement table of `shards` even ranges x `replicas` (services/placement): what the Helm
 // chart renders into its ranges.json (tests/deploy/chart_test.sh compares them).
-int Ranges(const Flags& f) {
-  if (!f.count("config")) return Usage();
-  auto cfg = moe::ResolveConfig(f.at("config"));
+int Ranges(int argc, char** argv) {
+  std::string config;
   int64_t shards = 2, replicas = 1;
-  if (!cfg.ok() || (f.count("shards") && !absl::SimpleAtoi(f.at("shards"), &shards)) ||
-      (f.count("replicas") && !absl::SimpleAtoi(f.at("replicas"), &replicas)) || shards < 1 ||
-      shards > cfg->num_experts || replicas < 1) {
-    std::fprintf(stderr, "error: %s\n",
-                 cfg.ok() ? "--shards must lie in [1, E], --replicas at least 1"
-                          : std::string(cfg.status().message()).c_str());
-    return 1;
+  moe::SvcFlags f("moe-tool ranges", "Prints the placement table of even expert ranges.");
+  f.String("config", &config, "preset (k3, mid, tiny) or a config.json");
+  f.Int64("shards", &shards, "expert ranges");
+  f.Int64("replicas", &replicas, "replicas per range");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (config.empty()) return Missing("ranges", "config");
+  auto cfg = Config(config);
+  if (!cfg.ok()) return 1;
+  if (shards < 1 || shards > cfg->num_experts || replicas < 1) {
+    std::fprintf(stderr, "error: --shards must lie in [1, E = %lld], --replicas at least 1\n",
+                 static_cast<long long>(cfg->num_experts));
+    return 2;
   }
   std::printf("%s\n", moe::placement::RangeTableJson(
                           moe::placement::EvenTable(cfg->num_experts, shards, replicas))
@@ -192,12 +165,15 @@ int Ranges(const Flags& f) {
 
 int main(int argc, char** argv) {
   if (argc < 2) return Usage();
-  Flags flags;
-  if (!ParseFlags(argc, argv, &flags)) return 2;
   const std::string cmd = argv[1];
-  if (cmd == "synth") return Synth(flags);
-  if (cmd == "config") return Config(flags);
-  if (cmd == "ranges") return Ranges(flags);
-  if (cmd == "forward") return Forward(flags);
+  if (cmd == "--help" || cmd == "-h") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (cmd == "synth") return Synth(argc, argv);
+  if (cmd == "config") return ConfigCommand(argc, argv);
+  if (cmd == "ranges") return Ranges(argc, argv);
+  if (cmd == "forward") return Forward(argc, argv);
+  std::fprintf(stderr, "moe-tool: unknown command '%s'\n", cmd.c_str());
   return Usage();
 }

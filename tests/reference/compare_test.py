@@ -35,8 +35,8 @@ MAX_WEIGHT_REL_DIFF = 4 * 2.0 ** -24
 
 CASES = [
     # preset, extra synth flags
-    ("tiny", ["--single-file"]),
-    ("mid", ["--shard-mb", "16"]),
+    ("tiny", ["--single_file"]),
+    ("mid", ["--shard_mb", "16"]),
 ]
 TOKENS = 64
 

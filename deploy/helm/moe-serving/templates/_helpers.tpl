@@ -136,7 +136,7 @@ initContainers:
       - {{ join "," .ctx.Values.model.layers | quote }}
       {{- end }}
       {{- if .denseOnly }}
-      - --dense-only
+      - --dense_only
       {{- end }}
     volumeMounts:
       {{- include "moe.volumeMounts" .ctx | nindent 6 }}

@@ -1,0 +1,107 @@
+// The flag library every binary uses: value forms, booleans, lists, custom types, positional
+// arguments, --help (exit 0), and errors that name the flag (exit 2), with the nearest known
+// name for a typo.
+#include "services/common/flags.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+struct Opts {
+  std::string name = "x";
+  int port = 0;
+  int64_t big = 0;
+  uint64_t seed = 1;
+  double skew = 0.0;
+  bool verbose = false;
+  std::vector<int64_t> layers;
+  int level = 0;  // custom: "low" | "high"
+};
+
+int ParseArgs(std::vector<std::string> args, Opts* o,
+              std::vector<std::string>* positional = nullptr) {
+  SvcFlags f("prog", "a test program");
+  f.String("name", &o->name, "a name");
+  f.Int("port", &o->port, "a port");
+  f.Int64("big", &o->big, "a big number");
+  f.Uint64("seed", &o->seed, "a seed");
+  f.Double("skew", &o->skew, "a skew");
+  f.Bool("verbose", &o->verbose, "talk more");
+  f.IntList("layers", &o->layers, "layers");
+  f.Custom("level", "low", "low or high", [o](const std::string& s) {
+    if (s != "low" && s != "high") return false;
+    o->level = s == "high";
+    return true;
+  });
+  std::vector<char*> argv = {const_cast<char*>("prog")};
+  for (std::string& a : args) argv.push_back(a.data());
+  const int rc = f.Parse(static_cast<int>(argv.size()), argv.data());
+  if (positional != nullptr) *positional = f.positional();
+  return rc;
+}
+
+TEST(Flags, ParsesEveryFormIntoTheOptions) {
+  Opts o;
+  std::vector<std::string> pos;
+  EXPECT_EQ(
+      ParseArgs({"--name=abc", "--port", "81", "--big=-5", "--seed", "9", "--skew=1.5", "--verbose",
+                 "--layers=1,2,3", "--level", "high", "cmd", "--", "--not-a-flag"},
+                &o, &pos),
+      -1);
+  EXPECT_EQ(o.name, "abc");
+  EXPECT_EQ(o.port, 81);
+  EXPECT_EQ(o.big, -5);
+  EXPECT_EQ(o.seed, 9u);
+  EXPECT_EQ(o.skew, 1.5);
+  EXPECT_TRUE(o.verbose);
+  EXPECT_EQ(o.layers, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(o.level, 1);
+  EXPECT_EQ(pos, (std::vector<std::string>{"cmd", "--not-a-flag"}));
+  Opts b;
+  b.verbose = true;
+  EXPECT_EQ(ParseArgs({"--verbose=false", "--layers="}, &b), -1);
+  EXPECT_FALSE(b.verbose);
+  EXPECT_TRUE(b.layers.empty());
+}
+
+TEST(Flags, HelpExitsZeroAndBadFlagsExitTwo) {
+  struct Case {
+    std::vector<std::string> args;
+    int rc;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"--help"}, 0},
+           {{"-h"}, 0},
+           {{"--port=1", "--help", "--bogus"}, 0},  // help wins wherever it stands
+           {{"--skwe", "1.0"}, 2},                  // a typo is an error, never ignored
+           {{"--port"}, 2},                         // no value
+           {{"--port=eighty"}, 2},
+           {{"--verbose=maybe"}, 2},
+           {{"--layers=1,x"}, 2},
+           {{"--level=middle"}, 2},
+       }) {
+    Opts o;
+    EXPECT_EQ(ParseArgs(c.args, &o), c.rc) << c.args[0];
+  }
+}
+
+TEST(Flags, AnUnknownFlagNamesTheNearestKnownOne) {
+  Opts o;
+  ::testing::internal::CaptureStderr();
+  const int typo = ParseArgs({"--skwe=1"}, &o);
+  const int kebab = ParseArgs({"--very-bose"}, &o);
+  const int far = ParseArgs({"--completely_else"}, &o);
+  const std::string text = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(typo, 2);
+  EXPECT_EQ(kebab, 2);
+  EXPECT_EQ(far, 2);
+  EXPECT_NE(text.find("unknown flag --skwe, did you mean --skew?"), std::string::npos) << text;
+  EXPECT_NE(text.find("unknown flag --completely_else (see --help)"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace moe
