@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
@@ -44,6 +45,13 @@ using tensor::Bf16;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The expert calls end this share of the time left before the caller's deadline, within
+// [min, max], so that the caller hears which shard was late rather than a bare
+// DEADLINE_EXCEEDED from its own clock.
+constexpr double kExpertDeadlineShare = 0.1;
+constexpr absl::Duration kExpertDeadlineMarginMin = absl::Milliseconds(10);
+constexpr absl::Duration kExpertDeadlineMarginMax = absl::Milliseconds(100);
 using ForwardStreamReactor = transport::StreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -96,7 +104,6 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
 
   AttentionServerOptions options_;
   ModelConfig cfg_;
-  ReplyMode default_mode_ = ReplyMode::kPerPair;
   std::map<int32_t, std::unique_ptr<HostedLayer>> layers_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
@@ -104,16 +111,18 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::unique_ptr<WorkQueue> workers_;
   std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
 
-  std::mutex mu_;  // guards everything below
-  std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_;
-  std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_;
-  std::map<std::string, std::shared_ptr<ExpertChannel>> channels_;  // by shard@endpoint
-  bool stopping_ = false;
+  std::mutex mu_;
+  std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_ ABSL_GUARDED_BY(mu_);
+  std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_ ABSL_GUARDED_BY(mu_);
+  // by shard@endpoint
+  std::map<std::string, std::shared_ptr<ExpertChannel>> channels_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::condition_variable stop_cv_;
 
   std::mutex stats_mu_;
-  std::map<int32_t, std::optional<QbHistogram>> stats_;
-  std::vector<QbHistogram> outgoing_;  // finished windows of an older bias version
+  std::map<int32_t, std::optional<QbHistogram>> stats_ ABSL_GUARDED_BY(stats_mu_);
+  // finished windows of an older bias version
+  std::vector<QbHistogram> outgoing_ ABSL_GUARDED_BY(stats_mu_);
 
   std::thread report_thread_;
 };
@@ -123,14 +132,6 @@ AttentionServer::Impl::~Impl() { Shutdown(absl::ZeroDuration()); }
 absl::Status AttentionServer::Impl::Load() {
   if (options_.router.empty()) {
     return absl::InvalidArgumentError("attention-svc needs --router (placement and bias)");
-  }
-  if (options_.reply_mode == "per_pair") {
-    default_mode_ = ReplyMode::kPerPair;
-  } else if (options_.reply_mode == "partial_sum") {
-    default_mode_ = ReplyMode::kPartialSum;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reply mode '", options_.reply_mode, "' is not per_pair or partial_sum"));
   }
   std::unique_ptr<checkpoint::Checkpoint> ckpt;
   if (!options_.checkpoint.empty()) {
@@ -353,7 +354,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
                                                      " tokens, this server takes at most ",
                                                      options_.max_tokens, " per request"));
   }
-  ReplyMode mode = default_mode_;
+  ReplyMode mode = options_.reply_mode;
   switch (req.options().reply_mode()) {
     case v1::REPLY_MODE_UNSPECIFIED:
       break;
@@ -400,12 +401,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   }
   const int64_t tokens = batch.tokens, d = cfg_.latent;
   const auto dispatch_start = Clock::now();
-  // The expert calls end a little before the caller's deadline (10% of what is left, within
-  // [10 ms, 100 ms]), so that the caller hears which shard was late rather than a bare
-  // DEADLINE_EXCEEDED from its own clock.
+  // The expert calls end a little before the caller's deadline (kExpertDeadline*).
   const absl::Duration left = deadline - absl::Now();
   const absl::Time expert_deadline =
-      deadline - std::clamp(left / 10, absl::Milliseconds(10), absl::Milliseconds(100));
+      deadline -
+      std::clamp(left * kExpertDeadlineShare, kExpertDeadlineMarginMin, kExpertDeadlineMarginMax);
   DispatchHeader header;
   header.layer = req.layer();
   header.mode = mode;

@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "attention-svc/dispatch_plan.h"
 #include "services/numerics/cpu/cpu_isa.h"
 
 namespace moe::attention_svc {
@@ -44,8 +45,9 @@ struct AttentionServerOptions {
   std::string router;              // router-svc host:port (required)
   std::string node = "attention-0";
 
-  std::string reply_mode = "per_pair";  // or "partial_sum"
-  int threads = 0;                      // dense compute threads (0: all cores)
+  // The reply mode of requests that do not name one (dispatch_plan.h).
+  ReplyMode reply_mode = ReplyMode::kPerPair;
+  int threads = 0;  // dense compute threads (0: all cores)
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
   int workers = 4;             // requests in progress at once (dense compute is serialized)
   int max_queued = 256;        // waiting requests beyond: RESOURCE_EXHAUSTED

@@ -31,6 +31,7 @@ namespace moe::attention_svc {
 
 enum class ReplyMode { kPerPair, kPartialSum };
 const char* ReplyModeName(ReplyMode m);  // "per_pair", "partial_sum"
+absl::StatusOr<ReplyMode> ParseReplyMode(const std::string& s);
 
 using placement::BuildRoute;
 using placement::Covered;

@@ -12,7 +12,13 @@ int main(int argc, char** argv) {
   flags.Bool("per_expert_metrics", &o.per_expert_metrics, "export per-expert token counters");
   flags.String("router", &o.router, "router-svc host:port");
   flags.String("node", &o.node, "this node's name in statistics");
-  flags.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
+  flags.Custom("reply_mode", moe::attention_svc::ReplyModeName(o.reply_mode),
+               "per_pair|partial_sum: the default reply mode of the expert shards",
+               [&](const std::string& s) {
+                 auto m = moe::attention_svc::ParseReplyMode(s);
+                 if (m.ok()) o.reply_mode = *m;
+                 return m.ok();
+               });
   flags.Int("threads", &o.threads, "dense compute threads (0: all cores)");
   flags.Custom("isa", moe::numerics::cpu::IsaName(o.isa),
                "cap the CPU kernels: scalar|avx2|avx512|avx512bf16", [&](const std::string& s) {

@@ -1,7 +1,6 @@
 #include "expert-svc/expert_backend.h"
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cuda/cuda_backend.h"
@@ -45,17 +44,31 @@ class CudaBackend final : public ExpertBackend {
 
 }  // namespace
 
-std::vector<std::string> ExpertBackendNames() { return {"auto", "cpu", "cuda"}; }
+const char* BackendName(Backend b) {
+  switch (b) {
+    case Backend::kCpu:
+      return "cpu";
+    case Backend::kCuda:
+      return "cuda";
+    case Backend::kAuto:
+      break;
+  }
+  return "auto";
+}
+
+absl::StatusOr<Backend> ParseBackend(const std::string& name) {
+  if (name == "auto") return Backend::kAuto;
+  if (name == "cpu") return Backend::kCpu;
+  if (name == "cuda") return Backend::kCuda;
+  return absl::InvalidArgumentError(
+      absl::StrCat("backend '", name, "' is not one of auto, cpu, cuda"));
+}
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
-    const std::string& name, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
+    Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
     const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool) {
-  const bool want_cuda =
-      name == "cuda" || (name == "auto" && numerics::cuda::CudaDeviceStatus().ok());
-  if (name != "cpu" && name != "cuda" && name != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat("backend '", name, "' is not one of ",
-                                                   absl::StrJoin(ExpertBackendNames(), ", ")));
-  }
+  const bool want_cuda = backend == Backend::kCuda ||
+                         (backend == Backend::kAuto && numerics::cuda::CudaDeviceStatus().ok());
   if (want_cuda) {
     auto experts = numerics::cuda::CudaExperts::Create(cfg, weights);
     if (!experts.ok()) {

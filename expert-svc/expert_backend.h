@@ -4,7 +4,8 @@
 //   "auto"  CUDA when a device is usable, else the CPU (the default).
 // Both honour RunExperts' contract: y [T, k, D] in the routing's slot order.
 //
-//   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend("auto", cfg, weights, kernels, &pool));
+//   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend(Backend::kAuto, cfg, weights, kernels,
+//                                                        &pool));
 //   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> y, backend->Run(routing, z));
 #ifndef MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 #define MOE_EXPERT_SVC_EXPERT_BACKEND_H_
@@ -32,12 +33,13 @@ class ExpertBackend {
                                                         const tensor::Bf16* z) = 0;
 };
 
-// The names MakeExpertBackend accepts.
-std::vector<std::string> ExpertBackendNames();
+enum class Backend { kAuto, kCpu, kCuda };
+const char* BackendName(Backend b);  // "auto", "cpu", "cuda"
+absl::StatusOr<Backend> ParseBackend(const std::string& name);
 
 // weights, kernels and pool must outlive the backend.
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
-    const std::string& name, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
+    Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
     const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool);
 
 }  // namespace moe::expert_svc

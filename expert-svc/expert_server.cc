@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -49,6 +50,9 @@ using tensor::Bf16;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// An idle compute thread wakes this often so that the busy ratio decays to 0.
+constexpr std::chrono::seconds kIdleTick(1);
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -118,8 +122,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<std::unique_ptr<Batch>, DispatchReactor*>> queue_;
-  bool stopping_ = false;
+  std::deque<std::pair<std::unique_ptr<Batch>, DispatchReactor*>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread compute_thread_;
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
 };
@@ -437,8 +441,10 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   absl::StatusOr<std::vector<Bf16>> computed =
       backends_.at(b.layer->layer)->Run(b.routing, b.z.data());
   if (!computed.ok()) {
-    reply->set_code(static_cast<int>(computed.status().code()));
-    reply->set_message(absl::StrCat("shard ", options_.shard, ": ", computed.status().message()));
+    transport::SetBatchStatus(
+        absl::Status(computed.status().code(),
+                     absl::StrCat("shard ", options_.shard, ": ", computed.status().message())),
+        reply);
     return;
   }
   const std::vector<Bf16>& y = *computed;
@@ -477,8 +483,7 @@ void ExpertServer::Impl::ComputeLoop() {
     DispatchReactor* reactor = nullptr;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      while (!cv_.wait_for(lock, std::chrono::seconds(1),
-                           [&] { return stopping_ || !queue_.empty(); })) {
+      while (!cv_.wait_for(lock, kIdleTick, [&] { return stopping_ || !queue_.empty(); })) {
         if (metrics_ != nullptr) metrics_->Tick();  // the busy ratio decays while idle
       }
       if (queue_.empty()) return;  // stopping, nothing left
@@ -497,12 +502,14 @@ void ExpertServer::Impl::ComputeLoop() {
       stopping = stopping_;
     }
     if (stopping) {
-      reply.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
-      reply.set_message(absl::StrCat("shard ", options_.shard, " is shutting down"));
+      transport::SetBatchStatus(
+          absl::UnavailableError(absl::StrCat("shard ", options_.shard, " is shutting down")),
+          &reply);
     } else if (start > b->expires) {
-      reply.set_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
-      reply.set_message(absl::StrCat("shard ", options_.shard, ": batch ", b->batch_id,
-                                     " waited past its deadline in the queue"));
+      transport::SetBatchStatus(absl::DeadlineExceededError(
+                                    absl::StrCat("shard ", options_.shard, ": batch ", b->batch_id,
+                                                 " waited past its deadline in the queue")),
+                                &reply);
     } else {
       Compute(*b, &reply);
       reply.set_compute_seconds(Seconds(Clock::now() - start));
@@ -540,8 +547,7 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   auto error_reply = [&](const absl::Status& s) {
     v1::DispatchReply reply;
     reply.set_batch_id(id);
-    reply.set_code(static_cast<int>(s.code()));
-    reply.set_message(std::string(s.message()));
+    transport::SetBatchStatus(s, &reply);
     reply.set_shard(options_.shard);
     return reply;
   };

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "expert-svc/expert_backend.h"
 #include "services/numerics/cpu/cpu_isa.h"
 
 namespace moe::expert_svc {
@@ -54,9 +55,9 @@ struct ExpertServerOptions {
   std::string advertise;
 
   int threads = 0;  // compute threads (0: one per hardware thread)
-  // Where the experts run: "auto" (CUDA when a GPU is usable, else CPU), "cpu" or "cuda"
+  // Where the experts run: auto (CUDA when a GPU is usable, else CPU), cpu or cuda
   // (expert_backend.h).
-  std::string backend = "auto";
+  Backend backend = Backend::kAuto;
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
   int max_queued_batches = 256;  // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;

@@ -18,7 +18,12 @@ int main(int argc, char** argv) {
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");
-  flags.String("backend", &o.backend, "auto|cpu|cuda: where the experts run");
+  flags.Custom("backend", moe::expert_svc::BackendName(o.backend),
+               "auto|cpu|cuda: where the experts run", [&](const std::string& s) {
+                 auto b = moe::expert_svc::ParseBackend(s);
+                 if (b.ok()) o.backend = *b;
+                 return b.ok();
+               });
   flags.Custom("isa", moe::numerics::cpu::IsaName(o.isa),
                "cap the CPU kernels: scalar|avx2|avx512|avx512bf16", [&](const std::string& s) {
                  auto isa = moe::numerics::cpu::ParseIsa(s);

@@ -203,7 +203,7 @@ absl::Status RouterServer::Impl::Load() {
   if (options_.checkpoint.empty()) {
     return absl::InvalidArgumentError("router-svc needs --checkpoint (config and routing bias)");
   }
-  MOE_ASSIGN_OR_RETURN(BiasMode mode, ParseBiasMode(options_.bias_mode));
+  const BiasMode mode = options_.bias_mode;
   MOE_ASSIGN_OR_RETURN(auto biases, CheckpointBiases(options_.checkpoint, options_.layers, &cfg_));
   std::lock_guard<std::mutex> lock(mu_);
   registry_ = std::make_unique<PlacementRegistry>(cfg_.num_experts);

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "router-svc/bias_ledger.h"
 
 namespace moe::router_svc {
 
@@ -38,8 +39,8 @@ struct RouterServerOptions {
   int web_port = -1;  // the load-balance page and its JSON API: -1 off, 0 any free port
   std::string web_port_file;
 
-  // "frozen", "rebalance" or "continuous" for every layer at start.
-  std::string bias_mode = "rebalance";
+  // Every layer's mode at start (frozen, rebalance, continuous: bias_ledger.h).
+  BiasMode bias_mode = BiasMode::kRebalance;
   int64_t continuous_tokens = 16384;  // continuous mode: rebalance after this many tokens
   int64_t window_tokens = 65536;      // the QB / imbalance window keeps the newest reports
   int64_t heartbeat_interval_ms = 500;

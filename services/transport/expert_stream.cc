@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "moe/v1/expert.grpc.pb.h"
+#include "services/common/status_macros.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/status_convert.h"
 
@@ -192,9 +193,7 @@ absl::StatusOr<v1::DispatchReply> ExpertStream::Wait(PendingReply& p, absl::Time
                                                     " before the deadline"));
   }
   if (!p.status.ok()) return p.status;
-  if (p.reply.code() != 0) {
-    return FromCode(p.reply.code(), absl::StrCat(Describe(), ": ", p.reply.message()));
-  }
+  MOE_RETURN_IF_ERROR(BatchStatus(p.reply, Describe()));
   return std::move(p.reply);
 }
 
