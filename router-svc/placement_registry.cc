@@ -1,6 +1,7 @@
 #include "router-svc/placement_registry.h"
 
 #include "absl/strings/str_cat.h"
+#include "services/placement/placement.h"
 
 namespace moe::router_svc {
 
@@ -72,20 +73,21 @@ int64_t PlacementRegistry::healthy_shards() const {
 
 std::vector<int32_t> PlacementRegistry::ShardOfExpert(int32_t layer,
                                                       std::vector<std::string>* names) const {
-  std::vector<int32_t> of(static_cast<size_t>(num_experts_), -1);
-  names->clear();
+  // The same expert-to-shard rule as the attention nodes (services/placement).
+  std::vector<placement::ShardRef> refs;
   for (const auto& [name, s] : shards_) {
     for (const LayerRange& r : s.ranges) {
-      if (r.layer != layer) continue;
-      const int32_t id = static_cast<int32_t>(names->size());
-      names->push_back(name);
-      for (int32_t e = r.lo; e < r.hi; ++e) of[e] = id;
+      if (r.layer == layer) refs.push_back({name, s.endpoint, r.lo, r.hi, s.healthy, 0});
     }
   }
-  for (int32_t v : of) {
-    if (v < 0) return {};
+  const placement::LayerRoute route =
+      placement::BuildRoute(layer, static_cast<int32_t>(num_experts_), std::move(refs));
+  names->clear();
+  for (int32_t o : route.owner) {
+    if (o < 0) return {};
   }
-  return of;
+  for (const placement::ShardRef& s : route.shards) names->push_back(s.shard);
+  return route.owner;
 }
 
 std::vector<ShardLoad> PlacementRegistry::ShardLoads(int32_t layer,
