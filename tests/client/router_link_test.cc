@@ -14,21 +14,12 @@
 #include "gtest/gtest.h"
 #include "router-svc/router_server.h"
 #include "services/checkpoint/synthetic.h"
+#include "tests/common/tiny_checkpoint.h"
 
 namespace moe::client {
 namespace {
 
-std::string TinyCheckpoint() {
-  static std::string* dir = [] {
-    std::string tmpl = ::testing::TempDir() + "/moe_link_ckpt_XXXXXX";
-    auto* d = new std::string(::mkdtemp(tmpl.data()));
-    checkpoint::SyntheticOptions so;
-    so.single_file = true;
-    EXPECT_TRUE(checkpoint::WriteSyntheticCheckpoint(*PresetConfig("tiny"), *d, so).ok());
-    return d;
-  }();
-  return *dir;
-}
+using moe::testing::TinyCheckpoint;
 
 int FreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

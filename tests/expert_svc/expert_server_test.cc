@@ -193,6 +193,17 @@ TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionCh
   (*server)->Shutdown();
 }
 
+// GetInfo of a server on this host (empty when the call fails, which the caller's checks see).
+v1::ExpertServerInfo InfoOf(const ExpertServer& server) {
+  auto stub = v1::ExpertService::NewStub(
+      transport::MakeChannel("127.0.0.1:" + std::to_string(server.port())));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ExpertServerInfo info;
+  EXPECT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  return info;
+}
+
 // The range comes from the placement table by ordinal (services/placement), as in a
 // StatefulSet pod: ordinal 3 of 3 ranges x 2 replicas serves [5, 11).
 TEST(ExpertServer, RangeFromThePlacementTableByOrdinal) {
@@ -207,12 +218,7 @@ TEST(ExpertServer, RangeFromThePlacementTableByOrdinal) {
   o.measure_limits = false;
   auto server = ExpertServer::Start(o);
   ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = v1::ExpertService::NewStub(
-      transport::MakeChannel("127.0.0.1:" + std::to_string((*server)->port())));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  v1::ExpertServerInfo info;
-  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  const v1::ExpertServerInfo info = InfoOf(**server);
   EXPECT_EQ(info.expert_lo(), 5);
   EXPECT_EQ(info.expert_hi(), 11);
   (*server)->Shutdown();
@@ -234,12 +240,7 @@ TEST(ExpertServer, BackendRegistryFallsBackToTheCpu) {
   o.backend = Backend::kAuto;
   auto server = ExpertServer::Start(o);
   ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = v1::ExpertService::NewStub(
-      transport::MakeChannel("127.0.0.1:" + std::to_string((*server)->port())));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  v1::ExpertServerInfo info;
-  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  const v1::ExpertServerInfo info = InfoOf(**server);
   EXPECT_EQ(info.backend().rfind(gpu ? "cuda/" : "cpu/", 0), 0u) << info.backend();
   (*server)->Shutdown();
   if (!gpu) {

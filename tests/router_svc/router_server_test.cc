@@ -17,22 +17,12 @@
 #include "services/common/random.h"
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
+#include "tests/common/tiny_checkpoint.h"
 
 namespace moe::router_svc {
 namespace {
 
-std::string TinyCheckpoint() {
-  static std::string* dir = [] {
-    std::string tmpl = ::testing::TempDir() + "/moe_router_ckpt_XXXXXX";
-    auto* d = new std::string(::mkdtemp(tmpl.data()));
-    checkpoint::SyntheticOptions so;
-    so.seed = 3;
-    so.single_file = true;
-    EXPECT_TRUE(checkpoint::WriteSyntheticCheckpoint(*PresetConfig("tiny"), *d, so).ok());
-    return d;
-  }();
-  return *dir;
-}
+using moe::testing::TinyCheckpoint;
 
 class Router {
  public:
