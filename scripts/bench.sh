@@ -4,7 +4,7 @@
 # CPU has with 1 and all threads, and a whole k3 layer per ISA (and the reference at T = 1),
 # printed as one table with the targets. Writes a synthetic k3 checkpoint (one layer, 16.1 GB)
 # first if it is missing; about 2.5 min to generate, 3.5 min to run on two cores.
-# Usage: scripts/bench.sh [--reference-tokens 1,16]   (MOE_CKPT_DIR overrides the path)
+# Usage: scripts/bench.sh [--reference_tokens 1,16]   (MOE_CKPT_DIR overrides the path)
 #        scripts/bench.sh --cluster [cluster_bench flags]  (services issue: the disaggregated
 #        layer on loopback vs in process, mid preset, about 1 min)
 set -euo pipefail
@@ -18,7 +18,7 @@ if [ "${1:-}" = "--cluster" ]; then
   cmake --build "$BUILD" --target cluster_bench router-svc expert-svc attention-svc
   exec "$BUILD/tests/cluster_bench" "$@"
 fi
-if [ "${1:-}" = "--reference-tokens" ]; then REF_TOKENS=$2; fi
+if [ "${1:-}" = "--reference_tokens" ]; then REF_TOKENS=$2; fi
 cmake --build "$BUILD" --target moe-tool cpu_layer_bench qb_bench
 CKPT=${MOE_CKPT_DIR:-out/ckpt-k3-seed1-skew1.0}
 if [ ! -f "$CKPT/config.json" ]; then
@@ -27,4 +27,4 @@ if [ ! -f "$CKPT/config.json" ]; then
   "$BUILD/services/moe-tool" synth --config k3 --out "$CKPT.tmp" --seed 1 --skew 1.0
   mv "$CKPT.tmp" "$CKPT"
 fi
-"$BUILD/tests/cpu_layer_bench" --checkpoint "$CKPT" --reference-tokens "$REF_TOKENS"
+"$BUILD/tests/cpu_layer_bench" --checkpoint "$CKPT" --reference_tokens "$REF_TOKENS"

@@ -5,8 +5,8 @@
 # (Quantile Balancing), runs the traffic again and prints the figures again, then stops every
 # process (also on Ctrl-C).
 # Usage: scripts/run.sh [--preset mid|tiny|k3] [--shards N] [--duration S] [--concurrency C]
-#                       [--tokens T] [--seed N] [--skew X] [--reply-mode per_pair|partial_sum]
-#                       [--in-process]   (also time the in-process layer, optimized and reference)
+#                       [--tokens T] [--seed N] [--skew X] [--reply_mode per_pair|partial_sum]
+#                       [--in_process]   (also time the in-process layer, optimized and reference)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=mid
@@ -27,8 +27,8 @@ while [ $# -gt 0 ]; do
     --tokens) TOKENS=$2; shift 2 ;;
     --seed) SEED=$2; shift 2 ;;
     --skew) SKEW=$2; shift 2 ;;
-    --reply-mode) REPLY_MODE=$2; shift 2 ;;
-    --in-process) IN_PROCESS=1; shift ;;
+    --reply_mode) REPLY_MODE=$2; shift 2 ;;
+    --in_process) IN_PROCESS=1; shift ;;
     *) sed -n '2,11p' "$0"; exit 2 ;;
   esac
 done

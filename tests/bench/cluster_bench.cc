@@ -2,7 +2,7 @@
 //
 //   scripts/bench.sh --cluster     or
 //   build/tests/cluster_bench [--checkpoint DIR | --preset mid] [--tokens 16,64,256]
-//                             [--seconds 4] [--shards 2] [--reply-mode per_pair|partial_sum]
+//                             [--seconds 4] [--shards 2] [--reply_mode per_pair|partial_sum]
 //
 // For each batch size T: tokens/s of CpuMoeLayer::Forward in this process (all cores) and of
 // Forward through attention-svc with the experts on expert-svc shards (real processes on
@@ -21,13 +21,12 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
+#include "services/common/flags.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
@@ -57,31 +56,15 @@ int Main(int argc, char** argv) {
   double seconds = 4;
   int shards = 2;
   int expert_threads = 0;  // per expert-svc process (0: all cores)
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--checkpoint") {
-      checkpoint = v;
-    } else if (k == "--preset") {
-      preset = v;
-    } else if (k == "--seconds") {
-      (void)absl::SimpleAtod(v, &seconds);
-    } else if (k == "--shards") {
-      (void)absl::SimpleAtoi(v, &shards);
-    } else if (k == "--expert-threads") {
-      (void)absl::SimpleAtoi(v, &expert_threads);
-    } else if (k == "--reply-mode") {
-      reply_mode = v;
-    } else if (k == "--tokens") {
-      sizes.clear();
-      for (absl::string_view p : absl::StrSplit(v, ',')) {
-        int64_t t;
-        if (absl::SimpleAtoi(p, &t)) sizes.push_back(t);
-      }
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
-      return 2;
-    }
-  }
+  SvcFlags f("cluster_bench", "The disaggregated layer on loopback vs in process.");
+  f.String("checkpoint", &checkpoint, "checkpoint directory (empty: synthetic --preset)");
+  f.String("preset", &preset, "synthetic preset when no checkpoint");
+  f.Double("seconds", &seconds, "seconds per point");
+  f.Int("shards", &shards, "expert shards");
+  f.Int("expert_threads", &expert_threads, "threads per expert-svc process (0: all cores)");
+  f.String("reply_mode", &reply_mode, "per_pair|partial_sum");
+  f.IntList("tokens", &sizes, "batch sizes, comma-separated");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   if (checkpoint.empty()) {
     checkpoint = "/tmp/moe_cluster_bench_" + preset;
     auto cfg = PresetConfig(preset);

@@ -3,7 +3,7 @@
 //
 //   scripts/bench.sh            (builds, writes a k3 checkpoint under out/ if missing, runs this)
 //   build/tests/cpu_layer_bench [--checkpoint DIR] [--isa avx2,avx512] [--threads 1,2]
-//                               [--reference-tokens 1] [--layer-isa avx2,avx512]
+//                               [--reference_tokens 1] [--layer_isa avx2,avx512]
 //
 // 1. Limits, measured here: streaming read of 1 GiB with all threads; the fp32 FMA peak of each
 //    ISA (services/numerics/cpu/machine_limits.h) with 1 and all threads; the AVX-512 BF16
@@ -16,8 +16,8 @@
 // 3. Dense bf16 projections: T = 1 over a 1.06 GB weight (K3 shared-expert gate rows x 12, so it
 //    streams from DRAM) as bytes/s, T = 256 on [6144 x 7168] as FLOP/s; OpenBLAS sgemm on fp32
 //    copies for comparison (Debian's OpenBLAS has no bf16 GEMM).
-// 4. A whole k3 layer from the checkpoint, per --layer-isa: tokens/s at T = 1, 16, 64, 256, 1024
-//    with the share of each stage, the reference path at --reference-tokens, peak memory.
+// 4. A whole k3 layer from the checkpoint, per --layer_isa: tokens/s at T = 1, 16, 64, 256, 1024
+//    with the share of each stage, the reference path at --reference_tokens, peak memory.
 // One table at the end. Timing is wall clock, median of the repetitions.
 #include <immintrin.h>
 #include <sys/resource.h>
@@ -37,6 +37,7 @@
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/common/flags.h"
 #include "services/common/random.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/machine_limits.h"
@@ -374,15 +375,6 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<Isa>& isas,
       F("%.3f", rss / packed), "<= 1.10 (+ benchmark copies)");
 }
 
-std::vector<int64_t> ParseInts(const char* s) {
-  std::vector<int64_t> v;
-  for (auto p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    int64_t x;
-    if (absl::SimpleAtoi(p, &x)) v.push_back(x);
-  }
-  return v;
-}
-
 std::vector<Isa> ParseIsas(const char* s) {
   std::vector<Isa> v;
   for (auto p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
@@ -413,26 +405,17 @@ int main(int argc, char** argv) {
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) <= static_cast<int>(DetectIsa())) isas.push_back(isa);
   }
-  std::vector<Isa> layer_isas = isas;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--checkpoint" && i + 1 < argc) {
-      ckpt = argv[++i];
-    } else if (a == "--reference-tokens" && i + 1 < argc) {
-      ref_tokens = ParseInts(argv[++i]);
-    } else if (a == "--threads" && i + 1 < argc) {
-      thread_counts = ParseInts(argv[++i]);
-    } else if (a == "--isa" && i + 1 < argc) {
-      isas = ParseIsas(argv[++i]);
-    } else if (a == "--layer-isa" && i + 1 < argc) {
-      layer_isas = ParseIsas(argv[++i]);
-    } else {
-      std::fprintf(stderr,
-                   "usage: cpu_layer_bench [--checkpoint DIR] [--isa avx2,avx512] [--threads 1,2] "
-                   "[--reference-tokens 1,16] [--layer-isa avx2]\n");
-      return 2;
-    }
-  }
+  std::vector<Isa> layer_isas;
+  std::string isa_list, layer_isa_list;
+  moe::SvcFlags f("cpu_layer_bench", "The CPU backend against this machine's limits.");
+  f.String("checkpoint", &ckpt, "k3 checkpoint for the whole-layer rows (empty: skipped)");
+  f.IntList("reference_tokens", &ref_tokens, "batch sizes for the scalar reference layer");
+  f.IntList("threads", &thread_counts, "thread counts of the expert rows");
+  f.String("isa", &isa_list, "ISAs of the expert and dense rows (default: all the CPU has)");
+  f.String("layer_isa", &layer_isa_list, "ISAs of the whole-layer rows (default: as --isa)");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  if (!isa_list.empty()) isas = ParseIsas(isa_list.c_str());
+  layer_isas = layer_isa_list.empty() ? isas : ParseIsas(layer_isa_list.c_str());
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) {
       std::printf("ISA %s: not on this CPU, its kernels are not measured\n", IsaName(isa));
