@@ -3,6 +3,7 @@
 #include "expert-svc/expert_server.h"
 
 #include <grpcpp/grpcpp.h>
+#include <stdlib.h>
 
 #include <cmath>
 #include <cstdio>
@@ -190,6 +191,58 @@ TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionCh
   EXPECT_NEAR(Sample(page, "moe_expert_fma_peak_fraction", shard), flops / busy / peak,
               1e-6 * flops / busy / peak);
   stream.reset();  // closes the stream, so shutdown needs no grace period
+  (*server)->Shutdown();
+}
+
+// In checkpoint mode the production check reads its reference weights through a mapping of the
+// checkpoint of its own: batches computed from the server's mapping match it.
+TEST(ExpertServer, ChecksBatchesAgainstTheCheckpointItServes) {
+  const ModelConfig cfg = *PresetConfig("tiny");
+  std::string dir = ::testing::TempDir() + "/moe_verify_ckpt_XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  checkpoint::SyntheticOptions so;
+  so.seed = 8;
+  ASSERT_TRUE(checkpoint::WriteSyntheticCheckpoint(cfg, dir, so).ok());
+  const std::string port_file = dir + "/metrics_port";
+  ExpertServerOptions o;
+  o.checkpoint = dir;
+  o.shard = "shard-c";
+  o.threads = 1;
+  o.measure_limits = false;
+  o.metrics_port = 0;
+  o.metrics_port_file = port_file;
+  o.verify_fraction = 1.0;
+  auto server = ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  ModelConfig zcfg = cfg;
+  zcfg.hidden = cfg.latent;
+  auto stream = std::make_unique<transport::ExpertStream>(
+      "shard-c", "127.0.0.1:" + std::to_string((*server)->port()), 64 << 20);
+  for (int b = 0; b < 2; ++b) {
+    const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(zcfg, 6, 30 + b);
+    v1::DispatchRequest req;
+    req.set_layer(1);
+    for (int e : {1, 9, 15}) {
+      auto* g = req.add_groups();
+      g->set_expert_id(e);
+      g->set_token_count(2);
+    }
+    transport::EncodeBf16Into(z, 6, cfg.latent, req.mutable_activations());
+    ASSERT_TRUE(stream->Call(req, absl::Now() + absl::Seconds(10)).ok());
+  }
+  std::string page;
+  for (int i = 0; i < 200; ++i) {  // at most 20 s
+    page = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
+        metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+    if (Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}) >= 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}), 2) << page;
+  EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"mismatch\""}), 0);
+  EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"error\""}), 0);
+  stream.reset();
   (*server)->Shutdown();
 }
 
