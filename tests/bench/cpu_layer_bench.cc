@@ -97,7 +97,6 @@ __attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
 
 double Bf16DotPeak() {
   constexpr int64_t kIters = 20000000;
-  std::vector<std::thread> th;
   const double s = Median(3, [] {
     std::vector<std::thread> t;
     for (int i = 1; i < kThreads; ++i) t.emplace_back([] { DotLoop(kIters); });
