@@ -220,24 +220,25 @@ inline __m256i LoadChunk(const uint8_t* row, int64_t c, int64_t cols) {
 }
 
 // 2^(s - 127) as float bits s << 23, for every E8M0 byte s (s = 0 reads as 0; 0xFF never
-// gets here: the loader rejects it).
-struct E8M0Table {
-  alignas(64) float v[256];
-  E8M0Table() {
-    for (uint32_t s = 0; s < 256; ++s) {
-      const uint32_t bits = s << 23;
-      std::memcpy(&v[s], &bits, sizeof(bits));
-    }
-  }
+// gets here: the loader rejects it). Built at compile time: this file may run no code of its
+// own before the CPUID check, and a global constructor compiled with -mavx2 would.
+struct E8M0Bits {
+  uint32_t v[256];
 };
-const E8M0Table kE8M0;
+constexpr E8M0Bits MakeE8M0Bits() {
+  E8M0Bits t{};
+  for (uint32_t s = 0; s < 256; ++s) t.v[s] = s << 23;
+  return t;
+}
+alignas(64) constexpr E8M0Bits kE8M0 = MakeE8M0Bits();
 
 // The scales of chunk c as 8 fp32 lanes: the lower 128 bits (columns 0..31) belong to block
 // 2c, the upper to block 2c+1 (two broadcast loads and one insert).
 inline __m256 ChunkScale(const uint8_t* s, int64_t c, int64_t cols) {
-  const __m128 s0 = _mm_broadcast_ss(&kE8M0.v[s[2 * c]]);
-  const __m128 s1 = _mm_broadcast_ss(&kE8M0.v[cols - c * 64 > 32 ? s[2 * c + 1] : 0]);
-  return _mm256_insertf128_ps(_mm256_castps128_ps256(s0), s1, 1);
+  const __m128i s0 = _mm_set1_epi32(static_cast<int>(kE8M0.v[s[2 * c]]));
+  const __m128i s1 =
+      _mm_set1_epi32(static_cast<int>(kE8M0.v[cols - c * 64 > 32 ? s[2 * c + 1] : 0]));
+  return _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(s0), s1, 1));
 }
 
 // Decode: R rows x TT tokens. The chunk is decoded in halves so that only 4 decoded vectors
