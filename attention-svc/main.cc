@@ -12,20 +12,12 @@ int main(int argc, char** argv) {
   flags.Bool("per_expert_metrics", &o.per_expert_metrics, "export per-expert token counters");
   flags.String("router", &o.router, "router-svc host:port");
   flags.String("node", &o.node, "this node's name in statistics");
-  flags.Custom("reply_mode", moe::attention_svc::ReplyModeName(o.reply_mode),
-               "per_pair|partial_sum: the default reply mode of the expert shards",
-               [&](const std::string& s) {
-                 auto m = moe::attention_svc::ParseReplyMode(s);
-                 if (m.ok()) o.reply_mode = *m;
-                 return m.ok();
-               });
+  flags.Typed("reply_mode", &o.reply_mode, moe::attention_svc::ReplyModeName,
+              moe::attention_svc::ParseReplyMode,
+              "per_pair|partial_sum: the default reply mode of the expert shards");
   flags.Int("threads", &o.threads, "dense compute threads (0: all cores)");
-  flags.Custom("isa", moe::numerics::cpu::IsaName(o.isa),
-               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16", [&](const std::string& s) {
-                 auto isa = moe::numerics::cpu::ParseIsa(s);
-                 if (isa.ok()) o.isa = *isa;
-                 return isa.ok();
-               });
+  flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
+              "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
   flags.Int("workers", &o.workers, "requests in progress at once");
   flags.Int("max_queued", &o.max_queued, "waiting requests beyond: RESOURCE_EXHAUSTED");
   flags.Int64("max_tokens", &o.max_tokens, "tokens per request");

@@ -18,18 +18,10 @@ int main(int argc, char** argv) {
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");
-  flags.Custom("backend", moe::expert_svc::BackendName(o.backend),
-               "auto|cpu|cuda: where the experts run", [&](const std::string& s) {
-                 auto b = moe::expert_svc::ParseBackend(s);
-                 if (b.ok()) o.backend = *b;
-                 return b.ok();
-               });
-  flags.Custom("isa", moe::numerics::cpu::IsaName(o.isa),
-               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16", [&](const std::string& s) {
-                 auto isa = moe::numerics::cpu::ParseIsa(s);
-                 if (isa.ok()) o.isa = *isa;
-                 return isa.ok();
-               });
+  flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,
+              "auto|cpu|cuda: where the experts run");
+  flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
+              "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   flags.Double(

@@ -37,6 +37,22 @@ class SvcFlags {
               std::function<bool(const std::string&)> parse);
   // Comma-separated integers.
   void IntList(const std::string& name, std::vector<int64_t>* v, const std::string& help);
+  // A typed value (an enum) by its own parser and name functions: parse(text) returns a status
+  // or T (a bad value prints its message), name_of(T) gives the default's text.
+  //   flags.Typed("bias_mode", &o.bias_mode, BiasModeName, ParseBiasMode, "frozen|rebalance");
+  template <typename T, typename NameOf, typename ParseFn>
+  void Typed(const std::string& name, T* v, NameOf name_of, ParseFn parse,
+             const std::string& help) {
+    Custom(name, name_of(*v), help, [v, parse](const std::string& text) {
+      auto parsed = parse(text);
+      if (!parsed.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(parsed.status().message()).c_str());
+        return false;
+      }
+      *v = *parsed;
+      return true;
+    });
+  }
 
   // Parses argv[first..]. Returns -1 to go on; 0 after --help (or -h) printed the usage; 2
   // after a bad flag printed what is wrong (an unknown name, with the nearest known one; a

@@ -4,8 +4,10 @@
 #include "services/common/flags.h"
 
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 
 namespace moe {
@@ -101,6 +103,32 @@ TEST(Flags, AnUnknownFlagNamesTheNearestKnownOne) {
   EXPECT_EQ(far, 2);
   EXPECT_NE(text.find("unknown flag --skwe, did you mean --skew?"), std::string::npos) << text;
   EXPECT_NE(text.find("unknown flag --completely_else (see --help)"), std::string::npos) << text;
+}
+
+enum class Color { kRed, kBlue };
+const char* ColorName(Color c) { return c == Color::kRed ? "red" : "blue"; }
+absl::StatusOr<Color> ParseColor(const std::string& s) {
+  if (s == "red") return Color::kRed;
+  if (s == "blue") return Color::kBlue;
+  return absl::InvalidArgumentError("color '" + s + "' is not red or blue");
+}
+
+TEST(Flags, TypedValuesUseTheirOwnParser) {
+  for (auto [arg, rc, want] : std::vector<std::tuple<std::string, int, Color>>{
+           {"--color=blue", -1, Color::kBlue}, {"--color=green", 2, Color::kRed}}) {
+    Color c = Color::kRed;
+    SvcFlags f("prog", "typed");
+    f.Typed("color", &c, ColorName, ParseColor, "red|blue");
+    std::string a = arg;
+    char* argv[] = {const_cast<char*>("prog"), a.data()};
+    ::testing::internal::CaptureStderr();
+    EXPECT_EQ(f.Parse(2, argv), rc) << arg;
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(c, want) << arg;
+    if (rc == 2) {
+      EXPECT_NE(err.find("color 'green' is not red or blue"), std::string::npos) << err;
+    }
+  }
 }
 
 }  // namespace
