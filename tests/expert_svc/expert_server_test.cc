@@ -123,6 +123,18 @@ double Sample(const std::string& page, const std::string& name,
   return std::nan("");
 }
 
+// The /metrics page once `matches` production checks have matched (polled for at most 20 s).
+std::string PageWithMatches(int metrics_port, double matches) {
+  std::string page;
+  for (int i = 0; i < 200; ++i) {
+    page = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
+        metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+    if (Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}) >= matches) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return page;
+}
+
 TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionChecks) {
   const std::string port_file = ::testing::TempDir() + "/expert_metrics_port";
   std::remove(port_file.c_str());
@@ -161,13 +173,8 @@ TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionCh
     ASSERT_TRUE(stream->Call(req, absl::Now() + absl::Seconds(10)).ok());
   }
   const std::vector<std::string> shard = {"shard=\"shard-m\""};
-  std::string page;
-  for (int i = 0; i < 200; ++i) {  // the checks run in the background: at most 20 s
-    page = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
-        metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
-    if (Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}) >= 3) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // The checks run in the background.
+  const std::string page = PageWithMatches(metrics_port, 3);
   EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}), 3) << page;
   EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"mismatch\""}), 0);
   EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"error\""}), 0);
@@ -232,13 +239,8 @@ TEST(ExpertServer, ChecksBatchesAgainstTheCheckpointItServes) {
     transport::EncodeBf16Into(z, 6, cfg.latent, req.mutable_activations());
     ASSERT_TRUE(stream->Call(req, absl::Now() + absl::Seconds(10)).ok());
   }
-  std::string page;
-  for (int i = 0; i < 200; ++i) {  // at most 20 s
-    page = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
-        metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
-    if (Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}) >= 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  // The checks run in the background.
+  const std::string page = PageWithMatches(metrics_port, 2);
   EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"match\""}), 2) << page;
   EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"mismatch\""}), 0);
   EXPECT_EQ(Sample(page, "moe_expert_verified_batches_total", {"result=\"error\""}), 0);
