@@ -62,6 +62,7 @@ struct Batch {
   const MoeLayerWeights* layer = nullptr;
   v1::ReplyMode mode = v1::REPLY_MODE_PER_PAIR;
   int64_t rows = 0;
+  int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
   numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
   std::vector<Bf16> z;        // [rows, D]
   std::vector<int32_t> token_index;
@@ -363,6 +364,7 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
                                                    " row_source entries for ", rows, " rows"));
   }
   b->rows = rows;
+  b->experts = req.groups_size();
   b->routing.tokens = rows;
   b->routing.top_k = 1;
   b->routing.expert_ids.reserve(static_cast<size_t>(rows));
@@ -517,11 +519,8 @@ void ExpertServer::Impl::ComputeLoop() {
     if (metrics_ != nullptr) {
       if (reply.code() == 0) {
         // Each distinct expert's weights stream once per batch (rows are grouped by expert).
-        int64_t experts = 0;
-        const std::vector<int32_t>& ids = b->routing.expert_ids;
-        for (size_t r = 0; r < ids.size(); ++r) experts += r == 0 || ids[r] != ids[r - 1];
         metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(),
-                            b->rows, static_cast<double>(experts) * cfg_.ExpertBytes(),
+                            b->rows, static_cast<double>(b->experts) * cfg_.ExpertBytes(),
                             6.0 * cfg_.latent * cfg_.intermediate * b->rows);
         metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
                            static_cast<int64_t>(reply.outputs().data().size()),
