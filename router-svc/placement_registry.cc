@@ -82,11 +82,13 @@ std::vector<int32_t> PlacementRegistry::ShardOfExpert(int32_t layer,
   }
   const placement::LayerRoute route =
       placement::BuildRoute(layer, static_cast<int32_t>(num_experts_), std::move(refs));
-  names->clear();
+  if (names != nullptr) names->clear();
   for (int32_t o : route.owner) {
     if (o < 0) return {};
   }
-  for (const placement::ShardRef& s : route.shards) names->push_back(s.shard);
+  if (names != nullptr) {
+    for (const placement::ShardRef& s : route.shards) names->push_back(s.shard);
+  }
   return route.owner;
 }
 

@@ -67,9 +67,10 @@ class PlacementRegistry {
   int64_t shards() const { return static_cast<int64_t>(shards_.size()); }
   int64_t healthy_shards() const;
 
-  // Expert -> shard id of one layer (names[id]), by placement::BuildRoute (a healthy replica
-  // first); empty unless every expert is covered.
-  std::vector<int32_t> ShardOfExpert(int32_t layer, std::vector<std::string>* names) const;
+  // Expert -> shard id of one layer (names[id] when names is given), by placement::BuildRoute
+  // (a healthy replica first); empty unless every expert is covered.
+  std::vector<int32_t> ShardOfExpert(int32_t layer,
+                                     std::vector<std::string>* names = nullptr) const;
   // loads [E] summed over every registered range of the layer.
   std::vector<ShardLoad> ShardLoads(int32_t layer, const std::vector<int64_t>& loads) const;
 

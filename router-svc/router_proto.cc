@@ -92,8 +92,7 @@ void FillLoadStats(const BiasLedger& ledger, const LoadWindow& w, const Placemen
   s->set_total_tokens(w.total_tokens());
   *s->mutable_window_loads() = {w.window_loads().begin(), w.window_loads().end()};
   s->set_window_tokens(w.window_tokens());
-  std::vector<std::string> names;
-  const std::vector<int32_t> shard_of = registry.ShardOfExpert(w.layer(), &names);
+  const std::vector<int32_t> shard_of = registry.ShardOfExpert(w.layer());
   if (w.window_tokens() > 0) {
     FillBalance(numerics::ComputeBalance(w.window_loads(), shard_of), s->mutable_window_balance());
   }

@@ -382,9 +382,8 @@ absl::Status RouterServer::Impl::RebalanceLocked(LayerState& l, bool dry_run,
         absl::StrCat("layer ", layer, ": no traffic reported with bias version ",
                      l.ledger.current().version, " yet; nothing to balance"));
   }
-  std::vector<std::string> names;
   MOE_ASSIGN_OR_RETURN(RebalancePlan plan,
-                       PlanRebalance(l.window, registry_->ShardOfExpert(layer, &names)));
+                       PlanRebalance(l.window, registry_->ShardOfExpert(layer)));
   resp->set_layer(layer);
   resp->set_window_tokens(plan.window_tokens);
   FillBalance(plan.before, resp->mutable_before());
@@ -446,10 +445,9 @@ PageCallbacks RouterServer::Impl::PageApi() {
   cb.state = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
     std::lock_guard<std::mutex> lock(mu_);
     MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
-    std::vector<std::string> names;
     return LayerStateJson(l->ledger, l->window,
                           registry_->ShardLoads(layer, l->window.window_loads()),
-                          registry_->ShardOfExpert(layer, &names), l->rebalances);
+                          registry_->ShardOfExpert(layer), l->rebalances);
   };
   cb.rebalance = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
     std::lock_guard<std::mutex> lock(mu_);
