@@ -1,0 +1,42 @@
+// Built without UCX (libucx-dev not found): the data plane is in-band gRPC only.
+#include "services/dataplane/ucx_worker.h"
+
+namespace moe::dataplane {
+
+bool UcxBuilt() { return false; }
+
+class UcxWorkerImpl {};
+class UcxBufferPool {};
+
+UcxBuffer::~UcxBuffer() = default;
+
+absl::StatusOr<size_t> UcxTransfer::Wait(absl::Time) {
+  return absl::UnimplementedError("built without UCX");
+}
+bool UcxTransfer::done() const { return true; }
+
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions&) {
+  return absl::UnimplementedError("this build has no UCX data plane (libucx-dev was not found)");
+}
+UcxWorker::UcxWorker(std::unique_ptr<UcxWorkerImpl> impl) : impl_(std::move(impl)) {}
+UcxWorker::~UcxWorker() = default;
+absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string&,
+                                            std::function<void(const absl::Status&)>) {
+  return absl::UnimplementedError("built without UCX");
+}
+void UcxWorker::Disconnect(uint64_t) {}
+absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t) {
+  return absl::UnimplementedError("built without UCX");
+}
+std::shared_ptr<UcxTransfer> UcxWorker::Send(uint64_t, uint64_t, std::shared_ptr<UcxBuffer>,
+                                             size_t, absl::Time, Done) {
+  return std::make_shared<UcxTransfer>();
+}
+std::shared_ptr<UcxTransfer> UcxWorker::Recv(uint64_t, std::shared_ptr<UcxBuffer>, absl::Time,
+                                             Done) {
+  return std::make_shared<UcxTransfer>();
+}
+int64_t UcxWorker::transfers_in_flight() const { return 0; }
+int64_t UcxWorker::buffers_registered() const { return 0; }
+
+}  // namespace moe::dataplane
