@@ -16,6 +16,7 @@
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
+#include "attention-svc/expert_channel_ucx.h"
 #include "moe/v1/attention.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
@@ -24,6 +25,7 @@
 #include "services/client/router_link.h"
 #include "services/common/status_macros.h"
 #include "services/common/work_queue.h"
+#include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/service_metrics.h"
 #include "services/numerics/combine.h"
@@ -110,6 +112,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::unique_ptr<metrics::AttentionMetrics> metrics_;
   std::unique_ptr<WorkQueue> workers_;
   std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
+  // The UCX worker of the out-of-band data plane (null: in band only). Declared before the
+  // channels so that it outlives them.
+  std::unique_ptr<dataplane::UcxWorker> ucx_;
 
   std::mutex mu_;
   std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_ ABSL_GUARDED_BY(mu_);
@@ -191,6 +196,22 @@ absl::Status AttentionServer::Impl::StartServing() {
           transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
     }
   }
+  if (options_.data_plane != dataplane::DataPlane::kGrpc) {
+    dataplane::UcxOptions uo;
+    uo.name = options_.node;
+    uo.tls = options_.ucx_tls;
+    auto w = dataplane::UcxWorker::Create(uo);
+    if (w.ok()) {
+      ucx_ = std::move(*w);
+      std::fprintf(stderr, "attention-svc: UCX data plane up (UCX_TLS %s)\n", ucx_->tls().c_str());
+    } else if (options_.data_plane == dataplane::DataPlane::kUcx) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--data_plane=ucx: ", w.status().message()));
+    } else {
+      std::fprintf(stderr, "attention-svc: no UCX data plane (%s): in band only\n",
+                   std::string(w.status().message()).c_str());
+    }
+  }
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
   router_ = std::make_unique<client::RouterLink>(options_.router);
   transport::GrpcServerOptions so;
@@ -222,6 +243,10 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
   if (server_ != nullptr) server_->Shutdown(grace);
   workers_.reset();  // runs what is queued (bounded by deadlines), then joins
   if (report_thread_.joinable()) report_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    channels_.clear();  // before the UCX worker they use
+  }
   ReportNow();  // the last partial window
 }
 
@@ -276,7 +301,13 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   const std::string key = s.shard + "@" + s.endpoint;
   std::lock_guard<std::mutex> lock(mu_);
   auto& channel = channels_[key];
-  if (channel == nullptr) {
+  if (channel == nullptr && ucx_ != nullptr) {
+    channel = std::make_shared<UcxExpertChannel>(
+        s.shard, s.endpoint, options_.max_message_bytes, ucx_.get(), options_.data_plane,
+        options_.node, [this](const std::string& shard, const std::string& event) {
+          if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
+        });
+  } else if (channel == nullptr) {
     channel = std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, options_.max_message_bytes);
   }
   return channel;
@@ -415,15 +446,19 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
   // Every message goes out before any reply is awaited.
   std::vector<std::unique_ptr<ExpertCall>> calls(plan.messages.size());
+  std::vector<const char*> transports(plan.messages.size(), "grpc");
   int64_t bytes_sent = 0, bytes_received = 0;
   for (size_t i = 0; i < plan.messages.size(); ++i) {
     const DispatchMessage& m = plan.messages[i];
     const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
     bytes_sent += bytes;
+    std::shared_ptr<ExpertChannel> channel = ChannelFor(route->shards[m.shard]);
+    calls[i] = channel->Send(header, m);
+    transports[i] = channel->transport();
     if (metrics_ != nullptr) {
-      metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()));
+      metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
+                         transports[i]);
     }
-    calls[i] = ChannelFor(route->shards[m.shard])->Send(header, m);
   }
   // The shared experts need only x: they run here while the expert servers work.
   std::vector<float> shared;
@@ -439,7 +474,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
                               : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
     bytes_received += bytes;
     if (metrics_ != nullptr) {
-      metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows);
+      metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
+                         transports[i]);
     }
   }
   const double dispatch_seconds = Seconds(Clock::now() - dispatch_start);

@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention-svc/dispatch_plan.h"
+#include "services/dataplane/data_plane.h"
 #include "services/numerics/cpu/cpu_isa.h"
 
 namespace moe::attention_svc {
@@ -59,6 +60,10 @@ struct AttentionServerOptions {
   // A shard's dispatch is split (at expert boundaries) so that no message or reply exceeds
   // about this many payload bytes (K3 batches of thousands of tokens would pass gRPC's limit).
   int64_t max_dispatch_bytes = 64 << 20;
+  // The payload path to the expert shards (docs/data-plane.md): auto uses UCX with every shard
+  // that offers it and in-band gRPC with the rest; grpc always in band; ucx or fail the batch.
+  dataplane::DataPlane data_plane = dataplane::DataPlane::kAuto;
+  std::string ucx_tls;  // empty: UCX_TLS from the environment
 };
 
 class AttentionServer {

@@ -59,10 +59,14 @@ GrpcExpertChannel::GrpcExpertChannel(std::string shard, std::string endpoint, in
       stream_(std::make_shared<transport::ExpertStream>(std::move(shard), std::move(endpoint),
                                                         max_message_bytes)) {}
 
+GrpcExpertChannel::GrpcExpertChannel(std::string shard,
+                                     std::shared_ptr<transport::ExpertStream> stream)
+    : shard_(std::move(shard)), stream_(std::move(stream)) {}
+
 GrpcExpertChannel::~GrpcExpertChannel() = default;
 
-std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header,
-                                                    const DispatchMessage& m) {
+v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const DispatchMessage& m,
+                                       bool with_activation_bytes) {
   v1::DispatchRequest dr;
   dr.set_layer(header.layer);
   dr.set_reply_mode(header.mode == ReplyMode::kPerPair ? v1::REPLY_MODE_PER_PAIR
@@ -79,9 +83,21 @@ std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header
     *dr.mutable_weights() = {m.weights.begin(), m.weights.end()};
     dr.set_num_tokens(static_cast<int32_t>(header.num_tokens));
   }
-  transport::EncodeBf16Into(m.z, static_cast<int64_t>(m.tokens.size()), header.latent,
-                            dr.mutable_activations());
-  auto pending = stream_->Send(std::move(dr));
+  if (with_activation_bytes) {
+    transport::EncodeBf16Into(m.z, static_cast<int64_t>(m.tokens.size()), header.latent,
+                              dr.mutable_activations());
+  } else {
+    v1::Tensor* a = dr.mutable_activations();
+    a->set_dtype(v1::DTYPE_BF16);
+    a->add_shape(static_cast<int64_t>(m.tokens.size()));
+    a->add_shape(header.latent);
+  }
+  return dr;
+}
+
+std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header,
+                                                    const DispatchMessage& m) {
+  auto pending = stream_->Send(DispatchRequestFor(header, m, /*with_activation_bytes=*/true));
   return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, header.latent,
                                     m.rows(), static_cast<int64_t>(m.tokens.size()));
 }

@@ -14,11 +14,22 @@ namespace moe::transport {
 class ExpertStream;
 }
 
+namespace moe::v1 {
+class DispatchRequest;
+}
+
 namespace moe::attention_svc {
+
+// The Dispatch message of one plan message: groups, row_source, the partial-sum fields, and the
+// activations' bytes when with_activation_bytes (their dtype and shape always).
+v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const DispatchMessage& m,
+                                       bool with_activation_bytes);
 
 class GrpcExpertChannel final : public ExpertChannel {
  public:
   GrpcExpertChannel(std::string shard, std::string endpoint, int max_message_bytes);
+  // On an existing stream (the UCX channel's in-band path shares its header stream).
+  GrpcExpertChannel(std::string shard, std::shared_ptr<transport::ExpertStream> stream);
   ~GrpcExpertChannel() override;
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,

@@ -27,6 +27,11 @@ int main(int argc, char** argv) {
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   flags.Int64("max_dispatch_bytes", &o.max_dispatch_bytes,
               "split a shard's dispatch (at expert boundaries) above this many bytes");
+  flags.Typed("data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
+              moe::dataplane::ParseDataPlane,
+              "auto|grpc|ucx: expert payloads on UCX where the shard offers it (auto), never, "
+              "or always");
+  flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
   return moe::RunServer("attention-svc",
                         [&]() { return moe::attention_svc::AttentionServer::Start(o); });

@@ -8,11 +8,13 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -35,6 +37,7 @@
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/thread_pool.h"
+#include "services/dataplane/ucx_worker.h"
 #include "services/numerics/moe_layer.h"
 #include "services/placement/placement.h"
 #include "services/transport/grpc_server.h"
@@ -70,7 +73,18 @@ struct Batch {
   int32_t num_tokens = 0;
   Clock::time_point arrived;
   Clock::time_point expires = Clock::time_point::max();
+  // Out of band: the reply's payload goes to this data-plane client's endpoint.
+  bool out_of_band = false;
+  uint64_t reply_ep = 0;
+  uint64_t reply_tag = 0;
+  int64_t reply_capacity = 0;
+  double receive_seconds = 0;
 };
+
+// A time budget in milliseconds from now (0: none, then this long).
+constexpr std::chrono::seconds kNoBudget(30);
+// How long past a batch's budget its reply payload may take to be taken by the caller.
+constexpr absl::Duration kReplySendGrace = absl::Seconds(5);
 
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
@@ -98,6 +112,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
                                     const v1::GetExpertInfoRequest* request,
                                     v1::ExpertServerInfo* response) override;
+  grpc::ServerUnaryReactor* OpenDataPlane(grpc::CallbackServerContext* context,
+                                          const v1::OpenDataPlaneRequest* request,
+                                          v1::OpenDataPlaneReply* response) override;
 
   const std::string& shard() const { return options_.shard; }
   int port() const { return server_ != nullptr ? server_->port() : 0; }
@@ -107,6 +124,16 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
 
  private:
   void ComputeLoop();
+  absl::Status StartDataPlane();
+  // The batch's payload is on its way over UCX: receive it, then validate and queue the batch
+  // (stream->BeginWork() already counted it).
+  void ReceiveOutOfBand(v1::DispatchRequest req, DispatchReactor* stream);
+  // Validates and queues a batch whose payload is here; answers errors on the stream.
+  void Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun,
+             const Batch* oob);
+  // Sends an out-of-band reply's payload, then the reply header (compute thread).
+  void ReplyOutOfBand(const Batch& b, v1::DispatchReply reply, DispatchReactor* reactor);
+  v1::DispatchReply ErrorReply(uint64_t batch_id, const absl::Status& s) const;
 
   ExpertServerOptions options_;
   ModelConfig cfg_;
@@ -127,6 +154,14 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread compute_thread_;
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
+
+  // The UCX data plane: null when not offered. ucx_mu_ (shared by the gRPC handlers) keeps it
+  // alive while they use it; Shutdown takes it exclusively to stop it.
+  std::shared_mutex ucx_mu_;
+  std::unique_ptr<dataplane::UcxWorker> ucx_;
+  std::mutex clients_mu_;
+  std::map<uint64_t, uint64_t> client_eps_ ABSL_GUARDED_BY(clients_mu_);  // client id -> endpoint
+  uint64_t next_client_ ABSL_GUARDED_BY(clients_mu_) = 1;
 };
 
 namespace {
@@ -281,6 +316,7 @@ absl::Status ExpertServer::Impl::StartServing() {
   so.max_receive_message_bytes = options_.max_message_bytes;
   so.max_send_message_bytes = options_.max_message_bytes;
   so.services = {this};
+  MOE_RETURN_IF_ERROR(StartDataPlane());
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
   server_->SetServing(true);
   if (options_.advertise.empty()) options_.advertise = server_->endpoint();
@@ -291,6 +327,7 @@ absl::Status ExpertServer::Impl::StartServing() {
     v1::RegisterExpertServerRequest req;
     req.set_shard(options_.shard);
     req.set_endpoint(options_.advertise);
+    req.set_data_plane(ucx_ != nullptr ? "ucx" : "grpc");
     for (const auto& [l, w] : layers_) {
       v1::ExpertRange* r = req.add_ranges();
       r->set_layer(static_cast<int32_t>(l));
@@ -524,13 +561,18 @@ void ExpertServer::Impl::ComputeLoop() {
                             6.0 * cfg_.latent * cfg_.intermediate * b->rows);
         metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
                            static_cast<int64_t>(reply.outputs().data().size()),
-                           reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0);
+                           reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0,
+                           b->out_of_band ? "ucx" : "grpc");
       } else {
         metrics_->common.Error(
             "Dispatch", absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));
       }
     }
-    reactor->Reply(std::move(reply), /*ends_work=*/true);
+    if (b->out_of_band && reply.code() == 0) {
+      ReplyOutOfBand(*b, std::move(reply), reactor);
+    } else {
+      reactor->Reply(std::move(reply), /*ends_work=*/true);
+    }
   }
 }
 
@@ -541,35 +583,181 @@ grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* ExpertServer::I
   });
 }
 
+v1::DispatchReply ExpertServer::Impl::ErrorReply(uint64_t batch_id, const absl::Status& s) const {
+  v1::DispatchReply reply;
+  reply.set_batch_id(batch_id);
+  transport::SetBatchStatus(s, &reply);
+  reply.set_shard(options_.shard);
+  return reply;
+}
+
 void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* stream) {
-  const uint64_t id = req.batch_id();
-  auto error_reply = [&](const absl::Status& s) {
-    v1::DispatchReply reply;
-    reply.set_batch_id(id);
-    transport::SetBatchStatus(s, &reply);
-    reply.set_shard(options_.shard);
-    return reply;
-  };
+  if (req.has_out_of_band()) {
+    stream->BeginWork();
+    ReceiveOutOfBand(std::move(req), stream);
+    return;
+  }
   if (metrics_ != nullptr) {
     metrics_->wire.Add("received", "bf16", "attention",
                        static_cast<int64_t>(req.activations().data().size()),
                        req.activations().shape_size() > 0 ? req.activations().shape(0) : 0);
   }
+  Admit(req, stream, /*work_begun=*/false, nullptr);
+}
+
+void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun,
+                               const Batch* oob) {
   absl::StatusOr<std::unique_ptr<Batch>> batch = Validate(req);
   if (!batch.ok()) {
     if (metrics_ != nullptr) {
       metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));
     }
-    stream->Reply(error_reply(batch.status()), /*ends_work=*/false);
+    stream->Reply(ErrorReply(req.batch_id(), batch.status()), /*ends_work=*/work_begun);
     return;
   }
-  stream->BeginWork();
+  if (oob != nullptr) {
+    (*batch)->out_of_band = true;
+    (*batch)->reply_ep = oob->reply_ep;
+    (*batch)->reply_tag = oob->reply_tag;
+    (*batch)->reply_capacity = oob->reply_capacity;
+    (*batch)->receive_seconds = oob->receive_seconds;
+    (*batch)->arrived = oob->arrived;
+    (*batch)->expires = oob->expires;
+  }
+  if (!work_begun) stream->BeginWork();
   if (absl::Status queued = Enqueue(std::move(*batch), stream); !queued.ok()) {
     if (metrics_ != nullptr) {
       metrics_->common.Error("Dispatch", absl::StatusCodeToString(queued.code()));
     }
-    stream->Reply(error_reply(queued), /*ends_work=*/true);
+    stream->Reply(ErrorReply(req.batch_id(), queued), /*ends_work=*/true);
   }
+}
+
+void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReactor* stream) {
+  const uint64_t id = req.batch_id();
+  const v1::OutOfBand& oob = req.out_of_band();
+  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", id);
+  auto fail = [&](const absl::Status& s) {
+    if (metrics_ != nullptr) metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
+    stream->Reply(ErrorReply(id, s), /*ends_work=*/true);
+  };
+  std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
+  if (ucx_ == nullptr) {
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat(where, ": this server has no UCX data plane (send the batch in band)")));
+  }
+  uint64_t ep = 0;
+  {
+    std::lock_guard<std::mutex> lock(clients_mu_);
+    auto it = client_eps_.find(oob.client_id());
+    if (it == client_eps_.end()) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          where, ": unknown data-plane client ", oob.client_id(), " (call OpenDataPlane again)")));
+    }
+    ep = it->second;
+  }
+  if (dataplane::ClientOfTag(oob.tag()) != oob.client_id()) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat(where, ": tag ", oob.tag(), " is not of client ", oob.client_id())));
+  }
+  if (oob.activation_bytes() < 1 || oob.activation_bytes() > options_.max_message_bytes ||
+      oob.reply_capacity_bytes() < 0 || oob.reply_capacity_bytes() > options_.max_message_bytes) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat(where, ": out-of-band sizes (activations ", oob.activation_bytes(),
+                     " bytes, reply capacity ", oob.reply_capacity_bytes(),
+                     ") must lie in [1, ", options_.max_message_bytes, "]")));
+  }
+  auto buffer = ucx_->Buffer(static_cast<size_t>(oob.activation_bytes()));
+  if (!buffer.ok()) {
+    return fail(absl::ResourceExhaustedError(
+        absl::StrCat(where, ": no receive buffer: ", buffer.status().message())));
+  }
+  auto info = std::make_shared<Batch>();
+  info->reply_ep = ep;
+  info->reply_tag = oob.reply_tag();
+  info->reply_capacity = oob.reply_capacity_bytes();
+  info->arrived = Clock::now();
+  const auto budget = req.timeout_ms() > 0 ? std::chrono::milliseconds(req.timeout_ms())
+                                           : std::chrono::milliseconds(kNoBudget);
+  info->expires = info->arrived + budget;
+  const absl::Time deadline = absl::Now() + absl::FromChrono(budget);
+  const size_t want = static_cast<size_t>(oob.activation_bytes());
+  auto shared_req = std::make_shared<v1::DispatchRequest>(std::move(req));
+  std::shared_ptr<dataplane::UcxBuffer> buf = *buffer;
+  // Runs on the UCX progress thread once the payload is in (or the receive failed).
+  ucx_->Recv(oob.tag(), buf, deadline,
+             [this, shared_req, stream, info, buf, want, where](const absl::Status& s, size_t n) {
+               if (!s.ok() || n != want) {
+                 const absl::Status why =
+                     !s.ok() ? absl::Status(s.code(), absl::StrCat(where, ": activations: ",
+                                                                   s.message()))
+                             : absl::InvalidArgumentError(
+                                   absl::StrCat(where, ": out-of-band activations of ", n,
+                                                " bytes, the header said ", want));
+                 if (metrics_ != nullptr) {
+                   metrics_->common.Error("Dispatch", absl::StatusCodeToString(why.code()));
+                 }
+                 stream->Reply(ErrorReply(shared_req->batch_id(), why), /*ends_work=*/true);
+                 return;
+               }
+               info->receive_seconds = Seconds(Clock::now() - info->arrived);
+               if (metrics_ != nullptr) {
+                 const v1::Tensor& a = shared_req->activations();
+                 metrics_->wire.Add("received", "bf16", "attention", static_cast<int64_t>(n),
+                                    a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
+               }
+               shared_req->mutable_activations()->set_data(buf->data(), n);
+               Admit(*shared_req, stream, /*work_begun=*/true, info.get());
+             });
+}
+
+void ExpertServer::Impl::ReplyOutOfBand(const Batch& b, v1::DispatchReply reply,
+                                        DispatchReactor* reactor) {
+  reply.set_receive_seconds(b.receive_seconds);
+  const std::string& data = reply.outputs().data();
+  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", b.batch_id);
+  if (static_cast<int64_t>(data.size()) > b.reply_capacity) {
+    transport::SetBatchStatus(
+        absl::InvalidArgumentError(absl::StrCat(where, ": the reply has ", data.size(),
+                                                " bytes, the caller posted ", b.reply_capacity)),
+        &reply);
+    reactor->Reply(std::move(reply), /*ends_work=*/true);
+    return;
+  }
+  auto buffer = ucx_->Buffer(data.size());
+  if (!buffer.ok()) {
+    transport::SetBatchStatus(absl::ResourceExhaustedError(absl::StrCat(
+                                  where, ": no reply buffer: ", buffer.status().message())),
+                              &reply);
+    reactor->Reply(std::move(reply), /*ends_work=*/true);
+    return;
+  }
+  std::memcpy((*buffer)->data(), data.data(), data.size());
+  const size_t n = data.size();
+  reply.mutable_outputs()->clear_data();
+  reply.set_out_of_band(true);
+  reply.set_output_bytes(static_cast<int64_t>(n));
+  auto header = std::make_shared<v1::DispatchReply>(std::move(reply));
+  const absl::Time deadline =
+      (b.expires == Clock::time_point::max() ? absl::Now() + absl::FromChrono(kNoBudget)
+                                             : absl::Now() + absl::FromChrono(b.expires -
+                                                                              Clock::now())) +
+      kReplySendGrace;
+  // The header goes out once UCX is done with the payload (on the progress thread).
+  ucx_->Send(b.reply_ep, b.reply_tag, *buffer, n, deadline,
+             [this, header, reactor, where](const absl::Status& s, size_t) {
+               if (!s.ok()) {
+                 const uint64_t batch_id = header->batch_id();
+                 header->Clear();
+                 header->set_batch_id(batch_id);
+                 header->set_shard(options_.shard);
+                 transport::SetBatchStatus(
+                     absl::UnavailableError(
+                         absl::StrCat(where, ": the reply payload did not go out: ", s.message())),
+                     header.get());
+               }
+               reactor->Reply(std::move(*header), /*ends_work=*/true);
+             });
 }
 
 grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContext* context,
@@ -582,9 +770,94 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
   response->set_num_experts(static_cast<int32_t>(cfg_.num_experts));
   response->set_latent(static_cast<int32_t>(cfg_.latent));
   response->set_backend(backends_.begin()->second->name());
+  {
+    std::shared_lock<std::shared_mutex> lock(ucx_mu_);
+    response->set_data_plane(ucx_ != nullptr ? "ucx" : "grpc");
+    if (ucx_ != nullptr) {
+      response->set_ucx_address(ucx_->address());
+      response->set_ucx_tls(ucx_->tls());
+    }
+  }
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServerContext* context,
+                                                            const v1::OpenDataPlaneRequest* request,
+                                                            v1::OpenDataPlaneReply* response) {
+  auto* reactor = context->DefaultReactor();
+  auto finish = [&](const absl::Status& s) {
+    if (!s.ok() && metrics_ != nullptr) {
+      metrics_->common.Error("OpenDataPlane", absl::StatusCodeToString(s.code()));
+    }
+    reactor->Finish(transport::ToGrpc(s));
+    return reactor;
+  };
+  std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
+  if (ucx_ == nullptr) {
+    return finish(absl::FailedPreconditionError(
+        absl::StrCat("shard ", options_.shard, " has no UCX data plane (",
+                     dataplane::UcxBuilt() ? "started with --data_plane=grpc" : "built without UCX",
+                     ")")));
+  }
+  if (request->worker_address().empty() || request->worker_address().size() > (64 << 10)) {
+    return finish(absl::InvalidArgumentError(
+        absl::StrCat("worker_address of ", request->worker_address().size(),
+                     " bytes (need 1 to 65536)")));
+  }
+  uint64_t client = 0;
+  {
+    std::lock_guard<std::mutex> lock(clients_mu_);
+    if (static_cast<int>(client_eps_.size()) >= options_.max_data_plane_clients) {
+      return finish(absl::ResourceExhaustedError(
+          absl::StrCat("shard ", options_.shard, ": ", options_.max_data_plane_clients,
+                       " data-plane clients already (--max_data_plane_clients)")));
+    }
+    if (next_client_ > dataplane::kMaxClientId) {
+      return finish(absl::ResourceExhaustedError("data-plane client ids exhausted"));
+    }
+    client = next_client_++;
+  }
+  // A failed peer (its process died) is forgotten; its id is never given again.
+  auto ep = ucx_->Connect(request->worker_address(), [this, client](const absl::Status&) {
+    std::lock_guard<std::mutex> lock(clients_mu_);
+    client_eps_.erase(client);
+  });
+  if (!ep.ok()) return finish(ep.status());
+  {
+    std::lock_guard<std::mutex> lock(clients_mu_);
+    client_eps_[client] = *ep;
+  }
+  response->set_client_id(client);
+  response->set_worker_address(ucx_->address());
+  response->set_tls(ucx_->tls());
+  std::fprintf(stderr, "expert-svc: shard %s, data-plane client %llu (%s) connected over UCX\n",
+               options_.shard.c_str(), static_cast<unsigned long long>(client),
+               request->node().c_str());
+  return finish(absl::OkStatus());
+}
+
+absl::Status ExpertServer::Impl::StartDataPlane() {
+  if (options_.data_plane == dataplane::DataPlane::kGrpc) return absl::OkStatus();
+  dataplane::UcxOptions uo;
+  uo.name = options_.shard;
+  uo.tls = options_.ucx_tls;
+  auto w = dataplane::UcxWorker::Create(uo);
+  if (!w.ok()) {
+    if (options_.data_plane == dataplane::DataPlane::kUcx) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--data_plane=ucx: ", w.status().message()));
+    }
+    std::fprintf(stderr, "expert-svc: shard %s, no UCX data plane (%s): in band only\n",
+                 options_.shard.c_str(), std::string(w.status().message()).c_str());
+    return absl::OkStatus();
+  }
+  std::unique_lock<std::shared_mutex> lock(ucx_mu_);
+  ucx_ = std::move(*w);
+  std::fprintf(stderr, "expert-svc: shard %s, UCX data plane up (UCX_TLS %s)\n",
+               options_.shard.c_str(), ucx_->tls().c_str());
+  return absl::OkStatus();
 }
 
 void ExpertServer::Impl::Shutdown(absl::Duration grace) {
@@ -598,6 +871,11 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
   // The compute thread answers what is queued (UNAVAILABLE) before the streams are cancelled.
   if (compute_thread_.joinable()) compute_thread_.join();
   verifier_.reset();  // finishes the check in progress; what waits is counted as skipped
+  {
+    // Unfinished transfers fail (their batches are answered UNAVAILABLE) while the streams live.
+    std::unique_lock<std::shared_mutex> lock(ucx_mu_);
+    ucx_.reset();
+  }
   if (server_ != nullptr) server_->Shutdown(grace);
 }
 

@@ -23,7 +23,14 @@ int main(int argc, char** argv) {
   flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
-  flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
+  flags.Int("max_message_bytes", &o.max_message_bytes,
+            "gRPC message limit, and the largest out-of-band payload");
+  flags.Typed("data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
+              moe::dataplane::ParseDataPlane,
+              "auto|grpc|ucx: offer the out-of-band UCX data plane (auto: when built with UCX)");
+  flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
+  flags.Int("max_data_plane_clients", &o.max_data_plane_clients,
+            "attention nodes with an open UCX data plane at once");
   flags.Double(
       "verify_fraction", &o.verify_fraction,
       "fraction of batches recomputed with the scalar reference off the hot path (0: off)");

@@ -8,11 +8,16 @@ namespace moe::router_svc {
 absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
                                                      const std::string& endpoint,
                                                      const std::vector<LayerRange>& ranges,
-                                                     Clock::time_point now) {
+                                                     Clock::time_point now,
+                                                     const std::string& data_plane) {
   if (shard.empty() || endpoint.empty()) {
     return absl::InvalidArgumentError("registration needs a shard name and an endpoint");
   }
   if (ranges.empty()) return absl::InvalidArgumentError("registration without ranges");
+  if (data_plane != "grpc" && data_plane != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard ", shard, ": data plane '", data_plane, "' is not grpc or ucx"));
+  }
   for (const LayerRange& r : ranges) {
     if (r.lo < 0 || r.lo >= r.hi || r.hi > num_experts_) {
       return absl::InvalidArgumentError(absl::StrCat("shard ", shard, ": range [", r.lo, ", ", r.hi,
@@ -25,6 +30,7 @@ absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
   s.lease = next_lease_++;
   s.last_seen = now;
   s.healthy = true;
+  s.data_plane = data_plane;
   ++version_;
   return s.lease;
 }
@@ -60,7 +66,8 @@ PlacementSnapshot PlacementRegistry::Snapshot(Clock::time_point now) const {
   for (const auto& [name, s] : shards_) {
     p.shards.push_back(
         {name, s.endpoint, s.ranges, s.lease, s.healthy,
-         std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count()});
+         std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count(),
+         s.data_plane});
   }
   return p;
 }
@@ -100,7 +107,7 @@ std::vector<ShardLoad> PlacementRegistry::ShardLoads(int32_t layer,
       if (r.layer != layer) continue;
       int64_t load = 0;
       for (int32_t e = r.lo; e < r.hi; ++e) load += loads[e];
-      out.push_back({name, r.lo, r.hi, load, s.healthy});
+      out.push_back({name, r.lo, r.hi, load, s.healthy, s.data_plane});
     }
   }
   return out;

@@ -33,6 +33,7 @@ struct ShardEntry {
   uint64_t lease = 0;
   bool healthy = true;
   int64_t last_seen_ms = 0;  // ago, at the snapshot
+  std::string data_plane;    // what the shard offers: "ucx" or "grpc"
 };
 
 struct PlacementSnapshot {
@@ -46,6 +47,7 @@ struct ShardLoad {
   int32_t lo = 0, hi = 0;
   int64_t load = 0;
   bool healthy = false;
+  std::string data_plane;
 };
 
 class PlacementRegistry {
@@ -55,7 +57,8 @@ class PlacementRegistry {
   // A new or re-registering shard (a re-registration replaces its ranges and lease). Returns
   // the lease id; INVALID_ARGUMENT for a missing name or endpoint or an invalid range.
   absl::StatusOr<uint64_t> Register(const std::string& shard, const std::string& endpoint,
-                                    const std::vector<LayerRange>& ranges, Clock::time_point now);
+                                    const std::vector<LayerRange>& ranges, Clock::time_point now,
+                                    const std::string& data_plane = "grpc");
   // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again.
   absl::StatusOr<bool> Heartbeat(uint64_t lease, Clock::time_point now);
   // Marks shards silent for longer than `stale` unhealthy; returns their names.
@@ -81,6 +84,7 @@ class PlacementRegistry {
     uint64_t lease = 0;
     Clock::time_point last_seen;
     bool healthy = true;
+    std::string data_plane;
   };
   const int64_t num_experts_;
   std::map<std::string, Shard> shards_;

@@ -296,7 +296,8 @@ absl::Status RouterServer::Impl::DoRegister(const v1::RegisterExpertServerReques
   const std::vector<LayerRange> ranges = FromProto(req.ranges());
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(uint64_t lease,
-                       registry_->Register(req.shard(), req.endpoint(), ranges, Clock::now()));
+                       registry_->Register(req.shard(), req.endpoint(), ranges, Clock::now(),
+                                           req.data_plane().empty() ? "grpc" : req.data_plane()));
   resp->set_lease_id(lease);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
   PublishPlacementLocked();

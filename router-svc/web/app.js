@@ -56,7 +56,7 @@ function render(s) {
   const total = s.shards.reduce((a, x) => a + x.load, 0) || 1;
   $('shards').tBodies[0].innerHTML = s.shards.map((x) =>
     `<tr><td>${x.name}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +
-    `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.healthy ? 'healthy' : 'UNHEALTHY'}</td></tr>`).join('');
+    `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.healthy ? 'healthy' : 'UNHEALTHY'}</td><td>${x.data_plane}</td></tr>`).join('');
   $('history').tBodies[0].innerHTML = s.history.slice().reverse().map((h) =>
     `<tr><td>${h.version}</td><td>${h.reason}</td><td>${new Date(h.created_unix_ms).toLocaleTimeString()}</td></tr>`).join('');
 }

@@ -61,11 +61,13 @@ WireMetrics::WireMetrics(prometheus::Registry& registry)
                 .Register(registry)) {}
 
 void WireMetrics::Add(const std::string& direction, const std::string& dtype,
-                      const std::string& peer, int64_t bytes, int64_t rows) {
+                      const std::string& peer, int64_t bytes, int64_t rows,
+                      const std::string& transport) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& entry = cache_[direction + "/" + dtype + "/" + peer];
+  auto& entry = cache_[direction + "/" + dtype + "/" + peer + "/" + transport];
   if (entry.first == nullptr) {
-    const prometheus::Labels labels = {{"direction", direction}, {"dtype", dtype}, {"peer", peer}};
+    const prometheus::Labels labels = {
+        {"direction", direction}, {"dtype", dtype}, {"peer", peer}, {"transport", transport}};
     entry.first = &bytes_.Add(labels);
     entry.second = &rows_.Add(labels);
   }
@@ -81,7 +83,12 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
       shard_tokens_(BuildCounter()
                         .Name("moe_shard_tokens_total")
                         .Help("Routed token-expert pairs dispatched to each expert shard")
-                        .Register(registry)) {
+                        .Register(registry)),
+      data_plane_events_(BuildCounter()
+                             .Name("moe_data_plane_events_total")
+                             .Help("Out-of-band data plane events per expert shard: connected, "
+                                   "fallback (a batch sent in band), transfer_failed")
+                             .Register(registry)) {
   auto& forward = BuildHistogram()
                       .Name("moe_forward_duration_seconds")
                       .Help("Forward latency inside attention-svc (successful batches)")
@@ -151,6 +158,13 @@ void AttentionMetrics::Routed(int64_t layer, const std::vector<int64_t>& counts,
 void AttentionMetrics::BiasVersion(int64_t layer, uint64_t version) {
   auto it = layers_.find(layer);
   if (it != layers_.end()) it->second.bias_version->Set(static_cast<double>(version));
+}
+
+void AttentionMetrics::DataPlaneEvent(const std::string& shard, const std::string& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prometheus::Counter*& c = data_plane_counters_[{shard, event}];
+  if (c == nullptr) c = &data_plane_events_.Add({{"shard", shard}, {"event", event}});
+  c->Increment();
 }
 
 ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers,

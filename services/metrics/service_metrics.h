@@ -44,12 +44,13 @@ class CommonMetrics {
 
 // Bytes and rows crossing a service's boundary: direction "sent"/"received", dtype "bf16"/"f32",
 // peer "client" (callers of this service) or "expert" (expert servers, from an attention node)
-// or "attention" (attention nodes, from an expert server).
+// or "attention" (attention nodes, from an expert server); transport "grpc" (in band) or "ucx"
+// (out of band, docs/data-plane.md).
 class WireMetrics {
  public:
   explicit WireMetrics(prometheus::Registry& registry);
   void Add(const std::string& direction, const std::string& dtype, const std::string& peer,
-           int64_t bytes, int64_t rows);
+           int64_t bytes, int64_t rows, const std::string& transport = "grpc");
 
  private:
   prometheus::Family<prometheus::Counter>& bytes_;
@@ -72,6 +73,9 @@ class AttentionMetrics {
   void Routed(int64_t layer, const std::vector<int64_t>& counts,
               const std::vector<std::pair<std::string, int64_t>>& shard_pairs);
   void BiasVersion(int64_t layer, uint64_t version);
+  // The out-of-band data plane of one shard: "connected" (OpenDataPlane done), "fallback" (a
+  // batch went in band because UCX was not available to that shard), "transfer_failed".
+  void DataPlaneEvent(const std::string& shard, const std::string& event);
 
  private:
   struct Layer {
@@ -84,8 +88,10 @@ class AttentionMetrics {
   };
   std::map<int64_t, Layer> layers_;
   prometheus::Family<prometheus::Counter>& shard_tokens_;
+  prometheus::Family<prometheus::Counter>& data_plane_events_;
   std::mutex mu_;
   std::map<std::pair<int64_t, std::string>, prometheus::Counter*> shard_counters_;
+  std::map<std::pair<std::string, std::string>, prometheus::Counter*> data_plane_counters_;
 };
 
 class ExpertMetrics {

@@ -29,6 +29,7 @@
 #include "services/transport/grpc_server.h"
 #include "services/transport/health_check.h"
 #include "services/transport/tensor_codec.h"
+#include "tests/common/metrics_text.h"
 
 namespace moe {
 namespace {
@@ -110,7 +111,22 @@ struct ClusterCase {
   std::string preset;
   std::vector<std::pair<int64_t, int64_t>> shards;  // unequal on purpose
   std::vector<std::string> attention_args;
+  std::vector<std::string> expert_args;
+  // The data plane every expert payload must have taken ("grpc" or "ucx"; moe_wire_bytes_total
+  // of attention-svc by transport).
+  std::string transport = "grpc";
 };
+
+// Both sides on UCX with the given transports (docs/data-plane.md): shared memory needs tcp
+// next to it for UCX's peer-failure detection.
+std::vector<std::string> UcxArgs(const std::string& tls) {
+  return {"--data_plane=ucx", "--ucx_tls=" + tls};
+}
+std::vector<std::string> Concat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+const std::vector<std::string> kGrpc = {"--data_plane=grpc"};
 // ctest names the instances by this, not by a dump of the struct's bytes.
 void PrintTo(const ClusterCase& c, std::ostream* os) { *os << c.name; }
 
@@ -123,6 +139,7 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   auto local = InProcessLayer(dir, &cfg);
   LocalClusterOptions o = TestCluster(dir, p.shards);
   o.attention_args = p.attention_args;
+  o.expert_args = p.expert_args;
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto client = ClientFor(**cluster);
@@ -211,17 +228,57 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
     }
   }
   EXPECT_EQ(received, 3);
+
+  // Every expert payload took the case's data plane, both ways.
+  const std::string other = p.transport == "ucx" ? "grpc" : "ucx";
+  for (const char* direction : {"sent", "received"}) {
+    SCOPED_TRACE(direction);
+    const std::vector<std::string> labels = {absl::StrCat("direction=\"", direction, "\""),
+                                             "peer=\"expert\""};
+    EXPECT_GT(moe::testing::ScrapeSum(
+                  (*cluster)->attention_metrics(), "moe_wire_bytes_total",
+                  Concat(labels, {absl::StrCat("transport=\"", p.transport, "\"")})),
+              0);
+    EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_wire_bytes_total",
+                                      Concat(labels, {absl::StrCat("transport=\"", other, "\"")})),
+              0);
+  }
+  if (p.transport == "ucx") {  // ... and the shards took their payloads from UCX too
+    for (int i = 0; i < (*cluster)->num_shards(); ++i) {
+      EXPECT_GT(moe::testing::ScrapeSum((*cluster)->shard_metrics(i), "moe_wire_bytes_total",
+                                        {"direction=\"received\"", "transport=\"ucx\""}),
+                0);
+    }
+  }
 }
 
 // mid_chunked: 64 KiB dispatch messages, so each shard's batch goes out in many messages split
 // at expert boundaries (as K3 batches of thousands of tokens do at the 64 MiB default).
 INSTANTIATE_TEST_SUITE_P(Presets, ClusterEquivalence,
-                         ::testing::Values(ClusterCase{"tiny", "tiny", {{0, 5}, {5, 16}}, {}},
-                                           ClusterCase{"mid", "mid", {{0, 40}, {40, 128}}, {}},
-                                           ClusterCase{"mid_chunked",
-                                                       "mid",
-                                                       {{0, 40}, {40, 128}},
-                                                       {"--max_dispatch_bytes=65536"}}),
+                         ::testing::Values(
+                             ClusterCase{"tiny", "tiny", {{0, 5}, {5, 16}}, kGrpc, kGrpc},
+                             ClusterCase{"mid", "mid", {{0, 40}, {40, 128}}, kGrpc, kGrpc},
+                             ClusterCase{"mid_chunked",
+                                         "mid",
+                                         {{0, 40}, {40, 128}},
+                                         Concat(kGrpc, {"--max_dispatch_bytes=65536"}),
+                                         kGrpc},
+                             // The out-of-band data plane over shared memory and over TCP.
+                             ClusterCase{"tiny_ucx_shm", "tiny", {{0, 5}, {5, 16}},
+                                         UcxArgs("posix,tcp"), UcxArgs("posix,tcp"), "ucx"},
+                             ClusterCase{"mid_ucx_shm", "mid", {{0, 40}, {40, 128}},
+                                         UcxArgs("posix,tcp"), UcxArgs("posix,tcp"), "ucx"},
+                             ClusterCase{"mid_ucx_tcp", "mid", {{0, 40}, {40, 128}},
+                                         UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
+                             ClusterCase{"tiny_ucx_tcp", "tiny", {{0, 5}, {5, 16}},
+                                         UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
+                             ClusterCase{"mid_chunked_ucx_shm",
+                                         "mid",
+                                         {{0, 40}, {40, 128}},
+                                         Concat(UcxArgs("posix,tcp"),
+                                                {"--max_dispatch_bytes=65536"}),
+                                         UcxArgs("posix,tcp"),
+                                         "ucx"}),
                          [](const auto& info) { return info.param.name; });
 
 // Bad input to attention-svc and to expert-svc directly: the right code, a message that says

@@ -1,0 +1,228 @@
+#include "attention-svc/expert_channel_ucx.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "moe/v1/expert.grpc.pb.h"
+#include "services/common/status_macros.h"
+#include "services/dataplane/ucx_worker.h"
+#include "services/transport/expert_stream.h"
+#include "services/transport/grpc_server.h"
+#include "services/transport/status_convert.h"
+
+namespace moe::attention_svc {
+
+using tensor::Bf16;
+
+namespace {
+
+// OpenDataPlane is a small unary call; it never waits longer than this.
+constexpr absl::Duration kOpenTimeout = absl::Seconds(2);
+// A shard without UCX is asked again after this long (it may be restarted with it).
+constexpr absl::Duration kRetryWithoutUcx = absl::Seconds(10);
+// A reply's receive stays posted this long past the batch's deadline, so that a late payload
+// lands in our buffer (then dropped) instead of staying unexpected in the worker.
+constexpr absl::Duration kLateReplyGrace = absl::Seconds(5);
+
+// Reply tags: unique across every shard of this process (they share the worker).
+std::atomic<uint64_t> next_sequence{1};
+
+class UcxCall final : public ExpertCall {
+ public:
+  UcxCall(std::shared_ptr<std::atomic<bool>> broken, std::shared_ptr<transport::ExpertStream> stream,
+          std::shared_ptr<transport::PendingReply> pending,
+          std::shared_ptr<dataplane::UcxTransfer> sent,
+          std::shared_ptr<dataplane::UcxTransfer> received,
+          std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode, int64_t latent,
+          int64_t rows, int64_t tokens)
+      : broken_(std::move(broken)),
+        stream_(std::move(stream)),
+        pending_(std::move(pending)),
+        sent_(std::move(sent)),
+        received_(std::move(received)),
+        reply_buffer_(std::move(reply_buffer)),
+        mode_(mode),
+        latent_(latent),
+        rows_(rows),
+        tokens_(tokens) {}
+
+  absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
+    const std::string& shard = stream_->shard();
+    // The payload must leave first: a failed send is the shard's failure, known at once.
+    if (absl::StatusOr<size_t> s = sent_->Wait(deadline); !s.ok()) {
+      if (s.status().code() != absl::StatusCode::kDeadlineExceeded) broken_->store(true);
+      return absl::Status(s.status().code(),
+                          absl::StrCat("expert shard ", shard, ": activations: ",
+                                       s.status().message()));
+    }
+    absl::StatusOr<v1::DispatchReply> reply = stream_->Wait(*pending_, deadline);
+    if (!reply.ok()) {
+      if (reply.status().code() == absl::StatusCode::kFailedPrecondition) broken_->store(true);
+      return reply.status();
+    }
+    const bool f32 = mode_ == ReplyMode::kPartialSum;
+    const int64_t rows = f32 ? tokens_ : rows_;
+    const int64_t want = rows * latent_ * (f32 ? 4 : 2);
+    const v1::Tensor& t = reply->outputs();
+    if (!reply->out_of_band() || t.dtype() != (f32 ? v1::DTYPE_F32 : v1::DTYPE_BF16) ||
+        t.shape_size() != 2 || t.shape(0) != rows || t.shape(1) != latent_ ||
+        reply->output_bytes() != want) {
+      return absl::InternalError(
+          absl::StrCat("expert shard ", shard, " answered an out-of-band batch with ",
+                       reply->out_of_band() ? "" : "an in-band ", "reply of ",
+                       reply->output_bytes(), " bytes, shape [",
+                       t.shape_size() > 0 ? t.shape(0) : -1, ", ",
+                       t.shape_size() > 1 ? t.shape(1) : -1, "] (expected [", rows, ", ",
+                       latent_, "])"));
+    }
+    absl::StatusOr<size_t> n = received_->Wait(deadline);
+    if (!n.ok()) {
+      return absl::Status(n.status().code(), absl::StrCat("expert shard ", shard, ": reply: ",
+                                                          n.status().message()));
+    }
+    if (static_cast<int64_t>(*n) != want) {
+      return absl::InternalError(absl::StrCat("expert shard ", shard, " sent ", *n,
+                                              " reply bytes out of band, the header said ",
+                                              want));
+    }
+    ExpertReply out;
+    out.rows = rows;
+    if (f32) {
+      out.f32.resize(static_cast<size_t>(rows * latent_));
+      std::memcpy(out.f32.data(), reply_buffer_->data(), static_cast<size_t>(want));
+    } else {
+      out.bf16.resize(static_cast<size_t>(rows * latent_));
+      std::memcpy(out.bf16.data(), reply_buffer_->data(), static_cast<size_t>(want));
+    }
+    return out;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> broken_;
+  std::shared_ptr<transport::ExpertStream> stream_;
+  std::shared_ptr<transport::PendingReply> pending_;
+  std::shared_ptr<dataplane::UcxTransfer> sent_, received_;
+  std::shared_ptr<dataplane::UcxBuffer> reply_buffer_;
+  const ReplyMode mode_;
+  const int64_t latent_, rows_, tokens_;
+};
+
+// A batch that cannot be sent (no data plane in kUcx mode, no buffer).
+class FailedCall final : public ExpertCall {
+ public:
+  explicit FailedCall(absl::Status s) : status_(std::move(s)) {}
+  absl::StatusOr<ExpertReply> Wait(absl::Time) override { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+}  // namespace
+
+UcxExpertChannel::UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
+                                   dataplane::UcxWorker* worker, dataplane::DataPlane mode,
+                                   std::string node, EventFn on_event)
+    : shard_(shard),
+      endpoint_(endpoint),
+      node_(std::move(node)),
+      max_message_bytes_(max_message_bytes),
+      worker_(worker),
+      mode_(mode),
+      on_event_(std::move(on_event)),
+      stream_(std::make_shared<transport::ExpertStream>(shard, endpoint, max_message_bytes)),
+      inband_(std::make_unique<GrpcExpertChannel>(shard, stream_)) {}
+
+UcxExpertChannel::~UcxExpertChannel() {
+  if (ep_ != 0) worker_->Disconnect(ep_);
+}
+
+absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
+  std::lock_guard<std::mutex> lock(open_mu_);
+  if (client_id_.load() != 0 && !broken_->load()) return absl::OkStatus();
+  if (absl::Now() < retry_after_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("expert shard ", shard_, " (", endpoint_, ") offers no UCX data plane"));
+  }
+  if (ep_ != 0) worker_->Disconnect(ep_);
+  ep_ = 0;
+  client_id_.store(0);
+  broken_->store(false);
+  auto stub = v1::ExpertService::NewStub(transport::MakeChannel(endpoint_, max_message_bytes_));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + kOpenTimeout)));
+  v1::OpenDataPlaneRequest req;
+  req.set_worker_address(worker_->address());
+  req.set_node(node_);
+  v1::OpenDataPlaneReply reply;
+  const absl::Status s = transport::FromGrpc(stub->OpenDataPlane(&ctx, req, &reply));
+  if (!s.ok()) {
+    if (s.code() == absl::StatusCode::kFailedPrecondition ||
+        s.code() == absl::StatusCode::kUnimplemented) {
+      retry_after_ = absl::Now() + kRetryWithoutUcx;
+    }
+    return absl::Status(s.code(), absl::StrCat("expert shard ", shard_, " (", endpoint_,
+                                                "): OpenDataPlane: ", s.message()));
+  }
+  auto ep = worker_->Connect(reply.worker_address(), [broken = broken_](const absl::Status&) {
+    broken->store(true);
+  });
+  if (!ep.ok()) {
+    return absl::UnavailableError(absl::StrCat("expert shard ", shard_, ": UCX endpoint: ",
+                                               ep.status().message()));
+  }
+  ep_ = *ep;
+  client_id_.store(reply.client_id());
+  if (on_event_) on_event_(shard_, "connected");
+  return absl::OkStatus();
+}
+
+std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
+                                                   const DispatchMessage& m) {
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(std::max<int64_t>(
+                                                1, header.timeout_ms > 0 ? header.timeout_ms
+                                                                         : 30000));
+  if (absl::Status open = EnsureOpen(deadline); !open.ok()) {
+    if (mode_ == dataplane::DataPlane::kAuto) {
+      if (on_event_) on_event_(shard_, "fallback");
+      return inband_->Send(header, m);
+    }
+    return std::make_unique<FailedCall>(absl::UnavailableError(open.message()));
+  }
+  const int64_t u = static_cast<int64_t>(m.tokens.size());
+  const size_t bytes = static_cast<size_t>(u * header.latent) * sizeof(Bf16);
+  const bool f32 = header.mode == ReplyMode::kPartialSum;
+  const int64_t reply_rows = f32 ? u : m.rows();
+  const size_t reply_bytes = static_cast<size_t>(reply_rows * header.latent) * (f32 ? 4 : 2);
+  auto send_buffer = worker_->Buffer(bytes);
+  auto reply_buffer = worker_->Buffer(reply_bytes);
+  if (!send_buffer.ok() || !reply_buffer.ok()) {
+    return std::make_unique<FailedCall>(absl::ResourceExhaustedError(absl::StrCat(
+        "expert shard ", shard_, ": no UCX buffer: ",
+        (!send_buffer.ok() ? send_buffer.status() : reply_buffer.status()).message())));
+  }
+  // z: [U, latent] bf16, copied once into registered memory that the transfer owns.
+  std::memcpy((*send_buffer)->data(), m.z.data(), bytes);
+  const uint64_t seq = next_sequence.fetch_add(1);
+  const uint64_t client = client_id_.load();
+  const uint64_t tag = dataplane::ActivationTag(client, seq);
+  // The reply's receive is posted before the header leaves, so the payload always finds it.
+  auto received = worker_->Recv(seq, *reply_buffer, deadline + kLateReplyGrace);
+  auto sent = worker_->Send(ep_, tag, *send_buffer, bytes, deadline);
+  v1::DispatchRequest dr = DispatchRequestFor(header, m, /*with_activation_bytes=*/false);
+  v1::OutOfBand* oob = dr.mutable_out_of_band();
+  oob->set_client_id(client);
+  oob->set_tag(tag);
+  oob->set_activation_bytes(static_cast<int64_t>(bytes));
+  oob->set_reply_tag(seq);
+  oob->set_reply_capacity_bytes(static_cast<int64_t>(reply_bytes));
+  auto pending = stream_->Send(std::move(dr));
+  return std::make_unique<UcxCall>(broken_, stream_, std::move(pending), std::move(sent),
+                                   std::move(received), *reply_buffer, header.mode, header.latent,
+                                   m.rows(), u);
+}
+
+}  // namespace moe::attention_svc

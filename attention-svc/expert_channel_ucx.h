@@ -1,0 +1,74 @@
+// ExpertChannel with the payload out of band (docs/data-plane.md): the Dispatch header (groups,
+// row_source, sizes, tags) goes on the shard's gRPC stream, the activations and the reply's
+// bytes as UCX tagged messages between registered buffers (shared memory, TCP or RDMA verbs, as
+// UCX_TLS says). The first batch opens the data plane (ExpertService.OpenDataPlane); an
+// endpoint error or a shard that forgot us (restart) makes the next batch open it again.
+//
+// Mode kAuto sends in band (counted as a "fallback" event) while the shard offers no UCX; kUcx
+// fails such batches with UNAVAILABLE naming the shard.
+//
+//   UcxExpertChannel ch("shard-0", "127.0.0.1:5001", 256 << 20, worker, DataPlane::kAuto,
+//                       "attention-0", on_event);
+#ifndef MOE_ATTENTION_SVC_EXPERT_CHANNEL_UCX_H_
+#define MOE_ATTENTION_SVC_EXPERT_CHANNEL_UCX_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/time/time.h"
+#include "attention-svc/expert_channel.h"
+#include "services/dataplane/data_plane.h"
+
+namespace moe::dataplane {
+class UcxWorker;
+}
+namespace moe::transport {
+class ExpertStream;
+}
+
+namespace moe::attention_svc {
+
+class GrpcExpertChannel;
+
+class UcxExpertChannel final : public ExpertChannel {
+ public:
+  // event: "connected", "fallback", "transfer_failed" (metrics).
+  using EventFn = std::function<void(const std::string& shard, const std::string& event)>;
+
+  UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
+                   dataplane::UcxWorker* worker, dataplane::DataPlane mode, std::string node,
+                   EventFn on_event);
+  ~UcxExpertChannel() override;
+
+  std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
+                                   const DispatchMessage& message) override;
+  const std::string& shard() const override { return shard_; }
+  // "ucx" once the data plane is open, "grpc" while batches go in band.
+  const char* transport() const override { return client_id_.load() != 0 ? "ucx" : "grpc"; }
+
+ private:
+  // Opens (or reopens) the data plane; false: send in band / fail.
+  absl::Status EnsureOpen(absl::Time deadline);
+
+  const std::string shard_, endpoint_, node_;
+  const int max_message_bytes_;
+  dataplane::UcxWorker* const worker_;
+  const dataplane::DataPlane mode_;
+  EventFn on_event_;
+  std::shared_ptr<transport::ExpertStream> stream_;
+  std::unique_ptr<GrpcExpertChannel> inband_;  // on the same stream
+  std::mutex open_mu_;
+  uint64_t ep_ = 0;
+  std::atomic<uint64_t> client_id_{0};
+  // Set by the endpoint's error handler and by calls that learned the data plane is gone
+  // (unknown client after a shard restart): the next batch opens it again.
+  std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
+  absl::Time retry_after_ = absl::InfinitePast();  // no UCX on the shard: in band until then
+};
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_EXPERT_CHANNEL_UCX_H_
