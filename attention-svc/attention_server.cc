@@ -454,8 +454,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     bytes_sent += bytes;
     std::shared_ptr<ExpertChannel> channel = ChannelFor(route->shards[m.shard]);
     calls[i] = channel->Send(header, m);
-    transports[i] = channel->transport();
-    if (metrics_ != nullptr) {
+    transports[i] = calls[i]->transport();
+    if (metrics_ != nullptr && *transports[i] != '\0') {
       metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
                          transports[i]);
     }

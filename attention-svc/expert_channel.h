@@ -39,6 +39,8 @@ class ExpertCall {
   // The reply, or UNAVAILABLE (shard gone) / DEADLINE_EXCEEDED at `deadline`, naming the shard;
   // a reply whose shape does not fit the message is an error too.
   virtual absl::StatusOr<ExpertReply> Wait(absl::Time deadline) = 0;
+  // How this message travels: "grpc", "ucx", "local", or "" when it never left (failed at Send).
+  virtual const char* transport() const = 0;
 };
 
 class ExpertChannel {

@@ -23,6 +23,8 @@ class GrpcCall final : public ExpertCall {
         rows_(rows),
         tokens_(tokens) {}
 
+  const char* transport() const override { return "grpc"; }
+
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     MOE_ASSIGN_OR_RETURN(v1::DispatchReply reply, stream_->Wait(*pending_, deadline));
     const std::string what = absl::StrCat("reply of shard ", stream_->shard());

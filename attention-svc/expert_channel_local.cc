@@ -15,6 +15,7 @@ class DoneCall final : public ExpertCall {
  public:
   explicit DoneCall(absl::StatusOr<ExpertReply> reply) : reply_(std::move(reply)) {}
   absl::StatusOr<ExpertReply> Wait(absl::Time /*deadline*/) override { return std::move(reply_); }
+  const char* transport() const override { return "local"; }
 
  private:
   absl::StatusOr<ExpertReply> reply_;

@@ -50,6 +50,8 @@ class UcxCall final : public ExpertCall {
         rows_(rows),
         tokens_(tokens) {}
 
+  const char* transport() const override { return "ucx"; }
+
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     const std::string& shard = stream_->shard();
     // The payload must leave first: a failed send is the shard's failure, known at once.
@@ -116,6 +118,7 @@ class FailedCall final : public ExpertCall {
  public:
   explicit FailedCall(absl::Status s) : status_(std::move(s)) {}
   absl::StatusOr<ExpertReply> Wait(absl::Time) override { return status_; }
+  const char* transport() const override { return ""; }
 
  private:
   absl::Status status_;
