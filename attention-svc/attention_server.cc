@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -407,106 +408,158 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     auto r = routes_.find(req.layer());
     if (r != routes_.end()) route = r->second;
   }
-  LayerTimings t;
-  RoutedBatch batch;
-  {
-    std::lock_guard<std::mutex> lock(hosted.mu);
-    MOE_ASSIGN_OR_RETURN(
-        batch, hosted.layer->RouteAndProject(x.values, x.rows, x.cols, bias->bias.data(), &t));
-  }
-  Accumulate(req.layer(), bias->version, bias->bias, batch);
-
   if (route == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("no placement for layer ", req.layer(), " from router-svc yet"));
   }
-  DispatchSpec spec;
-  spec.mode = mode;
-  spec.num_experts = cfg_.num_experts;
-  spec.latent = cfg_.latent;
-  spec.max_message_bytes = options_.max_dispatch_bytes;
-  MOE_ASSIGN_OR_RETURN(DispatchPlan plan,
-                       PlanDispatch(batch.routing, batch.z.data(), *route, spec));
-  if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
-    metrics_->Routed(req.layer(), plan.per_expert, plan.shard_rows);
-  }
-  const int64_t tokens = batch.tokens, d = cfg_.latent;
-  const auto dispatch_start = Clock::now();
+  const int64_t tokens = x.rows, d = cfg_.latent, h = cfg_.hidden;
   // The expert calls end a little before the caller's deadline (kExpertDeadline*).
   const absl::Duration left = deadline - absl::Now();
   const absl::Time expert_deadline =
       deadline -
       std::clamp(left * kExpertDeadlineShare, kExpertDeadlineMarginMin, kExpertDeadlineMarginMax);
-  DispatchHeader header;
-  header.layer = req.layer();
-  header.mode = mode;
-  header.num_tokens = tokens;
-  header.latent = d;
-  header.timeout_ms =
-      std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
-  // Every message goes out before any reply is awaited.
-  std::vector<std::unique_ptr<ExpertCall>> calls(plan.messages.size());
-  std::vector<const char*> transports(plan.messages.size(), "grpc");
-  int64_t bytes_sent = 0, bytes_received = 0;
-  for (size_t i = 0; i < plan.messages.size(); ++i) {
-    const DispatchMessage& m = plan.messages[i];
-    const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
-    bytes_sent += bytes;
-    std::shared_ptr<ExpertChannel> channel = ChannelFor(route->shards[m.shard]);
-    calls[i] = channel->Send(header, m);
-    transports[i] = calls[i]->transport();
-    if (metrics_ != nullptr && *transports[i] != '\0') {
-      metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
-                         transports[i]);
-    }
-  }
-  // The shared experts need only x: they run here while the expert servers work.
-  std::vector<float> shared;
-  {
-    std::lock_guard<std::mutex> lock(hosted.mu);
-    shared = hosted.layer->SharedExperts(batch, &t);
-  }
-  std::vector<ExpertReply> replies(plan.messages.size());
-  for (size_t i = 0; i < calls.size(); ++i) {
-    MOE_ASSIGN_OR_RETURN(replies[i], calls[i]->Wait(expert_deadline));
-    const bool f32 = mode == ReplyMode::kPartialSum;
-    const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
-                              : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
-    bytes_received += bytes;
-    if (metrics_ != nullptr) {
-      metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
-                         transports[i]);
-    }
-  }
-  const double dispatch_seconds = Seconds(Clock::now() - dispatch_start);
+  DispatchSpec spec;
+  spec.mode = mode;
+  spec.num_experts = cfg_.num_experts;
+  spec.latent = d;
+  spec.max_message_bytes = options_.max_dispatch_bytes;
 
-  const auto combine_start = Clock::now();
-  std::vector<Bf16> r;
-  {
-    numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
-    MOE_ASSIGN_OR_RETURN(r, Gather(plan, batch.routing, *route, replies));
+  // One micro-batch in flight: routed, projected, dispatched; its shared experts done.
+  struct InFlight {
+    int64_t lo = 0, rows = 0;  // tokens [lo, lo + rows) of the request
+    RoutedBatch batch;
+    DispatchPlan plan;
+    std::vector<std::unique_ptr<ExpertCall>> calls;
+    std::vector<const char*> transports;
+    std::vector<float> shared;
+  };
+  LayerTimings t;
+  int64_t bytes_sent = 0, bytes_received = 0;
+  double combine_seconds = 0;
+  // Dispatch: from the first message sent to the last reply in (the shared experts overlap it).
+  std::optional<Clock::time_point> first_send;
+  Clock::time_point last_reply;
+  std::vector<Bf16> out(static_cast<size_t>(tokens * h));
+  std::vector<int32_t> expert_ids;
+  std::vector<float> weights;
+  const int64_t top_k = cfg_.top_k;
+  if (req.options().return_routing()) {
+    expert_ids.resize(static_cast<size_t>(tokens * top_k));
+    weights.resize(static_cast<size_t>(tokens * top_k));
   }
-  const double combine_seconds = Seconds(Clock::now() - combine_start);
-  std::vector<Bf16> out;
-  {
+
+  auto start = [&](int64_t lo, int64_t rows) -> absl::StatusOr<InFlight> {
+    InFlight f;
+    f.lo = lo;
+    f.rows = rows;
+    {
+      std::lock_guard<std::mutex> lock(hosted.mu);
+      MOE_ASSIGN_OR_RETURN(
+          f.batch, hosted.layer->RouteAndProject(
+                       absl::MakeConstSpan(x.values).subspan(static_cast<size_t>(lo * h),
+                                                              static_cast<size_t>(rows * h)),
+                       rows, x.cols, bias->bias.data(), &t));
+    }
+    Accumulate(req.layer(), bias->version, bias->bias, f.batch);
+    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route, spec));
+    if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
+      metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
+    }
+    if (!first_send.has_value()) first_send = Clock::now();
+    DispatchHeader header;
+    header.layer = req.layer();
+    header.mode = mode;
+    header.num_tokens = rows;
+    header.latent = d;
+    header.timeout_ms =
+        std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
+    // Every message goes out before any reply is awaited.
+    f.calls.resize(f.plan.messages.size());
+    f.transports.assign(f.plan.messages.size(), "grpc");
+    for (size_t i = 0; i < f.plan.messages.size(); ++i) {
+      const DispatchMessage& m = f.plan.messages[i];
+      const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
+      bytes_sent += bytes;
+      std::shared_ptr<ExpertChannel> channel = ChannelFor(route->shards[m.shard]);
+      f.calls[i] = channel->Send(header, m);
+      f.transports[i] = f.calls[i]->transport();
+      if (metrics_ != nullptr && *f.transports[i] != '\0') {
+        metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
+                           f.transports[i]);
+      }
+    }
+    // The shared experts need only x: they run here while the expert servers work.
     std::lock_guard<std::mutex> lock(hosted.mu);
-    out = hosted.layer->Finish(batch, r.data(), &t, &shared);
+    f.shared = hosted.layer->SharedExperts(f.batch, &t);
+    return f;
+  };
+
+  auto finish = [&](InFlight& f) -> absl::Status {
+    std::vector<ExpertReply> replies(f.plan.messages.size());
+    for (size_t i = 0; i < f.calls.size(); ++i) {
+      MOE_ASSIGN_OR_RETURN(replies[i], f.calls[i]->Wait(expert_deadline));
+      const bool f32 = mode == ReplyMode::kPartialSum;
+      const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
+                                : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
+      bytes_received += bytes;
+      if (metrics_ != nullptr) {
+        metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
+                           f.transports[i]);
+      }
+    }
+    last_reply = Clock::now();
+    const auto combine_start = Clock::now();
+    std::vector<Bf16> r;
+    {
+      numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
+      MOE_ASSIGN_OR_RETURN(r, Gather(f.plan, f.batch.routing, *route, replies));
+    }
+    combine_seconds += Seconds(Clock::now() - combine_start);
+    std::vector<Bf16> y;
+    {
+      std::lock_guard<std::mutex> lock(hosted.mu);
+      y = hosted.layer->Finish(f.batch, r.data(), &t, &f.shared);
+    }
+    std::copy(y.begin(), y.end(), out.begin() + f.lo * h);
+    if (!expert_ids.empty()) {
+      std::copy(f.batch.routing.expert_ids.begin(), f.batch.routing.expert_ids.end(),
+                expert_ids.begin() + f.lo * top_k);
+      std::copy(f.batch.routing.weights.begin(), f.batch.routing.weights.end(),
+                weights.begin() + f.lo * top_k);
+    }
+    return absl::OkStatus();
+  };
+
+  // Micro-batches (--micro_batches): at most two in flight, so one is routed, projected and
+  // run through the shared experts here while the expert servers compute the other.
+  const int64_t chunks = std::clamp<int64_t>(options_.micro_batches, 1, std::max<int64_t>(1, tokens));
+  const int64_t per_chunk = (tokens + chunks - 1) / chunks;
+  std::deque<InFlight> flight;
+  for (int64_t lo = 0; lo < tokens; lo += per_chunk) {
+    MOE_ASSIGN_OR_RETURN(InFlight f, start(lo, std::min(per_chunk, tokens - lo)));
+    flight.push_back(std::move(f));
+    if (flight.size() > 1) {
+      MOE_RETURN_IF_ERROR(finish(flight.front()));
+      flight.pop_front();
+    }
   }
+  for (InFlight& f : flight) MOE_RETURN_IF_ERROR(finish(f));
+
   resp->set_request_id(req.request_id());
-  transport::EncodeBf16Into(out, tokens, cfg_.hidden, resp->mutable_output());
+  transport::EncodeBf16Into(out, tokens, h, resp->mutable_output());
   resp->set_bias_version(bias->version);
   if (req.options().return_routing()) {
     v1::Routing* rt = resp->mutable_routing();
-    rt->set_top_k(static_cast<int32_t>(batch.routing.top_k));
-    *rt->mutable_expert_ids() = {batch.routing.expert_ids.begin(), batch.routing.expert_ids.end()};
-    *rt->mutable_weights() = {batch.routing.weights.begin(), batch.routing.weights.end()};
+    rt->set_top_k(static_cast<int32_t>(top_k));
+    *rt->mutable_expert_ids() = {expert_ids.begin(), expert_ids.end()};
+    *rt->mutable_weights() = {weights.begin(), weights.end()};
   }
   resp->set_dispatch_bytes_sent(bytes_sent);
   resp->set_dispatch_bytes_received(bytes_received);
   v1::StageSeconds* sec = resp->mutable_seconds();
   sec->set_router(t.router);
   sec->set_down_proj(t.down_proj);
-  sec->set_dispatch(dispatch_seconds);
+  sec->set_dispatch(first_send.has_value() ? Seconds(last_reply - *first_send) : 0.0);
   sec->set_combine_norm(t.combine_norm);
   sec->set_up_proj(t.up_proj);
   sec->set_shared(t.shared);

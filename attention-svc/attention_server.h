@@ -60,6 +60,10 @@ struct AttentionServerOptions {
   // A shard's dispatch is split (at expert boundaries) so that no message or reply exceeds
   // about this many payload bytes (K3 batches of thousands of tokens would pass gRPC's limit).
   int64_t max_dispatch_bytes = 64 << 20;
+  // Split each request into this many micro-batches along its tokens, two in flight: one is
+  // routed, projected and run through the shared experts here while the shards compute the
+  // other (MegaScale-Infer's ping-pong). 1: the whole request at once. Same results either way.
+  int micro_batches = 1;
   // The payload path to the expert shards (docs/data-plane.md): auto uses UCX with every shard
   // that offers it and in-band gRPC with the rest; grpc always in band; ucx or fail the batch.
   dataplane::DataPlane data_plane = dataplane::DataPlane::kAuto;

@@ -31,6 +31,8 @@ int main(int argc, char** argv) {
               moe::dataplane::ParseDataPlane,
               "auto|grpc|ucx: expert payloads on UCX where the shard offers it (auto), never, "
               "or always");
+  flags.Int("micro_batches", &o.micro_batches,
+            "split each request into this many micro-batches, two in flight (1: off)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
   return moe::RunServer("attention-svc",

@@ -1,14 +1,18 @@
-// The disaggregated layer against the in-process layer, in one run (issue: services).
+// The disaggregated layer against the in-process layer, per data plane, in one run (issues:
+// services, data plane).
 //
 //   scripts/bench.sh --cluster     or
-//   build/tests/cluster_bench [--checkpoint DIR | --preset mid] [--tokens 16,64,256]
+//   build/tests/cluster_bench [--checkpoint DIR | --preset mid] [--tokens 1,16,64,256]
 //                             [--seconds 4] [--shards 2] [--reply_mode per_pair|partial_sum]
+//                             [--data_planes grpc,ucx_shm,ucx_tcp,ucx_shm+mb2]
 //
 // For each batch size T: tokens/s of CpuMoeLayer::Forward in this process (all cores) and of
 // Forward through attention-svc with the experts on expert-svc shards (real processes on
 // loopback, same checkpoint, same cores), one request at a time, so the ratio is the cost of
 // disaggregation per batch; then the cluster with 2 requests in flight (the attention node
-// overlaps one batch's dense work with another's experts). Dispatch bytes are the tensor
+// overlaps one batch's dense work with another's experts). Each data plane gets its own
+// cluster: in-band gRPC, UCX over shared memory (UCX_TLS posix,tcp) and UCX over TCP on loopback;
+// p50/p99 are of the dispatch stage (send to every shard, wait for every reply) per request. Dispatch bytes are the tensor
 // payloads the attention node reports: one latent row per distinct token and shard out, and
 // per (token, expert) bf16 rows or per-token fp32 partial sums back. A memcpy probe gives this
 // machine's copy bandwidth as the yardstick for bytes/s.
@@ -17,11 +21,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -50,9 +56,36 @@ double MemcpyBandwidth() {
   return best;
 }
 
+// The flags both services get for a data plane ("ucx_shm+mb2": and attention-svc splits each
+// request into 2 micro-batches, see AttentionOnlyArgs).
+std::vector<std::string> DataPlaneArgs(const std::string& name) {
+  const std::string base = name.substr(0, name.find('+'));
+  if (base == "grpc") return {"--data_plane=grpc"};
+  if (base == "ucx_shm") return {"--data_plane=ucx", "--ucx_tls=posix,tcp"};
+  if (base == "ucx_tcp") return {"--data_plane=ucx", "--ucx_tls=tcp"};
+  return {};
+}
+std::vector<std::string> AttentionOnlyArgs(const std::string& name) {
+  const size_t mb = name.find("+mb");
+  if (mb == std::string::npos) return {};
+  return {"--micro_batches=" + name.substr(mb + 3)};
+}
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+struct Point {
+  double tps = 0, tps2 = 0, payload_gbs = 0, p50_ms = 0, p99_ms = 0, dispatch_share = 0;
+  double stages_ms[4] = {0, 0, 0, 0};  // router+down, dispatch, combine+norm, up+shared
+};
+
 int Main(int argc, char** argv) {
   std::string checkpoint, preset = "mid", reply_mode = "per_pair";
-  std::vector<int64_t> sizes = {16, 64, 256};
+  std::vector<int64_t> sizes = {1, 16, 64, 256};
+  std::string data_planes = "grpc,ucx_shm,ucx_tcp,ucx_shm+mb2";
   double seconds = 4;
   int shards = 2;
   int expert_threads = 0;  // per expert-svc process (0: all cores)
@@ -64,6 +97,8 @@ int Main(int argc, char** argv) {
   f.Int("expert_threads", &expert_threads, "threads per expert-svc process (0: all cores)");
   f.String("reply_mode", &reply_mode, "per_pair|partial_sum");
   f.IntList("tokens", &sizes, "batch sizes, comma-separated");
+  f.String("data_planes", &data_planes,
+           "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   if (checkpoint.empty()) {
     checkpoint = "/tmp/moe_cluster_bench_" + preset;
@@ -84,89 +119,139 @@ int Main(int argc, char** argv) {
   auto local = numerics::cpu::CpuMoeLayer::Create(cfg, std::move(*weights), {});
   if (!local.ok()) return 1;
 
-  tools::LocalClusterOptions co;
-  co.checkpoint = checkpoint;
-  co.num_shards = shards;
-  co.reply_mode = reply_mode;
-  if (expert_threads > 0) co.expert_args = {"--threads=" + std::to_string(expert_threads)};
-  auto cluster = tools::LocalCluster::Start(co);
-  if (!cluster.ok()) {
-    std::fprintf(stderr, "%s\n", cluster.status().ToString().c_str());
-    return 1;
-  }
-  client::ClientOptions clo;
-  clo.attention = (*cluster)->attention_endpoint();
-  auto client = client::MoeClient::Create(clo);
   const double copy_bw = MemcpyBandwidth();
   std::printf("checkpoint %s (H %lld, D %lld, E %lld, k %lld), %d shards, %s replies\n",
               checkpoint.c_str(), static_cast<long long>(cfg.hidden),
               static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
               static_cast<long long>(cfg.top_k), shards, reply_mode.c_str());
   std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", copy_bw / 1e9);
-  std::printf(
-      "| T | in-process tok/s | cluster tok/s (1 in flight) | ratio | overhead | "
-      "cluster tok/s (2 in flight) | dispatch GB/s (wall) | dispatch GB/s (in dispatch) |"
-      " dispatch share |\n|---|---|---|---|---|---|---|---|---|\n");
-  std::vector<std::string> stage_lines;
+
+  // In process, once per T.
+  std::map<int64_t, double> local_tps;
+  std::map<int64_t, numerics::LayerTimings> local_t;
+  std::map<int64_t, int64_t> local_n;
   for (int64_t t : sizes) {
     const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
-    // In process.
     (void)(*local)->Forward(x, t, cfg.hidden);
-    int64_t n_local = 0;
+    int64_t n = 0;
     numerics::LayerTimings lt;
-    auto t0 = Clock::now();
+    const auto t0 = Clock::now();
     while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
       (void)(*local)->Forward(x, t, cfg.hidden, nullptr, &lt);
-      ++n_local;
+      ++n;
     }
-    const double local_tps = n_local * t / std::chrono::duration<double>(Clock::now() - t0).count();
-    // Cluster, one request at a time.
-    (void)(*client)->Forward(static_cast<int32_t>(cfg.first_moe_layer), x, t, cfg.hidden);
-    int64_t n_remote = 0;
-    double dispatch_s = 0, bytes = 0;
-    double stages[3] = {0, 0, 0};
-    t0 = Clock::now();
-    while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
-      auto r = (*client)->Forward(static_cast<int32_t>(cfg.first_moe_layer), x, t, cfg.hidden);
-      if (!r.ok()) {
-        std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
-        return 1;
+    local_tps[t] = n * t / std::chrono::duration<double>(Clock::now() - t0).count();
+    local_t[t] = lt;
+    local_n[t] = n;
+  }
+
+  std::map<std::pair<std::string, int64_t>, Point> points;
+  std::vector<std::string> planes;
+  for (absl::string_view p : absl::StrSplit(data_planes, ',')) planes.emplace_back(p);
+  for (const std::string& plane : planes) {
+    tools::LocalClusterOptions co;
+    co.checkpoint = checkpoint;
+    co.num_shards = shards;
+    co.reply_mode = reply_mode;
+    co.expert_args = DataPlaneArgs(plane);
+    co.attention_args = DataPlaneArgs(plane);
+    for (const std::string& a : AttentionOnlyArgs(plane)) co.attention_args.push_back(a);
+    if (co.expert_args.empty()) {
+      std::fprintf(stderr, "unknown data plane %s\n", plane.c_str());
+      return 2;
+    }
+    if (expert_threads > 0) co.expert_args.push_back("--threads=" + std::to_string(expert_threads));
+    auto cluster = tools::LocalCluster::Start(co);
+    if (!cluster.ok()) {
+      std::fprintf(stderr, "%s: %s\n", plane.c_str(), cluster.status().ToString().c_str());
+      return 1;
+    }
+    client::ClientOptions clo;
+    clo.attention = (*cluster)->attention_endpoint();
+    auto client = client::MoeClient::Create(clo);
+    for (int64_t t : sizes) {
+      const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
+      (void)(*client)->Forward(static_cast<int32_t>(cfg.first_moe_layer), x, t, cfg.hidden);
+      int64_t n = 0;
+      double dispatch_s = 0, bytes = 0;
+      std::vector<double> dispatch_each;
+      Point pt;
+      const auto t0 = Clock::now();
+      while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
+        auto r = (*client)->Forward(static_cast<int32_t>(cfg.first_moe_layer), x, t, cfg.hidden);
+        if (!r.ok()) {
+          std::fprintf(stderr, "%s: %s\n", plane.c_str(), r.status().ToString().c_str());
+          return 1;
+        }
+        dispatch_s += r->seconds.dispatch();
+        dispatch_each.push_back(r->seconds.dispatch());
+        bytes += static_cast<double>(r->dispatch_bytes_sent + r->dispatch_bytes_received);
+        pt.stages_ms[0] += r->seconds.router() + r->seconds.down_proj();
+        pt.stages_ms[1] += r->seconds.dispatch();
+        pt.stages_ms[2] += r->seconds.combine_norm();
+        pt.stages_ms[3] += r->seconds.up_proj() + r->seconds.shared();
+        ++n;
       }
-      dispatch_s += r->seconds.dispatch();
-      bytes += static_cast<double>(r->dispatch_bytes_sent + r->dispatch_bytes_received);
-      stages[0] += r->seconds.router() + r->seconds.down_proj();
-      stages[1] += r->seconds.combine_norm();
-      stages[2] += r->seconds.up_proj() + r->seconds.shared();
-      ++n_remote;
+      const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+      pt.tps = n * t / wall;
+      pt.payload_gbs = bytes / dispatch_s / 1e9;
+      pt.p50_ms = 1e3 * Quantile(dispatch_each, 0.5);
+      pt.p99_ms = 1e3 * Quantile(dispatch_each, 0.99);
+      pt.dispatch_share = dispatch_s / wall;
+      for (double& v : pt.stages_ms) v = 1e3 * v / static_cast<double>(n);
+      tools::LoadOptions lo;
+      lo.layer = static_cast<int32_t>(cfg.first_moe_layer);
+      lo.hidden = cfg.hidden;
+      lo.concurrency = 2;
+      lo.tokens = t;
+      lo.duration = absl::Seconds(seconds);
+      lo.distinct_batches = 2;
+      auto two = tools::RunLoad(**client, lo);
+      pt.tps2 = two.ok() ? two->tokens_per_second : 0.0;
+      points[{plane, t}] = pt;
+      std::fprintf(stderr, "%s T=%lld: %.0f tok/s\n", plane.c_str(), static_cast<long long>(t),
+                   pt.tps);
     }
-    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-    const double remote_tps = n_remote * t / wall;
-    stage_lines.push_back(absl::StrFormat(
-        "| %d | %.2f / %.2f | %.2f / %.2f (experts / dispatch) | %.2f / %.2f | %.2f / %.2f |", t,
-        1e3 * (lt.router + lt.down_proj) / n_local, 1e3 * stages[0] / n_remote,
-        1e3 * lt.experts / n_local, 1e3 * dispatch_s / n_remote, 1e3 * lt.combine_norm / n_local,
-        1e3 * stages[1] / n_remote, 1e3 * (lt.up_proj + lt.shared) / n_local,
-        1e3 * stages[2] / n_remote));
-    // Cluster, two requests in flight.
-    tools::LoadOptions lo;
-    lo.layer = static_cast<int32_t>(cfg.first_moe_layer);
-    lo.hidden = cfg.hidden;
-    lo.concurrency = 2;
-    lo.tokens = t;
-    lo.duration = absl::Seconds(seconds);
-    lo.distinct_batches = 2;
-    auto two = tools::RunLoad(**client, lo);
-    std::printf("| %lld | %.0f | %.0f | %.3f | %+.1f%% | %.0f | %.3f | %.3f | %.2f |\n",
-                static_cast<long long>(t), local_tps, remote_tps, remote_tps / local_tps,
-                100.0 * (local_tps / remote_tps - 1.0), two.ok() ? two->tokens_per_second : 0.0,
-                bytes / wall / 1e9, bytes / dispatch_s / 1e9, dispatch_s / wall);
-    std::fflush(stdout);
+  }
+
+  std::printf(
+      "| T | data plane | in-process tok/s | cluster tok/s (1 in flight) | overhead | "
+      "overhead / gRPC's | cluster tok/s (2 in flight) | payload GB/s (in dispatch) | "
+      "dispatch p50 ms | dispatch p99 ms | dispatch share |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int64_t t : sizes) {
+    const double grpc_over =
+        points.count({"grpc", t}) ? local_tps[t] / points[{"grpc", t}].tps - 1.0 : 0.0;
+    for (const std::string& plane : planes) {
+      const Point& pt = points[{plane, t}];
+      const double over = local_tps[t] / pt.tps - 1.0;
+      std::printf("| %lld | %s | %.0f | %.0f | %+.1f%% | %s | %.0f | %.3f | %.2f | %.2f | %.2f |\n",
+                  static_cast<long long>(t), plane.c_str(), local_tps[t], pt.tps, 100.0 * over,
+                  plane == "grpc" || grpc_over <= 0
+                      ? "-"
+                      : absl::StrFormat("%.2f", over / grpc_over).c_str(),
+                  pt.tps2, pt.payload_gbs, pt.p50_ms, pt.p99_ms, pt.dispatch_share);
+    }
   }
   std::printf(
-      "\nms per batch, in-process / cluster (1 in flight):\n| T | router+down | experts "
-      "| combine+norm | up+shared |\n|---|---|---|---|---|\n");
-  for (const std::string& l : stage_lines) std::printf("%s\n", l.c_str());
-  std::printf("\noverhead = in-process tok/s / cluster tok/s - 1 (target at T = 256: <= 15%%)\n");
+      "\nms per batch, in-process (experts) / cluster (dispatch), 1 in flight:\n| T | data plane "
+      "| router+down | experts / dispatch | combine+norm | up+shared |\n|---|---|---|---|---|---|\n");
+  for (int64_t t : sizes) {
+    const numerics::LayerTimings& lt = local_t[t];
+    const double n = static_cast<double>(local_n[t]);
+    for (const std::string& plane : planes) {
+      const Point& pt = points[{plane, t}];
+      std::printf("| %lld | %s | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f |\n",
+                  static_cast<long long>(t), plane.c_str(), 1e3 * (lt.router + lt.down_proj) / n,
+                  pt.stages_ms[0], 1e3 * lt.experts / n, pt.stages_ms[1],
+                  1e3 * lt.combine_norm / n, pt.stages_ms[2], 1e3 * (lt.up_proj + lt.shared) / n,
+                  pt.stages_ms[3]);
+    }
+  }
+  std::printf(
+      "\noverhead = in-process tok/s / cluster tok/s - 1. Targets (data-plane issue): UCX shared "
+      "memory <= +5%% at T = 256 and <= +10%% at T = 16, and at most half of gRPC's overhead at "
+      "every T (overhead / gRPC's <= 0.5)\n");
   return 0;
 }
 

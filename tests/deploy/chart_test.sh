@@ -62,6 +62,15 @@ if grep -q "synthetic-checkpoint" "$WORK/claim.yaml"; then
   echo "FAIL: an init container writes a synthetic checkpoint although a claim is given"; exit 1
 fi
 
+echo "== the data plane: UCX over RDMA verbs with the device resource"
+render -set dataPlane.mode=ucx -set dataPlane.ucxTls=rc,ud,tcp -set dataPlane.rdma.enabled=true \
+  -out "$WORK/rdma.yaml"
+node validate.mjs --manifests "$WORK/rdma.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-data-plane ucx --expect-ucx-tls rc,ud,tcp \
+  --expect-rdma rdma/hca_shared_devices_a
+node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-data-plane auto --expect-ucx-tls tcp
+
 echo "== bad values fail to render, with the reason"
 expect_render_error() {
   local want=$1; shift
@@ -75,6 +84,7 @@ expect_render_error "must lie in \[1, E = 128\]" -set experts.shards=0
 expect_render_error "must lie in \[1, E = 16\]" -set model.preset=tiny -set experts.shards=17
 expect_render_error "replicasPerRange must be at least 1" -set experts.replicasPerRange=0
 expect_render_error 'no files/config-huge.json' -set model.preset=huge
+expect_render_error 'dataPlane.mode "rdma" must be auto, grpc or ucx' -set dataPlane.mode=rdma
 
 echo "== every invariant can fail"
 for m in sts-replicas range-gap no-resources probe-port service-selector port-type; do
@@ -87,6 +97,7 @@ done
 
 echo "== the image's runtime packages hold every shared library the binaries need"
 RUNTIME=$(sed -n '/^FROM .* AS runtime/,/^COPY/p' "$ROOT/deploy/docker/Dockerfile")
+grep -q "libucx0" <<<"$RUNTIME" || { echo "FAIL: the runtime stage lacks the UCX runtime"; exit 1; }
 grep -q "scripts/setup.sh --build-only" "$ROOT/deploy/docker/Dockerfile"
 for b in router-svc attention-svc expert-svc moe-cli; do
   for f in "$BIN_DIR/$b" "$MOE_TOOL"; do

@@ -202,6 +202,27 @@ const dash = byKind('ConfigMap').find((c) => c.data && c.data['moe-dashboard.jso
 check(dash && JSON.stringify(JSON.parse(dash.data['moe-dashboard.json'])) ===
       JSON.stringify(JSON.parse(fs.readFileSync(arg('dashboard'), 'utf8'))),
       'the dashboard ConfigMap differs from deploy/grafana/moe-dashboard.json');
+// The data plane: attention and expert containers get the same --data_plane and UCX_TLS, and
+// with RDMA the device resource and IPC_LOCK.
+if (arg('expect-data-plane')) {
+  const pods = [...byKind('Deployment'), ...byKind('StatefulSet')].filter((w) =>
+    ['attention', 'expert'].includes(w.metadata.labels['app.kubernetes.io/component']));
+  check(pods.length === 2, `found ${pods.length} attention/expert workloads`);
+  for (const w of pods) {
+    const c = w.spec.template.spec.containers[0];
+    const name = w.metadata.name;
+    check(c.args.includes(`--data_plane=${arg('expect-data-plane')}`), `${name}: no --data_plane=${arg('expect-data-plane')}`);
+    const tls = (c.env || []).find((e) => e.name === 'UCX_TLS');
+    check(tls && tls.value === arg('expect-ucx-tls'), `${name}: UCX_TLS is ${tls && tls.value}`);
+    const rdma = arg('expect-rdma');
+    if (rdma) {
+      check(c.resources.limits[rdma] >= 1 && c.resources.requests[rdma] >= 1, `${name}: no ${rdma} resource`);
+      check(c.securityContext && c.securityContext.capabilities.add.includes('IPC_LOCK'), `${name}: no IPC_LOCK`);
+    } else {
+      check(!Object.keys(c.resources.limits || {}).some((k) => k.startsWith('rdma/')), `${name}: an RDMA resource without rdma.enabled`);
+    }
+  }
+}
 if (flag('expect-gpu')) {
   const sts = byKind('StatefulSet')[0];
   const spec = sts.spec.template.spec;

@@ -120,7 +120,33 @@ struct ClusterCase {
   // The data plane every expert payload must have taken ("grpc" or "ucx"; moe_wire_bytes_total
   // of attention-svc by transport).
   std::string transport = "grpc";
+  // attention-svc's --micro_batches: the oracle is the in-process layer run on the same
+  // micro-batches (the shards then see other per-expert batch sizes, which may pick the other
+  // expert kernel: decode and panel agree within kExpertFfnTolerance, not bit for bit).
+  int64_t micro_batches = 1;
 };
+
+// The in-process layer over the micro-batches attention-svc makes of T tokens (ceil(T / n)
+// tokens each), outputs and routing concatenated.
+absl::StatusOr<numerics::LayerOutput> ForwardInMicroBatches(numerics::cpu::CpuMoeLayer& layer,
+                                                            const ModelConfig& cfg,
+                                                            const std::vector<Bf16>& x,
+                                                            int64_t tokens, int64_t n) {
+  const int64_t per = (tokens + std::min(n, tokens) - 1) / std::min(n, tokens);
+  numerics::LayerOutput all;
+  for (int64_t lo = 0; lo < tokens; lo += per) {
+    const int64_t rows = std::min(per, tokens - lo);
+    auto part = layer.Forward(absl::MakeConstSpan(x).subspan(lo * cfg.hidden, rows * cfg.hidden),
+                              rows, cfg.hidden);
+    if (!part.ok()) return part.status();
+    all.out.insert(all.out.end(), part->out.begin(), part->out.end());
+    all.routing.expert_ids.insert(all.routing.expert_ids.end(), part->routing.expert_ids.begin(),
+                                  part->routing.expert_ids.end());
+    all.routing.weights.insert(all.routing.weights.end(), part->routing.weights.begin(),
+                               part->routing.weights.end());
+  }
+  return all;
+}
 
 // Both sides on UCX with the given transports (docs/data-plane.md): shared memory needs tcp
 // next to it for UCX's peer-failure detection.
@@ -154,7 +180,7 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   for (int64_t tokens : {1, 5, 64, 256}) {
     SCOPED_TRACE(absl::StrCat(p.preset, " T=", tokens));
     const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 100 + tokens);
-    auto want = local->Forward(x, tokens, cfg.hidden);
+    auto want = ForwardInMicroBatches(*local, cfg, x, tokens, p.micro_batches);
     ASSERT_TRUE(want.ok());
 
     client::ForwardOptions per_pair;
@@ -210,7 +236,7 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
     const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 7 + tokens);
     auto id = (*stream)->Send(layer, x, tokens, cfg.hidden);
     ASSERT_TRUE(id.ok());
-    expected[*id] = local->Forward(x, tokens, cfg.hidden)->out;
+    expected[*id] = ForwardInMicroBatches(*local, cfg, x, tokens, p.micro_batches)->out;
   }
   // A bad batch in the middle gets its own error and the stream goes on.
   auto bad =
@@ -277,6 +303,10 @@ INSTANTIATE_TEST_SUITE_P(Presets, ClusterEquivalence,
                                          UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
                              ClusterCase{"tiny_ucx_tcp", "tiny", {{0, 5}, {5, 16}},
                                          UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
+                             // Three micro-batches, two in flight: the same bits.
+                             ClusterCase{"mid_ucx_micro_batches", "mid", {{0, 40}, {40, 128}},
+                                         Concat(UcxArgs("posix,tcp"), {"--micro_batches=3"}),
+                                         UcxArgs("posix,tcp"), "ucx", 3},
                              ClusterCase{"mid_chunked_ucx_shm",
                                          "mid",
                                          {{0, 40}, {40, 128}},

@@ -166,6 +166,34 @@ readinessProbe:
   failureThreshold: 2
 {{- end -}}
 
+{{/* The data plane flags and environment of attention and expert pods (values dataPlane). */}}
+{{- define "moe.dataPlaneArgs" -}}
+{{- $m := .Values.dataPlane.mode -}}
+{{- if not (has $m (list "auto" "grpc" "ucx")) -}}
+{{- fail (printf "dataPlane.mode %q must be auto, grpc or ucx" $m) -}}
+{{- end -}}
+- --data_plane={{ $m }}
+{{- end -}}
+{{- define "moe.dataPlaneEnv" -}}
+- name: UCX_TLS
+  value: {{ .Values.dataPlane.ucxTls | quote }}
+{{- end -}}
+{{/* resources (a dict) plus the RDMA device when dataPlane.rdma.enabled. */}}
+{{- define "moe.withRdma" -}}
+{{- $res := deepCopy .resources -}}
+{{- if .ctx.Values.dataPlane.rdma.enabled -}}
+{{- $_ := set $res.limits .ctx.Values.dataPlane.rdma.resourceName (int .ctx.Values.dataPlane.rdma.count) -}}
+{{- $_ := set $res.requests .ctx.Values.dataPlane.rdma.resourceName (int .ctx.Values.dataPlane.rdma.count) -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+{{- define "moe.rdmaSecurityContext" -}}
+{{- if .Values.dataPlane.rdma.enabled -}}
+securityContext:
+  capabilities:
+    add: ["IPC_LOCK"]
+{{- end -}}
+{{- end -}}
 {{- define "moe.podEnv" -}}
 - name: POD_NAME
   valueFrom:
