@@ -33,13 +33,15 @@ std::atomic<uint64_t> next_sequence{1};
 
 class UcxCall final : public ExpertCall {
  public:
-  UcxCall(std::shared_ptr<std::atomic<bool>> broken, std::shared_ptr<transport::ExpertStream> stream,
+  UcxCall(std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
+          std::shared_ptr<transport::ExpertStream> stream,
           std::shared_ptr<transport::PendingReply> pending,
           std::shared_ptr<dataplane::UcxTransfer> sent,
           std::shared_ptr<dataplane::UcxTransfer> received,
           std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode, int64_t latent,
           int64_t rows, int64_t tokens)
       : broken_(std::move(broken)),
+        on_transfer_failed_(std::move(on_transfer_failed)),
         stream_(std::move(stream)),
         pending_(std::move(pending)),
         sent_(std::move(sent)),
@@ -57,6 +59,7 @@ class UcxCall final : public ExpertCall {
     // The payload must leave first: a failed send is the shard's failure, known at once.
     if (absl::StatusOr<size_t> s = sent_->Wait(deadline); !s.ok()) {
       if (s.status().code() != absl::StatusCode::kDeadlineExceeded) broken_->store(true);
+      if (on_transfer_failed_) on_transfer_failed_();
       return absl::Status(s.status().code(),
                           absl::StrCat("expert shard ", shard, ": activations: ",
                                        s.status().message()));
@@ -83,6 +86,7 @@ class UcxCall final : public ExpertCall {
     }
     absl::StatusOr<size_t> n = received_->Wait(deadline);
     if (!n.ok()) {
+      if (on_transfer_failed_) on_transfer_failed_();
       return absl::Status(n.status().code(), absl::StrCat("expert shard ", shard, ": reply: ",
                                                           n.status().message()));
     }
@@ -105,6 +109,7 @@ class UcxCall final : public ExpertCall {
 
  private:
   std::shared_ptr<std::atomic<bool>> broken_;
+  std::function<void()> on_transfer_failed_;
   std::shared_ptr<transport::ExpertStream> stream_;
   std::shared_ptr<transport::PendingReply> pending_;
   std::shared_ptr<dataplane::UcxTransfer> sent_, received_;
@@ -223,7 +228,9 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   oob->set_reply_tag(seq);
   oob->set_reply_capacity_bytes(static_cast<int64_t>(reply_bytes));
   auto pending = stream_->Send(std::move(dr));
-  return std::make_unique<UcxCall>(broken_, stream_, std::move(pending), std::move(sent),
+  std::function<void()> failed;
+  if (on_event_) failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
+  return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending), std::move(sent),
                                    std::move(received), *reply_buffer, header.mode, header.latent,
                                    m.rows(), u);
 }

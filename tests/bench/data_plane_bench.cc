@@ -1,0 +1,101 @@
+// The UCX data plane alone (services/dataplane/ucx_worker.h), next to this machine's memcpy
+// bandwidth measured in the same run: two workers of this process, each on its own progress
+// thread, bounce a message of the dispatch sizes back and forth (send, then the same size back,
+// as a batch and its reply), over the transports UCX_TLS selects.
+//
+//   build/tests/data_plane_bench [--tls posix,tcp;tcp] [--seconds 1]
+//
+// Sizes: 7 KiB (one k3 latent row), 1.8 MB (k3 T = 16 per-pair reply of one shard with all
+// 16 experts), 29 MB (k3 T = 256).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "services/common/flags.h"
+#include "services/dataplane/ucx_worker.h"
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MemcpyBandwidth() {
+  const size_t n = size_t{256} << 20;
+  std::vector<char> a(n, 1), b(n, 2);
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), n);
+    best = std::max(best, 2.0 * n / std::chrono::duration<double>(Clock::now() - t0).count());
+    a[rep] = b[n - 1 - rep];
+  }
+  return best;
+}
+
+int Main(int argc, char** argv) {
+  std::string tls_list = "posix,tcp;tcp";
+  double seconds = 1;
+  SvcFlags f("data_plane_bench", "UCX round trips of dispatch-sized messages.");
+  f.String("tls", &tls_list, "UCX_TLS values to try, separated by ';'");
+  f.Double("seconds", &seconds, "seconds per point");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  if (!dataplane::UcxBuilt()) {
+    std::printf("built without UCX\n");
+    return 0;
+  }
+  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", MemcpyBandwidth() / 1e9);
+  std::printf("| UCX_TLS | bytes | round trips | us per round trip | GB/s (both ways) |\n"
+              "|---|---|---|---|---|\n");
+  for (absl::string_view tls_view : absl::StrSplit(tls_list, ';')) {
+    const std::string tls(tls_view);
+    dataplane::UcxOptions o;
+    o.tls = tls;
+    auto a = dataplane::UcxWorker::Create(o);
+    auto b = dataplane::UcxWorker::Create(o);
+    if (!a.ok() || !b.ok()) {
+      std::printf("| %s | - | - | unavailable: %s | - |\n", tls.c_str(),
+                  std::string((a.ok() ? b.status() : a.status()).message()).c_str());
+      continue;
+    }
+    auto ab = (*a)->Connect((*b)->address(), nullptr);
+    auto ba = (*b)->Connect((*a)->address(), nullptr);
+    if (!ab.ok() || !ba.ok()) return 1;
+    for (size_t bytes : {size_t{7168}, size_t{1835008}, size_t{29360128}}) {
+      auto out_a = (*a)->Buffer(bytes), in_b = (*b)->Buffer(bytes);
+      auto out_b = (*b)->Buffer(bytes), in_a = (*a)->Buffer(bytes);
+      if (!out_a.ok() || !in_b.ok() || !out_b.ok() || !in_a.ok()) return 1;
+      std::memset((*out_a)->data(), 1, bytes);
+      std::memset((*out_b)->data(), 2, bytes);
+      int64_t n = 0;
+      uint64_t tag = 1;
+      const auto t0 = Clock::now();
+      // Bounded in time and in count.
+      while (n < 1000000 && std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
+        const absl::Time deadline = absl::Now() + absl::Seconds(10);
+        auto r1 = (*b)->Recv(tag, *in_b, deadline);
+        auto s1 = (*a)->Send(*ab, tag, *out_a, bytes, deadline);
+        auto r2 = (*a)->Recv(tag + 1, *in_a, deadline);
+        if (!r1->Wait(deadline).ok()) return 1;
+        auto s2 = (*b)->Send(*ba, tag + 1, *out_b, bytes, deadline);
+        if (!r2->Wait(deadline).ok() || !s1->Wait(deadline).ok() || !s2->Wait(deadline).ok()) {
+          return 1;
+        }
+        tag += 2;
+        ++n;
+      }
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      std::printf("| %s | %zu | %lld | %.1f | %.2f |\n", tls.c_str(), bytes,
+                  static_cast<long long>(n), 1e6 * s / n, 2.0 * bytes * n / s / 1e9);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) { return moe::Main(argc, argv); }
