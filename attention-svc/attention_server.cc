@@ -454,11 +454,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     f.rows = rows;
     {
       std::lock_guard<std::mutex> lock(hosted.mu);
-      MOE_ASSIGN_OR_RETURN(
-          f.batch, hosted.layer->RouteAndProject(
-                       absl::MakeConstSpan(x.values).subspan(static_cast<size_t>(lo * h),
-                                                              static_cast<size_t>(rows * h)),
-                       rows, x.cols, bias->bias.data(), &t));
+      MOE_ASSIGN_OR_RETURN(f.batch,
+                           hosted.layer->RouteAndProject(
+                               absl::MakeConstSpan(x.values).subspan(static_cast<size_t>(lo * h),
+                                                                     static_cast<size_t>(rows * h)),
+                               rows, x.cols, bias->bias.data(), &t));
     }
     Accumulate(req.layer(), bias->version, bias->bias, f.batch);
     MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route, spec));
@@ -532,7 +532,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
 
   // Micro-batches (--micro_batches): at most two in flight, so one is routed, projected and
   // run through the shared experts here while the expert servers compute the other.
-  const int64_t chunks = std::clamp<int64_t>(options_.micro_batches, 1, std::max<int64_t>(1, tokens));
+  const int64_t chunks =
+      std::clamp<int64_t>(options_.micro_batches, 1, std::max<int64_t>(1, tokens));
   const int64_t per_chunk = (tokens + chunks - 1) / chunks;
   std::deque<InFlight> flight;
   for (int64_t lo = 0; lo < tokens; lo += per_chunk) {

@@ -60,9 +60,8 @@ class UcxCall final : public ExpertCall {
     if (absl::StatusOr<size_t> s = sent_->Wait(deadline); !s.ok()) {
       if (s.status().code() != absl::StatusCode::kDeadlineExceeded) broken_->store(true);
       if (on_transfer_failed_) on_transfer_failed_();
-      return absl::Status(s.status().code(),
-                          absl::StrCat("expert shard ", shard, ": activations: ",
-                                       s.status().message()));
+      return absl::Status(s.status().code(), absl::StrCat("expert shard ", shard,
+                                                          ": activations: ", s.status().message()));
     }
     absl::StatusOr<v1::DispatchReply> reply = stream_->Wait(*pending_, deadline);
     if (!reply.ok()) {
@@ -76,24 +75,21 @@ class UcxCall final : public ExpertCall {
     if (!reply->out_of_band() || t.dtype() != (f32 ? v1::DTYPE_F32 : v1::DTYPE_BF16) ||
         t.shape_size() != 2 || t.shape(0) != rows || t.shape(1) != latent_ ||
         reply->output_bytes() != want) {
-      return absl::InternalError(
-          absl::StrCat("expert shard ", shard, " answered an out-of-band batch with ",
-                       reply->out_of_band() ? "" : "an in-band ", "reply of ",
-                       reply->output_bytes(), " bytes, shape [",
-                       t.shape_size() > 0 ? t.shape(0) : -1, ", ",
-                       t.shape_size() > 1 ? t.shape(1) : -1, "] (expected [", rows, ", ",
-                       latent_, "])"));
+      return absl::InternalError(absl::StrCat(
+          "expert shard ", shard, " answered an out-of-band batch with ",
+          reply->out_of_band() ? "" : "an in-band ", "reply of ", reply->output_bytes(),
+          " bytes, shape [", t.shape_size() > 0 ? t.shape(0) : -1, ", ",
+          t.shape_size() > 1 ? t.shape(1) : -1, "] (expected [", rows, ", ", latent_, "])"));
     }
     absl::StatusOr<size_t> n = received_->Wait(deadline);
     if (!n.ok()) {
       if (on_transfer_failed_) on_transfer_failed_();
-      return absl::Status(n.status().code(), absl::StrCat("expert shard ", shard, ": reply: ",
-                                                          n.status().message()));
+      return absl::Status(n.status().code(),
+                          absl::StrCat("expert shard ", shard, ": reply: ", n.status().message()));
     }
     if (static_cast<int64_t>(*n) != want) {
       return absl::InternalError(absl::StrCat("expert shard ", shard, " sent ", *n,
-                                              " reply bytes out of band, the header said ",
-                                              want));
+                                              " reply bytes out of band, the header said ", want));
     }
     ExpertReply out;
     out.rows = rows;
@@ -173,14 +169,13 @@ absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
       retry_after_ = absl::Now() + kRetryWithoutUcx;
     }
     return absl::Status(s.code(), absl::StrCat("expert shard ", shard_, " (", endpoint_,
-                                                "): OpenDataPlane: ", s.message()));
+                                               "): OpenDataPlane: ", s.message()));
   }
-  auto ep = worker_->Connect(reply.worker_address(), [broken = broken_](const absl::Status&) {
-    broken->store(true);
-  });
+  auto ep = worker_->Connect(reply.worker_address(),
+                             [broken = broken_](const absl::Status&) { broken->store(true); });
   if (!ep.ok()) {
-    return absl::UnavailableError(absl::StrCat("expert shard ", shard_, ": UCX endpoint: ",
-                                               ep.status().message()));
+    return absl::UnavailableError(
+        absl::StrCat("expert shard ", shard_, ": UCX endpoint: ", ep.status().message()));
   }
   ep_ = *ep;
   client_id_.store(reply.client_id());
@@ -190,9 +185,9 @@ absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
 
 std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
                                                    const DispatchMessage& m) {
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(std::max<int64_t>(
-                                                1, header.timeout_ms > 0 ? header.timeout_ms
-                                                                         : 30000));
+  const absl::Time deadline =
+      absl::Now() +
+      absl::Milliseconds(std::max<int64_t>(1, header.timeout_ms > 0 ? header.timeout_ms : 30000));
   if (absl::Status open = EnsureOpen(deadline); !open.ok()) {
     if (mode_ == dataplane::DataPlane::kAuto) {
       if (on_event_) on_event_(shard_, "fallback");
@@ -229,10 +224,11 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   oob->set_reply_capacity_bytes(static_cast<int64_t>(reply_bytes));
   auto pending = stream_->Send(std::move(dr));
   std::function<void()> failed;
-  if (on_event_) failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
-  return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending), std::move(sent),
-                                   std::move(received), *reply_buffer, header.mode, header.latent,
-                                   m.rows(), u);
+  if (on_event_)
+    failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
+  return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
+                                   std::move(sent), std::move(received), *reply_buffer, header.mode,
+                                   header.latent, m.rows(), u);
 }
 
 }  // namespace moe::attention_svc

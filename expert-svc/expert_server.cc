@@ -30,6 +30,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/router_link.h"
 #include "services/common/status_macros.h"
+#include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/service_metrics.h"
 #include "services/numerics/combine.h"
@@ -37,7 +38,6 @@
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/thread_pool.h"
-#include "services/dataplane/ucx_worker.h"
 #include "services/numerics/moe_layer.h"
 #include "services/placement/placement.h"
 #include "services/transport/grpc_server.h"
@@ -129,8 +129,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   // (stream->BeginWork() already counted it).
   void ReceiveOutOfBand(v1::DispatchRequest req, DispatchReactor* stream);
   // Validates and queues a batch whose payload is here; answers errors on the stream.
-  void Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun,
-             const Batch* oob);
+  void Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun, const Batch* oob);
   // Sends an out-of-band reply's payload, then the reply header (compute thread).
   void ReplyOutOfBand(const Batch& b, v1::DispatchReply reply, DispatchReactor* reactor);
   v1::DispatchReply ErrorReply(uint64_t batch_id, const absl::Status& s) const;
@@ -664,8 +663,8 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
       oob.reply_capacity_bytes() < 0 || oob.reply_capacity_bytes() > options_.max_message_bytes) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat(where, ": out-of-band sizes (activations ", oob.activation_bytes(),
-                     " bytes, reply capacity ", oob.reply_capacity_bytes(),
-                     ") must lie in [1, ", options_.max_message_bytes, "]")));
+                     " bytes, reply capacity ", oob.reply_capacity_bytes(), ") must lie in [1, ",
+                     options_.max_message_bytes, "]")));
   }
   auto buffer = ucx_->Buffer(static_cast<size_t>(oob.activation_bytes()));
   if (!buffer.ok()) {
@@ -685,30 +684,30 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
   auto shared_req = std::make_shared<v1::DispatchRequest>(std::move(req));
   std::shared_ptr<dataplane::UcxBuffer> buf = *buffer;
   // Runs on the UCX progress thread once the payload is in (or the receive failed).
-  ucx_->Recv(oob.tag(), buf, deadline,
-             [this, shared_req, stream, info, buf, want, where](const absl::Status& s, size_t n) {
-               if (!s.ok() || n != want) {
-                 const absl::Status why =
-                     !s.ok() ? absl::Status(s.code(), absl::StrCat(where, ": activations: ",
-                                                                   s.message()))
-                             : absl::InvalidArgumentError(
-                                   absl::StrCat(where, ": out-of-band activations of ", n,
-                                                " bytes, the header said ", want));
-                 if (metrics_ != nullptr) {
-                   metrics_->common.Error("Dispatch", absl::StatusCodeToString(why.code()));
-                 }
-                 stream->Reply(ErrorReply(shared_req->batch_id(), why), /*ends_work=*/true);
-                 return;
-               }
-               info->receive_seconds = Seconds(Clock::now() - info->arrived);
-               if (metrics_ != nullptr) {
-                 const v1::Tensor& a = shared_req->activations();
-                 metrics_->wire.Add("received", "bf16", "attention", static_cast<int64_t>(n),
-                                    a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
-               }
-               shared_req->mutable_activations()->set_data(buf->data(), n);
-               Admit(*shared_req, stream, /*work_begun=*/true, info.get());
-             });
+  ucx_->Recv(
+      oob.tag(), buf, deadline,
+      [this, shared_req, stream, info, buf, want, where](const absl::Status& s, size_t n) {
+        if (!s.ok() || n != want) {
+          const absl::Status why =
+              !s.ok()
+                  ? absl::Status(s.code(), absl::StrCat(where, ": activations: ", s.message()))
+                  : absl::InvalidArgumentError(absl::StrCat(where, ": out-of-band activations of ",
+                                                            n, " bytes, the header said ", want));
+          if (metrics_ != nullptr) {
+            metrics_->common.Error("Dispatch", absl::StatusCodeToString(why.code()));
+          }
+          stream->Reply(ErrorReply(shared_req->batch_id(), why), /*ends_work=*/true);
+          return;
+        }
+        info->receive_seconds = Seconds(Clock::now() - info->arrived);
+        if (metrics_ != nullptr) {
+          const v1::Tensor& a = shared_req->activations();
+          metrics_->wire.Add("received", "bf16", "attention", static_cast<int64_t>(n),
+                             a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
+        }
+        shared_req->mutable_activations()->set_data(buf->data(), n);
+        Admit(*shared_req, stream, /*work_begun=*/true, info.get());
+      });
 }
 
 void ExpertServer::Impl::ReplyOutOfBand(const Batch& b, v1::DispatchReply reply,
@@ -738,11 +737,10 @@ void ExpertServer::Impl::ReplyOutOfBand(const Batch& b, v1::DispatchReply reply,
   reply.set_out_of_band(true);
   reply.set_output_bytes(static_cast<int64_t>(n));
   auto header = std::make_shared<v1::DispatchReply>(std::move(reply));
-  const absl::Time deadline =
-      (b.expires == Clock::time_point::max() ? absl::Now() + absl::FromChrono(kNoBudget)
-                                             : absl::Now() + absl::FromChrono(b.expires -
-                                                                              Clock::now())) +
-      kReplySendGrace;
+  const absl::Time deadline = (b.expires == Clock::time_point::max()
+                                   ? absl::Now() + absl::FromChrono(kNoBudget)
+                                   : absl::Now() + absl::FromChrono(b.expires - Clock::now())) +
+                              kReplySendGrace;
   // The header goes out once UCX is done with the payload (on the progress thread).
   ucx_->Send(b.reply_ep, b.reply_tag, *buffer, n, deadline,
              [this, header, reactor, where](const absl::Status& s, size_t) {
@@ -796,15 +794,13 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
   };
   std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
   if (ucx_ == nullptr) {
-    return finish(absl::FailedPreconditionError(
-        absl::StrCat("shard ", options_.shard, " has no UCX data plane (",
-                     dataplane::UcxBuilt() ? "started with --data_plane=grpc" : "built without UCX",
-                     ")")));
+    return finish(absl::FailedPreconditionError(absl::StrCat(
+        "shard ", options_.shard, " has no UCX data plane (",
+        dataplane::UcxBuilt() ? "started with --data_plane=grpc" : "built without UCX", ")")));
   }
   if (request->worker_address().empty() || request->worker_address().size() > (64 << 10)) {
-    return finish(absl::InvalidArgumentError(
-        absl::StrCat("worker_address of ", request->worker_address().size(),
-                     " bytes (need 1 to 65536)")));
+    return finish(absl::InvalidArgumentError(absl::StrCat(
+        "worker_address of ", request->worker_address().size(), " bytes (need 1 to 65536)")));
   }
   uint64_t client = 0;
   {

@@ -60,13 +60,13 @@ struct ExpertServerOptions {
   // (expert_backend.h).
   Backend backend = Backend::kAuto;
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
-  int max_queued_batches = 256;  // beyond: RESOURCE_EXHAUSTED
+  int max_queued_batches = 256;       // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;  // also the largest out-of-band payload
   // The out-of-band data plane (docs/data-plane.md): auto offers UCX when this build has it
   // (UCX_TLS picks the transports), grpc never, ucx or fail at start. In-band batches are
   // served in every mode.
   dataplane::DataPlane data_plane = dataplane::DataPlane::kAuto;
-  std::string ucx_tls;          // empty: UCX_TLS from the environment
+  std::string ucx_tls;               // empty: UCX_TLS from the environment
   int max_data_plane_clients = 256;  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   // The production check (batch_verifier.h): this fraction of the batches is recomputed off the
   // hot path with the scalar reference on independent weights (0: off).

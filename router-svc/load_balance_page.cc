@@ -119,9 +119,12 @@ nlohmann::json LayerStateJson(const BiasLedger& ledger, const LoadWindow& w,
   j["rebalances"] = rebalances;
   j["shards"] = nlohmann::json::array();
   for (const ShardLoad& x : shard_loads) {
-    j["shards"].push_back(
-        {{"name", x.name}, {"lo", x.lo}, {"hi", x.hi}, {"load", x.load}, {"healthy", x.healthy},
-         {"data_plane", x.data_plane}});
+    j["shards"].push_back({{"name", x.name},
+                           {"lo", x.lo},
+                           {"hi", x.hi},
+                           {"load", x.load},
+                           {"healthy", x.healthy},
+                           {"data_plane", x.data_plane}});
   }
   j["history"] = nlohmann::json::array();
   for (const BiasVersion& h : ledger.history()) {

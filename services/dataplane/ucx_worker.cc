@@ -225,7 +225,8 @@ class UcxWorkerImpl {
     if (s = ucp_worker_create(context_, &wp, &worker_); s != UCS_OK) {
       return FromUcs(s, "ucp_worker_create");
     }
-    if (s = ucp_worker_get_efd(worker_, &efd_); s != UCS_OK) return FromUcs(s, "ucp_worker_get_efd");
+    if (s = ucp_worker_get_efd(worker_, &efd_); s != UCS_OK)
+      return FromUcs(s, "ucp_worker_get_efd");
     ucp_address_t* addr = nullptr;
     size_t len = 0;
     if (s = ucp_worker_get_address(worker_, &addr, &len); s != UCS_OK) {
@@ -337,8 +338,8 @@ class UcxWorkerImpl {
     t->tag_ = tag;
     t->what_ = absl::StrCat("UCX ", send ? "send" : "receive", " of tag ", tag);
     if (t->buffer_ == nullptr || bytes > t->buffer_->capacity()) {
-      t->Complete(absl::InvalidArgumentError(absl::StrCat(t->what_, ": ", bytes,
-                                                          " bytes do not fit the buffer")),
+      t->Complete(absl::InvalidArgumentError(
+                      absl::StrCat(t->what_, ": ", bytes, " bytes do not fit the buffer")),
                   0);
       return t;
     }
@@ -384,8 +385,8 @@ class UcxWorkerImpl {
       return;
     }
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_MEMH;
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
     p.cb.send = &UcxWorkerImpl::OnSend;
     p.user_data = this;
     p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
@@ -407,8 +408,7 @@ class UcxWorkerImpl {
     p.user_data = this;
     p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
     starting_ = t;
-    Adopt(t, ucp_tag_recv_nbx(worker_, t->buffer_->data(), bytes, t->tag_, ~ucp_tag_t{0}, &p),
-          0);
+    Adopt(t, ucp_tag_recv_nbx(worker_, t->buffer_->data(), bytes, t->tag_, ~ucp_tag_t{0}, &p), 0);
   }
 
   // The transfer of a request (user_data is the worker; the request is the key of inflight_).

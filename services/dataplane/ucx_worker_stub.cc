@@ -28,8 +28,8 @@ void UcxWorker::Disconnect(uint64_t) {}
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t) {
   return absl::UnimplementedError("built without UCX");
 }
-std::shared_ptr<UcxTransfer> UcxWorker::Send(uint64_t, uint64_t, std::shared_ptr<UcxBuffer>,
-                                             size_t, absl::Time, Done) {
+std::shared_ptr<UcxTransfer> UcxWorker::Send(uint64_t, uint64_t, std::shared_ptr<UcxBuffer>, size_t,
+                                             absl::Time, Done) {
   return std::make_shared<UcxTransfer>();
 }
 std::shared_ptr<UcxTransfer> UcxWorker::Recv(uint64_t, std::shared_ptr<UcxBuffer>, absl::Time,

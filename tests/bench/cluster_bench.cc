@@ -12,11 +12,11 @@
 // disaggregation per batch; then the cluster with 2 requests in flight (the attention node
 // overlaps one batch's dense work with another's experts). Each data plane gets its own
 // cluster: in-band gRPC, UCX over shared memory (UCX_TLS posix,tcp) and UCX over TCP on loopback;
-// p50/p99 are of the dispatch stage (send to every shard, wait for every reply) per request. Dispatch bytes are the tensor
-// payloads the attention node reports: one latent row per distinct token and shard out, and
-// per (token, expert) bf16 rows or per-token fp32 partial sums back. A memcpy probe gives this
-// machine's copy bandwidth as the yardstick for bytes/s.
-// Timing is wall clock; each point runs for --seconds after one warm-up request.
+// p50/p99 are of the dispatch stage (send to every shard, wait for every reply) per request.
+// Dispatch bytes are the tensor payloads the attention node reports: one latent row per distinct
+// token and shard out, and per (token, expert) bf16 rows or per-token fp32 partial sums back. A
+// memcpy probe gives this machine's copy bandwidth as the yardstick for bytes/s. Timing is wall
+// clock; each point runs for --seconds after one warm-up request.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -235,7 +235,8 @@ int Main(int argc, char** argv) {
   }
   std::printf(
       "\nms per batch, in-process (experts) / cluster (dispatch), 1 in flight:\n| T | data plane "
-      "| router+down | experts / dispatch | combine+norm | up+shared |\n|---|---|---|---|---|---|\n");
+      "| router+down | experts / dispatch | combine+norm | up+shared "
+      "|\n|---|---|---|---|---|---|\n");
   for (int64_t t : sizes) {
     const numerics::LayerTimings& lt = local_t[t];
     const double n = static_cast<double>(local_n[t]);
@@ -243,9 +244,8 @@ int Main(int argc, char** argv) {
       const Point& pt = points[{plane, t}];
       std::printf("| %lld | %s | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f |\n",
                   static_cast<long long>(t), plane.c_str(), 1e3 * (lt.router + lt.down_proj) / n,
-                  pt.stages_ms[0], 1e3 * lt.experts / n, pt.stages_ms[1],
-                  1e3 * lt.combine_norm / n, pt.stages_ms[2], 1e3 * (lt.up_proj + lt.shared) / n,
-                  pt.stages_ms[3]);
+                  pt.stages_ms[0], 1e3 * lt.experts / n, pt.stages_ms[1], 1e3 * lt.combine_norm / n,
+                  pt.stages_ms[2], 1e3 * (lt.up_proj + lt.shared) / n, pt.stages_ms[3]);
     }
   }
   std::printf(

@@ -48,8 +48,9 @@ int Main(int argc, char** argv) {
     return 0;
   }
   std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", MemcpyBandwidth() / 1e9);
-  std::printf("| UCX_TLS | bytes | round trips | us per round trip | GB/s (both ways) |\n"
-              "|---|---|---|---|---|\n");
+  std::printf(
+      "| UCX_TLS | bytes | round trips | us per round trip | GB/s (both ways) |\n"
+      "|---|---|---|---|---|\n");
   for (absl::string_view tls_view : absl::StrSplit(tls_list, ';')) {
     const std::string tls(tls_view);
     dataplane::UcxOptions o;

@@ -49,8 +49,8 @@ TEST_P(UcxTransports, TaggedMessagesArriveWholeAndMatchTheirTags) {
   const std::vector<size_t> sizes = {1, 7168, 1 << 20, (3 << 20) + 5};
   std::vector<std::shared_ptr<UcxTransfer>> sends;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    sends.push_back(a->Send(*ep, 100 + i, Filled(*a, sizes[i], static_cast<uint8_t>(i)),
-                            sizes[i], deadline));
+    sends.push_back(
+        a->Send(*ep, 100 + i, Filled(*a, sizes[i], static_cast<uint8_t>(i)), sizes[i], deadline));
   }
   for (size_t j = sizes.size(); j-- > 0;) {
     auto buf = b->Buffer(sizes[j]);

@@ -2,6 +2,7 @@
 // processes on loopback (port 0), started by LocalCluster, driven through the client SDK.
 // Oracles: the in-process CpuMoeLayer on the same checkpoint (bit-exact with per-pair replies),
 // cpu::RunExperts for single dispatched batches, and the balance metrics of the router.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <stdlib.h>
 
@@ -18,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -27,9 +29,6 @@
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
 #include "services/tools/tensor_file.h"
-#include <grpcpp/grpcpp.h>
-
-#include "moe/v1/expert.grpc.pb.h"
 #include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/health_check.h"
@@ -266,10 +265,10 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
     SCOPED_TRACE(direction);
     const std::vector<std::string> labels = {absl::StrCat("direction=\"", direction, "\""),
                                              "peer=\"expert\""};
-    EXPECT_GT(moe::testing::ScrapeSum(
-                  (*cluster)->attention_metrics(), "moe_wire_bytes_total",
-                  Concat(labels, {absl::StrCat("transport=\"", p.transport, "\"")})),
-              0);
+    EXPECT_GT(
+        moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_wire_bytes_total",
+                                Concat(labels, {absl::StrCat("transport=\"", p.transport, "\"")})),
+        0);
     EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_wire_bytes_total",
                                       Concat(labels, {absl::StrCat("transport=\"", other, "\"")})),
               0);
@@ -285,36 +284,48 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
 
 // mid_chunked: 64 KiB dispatch messages, so each shard's batch goes out in many messages split
 // at expert boundaries (as K3 batches of thousands of tokens do at the 64 MiB default).
-INSTANTIATE_TEST_SUITE_P(Presets, ClusterEquivalence,
-                         ::testing::Values(
-                             ClusterCase{"tiny", "tiny", {{0, 5}, {5, 16}}, kGrpc, kGrpc},
-                             ClusterCase{"mid", "mid", {{0, 40}, {40, 128}}, kGrpc, kGrpc},
-                             ClusterCase{"mid_chunked",
-                                         "mid",
-                                         {{0, 40}, {40, 128}},
-                                         Concat(kGrpc, {"--max_dispatch_bytes=65536"}),
-                                         kGrpc},
-                             // The out-of-band data plane over shared memory and over TCP.
-                             ClusterCase{"tiny_ucx_shm", "tiny", {{0, 5}, {5, 16}},
-                                         UcxArgs("posix,tcp"), UcxArgs("posix,tcp"), "ucx"},
-                             ClusterCase{"mid_ucx_shm", "mid", {{0, 40}, {40, 128}},
-                                         UcxArgs("posix,tcp"), UcxArgs("posix,tcp"), "ucx"},
-                             ClusterCase{"mid_ucx_tcp", "mid", {{0, 40}, {40, 128}},
-                                         UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
-                             ClusterCase{"tiny_ucx_tcp", "tiny", {{0, 5}, {5, 16}},
-                                         UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
-                             // Three micro-batches, two in flight: the same bits.
-                             ClusterCase{"mid_ucx_micro_batches", "mid", {{0, 40}, {40, 128}},
-                                         Concat(UcxArgs("posix,tcp"), {"--micro_batches=3"}),
-                                         UcxArgs("posix,tcp"), "ucx", 3},
-                             ClusterCase{"mid_chunked_ucx_shm",
-                                         "mid",
-                                         {{0, 40}, {40, 128}},
-                                         Concat(UcxArgs("posix,tcp"),
-                                                {"--max_dispatch_bytes=65536"}),
-                                         UcxArgs("posix,tcp"),
-                                         "ucx"}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Presets, ClusterEquivalence,
+    ::testing::Values(
+        ClusterCase{"tiny", "tiny", {{0, 5}, {5, 16}}, kGrpc, kGrpc},
+        ClusterCase{"mid", "mid", {{0, 40}, {40, 128}}, kGrpc, kGrpc},
+        ClusterCase{"mid_chunked",
+                    "mid",
+                    {{0, 40}, {40, 128}},
+                    Concat(kGrpc, {"--max_dispatch_bytes=65536"}),
+                    kGrpc},
+        // The out-of-band data plane over shared memory and over TCP.
+        ClusterCase{"tiny_ucx_shm",
+                    "tiny",
+                    {{0, 5}, {5, 16}},
+                    UcxArgs("posix,tcp"),
+                    UcxArgs("posix,tcp"),
+                    "ucx"},
+        ClusterCase{"mid_ucx_shm",
+                    "mid",
+                    {{0, 40}, {40, 128}},
+                    UcxArgs("posix,tcp"),
+                    UcxArgs("posix,tcp"),
+                    "ucx"},
+        ClusterCase{
+            "mid_ucx_tcp", "mid", {{0, 40}, {40, 128}}, UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
+        ClusterCase{
+            "tiny_ucx_tcp", "tiny", {{0, 5}, {5, 16}}, UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
+        // Three micro-batches, two in flight: the same bits.
+        ClusterCase{"mid_ucx_micro_batches",
+                    "mid",
+                    {{0, 40}, {40, 128}},
+                    Concat(UcxArgs("posix,tcp"), {"--micro_batches=3"}),
+                    UcxArgs("posix,tcp"),
+                    "ucx",
+                    3},
+        ClusterCase{"mid_chunked_ucx_shm",
+                    "mid",
+                    {{0, 40}, {40, 128}},
+                    Concat(UcxArgs("posix,tcp"), {"--max_dispatch_bytes=65536"}),
+                    UcxArgs("posix,tcp"),
+                    "ucx"}),
+    [](const auto& info) { return info.param.name; });
 
 // Bad input to attention-svc and to expert-svc directly: the right code, a message that says
 // what is wrong, and the servers keep serving.
@@ -609,9 +620,10 @@ TEST(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   stop.store(true);
   for (auto& t : threads) t.join();
-  std::printf("[ucx kill] ok %d (before the kill %d), wrong %d, failed naming shard-1 %d, "
-              "other failures %d, hung %d\n",
-              ok.load(), ok_before, wrong.load(), named.load(), unnamed.load(), hung.load());
+  std::printf(
+      "[ucx kill] ok %d (before the kill %d), wrong %d, failed naming shard-1 %d, "
+      "other failures %d, hung %d\n",
+      ok.load(), ok_before, wrong.load(), named.load(), unnamed.load(), hung.load());
   EXPECT_GT(ok_before, 0);
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(hung.load(), 0);
@@ -634,8 +646,7 @@ TEST(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
   EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_wire_bytes_total",
                                     {"peer=\"expert\"", "transport=\"grpc\""}),
             0);
-  EXPECT_GE(moe::testing::ScrapeSum((*cluster)->attention_metrics(),
-                                    "moe_data_plane_events_total",
+  EXPECT_GE(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_data_plane_events_total",
                                     {"shard=\"shard-1\"", "event=\"connected\""}),
             2);
 }
@@ -664,8 +675,7 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
     EXPECT_EQ(moe::testing::ScrapeSum(m, "moe_wire_bytes_total",
                                       {"peer=\"expert\"", "transport=\"ucx\""}),
               0);
-    EXPECT_GE(moe::testing::ScrapeSum(m, "moe_data_plane_events_total", {"event=\"fallback\""}),
-              1);
+    EXPECT_GE(moe::testing::ScrapeSum(m, "moe_data_plane_events_total", {"event=\"fallback\""}), 1);
   }
   {
     LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
