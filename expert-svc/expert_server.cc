@@ -99,7 +99,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   void Shutdown(absl::Duration grace);
 
   // Validates a request against what is hosted here (codes as in expert.proto).
-  absl::StatusOr<std::unique_ptr<Batch>> Validate(v1::DispatchRequest& req) const;
+  // oob: the activations' bytes when they came out of band (else req.activations().data()).
+  absl::StatusOr<std::unique_ptr<Batch>> Validate(v1::DispatchRequest& req,
+                                                  const std::string_view* oob = nullptr) const;
   // Runs one batch and fills the reply (outputs, timings).
   void Compute(const Batch& b, v1::DispatchReply* reply);
   // Queues a batch for the compute thread: RESOURCE_EXHAUSTED when the queue is full,
@@ -129,7 +131,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   // (stream->BeginWork() already counted it).
   void ReceiveOutOfBand(v1::DispatchRequest req, DispatchReactor* stream);
   // Validates and queues a batch whose payload is here; answers errors on the stream.
-  void Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun, const Batch* oob);
+  void Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun, const Batch* oob,
+             const std::string_view* oob_bytes = nullptr);
   // Sends an out-of-band reply's payload, then the reply header (compute thread).
   void ReplyOutOfBand(const Batch& b, v1::DispatchReply reply, DispatchReactor* reactor);
   v1::DispatchReply ErrorReply(uint64_t batch_id, const absl::Status& s) const;
@@ -343,7 +346,7 @@ absl::Status ExpertServer::Impl::StartServing() {
 }
 
 absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
-    v1::DispatchRequest& req) const {
+    v1::DispatchRequest& req, const std::string_view* oob) const {
   const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id());
   auto it = layers_.find(req.layer());
   if (it == layers_.end()) {
@@ -388,9 +391,11 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
     prev = g.expert_id();
     rows += g.token_count();
   }
-  MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix z,
-                       transport::DecodeBf16Matrix(req.activations(), where + ": activations",
-                                                   cfg_.latent, /*accept_f32=*/false));
+  MOE_ASSIGN_OR_RETURN(
+      transport::Bf16Matrix z,
+      transport::DecodeBf16Matrix(
+          req.activations(), oob != nullptr ? *oob : std::string_view(req.activations().data()),
+          where + ": activations", cfg_.latent, /*accept_f32=*/false));
   if (req.row_source_size() == 0 && z.rows != rows) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": activations have ", z.rows, " rows but the groups count ", rows));
@@ -605,8 +610,8 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
 }
 
 void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun,
-                               const Batch* oob) {
-  absl::StatusOr<std::unique_ptr<Batch>> batch = Validate(req);
+                               const Batch* oob, const std::string_view* oob_bytes) {
+  absl::StatusOr<std::unique_ptr<Batch>> batch = Validate(req, oob_bytes);
   if (!batch.ok()) {
     if (metrics_ != nullptr) {
       metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));
@@ -705,8 +710,9 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
           metrics_->wire.Add("received", "bf16", "attention", static_cast<int64_t>(n),
                              a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
         }
-        shared_req->mutable_activations()->set_data(buf->data(), n);
-        Admit(*shared_req, stream, /*work_begun=*/true, info.get());
+        // Validated and copied into the batch straight from the registered buffer.
+        const std::string_view bytes(reinterpret_cast<const char*>(buf->data()), n);
+        Admit(*shared_req, stream, /*work_begun=*/true, info.get(), &bytes);
       });
 }
 

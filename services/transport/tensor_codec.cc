@@ -63,6 +63,12 @@ v1::Tensor EncodeF32(absl::Span<const float> values, int64_t rows, int64_t cols)
 absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::string& what,
                                             int64_t expected_cols, bool accept_f32,
                                             bool allow_empty) {
+  return DecodeBf16Matrix(t, t.data(), what, expected_cols, accept_f32, allow_empty);
+}
+
+absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_view data,
+                                            const std::string& what, int64_t expected_cols,
+                                            bool accept_f32, bool allow_empty) {
   if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
   Bf16Matrix m;
   m.rows = t.shape(0);
@@ -85,16 +91,16 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::stri
                                                    " not accepted (expected DTYPE_BF16",
                                                    accept_f32 ? " or DTYPE_F32)" : ")"));
   }
-  if (t.data().size() != n * elem) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", t.data().size(),
+  if (data.size() != n * elem) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(),
                                                    " bytes of data but shape [", m.rows, ", ",
                                                    m.cols, "] needs ", n * elem));
   }
   m.values.resize(n);
   if (elem == 2) {
-    std::memcpy(m.values.data(), t.data().data(), n * 2);
+    std::memcpy(m.values.data(), data.data(), n * 2);
   } else {
-    const char* p = t.data().data();
+    const char* p = data.data();
     for (size_t i = 0; i < n; ++i) {
       float f;
       std::memcpy(&f, p + 4 * i, 4);

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +38,10 @@ struct Bf16Matrix {
 absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::string& what,
                                             int64_t expected_cols, bool accept_f32,
                                             bool allow_empty = false);
+// The same with the bytes held elsewhere (an out-of-band payload); t gives dtype and shape.
+absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_view data,
+                                            const std::string& what, int64_t expected_cols,
+                                            bool accept_f32, bool allow_empty = false);
 // A rank-2 F32 tensor with exactly [rows, cols].
 absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const std::string& what,
                                                    int64_t rows, int64_t cols);

@@ -24,6 +24,8 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
+#include "services/dataplane/data_plane.h"
+#include "services/dataplane/ucx_worker.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/tools/load_generator.h"
@@ -473,6 +475,59 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   }
   partial.set_token_index(1, 7);  // outside num_tokens
   expect_dispatch_error(partial, absl::StatusCode::kInvalidArgument, "token_index 7");
+
+  // Out-of-band headers that lie (docs/data-plane.md): each gets its own code and the stream
+  // goes on. A data plane of our own, opened over gRPC like attention-svc does.
+  if (dataplane::UcxBuilt()) {
+    auto out_of_band = [&](uint64_t client, uint64_t tag, int64_t bytes, int64_t timeout_ms) {
+      v1::DispatchRequest r = batch(layer, {{1, 3}}, z);
+      r.mutable_activations()->clear_data();
+      r.set_timeout_ms(timeout_ms);
+      v1::OutOfBand* o = r.mutable_out_of_band();
+      o->set_client_id(client);
+      o->set_tag(tag);
+      o->set_activation_bytes(bytes);
+      o->set_reply_tag(tag);
+      o->set_reply_capacity_bytes(3 * d * 2);
+      return r;
+    };
+    expect_dispatch_error(out_of_band(999, dataplane::ActivationTag(999, 1), 3 * d * 2, 1000),
+                          absl::StatusCode::kFailedPrecondition, "unknown data-plane client 999");
+    dataplane::UcxOptions uo;
+    uo.tls = "tcp";
+    auto worker = dataplane::UcxWorker::Create(uo);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    auto stub = v1::ExpertService::NewStub(transport::MakeChannel((*cluster)->shard_endpoint(0)));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::OpenDataPlaneRequest open;
+    open.set_worker_address((*worker)->address());
+    v1::OpenDataPlaneReply opened;
+    ASSERT_TRUE(stub->OpenDataPlane(&ctx, open, &opened).ok());
+    const uint64_t me = opened.client_id();
+    ASSERT_GE(me, 1u);
+    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me + 1, 1), 3 * d * 2, 1000),
+                          absl::StatusCode::kInvalidArgument, "is not of client");
+    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 2), 0, 1000),
+                          absl::StatusCode::kInvalidArgument, "out-of-band sizes");
+    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 3), int64_t{1} << 40, 1000),
+                          absl::StatusCode::kInvalidArgument, "out-of-band sizes");
+    // A payload that never comes: DEADLINE_EXCEEDED at the header's budget, not a hang.
+    const absl::Time t0 = absl::Now();
+    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 4), 3 * d * 2, 300),
+                          absl::StatusCode::kDeadlineExceeded, "did not complete by its deadline");
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+    // A payload shorter than the header says: refused, nothing computed from it.
+    auto ep = (*worker)->Connect(opened.worker_address(), nullptr);
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    auto short_payload = (*worker)->Buffer(100);
+    ASSERT_TRUE(short_payload.ok());
+    auto sent = (*worker)->Send(*ep, dataplane::ActivationTag(me, 5), *short_payload, 100,
+                                absl::Now() + absl::Seconds(5));
+    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 5), 3 * d * 2, 2000),
+                          absl::StatusCode::kInvalidArgument, "activations of 100 bytes");
+    (void)sent->Wait(absl::Now() + absl::Seconds(5));
+  }
   EXPECT_EQ(stream.streams_opened(), 1);  // errors never broke the stream
 }
 
