@@ -166,6 +166,7 @@ class ClusterEquivalence : public ::testing::TestWithParam<ClusterCase> {};
 
 TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   const ClusterCase& p = GetParam();
+  if (p.transport == "ucx" && !dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const std::string& dir = CheckpointFor(p.preset);
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
@@ -608,6 +609,7 @@ TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
 // on a partial transfer, never hung); after the restart the channel opens the data plane again
 // and answers are bit-exact, still on UCX.
 TEST(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const std::string& dir = CheckpointFor("mid");
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
@@ -709,6 +711,7 @@ TEST(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
 // auto falls back to in-band gRPC where a shard offers no UCX (counted), and stays exact;
 // --data_plane=ucx refuses to: the batch fails UNAVAILABLE naming the shard.
 TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const std::string& dir = CheckpointFor("tiny");
   ModelConfig cfg;
   auto local = InProcessLayer(dir, &cfg);
