@@ -489,7 +489,9 @@ class UcxWorkerImpl {
       }
     }
     // ucp_request_cancel may complete the request at once (its callback edits inflight_).
-    for (void* r : to_cancel) ucp_request_cancel(worker_, r);
+    for (void* r : to_cancel) {
+      if (inflight_.count(r) != 0) ucp_request_cancel(worker_, r);
+    }
     for (uint64_t ep : to_close) CloseEp(ep);
     return std::max(next, absl::Milliseconds(1));
   }
@@ -516,9 +518,14 @@ class UcxWorkerImpl {
       if (stopping_) {
         if (stop_by == absl::InfiniteFuture()) {
           stop_by = absl::Now() + kShutdownGrace;
-          for (auto& [key, t] : inflight_) {
+          // A cancel may complete its request at once (the callback edits inflight_).
+          std::vector<void*> requests;
+          for (auto& [request, t] : inflight_) {
             t->cancelled_for_deadline_ = false;
-            ucp_request_cancel(worker_, t->request_);
+            requests.push_back(request);
+          }
+          for (void* r : requests) {
+            if (inflight_.count(r) != 0) ucp_request_cancel(worker_, r);
           }
           std::vector<uint64_t> ids;
           for (auto& [id, e] : eps_) ids.push_back(id);
