@@ -18,6 +18,7 @@
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/oip_service.h"
 #include "moe/v1/attention.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
@@ -89,6 +90,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
                                     v1::ForwardResponse* resp) override;
   grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ForwardStream(
       grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx,
+                                         const v1::GetModelInfoRequest* req,
+                                         v1::ModelInfo* resp) override;
 
  private:
   absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
@@ -116,10 +120,13 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   // The UCX worker of the out-of-band data plane (null: in band only). Declared before the
   // channels so that it outlives them.
   std::unique_ptr<dataplane::UcxWorker> ucx_;
+  std::unique_ptr<OipService> oip_;  // the Open Inference Protocol front
 
   std::mutex mu_;
   std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_ ABSL_GUARDED_BY(mu_);
+  std::map<int32_t, bool> covered_ ABSL_GUARDED_BY(mu_);  // every expert has a healthy shard
+  v1::Placement placement_ ABSL_GUARDED_BY(mu_);          // the last one from router-svc
   // by shard@endpoint
   std::map<std::string, std::shared_ptr<ExpertChannel>> channels_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -220,7 +227,27 @@ absl::Status AttentionServer::Impl::StartServing() {
   so.port = options_.port;
   so.max_receive_message_bytes = options_.max_message_bytes;
   so.max_send_message_bytes = options_.max_message_bytes;
-  so.services = {this};
+  OipService::Hooks hooks;
+  hooks.version = metrics::BuildVersion();
+  hooks.hidden = cfg_.hidden;
+  hooks.latent = cfg_.latent;
+  hooks.top_k = cfg_.top_k;
+  hooks.num_experts = cfg_.num_experts;
+  hooks.model = cfg_.name;
+  hooks.default_timeout_ms = options_.default_timeout_ms;
+  for (const auto& [l, h] : layers_) hooks.layers.push_back(l);
+  hooks.forward = [this](const v1::ForwardRequest& r, absl::Time deadline,
+                         v1::ForwardResponse* out) {
+    return ServeForward(r, deadline, out, "ModelInfer");
+  };
+  hooks.submit = [this](std::function<void()> f) { return workers_->Submit(std::move(f)); };
+  hooks.layer_ready = [this](int32_t layer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = covered_.find(layer);
+    return it != covered_.end() && it->second;
+  };
+  oip_ = std::make_unique<OipService>(std::move(hooks));
+  so.services = {this, oip_.get()};
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
   router_->WatchPlacement([this](const v1::Placement& p) { ApplyPlacement(p); });
   std::vector<int32_t> hosted;
@@ -275,6 +302,8 @@ void AttentionServer::Impl::ApplyPlacement(const v1::Placement& p) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [layer, route] : routes) covered_[layer] = Covered(*route);
+    placement_ = p;
     routes_ = std::move(routes);
     // Channels to shards no longer placed (a restarted shard on a new port) are closed.
     for (auto it = channels_.begin(); it != channels_.end();) {
@@ -635,6 +664,55 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
       stream->Reply(std::move(resp), /*ends_work=*/true);
     }
   });
+}
+
+grpc::ServerUnaryReactor* AttentionServer::Impl::GetModelInfo(grpc::CallbackServerContext* ctx,
+                                                              const v1::GetModelInfoRequest*,
+                                                              v1::ModelInfo* resp) {
+  resp->set_model(cfg_.name);
+  resp->set_hidden(static_cast<int32_t>(cfg_.hidden));
+  resp->set_latent(static_cast<int32_t>(cfg_.latent));
+  resp->set_num_experts(static_cast<int32_t>(cfg_.num_experts));
+  resp->set_top_k(static_cast<int32_t>(cfg_.top_k));
+  for (const auto& [l, h] : layers_) {
+    resp->add_layers(l);
+    resp->add_oip_models(OipModelName(l));
+  }
+  resp->add_input_dtypes(v1::DTYPE_BF16);
+  resp->add_input_dtypes(v1::DTYPE_F32);
+  resp->set_output_dtype(v1::DTYPE_BF16);
+  resp->add_precision_modes("w4a16");
+  resp->add_reply_modes(v1::REPLY_MODE_PER_PAIR);
+  resp->add_reply_modes(v1::REPLY_MODE_PARTIAL_SUM);
+  resp->set_default_reply_mode(options_.reply_mode == ReplyMode::kPerPair
+                                   ? v1::REPLY_MODE_PER_PAIR
+                                   : v1::REPLY_MODE_PARTIAL_SUM);
+  resp->set_max_tokens(options_.max_tokens);
+  bool ready = !layers_.empty();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [l, h] : layers_) {
+      auto it = covered_.find(l);
+      ready &= it != covered_.end() && it->second;
+    }
+    for (const v1::ShardInfo& s : placement_.shards()) {
+      for (const v1::ExpertRange& r : s.ranges()) {
+        if (layers_.count(r.layer()) == 0) continue;
+        v1::ShardSummary* out = resp->add_shards();
+        out->set_shard(s.shard());
+        out->set_endpoint(s.endpoint());
+        out->set_layer(r.layer());
+        out->set_expert_lo(r.expert_lo());
+        out->set_expert_hi(r.expert_hi());
+        out->set_healthy(s.healthy());
+        out->set_data_plane(s.data_plane());
+      }
+    }
+  }
+  resp->set_ready(ready);
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 AttentionServer::AttentionServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

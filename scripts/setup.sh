@@ -17,7 +17,7 @@ BUILD_PACKAGES=(
 TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-numpy gnuplot-nox libopenblas-dev
+  python3-numpy python3-grpcio gnuplot-nox libopenblas-dev
   prometheus chromium
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )

@@ -9,6 +9,8 @@
 
 namespace moe::metrics {
 
+const char* BuildVersion() { return MOE_VERSION; }
+
 using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;

@@ -1,0 +1,257 @@
+#include "attention-svc/oip_service.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "services/transport/status_convert.h"
+
+namespace moe::attention_svc {
+
+namespace {
+
+constexpr char kPrefix[] = "moe-layer-";
+constexpr char kInput[] = "hidden_states";
+constexpr char kOutput[] = "output";
+constexpr char kExpertIds[] = "expert_ids";
+constexpr char kWeights[] = "routing_weights";
+
+grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(transport::ToGrpc(s));
+  return reactor;
+}
+
+void AddTensorMetadata(
+    const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
+    google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* out) {
+  auto* t = out->Add();
+  t->set_name(name);
+  t->set_datatype(dtype);
+  for (int64_t d : shape) t->add_shape(d);
+}
+
+}  // namespace
+
+std::string OipModelName(int32_t layer) { return absl::StrCat(kPrefix, layer); }
+
+absl::StatusOr<int32_t> OipService::LayerOf(const std::string& name,
+                                            const std::string& version) const {
+  std::vector<std::string> known;
+  for (int32_t l : hooks_.layers) {
+    if (name == OipModelName(l)) {
+      if (!version.empty() && version != "1") {
+        return absl::NotFoundError(
+            absl::StrCat("model ", name, " has version 1 only, not '", version, "'"));
+      }
+      return l;
+    }
+    known.push_back(OipModelName(l));
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no model '", name, "' here (models: ", absl::StrJoin(known, ", "), ")"));
+}
+
+grpc::ServerUnaryReactor* OipService::ServerLive(grpc::CallbackServerContext* ctx,
+                                                 const inference::ServerLiveRequest*,
+                                                 inference::ServerLiveResponse* resp) {
+  resp->set_live(true);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ServerReady(grpc::CallbackServerContext* ctx,
+                                                  const inference::ServerReadyRequest*,
+                                                  inference::ServerReadyResponse* resp) {
+  bool ready = !hooks_.layers.empty();
+  for (int32_t l : hooks_.layers) ready &= hooks_.layer_ready(l);
+  resp->set_ready(ready);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ModelReady(grpc::CallbackServerContext* ctx,
+                                                 const inference::ModelReadyRequest* req,
+                                                 inference::ModelReadyResponse* resp) {
+  absl::StatusOr<int32_t> layer = LayerOf(req->name(), req->version());
+  if (!layer.ok()) return Finish(ctx, layer.status());
+  resp->set_ready(hooks_.layer_ready(*layer));
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ServerMetadata(grpc::CallbackServerContext* ctx,
+                                                     const inference::ServerMetadataRequest*,
+                                                     inference::ServerMetadataResponse* resp) {
+  resp->set_name(hooks_.server_name);
+  resp->set_version(hooks_.version);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ModelMetadata(grpc::CallbackServerContext* ctx,
+                                                    const inference::ModelMetadataRequest* req,
+                                                    inference::ModelMetadataResponse* resp) {
+  absl::StatusOr<int32_t> layer = LayerOf(req->name(), req->version());
+  if (!layer.ok()) return Finish(ctx, layer.status());
+  resp->set_name(req->name());
+  resp->add_versions("1");
+  resp->set_platform("stable-latentmoe");
+  // Inputs may be BF16 or FP32; the metadata names the preferred one.
+  AddTensorMetadata(kInput, "BF16", {-1, hooks_.hidden}, resp->mutable_inputs());
+  AddTensorMetadata(kOutput, "BF16", {-1, hooks_.hidden}, resp->mutable_outputs());
+  AddTensorMetadata(kExpertIds, "INT32", {-1, hooks_.top_k}, resp->mutable_outputs());
+  AddTensorMetadata(kWeights, "FP32", {-1, hooks_.top_k}, resp->mutable_outputs());
+  auto& p = *resp->mutable_properties();
+  p["model"] = hooks_.model;
+  p["layer"] = absl::StrCat(*layer);
+  p["hidden_size"] = absl::StrCat(hooks_.hidden);
+  p["latent_size"] = absl::StrCat(hooks_.latent);
+  p["num_experts"] = absl::StrCat(hooks_.num_experts);
+  p["top_k"] = absl::StrCat(hooks_.top_k);
+  p["input_datatypes"] = "BF16,FP32";
+  p["precision"] = "w4a16";
+  p["reply_modes"] = "per_pair,partial_sum";
+  return Finish(ctx, absl::OkStatus());
+}
+
+absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int32_t layer,
+                                   v1::ForwardRequest* out,
+                                   std::vector<std::string>* outputs) const {
+  if (req.inputs_size() != 1 || req.inputs(0).name() != kInput) {
+    std::vector<std::string> names;
+    for (const auto& in : req.inputs()) names.push_back(in.name());
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected one input '", kInput, "', got [", absl::StrJoin(names, ", "), "]"));
+  }
+  const auto& in = req.inputs(0);
+  if (in.shape_size() != 2 || in.shape(1) != hooks_.hidden || in.shape(0) < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kInput, ": shape [", absl::StrJoin(in.shape(), ", "), "], expected [T, ",
+                     hooks_.hidden, "] with T >= 1"));
+  }
+  const int64_t n = in.shape(0) * in.shape(1);
+  v1::Tensor* x = out->mutable_hidden_states();
+  x->add_shape(in.shape(0));
+  x->add_shape(in.shape(1));
+  size_t elem = 0;
+  if (in.datatype() == "BF16") {
+    x->set_dtype(v1::DTYPE_BF16);
+    elem = 2;
+  } else if (in.datatype() == "FP32") {
+    x->set_dtype(v1::DTYPE_F32);
+    elem = 4;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kInput, ": datatype '", in.datatype(), "', expected BF16 or FP32"));
+  }
+  if (req.raw_input_contents_size() > 0) {
+    if (req.raw_input_contents_size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(req.raw_input_contents_size(), " raw_input_contents for 1 input"));
+    }
+    if (req.raw_input_contents(0).size() != static_cast<size_t>(n) * elem) {
+      return absl::InvalidArgumentError(absl::StrCat(kInput, ": ", req.raw_input_contents(0).size(),
+                                                     " raw bytes, shape and ", in.datatype(),
+                                                     " need ", static_cast<size_t>(n) * elem));
+    }
+    x->set_data(req.raw_input_contents(0));
+  } else if (in.datatype() == "FP32" && in.contents().fp32_contents_size() == n) {
+    std::string* d = x->mutable_data();
+    d->resize(static_cast<size_t>(n) * 4);
+    std::memcpy(d->data(), in.contents().fp32_contents().data(), d->size());
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(kInput, ": no data (raw_input_contents, or ", n,
+                                                   " fp32_contents for FP32; BF16 is raw "
+                                                   "only)"));
+  }
+  out->set_layer(layer);
+  for (const auto& [key, value] : req.parameters()) {
+    if (key != "reply_mode") continue;  // other parameters are the caller's own
+    if (value.string_param() == "per_pair") {
+      out->mutable_options()->set_reply_mode(v1::REPLY_MODE_PER_PAIR);
+    } else if (value.string_param() == "partial_sum") {
+      out->mutable_options()->set_reply_mode(v1::REPLY_MODE_PARTIAL_SUM);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("parameter reply_mode '", value.string_param(),
+                                                     "', expected per_pair or partial_sum"));
+    }
+  }
+  if (req.outputs_size() == 0) {
+    *outputs = {kOutput, kExpertIds, kWeights};
+  } else {
+    for (const auto& o : req.outputs()) {
+      if (o.name() != kOutput && o.name() != kExpertIds && o.name() != kWeights) {
+        return absl::InvalidArgumentError(absl::StrCat("no output '", o.name(),
+                                                       "' (outputs: ", kOutput, ", ", kExpertIds,
+                                                       ", ", kWeights, ")"));
+      }
+      outputs->push_back(o.name());
+    }
+  }
+  for (const std::string& o : *outputs) {
+    if (o != kOutput) out->mutable_options()->set_return_routing(true);
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ctx,
+                                                 const inference::ModelInferRequest* req,
+                                                 inference::ModelInferResponse* resp) {
+  absl::StatusOr<int32_t> layer = LayerOf(req->model_name(), req->model_version());
+  if (!layer.ok()) return Finish(ctx, layer.status());
+  auto forward = std::make_shared<v1::ForwardRequest>();
+  auto outputs = std::make_shared<std::vector<std::string>>();
+  if (absl::Status s = ToForward(*req, *layer, forward.get(), outputs.get()); !s.ok()) {
+    return Finish(ctx, s);
+  }
+  absl::Time deadline = absl::Now() + absl::Milliseconds(hooks_.default_timeout_ms);
+  deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  auto* reactor = ctx->DefaultReactor();
+  const bool queued = hooks_.submit([this, reactor, req, resp, forward, outputs, deadline] {
+    v1::ForwardResponse fr;
+    const absl::Status s = hooks_.forward(*forward, deadline, &fr);
+    if (!s.ok()) {
+      reactor->Finish(transport::ToGrpc(s));
+      return;
+    }
+    resp->set_model_name(req->model_name());
+    resp->set_model_version("1");
+    resp->set_id(req->id());
+    (*resp->mutable_parameters())["bias_version"].set_uint64_param(fr.bias_version());
+    const int64_t tokens = fr.output().shape(0);
+    for (const std::string& name : *outputs) {
+      auto* o = resp->add_outputs();
+      o->set_name(name);
+      if (name == kOutput) {
+        o->set_datatype("BF16");
+        o->add_shape(tokens);
+        o->add_shape(hooks_.hidden);
+        resp->add_raw_output_contents(std::move(*fr.mutable_output()->mutable_data()));
+      } else if (name == kExpertIds) {
+        o->set_datatype("INT32");
+        o->add_shape(tokens);
+        o->add_shape(fr.routing().top_k());
+        const auto& ids = fr.routing().expert_ids();
+        resp->add_raw_output_contents(
+            std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(int32_t)));
+      } else {
+        o->set_datatype("FP32");
+        o->add_shape(tokens);
+        o->add_shape(fr.routing().top_k());
+        const auto& w = fr.routing().weights();
+        resp->add_raw_output_contents(
+            std::string(reinterpret_cast<const char*>(w.data()), w.size() * sizeof(float)));
+      }
+    }
+    reactor->Finish(grpc::Status::OK);
+  });
+  if (!queued) {
+    reactor->Finish(transport::ToGrpc(
+        absl::ResourceExhaustedError("attention node: too many requests waiting")));
+  }
+  return reactor;
+}
+
+}  // namespace moe::attention_svc

@@ -1,0 +1,272 @@
+"""The client: channels to attention-svc (and router-svc for statistics and admin calls)."""
+import dataclasses
+import glob
+import hashlib
+import importlib
+import os
+import queue
+import subprocess
+import sys
+import threading
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DEFAULT_PROTO_DIR = os.path.normpath(os.path.join(_HERE, "..", "..", "..", "proto"))
+_MAX_MESSAGE = 1 << 30  # gRPC's own default is 4 MB: K3 batches are far larger
+_pb = None
+_lock = threading.Lock()
+
+
+class MoeError(RuntimeError):
+    """A failed call: .code is the gRPC status name (e.g. "UNAVAILABLE"), .details its message."""
+
+    def __init__(self, code, details):
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+def load_protos(proto_dir=None, out_dir=None):
+    """Generates (once) and imports the message classes of the wire contract.
+
+    proto_dir: the repository's proto/ (default: next to this package, or $MOE_CLIENT_PROTO_DIR);
+    out_dir: where protoc writes (default: $MOE_CLIENT_PROTO_OUT, else ~/.cache/moe_client/<hash>).
+    Returns a namespace with .tensor, .attention, .router, .inference modules.
+    """
+    global _pb
+    with _lock:
+        if _pb is not None:
+            return _pb
+        proto_dir = proto_dir or os.environ.get("MOE_CLIENT_PROTO_DIR", _DEFAULT_PROTO_DIR)
+        files = sorted(glob.glob(os.path.join(proto_dir, "moe", "v1", "*.proto")) +
+                       glob.glob(os.path.join(proto_dir, "inference", "*.proto")))
+        if not files:
+            raise FileNotFoundError(f"no .proto files under {proto_dir}")
+        digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in files)).hexdigest()[:16]
+        out_dir = out_dir or os.environ.get("MOE_CLIENT_PROTO_OUT") or os.path.join(
+            os.path.expanduser("~"), ".cache", "moe_client", digest)
+        marker = os.path.join(out_dir, ".generated-" + digest)
+        if not os.path.exists(marker):
+            os.makedirs(out_dir, exist_ok=True)
+            subprocess.run(["protoc", f"-I{proto_dir}", f"--python_out={out_dir}"] + files,
+                           check=True, timeout=120)
+            open(marker, "w").close()
+        if out_dir not in sys.path:
+            sys.path.insert(0, out_dir)
+        ns = type("Protos", (), {})()
+        ns.tensor = importlib.import_module("moe.v1.tensor_pb2")
+        ns.attention = importlib.import_module("moe.v1.attention_pb2")
+        ns.router = importlib.import_module("moe.v1.router_pb2")
+        ns.inference = importlib.import_module("inference.grpc_inference_pb2")
+        _pb = ns
+        return ns
+
+
+def f32_to_bf16(x):
+    """float32 array -> bf16 bits (uint16), round to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >>
+               np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded = np.where(nan, ((u >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16),
+                           rounded)
+    return rounded
+
+
+def bf16_to_f32(b):
+    """bf16 bits (uint16) -> float32, exact."""
+    return (np.ascontiguousarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(
+        np.float32)
+
+
+@dataclasses.dataclass
+class Result:
+    out_bf16: np.ndarray  # uint16 [T, H]: the layer's bf16 output bits
+    expert_ids: np.ndarray = None  # int32 [T, k] when routing was asked for
+    weights: np.ndarray = None  # float32 [T, k]
+    bias_version: int = 0
+    seconds: dict = None
+    request_id: int = 0
+
+    @property
+    def out(self):
+        """float32 [T, H] (exactly the bf16 values)."""
+        return bf16_to_f32(self.out_bf16)
+
+
+def _unary(channel, method, request, response_cls, timeout, metadata=None):
+    import grpc  # noqa: imported here so that `import moe_client` works without grpcio
+    call = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=response_cls.FromString)
+    try:
+        return call(request, timeout=timeout, metadata=metadata)
+    except grpc.RpcError as e:
+        raise MoeError(e.code().name, e.details()) from None
+
+
+class ForwardStream:
+    """Many batches on one AttentionService.ForwardStream; results in any order."""
+
+    def __init__(self, client, timeout):
+        import grpc
+        self._client = client
+        self._pb = client._pb
+        self._requests = queue.Queue()
+        self._next_id = 1
+        call = client._attention.stream_stream(
+            "/moe.v1.AttentionService/ForwardStream",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=self._pb.attention.ForwardResponse.FromString)
+
+        def requests():
+            while True:
+                r = self._requests.get()
+                if r is None:
+                    return
+                yield r
+
+        self._responses = call(requests(), timeout=timeout)
+        self._grpc = grpc
+
+    def send(self, x, layer=None, return_routing=False):
+        """Queues one batch; returns its request id."""
+        req = self._client._forward_request(x, layer, return_routing, None)
+        req.request_id = self._next_id
+        self._next_id += 1
+        self._requests.put(req)
+        return req.request_id
+
+    def close(self):
+        """No more batches (the results still come)."""
+        self._requests.put(None)
+
+    def results(self):
+        """Yields (request_id, Result or MoeError) until the server ends the stream."""
+        try:
+            for r in self._responses:
+                if r.code != 0:
+                    yield r.request_id, MoeError(_code_name(r.code), r.message)
+                else:
+                    yield r.request_id, self._client._result(r)
+        except self._grpc.RpcError as e:
+            raise MoeError(e.code().name, e.details()) from None
+
+
+def _code_name(code):
+    import grpc
+    for c in grpc.StatusCode:
+        if c.value[0] == code:
+            return c.name
+    return str(code)
+
+
+class Client:
+    """attention: host:port of attention-svc; router: host:port of router-svc (statistics,
+    Rebalance); admin_token: the router's admin token for Rebalance."""
+
+    def __init__(self, attention, router=None, admin_token=None, timeout=30.0,
+                 max_message_bytes=_MAX_MESSAGE):
+        import grpc
+        self._pb = load_protos()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._attention = grpc.insecure_channel(attention, options=options)
+        self._router = grpc.insecure_channel(router, options=options) if router else None
+        self._admin = [("x-moe-admin-token", admin_token)] if admin_token else None
+        self._timeout = timeout
+        self._info = None
+
+    def close(self):
+        self._attention.close()
+        if self._router is not None:
+            self._router.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # The model.
+    def model_info(self):
+        """moe.v1.ModelInfo: hidden, latent, num_experts, top_k, layers, dtypes, modes, shards."""
+        self._info = _unary(self._attention, "/moe.v1.AttentionService/GetModelInfo",
+                            self._pb.attention.GetModelInfoRequest(), self._pb.attention.ModelInfo,
+                            self._timeout)
+        return self._info
+
+    def health(self):
+        """{"live": bool, "ready": bool} from the Open Inference Protocol endpoints."""
+        inf = self._pb.inference
+        live = _unary(self._attention, "/inference.GRPCInferenceService/ServerLive",
+                      inf.ServerLiveRequest(), inf.ServerLiveResponse, self._timeout).live
+        ready = _unary(self._attention, "/inference.GRPCInferenceService/ServerReady",
+                       inf.ServerReadyRequest(), inf.ServerReadyResponse, self._timeout).ready
+        return {"live": live, "ready": ready}
+
+    # Forward.
+    def _forward_request(self, x, layer, return_routing, reply_mode):
+        pb = self._pb
+        if layer is None:
+            layer = (self._info or self.model_info()).layers[0]
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"x must be [T, H], got shape {x.shape}")
+        bits = x if x.dtype == np.uint16 else f32_to_bf16(x.astype(np.float32, copy=False))
+        req = pb.attention.ForwardRequest(layer=layer)
+        t = req.hidden_states
+        t.dtype = pb.tensor.DTYPE_BF16
+        t.shape.extend(x.shape)
+        t.data = np.ascontiguousarray(bits, dtype="<u2").tobytes()
+        req.options.return_routing = return_routing
+        if reply_mode is not None:
+            req.options.reply_mode = {"per_pair": pb.tensor.REPLY_MODE_PER_PAIR,
+                                      "partial_sum": pb.tensor.REPLY_MODE_PARTIAL_SUM}[reply_mode]
+        return req
+
+    def _result(self, r):
+        shape = tuple(r.output.shape)
+        out = np.frombuffer(r.output.data, dtype="<u2").reshape(shape).copy()
+        res = Result(out_bf16=out, bias_version=r.bias_version, request_id=r.request_id,
+                     seconds={f.name: v for f, v in r.seconds.ListFields()})
+        if r.routing.top_k:
+            k = r.routing.top_k
+            res.expert_ids = np.array(r.routing.expert_ids, dtype=np.int32).reshape(-1, k)
+            res.weights = np.array(r.routing.weights, dtype=np.float32).reshape(-1, k)
+        return res
+
+    def forward(self, x, layer=None, return_routing=False, reply_mode=None, timeout=None):
+        """x: float32 [T, H] (rounded to bf16 here, RNE) or uint16 bf16 bits -> Result."""
+        req = self._forward_request(x, layer, return_routing, reply_mode)
+        r = _unary(self._attention, "/moe.v1.AttentionService/Forward", req,
+                   self._pb.attention.ForwardResponse, timeout or self._timeout)
+        return self._result(r)
+
+    def stream(self, timeout=None):
+        """A ForwardStream (send(), close(), results())."""
+        return ForwardStream(self, timeout or self._timeout)
+
+    # router-svc.
+    def _need_router(self):
+        if self._router is None:
+            raise ValueError("this call needs router=host:port")
+
+    def stats(self, layer=None):
+        """moe.v1.LoadStats of a layer: loads, window balance, shards, bias history."""
+        self._need_router()
+        if layer is None:
+            layer = (self._info or self.model_info()).layers[0]
+        return _unary(self._router, "/moe.v1.RouterService/GetLoadStats",
+                      self._pb.router.GetLoadStatsRequest(layer=layer), self._pb.router.LoadStats,
+                      self._timeout)
+
+    def rebalance(self, layer=None, dry_run=False):
+        """One Quantile Balancing step (needs admin_token); moe.v1.RebalanceResponse."""
+        self._need_router()
+        if layer is None:
+            layer = (self._info or self.model_info()).layers[0]
+        return _unary(self._router, "/moe.v1.RouterService/Rebalance",
+                      self._pb.router.RebalanceRequest(layer=layer, dry_run=dry_run),
+                      self._pb.router.RebalanceResponse, self._timeout, metadata=self._admin)

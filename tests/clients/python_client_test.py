@@ -1,0 +1,342 @@
+#!/usr/bin/python3
+"""Python callers against a real local cluster (Debian's python3-grpcio and python3-numpy).
+
+1. The Open Inference Protocol (KServe v2) the way tritonclient calls it, with its protobuf
+   messages encoded and decoded here by hand from the published field numbers (so a wrong
+   field number in the server's proto/inference/grpc_inference.proto would fail here) and
+   message limits raised: live, ready, server and model metadata, ModelInfer with raw BF16 and
+   FP32 inputs (and fp32_contents), the routing outputs, a 2600-token batch (5.3 MB, over gRPC
+   Python's 4 MB default), unknown models and bad shapes refused with their codes.
+2. The repository's Python client (clients/python): model info, health, forward from float32
+   and from bf16 bits, routing, the large batch, the stream with a bad batch in it, stats, and
+   Rebalance with and without the admin token.
+
+The oracle of every output is the in-process C++ layer (`moe-tool forward` on the same
+checkpoint and input): with per-pair replies the cluster must equal it bit for bit.
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+
+LAYER = 1  # the first MoE layer of the mid preset
+TOKENS = 2600
+ADMIN = "py-test-token"
+LIMIT = 64 << 20
+OPTIONS = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
+
+
+# --- protobuf wire format, by hand -----------------------------------------------------------
+def varint(n):
+    out = bytearray()
+    n &= (1 << 64) - 1
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def field(num, value):
+    """A field: int -> varint, bytes/str -> length-delimited, list of ints -> packed varints."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return varint(num << 3) + varint(int(value))
+    if isinstance(value, str):
+        value = value.encode()
+    if isinstance(value, list):
+        value = b"".join(varint(v) for v in value)
+    return varint((num << 3) | 2) + varint(len(value)) + value
+
+
+def parse(buf):
+    """{field number: [values]}: varints as int, length-delimited as bytes."""
+    out, i = {}, 0
+    while i < len(buf):
+        key, i = read_varint(buf, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(buf, i)
+        elif wt == 2:
+            n, i = read_varint(buf, i)
+            v, i = bytes(buf[i:i + n]), i + n
+        elif wt == 1:
+            v, i = bytes(buf[i:i + 8]), i + 8
+        elif wt == 5:
+            v, i = bytes(buf[i:i + 4]), i + 4
+        else:
+            raise ValueError(f"wire type {wt}")
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def read_varint(buf, i):
+    shift = result = 0
+    while True:
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, i
+        shift += 7
+
+
+def packed_ints(b):
+    vals, i = [], 0
+    while i < len(b):
+        v, i = read_varint(b, i)
+        vals.append(v - (1 << 64) if v >= 1 << 63 else v)
+    return vals
+
+
+def shape_of(fields, num=3):
+    out = []
+    for v in fields.get(num, []):
+        out.extend(packed_ints(v) if isinstance(v, bytes) else [v])
+    return out
+
+
+def oip(channel, method, request=b""):
+    call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+    return parse(call(request, timeout=60))
+
+
+def infer_request(model, x, datatype="BF16", raw=True, outputs=None, params=None):
+    # InferInputTensor: name 1, datatype 2, shape 3, contents 5 (fp32_contents 6, packed floats)
+    tensor = field(1, "hidden_states") + field(2, datatype) + field(3, list(x.shape))
+    req = field(1, model) + field(3, "req-7")
+    for k, v in (params or {}).items():  # map<string, InferParameter>: string_param = 3
+        req += field(4, field(1, k) + field(2, field(3, v)))
+    if raw:
+        payload = x.astype("<u2" if datatype == "BF16" else "<f4").tobytes()
+        req += field(5, tensor)
+    else:
+        contents = field(6, x.astype("<f4").tobytes())
+        req += field(5, tensor + field(5, contents))
+    for o in outputs or []:
+        req += field(6, field(1, o))
+    if raw:
+        req += field(7, payload)
+    return req
+
+
+def decode_infer(resp):
+    outs = {}
+    raws = resp.get(6, [])
+    for idx, t in enumerate(resp.get(5, [])):
+        f = parse(t)
+        name, dtype = f[1][0].decode(), f[2][0].decode()
+        arr = np.frombuffer(raws[idx], dtype={"BF16": "<u2", "INT32": "<i4", "FP32": "<f4"}[dtype])
+        outs[name] = (dtype, shape_of(f), arr.reshape(shape_of(f)))
+    return outs
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def f32_to_bf16(x):
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def wait_for(what, fn, seconds):
+    deadline, last = time.time() + seconds, None
+    while time.time() < deadline:
+        try:
+            v = fn()
+            if v:
+                return v
+        except Exception as e:  # not up yet
+            last = e
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what} (last: {last})")
+
+
+def expect_code(code, fn):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        assert e.code() == code, (e.code(), e.details())
+        return e.details()
+    raise AssertionError(f"expected {code}")
+
+
+def read_safetensors(path):
+    blob = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    data = blob[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        dt = {"BF16": "<u2", "F32": "<f4", "I32": "<i4"}[info["dtype"]]
+        out[name] = np.frombuffer(data[b:e], dtype=dt).reshape(info["shape"])
+    return out
+
+
+# --- the tests -------------------------------------------------------------------------------
+def test_open_inference_protocol(endpoint, ref):
+    ch = grpc.insecure_channel(endpoint, options=OPTIONS)
+    model = f"moe-layer-{LAYER}"
+    assert oip(ch, "ServerLive").get(1) == [1]
+    wait_for("ServerReady", lambda: oip(ch, "ServerReady").get(1) == [1], 60)
+    assert oip(ch, "ModelReady", field(1, model)).get(1) == [1]
+    meta = oip(ch, "ServerMetadata")
+    assert meta[1][0] == b"stable-latentmoe", meta
+    m = oip(ch, "ModelMetadata", field(1, model))
+    assert m[1][0].decode() == model and m[2] == [b"1"], m
+    inputs = [parse(t) for t in m[4]]
+    outputs = {parse(t)[1][0].decode(): parse(t) for t in m[5]}
+    assert inputs[0][1][0] == b"hidden_states" and inputs[0][2][0] == b"BF16"
+    assert shape_of(inputs[0]) == [-1, 1024], shape_of(inputs[0])
+    assert set(outputs) == {"output", "expert_ids", "routing_weights"}, outputs.keys()
+    props = dict((parse(p)[1][0].decode(), parse(p)[2][0].decode()) for p in m.get(6, []))
+    assert props["hidden_size"] == "1024" and props["top_k"] == "8", props
+
+    x, out, ids, w = ref["x"], ref["out"], ref["expert_ids"], ref["weights"]
+    # Raw BF16, all outputs (none named).
+    r = oip(ch, "ModelInfer", infer_request(model, x[:5]))
+    assert r[1][0].decode() == model and r[3][0] == b"req-7"
+    got = decode_infer(r)
+    assert got["output"][0] == "BF16" and got["output"][1] == [5, 1024]
+    assert np.array_equal(got["output"][2], out[:5]), "ModelInfer output != in-process layer"
+    assert np.array_equal(got["expert_ids"][2], ids[:5])
+    assert np.array_equal(got["routing_weights"][2], w[:5])
+    # FP32 raw and fp32_contents, output only: the server rounds to bf16 (RNE) first.
+    xf = (x[:3].astype(np.uint32) << 16).view(np.float32)
+    for raw in (True, False):
+        g = decode_infer(oip(ch, "ModelInfer", infer_request(model, xf, "FP32", raw, ["output"])))
+        assert list(g) == ["output"] and np.array_equal(g["output"][2], out[:3]), raw
+    # partial sums through a request parameter: within the named tolerance of the cluster test
+    g = decode_infer(oip(ch, "ModelInfer", infer_request(model, x[:5], outputs=["output"],
+                                                          params={"reply_mode": "partial_sum"})))
+    assert g["output"][1] == [5, 1024]
+    # The large batch (5.3 MB in, 5.3 MB out).
+    big = decode_infer(oip(ch, "ModelInfer", infer_request(model, x, outputs=["output"])))
+    assert np.array_equal(big["output"][2], out), "large ModelInfer differs"
+    # Refusals, with their codes.
+    d = expect_code(grpc.StatusCode.NOT_FOUND,
+                    lambda: oip(ch, "ModelInfer", infer_request("moe-layer-99", x[:1])))
+    assert "moe-layer-1" in d, d
+    expect_code(grpc.StatusCode.NOT_FOUND, lambda: oip(ch, "ModelReady", field(1, "nope")))
+    bad = infer_request(model, x[:2, :512])
+    assert "1024" in expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                                 lambda: oip(ch, "ModelInfer", bad))
+    short = field(1, model) + field(5, field(1, "hidden_states") + field(2, "BF16") +
+                                    field(3, [2, 1024])) + field(7, b"\0" * 10)
+    assert "raw bytes" in expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                                      lambda: oip(ch, "ModelInfer", short))
+    expect_code(grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], outputs=["logits"])))
+    print("open inference protocol: live, ready, metadata, BF16/FP32/contents, routing, "
+          f"{TOKENS} tokens, refusals: ok")
+
+
+def test_python_client(client_dir, attention, router, ref, work):
+    sys.path.insert(0, client_dir)
+    os.environ["MOE_CLIENT_PROTO_OUT"] = os.path.join(work, "proto-py")
+    from moe_client import Client, MoeError, bf16_to_f32, f32_to_bf16 as to_bf16
+    x_bits, out = ref["x"], ref["out"]
+    x = bf16_to_f32(x_bits)
+    # The client's bf16 helpers against the test's own (RNE) and back.
+    probe = np.random.default_rng(3).standard_normal(10000).astype(np.float32) * 7
+    assert np.array_equal(to_bf16(probe), f32_to_bf16(probe))
+    assert np.array_equal(bf16_to_f32(to_bf16(x)), x)
+    with Client(attention, router=router, admin_token=ADMIN) as c:
+        info = c.model_info()
+        assert (info.hidden, info.latent, info.num_experts, info.top_k) == (1024, 512, 128, 8)
+        assert list(info.layers) == [LAYER] and list(info.oip_models) == [f"moe-layer-{LAYER}"]
+        assert info.ready and len(info.shards) == 2 and "w4a16" in info.precision_modes
+        assert sorted((s.expert_lo, s.expert_hi) for s in info.shards) == [(0, 64), (64, 128)]
+        assert c.health() == {"live": True, "ready": True}
+        r = c.forward(x[:7], return_routing=True)
+        assert np.array_equal(r.out_bf16, out[:7]) and r.out.dtype == np.float32
+        assert np.array_equal(r.expert_ids, ref["expert_ids"][:7])
+        assert np.array_equal(r.weights, ref["weights"][:7])
+        assert np.array_equal(c.forward(x_bits[:7]).out_bf16, out[:7])  # bf16 bits in
+        assert np.array_equal(c.forward(x).out_bf16, out), "large forward differs"
+        s = c.stream()
+        ids = {s.send(x[:3]): out[:3], s.send(x[3:11]): out[3:11]}
+        bad = s.send(x[:2], layer=99)
+        s.close()
+        n = 0
+        for rid, res in s.results():
+            n += 1
+            if rid == bad:
+                assert isinstance(res, MoeError) and res.code == "NOT_FOUND", res
+            else:
+                assert np.array_equal(res.out_bf16, ids[rid])
+        assert n == 3
+        try:
+            c.forward(x[:2, :100])
+            raise AssertionError("a bad width went through")
+        except MoeError as e:
+            assert e.code == "INVALID_ARGUMENT" and "1024" in e.details, e
+        stats = wait_for("stats", lambda: (lambda st: st if st.total_tokens > 0 else None)(
+            c.stats()), 30)
+        assert len(stats.total_loads) == 128
+        step = c.rebalance(dry_run=True)
+        assert step.ByteSize() > 0
+        before = c.stats().bias_version
+        c.rebalance()  # with the token: applied, a new bias version
+        assert c.stats().bias_version == before + 1
+    with Client(attention, router=router) as anonymous:
+        try:
+            anonymous.rebalance()
+            raise AssertionError("Rebalance without the admin token went through")
+        except MoeError as e:
+            assert e.code in ("PERMISSION_DENIED", "UNAUTHENTICATED"), e
+    print("python client: model info, health, forward (f32, bf16, routing, large), stream, "
+          "errors, stats, rebalance: ok")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe-cli", required=True)
+    ap.add_argument("--moe-tool", required=True)
+    ap.add_argument("--client-dir", required=True)
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    ckpt = os.path.join(args.work, "ckpt-mid")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        subprocess.run([args.moe_tool, "synth", "--config", "mid", "--out", ckpt, "--seed", "4",
+                        "--skew", "1.0"], check=True, stdout=subprocess.DEVNULL, timeout=300)
+    ref_path = os.path.join(args.work, "ref.safetensors")
+    subprocess.run([args.moe_tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS),
+                    "--seed", "9", "--output", ref_path], check=True, stdout=subprocess.DEVNULL,
+                   timeout=300)
+    ref = read_safetensors(ref_path)
+    cluster_dir = os.path.join(args.work, "cluster")
+    cj = os.path.join(cluster_dir, "cluster.json")
+    if os.path.exists(cj):
+        os.remove(cj)
+    up = subprocess.Popen([args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir,
+                           "--threads", "1", "--max_seconds", "600", "--admin_token", ADMIN],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for("cluster.json", lambda: os.path.exists(cj), 120)
+        cluster = json.load(open(cj))
+        attention, router = cluster["attention"], cluster["router"]
+        test_open_inference_protocol(attention, ref)
+        test_python_client(args.client_dir, attention, router, ref, args.work)
+    finally:
+        up.terminate()
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
