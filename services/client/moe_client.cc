@@ -8,7 +8,7 @@
 #include "moe/v1/attention.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/common/status_macros.h"
-#include "services/transport/grpc_server.h"
+#include "services/transport/channel.h"
 #include "services/transport/health_check.h"
 #include "services/transport/status_convert.h"
 #include "services/transport/tensor_codec.h"
@@ -170,6 +170,16 @@ class GrpcMoeClient final : public MoeClient {
     if (attention_channel_ == nullptr)
       return absl::FailedPreconditionError("no attention endpoint");
     return transport::CheckHealth(attention_channel_, options_.timeout);
+  }
+
+  absl::StatusOr<v1::ModelInfo> GetModelInfo() override {
+    if (attention_ == nullptr) return absl::FailedPreconditionError("no attention endpoint");
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    v1::ModelInfo info;
+    MOE_RETURN_IF_ERROR(
+        transport::FromGrpc(attention_->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info)));
+    return info;
   }
 
  private:

@@ -89,6 +89,8 @@ class MoeClient {
   virtual absl::StatusOr<v1::Placement> GetPlacement() = 0;
   // grpc.health.v1 status of the attention node ("" service): true when SERVING.
   virtual absl::StatusOr<bool> AttentionServing() = 0;
+  // What the attention node serves: widths, layers, dtypes, modes, the shards.
+  virtual absl::StatusOr<v1::ModelInfo> GetModelInfo() = 0;
 };
 
 }  // namespace moe::client

@@ -4,7 +4,7 @@
 
 #include <chrono>
 
-#include "services/transport/grpc_server.h"
+#include "services/transport/channel.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::client {

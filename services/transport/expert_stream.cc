@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/common/status_macros.h"
-#include "services/transport/grpc_server.h"
+#include "services/transport/channel.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::transport {

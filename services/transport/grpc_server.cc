@@ -11,11 +11,6 @@
 
 namespace moe::transport {
 
-namespace {
-constexpr int kHttp2FrameBytes = 1 << 20;
-constexpr int kHttp2LookaheadBytes = 16 << 20;
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -67,21 +62,6 @@ void GrpcServer::Shutdown(absl::Duration grace) {
 }
 
 void GrpcServer::Wait() { server_->Wait(); }
-
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_message_bytes) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(max_message_bytes);
-  args.SetMaxSendMessageSize(max_message_bytes);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kHttp2FrameBytes);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2LookaheadBytes);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  // Each peer gets its own connection (an attention node's shard streams must not share one
-  // TCP connection with unrelated calls).
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
-}
 
 absl::Status WritePortFile(const std::string& path, int port) {
   const std::string tmp = path + ".tmp";

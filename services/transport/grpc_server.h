@@ -14,16 +14,15 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "services/transport/channel.h"
 
 namespace grpc {
 class Server;
 class Service;
-class Channel;
 }  // namespace grpc
 
 namespace moe::transport {
 
-inline constexpr int kDefaultMaxMessageBytes = 256 << 20;
 // The health-service name a liveness probe asks for (SERVING from start to shutdown); the
 // overall status "" is readiness.
 inline constexpr char kLivenessService[] = "moe.liveness";
@@ -56,10 +55,6 @@ class GrpcServer {
   int port_ = 0;
   bool shut_down_ = false;
 };
-
-// A channel to host:port with fast reconnects (100 ms .. 1 s backoff) and the given limits.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint,
-                                           int max_message_bytes = kDefaultMaxMessageBytes);
 
 // Writes the port to path atomically (tmp file + rename), for launchers that start servers on
 // port 0.

@@ -7,7 +7,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "services/transport/grpc_server.h"
+#include "services/transport/channel.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::transport {

@@ -1,0 +1,28 @@
+// Client channels with the settings every peer here uses (the client side of transport: no
+// server, no reflection).
+//
+//   auto stub = v1::AttentionService::NewStub(MakeChannel("127.0.0.1:50051"));
+#ifndef MOE_SERVICES_TRANSPORT_CHANNEL_H_
+#define MOE_SERVICES_TRANSPORT_CHANNEL_H_
+
+#include <memory>
+#include <string>
+
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
+namespace moe::transport {
+
+inline constexpr int kDefaultMaxMessageBytes = 256 << 20;
+// HTTP/2 frames and flow-control window of every channel and server (large tensors).
+inline constexpr int kHttp2FrameBytes = 1 << 20;
+inline constexpr int kHttp2LookaheadBytes = 16 << 20;
+
+// A channel to host:port with fast reconnects (100 ms .. 1 s backoff) and the given limits.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint,
+                                           int max_message_bytes = kDefaultMaxMessageBytes);
+
+}  // namespace moe::transport
+
+#endif  // MOE_SERVICES_TRANSPORT_CHANNEL_H_
