@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_inference.grpc.pb.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
@@ -752,6 +753,59 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
     EXPECT_NE(got.status().message().find("shard-"), absl::string_view::npos) << got.status();
     EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
   }
+}
+
+// The Open Inference Protocol's readiness follows the expert shards a layer needs, and
+// GetModelInfo says which shard is down: a killed shard makes ServerReady and ModelReady false
+// (once the router marks it unhealthy); its restart makes them true again.
+TEST(ClusterOpenInference, ReadinessFollowsTheShards) {
+  const std::string& dir = CheckpointFor("tiny");
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
+  o.router_args = {"--heartbeat_interval_ms=200"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto oip = inference::GRPCInferenceService::NewStub(
+      transport::MakeChannel((*cluster)->attention_endpoint()));
+  auto ready = [&](bool* server, bool* model) {
+    grpc::ClientContext c1, c2;
+    c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    inference::ServerReadyResponse sr;
+    inference::ModelReadyRequest mreq;
+    mreq.set_name("moe-layer-1");
+    inference::ModelReadyResponse mr;
+    ASSERT_TRUE(oip->ServerReady(&c1, inference::ServerReadyRequest(), &sr).ok());
+    ASSERT_TRUE(oip->ModelReady(&c2, mreq, &mr).ok());
+    *server = sr.ready();
+    *model = mr.ready();
+  };
+  auto wait_until = [&](bool want) {
+    bool server = !want, model = !want;
+    for (int i = 0; i < 100 && (server != want || model != want); ++i) {  // bounded: 10 s
+      ready(&server, &model);
+      if (server != want || model != want) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+    EXPECT_EQ(server, want);
+    EXPECT_EQ(model, want);
+  };
+  wait_until(true);
+  auto client = ClientFor(**cluster);
+  auto info = client->GetModelInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->ready());
+  EXPECT_EQ(info->shards_size(), 2);
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGKILL).ok());
+  wait_until(false);
+  info = client->GetModelInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_FALSE(info->ready());
+  for (const v1::ShardSummary& s : info->shards()) {
+    EXPECT_EQ(s.healthy(), s.shard() != "shard-1") << s.shard();
+  }
+  ASSERT_TRUE((*cluster)->RestartShard(1).ok());
+  wait_until(true);
 }
 
 // Skewed traffic, Rebalance, fresh traffic: MaxVio over the next window falls. Admin calls need
