@@ -36,25 +36,12 @@
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
+#include "tests/bench/memcpy_bandwidth.h"
 
 namespace moe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double MemcpyBandwidth() {
-  const size_t n = size_t{256} << 20;
-  std::vector<char> a(n, 1), b(n, 2);
-  double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), n);
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    best = std::max(best, 2.0 * n / s);  // read + write
-    a[rep] = b[n - 1 - rep];
-  }
-  return best;
-}
 
 // The flags both services get for a data plane ("ucx_shm+mb2": and attention-svc splits each
 // request into 2 micro-batches, see AttentionOnlyArgs).
@@ -119,7 +106,7 @@ int Main(int argc, char** argv) {
   auto local = numerics::cpu::CpuMoeLayer::Create(cfg, std::move(*weights), {});
   if (!local.ok()) return 1;
 
-  const double copy_bw = MemcpyBandwidth();
+  const double copy_bw = bench::MemcpyBandwidth();
   std::printf("checkpoint %s (H %lld, D %lld, E %lld, k %lld), %d shards, %s replies\n",
               checkpoint.c_str(), static_cast<long long>(cfg.hidden),
               static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),

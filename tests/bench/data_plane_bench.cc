@@ -17,24 +17,12 @@
 #include "absl/strings/str_split.h"
 #include "services/common/flags.h"
 #include "services/dataplane/ucx_worker.h"
+#include "tests/bench/memcpy_bandwidth.h"
 
 namespace moe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double MemcpyBandwidth() {
-  const size_t n = size_t{256} << 20;
-  std::vector<char> a(n, 1), b(n, 2);
-  double best = 0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), n);
-    best = std::max(best, 2.0 * n / std::chrono::duration<double>(Clock::now() - t0).count());
-    a[rep] = b[n - 1 - rep];
-  }
-  return best;
-}
 
 int Main(int argc, char** argv) {
   std::string tls_list = "posix,tcp;tcp";
@@ -47,7 +35,7 @@ int Main(int argc, char** argv) {
     std::printf("built without UCX\n");
     return 0;
   }
-  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", MemcpyBandwidth() / 1e9);
+  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", bench::MemcpyBandwidth() / 1e9);
   std::printf(
       "| UCX_TLS | bytes | round trips | us per round trip | GB/s (both ways) |\n"
       "|---|---|---|---|---|\n");

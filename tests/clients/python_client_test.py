@@ -17,13 +17,17 @@ checkpoint and input): with per-pair replies the cluster must equal it bit for b
 import argparse
 import json
 import os
-import struct
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
+
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(_TESTS, "common"))
+sys.path.insert(0, os.path.join(_TESTS, "reference"))
+from cluster_helpers import synth_checkpoint, wait_for  # noqa: E402
+from moe_reference import read_safetensors  # noqa: E402
 
 LAYER = 1  # the first MoE layer of the mid preset
 TOKENS = 2600
@@ -145,19 +149,6 @@ def f32_to_bf16(x):
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def wait_for(what, fn, seconds):
-    deadline, last = time.time() + seconds, None
-    while time.time() < deadline:
-        try:
-            v = fn()
-            if v:
-                return v
-        except Exception as e:  # not up yet
-            last = e
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {seconds} s waiting for {what} (last: {last})")
-
-
 def expect_code(code, fn):
     try:
         fn()
@@ -165,21 +156,6 @@ def expect_code(code, fn):
         assert e.code() == code, (e.code(), e.details())
         return e.details()
     raise AssertionError(f"expected {code}")
-
-
-def read_safetensors(path):
-    blob = open(path, "rb").read()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    data = blob[8 + n:]
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = info["data_offsets"]
-        dt = {"BF16": "<u2", "F32": "<f4", "I32": "<i4"}[info["dtype"]]
-        out[name] = np.frombuffer(data[b:e], dtype=dt).reshape(info["shape"])
-    return out
 
 
 # --- the tests -------------------------------------------------------------------------------
@@ -305,16 +281,12 @@ def main():
     ap.add_argument("--client-dir", required=True)
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
-    os.makedirs(args.work, exist_ok=True)
-    ckpt = os.path.join(args.work, "ckpt-mid")
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        subprocess.run([args.moe_tool, "synth", "--config", "mid", "--out", ckpt, "--seed", "4",
-                        "--skew", "1.0"], check=True, stdout=subprocess.DEVNULL, timeout=300)
+    ckpt = synth_checkpoint(args.moe_tool, args.work, "mid", 4)
     ref_path = os.path.join(args.work, "ref.safetensors")
     subprocess.run([args.moe_tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS),
                     "--seed", "9", "--output", ref_path], check=True, stdout=subprocess.DEVNULL,
                    timeout=300)
-    ref = read_safetensors(ref_path)
+    ref, _ = read_safetensors(ref_path)
     cluster_dir = os.path.join(args.work, "cluster")
     cj = os.path.join(cluster_dir, "cluster.json")
     if os.path.exists(cj):

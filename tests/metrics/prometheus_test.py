@@ -19,11 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 
 import numpy
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from cluster_helpers import synth_checkpoint, wait_for  # noqa: E402
 
 
 def free_port():
@@ -35,20 +37,6 @@ def free_port():
 def http_get(url, timeout=5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
-
-
-def wait_for(what, fn, seconds):
-    deadline = time.time() + seconds
-    last = None
-    while time.time() < deadline:
-        try:
-            value = fn()
-            if value:
-                return value
-        except Exception as e:  # not up yet
-            last = e
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {seconds} s waiting for {what} (last error: {last})")
 
 
 def promql(prom, query):
@@ -65,11 +53,7 @@ def main():
     ap.add_argument("--work", required=True)
     ap.add_argument("--dashboard", required=True)
     args = ap.parse_args()
-    os.makedirs(args.work, exist_ok=True)
-    ckpt = os.path.join(args.work, "ckpt-mid")
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        subprocess.run([args.moe_tool, "synth", "--config", "mid", "--out", ckpt, "--seed", "3",
-                        "--skew", "1.0"], check=True, stdout=subprocess.DEVNULL, timeout=300)
+    ckpt = synth_checkpoint(args.moe_tool, args.work, "mid", 3)
     cluster_dir = os.path.join(args.work, "cluster")
     if os.path.exists(os.path.join(cluster_dir, "cluster.json")):
         os.remove(os.path.join(cluster_dir, "cluster.json"))
