@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/numbers.h"
+#include "services/common/secret_file.h"
 
 namespace moe::router_svc {
 
@@ -79,9 +80,10 @@ metrics::HttpResponse LoadBalancePage::Handle(const metrics::HttpRequest& req) c
     auto token = req.headers.find("x-moe-admin-token");
     if (admin_token_.empty()) {
       return Error(absl::PermissionDeniedError(
-          "router-svc was started without --admin_token: the page cannot change the bias"));
+          "router-svc was started without an admin token (--admin_token_file): the page cannot "
+          "change the bias"));
     }
-    if (token == req.headers.end() || token->second != admin_token_) {
+    if (token == req.headers.end() || !SecretEquals(token->second, admin_token_)) {
       return Error(absl::PermissionDeniedError(token == req.headers.end() || token->second.empty()
                                                    ? "an admin token is required"
                                                    : "the admin token is wrong"));

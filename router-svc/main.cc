@@ -15,7 +15,10 @@ int main(int argc, char** argv) {
   flags.Int64("continuous_tokens", &o.continuous_tokens, "continuous mode period in tokens");
   flags.Int64("window_tokens", &o.window_tokens, "load/QB window in tokens");
   flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");
-  flags.String("admin_token", &o.admin_token, "token for admin calls (empty: none needed)");
+  flags.String("admin_token_file", &o.admin_token_file,
+               "file holding the admin token (chmod 600); without a token admin calls are refused");
+  flags.String("admin_token", &o.admin_token,
+               "the admin token itself (visible in ps: prefer --admin_token_file)");
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
   return moe::RunServer("router-svc", [&]() { return moe::router_svc::RouterServer::Start(o); });
 }

@@ -23,6 +23,7 @@
 #include "router-svc/placement_registry.h"
 #include "router-svc/router_proto.h"
 #include "router-svc/watch_reactor.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/metrics/http_server.h"
 #include "services/metrics/metrics_server.h"
@@ -200,6 +201,14 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
 };
 
 absl::Status RouterServer::Impl::Load() {
+  if (!options_.admin_token_file.empty()) {
+    MOE_ASSIGN_OR_RETURN(options_.admin_token, ReadSecretFile(options_.admin_token_file));
+  }
+  if (options_.admin_token.empty()) {
+    std::fprintf(stderr,
+                 "router-svc: no admin token: Rebalance, rollback and mode changes are "
+                 "refused (--admin_token_file)\n");
+  }
   if (options_.checkpoint.empty()) {
     return absl::InvalidArgumentError("router-svc needs --checkpoint (config and routing bias)");
   }
@@ -268,10 +277,16 @@ void RouterServer::Impl::Shutdown(absl::Duration grace) {
 
 absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,
                                             const char* what) const {
-  if (options_.admin_token.empty()) return absl::OkStatus();
+  if (options_.admin_token.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what,
+        " is an admin call, and admin calls are disabled: router-svc was started without "
+        "an admin token (--admin_token_file)"));
+  }
   const auto& md = ctx->client_metadata();
   auto it = md.find("x-moe-admin-token");
-  if (it != md.end() && std::string(it->second.data(), it->second.size()) == options_.admin_token) {
+  if (it != md.end() &&
+      SecretEquals(std::string(it->second.data(), it->second.size()), options_.admin_token)) {
     return absl::OkStatus();
   }
   return absl::PermissionDeniedError(

@@ -44,8 +44,12 @@ struct RouterServerOptions {
   int64_t continuous_tokens = 16384;  // continuous mode: rebalance after this many tokens
   int64_t window_tokens = 65536;      // the QB / imbalance window keeps the newest reports
   int64_t heartbeat_interval_ms = 500;
-  // Admin calls need the metadata x-moe-admin-token equal to this; empty: no check.
+  // Admin calls (Rebalance, RollbackBias, SetBiasMode, the page's buttons) need the metadata
+  // x-moe-admin-token equal to this token. Without one they are refused: nothing that changes
+  // the bias is open to an unauthenticated caller. admin_token_file (chmod 600, or a Secret
+  // mount) is read at start and wins over admin_token, which `ps` would show.
   std::string admin_token;
+  std::string admin_token_file;
 };
 
 class RouterServer {

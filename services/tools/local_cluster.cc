@@ -125,9 +125,20 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   const std::string threads = absl::StrCat("--threads=", o.threads);
   c->router_.name = "router-svc";
   const std::string web_file = o.work_dir + "/router-svc.web_port";
-  c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint,
-                     "--admin_token=" + o.admin_token, "--web_port=0",
+  c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint, "--web_port=0",
                      "--web_port_file=" + web_file};
+  if (!o.admin_token.empty()) {
+    // The token goes in a file only this user can read, never on a command line.
+    const std::string token_file = o.work_dir + "/admin_token";
+    const int fd = ::open(token_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0 || ::write(fd, o.admin_token.data(), o.admin_token.size()) !=
+                      static_cast<ssize_t>(o.admin_token.size())) {
+      if (fd >= 0) ::close(fd);
+      return absl::InternalError(absl::StrCat("cannot write ", token_file));
+    }
+    ::close(fd);
+    c->router_.args.push_back("--admin_token_file=" + token_file);
+  }
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
   c->router_port_ = c->router_.port;

@@ -32,8 +32,8 @@ struct LocalClusterOptions {
   int num_shards = 2;
   std::string work_dir;  // port files and logs (created); empty: a fresh temp dir
   std::string reply_mode = "per_pair";
-  std::string admin_token;
-  int threads = 0;                                                    // per process (0: all cores)
+  std::string admin_token;  // empty: router-svc refuses admin calls
+  int threads = 0;          // per process (0: all cores)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
   absl::Duration start_timeout = absl::Seconds(120);
 };

@@ -8,7 +8,9 @@
 //   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
 //   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
 //   moe-cli up        --checkpoint DIR [--work_dir D]   (a cluster kept up; D/cluster.json)
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +25,8 @@
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
 #include "services/common/model_config.h"
+#include "services/common/secret_file.h"
+#include "services/common/status_macros.h"
 #include "services/common/svc_main.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
@@ -41,13 +45,15 @@ int Fail(const absl::Status& s) {
 }
 
 struct Common {
-  std::string attention, router, admin_token;
+  std::string attention, router, admin_token, admin_token_file;
   int64_t layer = 1;
   double timeout_s = 30;
   void Register(SvcFlags& f) {
     f.String("attention", &attention, "attention-svc host:port");
     f.String("router", &router, "router-svc host:port");
-    f.String("admin_token", &admin_token, "admin token for rebalance/rollback/mode");
+    f.String("admin_token_file", &admin_token_file,
+             "file with the admin token for rebalance/rollback/mode (chmod 600)");
+    f.String("admin_token", &admin_token, "the admin token itself (visible in ps)");
     f.Int64("layer", &layer, "MoE layer");
     f.Double("timeout", &timeout_s, "deadline of each call in seconds");
   }
@@ -56,6 +62,9 @@ struct Common {
     o.attention = attention;
     o.router = router;
     o.admin_token = admin_token;
+    if (!admin_token_file.empty()) {
+      MOE_ASSIGN_OR_RETURN(o.admin_token, ReadSecretFile(admin_token_file));
+    }
     o.timeout = absl::Seconds(timeout_s);
     return client::MoeClient::Create(o);
   }
@@ -212,8 +221,13 @@ int Up(int argc, char** argv) {
   const std::string json = (*cluster)->DescribeJson();
   const std::string path = (*cluster)->work_dir() + "/cluster.json";
   {
-    std::ofstream out(path + ".tmp");
-    out << json << "\n";
+    // It may hold the admin token: readable by this user only.
+    const int fd = ::open((path + ".tmp").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const std::string text = json + "\n";
+    if (fd < 0 || ::write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+      return Fail(absl::InternalError("cannot write " + path));
+    }
+    ::close(fd);
   }
   std::rename((path + ".tmp").c_str(), path.c_str());
   std::printf("%s\n", json.c_str());

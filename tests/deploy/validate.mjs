@@ -185,7 +185,20 @@ for (const s of services) {
 const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
 if (arg('expect-admin-secret')) {
   const args = router.spec.template.spec.containers[0].args;
-  check(flagValue(args, 'admin_token') === '$(MOE_ADMIN_TOKEN)', 'router-svc does not take its admin token from the Secret');
+  const spec = router.spec.template.spec;
+  const file = flagValue(args, 'admin_token_file');
+  const mount = (spec.containers[0].volumeMounts || [])  // the deepest mount holding the file
+    .filter((m) => file && file.startsWith(m.mountPath + '/'))
+    .sort((x, y) => y.mountPath.length - x.mountPath.length)[0];
+  const vol = mount && (spec.volumes || []).find((v) => v.name === mount.name);
+  const expected = arg('expect-admin-secret');
+  const secretName = vol && vol.secret && vol.secret.secretName;
+  check(vol && vol.secret && (secretName === expected ||
+        byKind('Secret').some((s) => s.metadata.name === secretName && s.data)),
+        'router-svc does not read its admin token from a mounted Secret');
+  check(vol && vol.secret && (vol.secret.defaultMode & 0o004) === 0, 'the admin token file is world-readable');
+  check(!args.some((a) => a.startsWith('--admin_token=')), 'the admin token is on the command line');
+  check(!(spec.containers[0].env || []).some((e) => /ADMIN_TOKEN/.test(e.name)), 'the admin token is in the environment');
 }
 
 // 4. Monitoring objects.

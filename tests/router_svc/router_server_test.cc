@@ -4,9 +4,11 @@
 #include "router-svc/router_server.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -306,6 +308,7 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
 TEST(RouterServer, StartsEveryLayerInTheGivenMode) {
   RouterServerOptions o;
   o.bias_mode = BiasMode::kFrozen;
+  o.admin_token = "t";
   Router router(o);
   v1::GetBiasRequest req;
   req.set_layer(1);
@@ -316,8 +319,67 @@ TEST(RouterServer, StartsEveryLayerInTheGivenMode) {
   v1::RebalanceRequest rb;
   rb.set_layer(1);
   v1::RebalanceResponse resp;
-  const grpc::Status s = router->Rebalance(router.Ctx().get(), rb, &resp);
+  const grpc::Status s = router->Rebalance(router.Ctx("t").get(), rb, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+}
+
+// Secure by default: without an admin token every call that changes the bias is refused (a
+// dry run changes nothing and stays open); the token comes from a file only its owner (and
+// group) can read.
+TEST(RouterServer, AdminCallsAreRefusedWithoutATokenAndTheTokenComesFromAFile) {
+  {
+    Router open(RouterServerOptions{});
+    v1::RebalanceRequest rb;
+    rb.set_layer(1);
+    v1::RebalanceResponse rr;
+    grpc::Status s = open->Rebalance(open.Ctx("anything").get(), rb, &rr);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_NE(s.error_message().find("admin calls are disabled"), std::string::npos);
+    v1::SetBiasModeRequest sm;
+    sm.set_layer(1);
+    sm.set_mode(v1::BIAS_MODE_FROZEN);
+    v1::LayerBias ack;
+    EXPECT_EQ(open->SetBiasMode(open.Ctx().get(), sm, &ack).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+    v1::RollbackBiasRequest rbk;
+    rbk.set_layer(1);
+    EXPECT_EQ(open->RollbackBias(open.Ctx().get(), rbk, &ack).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+    rb.set_dry_run(true);  // no traffic yet: refused for that reason, not for the token
+    EXPECT_EQ(open->Rebalance(open.Ctx().get(), rb, &rr).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  const std::string dir = ::testing::TempDir();
+  auto write = [&](const std::string& name, const std::string& text, mode_t mode) {
+    const std::string path = dir + "/" + name;
+    std::ofstream(path) << text;
+    ::chmod(path.c_str(), mode);
+    return path;
+  };
+  RouterServerOptions o;
+  o.checkpoint = TinyCheckpoint();
+  o.admin_token_file = write("world_readable_token", "s3cret\n", 0644);
+  auto refused = RouterServer::Start(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  o.admin_token_file = write("empty_token", " \n", 0600);
+  EXPECT_EQ(RouterServer::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.admin_token_file = dir + "/no_such_token";
+  EXPECT_EQ(RouterServer::Start(o).status().code(), absl::StatusCode::kNotFound);
+  o.admin_token_file = write("good_token", "  s3cret\n", 0640);
+  o.bias_mode = BiasMode::kFrozen;
+  o.admin_token = "ignored-when-a-file-is-given";
+  Router r(o);
+  v1::SetBiasModeRequest sm;
+  sm.set_layer(1);
+  sm.set_mode(v1::BIAS_MODE_REBALANCE);
+  v1::LayerBias ack;
+  EXPECT_EQ(r->SetBiasMode(r.Ctx("ignored-when-a-file-is-given").get(), sm, &ack).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(r->SetBiasMode(r.Ctx("s3cre").get(), sm, &ack).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(r->SetBiasMode(r.Ctx("s3cret").get(), sm, &ack).ok());
+  EXPECT_EQ(ack.mode(), v1::BIAS_MODE_REBALANCE);
 }
 
 }  // namespace

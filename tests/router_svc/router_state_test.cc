@@ -274,7 +274,7 @@ TEST(LoadBalancePage, OnlyTheAdminTokenChangesTheBias) {
            {&page, Req("POST", "/api/rebalance", {{"layer", "1"}}, {{"x-moe-admin-token", "no"}}),
             403, "token is wrong"},
            {&open_page, Req("POST", "/api/rebalance", {{"layer", "1"}}, good), 403,
-            "started without --admin_token"},
+            "started without an admin token"},
            {&page, Req("POST", "/api/rebalance", {{"layer", "1"}}, good), 200, "applied"},
            {&page, Req("POST", "/api/rollback", {{"layer", "1"}}, good), 400, "needs ?to="},
            {&page, Req("POST", "/api/rollback", {{"layer", "1"}, {"to", "9"}}, good), 404,
