@@ -25,6 +25,7 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/router_link.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/common/work_queue.h"
 #include "services/dataplane/ucx_worker.h"
@@ -221,7 +222,11 @@ absl::Status AttentionServer::Impl::StartServing() {
     }
   }
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
-  router_ = std::make_unique<client::RouterLink>(options_.router);
+  if (!options_.cluster_token_file.empty()) {
+    MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
+  }
+  router_ = std::make_unique<client::RouterLink>(options_.router, client::RouterLinkTimings{},
+                                                 options_.cluster_token);
   transport::GrpcServerOptions so;
   so.host = options_.host;
   so.port = options_.port;

@@ -44,6 +44,9 @@ struct AttentionServerOptions {
   std::string metrics_port_file;
   bool per_expert_metrics = true;  // E series per layer of moe_expert_tokens_total
   std::string router;              // router-svc host:port (required)
+  // The cluster token router-svc asks of members (router_server.h); the file wins.
+  std::string cluster_token;
+  std::string cluster_token_file;
   std::string node = "attention-0";
 
   // The reply mode of requests that do not name one (dispatch_plan.h).

@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   moe::AddServingFlags(flags, &o);
   flags.Bool("per_expert_metrics", &o.per_expert_metrics, "export per-expert token counters");
   flags.String("router", &o.router, "router-svc host:port");
+  flags.String("cluster_token_file", &o.cluster_token_file,
+               "file holding the cluster token router-svc asks of its members (chmod 600)");
   flags.String("node", &o.node, "this node's name in statistics");
   flags.Typed("reply_mode", &o.reply_mode, moe::attention_svc::ReplyModeName,
               moe::attention_svc::ParseReplyMode,

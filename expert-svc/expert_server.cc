@@ -29,6 +29,7 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/router_link.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
@@ -336,7 +337,11 @@ absl::Status ExpertServer::Impl::StartServing() {
       r->set_expert_lo(static_cast<int32_t>(w.expert_lo));
       r->set_expert_hi(static_cast<int32_t>(w.expert_hi));
     }
-    router_ = std::make_unique<client::RouterLink>(options_.router);
+    if (!options_.cluster_token_file.empty()) {
+      MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
+    }
+    router_ = std::make_unique<client::RouterLink>(options_.router, client::RouterLinkTimings{},
+                                                   options_.cluster_token);
     router_->KeepRegistered(std::move(req), [this] {
       std::lock_guard<std::mutex> lock(mu_);
       return static_cast<int64_t>(queue_.size());

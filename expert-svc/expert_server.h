@@ -54,6 +54,9 @@ struct ExpertServerOptions {
   // (default host:port).
   std::string router;
   std::string advertise;
+  // The cluster token router-svc asks of members (router_server.h); the file wins.
+  std::string cluster_token;
+  std::string cluster_token_file;
 
   int threads = 0;  // compute threads (0: one per hardware thread)
   // Where the experts run: auto (CUDA when a GPU is usable, else CPU), cpu or cuda

@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   flags.String("shard", &o.shard, "shard name (unique in the cluster)");
   moe::AddServingFlags(flags, &o);
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
+  flags.String("cluster_token_file", &o.cluster_token_file,
+               "file holding the cluster token router-svc asks of its members (chmod 600)");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");
   flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,

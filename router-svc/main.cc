@@ -17,6 +17,9 @@ int main(int argc, char** argv) {
   flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");
   flags.String("admin_token_file", &o.admin_token_file,
                "file holding the admin token (chmod 600); without a token admin calls are refused");
+  flags.String("cluster_token_file", &o.cluster_token_file,
+               "file holding the cluster token (chmod 600) that expert and attention nodes send "
+               "to register, heartbeat and report; without one they are refused");
   flags.String("admin_token", &o.admin_token,
                "the admin token itself (visible in ps: prefer --admin_token_file)");
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;

@@ -1,5 +1,8 @@
 #include "router-svc/placement_registry.h"
 
+#include <mutex>
+#include <random>
+
 #include "absl/strings/str_cat.h"
 #include "services/placement/placement.h"
 
@@ -27,12 +30,24 @@ absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
   Shard& s = shards_[shard];
   s.endpoint = endpoint;
   s.ranges = ranges;
-  s.lease = next_lease_++;
+  s.lease = NewLease();
   s.last_seen = now;
   s.healthy = true;
   s.data_plane = data_plane;
   ++version_;
   return s.lease;
+}
+
+uint64_t PlacementRegistry::NewLease() const {
+  static std::mutex mu;
+  static std::random_device device;  // the kernel's CSPRNG
+  std::lock_guard<std::mutex> lock(mu);
+  for (;;) {
+    const uint64_t lease = (static_cast<uint64_t>(device()) << 32) ^ device();
+    bool used = lease == 0;
+    for (const auto& [name, s] : shards_) used |= s.lease == lease;
+    if (!used) return lease;
+  }
 }
 
 absl::StatusOr<bool> PlacementRegistry::Heartbeat(uint64_t lease, Clock::time_point now) {

@@ -88,7 +88,9 @@ class PlacementRegistry {
   };
   const int64_t num_experts_;
   std::map<std::string, Shard> shards_;
-  uint64_t next_lease_ = 1;
+  // Leases are random 64-bit numbers (never 0, never one in use): a lease cannot be guessed,
+  // and one from before a restart does not name another shard's registration after it.
+  uint64_t NewLease() const;
   uint64_t version_ = 1;
 };
 

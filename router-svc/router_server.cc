@@ -72,12 +72,14 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* RegisterExpertServer(grpc::CallbackServerContext* ctx,
                                                  const v1::RegisterExpertServerRequest* req,
                                                  v1::RegisterExpertServerResponse* resp) override {
-    return Done(ctx, "RegisterExpertServer", DoRegister(*req, resp));
+    absl::Status s = CheckMember(ctx, "RegisterExpertServer");
+    return Done(ctx, "RegisterExpertServer", s.ok() ? DoRegister(*req, resp) : s);
   }
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse*) override {
-    return Done(ctx, "Heartbeat", DoHeartbeat(*req));
+    absl::Status s = CheckMember(ctx, "Heartbeat");
+    return Done(ctx, "Heartbeat", s.ok() ? DoHeartbeat(*req) : s);
   }
   grpc::ServerUnaryReactor* GetPlacement(grpc::CallbackServerContext* ctx,
                                          const v1::GetPlacementRequest*,
@@ -115,7 +117,8 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* ReportStats(grpc::CallbackServerContext* ctx,
                                         const v1::ReportStatsRequest* req,
                                         v1::ReportStatsResponse* resp) override {
-    return Done(ctx, "ReportStats", DoReportStats(*req, resp));
+    absl::Status s = CheckMember(ctx, "ReportStats");
+    return Done(ctx, "ReportStats", s.ok() ? DoReportStats(*req, resp) : s);
   }
   grpc::ServerUnaryReactor* Rebalance(grpc::CallbackServerContext* ctx,
                                       const v1::RebalanceRequest* req,
@@ -165,6 +168,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   }
 
   absl::Status CheckAdmin(grpc::CallbackServerContext* ctx, const char* what) const;
+  absl::Status CheckMember(grpc::CallbackServerContext* ctx, const char* what) const;
   absl::StatusOr<LayerState*> LayerLocked(int32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status DoRegister(const v1::RegisterExpertServerRequest& req,
                           v1::RegisterExpertServerResponse* resp);
@@ -203,6 +207,13 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
 absl::Status RouterServer::Impl::Load() {
   if (!options_.admin_token_file.empty()) {
     MOE_ASSIGN_OR_RETURN(options_.admin_token, ReadSecretFile(options_.admin_token_file));
+  }
+  if (!options_.cluster_token_file.empty()) {
+    MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
+  }
+  if (options_.cluster_token.empty()) {
+    std::fprintf(stderr, "router-svc: no cluster token: registrations, heartbeats and reports "
+                         "are refused (--cluster_token_file)\n");
   }
   if (options_.admin_token.empty()) {
     std::fprintf(stderr,
@@ -273,6 +284,23 @@ void RouterServer::Impl::Shutdown(absl::Duration grace) {
   if (health_thread_.joinable()) health_thread_.join();
   if (web_ != nullptr) web_->Stop();
   if (server_ != nullptr) server_->Shutdown(std::min(grace, kWatchShutdownGrace));
+}
+
+absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
+                                             const char* what) const {
+  if (options_.cluster_token.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, " needs the cluster token, and router-svc was started without one "
+              "(--cluster_token_file): membership is closed"));
+  }
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("x-moe-cluster-token");
+  if (it != md.end() &&
+      SecretEquals(std::string(it->second.data(), it->second.size()), options_.cluster_token)) {
+    return absl::OkStatus();
+  }
+  return absl::UnauthenticatedError(
+      absl::StrCat(what, " needs the cluster token in the x-moe-cluster-token metadata"));
 }
 
 absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,

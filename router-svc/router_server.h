@@ -50,6 +50,12 @@ struct RouterServerOptions {
   // mount) is read at start and wins over admin_token, which `ps` would show.
   std::string admin_token;
   std::string admin_token_file;
+  // Membership: RegisterExpertServer, Heartbeat and ReportStats need the metadata
+  // x-moe-cluster-token equal to this token (every expert-svc and attention-svc of the cluster
+  // has it). Without one they are refused: nobody joins the placement or changes the
+  // statistics unauthenticated. cluster_token_file wins over cluster_token.
+  std::string cluster_token;
+  std::string cluster_token_file;
 };
 
 class RouterServer {

@@ -18,8 +18,11 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
 
 }  // namespace
 
-RouterLink::RouterLink(const std::string& router, RouterLinkTimings timings)
-    : timings_(timings), stub_(v1::RouterService::NewStub(transport::MakeChannel(router))) {}
+RouterLink::RouterLink(const std::string& router, RouterLinkTimings timings,
+                       std::string cluster_token)
+    : timings_(timings),
+      stub_(v1::RouterService::NewStub(transport::MakeChannel(router))),
+      cluster_token_(std::move(cluster_token)) {}
 
 RouterLink::~RouterLink() { Stop(); }
 
@@ -83,6 +86,7 @@ void RouterLink::WatchBias(std::vector<int32_t> layers,
 absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::ReportStatsRequest& req) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timings_.call_timeout);
+  if (!cluster_token_.empty()) ctx.AddMetadata("x-moe-cluster-token", cluster_token_);
   v1::ReportStatsResponse resp;
   const grpc::Status s = stub_->ReportStats(&ctx, req, &resp);
   if (!s.ok()) return transport::FromGrpc(s);
@@ -97,6 +101,7 @@ void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
     while (Sleep(lease == 0 ? timings_.reconnect_delay : interval)) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx, timings_.call_timeout);
+      if (!cluster_token_.empty()) ctx.AddMetadata("x-moe-cluster-token", cluster_token_);
       if (lease == 0) {
         v1::RegisterExpertServerResponse resp;
         if (stub_->RegisterExpertServer(&ctx, req, &resp).ok()) {

@@ -37,7 +37,10 @@ struct RouterLinkTimings {
 
 class RouterLink {
  public:
-  explicit RouterLink(const std::string& router, RouterLinkTimings timings = {});
+  // cluster_token: sent as x-moe-cluster-token on registration, heartbeats and reports (the
+  // router refuses them without it).
+  explicit RouterLink(const std::string& router, RouterLinkTimings timings = {},
+                      std::string cluster_token = "");
   ~RouterLink();  // Stop()
   RouterLink(const RouterLink&) = delete;
   RouterLink& operator=(const RouterLink&) = delete;
@@ -69,6 +72,7 @@ class RouterLink {
   std::set<grpc::ClientContext*> open_watches_ ABSL_GUARDED_BY(mu_);
   uint64_t lease_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_;
+  const std::string cluster_token_;
 };
 
 }  // namespace moe::client

@@ -29,6 +29,35 @@ namespace moe::tools {
 
 namespace {
 
+// path <- text, readable by this user only.
+absl::Status WriteSecret(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  const bool ok = fd >= 0 && ::fchmod(fd, 0600) == 0 &&
+                  ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  if (fd >= 0) ::close(fd);
+  return ok ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", path));
+}
+
+// 32 hex digits from the kernel's CSPRNG.
+absl::StatusOr<std::string> RandomToken() {
+  unsigned char bytes[16];
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  if (!urandom.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+    return absl::InternalError("cannot read /dev/urandom");
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token.push_back(kHex[b >> 4]);
+    token.push_back(kHex[b & 15]);
+  }
+  return token;
+}
+
+}  // namespace
+
+namespace {
+
 std::string Tail(const std::string& path, size_t max_bytes = 2000) {
   std::ifstream f(path);
   std::stringstream ss;
@@ -127,18 +156,16 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   const std::string web_file = o.work_dir + "/router-svc.web_port";
   c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint, "--web_port=0",
                      "--web_port_file=" + web_file};
+  // Tokens go in files only this user can read, never on a command line. The cluster token
+  // (membership) is made here, fresh for every cluster.
   if (!o.admin_token.empty()) {
-    // The token goes in a file only this user can read, never on a command line.
-    const std::string token_file = o.work_dir + "/admin_token";
-    const int fd = ::open(token_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    if (fd < 0 || ::write(fd, o.admin_token.data(), o.admin_token.size()) !=
-                      static_cast<ssize_t>(o.admin_token.size())) {
-      if (fd >= 0) ::close(fd);
-      return absl::InternalError(absl::StrCat("cannot write ", token_file));
-    }
-    ::close(fd);
-    c->router_.args.push_back("--admin_token_file=" + token_file);
+    MOE_RETURN_IF_ERROR(WriteSecret(o.work_dir + "/admin_token", o.admin_token));
+    c->router_.args.push_back("--admin_token_file=" + o.work_dir + "/admin_token");
   }
+  MOE_ASSIGN_OR_RETURN(const std::string cluster_token, RandomToken());
+  const std::string member = "--cluster_token_file=" + o.work_dir + "/cluster_token";
+  MOE_RETURN_IF_ERROR(WriteSecret(o.work_dir + "/cluster_token", cluster_token));
+  c->router_.args.push_back(member);
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
   c->router_port_ = c->router_.port;
@@ -156,6 +183,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
               absl::StrCat("--expert_hi=", o.shard_ranges[i].second),
               "--shard=" + s.name,
               router,
+              member,
               threads};
     s.args.insert(s.args.end(), o.expert_args.begin(), o.expert_args.end());
     c->shards_.push_back(std::move(s));
@@ -163,7 +191,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   for (Child& s : c->shards_) MOE_RETURN_IF_ERROR(c->Launch(&s, o.start_timeout));
   c->attention_.name = "attention-svc";
   c->attention_.args = {o.bin_dir + "/attention-svc", "--checkpoint=" + o.checkpoint, router,
-                        "--reply_mode=" + o.reply_mode, threads};
+                        member, "--reply_mode=" + o.reply_mode, threads};
   c->attention_.args.insert(c->attention_.args.end(), o.attention_args.begin(),
                             o.attention_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->attention_, o.start_timeout));

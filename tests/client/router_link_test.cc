@@ -33,11 +33,14 @@ int FreePort() {
   return ntohs(a.sin_port);
 }
 
+constexpr char kMember[] = "member-token";
+
 std::unique_ptr<router_svc::RouterServer> StartRouter(int port) {
   router_svc::RouterServerOptions o;
   o.checkpoint = TinyCheckpoint();
   o.port = port;
   o.heartbeat_interval_ms = 100;
+  o.cluster_token = kMember;
   auto r = router_svc::RouterServer::Start(o);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? std::move(*r) : nullptr;
@@ -69,7 +72,7 @@ TEST(RouterLink, RegistersWatchesReportsAndStopsPromptly) {
   auto router = StartRouter(port);
   ASSERT_NE(router, nullptr);
   const std::string endpoint = "127.0.0.1:" + std::to_string(port);
-  RouterLink expert(endpoint), attention(endpoint);
+  RouterLink expert(endpoint, {}, kMember), attention(endpoint, {}, kMember);
   std::mutex mu;
   bool placed = false;
   uint64_t bias_version = 99;
@@ -112,7 +115,7 @@ TEST(RouterLink, RegistersAgainAfterARouterRestart) {
   const int port = FreePort();
   auto router = StartRouter(port);
   ASSERT_NE(router, nullptr);
-  RouterLink expert("127.0.0.1:" + std::to_string(port));
+  RouterLink expert("127.0.0.1:" + std::to_string(port), {}, kMember);
   expert.KeepRegistered(Registration(), nullptr);
   ASSERT_TRUE(Eventually([&] { return expert.lease() > 0; }, std::chrono::milliseconds(5000)));
   router->Shutdown();

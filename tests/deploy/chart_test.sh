@@ -50,12 +50,17 @@ grep -q 'num_experts.\{1,2\}:896' "$WORK/k3.yaml"
 
 echo "== claim, existing Secret, 5 ranges x 3 replicas, layers 1,2"
 render -set checkpoint.existingClaim=weights -set checkpoint.subPath=k3/ckpt \
-  -set admin.existingSecret=moe-admin -set experts.shards=5 -set experts.replicasPerRange=3 \
+  -set admin.existingSecret=moe-admin -set membership.existingSecret=moe-members \
+  -set experts.shards=5 -set experts.replicasPerRange=3 \
   -set 'model.layers=[1, 2]' -set serviceMonitor.enabled=true -set grafanaDashboard.enabled=true \
   -out "$WORK/claim.yaml"
 node validate.mjs --manifests "$WORK/claim.yaml" --dashboard "$DASH" --expect-admin-secret moe-admin \
+  --expect-cluster-secret moe-members \
   --expect-servicemonitor --expect-ranges "$WORK/ranges-claim.json"
 grep -q "claimName: weights" "$WORK/claim.yaml"
+if grep -q "name: moe-moe-serving-cluster$" "$WORK/claim.yaml"; then
+  echo "FAIL: a cluster-token Secret is made although membership.existingSecret is given"; exit 1
+fi
 grep -q -- "--checkpoint=/models/k3/ckpt" "$WORK/claim.yaml"
 grep -q -- "--layers=1,2" "$WORK/claim.yaml"
 if grep -q "synthetic-checkpoint" "$WORK/claim.yaml"; then

@@ -182,23 +182,40 @@ for (const s of services) {
     check(names.includes(p.targetPort), `Service ${s.metadata.name} port ${p.name}: no container port named ${p.targetPort}`);
   }
 }
-const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
-if (arg('expect-admin-secret')) {
-  const args = router.spec.template.spec.containers[0].args;
-  const spec = router.spec.template.spec;
-  const file = flagValue(args, 'admin_token_file');
+// A token flag's file lies on a mounted Secret volume that others cannot read; the Secret exists
+// (or is the expected existing one).
+function secretFileFor(w, flagName, expectedSecret) {
+  const spec = w.spec.template.spec;
+  const file = flagValue(spec.containers[0].args, flagName);
   const mount = (spec.containers[0].volumeMounts || [])  // the deepest mount holding the file
     .filter((m) => file && file.startsWith(m.mountPath + '/'))
     .sort((x, y) => y.mountPath.length - x.mountPath.length)[0];
   const vol = mount && (spec.volumes || []).find((v) => v.name === mount.name);
-  const expected = arg('expect-admin-secret');
-  const secretName = vol && vol.secret && vol.secret.secretName;
-  check(vol && vol.secret && (secretName === expected ||
-        byKind('Secret').some((s) => s.metadata.name === secretName && s.data)),
-        'router-svc does not read its admin token from a mounted Secret');
-  check(vol && vol.secret && (vol.secret.defaultMode & 0o004) === 0, 'the admin token file is world-readable');
+  const name = vol && vol.secret && vol.secret.secretName;
+  return {
+    ok: Boolean(name) && (name === expectedSecret ||
+        byKind('Secret').some((s) => s.metadata.name === name && s.data)),
+    private: Boolean(vol && vol.secret) && (vol.secret.defaultMode & 0o004) === 0 &&
+             spec.securityContext && spec.securityContext.fsGroup > 0,
+  };
+}
+// Membership: router, attention and expert pods all read the cluster token from the Secret.
+for (const w of workloads) {
+  const c = w.spec.template.spec.containers[0];
+  if (!['router-svc', 'attention-svc', 'expert-svc'].includes(c.name)) continue;
+  const f = secretFileFor(w, 'cluster_token_file', arg('expect-cluster-secret'));
+  check(f.ok, `${w.metadata.name}: no --cluster_token_file on a mounted Secret`);
+  check(f.private, `${w.metadata.name}: the cluster token file is readable beyond the pod's group`);
+  check(!c.args.some((a) => /token=/.test(a) && !/token_file=/.test(a)), `${w.metadata.name}: a token on the command line`);
+  check(!(c.env || []).some((e) => /TOKEN/.test(e.name)), `${w.metadata.name}: a token in the environment`);
+}
+const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
+if (arg('expect-admin-secret')) {
+  const args = router.spec.template.spec.containers[0].args;
+  const f = secretFileFor(router, 'admin_token_file', arg('expect-admin-secret'));
+  check(f.ok, 'router-svc does not read its admin token from a mounted Secret');
+  check(f.private, 'the admin token file is readable beyond the pod\'s group');
   check(!args.some((a) => a.startsWith('--admin_token=')), 'the admin token is on the command line');
-  check(!(spec.containers[0].env || []).some((e) => /ADMIN_TOKEN/.test(e.name)), 'the admin token is in the environment');
 }
 
 // 4. Monitoring objects.

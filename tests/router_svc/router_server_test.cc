@@ -26,10 +26,14 @@ namespace {
 
 using moe::testing::TinyCheckpoint;
 
+constexpr char kMember[] = "member-token";
+
+// A router-svc of its own, whose membership token every Ctx() carries (member: false, neither).
 class Router {
  public:
-  explicit Router(RouterServerOptions o) {
+  explicit Router(RouterServerOptions o, bool member = true) : member_(member) {
     o.checkpoint = TinyCheckpoint();
+    if (o.cluster_token.empty() && member) o.cluster_token = kMember;
     auto s = RouterServer::Start(o);
     EXPECT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
@@ -41,10 +45,12 @@ class Router {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (!token.empty()) c->AddMetadata("x-moe-admin-token", token);
+    if (member_) c->AddMetadata("x-moe-cluster-token", kMember);
     return c;
   }
 
  private:
+  const bool member_;
   std::unique_ptr<RouterServer> server_;
   std::unique_ptr<v1::RouterService::Stub> stub_;
 };
@@ -321,6 +327,62 @@ TEST(RouterServer, StartsEveryLayerInTheGivenMode) {
   v1::RebalanceResponse resp;
   const grpc::Status s = router->Rebalance(router.Ctx("t").get(), rb, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+}
+
+// Membership is authenticated: registrations, heartbeats and reports need the cluster token,
+// and a router without one accepts none; a forged report changes nothing.
+TEST(RouterServer, OnlyMembersRegisterHeartbeatAndReport) {
+  Router r(RouterServerOptions{});
+  v1::RegisterExpertServerRequest reg;
+  reg.set_shard("rogue");
+  reg.set_endpoint("127.0.0.1:1");
+  v1::ExpertRange* range = reg.add_ranges();
+  range->set_layer(1);
+  range->set_expert_lo(0);
+  range->set_expert_hi(16);
+  v1::RegisterExpertServerResponse lease;
+  auto bare = std::make_unique<grpc::ClientContext>();
+  bare->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = r->RegisterExpertServer(bare.get(), reg, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  auto wrong = std::make_unique<grpc::ClientContext>();
+  wrong->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  wrong->AddMetadata("x-moe-cluster-token", "member-tokeN");
+  EXPECT_EQ(r->RegisterExpertServer(wrong.get(), reg, &lease).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  v1::Placement p;
+  ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &p).ok());
+  EXPECT_EQ(p.shards_size(), 0) << "a refused registration must not join the placement";
+  v1::ReportStatsRequest forged;
+  forged.set_node("rogue");
+  forged.set_layer(1);
+  forged.set_tokens(1000);
+  for (int e = 0; e < 16; ++e) forged.add_loads(e == 0 ? 4000 : 0);
+  v1::ReportStatsResponse ack;
+  auto bare2 = std::make_unique<grpc::ClientContext>();
+  bare2->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  EXPECT_EQ(r->ReportStats(bare2.get(), forged, &ack).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  v1::GetLoadStatsRequest lr;
+  lr.set_layer(1);
+  v1::LoadStats stats;
+  ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), lr, &stats).ok());
+  EXPECT_EQ(stats.total_tokens(), 0);
+  // The member registers; its lease is a random 64-bit number, not 1, 2, 3 ...
+  ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+  EXPECT_GT(lease.lease_id(), uint64_t{1} << 32);
+  v1::HeartbeatRequest hb;
+  hb.set_lease_id(lease.lease_id());
+  v1::HeartbeatResponse hr;
+  auto bare3 = std::make_unique<grpc::ClientContext>();
+  bare3->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  EXPECT_EQ(r->Heartbeat(bare3.get(), hb, &hr).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(r->Heartbeat(r.Ctx().get(), hb, &hr).ok());
+
+  Router closed(RouterServerOptions{}, /*member=*/false);  // no cluster token at all
+  s = closed->RegisterExpertServer(closed.Ctx().get(), reg, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(s.error_message().find("membership is closed"), std::string::npos) << s.error_message();
 }
 
 // Secure by default: without an admin token every call that changes the bias is refused (a

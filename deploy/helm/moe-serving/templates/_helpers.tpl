@@ -28,6 +28,13 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "moe.routerService" -}}{{ include "moe.fullname" . }}-router{{- end -}}
 {{- define "moe.expertHeadless" -}}{{ include "moe.fullname" . }}-expert{{- end -}}
+{{- define "moe.clusterSecret" -}}
+{{- default (printf "%s-cluster" (include "moe.fullname" .)) .Values.membership.existingSecret -}}
+{{- end -}}
+{{/* The membership token as a file in every pod (never on a command line or in the environment). */}}
+{{- define "moe.clusterTokenFlag" -}}
+- --cluster_token_file=/var/run/moe/cluster/{{ .Values.membership.secretKey }}
+{{- end -}}
 {{- define "moe.adminSecret" -}}
 {{- default (printf "%s-admin" (include "moe.fullname" .)) .Values.admin.existingSecret -}}
 {{- end -}}
@@ -79,6 +86,10 @@ app.kubernetes.io/component: {{ .component }}
 - name: model
   configMap:
     name: {{ include "moe.fullname" . }}-model
+- name: cluster-token
+  secret:
+    secretName: {{ include "moe.clusterSecret" . }}
+    defaultMode: 288  # 0440: the pod's group (fsGroup) reads it, nobody else
 - name: checkpoint
 {{- if .Values.checkpoint.existingClaim }}
   persistentVolumeClaim:
@@ -93,6 +104,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "moe.volumeMounts" -}}
 - name: model
   mountPath: /etc/moe
+  readOnly: true
+- name: cluster-token
+  mountPath: /var/run/moe/cluster
   readOnly: true
 - name: checkpoint
   mountPath: /models
