@@ -212,8 +212,9 @@ absl::Status RouterServer::Impl::Load() {
     MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
   }
   if (options_.cluster_token.empty()) {
-    std::fprintf(stderr, "router-svc: no cluster token: registrations, heartbeats and reports "
-                         "are refused (--cluster_token_file)\n");
+    std::fprintf(stderr,
+                 "router-svc: no cluster token: registrations, heartbeats and reports "
+                 "are refused (--cluster_token_file)\n");
   }
   if (options_.admin_token.empty()) {
     std::fprintf(stderr,
@@ -289,9 +290,10 @@ void RouterServer::Impl::Shutdown(absl::Duration grace) {
 absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
                                              const char* what) const {
   if (options_.cluster_token.empty()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        what, " needs the cluster token, and router-svc was started without one "
-              "(--cluster_token_file): membership is closed"));
+    return absl::PermissionDeniedError(
+        absl::StrCat(what,
+                     " needs the cluster token, and router-svc was started without one "
+                     "(--cluster_token_file): membership is closed"));
   }
   const auto& md = ctx->client_metadata();
   auto it = md.find("x-moe-cluster-token");

@@ -190,8 +190,12 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   }
   for (Child& s : c->shards_) MOE_RETURN_IF_ERROR(c->Launch(&s, o.start_timeout));
   c->attention_.name = "attention-svc";
-  c->attention_.args = {o.bin_dir + "/attention-svc", "--checkpoint=" + o.checkpoint, router,
-                        member, "--reply_mode=" + o.reply_mode, threads};
+  c->attention_.args = {o.bin_dir + "/attention-svc",
+                        "--checkpoint=" + o.checkpoint,
+                        router,
+                        member,
+                        "--reply_mode=" + o.reply_mode,
+                        threads};
   c->attention_.args.insert(c->attention_.args.end(), o.attention_args.begin(),
                             o.attention_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->attention_, o.start_timeout));
