@@ -34,18 +34,17 @@ namespace moe::numerics {
 std::vector<int64_t> PartialSums(const tensor::Bf16* y, int64_t rows, int64_t latent,
                                  const int32_t* token_index, const float* weights,
                                  int64_t num_tokens, std::vector<float>* out) {
-  std::vector<int64_t> slot(static_cast<size_t>(num_tokens), -1);
-  for (int64_t r = 0; r < rows; ++r) slot[token_index[r]] = 0;
-  std::vector<int64_t> distinct;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slot[t] >= 0) {
-      slot[t] = static_cast<int64_t>(distinct.size());
-      distinct.push_back(t);
-    }
-  }
+  // Memory in the rows, never in num_tokens (a caller's claim: a small batch may say 2^30).
+  (void)num_tokens;
+  std::vector<int64_t> distinct(token_index, token_index + rows);
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
   out->assign(distinct.size() * static_cast<size_t>(latent), 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
-    float* a = out->data() + slot[token_index[r]] * latent;
+    const int64_t slot =
+        std::lower_bound(distinct.begin(), distinct.end(), int64_t{token_index[r]}) -
+        distinct.begin();
+    float* a = out->data() + slot * latent;
     const tensor::Bf16* yr = y + r * latent;
     const float w = weights[r];
     for (int64_t c = 0; c < latent; ++c) a[c] += yr[c].ToFloat() * w;

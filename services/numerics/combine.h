@@ -34,7 +34,7 @@ namespace moe::numerics {
 // (ascending expert id), row i for token token_index[i] (< num_tokens) with routing weight
 // weights[i] -> out: [distinct tokens, latent] fp32, one row per distinct token in ascending
 // token order, each out[t] = sum over the token's rows of fp32(fp32(y) * w), from 0.0f.
-// Returns the distinct tokens (ascending).
+// Returns the distinct tokens (ascending). Time and memory grow with rows, not num_tokens.
 std::vector<int64_t> PartialSums(const tensor::Bf16* y, int64_t rows, int64_t latent,
                                  const int32_t* token_index, const float* weights,
                                  int64_t num_tokens, std::vector<float>* out);

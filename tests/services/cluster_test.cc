@@ -475,6 +475,17 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     ASSERT_EQ((*got)[c], t0) << "column " << c;
     ASSERT_EQ((*got)[d + c], t2) << "column " << c;
   }
+  // A tiny batch that claims 2^30 tokens costs what its rows cost (same sums, no 8 GB table).
+  v1::DispatchRequest claims = partial;
+  claims.set_num_tokens(1 << 30);
+  const absl::Time t0 = absl::Now();
+  auto claimed = stream.Call(claims, deadline);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  EXPECT_EQ(claimed->outputs().data(), sums->outputs().data());
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
+  // One that claims 2^26 rows is refused before anything that size is allocated.
+  expect_dispatch_error(batch(layer, {{1, 1 << 26}}, z), absl::StatusCode::kResourceExhausted,
+                        "exceed this server's limit");
   partial.set_token_index(1, 7);  // outside num_tokens
   expect_dispatch_error(partial, absl::StatusCode::kInvalidArgument, "token_index 7");
 
