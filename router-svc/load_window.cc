@@ -24,9 +24,20 @@ absl::StatusOr<ReportResult> LoadWindow::Add(const StatsReport& r, uint64_t curr
                                                    " loads, layer ", layer_, " has ", experts_,
                                                    " experts"));
   }
+  // Bounded before any sum, so nothing wraps: a token picks an expert at most once, and one
+  // report never carries more than 2^40 tokens.
+  constexpr int64_t kMaxReportTokens = int64_t{1} << 40;
+  if (r.tokens < 0 || r.tokens > kMaxReportTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report from ", r.node, ": ", r.tokens, " tokens (at most 2^40 per report)"));
+  }
   int64_t sum = 0;
   for (int64_t v : r.loads) {
     if (v < 0) return absl::InvalidArgumentError("negative load in a report");
+    if (v > r.tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("report from ", r.node, ": a load of ", v, " for ", r.tokens, " tokens"));
+    }
     sum += v;
   }
   if (r.tokens < 0 || sum != r.tokens * top_k_) {

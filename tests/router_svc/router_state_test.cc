@@ -2,6 +2,8 @@
 // heartbeat with a test clock, snapshots, shard maps), the bias ledger (versions, rollback,
 // modes), the load window (report validation, stale reports, bounds, the QB plan) and the
 // load-balance page (admin token, queries, errors).
+#include <limits>
+
 #include "gtest/gtest.h"
 #include "router-svc/bias_ledger.h"
 #include "router-svc/load_balance_page.h"
@@ -153,6 +155,14 @@ TEST(LoadWindow, RefusedReportsChangeNothing) {
            {"too few loads", "15 loads, layer 1 has 16 experts",
             [](auto& r) { r.loads.pop_back(); }},
            {"negative", "negative load", [](auto& r) { r.loads[0] = -r.loads[0] - 1; }},
+           // Loads that would wrap int64 in the sum check (forged: 2^63 - 1 and -2^63 + ...).
+           {"wrapping", "a load of 9223372036854775807 for 50 tokens",
+            [](auto& r) {
+              r.loads[0] = std::numeric_limits<int64_t>::max();
+              r.loads[1] = std::numeric_limits<int64_t>::max();
+            }},
+           {"too many tokens", "at most 2^40 per report",
+            [](auto& r) { r.tokens = int64_t{1} << 62; }},
            {"sum", "expected tokens * k = 200",
             [](auto& r) {
               r.loads[0] += 1;
