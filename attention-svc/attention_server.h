@@ -55,6 +55,10 @@ struct AttentionServerOptions {
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
   int workers = 4;             // requests in progress at once (dense compute is serialized)
   int max_queued = 256;        // waiting requests beyond: RESOURCE_EXHAUSTED
+  // Requests of one ForwardStream in progress or waiting at once; beyond: RESOURCE_EXHAUSTED for
+  // that request (one client cannot fill the queue for everyone). Work of a stream the client
+  // cancelled is skipped.
+  int max_stream_in_flight = 16;
   int64_t max_tokens = 16384;  // per request
   int64_t default_timeout_ms = 30000;
   int64_t report_interval_ms = 500;

@@ -35,6 +35,18 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
     ++in_flight_;
   }
 
+  // Work begun and not yet replied to (a per-stream bound: one client cannot queue unbounded
+  // work on one stream).
+  int in_flight() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return in_flight_;
+  }
+  // The client cancelled or went away: queued work can be skipped (its reply is dropped).
+  bool cancelled() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
+
   // ends_work: this reply completes one BeginWork().
   void Reply(Resp reply, bool ends_work) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -93,7 +105,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
 
   Handler on_message_;
   Req request_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::deque<Resp> outbox_;
   int in_flight_ = 0;
   bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;

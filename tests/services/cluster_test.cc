@@ -819,6 +819,69 @@ TEST(ClusterOpenInference, ReadinessFollowsTheShards) {
   wait_until(true);
 }
 
+// One client cannot fill the attention node with work: a ForwardStream holds at most
+// --max_stream_in_flight requests (the rest get RESOURCE_EXHAUSTED, each with its own answer,
+// the stream going on), and the queued work of a stream the client cancelled is skipped.
+TEST(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
+  const std::string& dir = CheckpointFor("mid");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
+  o.attention_args = {"--max_stream_in_flight=4", "--workers=1"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 64, 17);
+  const std::vector<Bf16> want = local->Forward(x, 64, cfg.hidden)->out;
+  {
+    auto stream = client->OpenForwardStream(absl::Seconds(60));
+    ASSERT_TRUE(stream.ok());
+    for (int i = 0; i < 40; ++i) ASSERT_TRUE((*stream)->Send(layer, x, 64, cfg.hidden).ok());
+    ASSERT_TRUE((*stream)->CloseSend().ok());
+    int ok = 0, refused = 0;
+    for (int i = 0; i < 41; ++i) {  // 40 answers, then the end of the stream
+      auto r = (*stream)->Receive();
+      if (!r.ok()) break;
+      if (r->second.ok()) {
+        ++ok;
+        EXPECT_TRUE(SameBits(r->second->out, want));
+      } else {
+        EXPECT_EQ(r->second.status().code(), absl::StatusCode::kResourceExhausted);
+        EXPECT_NE(r->second.status().message().find("in flight on this stream"),
+                  absl::string_view::npos)
+            << r->second.status();
+        ++refused;
+      }
+    }
+    std::printf("[one stream, 40 requests, limit 4] %d answered, %d refused\n", ok, refused);
+    EXPECT_EQ(ok + refused, 40);
+    EXPECT_GE(ok, 4);
+    EXPECT_GE(refused, 1);
+  }
+  // Cancelled: what waited in the queue is not computed.
+  const std::vector<Bf16> big = checkpoint::SyntheticHiddenStates(cfg, 256, 18);
+  {
+    auto stream = client->OpenForwardStream(absl::Seconds(60));
+    ASSERT_TRUE(stream.ok());
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE((*stream)->Send(layer, big, 256, cfg.hidden).ok());
+    // The first answer means the node has read all four (one worker: the rest wait).
+    auto first = (*stream)->Receive();
+    ASSERT_TRUE(first.ok()) << first.status();
+  }  // destroyed: cancelled
+  double skipped = 0;
+  for (int i = 0; i < 50 && skipped < 1; ++i) {  // bounded: 5 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    skipped = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_errors_total",
+                                      {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
+  }
+  EXPECT_GE(skipped, 1) << "the cancelled stream's queued work ran anyway";
+  // The node serves the next client at once.
+  auto after = client->Forward(layer, x, 64, cfg.hidden);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(SameBits(after->out, want));
+}
+
 // Skewed traffic, Rebalance, fresh traffic: MaxVio over the next window falls. Admin calls need
 // the token; rollback restores the checkpoint's bias.
 TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
