@@ -53,8 +53,8 @@ struct AttentionServerOptions {
   ReplyMode reply_mode = ReplyMode::kPerPair;
   int threads = 0;  // dense compute threads (0: all cores)
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
-  int workers = 4;             // requests in progress at once (dense compute is serialized)
-  int max_queued = 256;        // waiting requests beyond: RESOURCE_EXHAUSTED
+  int workers = 4;       // requests in progress at once (dense compute is serialized)
+  int max_queued = 256;  // waiting requests beyond: RESOURCE_EXHAUSTED
   // Requests of one ForwardStream in progress or waiting at once; beyond: RESOURCE_EXHAUSTED for
   // that request (one client cannot fill the queue for everyone). Work of a stream the client
   // cancelled is skipped.

@@ -401,10 +401,10 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
   // 2^26 rows).
   const int64_t pair_bytes = rows * cfg_.latent * static_cast<int64_t>(sizeof(Bf16));
   if (pair_bytes > options_.max_message_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        where, ": ", rows, " (token, expert) rows of ", cfg_.latent, " bf16 (", pair_bytes,
-        " bytes) exceed this server's limit of ", options_.max_message_bytes,
-        " bytes per batch (--max_message_bytes)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(where, ": ", rows, " (token, expert) rows of ", cfg_.latent, " bf16 (",
+                     pair_bytes, " bytes) exceed this server's limit of ",
+                     options_.max_message_bytes, " bytes per batch (--max_message_bytes)"));
   }
   MOE_ASSIGN_OR_RETURN(
       transport::Bf16Matrix z,
