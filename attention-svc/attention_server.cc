@@ -643,48 +643,49 @@ grpc::ServerUnaryReactor* AttentionServer::Impl::Forward(grpc::CallbackServerCon
 grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>*
 AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
   const absl::Time stream_deadline = absl::FromChrono(ctx->deadline());
-  return new ForwardStreamReactor([this, stream_deadline](v1::ForwardRequest&& req,
-                                                          ForwardStreamReactor* stream) {
-    const absl::Time deadline =
-        std::min(stream_deadline, absl::Now() + absl::Milliseconds(options_.default_timeout_ms));
-    auto shared_req = std::make_shared<v1::ForwardRequest>(std::move(req));
-    if (stream->in_flight() >= options_.max_stream_in_flight) {
-      if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
-      v1::ForwardResponse resp;
-      resp.set_request_id(shared_req->request_id());
-      resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-      resp.set_message(absl::StrCat("attention node ", options_.node, ": ",
-                                    options_.max_stream_in_flight,
-                                    " requests already in flight on this stream"));
-      stream->Reply(std::move(resp), /*ends_work=*/false);
-      return;
-    }
-    stream->BeginWork();
-    auto run = [this, shared_req, stream, deadline] {
-      v1::ForwardResponse resp;
-      if (stream->cancelled()) {  // nobody reads the answer: the cores go to other clients
-        if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "CANCELLED");
-        stream->Reply(std::move(resp), /*ends_work=*/true);
-        return;
-      }
-      const absl::Status s = ServeForward(*shared_req, deadline, &resp, "ForwardStream");
-      if (!s.ok()) {
-        resp.Clear();
-        resp.set_request_id(shared_req->request_id());
-        resp.set_code(static_cast<int>(s.code()));
-        resp.set_message(std::string(s.message()));
-      }
-      stream->Reply(std::move(resp), /*ends_work=*/true);
-    };
-    if (!workers_->Submit(run)) {
-      if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
-      v1::ForwardResponse resp;
-      resp.set_request_id(shared_req->request_id());
-      resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-      resp.set_message("too many requests waiting");
-      stream->Reply(std::move(resp), /*ends_work=*/true);
-    }
-  });
+  return new ForwardStreamReactor(
+      [this, stream_deadline](v1::ForwardRequest&& req, ForwardStreamReactor* stream) {
+        const absl::Time deadline = std::min(
+            stream_deadline, absl::Now() + absl::Milliseconds(options_.default_timeout_ms));
+        auto shared_req = std::make_shared<v1::ForwardRequest>(std::move(req));
+        if (stream->in_flight() >= options_.max_stream_in_flight) {
+          if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
+          v1::ForwardResponse resp;
+          resp.set_request_id(shared_req->request_id());
+          resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+          resp.set_message(absl::StrCat("attention node ", options_.node, ": ",
+                                        options_.max_stream_in_flight,
+                                        " requests already in flight on this stream"));
+          stream->Reply(std::move(resp), /*ends_work=*/false);
+          return;
+        }
+        stream->BeginWork();
+        auto run = [this, shared_req, stream, deadline] {
+          v1::ForwardResponse resp;
+          if (stream->cancelled()) {  // nobody reads the answer: the cores go to other clients
+            if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "CANCELLED");
+            stream->Reply(std::move(resp), /*ends_work=*/true);
+            return;
+          }
+          const absl::Status s = ServeForward(*shared_req, deadline, &resp, "ForwardStream");
+          if (!s.ok()) {
+            resp.Clear();
+            resp.set_request_id(shared_req->request_id());
+            resp.set_code(static_cast<int>(s.code()));
+            resp.set_message(std::string(s.message()));
+          }
+          stream->Reply(std::move(resp), /*ends_work=*/true);
+        };
+        if (!workers_->Submit(run)) {
+          if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
+          v1::ForwardResponse resp;
+          resp.set_request_id(shared_req->request_id());
+          resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+          resp.set_message("too many requests waiting");
+          stream->Reply(std::move(resp), /*ends_work=*/true);
+        }
+      },
+      static_cast<size_t>(options_.max_stream_outbox_bytes));
 }
 
 grpc::ServerUnaryReactor* AttentionServer::Impl::GetModelInfo(grpc::CallbackServerContext* ctx,

@@ -59,6 +59,9 @@ struct AttentionServerOptions {
   // that request (one client cannot fill the queue for everyone). Work of a stream the client
   // cancelled is skipped.
   int max_stream_in_flight = 16;
+  // Replies of one ForwardStream waiting for a client that does not read; past this the client
+  // is treated as gone (replies dropped, its queued work skipped).
+  int64_t max_stream_outbox_bytes = int64_t{256} << 20;
   int64_t max_tokens = 16384;  // per request
   int64_t default_timeout_ms = 30000;
   int64_t report_interval_ms = 500;

@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
   flags.Int("max_queued", &o.max_queued, "waiting requests beyond: RESOURCE_EXHAUSTED");
   flags.Int("max_stream_in_flight", &o.max_stream_in_flight,
             "requests of one ForwardStream in progress or waiting at once");
+  flags.Int64("max_stream_outbox_bytes", &o.max_stream_outbox_bytes,
+              "replies waiting for a ForwardStream client that does not read, at most");
   flags.Int64("max_tokens", &o.max_tokens, "tokens per request");
   flags.Int64("default_timeout_ms", &o.default_timeout_ms, "deadline when the caller has none");
   flags.Int64("report_interval_ms", &o.report_interval_ms, "statistics report period");

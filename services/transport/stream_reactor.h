@@ -6,7 +6,9 @@
 // Reply(r, false), or calls BeginWork() and hands the request to a worker that later calls
 // Reply(r, true) exactly once. Replies go out one write at a time. The stream finishes once the
 // client has closed its side and no work is in flight, so a worker never touches a finished
-// reactor; after a cancel, replies are dropped.
+// reactor; after a cancel, replies are dropped. Replies waiting for the client are bounded
+// (max_outbox_bytes): a client that does not read past it is treated as gone (its replies
+// dropped, cancelled() true, so queued work can be skipped), not buffered without end.
 //
 //   return new StreamReactor<Req, Resp>([this](Req&& r, StreamReactor<Req, Resp>* s) {...});
 #ifndef MOE_SERVICES_TRANSPORT_STREAM_REACTOR_H_
@@ -14,8 +16,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <utility>
 
@@ -26,9 +30,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
  public:
   using Handler = std::function<void(Req&&, StreamReactor*)>;
 
-  explicit StreamReactor(Handler on_message) : on_message_(std::move(on_message)) {
+  explicit StreamReactor(Handler on_message, size_t max_outbox_bytes = kDefaultMaxOutboxBytes)
+      : on_message_(std::move(on_message)), max_outbox_bytes_(max_outbox_bytes) {
     this->StartRead(&request_);
   }
+
+  static constexpr size_t kDefaultMaxOutboxBytes = size_t{512} << 20;
 
   void BeginWork() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -52,6 +59,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
     std::lock_guard<std::mutex> lock(mu_);
     if (ends_work) --in_flight_;
     if (!broken_) {
+      outbox_bytes_ += reply.ByteSizeLong();
+      if (outbox_bytes_ > max_outbox_bytes_ && !outbox_.empty()) {
+        // The client does not read: keep only the write in progress, drop the rest.
+        broken_ = true;
+        outbox_.erase(std::next(outbox_.begin()), outbox_.end());
+        outbox_bytes_ = outbox_.front().ByteSizeLong();
+        MaybeFinishLocked();
+        return;
+      }
       outbox_.push_back(std::move(reply));
       if (!writing_) {
         writing_ = true;
@@ -75,6 +91,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
 
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
+    outbox_bytes_ -= std::min(outbox_bytes_, outbox_.front().ByteSizeLong());
     outbox_.pop_front();
     if (!ok) {
       broken_ = true;  // the client is gone: drop what is left
@@ -107,6 +124,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
   Req request_;
   mutable std::mutex mu_;
   std::deque<Resp> outbox_;
+  const size_t max_outbox_bytes_;
+  size_t outbox_bytes_ = 0;
   int in_flight_ = 0;
   bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;
 };

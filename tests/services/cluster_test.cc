@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_inference.grpc.pb.h"
+#include "moe/v1/attention.grpc.pb.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
@@ -880,6 +881,66 @@ TEST(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
   auto after = client->Forward(layer, x, 64, cfg.hidden);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_TRUE(SameBits(after->out, want));
+}
+
+// A client that sends on a ForwardStream and never reads: once its unread replies pass
+// --max_stream_outbox_bytes it is treated as gone (replies dropped, its queued work skipped),
+// not buffered and computed without end; another client is served meanwhile.
+TEST(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
+  const std::string& dir = CheckpointFor("mid");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
+  o.attention_args = {"--max_stream_outbox_bytes=2097152", "--max_stream_in_flight=1000",
+                      "--max_queued=1000", "--workers=1"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 64, 19);
+  const std::vector<Bf16> want = local->Forward(x, 64, cfg.hidden)->out;
+  v1::ForwardRequest req;
+  req.set_layer(layer);
+  transport::EncodeBf16Into(x, 64, cfg.hidden, req.mutable_hidden_states());
+  // A plain channel (default flow-control window): the replies back up in the server.
+  auto stub = v1::AttentionService::NewStub(
+      grpc::CreateChannel((*cluster)->attention_endpoint(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto rw = stub->ForwardStream(&ctx);
+  constexpr int kSent = 200;
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < kSent && absl::Now() - t0 < absl::Seconds(20); ++i) {
+    req.set_request_id(i + 1);
+    ASSERT_TRUE(rw->Write(req));
+  }
+  double skipped = 0;
+  for (int i = 0; i < 200 && skipped < 1; ++i) {  // bounded: 20 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    skipped = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_errors_total",
+                                      {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
+  }
+  EXPECT_GE(skipped, 1) << "the unread replies were buffered without bound";
+  // Another client is served while that stream is still open.
+  auto client = ClientFor(**cluster);
+  auto canary = client->Forward(layer, x, 64, cfg.hidden);
+  ASSERT_TRUE(canary.ok()) << canary.status();
+  EXPECT_TRUE(SameBits(canary->out, want));
+  // The rest of the non-reader's work is skipped, not computed (each reply is 128 KiB: about
+  // 16 fit in the outbox, a few more in flight).
+  for (int i = 0; i < 100; ++i) {  // bounded: 10 s, until every sent request is accounted for
+    skipped = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_errors_total",
+                                      {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
+    if (skipped >= kSent / 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const double computed =
+      moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_forward_tokens_total", {}) /
+          64 -
+      1;  // the canary
+  std::printf("[non-reading stream] %d sent, %.0f computed, %.0f skipped\n", kSent, computed,
+              skipped);
+  EXPECT_LT(computed, kSent / 2);
+  ctx.TryCancel();
 }
 
 // Skewed traffic, Rebalance, fresh traffic: MaxVio over the next window falls. Admin calls need
