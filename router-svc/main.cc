@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   flags.String("cluster_token_file", &o.cluster_token_file,
                "file holding the cluster token (chmod 600) that expert and attention nodes send "
                "to register, heartbeat and report; without one they are refused");
+  flags.Int("max_watchers", &o.max_watchers, "open WatchPlacement/WatchBias streams at once");
   flags.String("admin_token", &o.admin_token,
                "the admin token itself (visible in ps: prefer --admin_token_file)");
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;

@@ -27,6 +27,13 @@ absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
                                                      ") of layer ", r.layer, " is invalid"));
     }
   }
+  if (shards_.count(shard) == 0 && static_cast<int64_t>(shards_.size()) >= max_shards_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("registration of ", shard, ": ", max_shards_, " shards registered already"));
+  }
+  if (shard.size() > 253 || endpoint.size() > 1024 || ranges.size() > 1024) {
+    return absl::InvalidArgumentError("registration: shard name, endpoint or ranges too long");
+  }
   Shard& s = shards_[shard];
   s.endpoint = endpoint;
   s.ranges = ranges;

@@ -52,10 +52,12 @@ struct ShardLoad {
 
 class PlacementRegistry {
  public:
-  explicit PlacementRegistry(int64_t num_experts) : num_experts_(num_experts) {}
+  explicit PlacementRegistry(int64_t num_experts, int64_t max_shards = 4096)
+      : num_experts_(num_experts), max_shards_(max_shards) {}
 
   // A new or re-registering shard (a re-registration replaces its ranges and lease). Returns
-  // the lease id; INVALID_ARGUMENT for a missing name or endpoint or an invalid range.
+  // the lease id; INVALID_ARGUMENT for a missing name or endpoint or an invalid range,
+  // RESOURCE_EXHAUSTED for a new shard past max_shards.
   absl::StatusOr<uint64_t> Register(const std::string& shard, const std::string& endpoint,
                                     const std::vector<LayerRange>& ranges, Clock::time_point now,
                                     const std::string& data_plane = "grpc");
@@ -87,6 +89,7 @@ class PlacementRegistry {
     std::string data_plane;
   };
   const int64_t num_experts_;
+  const int64_t max_shards_;
   std::map<std::string, Shard> shards_;
   // Leases are random 64-bit numbers (never 0, never one in use): a lease cannot be guessed,
   // and one from before a restart does not name another shard's registration after it.

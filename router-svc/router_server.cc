@@ -93,6 +93,12 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     auto* r = new WatchReactor<v1::Placement>(&mu_, &placement_watchers_, nullptr);
     placement_watchers_.insert(r);
+    if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
+        options_.max_watchers) {
+      r->Refuse(absl::ResourceExhaustedError(
+          absl::StrCat(options_.max_watchers, " watch streams are open already (--max_watchers)")));
+      return r;
+    }
     r->Push(ToProto(registry_->Snapshot(Clock::now())));
     return r;
   }
@@ -109,8 +115,15 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     auto* r = new WatchReactor<v1::LayerBias>(
         &mu_, &bias_watchers_,
-        [wanted](const v1::LayerBias& b) { return wanted.empty() || wanted.count(b.layer()); });
+        [wanted](const v1::LayerBias& b) { return wanted.empty() || wanted.count(b.layer()); },
+        [](const v1::LayerBias& b) { return int64_t{b.layer()}; });
     bias_watchers_.insert(r);
+    if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
+        options_.max_watchers) {
+      r->Refuse(absl::ResourceExhaustedError(
+          absl::StrCat(options_.max_watchers, " watch streams are open already (--max_watchers)")));
+      return r;
+    }
     for (const auto& [l, state] : layers_) r->Push(ToProto(state.ledger.current()));
     return r;
   }

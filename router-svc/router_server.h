@@ -56,6 +56,9 @@ struct RouterServerOptions {
   // statistics unauthenticated. cluster_token_file wins over cluster_token.
   std::string cluster_token;
   std::string cluster_token_file;
+  // Open WatchPlacement / WatchBias streams at once; beyond: RESOURCE_EXHAUSTED. (Each watcher
+  // holds at most one queued message per key: watch_reactor.h.)
+  int max_watchers = 1024;
 };
 
 class RouterServer {

@@ -329,6 +329,55 @@ TEST(RouterServer, StartsEveryLayerInTheGivenMode) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
 }
 
+// Watchers hold states, not events: one that does not read while the placement changes 300
+// times then reads the latest placement after far fewer messages; watch streams are bounded.
+TEST(RouterServer, WatchersGetTheLatestStateAndAreBounded) {
+  RouterServerOptions o;
+  o.max_watchers = 2;
+  Router r(o);
+  grpc::ClientContext slow_ctx;
+  slow_ctx.AddMetadata("x-moe-cluster-token", kMember);
+  auto slow = r->WatchPlacement(&slow_ctx, v1::GetPlacementRequest());
+  v1::Placement first;
+  ASSERT_TRUE(slow->Read(&first));
+  constexpr int kChanges = 300;
+  for (int i = 0; i < kChanges; ++i) {
+    v1::RegisterExpertServerRequest reg;
+    reg.set_shard("shard-" + std::to_string(i) + std::string(200, 'x'));  // big placements
+    reg.set_endpoint("127.0.0.1:1/" + std::string(1000, 'e'));            // beyond the 16 MB window
+    v1::ExpertRange* range = reg.add_ranges();
+    range->set_layer(1);
+    range->set_expert_lo(0);
+    range->set_expert_hi(16);
+    v1::RegisterExpertServerResponse lease;
+    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+  }
+  v1::Placement latest;
+  ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &latest).ok());
+  ASSERT_EQ(latest.shards_size(), kChanges);
+  int messages = 0;
+  v1::Placement p;
+  while (messages < kChanges && slow->Read(&p)) {  // bounded: at most one message per change
+    ++messages;
+    if (p.version() == latest.version()) break;
+  }
+  EXPECT_EQ(p.version(), latest.version());
+  EXPECT_EQ(p.shards_size(), kChanges);
+  std::printf("[slow watcher] %d placement changes, %d messages read\n", kChanges, messages);
+  EXPECT_LT(messages, kChanges / 2);
+  // A second watch is allowed, a third refused (max_watchers = 2).
+  grpc::ClientContext second_ctx, third_ctx;
+  auto second = r->WatchPlacement(&second_ctx, v1::GetPlacementRequest());
+  ASSERT_TRUE(second->Read(&p));
+  auto third = r->WatchPlacement(&third_ctx, v1::GetPlacementRequest());
+  EXPECT_FALSE(third->Read(&p));
+  EXPECT_EQ(third->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  slow_ctx.TryCancel();
+  second_ctx.TryCancel();
+  (void)slow->Finish();
+  (void)second->Finish();
+}
+
 // Membership is authenticated: registrations, heartbeats and reports need the cluster token,
 // and a router without one accepts none; a forged report changes nothing.
 TEST(RouterServer, OnlyMembersRegisterHeartbeatAndReport) {

@@ -40,6 +40,19 @@ TEST(PlacementRegistry, RefusesBadRegistrationsWithTheReason) {
   }
 }
 
+TEST(PlacementRegistry, HoldsAtMostMaxShards) {
+  PlacementRegistry reg(16, /*max_shards=*/2);
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(reg.Register("shard-0", "h:1", {{1, 0, 8}}, t0).ok());
+  ASSERT_TRUE(reg.Register("shard-1", "h:2", {{1, 8, 16}}, t0).ok());
+  auto third = reg.Register("shard-2", "h:3", {{1, 0, 16}}, t0);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_TRUE(reg.Register("shard-1", "h:4", {{1, 8, 16}}, t0).ok());  // re-registering is fine
+  EXPECT_EQ(reg.shards(), 2);
+  EXPECT_EQ(reg.Register(std::string(300, 'x'), "h:5", {{1, 0, 16}}, t0).status().code(),
+            absl::StatusCode::kResourceExhausted);  // the bound comes first
+}
+
 TEST(PlacementRegistry, LeasesHeartbeatsAndHealth) {
   PlacementRegistry reg(16);
   const Clock::time_point t0;
