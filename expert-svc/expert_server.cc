@@ -164,6 +164,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<dataplane::UcxWorker> ucx_;
   std::mutex clients_mu_;
   std::map<uint64_t, uint64_t> client_eps_ ABSL_GUARDED_BY(clients_mu_);  // client id -> endpoint
+  // client id -> its worker address: a client that opens the data plane again (a reconnect)
+  // replaces its old entry instead of piling up to the client limit.
+  std::map<uint64_t, std::string> client_addresses_ ABSL_GUARDED_BY(clients_mu_);
   uint64_t next_client_ ABSL_GUARDED_BY(clients_mu_) = 1;
 };
 
@@ -826,6 +829,18 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
   uint64_t client = 0;
   {
     std::lock_guard<std::mutex> lock(clients_mu_);
+    for (auto it = client_addresses_.begin(); it != client_addresses_.end();) {
+      if (it->second != request->worker_address()) {
+        ++it;
+        continue;
+      }
+      auto ep = client_eps_.find(it->first);
+      if (ep != client_eps_.end()) {
+        ucx_->Disconnect(ep->second);
+        client_eps_.erase(ep);
+      }
+      it = client_addresses_.erase(it);
+    }
     if (static_cast<int>(client_eps_.size()) >= options_.max_data_plane_clients) {
       return finish(absl::ResourceExhaustedError(
           absl::StrCat("shard ", options_.shard, ": ", options_.max_data_plane_clients,
@@ -840,11 +855,13 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
   auto ep = ucx_->Connect(request->worker_address(), [this, client](const absl::Status&) {
     std::lock_guard<std::mutex> lock(clients_mu_);
     client_eps_.erase(client);
+    client_addresses_.erase(client);
   });
   if (!ep.ok()) return finish(ep.status());
   {
     std::lock_guard<std::mutex> lock(clients_mu_);
     client_eps_[client] = *ep;
+    client_addresses_[client] = request->worker_address();
   }
   response->set_client_id(client);
   response->set_worker_address(ucx_->address());

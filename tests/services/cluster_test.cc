@@ -541,6 +541,15 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 5), 3 * d * 2, 2000),
                           absl::StatusCode::kInvalidArgument, "activations of 100 bytes");
     (void)sent->Wait(absl::Now() + absl::Seconds(5));
+    // Opening it again from the same worker (a reconnect) replaces the old client.
+    grpc::ClientContext again_ctx;
+    again_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::OpenDataPlaneReply again;
+    ASSERT_TRUE(stub->OpenDataPlane(&again_ctx, open, &again).ok());
+    EXPECT_NE(again.client_id(), me);
+    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 6), 3 * d * 2, 1000),
+                          absl::StatusCode::kFailedPrecondition,
+                          absl::StrCat("unknown data-plane client ", me));
   }
   EXPECT_EQ(stream.streams_opened(), 1);  // errors never broke the stream
 }
