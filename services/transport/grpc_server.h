@@ -33,6 +33,8 @@ struct GrpcServerOptions {
   int max_receive_message_bytes = kDefaultMaxMessageBytes;
   int max_send_message_bytes = kDefaultMaxMessageBytes;
   std::vector<grpc::Service*> services;  // not owned; must outlive the server
+  // Accept gzip/deflate-compressed requests (off: refused, UNIMPLEMENTED, before inflating).
+  bool allow_compression = false;
 };
 
 class GrpcServer {

@@ -149,6 +149,33 @@ def f32_to_bf16(x):
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def attention_pid(endpoint):
+    """The attention-svc process serving endpoint (its --port_file holds the port)."""
+    port = endpoint.rsplit(":", 1)[1]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if not args or not args[0].endswith(b"attention-svc"):
+            continue
+        for a in args:
+            if a.startswith(b"--port_file="):
+                try:
+                    if open(a.split(b"=", 1)[1]).read().strip() == port:
+                        return int(pid)
+                except OSError:
+                    pass
+    raise AssertionError(f"no attention-svc process for {endpoint}")
+
+
+def rss_bytes(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def expect_code(code, fn):
     try:
         fn()
@@ -212,6 +239,24 @@ def test_open_inference_protocol(endpoint, ref):
                                       lambda: oip(ch, "ModelInfer", short))
     expect_code(grpc.StatusCode.INVALID_ARGUMENT,
                 lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], outputs=["logits"])))
+    # A compressed request (a small message that could inflate to GBs) is refused before it is
+    # inflated: the node's memory does not grow by the inflated size, and it keeps serving.
+    pid = attention_pid(endpoint)
+    rss0 = rss_bytes(pid)
+    zeros = np.zeros((16384, 1024), dtype=np.uint16)  # 32 MiB raw, a few KB gzipped
+    call = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    try:
+        call(infer_request(model, zeros, outputs=["output"]), timeout=60,
+             compression=grpc.Compression.Gzip)
+        raise AssertionError("a gzip-compressed request was accepted")
+    except grpc.RpcError as e:
+        assert e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL), e
+        refused = e.code().name
+    grown = rss_bytes(pid) - rss0
+    assert grown < 16 << 20, f"the node grew by {grown} bytes on a refused compressed request"
+    g = decode_infer(oip(ch, "ModelInfer", infer_request(model, x[:5], outputs=["output"])))
+    assert np.array_equal(g["output"][2], out[:5])
+    print(f"compressed request: {refused}, node memory +{grown >> 20} MiB")
     print("open inference protocol: live, ready, metadata, BF16/FP32/contents, routing, "
           f"{TOKENS} tokens, refusals: ok")
 
