@@ -19,6 +19,13 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path);
 // Whether two secrets are equal, in time independent of where they differ.
 bool SecretEquals(const std::string& a, const std::string& b);
 
+// Writes text to path readable by this user only (0600), atomically (a temporary file renamed
+// over it): for token files and for what holds tokens (cluster.json).
+absl::Status WritePrivateFile(const std::string& path, const std::string& text);
+
+// A fresh token: 32 hex digits from the kernel's CSPRNG.
+absl::StatusOr<std::string> RandomSecret();
+
 }  // namespace moe
 
 #endif  // MOE_SERVICES_COMMON_SECRET_FILE_H_

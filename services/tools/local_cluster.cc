@@ -18,6 +18,7 @@
 #include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/placement/placement.h"
 
@@ -26,35 +27,6 @@
 #endif
 
 namespace moe::tools {
-
-namespace {
-
-// path <- text, readable by this user only.
-absl::Status WriteSecret(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  const bool ok = fd >= 0 && ::fchmod(fd, 0600) == 0 &&
-                  ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  if (fd >= 0) ::close(fd);
-  return ok ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", path));
-}
-
-// 32 hex digits from the kernel's CSPRNG.
-absl::StatusOr<std::string> RandomToken() {
-  unsigned char bytes[16];
-  std::ifstream urandom("/dev/urandom", std::ios::binary);
-  if (!urandom.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
-    return absl::InternalError("cannot read /dev/urandom");
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string token;
-  for (unsigned char b : bytes) {
-    token.push_back(kHex[b >> 4]);
-    token.push_back(kHex[b & 15]);
-  }
-  return token;
-}
-
-}  // namespace
 
 namespace {
 
@@ -159,12 +131,12 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   // Tokens go in files only this user can read, never on a command line. The cluster token
   // (membership) is made here, fresh for every cluster.
   if (!o.admin_token.empty()) {
-    MOE_RETURN_IF_ERROR(WriteSecret(o.work_dir + "/admin_token", o.admin_token));
+    MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/admin_token", o.admin_token));
     c->router_.args.push_back("--admin_token_file=" + o.work_dir + "/admin_token");
   }
-  MOE_ASSIGN_OR_RETURN(const std::string cluster_token, RandomToken());
+  MOE_ASSIGN_OR_RETURN(const std::string cluster_token, RandomSecret());
   const std::string member = "--cluster_token_file=" + o.work_dir + "/cluster_token";
-  MOE_RETURN_IF_ERROR(WriteSecret(o.work_dir + "/cluster_token", cluster_token));
+  MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/cluster_token", cluster_token));
   c->router_.args.push_back(member);
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));

@@ -8,9 +8,7 @@
 //   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
 //   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
 //   moe-cli up        --checkpoint DIR [--work_dir D]   (a cluster kept up; D/cluster.json)
-#include <fcntl.h>
 #include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -220,16 +218,8 @@ int Up(int argc, char** argv) {
   if (!cluster.ok()) return Fail(cluster.status());
   const std::string json = (*cluster)->DescribeJson();
   const std::string path = (*cluster)->work_dir() + "/cluster.json";
-  {
-    // It may hold the admin token: readable by this user only.
-    const int fd = ::open((path + ".tmp").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    const std::string text = json + "\n";
-    if (fd < 0 || ::write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
-      return Fail(absl::InternalError("cannot write " + path));
-    }
-    ::close(fd);
-  }
-  std::rename((path + ".tmp").c_str(), path.c_str());
+  // It may hold the admin token: readable by this user only.
+  if (absl::Status s = WritePrivateFile(path, json + "\n"); !s.ok()) return Fail(s);
   std::printf("%s\n", json.c_str());
   std::fflush(stdout);
   const auto until = std::chrono::steady_clock::now() +
