@@ -59,6 +59,15 @@ constexpr absl::Duration kExpertDeadlineMarginMin = absl::Milliseconds(10);
 constexpr absl::Duration kExpertDeadlineMarginMax = absl::Milliseconds(100);
 using ForwardStreamReactor = transport::StreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
 
+// A ForwardStream answer that carries a batch's own failure (the stream goes on).
+v1::ForwardResponse StreamError(uint64_t request_id, const absl::Status& s) {
+  v1::ForwardResponse resp;
+  resp.set_request_id(request_id);
+  resp.set_code(static_cast<int>(s.code()));
+  resp.set_message(std::string(s.message()));
+  return resp;
+}
+
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 struct HostedLayer {
@@ -650,13 +659,12 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
         auto shared_req = std::make_shared<v1::ForwardRequest>(std::move(req));
         if (stream->in_flight() >= options_.max_stream_in_flight) {
           if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
-          v1::ForwardResponse resp;
-          resp.set_request_id(shared_req->request_id());
-          resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-          resp.set_message(absl::StrCat("attention node ", options_.node, ": ",
-                                        options_.max_stream_in_flight,
-                                        " requests already in flight on this stream"));
-          stream->Reply(std::move(resp), /*ends_work=*/false);
+          stream->Reply(
+              StreamError(shared_req->request_id(),
+                          absl::ResourceExhaustedError(absl::StrCat(
+                              "attention node ", options_.node, ": ", options_.max_stream_in_flight,
+                              " requests already in flight on this stream"))),
+              /*ends_work=*/false);
           return;
         }
         stream->BeginWork();
@@ -668,21 +676,14 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
             return;
           }
           const absl::Status s = ServeForward(*shared_req, deadline, &resp, "ForwardStream");
-          if (!s.ok()) {
-            resp.Clear();
-            resp.set_request_id(shared_req->request_id());
-            resp.set_code(static_cast<int>(s.code()));
-            resp.set_message(std::string(s.message()));
-          }
+          if (!s.ok()) resp = StreamError(shared_req->request_id(), s);
           stream->Reply(std::move(resp), /*ends_work=*/true);
         };
         if (!workers_->Submit(run)) {
           if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
-          v1::ForwardResponse resp;
-          resp.set_request_id(shared_req->request_id());
-          resp.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-          resp.set_message("too many requests waiting");
-          stream->Reply(std::move(resp), /*ends_work=*/true);
+          stream->Reply(StreamError(shared_req->request_id(),
+                                    absl::ResourceExhaustedError("too many requests waiting")),
+                        /*ends_work=*/true);
         }
       },
       static_cast<size_t>(options_.max_stream_outbox_bytes));
