@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "expert-svc/batch_verifier.h"
+#include "expert-svc/data_plane_clients.h"
 #include "expert-svc/expert_backend.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
@@ -159,15 +160,11 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
 
   // The UCX data plane: null when not offered. ucx_mu_ (shared by the gRPC handlers) keeps it
-  // alive while they use it; Shutdown takes it exclusively to stop it.
+  // alive while they use it; Shutdown takes it exclusively to stop it. The clients (declared
+  // first) outlive the worker whose callbacks reach them.
+  DataPlaneClients clients_{options_.max_data_plane_clients};
   std::shared_mutex ucx_mu_;
   std::unique_ptr<dataplane::UcxWorker> ucx_;
-  std::mutex clients_mu_;
-  std::map<uint64_t, uint64_t> client_eps_ ABSL_GUARDED_BY(clients_mu_);  // client id -> endpoint
-  // client id -> its worker address: a client that opens the data plane again (a reconnect)
-  // replaces its old entry instead of piling up to the client limit.
-  std::map<uint64_t, std::string> client_addresses_ ABSL_GUARDED_BY(clients_mu_);
-  uint64_t next_client_ ABSL_GUARDED_BY(clients_mu_) = 1;
 };
 
 namespace {
@@ -668,15 +665,9 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
     return fail(absl::FailedPreconditionError(
         absl::StrCat(where, ": this server has no UCX data plane (send the batch in band)")));
   }
-  uint64_t ep = 0;
-  {
-    std::lock_guard<std::mutex> lock(clients_mu_);
-    auto it = client_eps_.find(oob.client_id());
-    if (it == client_eps_.end()) {
-      return fail(absl::FailedPreconditionError(absl::StrCat(
-          where, ": unknown data-plane client ", oob.client_id(), " (call OpenDataPlane again)")));
-    }
-    ep = it->second;
+  const absl::StatusOr<uint64_t> ep = clients_.Endpoint(oob.client_id());
+  if (!ep.ok()) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(where, ": ", ep.status().message())));
   }
   if (dataplane::ClientOfTag(oob.tag()) != oob.client_id()) {
     return fail(absl::InvalidArgumentError(
@@ -695,7 +686,7 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
         absl::StrCat(where, ": no receive buffer: ", buffer.status().message())));
   }
   auto info = std::make_shared<Batch>();
-  info->reply_ep = ep;
+  info->reply_ep = *ep;
   info->reply_tag = oob.reply_tag();
   info->reply_capacity = oob.reply_capacity_bytes();
   info->arrived = Clock::now();
@@ -822,52 +813,16 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
         "shard ", options_.shard, " has no UCX data plane (",
         dataplane::UcxBuilt() ? "started with --data_plane=grpc" : "built without UCX", ")")));
   }
-  if (request->worker_address().empty() || request->worker_address().size() > (64 << 10)) {
-    return finish(absl::InvalidArgumentError(absl::StrCat(
-        "worker_address of ", request->worker_address().size(), " bytes (need 1 to 65536)")));
+  const absl::StatusOr<uint64_t> client = clients_.Open(*ucx_, request->worker_address());
+  if (!client.ok()) {
+    return finish(absl::Status(client.status().code(), absl::StrCat("shard ", options_.shard, ": ",
+                                                                    client.status().message())));
   }
-  uint64_t client = 0;
-  {
-    std::lock_guard<std::mutex> lock(clients_mu_);
-    for (auto it = client_addresses_.begin(); it != client_addresses_.end();) {
-      if (it->second != request->worker_address()) {
-        ++it;
-        continue;
-      }
-      auto ep = client_eps_.find(it->first);
-      if (ep != client_eps_.end()) {
-        ucx_->Disconnect(ep->second);
-        client_eps_.erase(ep);
-      }
-      it = client_addresses_.erase(it);
-    }
-    if (static_cast<int>(client_eps_.size()) >= options_.max_data_plane_clients) {
-      return finish(absl::ResourceExhaustedError(
-          absl::StrCat("shard ", options_.shard, ": ", options_.max_data_plane_clients,
-                       " data-plane clients already (--max_data_plane_clients)")));
-    }
-    if (next_client_ > dataplane::kMaxClientId) {
-      return finish(absl::ResourceExhaustedError("data-plane client ids exhausted"));
-    }
-    client = next_client_++;
-  }
-  // A failed peer (its process died) is forgotten; its id is never given again.
-  auto ep = ucx_->Connect(request->worker_address(), [this, client](const absl::Status&) {
-    std::lock_guard<std::mutex> lock(clients_mu_);
-    client_eps_.erase(client);
-    client_addresses_.erase(client);
-  });
-  if (!ep.ok()) return finish(ep.status());
-  {
-    std::lock_guard<std::mutex> lock(clients_mu_);
-    client_eps_[client] = *ep;
-    client_addresses_[client] = request->worker_address();
-  }
-  response->set_client_id(client);
+  response->set_client_id(*client);
   response->set_worker_address(ucx_->address());
   response->set_tls(ucx_->tls());
   std::fprintf(stderr, "expert-svc: shard %s, data-plane client %llu (%s) connected over UCX\n",
-               options_.shard.c_str(), static_cast<unsigned long long>(client),
+               options_.shard.c_str(), static_cast<unsigned long long>(*client),
                request->node().c_str());
   return finish(absl::OkStatus());
 }
