@@ -350,9 +350,11 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
         s.shard, s.endpoint, options_.max_message_bytes, ucx_.get(), options_.data_plane,
         options_.node, [this](const std::string& shard, const std::string& event) {
           if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
-        });
+        },
+        options_.cluster_token);
   } else if (channel == nullptr) {
-    channel = std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, options_.max_message_bytes);
+    channel = std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, options_.max_message_bytes,
+                                                  options_.cluster_token);
   }
   return channel;
 }

@@ -27,7 +27,8 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
 
 class GrpcExpertChannel final : public ExpertChannel {
  public:
-  GrpcExpertChannel(std::string shard, std::string endpoint, int max_message_bytes);
+  GrpcExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
+                    std::string cluster_token);
   // On an existing stream (the UCX channel's in-band path shares its header stream).
   GrpcExpertChannel(std::string shard, std::shared_ptr<transport::ExpertStream> stream);
   ~GrpcExpertChannel() override;

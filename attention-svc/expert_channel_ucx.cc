@@ -129,15 +129,17 @@ class FailedCall final : public ExpertCall {
 
 UcxExpertChannel::UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
                                    dataplane::UcxWorker* worker, dataplane::DataPlane mode,
-                                   std::string node, EventFn on_event)
+                                   std::string node, EventFn on_event, std::string cluster_token)
     : shard_(shard),
       endpoint_(endpoint),
       node_(std::move(node)),
+      cluster_token_(std::move(cluster_token)),
       max_message_bytes_(max_message_bytes),
       worker_(worker),
       mode_(mode),
       on_event_(std::move(on_event)),
-      stream_(std::make_shared<transport::ExpertStream>(shard, endpoint, max_message_bytes)),
+      stream_(std::make_shared<transport::ExpertStream>(shard, endpoint, max_message_bytes,
+                                                        cluster_token_)),
       inband_(std::make_unique<GrpcExpertChannel>(shard, stream_)) {}
 
 UcxExpertChannel::~UcxExpertChannel() {
@@ -158,6 +160,7 @@ absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
   auto stub = v1::ExpertService::NewStub(transport::MakeChannel(endpoint_, max_message_bytes_));
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + kOpenTimeout)));
+  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
   v1::OpenDataPlaneRequest req;
   req.set_worker_address(worker_->address());
   req.set_node(node_);

@@ -40,7 +40,7 @@ class UcxExpertChannel final : public ExpertChannel {
 
   UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
                    dataplane::UcxWorker* worker, dataplane::DataPlane mode, std::string node,
-                   EventFn on_event);
+                   EventFn on_event, std::string cluster_token);
   ~UcxExpertChannel() override;
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
@@ -53,7 +53,7 @@ class UcxExpertChannel final : public ExpertChannel {
   // Opens (or reopens) the data plane; false: send in band / fail.
   absl::Status EnsureOpen(absl::Time deadline);
 
-  const std::string shard_, endpoint_, node_;
+  const std::string shard_, endpoint_, node_, cluster_token_;
   const int max_message_bytes_;
   dataplane::UcxWorker* const worker_;
   const dataplane::DataPlane mode_;

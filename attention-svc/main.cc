@@ -3,6 +3,8 @@
 
 #include "attention-svc/attention_server.h"
 #include "services/common/svc_main.h"
+#include "services/common/status_macros.h"
+#include "services/transport/security.h"
 
 int main(int argc, char** argv) {
   moe::attention_svc::AttentionServerOptions o;
@@ -40,7 +42,11 @@ int main(int argc, char** argv) {
   flags.Int("micro_batches", &o.micro_batches,
             "split each request into this many micro-batches, two in flight (1: off)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
+  moe::transport::TlsOptions tls;
+  moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
-  return moe::RunServer("attention-svc",
-                        [&]() { return moe::attention_svc::AttentionServer::Start(o); });
+  return moe::RunServer("attention-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::attention_svc::AttentionServer>> {
+    MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
+    return moe::attention_svc::AttentionServer::Start(o);
+  });
 }

@@ -20,7 +20,8 @@ install(FILES services/client/moe_client.h services/client/router_link.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/services/client)
 install(FILES services/tensor/bf16.h services/tensor/dtype.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/services/tensor)
-install(FILES services/transport/channel.h services/transport/status_convert.h
+install(FILES services/transport/channel.h services/transport/security.h
+              services/transport/status_convert.h
               services/transport/tensor_codec.h services/transport/health_check.h
               services/transport/expert_stream.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/services/transport)

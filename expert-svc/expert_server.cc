@@ -90,6 +90,14 @@ constexpr absl::Duration kReplySendGrace = absl::Seconds(5);
 
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
+// A Dispatch stream refused before any message is read.
+class RefusedDispatch final
+    : public grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply> {
+ public:
+  explicit RefusedDispatch(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
@@ -113,6 +121,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* Dispatch(
       grpc::CallbackServerContext* context) override;
   void OnDispatch(v1::DispatchRequest req, DispatchReactor* stream);
+  // OK without a cluster token (no router) or when the call carries it; else UNAUTHENTICATED.
+  absl::Status CheckMember(const grpc::CallbackServerContext& context, const char* what) const;
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
                                     const v1::GetExpertInfoRequest* request,
                                     v1::ExpertServerInfo* response) override;
@@ -312,6 +322,11 @@ absl::Status ExpertServer::Impl::StartServing() {
           if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
         });
   }
+  // Read before anything listens: with a token, Dispatch and OpenDataPlane need it from the
+  // first call on.
+  if (!options_.cluster_token_file.empty()) {
+    MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
+  }
   compute_thread_ = std::thread([this] { ComputeLoop(); });
   transport::GrpcServerOptions so;
   so.host = options_.host;
@@ -336,9 +351,6 @@ absl::Status ExpertServer::Impl::StartServing() {
       r->set_layer(static_cast<int32_t>(l));
       r->set_expert_lo(static_cast<int32_t>(w.expert_lo));
       r->set_expert_hi(static_cast<int32_t>(w.expert_hi));
-    }
-    if (!options_.cluster_token_file.empty()) {
-      MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
     }
     router_ = std::make_unique<client::RouterLink>(options_.router, client::RouterLinkTimings{},
                                                    options_.cluster_token);
@@ -595,8 +607,23 @@ void ExpertServer::Impl::ComputeLoop() {
   }
 }
 
+absl::Status ExpertServer::Impl::CheckMember(const grpc::CallbackServerContext& context,
+                                             const char* what) const {
+  if (options_.cluster_token.empty() ||
+      transport::HasClusterToken(context, options_.cluster_token)) {
+    return absl::OkStatus();
+  }
+  if (metrics_ != nullptr) metrics_->common.Error(what, "UNAUTHENTICATED");
+  return absl::UnauthenticatedError(absl::StrCat(what, " to shard ", options_.shard,
+                                                 " needs the cluster token in the ",
+                                                 transport::kClusterTokenMetadata, " metadata"));
+}
+
 grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* ExpertServer::Impl::Dispatch(
-    grpc::CallbackServerContext* /*context*/) {
+    grpc::CallbackServerContext* context) {
+  if (absl::Status s = CheckMember(*context, "Dispatch"); !s.ok()) {
+    return new RefusedDispatch(transport::ToGrpc(s));
+  }
   return new DispatchReactor([this](v1::DispatchRequest&& req, DispatchReactor* stream) {
     OnDispatch(std::move(req), stream);
   });
@@ -807,6 +834,10 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
     reactor->Finish(transport::ToGrpc(s));
     return reactor;
   };
+  if (absl::Status s = CheckMember(*context, "OpenDataPlane"); !s.ok()) {
+    reactor->Finish(transport::ToGrpc(s));
+    return reactor;
+  }
   std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
   if (ucx_ == nullptr) {
     return finish(absl::FailedPreconditionError(absl::StrCat(

@@ -3,6 +3,8 @@
 
 #include "expert-svc/expert_server.h"
 #include "services/common/svc_main.h"
+#include "services/common/status_macros.h"
+#include "services/transport/security.h"
 
 int main(int argc, char** argv) {
   moe::expert_svc::ExpertServerOptions o;
@@ -38,6 +40,11 @@ int main(int argc, char** argv) {
       "fraction of batches recomputed with the scalar reference off the hot path (0: off)");
   flags.Bool("measure_limits", &o.measure_limits,
              "measure read bandwidth and FMA peak at start (CPU backend, about 0.4 s)");
+  moe::transport::TlsOptions tls;
+  moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
-  return moe::RunServer("expert-svc", [&]() { return moe::expert_svc::ExpertServer::Start(o); });
+  return moe::RunServer("expert-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::expert_svc::ExpertServer>> {
+    MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
+    return moe::expert_svc::ExpertServer::Start(o);
+  });
 }

@@ -308,12 +308,7 @@ absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
                      " needs the cluster token, and router-svc was started without one "
                      "(--cluster_token_file): membership is closed"));
   }
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("x-moe-cluster-token");
-  if (it != md.end() &&
-      SecretEquals(std::string(it->second.data(), it->second.size()), options_.cluster_token)) {
-    return absl::OkStatus();
-  }
+  if (transport::HasClusterToken(*ctx, options_.cluster_token)) return absl::OkStatus();
   return absl::UnauthenticatedError(
       absl::StrCat(what, " needs the cluster token in the x-moe-cluster-token metadata"));
 }

@@ -96,12 +96,16 @@ class GrpcForwardStream final : public ForwardStream {
 
 class GrpcMoeClient final : public MoeClient {
  public:
-  explicit GrpcMoeClient(const ClientOptions& o) : options_(o) {
+  GrpcMoeClient(const ClientOptions& o, std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : options_(o) {
     if (!o.attention.empty()) {
-      attention_channel_ = transport::MakeChannel(o.attention, o.max_message_bytes);
+      attention_channel_ = transport::MakeChannel(o.attention, o.max_message_bytes, credentials);
       attention_ = v1::AttentionService::NewStub(attention_channel_);
     }
-    if (!o.router.empty()) router_ = v1::RouterService::NewStub(transport::MakeChannel(o.router));
+    if (!o.router.empty()) {
+      router_ = v1::RouterService::NewStub(
+          transport::MakeChannel(o.router, transport::kDefaultMaxMessageBytes, credentials));
+    }
   }
 
   absl::StatusOr<ForwardResult> Forward(int32_t layer, absl::Span<const Bf16> x, int64_t tokens,
@@ -220,7 +224,11 @@ absl::StatusOr<std::unique_ptr<MoeClient>> MoeClient::Create(const ClientOptions
   if (options.attention.empty() && options.router.empty()) {
     return absl::InvalidArgumentError("MoeClient needs an attention or a router endpoint");
   }
-  return std::unique_ptr<MoeClient>(new GrpcMoeClient(options));
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: the process's
+  if (options.tls.enabled()) {
+    MOE_ASSIGN_OR_RETURN(credentials, transport::MakeChannelCredentials(options.tls));
+  }
+  return std::unique_ptr<MoeClient>(new GrpcMoeClient(options, std::move(credentials)));
 }
 
 }  // namespace moe::client

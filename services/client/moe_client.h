@@ -20,6 +20,7 @@
 #include "moe/v1/attention.pb.h"
 #include "moe/v1/router.pb.h"
 #include "services/tensor/bf16.h"
+#include "services/transport/security.h"
 
 namespace moe::client {
 
@@ -29,6 +30,9 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(30);
   std::string admin_token;  // sent as x-moe-admin-token on admin calls
   int max_message_bytes = 256 << 20;
+  // TLS to both (transport/security.h); no CA file: the process's credentials (plaintext unless
+  // ConfigureProcessTls was called).
+  transport::TlsOptions tls;
 };
 
 struct ForwardOptions {

@@ -86,7 +86,7 @@ void RouterLink::WatchBias(std::vector<int32_t> layers,
 absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::ReportStatsRequest& req) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timings_.call_timeout);
-  if (!cluster_token_.empty()) ctx.AddMetadata("x-moe-cluster-token", cluster_token_);
+  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
   v1::ReportStatsResponse resp;
   const grpc::Status s = stub_->ReportStats(&ctx, req, &resp);
   if (!s.ok()) return transport::FromGrpc(s);
@@ -101,7 +101,7 @@ void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
     while (Sleep(lease == 0 ? timings_.reconnect_delay : interval)) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx, timings_.call_timeout);
-      if (!cluster_token_.empty()) ctx.AddMetadata("x-moe-cluster-token", cluster_token_);
+      if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
       if (lease == 0) {
         v1::RegisterExpertServerResponse resp;
         if (stub_->RegisterExpertServer(&ctx, req, &resp).ok()) {

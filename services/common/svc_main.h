@@ -43,6 +43,20 @@ void AddWeightFlags(SvcFlags& flags, Options* o) {
   flags.IntList("layers", &o->layers, "MoE layers to host, comma-separated (empty: first)");
 }
 
+// TLS of every gRPC channel and server of the process (transport/security.h TlsOptions fields;
+// the files are watched, so a rotated certificate needs no restart).
+template <typename Tls>
+void AddTlsFlags(SvcFlags& flags, Tls* tls) {
+  flags.String("tls_cert_file", &tls->cert_file, "this process's certificate chain (PEM)");
+  flags.String("tls_key_file", &tls->key_file, "its private key (PEM, chmod 600)");
+  flags.String("tls_ca_file", &tls->ca_file,
+               "CA bundle that peers are verified against (PEM); empty: plaintext");
+  flags.Bool("tls_require_client_cert", &tls->require_client_cert,
+             "servers refuse clients without a certificate from the CA (mutual TLS)");
+  flags.Int("tls_refresh_seconds", &tls->refresh_seconds,
+            "how often the TLS files are checked for a new version");
+}
+
 // Blocks SIGINT and SIGTERM in every thread (call before starting any), then waits for one.
 void BlockTerminationSignals();
 int WaitForTerminationSignal();

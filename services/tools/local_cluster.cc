@@ -124,6 +124,14 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     }
   }
   const std::string threads = absl::StrCat("--threads=", o.threads);
+  std::vector<std::string> tls;
+  if (o.tls.enabled()) {
+    MOE_RETURN_IF_ERROR(transport::ValidateTlsOptions(o.tls, /*server=*/true));
+    tls = {"--tls_cert_file=" + o.tls.cert_file, "--tls_key_file=" + o.tls.key_file,
+           "--tls_ca_file=" + o.tls.ca_file,
+           absl::StrCat("--tls_require_client_cert=", o.tls.require_client_cert ? "true" : "false"),
+           absl::StrCat("--tls_refresh_seconds=", o.tls.refresh_seconds)};
+  }
   c->router_.name = "router-svc";
   const std::string web_file = o.work_dir + "/router-svc.web_port";
   c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint, "--web_port=0",
@@ -138,6 +146,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   const std::string member = "--cluster_token_file=" + o.work_dir + "/cluster_token";
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/cluster_token", cluster_token));
   c->router_.args.push_back(member);
+  c->router_.args.insert(c->router_.args.end(), tls.begin(), tls.end());
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
   c->router_port_ = c->router_.port;
@@ -157,6 +166,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
               router,
               member,
               threads};
+    s.args.insert(s.args.end(), tls.begin(), tls.end());
     s.args.insert(s.args.end(), o.expert_args.begin(), o.expert_args.end());
     c->shards_.push_back(std::move(s));
   }
@@ -168,6 +178,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
                         member,
                         "--reply_mode=" + o.reply_mode,
                         threads};
+  c->attention_.args.insert(c->attention_.args.end(), tls.begin(), tls.end());
   c->attention_.args.insert(c->attention_.args.end(), o.attention_args.begin(),
                             o.attention_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->attention_, o.start_timeout));
@@ -176,9 +187,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   return c;
 }
 
-absl::Status LocalCluster::WaitReady(absl::Duration timeout) {
+client::ClientOptions LocalCluster::client_options() const {
   client::ClientOptions co;
   co.attention = attention_endpoint();
+  co.router = router_endpoint();
+  co.tls = options_.tls;
+  return co;
+}
+
+absl::Status LocalCluster::WaitReady(absl::Duration timeout) {
+  client::ClientOptions co = client_options();
+  co.router.clear();
   co.timeout = absl::Seconds(2);
   MOE_ASSIGN_OR_RETURN(auto client, client::MoeClient::Create(co));
   const absl::Time until = absl::Now() + timeout;

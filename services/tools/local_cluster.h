@@ -21,6 +21,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "services/client/moe_client.h"
+#include "services/transport/security.h"
 
 namespace moe::tools {
 
@@ -35,6 +37,9 @@ struct LocalClusterOptions {
   std::string admin_token;  // empty: router-svc refuses admin calls
   int threads = 0;          // per process (0: all cores)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
+  // TLS for every process (all present the same certificate; --tls_* flags) and for this
+  // process's own calls to the cluster (WaitReady; client_options()).
+  transport::TlsOptions tls;
   absl::Duration start_timeout = absl::Seconds(120);
 };
 
@@ -56,6 +61,8 @@ class LocalCluster {
   std::string shard_name(int i) const { return shards_[i].name; }
   int num_shards() const { return static_cast<int>(shards_.size()); }
   const std::string& work_dir() const { return options_.work_dir; }
+  // Client options for this cluster: both endpoints and its TLS.
+  client::ClientOptions client_options() const;
 
   // Sends a signal to shard i (SIGKILL to crash it, SIGSTOP/SIGCONT to stall it).
   absl::Status SignalShard(int i, int sig);

@@ -46,7 +46,9 @@ struct Common {
   std::string attention, router, admin_token, admin_token_file;
   int64_t layer = 1;
   double timeout_s = 30;
+  transport::TlsOptions tls;
   void Register(SvcFlags& f) {
+    AddTlsFlags(f, &tls);
     f.String("attention", &attention, "attention-svc host:port");
     f.String("router", &router, "router-svc host:port");
     f.String("admin_token_file", &admin_token_file,
@@ -64,6 +66,7 @@ struct Common {
       MOE_ASSIGN_OR_RETURN(o.admin_token, ReadSecretFile(admin_token_file));
     }
     o.timeout = absl::Seconds(timeout_s);
+    o.tls = tls;
     return client::MoeClient::Create(o);
   }
 };

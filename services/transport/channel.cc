@@ -2,9 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "services/transport/security.h"
+
 namespace moe::transport {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_message_bytes) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_message_bytes,
+                                           std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   args.SetMaxSendMessageSize(max_message_bytes);
@@ -16,7 +19,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_
   // Each peer gets its own connection (an attention node's shard streams must not share one
   // TCP connection with unrelated calls).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
+  if (credentials == nullptr) credentials = ProcessChannelCredentials();
+  return grpc::CreateCustomChannel(endpoint, credentials, args);
 }
 
 }  // namespace moe::transport

@@ -10,18 +10,24 @@
 
 namespace grpc {
 class Channel;
+class ChannelCredentials;
 }  // namespace grpc
 
 namespace moe::transport {
 
 inline constexpr int kDefaultMaxMessageBytes = 256 << 20;
+// The metadata key of the cluster (membership) token: on registration, heartbeats and reports to
+// router-svc, and on the attention node's Dispatch and OpenDataPlane calls to expert shards.
+inline constexpr char kClusterTokenMetadata[] = "x-moe-cluster-token";
 // HTTP/2 frames and flow-control window of every channel and server (large tensors).
 inline constexpr int kHttp2FrameBytes = 1 << 20;
 inline constexpr int kHttp2LookaheadBytes = 16 << 20;
 
-// A channel to host:port with fast reconnects (100 ms .. 1 s backoff) and the given limits.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint,
-                                           int max_message_bytes = kDefaultMaxMessageBytes);
+// A channel to host:port with fast reconnects (100 ms .. 1 s backoff) and the given limits, over
+// the given credentials (null: the process's, security.h: plaintext unless TLS is configured).
+std::shared_ptr<grpc::Channel> MakeChannel(
+    const std::string& endpoint, int max_message_bytes = kDefaultMaxMessageBytes,
+    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
 }  // namespace moe::transport
 

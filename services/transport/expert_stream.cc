@@ -16,8 +16,10 @@ namespace moe::transport {
 
 class ExpertStream::Session {
  public:
-  Session(std::shared_ptr<grpc::Channel> channel, std::string describe)
+  Session(std::shared_ptr<grpc::Channel> channel, std::string describe,
+          const std::string& cluster_token)
       : stub_(v1::ExpertService::NewStub(channel)), describe_(std::move(describe)) {
+    if (!cluster_token.empty()) ctx_.AddMetadata(kClusterTokenMetadata, cluster_token);
     writer_ = std::thread([this] { WriterLoop(); });
   }
 
@@ -131,10 +133,12 @@ class ExpertStream::Session {
   bool broken_ = false;
 };
 
-ExpertStream::ExpertStream(std::string shard, std::string endpoint, int max_message_bytes)
+ExpertStream::ExpertStream(std::string shard, std::string endpoint, int max_message_bytes,
+                           std::string cluster_token)
     : shard_(std::move(shard)),
       endpoint_(std::move(endpoint)),
-      max_message_bytes_(max_message_bytes) {}
+      max_message_bytes_(max_message_bytes),
+      cluster_token_(std::move(cluster_token)) {}
 
 ExpertStream::~ExpertStream() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -166,7 +170,8 @@ std::shared_ptr<PendingReply> ExpertStream::Send(v1::DispatchRequest request) {
       }
       // Joins sessions whose threads have ended (closed above or earlier).
       if (retired_.size() > 4) retired_.erase(retired_.begin());
-      current_ = std::make_shared<Session>(MakeChannel(endpoint_, max_message_bytes_), Describe());
+      current_ = std::make_shared<Session>(MakeChannel(endpoint_, max_message_bytes_), Describe(),
+                                         cluster_token_);
       ++streams_opened_;
     }
     if (current_->Enqueue(req, p)) return p;  // else it broke between the check and here

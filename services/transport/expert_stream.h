@@ -39,7 +39,9 @@ struct PendingReply {
 
 class ExpertStream {
  public:
-  ExpertStream(std::string shard, std::string endpoint, int max_message_bytes);
+  // cluster_token: sent on the stream (kClusterTokenMetadata) when not empty.
+  ExpertStream(std::string shard, std::string endpoint, int max_message_bytes,
+               std::string cluster_token = "");
   ~ExpertStream();
   ExpertStream(const ExpertStream&) = delete;
   ExpertStream& operator=(const ExpertStream&) = delete;
@@ -65,6 +67,7 @@ class ExpertStream {
 
   const std::string shard_, endpoint_;
   const int max_message_bytes_;
+  const std::string cluster_token_;
   mutable std::mutex mu_;
   std::shared_ptr<Session> current_;
   std::vector<std::shared_ptr<Session>> retired_;

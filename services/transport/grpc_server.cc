@@ -8,6 +8,8 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/secret_file.h"
+#include "services/transport/security.h"
 
 namespace moe::transport {
 
@@ -20,7 +22,13 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   const std::string address = options.host.find(':') != std::string::npos
                                   ? absl::StrCat("[", options.host, "]:", options.port)
                                   : absl::StrCat(options.host, ":", options.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &s->port_);
+  std::shared_ptr<grpc::ServerCredentials> credentials = options.credentials;
+  if (credentials == nullptr) {
+    auto process = ProcessServerCredentials();
+    if (!process.ok()) return process.status();
+    credentials = *std::move(process);
+  }
+  builder.AddListeningPort(address, credentials, &s->port_);
   builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   builder.SetMaxSendMessageSize(options.max_send_message_bytes);
   // Tensor payloads are MBs: bigger HTTP/2 frames and windows mean fewer frames and flow-control
@@ -68,6 +76,13 @@ void GrpcServer::Shutdown(absl::Duration grace) {
 }
 
 void GrpcServer::Wait() { server_->Wait(); }
+
+bool HasClusterToken(const grpc::ServerContextBase& context, const std::string& expected) {
+  if (expected.empty()) return false;
+  const auto& md = context.client_metadata();
+  auto it = md.find(kClusterTokenMetadata);
+  return it != md.end() && SecretEquals(std::string(it->second.data(), it->second.size()), expected);
+}
 
 absl::Status WritePortFile(const std::string& path, int port) {
   const std::string tmp = path + ".tmp";

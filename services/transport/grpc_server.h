@@ -18,6 +18,8 @@
 
 namespace grpc {
 class Server;
+class ServerContextBase;
+class ServerCredentials;
 class Service;
 }  // namespace grpc
 
@@ -35,6 +37,8 @@ struct GrpcServerOptions {
   std::vector<grpc::Service*> services;  // not owned; must outlive the server
   // Accept gzip/deflate-compressed requests (off: refused, UNIMPLEMENTED, before inflating).
   bool allow_compression = false;
+  // null: the process's (security.h; plaintext unless TLS is configured).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 class GrpcServer {
@@ -57,6 +61,10 @@ class GrpcServer {
   int port_ = 0;
   bool shut_down_ = false;
 };
+
+// Whether the call carries `expected` as its cluster token (kClusterTokenMetadata), compared in
+// constant time. False when expected is empty.
+bool HasClusterToken(const grpc::ServerContextBase& context, const std::string& expected);
 
 // Writes the port to path atomically (tmp file + rename), for launchers that start servers on
 // port 0.

@@ -6,7 +6,10 @@
 
 #include <stdlib.h>
 
+#include <cstdlib>
+
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,14 +54,20 @@ inline const std::string& CheckpointFor(const std::string& preset) {
 
 inline std::unique_ptr<client::MoeClient> ClientFor(const LocalCluster& c,
                                                     const std::string& token = "") {
-  client::ClientOptions o;
-  o.attention = c.attention_endpoint();
-  o.router = c.router_endpoint();
+  client::ClientOptions o = c.client_options();
   o.admin_token = token;
   o.timeout = absl::Seconds(30);
   auto client = client::MoeClient::Create(o);
   EXPECT_TRUE(client.ok());
   return std::move(*client);
+}
+
+// The cluster (membership) token LocalCluster made for its members (work_dir/cluster_token).
+inline std::string ClusterToken(const LocalCluster& c) {
+  std::ifstream f(c.work_dir() + "/cluster_token");
+  std::string token;
+  f >> token;
+  return token;
 }
 
 inline std::unique_ptr<numerics::cpu::CpuMoeLayer> InProcessLayer(const std::string& ckpt_dir,
@@ -99,6 +108,25 @@ inline std::vector<std::string> Concat(std::vector<std::string> a,
   return a;
 }
 inline const std::vector<std::string> kGrpc = {"--data_plane=grpc"};
+
+// Fresh certificates in dir/pki (tests/common/make_test_pki.sh, openssl): the cluster CA, two
+// member certificates from it, and a certificate from another CA. Empty on failure.
+inline std::string MakeTestPki(const std::string& dir) {
+  const std::string pki = dir + "/pki";
+  const std::string cmd =
+      std::string("bash ") + MOE_SOURCE_DIR + "/tests/common/make_test_pki.sh " + pki;
+  return std::system(cmd.c_str()) == 0 ? pki : std::string();
+}
+// TLS options for a member certificate `name` of the PKI (mutual TLS unless told).
+inline transport::TlsOptions MemberTls(const std::string& pki, const std::string& name = "member",
+                                       const std::string& ca = "ca") {
+  transport::TlsOptions t;
+  t.cert_file = pki + "/" + name + ".pem";
+  t.key_file = pki + "/" + name + ".key";
+  t.ca_file = pki + "/" + ca + ".pem";
+  t.refresh_seconds = 1;
+  return t;
+}
 
 }  // namespace moe::testing
 

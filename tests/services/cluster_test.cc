@@ -77,6 +77,9 @@ struct ClusterCase {
   // micro-batches (the shards then see other per-expert batch sizes, which may pick the other
   // expert kernel: decode and panel agree within kExpertFfnTolerance, not bit for bit).
   int64_t micro_batches = 1;
+  // "tls": every channel TLS, servers verified (clients need no certificate); "mtls": both
+  // sides verified; "": plaintext.
+  std::string tls = "";
 };
 
 // The in-process layer over the micro-batches attention-svc makes of T tokens (ceil(T / n)
@@ -115,6 +118,12 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   LocalClusterOptions o = TestCluster(dir, p.shards);
   o.attention_args = p.attention_args;
   o.expert_args = p.expert_args;
+  if (!p.tls.empty()) {
+    const std::string pki = moe::testing::MakeTestPki(moe::testing::MakeTempDir("pki"));
+    ASSERT_FALSE(pki.empty());
+    o.tls = moe::testing::MemberTls(pki);
+    o.tls.require_client_cert = p.tls == "mtls";
+  }
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto client = ClientFor(**cluster);
@@ -269,7 +278,18 @@ INSTANTIATE_TEST_SUITE_P(
                     {{0, 40}, {40, 128}},
                     Concat(UcxArgs("posix,tcp"), {"--max_dispatch_bytes=65536"}),
                     UcxArgs("posix,tcp"),
-                    "ucx"}),
+                    "ucx"},
+        // TLS on every channel: servers verified only, and mutual (the data plane is opened
+        // through the mutually authenticated channel, docs/security.md).
+        ClusterCase{"tiny_tls", "tiny", {{0, 5}, {5, 16}}, kGrpc, kGrpc, "grpc", 1, "tls"},
+        ClusterCase{"mid_mtls_ucx_shm",
+                    "mid",
+                    {{0, 40}, {40, 128}},
+                    UcxArgs("posix,tcp"),
+                    UcxArgs("posix,tcp"),
+                    "ucx",
+                    1,
+                    "mtls"}),
     [](const auto& info) { return info.param.name; });
 
 // Bad input to attention-svc and to expert-svc directly: the right code, a message that says
@@ -336,8 +356,10 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   ASSERT_TRUE(good.ok()) << good.status();
   EXPECT_TRUE(SameBits(good->out, local->Forward(x, 8, h)->out));
 
-  // Straight to shard-0 (experts [0, 7)) on one Dispatch stream.
-  transport::ExpertStream stream("shard-0", (*cluster)->shard_endpoint(0), 64 << 20);
+  // Straight to shard-0 (experts [0, 7)) on one Dispatch stream, as a member (the cluster
+  // token); without it the stream is refused before any batch is read.
+  transport::ExpertStream stream("shard-0", (*cluster)->shard_endpoint(0), 64 << 20,
+                                 moe::testing::ClusterToken(**cluster));
   const int64_t d = cfg.latent;
   const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(
       [&] {
@@ -369,6 +391,15 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     EXPECT_NE(reply.status().message().find(needle), absl::string_view::npos) << reply.status();
     EXPECT_NE(reply.status().message().find("shard-0"), absl::string_view::npos);
   };
+  {
+    transport::ExpertStream stranger("shard-0", (*cluster)->shard_endpoint(0), 64 << 20);
+    auto refused = stranger.Call(batch(layer, {{1, 3}}, z), deadline);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("code 16: Dispatch to shard shard-0 needs the "
+                                              "cluster token"),
+              absl::string_view::npos)
+        << refused.status();
+  }
   expect_dispatch_error(batch(layer + 3, {{1, 3}}, z), absl::StatusCode::kNotFound,
                         "is not hosted here");
   expect_dispatch_error(batch(layer, {{9, 3}}, z), absl::StatusCode::kNotFound,
@@ -457,6 +488,14 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     v1::OpenDataPlaneRequest open;
     open.set_worker_address((*worker)->address());
     v1::OpenDataPlaneReply opened;
+    {  // only members may open a data plane
+      grpc::ClientContext stranger;
+      stranger.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      const grpc::Status refused = stub->OpenDataPlane(&stranger, open, &opened);
+      EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+      EXPECT_NE(refused.error_message().find("needs the cluster token"), std::string::npos);
+    }
+    ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
     ASSERT_TRUE(stub->OpenDataPlane(&ctx, open, &opened).ok());
     const uint64_t me = opened.client_id();
     ASSERT_GE(me, 1u);
@@ -484,6 +523,8 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     // Opening it again from the same worker (a reconnect) replaces the old client.
     grpc::ClientContext again_ctx;
     again_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    again_ctx.AddMetadata(transport::kClusterTokenMetadata,
+                          moe::testing::ClusterToken(**cluster));
     v1::OpenDataPlaneReply again;
     ASSERT_TRUE(stub->OpenDataPlane(&again_ctx, open, &again).ok());
     EXPECT_NE(again.client_id(), me);

@@ -1,0 +1,230 @@
+// TLS and mutual TLS on a real cluster (docs/security.md), with certificates made by openssl at
+// test time (tests/common/make_test_pki.sh): members with certificates from the cluster CA get
+// bit-exact answers; plaintext, certificate-less and wrong-CA peers are refused at the
+// handshake and change nothing; a rotated certificate is served without a restart; bad TLS
+// files are clear errors before anything listens.
+#include <grpcpp/grpcpp.h>
+#include <stdio.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "services/transport/channel.h"
+#include "services/transport/security.h"
+#include "tests/services/cluster_fixtures.h"
+
+namespace moe {
+namespace {
+
+using tensor::Bf16;
+using testing::CheckpointFor;
+using testing::InProcessLayer;
+using testing::MakeTempDir;
+using testing::MakeTestPki;
+using testing::MemberTls;
+using testing::SameBits;
+using testing::TestCluster;
+using tools::LocalCluster;
+using tools::LocalClusterOptions;
+
+// stdout of a shell command (bounded by `timeout`).
+std::string RunShell(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(("timeout 10 " + cmd).c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+// The subject of the certificate a TLS server presents, as openssl prints it ("CN = ...").
+std::string PresentedSubject(const std::string& endpoint, const transport::TlsOptions& me) {
+  const std::string subject =
+      RunShell(absl::StrCat("openssl s_client -connect ", endpoint, " -alpn h2 -cert ", me.cert_file,
+                       " -key ", me.key_file, " -CAfile ", me.ca_file,
+                       " </dev/null 2>/dev/null | openssl x509 -noout -subject 2>/dev/null"));
+  return std::string(absl::StripAsciiWhitespace(absl::StripPrefix(subject, "subject=")));
+}
+
+void CopyFileAtomically(const std::string& from, const std::string& to) {
+  std::ifstream in(from, std::ios::binary);
+  const std::string tmp = to + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out << in.rdbuf();
+  }
+  ::chmod(tmp.c_str(), 0600);
+  ASSERT_EQ(std::rename(tmp.c_str(), to.c_str()), 0);
+}
+
+struct Fixture {
+  ModelConfig cfg;
+  std::unique_ptr<numerics::cpu::CpuMoeLayer> local;
+  std::string pki;
+  std::unique_ptr<LocalCluster> cluster;
+  int32_t layer = 0;
+  std::vector<Bf16> x;
+  std::vector<Bf16> want;
+};
+
+// A tiny cluster on mutual TLS with the given member certificate files.
+void StartMtlsCluster(Fixture* f, const transport::TlsOptions& tls) {
+  const std::string& dir = CheckpointFor("tiny");
+  f->local = InProcessLayer(dir, &f->cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 7}, {7, 16}});
+  o.tls = tls;
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  f->cluster = std::move(*cluster);
+  f->layer = static_cast<int32_t>(f->cfg.first_moe_layer);
+  f->x = checkpoint::SyntheticHiddenStates(f->cfg, 3, 11);
+  auto want = f->local->Forward(f->x, 3, f->cfg.hidden);
+  ASSERT_TRUE(want.ok());
+  f->want = want->out;
+}
+
+// A Forward with these client TLS options (none: plaintext), 5 s deadline.
+absl::StatusOr<client::ForwardResult> ForwardWith(const Fixture& f,
+                                                  const transport::TlsOptions& tls) {
+  client::ClientOptions o = f.cluster->client_options();
+  o.tls = tls;
+  o.timeout = absl::Seconds(5);
+  auto c = client::MoeClient::Create(o);
+  if (!c.ok()) return c.status();
+  return (*c)->Forward(f.layer, f.x, 3, f.cfg.hidden);
+}
+
+TEST(ClusterTls, RefusesPlaintextCertificateLessAndWrongCaPeers) {
+  Fixture f;
+  f.pki = MakeTestPki(MakeTempDir("tls"));
+  ASSERT_FALSE(f.pki.empty());
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki)));
+  auto ok = ForwardWith(f, MemberTls(f.pki));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE(SameBits(ok->out, f.want));
+
+  transport::TlsOptions ca_only;  // server verified, no certificate of our own
+  ca_only.ca_file = f.pki + "/ca.pem";
+  transport::TlsOptions wrong_trust = MemberTls(f.pki, "member", "other-ca");
+  const struct {
+    const char* name;
+    transport::TlsOptions tls;
+  } refused[] = {
+      {"plaintext", transport::TlsOptions{}},
+      {"no client certificate", ca_only},
+      {"a certificate from another CA", MemberTls(f.pki, "rogue", "ca")},
+      {"a client that does not trust the cluster CA", wrong_trust},
+  };
+  for (const auto& r : refused) {
+    SCOPED_TRACE(r.name);
+    const absl::Time start = absl::Now();
+    auto got = ForwardWith(f, r.tls);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(6)) << "a refused handshake must not hang";
+  }
+
+  // A rogue expert server with a certificate from another CA cannot even reach the router.
+  auto rogue_creds = transport::MakeChannelCredentials(MemberTls(f.pki, "rogue", "ca"));
+  ASSERT_TRUE(rogue_creds.ok());
+  auto router = v1::RouterService::NewStub(transport::MakeChannel(
+      f.cluster->router_endpoint(), transport::kDefaultMaxMessageBytes, *rogue_creds));
+  v1::RegisterExpertServerRequest reg;
+  reg.set_shard("a-rogue");
+  reg.set_endpoint("127.0.0.1:1");
+  auto* range = reg.add_ranges();
+  range->set_layer(f.layer);
+  range->set_expert_lo(0);
+  range->set_expert_hi(static_cast<int32_t>(f.cfg.num_experts));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::RegisterExpertServerResponse resp;
+  EXPECT_EQ(router->RegisterExpertServer(&ctx, reg, &resp).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+
+  // Everything still serves members, with the same bits (the placement did not change).
+  auto again = ForwardWith(f, MemberTls(f.pki));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(SameBits(again->out, f.want));
+}
+
+TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
+  Fixture f;
+  f.pki = MakeTestPki(MakeTempDir("tls_rotate"));
+  ASSERT_FALSE(f.pki.empty());
+  // The cluster reads "live" files that the test rotates (as cert-manager rewrites a Secret).
+  CopyFileAtomically(f.pki + "/member.pem", f.pki + "/live.pem");
+  CopyFileAtomically(f.pki + "/member.key", f.pki + "/live.key");
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "live")));
+  const transport::TlsOptions me = MemberTls(f.pki);
+  const std::string attention = f.cluster->attention_endpoint();
+  EXPECT_EQ(PresentedSubject(attention, me), "CN = moe-member");
+
+  CopyFileAtomically(f.pki + "/member2.key", f.pki + "/live.key");
+  CopyFileAtomically(f.pki + "/member2.pem", f.pki + "/live.pem");
+  std::string subject;
+  for (int i = 0; i < 60 && subject != "CN = moe-member-2"; ++i) {  // refresh: 1 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    subject = PresentedSubject(attention, me);
+  }
+  EXPECT_EQ(subject, "CN = moe-member-2");
+  EXPECT_EQ(PresentedSubject(f.cluster->router_endpoint(), me), "CN = moe-member-2");
+  // The rotated members still reach each other (attention -> shards over new connections).
+  auto got = ForwardWith(f, me);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(SameBits(got->out, f.want));
+}
+
+TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
+  const std::string pki = MakeTestPki(MakeTempDir("tls_files"));
+  ASSERT_FALSE(pki.empty());
+  transport::TlsOptions t = MemberTls(pki);
+  EXPECT_TRUE(transport::ValidateTlsOptions(t, /*server=*/true).ok());
+
+  transport::TlsOptions no_key = t;
+  no_key.key_file.clear();
+  EXPECT_EQ(transport::ValidateTlsOptions(no_key, true).code(),
+            absl::StatusCode::kInvalidArgument);
+  transport::TlsOptions no_ca = t;
+  no_ca.ca_file.clear();
+  EXPECT_THAT(std::string(transport::ValidateTlsOptions(no_ca, true).message()),
+              ::testing::HasSubstr("without a CA file"));
+  transport::TlsOptions client_only;
+  client_only.ca_file = t.ca_file;
+  EXPECT_TRUE(transport::ValidateTlsOptions(client_only, /*server=*/false).ok());
+  EXPECT_THAT(std::string(transport::ValidateTlsOptions(client_only, true).message()),
+              ::testing::HasSubstr("needs a certificate"));
+  transport::TlsOptions missing = t;
+  missing.ca_file = pki + "/nope.pem";
+  EXPECT_EQ(transport::ValidateTlsOptions(missing, true).code(), absl::StatusCode::kNotFound);
+  transport::TlsOptions not_pem = t;
+  not_pem.cert_file = pki + "/ca.srl";
+  EXPECT_THAT(std::string(transport::ValidateTlsOptions(not_pem, true).message()),
+              ::testing::HasSubstr("holds no PEM"));
+  ASSERT_EQ(::chmod(t.key_file.c_str(), 0644), 0);
+  EXPECT_EQ(transport::ValidateTlsOptions(t, true).code(), absl::StatusCode::kPermissionDenied);
+
+  // The service refuses to start on it, saying why (before anything listens).
+  const std::string out =
+      RunShell(absl::StrCat(MOE_BIN_DIR, "/expert-svc --preset=tiny --port=0 --tls_cert_file=",
+                       t.cert_file, " --tls_key_file=", t.key_file, " --tls_ca_file=", t.ca_file,
+                       " 2>&1; echo rc=$?"));
+  EXPECT_THAT(out, ::testing::HasSubstr("is readable by others"));
+  EXPECT_THAT(out, ::testing::HasSubstr("rc=1"));
+}
+
+}  // namespace
+}  // namespace moe
