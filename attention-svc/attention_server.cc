@@ -348,7 +348,8 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   if (channel == nullptr && ucx_ != nullptr) {
     channel = std::make_shared<UcxExpertChannel>(
         s.shard, s.endpoint, options_.max_message_bytes, ucx_.get(), options_.data_plane,
-        options_.node, [this](const std::string& shard, const std::string& event) {
+        options_.node,
+        [this](const std::string& shard, const std::string& event) {
           if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
         },
         options_.cluster_token);

@@ -59,9 +59,8 @@ class GrpcCall final : public ExpertCall {
 GrpcExpertChannel::GrpcExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
                                      std::string cluster_token)
     : shard_(shard),
-      stream_(std::make_shared<transport::ExpertStream>(std::move(shard), std::move(endpoint),
-                                                        max_message_bytes,
-                                                        std::move(cluster_token))) {}
+      stream_(std::make_shared<transport::ExpertStream>(
+          std::move(shard), std::move(endpoint), max_message_bytes, std::move(cluster_token))) {}
 
 GrpcExpertChannel::GrpcExpertChannel(std::string shard,
                                      std::shared_ptr<transport::ExpertStream> stream)

@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "attention-svc/attention_server.h"
-#include "services/common/svc_main.h"
 #include "services/common/status_macros.h"
+#include "services/common/svc_main.h"
 #include "services/transport/security.h"
 
 int main(int argc, char** argv) {
@@ -45,8 +45,10 @@ int main(int argc, char** argv) {
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
-  return moe::RunServer("attention-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::attention_svc::AttentionServer>> {
-    MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
-    return moe::attention_svc::AttentionServer::Start(o);
-  });
+  return moe::RunServer(
+      "attention-svc",
+      [&]() -> absl::StatusOr<std::unique_ptr<moe::attention_svc::AttentionServer>> {
+        MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
+        return moe::attention_svc::AttentionServer::Start(o);
+      });
 }

@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "expert-svc/expert_server.h"
-#include "services/common/svc_main.h"
 #include "services/common/status_macros.h"
+#include "services/common/svc_main.h"
 #include "services/transport/security.h"
 
 int main(int argc, char** argv) {
@@ -43,8 +43,9 @@ int main(int argc, char** argv) {
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
-  return moe::RunServer("expert-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::expert_svc::ExpertServer>> {
-    MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
-    return moe::expert_svc::ExpertServer::Start(o);
-  });
+  return moe::RunServer(
+      "expert-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::expert_svc::ExpertServer>> {
+        MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
+        return moe::expert_svc::ExpertServer::Start(o);
+      });
 }

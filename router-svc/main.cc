@@ -1,7 +1,7 @@
 // router-svc: flags -> RouterServerOptions -> start -> wait for SIGTERM/SIGINT.
 #include "router-svc/router_server.h"
-#include "services/common/svc_main.h"
 #include "services/common/status_macros.h"
+#include "services/common/svc_main.h"
 #include "services/transport/security.h"
 
 int main(int argc, char** argv) {
@@ -28,8 +28,9 @@ int main(int argc, char** argv) {
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
-  return moe::RunServer("router-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::router_svc::RouterServer>> {
-    MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
-    return moe::router_svc::RouterServer::Start(o);
-  });
+  return moe::RunServer(
+      "router-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::router_svc::RouterServer>> {
+        MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
+        return moe::router_svc::RouterServer::Start(o);
+      });
 }

@@ -101,7 +101,8 @@ void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
     while (Sleep(lease == 0 ? timings_.reconnect_delay : interval)) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx, timings_.call_timeout);
-      if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
+      if (!cluster_token_.empty())
+        ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
       if (lease == 0) {
         v1::RegisterExpertServerResponse resp;
         if (stub_->RegisterExpertServer(&ctx, req, &resp).ok()) {

@@ -171,7 +171,7 @@ std::shared_ptr<PendingReply> ExpertStream::Send(v1::DispatchRequest request) {
       // Joins sessions whose threads have ended (closed above or earlier).
       if (retired_.size() > 4) retired_.erase(retired_.begin());
       current_ = std::make_shared<Session>(MakeChannel(endpoint_, max_message_bytes_), Describe(),
-                                         cluster_token_);
+                                           cluster_token_);
       ++streams_opened_;
     }
     if (current_->Enqueue(req, p)) return p;  // else it broke between the check and here

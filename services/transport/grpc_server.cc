@@ -81,7 +81,8 @@ bool HasClusterToken(const grpc::ServerContextBase& context, const std::string& 
   if (expected.empty()) return false;
   const auto& md = context.client_metadata();
   auto it = md.find(kClusterTokenMetadata);
-  return it != md.end() && SecretEquals(std::string(it->second.data(), it->second.size()), expected);
+  return it != md.end() &&
+         SecretEquals(std::string(it->second.data(), it->second.size()), expected);
 }
 
 absl::Status WritePortFile(const std::string& path, int port) {

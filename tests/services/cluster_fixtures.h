@@ -7,7 +7,6 @@
 #include <stdlib.h>
 
 #include <cstdlib>
-
 #include <cstring>
 #include <fstream>
 #include <map>

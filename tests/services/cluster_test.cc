@@ -523,8 +523,7 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     // Opening it again from the same worker (a reconnect) replaces the old client.
     grpc::ClientContext again_ctx;
     again_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    again_ctx.AddMetadata(transport::kClusterTokenMetadata,
-                          moe::testing::ClusterToken(**cluster));
+    again_ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
     v1::OpenDataPlaneReply again;
     ASSERT_TRUE(stub->OpenDataPlane(&again_ctx, open, &again).ok());
     EXPECT_NE(again.client_id(), me);

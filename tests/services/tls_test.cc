@@ -53,9 +53,9 @@ std::string RunShell(const std::string& cmd) {
 // The subject of the certificate a TLS server presents, as openssl prints it ("CN = ...").
 std::string PresentedSubject(const std::string& endpoint, const transport::TlsOptions& me) {
   const std::string subject =
-      RunShell(absl::StrCat("openssl s_client -connect ", endpoint, " -alpn h2 -cert ", me.cert_file,
-                       " -key ", me.key_file, " -CAfile ", me.ca_file,
-                       " </dev/null 2>/dev/null | openssl x509 -noout -subject 2>/dev/null"));
+      RunShell(absl::StrCat("openssl s_client -connect ", endpoint, " -alpn h2 -cert ",
+                            me.cert_file, " -key ", me.key_file, " -CAfile ", me.ca_file,
+                            " </dev/null 2>/dev/null | openssl x509 -noout -subject 2>/dev/null"));
   return std::string(absl::StripAsciiWhitespace(absl::StripPrefix(subject, "subject=")));
 }
 
@@ -196,8 +196,7 @@ TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
 
   transport::TlsOptions no_key = t;
   no_key.key_file.clear();
-  EXPECT_EQ(transport::ValidateTlsOptions(no_key, true).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(transport::ValidateTlsOptions(no_key, true).code(), absl::StatusCode::kInvalidArgument);
   transport::TlsOptions no_ca = t;
   no_ca.ca_file.clear();
   EXPECT_THAT(std::string(transport::ValidateTlsOptions(no_ca, true).message()),
@@ -218,10 +217,9 @@ TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
   EXPECT_EQ(transport::ValidateTlsOptions(t, true).code(), absl::StatusCode::kPermissionDenied);
 
   // The service refuses to start on it, saying why (before anything listens).
-  const std::string out =
-      RunShell(absl::StrCat(MOE_BIN_DIR, "/expert-svc --preset=tiny --port=0 --tls_cert_file=",
-                       t.cert_file, " --tls_key_file=", t.key_file, " --tls_ca_file=", t.ca_file,
-                       " 2>&1; echo rc=$?"));
+  const std::string out = RunShell(absl::StrCat(
+      MOE_BIN_DIR, "/expert-svc --preset=tiny --port=0 --tls_cert_file=", t.cert_file,
+      " --tls_key_file=", t.key_file, " --tls_ca_file=", t.ca_file, " 2>&1; echo rc=$?"));
   EXPECT_THAT(out, ::testing::HasSubstr("is readable by others"));
   EXPECT_THAT(out, ::testing::HasSubstr("rc=1"));
 }
