@@ -341,6 +341,22 @@ void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
   if (metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
 }
 
+namespace {
+
+absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64_t first_token) {
+  for (size_t i = 0; i < z.size(); ++i) {
+    if ((z[i].bits & 0x7f80) == 0x7f80) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the hidden states of token ", first_token + static_cast<int64_t>(i) / latent,
+          " are too large: their latent projection overflows bf16 (column ",
+          static_cast<int64_t>(i) % latent, "); scale the input down"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef& s) {
   const std::string key = s.shard + "@" + s.endpoint;
   std::lock_guard<std::mutex> lock(mu_);
@@ -506,6 +522,9 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
                                                                      static_cast<size_t>(rows * h)),
                                rows, x.cols, bias->bias.data(), &t));
     }
+    // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
+    // error, said here, not a shard's refusal of non-finite activations.
+    MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d, lo));
     Accumulate(req.layer(), bias->version, bias->bias, f.batch);
     MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route, spec));
     if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)

@@ -85,6 +85,14 @@ struct Batch {
 
 // A time budget in milliseconds from now (0: none, then this long).
 constexpr std::chrono::seconds kNoBudget(30);
+// The longest budget a batch may ask for: a clock plus INT64_MAX ms overflows (into the past).
+constexpr std::chrono::hours kMaxBudget(24);
+
+// A batch's timeout_ms as a duration: kNoBudget when not positive, at most kMaxBudget.
+std::chrono::milliseconds BatchBudget(int64_t timeout_ms) {
+  if (timeout_ms <= 0) return kNoBudget;
+  return std::min<std::chrono::milliseconds>(std::chrono::milliseconds(timeout_ms), kMaxBudget);
+}
 // How long past a batch's budget its reply payload may take to be taken by the caller.
 constexpr absl::Duration kReplySendGrace = absl::Seconds(5);
 
@@ -501,7 +509,7 @@ absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
     b->num_tokens = req.num_tokens();
   }
   b->arrived = Clock::now();
-  if (req.timeout_ms() > 0) b->expires = b->arrived + std::chrono::milliseconds(req.timeout_ms());
+  if (req.timeout_ms() > 0) b->expires = b->arrived + BatchBudget(req.timeout_ms());
   return b;
 }
 
@@ -717,8 +725,7 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
   info->reply_tag = oob.reply_tag();
   info->reply_capacity = oob.reply_capacity_bytes();
   info->arrived = Clock::now();
-  const auto budget = req.timeout_ms() > 0 ? std::chrono::milliseconds(req.timeout_ms())
-                                           : std::chrono::milliseconds(kNoBudget);
+  const auto budget = BatchBudget(req.timeout_ms());
   info->expires = info->arrived + budget;
   const absl::Time deadline = absl::Now() + absl::FromChrono(budget);
   const size_t want = static_cast<size_t>(oob.activation_bytes());

@@ -3,15 +3,65 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/support/server_interceptor.h>
 
 #include <cstdio>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
 #include "services/common/secret_file.h"
 #include "services/transport/security.h"
 
 namespace moe::transport {
+namespace {
+
+// gRPC's callback API answers a request it cannot parse with UNIMPLEMENTED and no message, as
+// if the method did not exist. This names the method and the message type instead
+// (INVALID_ARGUMENT). Handlers here never answer UNIMPLEMENTED without a message.
+class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status s = methods->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED && s.error_message().empty()) {
+        methods->ModifySendStatus(Rewrite());
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  grpc::Status Rewrite() const {
+    // "/moe.v1.AttentionService/Forward" -> "moe.v1.AttentionService.Forward"
+    std::string full = method_.size() > 1 ? method_.substr(1) : method_;
+    const size_t slash = full.rfind('/');
+    if (slash != std::string::npos) full[slash] = '.';
+    const google::protobuf::MethodDescriptor* m =
+        google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(full);
+    if (m == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                          absl::StrCat("unknown method ", method_));
+    }
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(method_, ": the request is not a valid ",
+                                     m->input_type()->full_name(), " (protobuf parse failed)"));
+  }
+  const std::string method_;
+};
+
+class ParseErrorInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new ParseErrorInterceptor(info->method() != nullptr ? info->method() : "");
+  }
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
@@ -41,6 +91,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
     builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
     builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
   }
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<ParseErrorInterceptorFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   for (grpc::Service* service : options.services) builder.RegisterService(service);
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {

@@ -14,6 +14,12 @@ static_assert(sizeof(Bf16) == 2 && sizeof(float) == 4, "wire sizes");
 // The wire is little-endian; so is every machine this builds for (x86-64, aarch64 Linux).
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian host expected");
 
+// The dtype's name, or its number for a value outside the enum (whose name is empty).
+std::string DTypeLabel(v1::DType dtype) {
+  const std::string& name = v1::DType_Name(dtype);
+  return name.empty() ? absl::StrCat(static_cast<int>(dtype), " (not a dtype of the contract)") : name;
+}
+
 void SetShape(v1::Tensor* t, v1::DType dtype, int64_t rows, int64_t cols) {
   t->set_dtype(dtype);
   t->clear_shape();
@@ -87,7 +93,7 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_vie
   } else if (t.dtype() == v1::DTYPE_F32 && accept_f32) {
     elem = 4;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", v1::DType_Name(t.dtype()),
+    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", DTypeLabel(t.dtype()),
                                                    " not accepted (expected DTYPE_BF16",
                                                    accept_f32 ? " or DTYPE_F32)" : ")"));
   }
@@ -115,7 +121,7 @@ absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const st
   if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
   if (t.dtype() != v1::DTYPE_F32 || t.shape(0) != rows || t.shape(1) != cols) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": expected DTYPE_F32 [", rows, ", ", cols,
-                                                   "], got ", v1::DType_Name(t.dtype()), " [",
+                                                   "], got ", DTypeLabel(t.dtype()), " [",
                                                    t.shape(0), ", ", t.shape(1), "]"));
   }
   const size_t n = static_cast<size_t>(rows * cols);
