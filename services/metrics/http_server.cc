@@ -1,14 +1,10 @@
 #include "services/metrics/http_server.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-#include <unistd.h>
+#include <civetweb.h>
 
+#include <algorithm>
 #include <cctype>
-#include <cstring>
+#include <mutex>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -21,6 +17,9 @@ namespace {
 
 constexpr size_t kMaxHeaderBytes = 16 << 10;
 constexpr size_t kMaxBodyBytes = 1 << 20;
+// The whole request (headers and body) must arrive within this; a slow or silent client is cut
+// off, so a few of them cannot hold the workers.
+constexpr int kRequestTimeoutMs = 10000;
 
 const char* Reason(int status) {
   switch (status) {
@@ -47,13 +46,14 @@ const char* Reason(int status) {
   }
 }
 
-void WriteAll(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    const ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
-    if (n <= 0) return;
-    off += static_cast<size_t>(n);
-  }
+// A complete response (Connection: close; CivetWeb closes after it).
+void Respond(mg_connection* conn, const HttpResponse& r) {
+  const std::string head =
+      absl::StrCat("HTTP/1.1 ", r.status, " ", Reason(r.status), "\r\nContent-Type: ", r.content_type,
+                   "\r\nContent-Length: ", r.body.size(),
+                   "\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n");
+  mg_write(conn, head.data(), head.size());
+  if (!r.body.empty()) mg_write(conn, r.body.data(), r.body.size());
 }
 
 std::string Unescape(absl::string_view s) {
@@ -89,132 +89,71 @@ std::map<std::string, std::string> HttpServer::ParseQuery(const std::string& q) 
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, int port,
                                                               Handler handler, int workers) {
+  static std::once_flag init;
+  std::call_once(init, [] { mg_init_library(0); });
   std::unique_ptr<HttpServer> s(new HttpServer());
   s->handler_ = std::move(handler);
-  s->max_active_ = std::max(1, workers);
   const bool v6 = host.find(':') != std::string::npos;
-  s->listen_fd_ = ::socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s->listen_fd_ < 0) return absl::InternalError("socket() failed");
-  const int one = 1;
-  ::setsockopt(s->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_storage addr = {};
-  socklen_t len = 0;
-  if (v6) {
-    auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
-    a->sin6_family = AF_INET6;
-    a->sin6_port = htons(static_cast<uint16_t>(port));
-    if (::inet_pton(AF_INET6, host.c_str(), &a->sin6_addr) != 1) {
-      return absl::InvalidArgumentError(absl::StrCat("bad address ", host));
-    }
-    len = sizeof(*a);
-  } else {
-    auto* a = reinterpret_cast<sockaddr_in*>(&addr);
-    a->sin_family = AF_INET;
-    a->sin_port = htons(static_cast<uint16_t>(port));
-    if (::inet_pton(AF_INET, host.c_str(), &a->sin_addr) != 1) {
-      return absl::InvalidArgumentError(absl::StrCat("bad address ", host));
-    }
-    len = sizeof(*a);
+  const std::string ports = v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+  const std::string threads = absl::StrCat(std::max(1, workers));
+  const std::string timeout = absl::StrCat(kRequestTimeoutMs);
+  const std::string max_request = absl::StrCat(kMaxHeaderBytes);
+  // No document root: nothing but the handler is served.
+  const char* options[] = {"listening_ports",    ports.c_str(),       "num_threads",
+                           threads.c_str(),      "request_timeout_ms", timeout.c_str(),
+                           "max_request_size",   max_request.c_str(), "enable_keep_alive",
+                           "no",                 nullptr};
+  mg_callbacks callbacks = {};
+  // CivetWeb logs to stderr by default; its errors become the response or Start's status.
+  callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
+  s->ctx_ = mg_start(&callbacks, s.get(), options);
+  if (s->ctx_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("web server: cannot listen on ", ports));
   }
-  if (::bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
-      ::listen(s->listen_fd_, 64) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("web server: cannot listen on ", host, ":", port, ": ", std::strerror(errno)));
+  mg_set_request_handler(s->ctx_, "/", &HttpServer::Handle, s.get());
+  mg_server_port bound[4] = {};
+  if (mg_get_server_ports(s->ctx_, 4, bound) < 1) {
+    return absl::InternalError("web server: no listening port");
   }
-  ::getsockname(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  s->port_ = v6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
-                : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-  s->accept_thread_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  s->port_ = bound[0].port;
   return s;
 }
 
 HttpServer::~HttpServer() { Stop(); }
 
 void HttpServer::Stop() {
-  if (stopping_.exchange(true)) return;
-  if (accept_thread_.joinable()) accept_thread_.join();
-  if (listen_fd_ >= 0) ::close(listen_fd_);
-  // Connection threads are detached; wait (bounded by their socket timeouts) until they end.
-  for (int i = 0; i < 600 && active_.load() > 0; ++i) ::usleep(10000);
+  if (ctx_ == nullptr) return;
+  mg_stop(ctx_);  // waits for the workers (bounded by the request timeout)
+  ctx_ = nullptr;
 }
 
-void HttpServer::AcceptLoop() {
-  while (!stopping_.load()) {
-    pollfd p = {listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    timeval tv = {5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    if (active_.load() >= max_active_ * 4) {  // overloaded: refuse rather than queue forever
-      WriteAll(
-          fd, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-      ::close(fd);
-      continue;
-    }
-    ++active_;
-    std::thread([this, fd] {
-      Serve(fd);
-      ::close(fd);
-      --active_;
-    }).detach();
-  }
-}
-
-void HttpServer::Serve(int fd) {
-  std::string data;
-  char buf[4096];
-  size_t header_end = std::string::npos;
-  while (header_end == std::string::npos) {
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) return;
-    data.append(buf, static_cast<size_t>(n));
-    header_end = data.find("\r\n\r\n");
-    if (header_end == std::string::npos && data.size() > kMaxHeaderBytes) {
-      WriteAll(fd,
-               "HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-      return;
-    }
-  }
+int HttpServer::Handle(mg_connection* conn, void* self) {
+  const mg_request_info* ri = mg_get_request_info(conn);
   HttpRequest req;
-  std::vector<std::string> lines = absl::StrSplit(data.substr(0, header_end), "\r\n");
-  std::vector<std::string> first = absl::StrSplit(lines[0], ' ');
-  HttpResponse resp;
-  if (first.size() != 3) {
-    resp = {400, "text/plain; charset=utf-8", "bad request line\n"};
-  } else {
-    req.method = first[0];
-    const size_t q = first[1].find('?');
-    req.path = first[1].substr(0, q);
-    if (q != std::string::npos) req.query = ParseQuery(first[1].substr(q + 1));
-    for (size_t i = 1; i < lines.size(); ++i) {
-      const size_t colon = lines[i].find(':');
-      if (colon == std::string::npos) continue;
-      req.headers[absl::AsciiStrToLower(lines[i].substr(0, colon))] =
-          std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
-    }
-    size_t content_length = 0;
-    if (auto it = req.headers.find("content-length"); it != req.headers.end()) {
-      if (!absl::SimpleAtoi(it->second, &content_length)) content_length = kMaxBodyBytes + 1;
-    }
-    if (content_length > kMaxBodyBytes) {
-      resp = {413, "text/plain; charset=utf-8", "body too large\n"};
-    } else {
-      req.body = data.substr(header_end + 4);
-      while (req.body.size() < content_length) {
-        const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-        if (n <= 0) return;
-        req.body.append(buf, static_cast<size_t>(n));
-      }
-      req.body.resize(content_length);
-      resp = handler_(req);
+  req.method = ri->request_method != nullptr ? ri->request_method : "";
+  req.path = ri->local_uri != nullptr ? ri->local_uri : "";
+  if (ri->query_string != nullptr) req.query = ParseQuery(ri->query_string);
+  for (int i = 0; i < ri->num_headers; ++i) {
+    req.headers[absl::AsciiStrToLower(ri->http_headers[i].name)] =
+        std::string(absl::StripAsciiWhitespace(ri->http_headers[i].value));
+  }
+  if (ri->content_length > static_cast<long long>(kMaxBodyBytes)) {
+    Respond(conn, {413, "text/plain; charset=utf-8", "body too large\n"});
+    return 413;
+  }
+  char buf[4096];
+  for (;;) {
+    const int n = mg_read(conn, buf, sizeof(buf));
+    if (n <= 0) break;
+    req.body.append(buf, static_cast<size_t>(n));
+    if (req.body.size() > kMaxBodyBytes) {
+      Respond(conn, {413, "text/plain; charset=utf-8", "body too large\n"});
+      return 413;
     }
   }
-  WriteAll(fd, absl::StrCat("HTTP/1.1 ", resp.status, " ", Reason(resp.status),
-                            "\r\nContent-Type: ", resp.content_type,
-                            "\r\nContent-Length: ", resp.body.size(),
-                            "\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n", resp.body));
+  const HttpResponse resp = static_cast<HttpServer*>(self)->handler_(req);
+  Respond(conn, resp);
+  return resp.status;
 }
 
 }  // namespace moe::metrics

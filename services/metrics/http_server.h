@@ -1,21 +1,23 @@
-// A small HTTP/1.1 server for the load-balance page and its JSON API (router-svc): one accept
-// thread, a few connection workers, one request per connection (Connection: close), bounded
-// request sizes and socket timeouts. Not a general web server: it serves what the handler
-// returns, on loopback or wherever it is bound.
+// The HTTP/1.1 server of the load-balance page and its JSON API (router-svc), on CivetWeb (the
+// server prometheus-cpp already links): a pool of workers, one request per connection
+// (Connection: close), at most 16 KiB of headers and 1 MiB of body, and 10 s for the whole
+// request, so that slow or silent clients cannot hold the pool. No files are served: only what
+// the handler returns.
 //
 //   HttpServer::Start("127.0.0.1", 0, [](const HttpRequest& r) { return HttpResponse{...}; });
 #ifndef MOE_SERVICES_METRICS_HTTP_SERVER_H_
 #define MOE_SERVICES_METRICS_HTTP_SERVER_H_
 
-#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
+
+struct mg_connection;
+struct mg_context;
 
 namespace moe::metrics {
 
@@ -38,7 +40,7 @@ class HttpServer {
   using Handler = std::function<HttpResponse(const HttpRequest&)>;
 
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const std::string& host, int port,
-                                                           Handler handler, int workers = 2);
+                                                           Handler handler, int workers = 64);
   ~HttpServer();
   int port() const { return port_; }
   void Stop();
@@ -48,16 +50,11 @@ class HttpServer {
 
  private:
   HttpServer() = default;
-  void AcceptLoop();
-  void Serve(int fd);
+  static int Handle(mg_connection* conn, void* self);
 
   Handler handler_;
-  int listen_fd_ = -1;
+  mg_context* ctx_ = nullptr;
   int port_ = 0;
-  std::atomic<bool> stopping_{false};
-  std::atomic<int> active_{0};
-  int max_active_ = 2;
-  std::thread accept_thread_;
 };
 
 }  // namespace moe::metrics

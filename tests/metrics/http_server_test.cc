@@ -1,7 +1,13 @@
 // The page's HTTP server and router-svc's JSON API over real loopback sockets.
 #include "services/metrics/http_server.h"
 
+#include <sys/time.h>
+
+#include <cerrno>
+#include <chrono>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "router-svc/router_server.h"
@@ -38,9 +44,65 @@ TEST(HttpServer, ParsesRequestsAndBoundsThem) {
   EXPECT_EQ(HttpStatusOf(HttpExchange(port, "garbage\r\n\r\n")), 400);
   EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n")),
             413);
-  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET /" + std::string(20000, 'a'))), 413);
+  // Headers over 16 KiB: CivetWeb's 400, at once.
+  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET /" + std::string(20000, 'a'))), 400);
   // Still serving.
   EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\n\r\n")), 200);
+  (*server)->Stop();
+}
+
+// Slow clients (slowloris: a header byte now and then, or nothing at all) cannot take the page
+// down: 48 of them hold connections while every normal request is answered at once, and each
+// is cut off by the 10 s request deadline (not kept for as long as it trickles).
+TEST(HttpServer, ManySlowConnectionsDoNotStarveOthers) {
+  auto server = HttpServer::Start("127.0.0.1", 0, [](const HttpRequest&) {
+    return HttpResponse{200, "text/plain", "ok"};
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  std::vector<int> slow;
+  for (int i = 0; i < 48; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ::send(fd, "GET / HTTP/1.1\r\nX-Slow: ", 24, MSG_NOSIGNAL);
+    slow.push_back(fd);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  for (int round = 0; round < 6; ++round) {
+    for (int fd : slow) ::send(fd, "a", 1, MSG_NOSIGNAL);  // keep trickling
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\n\r\n")), 200);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  // Every slow connection is closed by the server within the deadline (plus slack), although
+  // it kept sending.
+  int closed = 0;
+  for (int fd : slow) {
+    timeval tv = {1, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char buf[256];
+    for (int i = 0; i < 20; ++i) {
+      ::send(fd, "a", 1, MSG_NOSIGNAL);
+      const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n == 0 || (n > 0 && std::string(buf, 12).find("HTTP/1.") == 0)) {
+        ++closed;
+        break;
+      }
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        ++closed;  // reset by the server
+        break;
+      }
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(16)) break;
+    }
+    ::close(fd);
+  }
+  EXPECT_EQ(closed, 48);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(17));
   (*server)->Stop();
 }
 
