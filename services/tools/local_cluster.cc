@@ -283,6 +283,8 @@ std::string LocalCluster::DescribeJson() const {
   j["web"] = web_endpoint();
   j["attention"] = attention_endpoint();
   j["attention_metrics"] = attention_metrics();
+  j["router_pid"] = router_.pid;
+  j["attention_pid"] = attention_.pid;
   j["admin_token"] = options_.admin_token;
   j["work_dir"] = options_.work_dir;
   j["shards"] = nlohmann::json::array();

@@ -203,7 +203,7 @@ int Up(int argc, char** argv) {
   LocalClusterOptions co;
   std::string work_dir;
   double max_seconds = 3600;
-  std::string attention_args;
+  std::string attention_args, router_args, expert_args;
   SvcFlags f("moe-cli up", "Start a local cluster and keep it running.");
   f.String("checkpoint", &co.checkpoint, "checkpoint directory");
   f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
@@ -211,12 +211,15 @@ int Up(int argc, char** argv) {
   f.String("admin_token", &co.admin_token, "router-svc admin token");
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
   f.String("attention_args", &attention_args, "extra attention-svc flags, space-separated");
+  f.String("router_args", &router_args, "extra router-svc flags, space-separated");
+  f.String("expert_args", &expert_args, "extra expert-svc flags, space-separated");
   f.Double("max_seconds", &max_seconds, "stop by itself after this long");
+  AddTlsFlags(f, &co.tls);  // every process, and this one's readiness check
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   co.work_dir = work_dir;
-  for (absl::string_view a : absl::StrSplit(attention_args, ' ', absl::SkipEmpty())) {
-    co.attention_args.emplace_back(a);
-  }
+  co.attention_args = absl::StrSplit(attention_args, ' ', absl::SkipEmpty());
+  co.router_args = absl::StrSplit(router_args, ' ', absl::SkipEmpty());
+  co.expert_args = absl::StrSplit(expert_args, ' ', absl::SkipEmpty());
   auto cluster = LocalCluster::Start(co);
   if (!cluster.ok()) return Fail(cluster.status());
   const std::string json = (*cluster)->DescribeJson();

@@ -8,7 +8,8 @@
 // client has closed its side and no work is in flight, so a worker never touches a finished
 // reactor; after a cancel, replies are dropped. Replies waiting for the client are bounded
 // (max_outbox_bytes): a client that does not read past it is treated as gone (its replies
-// dropped, cancelled() true, so queued work can be skipped), not buffered without end.
+// dropped, cancelled() true, so queued work can be skipped), not buffered without end, and its
+// stream ends with RESOURCE_EXHAUSTED (never OK: replies were lost) once no work is in flight.
 //
 //   return new StreamReactor<Req, Resp>([this](Req&& r, StreamReactor<Req, Resp>* s) {...});
 #ifndef MOE_SERVICES_TRANSPORT_STREAM_REACTOR_H_
@@ -21,6 +22,7 @@
 #include <functional>
 #include <iterator>
 #include <mutex>
+#include <string>
 #include <utility>
 
 namespace moe::transport {
@@ -63,6 +65,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
       if (outbox_bytes_ > max_outbox_bytes_ && !outbox_.empty()) {
         // The client does not read: keep only the write in progress, drop the rest.
         broken_ = true;
+        end_status_ = grpc::Status(
+            grpc::StatusCode::RESOURCE_EXHAUSTED,
+            "the client does not read its replies: more than " +
+                std::to_string(max_outbox_bytes_ >> 20) +
+                " MiB of them unread, so the stream is ended and the rest dropped");
         outbox_.erase(std::next(outbox_.begin()), outbox_.end());
         outbox_bytes_ = outbox_.front().ByteSizeLong();
         MaybeFinishLocked();
@@ -78,11 +85,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      reads_done_ = true;
-      MaybeFinishLocked();
-      return;
+      // After an overflow the stream finishes without waiting for the client's half-close: a
+      // request read after that is dropped (no work may begin on a finished reactor).
+      if (!ok || finished_) {
+        reads_done_ = true;
+        MaybeFinishLocked();
+        return;
+      }
     }
     on_message_(std::move(request_), this);
     request_ = Req();
@@ -114,9 +125,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
 
  private:
   void MaybeFinishLocked() {
-    if (reads_done_ && in_flight_ == 0 && !writing_ && !finished_) {
+    const bool overflowed = !end_status_.ok();
+    if ((reads_done_ || overflowed) && in_flight_ == 0 && !writing_ && !finished_) {
       finished_ = true;
-      this->Finish(grpc::Status::OK);
+      this->Finish(end_status_);
     }
   }
 
@@ -128,6 +140,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
   size_t outbox_bytes_ = 0;
   int in_flight_ = 0;
   bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;
+  grpc::Status end_status_;  // OK, or why the server ended the stream
+
 };
 
 }  // namespace moe::transport

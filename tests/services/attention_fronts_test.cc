@@ -159,7 +159,8 @@ TEST(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
 
 // A client that sends on a ForwardStream and never reads: once its unread replies pass
 // --max_stream_outbox_bytes it is treated as gone (replies dropped, its queued work skipped),
-// not buffered and computed without end; another client is served meanwhile.
+// not buffered and computed without end, and its stream ends RESOURCE_EXHAUSTED (never OK:
+// replies were lost); another client is served meanwhile.
 TEST(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
   const std::string& dir = CheckpointFor("mid");
   ModelConfig cfg;
@@ -183,10 +184,13 @@ TEST(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
   auto rw = stub->ForwardStream(&ctx);
   constexpr int kSent = 200;
   const absl::Time t0 = absl::Now();
+  int written = 0;
   for (int i = 0; i < kSent && absl::Now() - t0 < absl::Seconds(20); ++i) {
     req.set_request_id(i + 1);
-    ASSERT_TRUE(rw->Write(req));
+    if (!rw->Write(req)) break;  // the server ended the stream
+    ++written;
   }
+  EXPECT_GT(written, 16);
   double skipped = 0;
   for (int i = 0; i < 200 && skipped < 1; ++i) {  // bounded: 20 s
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -214,7 +218,14 @@ TEST(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
   std::printf("[non-reading stream] %d sent, %.0f computed, %.0f skipped\n", kSent, computed,
               skipped);
   EXPECT_LT(computed, kSent / 2);
-  ctx.TryCancel();
+  rw->WritesDone();
+  v1::ForwardResponse r;
+  for (int i = 0; i < kSent && rw->Read(&r); ++i) {
+  }
+  const grpc::Status end = rw->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(end.error_message().find("does not read its replies"), std::string::npos)
+      << end.error_message();
 }
 
 }  // namespace

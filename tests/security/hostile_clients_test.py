@@ -1,0 +1,951 @@
+#!/usr/bin/python3
+"""The hostile-client catalogue (docs/security.md): a real local cluster on loopback (`mid`,
+two shards) attacked the way an outside client would, with Debian's python3-grpcio, raw
+sockets and hand-made HTTP.
+
+Every case asserts the status code and a piece of the message; after every case each of the
+four processes must still be running and within its memory bound (its RSS at start plus
+MEMORY_SLACK), and a canary thread that sends the same 4-token Forward the whole time must
+have received only bit-exact answers (the oracle: `moe-tool forward`, the in-process C++
+layer). The table printed at the end is the README's "hostile clients" figures.
+"""
+import argparse
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(_TESTS, "common"))
+sys.path.insert(0, os.path.join(_TESTS, "reference"))
+sys.path.insert(0, os.path.join(_TESTS, "..", "clients", "python"))
+from cluster_helpers import synth_checkpoint, wait_for  # noqa: E402
+from moe_reference import read_safetensors  # noqa: E402
+
+LAYER = 1
+CANARY_TOKENS = 4
+ADMIN = "hostile-test-admin"
+MEMORY_SLACK = 384 << 20  # what a process may grow by over the whole catalogue
+MAX_WATCHERS = 32
+LIMIT = 128 << 20
+OPTIONS = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
+C = grpc.StatusCode
+
+
+class Ctx:
+    """The cluster under attack and the message classes."""
+
+    def __init__(self, cluster, pb, token, ref):
+        self.cluster = cluster
+        self.pb = pb
+        self.token = token
+        self.ref = ref
+        self.attention = grpc.insecure_channel(cluster["attention"], options=OPTIONS)
+        self.router = grpc.insecure_channel(cluster["router"], options=OPTIONS)
+        self.shard0 = grpc.insecure_channel(cluster["shards"][0]["endpoint"], options=OPTIONS)
+        self.hidden = ref["x"].shape[1]
+        self.latent = 0
+
+    def unary(self, channel, method, request, resp_cls=None, timeout=20, metadata=None,
+              compression=None):
+        call = channel.unary_unary(
+            method, request_serializer=lambda m: m if isinstance(m, bytes) else
+            m.SerializeToString(), response_deserializer=(resp_cls.FromString if resp_cls
+                                                          else None))
+        return call(request, timeout=timeout, metadata=metadata, compression=compression)
+
+    def member(self):
+        return [("x-moe-cluster-token", self.token)]
+
+
+def expect(code, substring, fn):
+    """fn() must fail with code and a message containing substring; returns the message."""
+    try:
+        fn()
+    except grpc.RpcError as e:
+        assert e.code() == code, f"wanted {code}, got {e.code()}: {e.details()}"
+        assert substring in (e.details() or ""), f"{substring!r} not in {e.details()!r}"
+        return f"{e.code().name}: {e.details()}"
+    raise AssertionError(f"wanted {code} ({substring!r}), the call succeeded")
+
+
+def tensor(pb, data, shape, dtype=None):
+    t = pb.tensor.Tensor()
+    t.dtype = pb.tensor.DTYPE_BF16 if dtype is None else dtype
+    t.shape.extend(shape)
+    t.data = data
+    return t
+
+
+def forward_request(ctx, x_bits=None, shape=None, dtype=None, layer=LAYER, data=None, mode=0):
+    pb = ctx.pb
+    r = pb.attention.ForwardRequest()
+    r.layer = layer
+    if x_bits is None:
+        x_bits = ctx.ref["x"]
+    r.hidden_states.CopyFrom(tensor(pb, x_bits.tobytes() if data is None else data,
+                                    list(x_bits.shape) if shape is None else shape, dtype))
+    r.options.reply_mode = mode
+    return r
+
+
+def forward(ctx, req, timeout=20, compression=None):
+    return ctx.unary(ctx.attention, "/moe.v1.AttentionService/Forward", req,
+                     ctx.pb.attention.ForwardResponse, timeout=timeout, compression=compression)
+
+
+def bf16(values):
+    f = np.asarray(values, dtype=np.float32)
+    return (f.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def dispatch_stream(ctx, requests, metadata=None, timeout=20):
+    """Sends the requests on one Dispatch stream to shard-0; returns the replies (or raises)."""
+    call = ctx.shard0.stream_stream(
+        "/moe.v1.ExpertService/Dispatch",
+        request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+        response_deserializer=ctx.pb.expert.DispatchReply.FromString)
+    return list(call(iter(requests), timeout=timeout, metadata=metadata))
+
+
+def batch(ctx, expert=1, rows=3, values=None, **fields):
+    pb = ctx.pb
+    r = pb.expert.DispatchRequest()
+    r.batch_id = fields.pop("batch_id", 1)
+    r.layer = LAYER
+    g = r.groups.add()
+    g.expert_id = expert
+    g.token_count = rows
+    z = bf16(np.full(rows * ctx.latent, 0.25) if values is None else values)
+    r.activations.CopyFrom(tensor(pb, z.tobytes(), [rows, ctx.latent]))
+    for k, v in fields.items():
+        if k in ("row_source", "token_index", "weights"):
+            getattr(r, k).extend(v)
+        else:
+            setattr(r, k, v)
+    return r
+
+
+def dispatch_error(ctx, req, code_name, substring, metadata="member"):
+    """One batch as a member; its reply must carry the code and message (the stream goes on)."""
+    replies = dispatch_stream(ctx, [req], metadata=ctx.member() if metadata == "member" else
+                              metadata)
+    assert len(replies) == 1, replies
+    got = C(grpc.StatusCode.OK.value) if replies[0].code == 0 else None
+    names = {c.value[0]: c for c in grpc.StatusCode}
+    got = names.get(replies[0].code)
+    assert got is not None and got.name == code_name, (replies[0].code, replies[0].message)
+    assert substring in replies[0].message, (substring, replies[0].message)
+    return f"{code_name}: {replies[0].message}"
+
+
+def raw_exchange(endpoint, payload, wait=3.0):
+    """Raw bytes to host:port; returns what came back before the peer closed (or wait s)."""
+    host, port = endpoint.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=wait)
+    try:
+        s.sendall(payload)
+        s.settimeout(wait)
+        out = b""
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def http(endpoint, method, path, headers=None, body=b""):
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+    for k, v in (headers or {}).items():
+        head += f"{k}: {v}\r\n"
+    r = raw_exchange(endpoint, head.encode() + b"\r\n" + body, wait=10)
+    status = int(r[9:12]) if len(r) >= 12 else 0
+    return status, r.split(b"\r\n\r\n", 1)[-1].decode(errors="replace")
+
+
+def stats(ctx):
+    r = ctx.pb.router.GetLoadStatsRequest()
+    r.layer = LAYER
+    return ctx.unary(ctx.router, "/moe.v1.RouterService/GetLoadStats", r, ctx.pb.router.LoadStats)
+
+
+def placement(ctx):
+    """The shards and their ranges (not the heartbeat ages)."""
+    p = ctx.unary(ctx.router, "/moe.v1.RouterService/GetPlacement",
+                  ctx.pb.router.GetPlacementRequest(), ctx.pb.router.Placement)
+    return sorted((s.shard, s.endpoint, str(list(s.ranges))) for s in p.shards)
+
+
+# --- the catalogue ----------------------------------------------------------------------------
+CASES = []
+
+
+def case(name):
+    def register(fn):
+        CASES.append((name, fn))
+        return fn
+    return register
+
+
+# attention-svc: Forward
+@case("Forward: dtype unspecified")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "DTYPE_UNSPECIFIED not accepted",
+                  lambda: forward(ctx, forward_request(ctx, dtype=0)))
+
+
+@case("Forward: a dtype outside the contract")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "77 (not a dtype of the contract)",
+                  lambda: forward(ctx, forward_request(ctx, dtype=77)))
+
+
+@case("Forward: the shape lies (fewer bytes than it says)")
+def _(ctx):
+    x = ctx.ref["x"]
+    return expect(C.INVALID_ARGUMENT, "bytes of data but shape",
+                  lambda: forward(ctx, forward_request(ctx, data=x[:3].tobytes())))
+
+
+@case("Forward: a shape whose product overflows int64")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "hidden_states",
+                  lambda: forward(ctx, forward_request(ctx, shape=[1 << 62, 1 << 62])))
+
+
+@case("Forward: a negative dimension")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "hidden_states",
+                  lambda: forward(ctx, forward_request(ctx, shape=[-4, ctx.hidden])))
+
+
+@case("Forward: rank 3")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "hidden_states",
+                  lambda: forward(ctx, forward_request(ctx, shape=[1, 4, ctx.hidden])))
+
+
+@case("Forward: the wrong width")
+def _(ctx):
+    x = np.zeros((4, 100), np.uint16)
+    return expect(C.INVALID_ARGUMENT, "width 100 but this layer needs",
+                  lambda: forward(ctx, forward_request(ctx, x)))
+
+
+@case("Forward: zero tokens")
+def _(ctx):
+    x = np.zeros((0, ctx.hidden), np.uint16)
+    return expect(C.INVALID_ARGUMENT, "no rows", lambda: forward(ctx, forward_request(ctx, x)))
+
+
+@case("Forward: more tokens than --max_tokens")
+def _(ctx):
+    x = np.zeros((20000, ctx.hidden), np.uint16)
+    return expect(C.RESOURCE_EXHAUSTED, "tokens", lambda: forward(ctx, forward_request(ctx, x)))
+
+
+@case("Forward: NaN in the input")
+def _(ctx):
+    x = ctx.ref["x"].copy()
+    x[2, 5] = 0x7FC0
+    return expect(C.INVALID_ARGUMENT, "NaN at token 2, column 5",
+                  lambda: forward(ctx, forward_request(ctx, x)))
+
+
+@case("Forward: Inf in the input")
+def _(ctx):
+    x = ctx.ref["x"].copy()
+    x[1, 0] = 0xFF80
+    return expect(C.INVALID_ARGUMENT, "Inf at token 1, column 0",
+                  lambda: forward(ctx, forward_request(ctx, x)))
+
+
+@case("Forward: finite input whose latent overflows")
+def _(ctx):
+    x = bf16(np.full((2, ctx.hidden), 3.0e38))
+    return expect(C.INVALID_ARGUMENT, "latent projection overflows bf16",
+                  lambda: forward(ctx, forward_request(ctx, x)))
+
+
+@case("Forward: a layer this node does not host")
+def _(ctx):
+    return expect(C.NOT_FOUND, "layer 99 is not hosted here",
+                  lambda: forward(ctx, forward_request(ctx, layer=99)))
+
+
+@case("Forward: a negative layer")
+def _(ctx):
+    return expect(C.NOT_FOUND, "layer -1 is not hosted here",
+                  lambda: forward(ctx, forward_request(ctx, layer=-1)))
+
+
+@case("Forward: an unknown reply mode")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "unknown reply_mode 9",
+                  lambda: forward(ctx, forward_request(ctx, mode=9)))
+
+
+@case("Forward: random bytes instead of a message")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "not a valid moe.v1.ForwardRequest",
+                  lambda: forward(ctx, b"\xff\xfe\xfd\xfc\x0f"))
+
+
+@case("Forward: an empty message")
+def _(ctx):
+    return expect(C.NOT_FOUND, "layer 0 is not hosted here", lambda: forward(ctx, b""))
+
+
+@case("Forward: a message over the size limit")
+def _(ctx):
+    big = b"\x00" * (LIMIT - 4096)  # past attention-svc's 64 MiB default in the test cluster
+    return expect(C.RESOURCE_EXHAUSTED, "", lambda: forward(
+        ctx, forward_request(ctx, np.zeros((1, ctx.hidden), np.uint16), data=big)))
+
+
+@case("Forward: a gzip-compressed request (a decompression bomb)")
+def _(ctx):
+    x = np.zeros((4096, ctx.hidden), np.uint16)  # 8 MiB of zeros: a few KB compressed
+    return expect(C.UNIMPLEMENTED, "", lambda: forward(ctx, forward_request(ctx, x),
+                                                        compression=grpc.Compression.Gzip))
+
+
+@case("an unknown method")
+def _(ctx):
+    return expect(C.UNIMPLEMENTED, "unknown method /moe.v1.AttentionService/Steal",
+                  lambda: ctx.unary(ctx.attention, "/moe.v1.AttentionService/Steal", b""))
+
+
+@case("Forward: a deadline that has passed on arrival")
+def _(ctx):
+    big = np.tile(ctx.ref["x"], (64, 1))
+    return expect(C.DEADLINE_EXCEEDED, "", lambda: forward(ctx, forward_request(ctx, big),
+                                                            timeout=0.001))
+
+
+@case("Forward: F32 input with NaN")
+def _(ctx):
+    x = np.zeros((2, ctx.hidden), np.float32)
+    x[1, 3] = np.nan
+    return expect(C.INVALID_ARGUMENT, "NaN at token 1, column 3", lambda: forward(
+        ctx, forward_request(ctx, x, dtype=ctx.pb.tensor.DTYPE_F32)))
+
+
+# attention-svc: the Open Inference Protocol
+def model_infer(ctx, model, datatype="BF16", shape=None, raw=None):
+    inf = ctx.pb.inference
+    r = inf.ModelInferRequest()
+    r.model_name = model
+    t = r.inputs.add()
+    t.name = "hidden_states"
+    t.datatype = datatype
+    t.shape.extend(shape or [CANARY_TOKENS, ctx.hidden])
+    r.raw_input_contents.append(ctx.ref["x"].tobytes() if raw is None else raw)
+    return ctx.unary(ctx.attention, "/inference.GRPCInferenceService/ModelInfer", r,
+                     inf.ModelInferResponse)
+
+
+@case("ModelInfer: an unknown model")
+def _(ctx):
+    return expect(C.NOT_FOUND, "moe-layer-7", lambda: model_infer(ctx, "moe-layer-7"))
+
+
+@case("ModelInfer: an unsupported datatype")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "INT8", lambda: model_infer(ctx, f"moe-layer-{LAYER}",
+                                                                   datatype="INT8"))
+
+
+@case("ModelInfer: a shape that does not match the bytes")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "", lambda: model_infer(
+        ctx, f"moe-layer-{LAYER}", shape=[CANARY_TOKENS + 3, ctx.hidden]))
+
+
+@case("ModelInfer: random bytes")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "not a valid inference.ModelInferRequest",
+                  lambda: ctx.unary(ctx.attention, "/inference.GRPCInferenceService/ModelInfer",
+                                    b"\xff\xff\xff"))
+
+
+# attention-svc: one stream against the rest
+def forward_stream(ctx):
+    return ctx.attention.stream_stream(
+        "/moe.v1.AttentionService/ForwardStream",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=ctx.pb.attention.ForwardResponse.FromString)
+
+
+@case("ForwardStream: 64 large requests at once on one stream")
+def _(ctx):
+    x = np.tile(ctx.ref["x"], (64, 1))
+    reqs = []
+    for i in range(64):
+        r = forward_request(ctx, x)
+        r.request_id = i + 1
+        reqs.append(r)
+    replies = list(forward_stream(ctx)(iter(reqs), timeout=120))
+    refused = [r for r in replies if r.code == C.RESOURCE_EXHAUSTED.value[0]]
+    ok = [r for r in replies if r.code == 0]
+    assert len(replies) == 64 and refused and ok, (len(replies), len(refused), len(ok))
+    assert "already in flight on this stream" in refused[0].message, refused[0].message
+    return f"{len(ok)} served, {len(refused)} RESOURCE_EXHAUSTED: {refused[0].message}"
+
+
+@case("ForwardStream: cancelled with work queued")
+def _(ctx):
+    x = np.tile(ctx.ref["x"], (64, 1))
+    stop = threading.Event()
+
+    def reqs():
+        for i in range(16):
+            r = forward_request(ctx, x)
+            r.request_id = i + 1
+            yield r
+        stop.wait(10)
+
+    call = forward_stream(ctx)(reqs(), timeout=60)
+    time.sleep(0.3)
+    call.cancel()
+    stop.set()
+    return expect(C.CANCELLED, "", lambda: list(call))
+
+
+@case("ForwardStream: a client that never reads its replies")
+def _(ctx):
+    x = np.tile(ctx.ref["x"], (256, 1))  # 512 KiB replies
+    sent = [0]
+
+    def reqs():
+        for i in range(400):  # at most 20 s
+            r = forward_request(ctx, x)
+            r.request_id = i + 1
+            sent[0] += 1
+            yield r
+            time.sleep(0.05)
+
+    call = forward_stream(ctx)(reqs(), timeout=90)
+    time.sleep(15)  # never reads; the server's outbox bound (32 MiB here) must end the stream
+    got = 0
+    try:
+        for _r in call:  # what was written before the cut, then the end of the stream
+            got += 1
+        raise AssertionError(f"stream not cut off ({got} replies, then OK)")
+    except grpc.RpcError as e:
+        assert e.code() == C.RESOURCE_EXHAUSTED, (e.code(), e.details())
+        assert "does not read its replies" in e.details(), e.details()
+        return f"{e.code().name}: {e.details()} ({sent[0]} sent, {got} replies read)"
+
+
+# expert-svc: Dispatch and the data plane
+@case("Dispatch without the cluster token")
+def _(ctx):
+    return expect(C.UNAUTHENTICATED, "needs the cluster token",
+                  lambda: dispatch_stream(ctx, [batch(ctx)]))
+
+
+@case("Dispatch with a wrong cluster token")
+def _(ctx):
+    return expect(C.UNAUTHENTICATED, "needs the cluster token", lambda: dispatch_stream(
+        ctx, [batch(ctx)], metadata=[("x-moe-cluster-token", "0" * 32)]))
+
+
+@case("OpenDataPlane without the cluster token")
+def _(ctx):
+    r = ctx.pb.expert.OpenDataPlaneRequest()
+    r.worker_address = b"x" * 100
+    return expect(C.UNAUTHENTICATED, "needs the cluster token", lambda: ctx.unary(
+        ctx.shard0, "/moe.v1.ExpertService/OpenDataPlane", r, ctx.pb.expert.OpenDataPlaneReply))
+
+
+@case("OpenDataPlane: a 1 MiB worker address")
+def _(ctx):
+    r = ctx.pb.expert.OpenDataPlaneRequest()
+    r.worker_address = b"x" * (1 << 20)
+    return expect(C.INVALID_ARGUMENT, "need 1 to 65536", lambda: ctx.unary(
+        ctx.shard0, "/moe.v1.ExpertService/OpenDataPlane", r, ctx.pb.expert.OpenDataPlaneReply,
+        metadata=ctx.member()))
+
+
+@case("Dispatch: partial sums for 2^30 tokens in a 1 KB batch")
+def _(ctx):
+    # Partial sums are sized by the rows the batch carries, not by num_tokens: served at once.
+    before = time.time()
+    replies = dispatch_stream(ctx, [batch(ctx, reply_mode=2, num_tokens=1 << 30,
+                                          token_index=[0, 1, 2], weights=[0.5, 0.5, 0.5])],
+                              metadata=ctx.member())
+    took = time.time() - before
+    assert replies[0].code == 0 and took < 2, (replies[0].code, replies[0].message, took)
+    return f"OK in {1000 * took:.0f} ms, {len(replies[0].outputs.data)} bytes back"
+
+
+@case("Dispatch: 2^24 row_source entries for 3 rows")
+def _(ctx):
+    msg = dispatch_error(ctx, batch(ctx, row_source=[0] * (1 << 24)), "INVALID_ARGUMENT",
+                         "row_source")
+    ok = dispatch_stream(ctx, [batch(ctx)], metadata=ctx.member())  # the next batch is served
+    assert ok[0].code == 0, ok[0].message
+    return msg
+
+
+@case("Dispatch: an expert id out of range")
+def _(ctx):
+    return dispatch_error(ctx, batch(ctx, expert=100000), "INVALID_ARGUMENT", "outside [0, ")
+
+
+@case("Dispatch: an expert this shard does not host")
+def _(ctx):
+    hi = ctx.cluster["shard0_hi"]
+    return dispatch_error(ctx, batch(ctx, expert=hi), "NOT_FOUND", "is not hosted here")
+
+
+@case("Dispatch: NaN activations")
+def _(ctx):
+    v = np.full(3 * ctx.latent, 0.25)
+    v[7] = np.nan
+    return dispatch_error(ctx, batch(ctx, values=v), "INVALID_ARGUMENT", "finite")
+
+
+@case("Dispatch: an out-of-band header from an unknown client")
+def _(ctx):
+    r = batch(ctx)
+    r.activations.ClearField("data")
+    r.out_of_band.client_id = 999
+    r.out_of_band.tag = (999 << 40) | 1
+    r.out_of_band.activation_bytes = 3 * ctx.latent * 2
+    r.out_of_band.reply_tag = (999 << 40) | 1
+    r.out_of_band.reply_capacity_bytes = 3 * ctx.latent * 2
+    return dispatch_error(ctx, r, "FAILED_PRECONDITION", "unknown data-plane client 999")
+
+
+@case("Dispatch: timeout_ms = INT64_MAX is served")
+def _(ctx):
+    replies = dispatch_stream(ctx, [batch(ctx, timeout_ms=(1 << 63) - 1)], metadata=ctx.member())
+    assert replies[0].code == 0, (replies[0].code, replies[0].message)
+    return "OK (a 24 h budget)"
+
+
+@case("Dispatch: random bytes on the stream")
+def _(ctx):
+    # gRPC ends the read side at a message it cannot parse; the stream closes with no reply and
+    # the next stream is served.
+    replies = dispatch_stream(ctx, [b"\xff\xff\xff\xff", batch(ctx)], metadata=ctx.member())
+    assert replies == [], replies
+    again = dispatch_stream(ctx, [batch(ctx)], metadata=ctx.member())
+    assert again[0].code == 0, again[0].message
+    return "stream closed without a reply; the next stream served"
+
+
+# router-svc: membership, statistics, admin
+def register(ctx, name="a-rogue", metadata=None, endpoint="127.0.0.1:1"):
+    r = ctx.pb.router.RegisterExpertServerRequest()
+    r.shard = name
+    r.endpoint = endpoint
+    g = r.ranges.add()
+    g.layer = LAYER
+    g.expert_lo = 0
+    g.expert_hi = 128
+    return ctx.unary(ctx.router, "/moe.v1.RouterService/RegisterExpertServer", r,
+                     ctx.pb.router.RegisterExpertServerResponse, metadata=metadata)
+
+
+@case("RegisterExpertServer without the cluster token (a rogue shard)")
+def _(ctx):
+    before = placement(ctx)
+    msg = expect(C.UNAUTHENTICATED, "needs the cluster token", lambda: register(ctx))
+    assert placement(ctx) == before, "the placement changed"
+    return msg
+
+
+@case("RegisterExpertServer with a wrong cluster token")
+def _(ctx):
+    return expect(C.UNAUTHENTICATED, "needs the cluster token", lambda: register(
+        ctx, metadata=[("x-moe-cluster-token", ctx.token[:-1] + "x")]))
+
+
+@case("RegisterExpertServer: a 1 MiB shard name (as a member)")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "shard name", lambda: register(
+        ctx, name="s" * (1 << 20), metadata=ctx.member()))
+
+
+@case("Heartbeat on guessed leases without the token")
+def _(ctx):
+    msgs = []
+    for lease in (1, 2, 3, 1 << 40):
+        r = ctx.pb.router.HeartbeatRequest()
+        r.lease_id = lease
+        msgs.append(expect(C.UNAUTHENTICATED, "needs the cluster token", lambda: ctx.unary(
+            ctx.router, "/moe.v1.RouterService/Heartbeat", r, ctx.pb.router.HeartbeatResponse)))
+    return msgs[0]
+
+
+def report(ctx, loads, tokens, metadata=None):
+    r = ctx.pb.router.ReportStatsRequest()
+    r.node = "forger"
+    r.layer = LAYER
+    r.tokens = tokens
+    r.loads.extend(loads)
+    return ctx.unary(ctx.router, "/moe.v1.RouterService/ReportStats", r,
+                     ctx.pb.router.ReportStatsResponse, metadata=metadata)
+
+
+@case("ReportStats forged without the token")
+def _(ctx):
+    before = stats(ctx).total_tokens
+    msg = expect(C.UNAUTHENTICATED, "needs the cluster token",
+                 lambda: report(ctx, [1 << 40] * 128, 1 << 40))
+    after = stats(ctx).total_tokens
+    assert after - before < 1 << 30, (before, after)  # only the canary's real traffic
+    return msg
+
+
+@case("ReportStats with loads of 2^63-1 (as a member)")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "", lambda: report(ctx, [(1 << 63) - 1] * 128, 16 * 4,
+                                                          metadata=ctx.member()))
+
+
+@case("ReportStats with 2^50 tokens (as a member)")
+def _(ctx):
+    return expect(C.INVALID_ARGUMENT, "", lambda: report(ctx, [0] * 128, 1 << 50,
+                                                          metadata=ctx.member()))
+
+
+def admin(ctx, method, req, resp, token=None):
+    md = None if token is None else [("x-moe-admin-token", token)]
+    return ctx.unary(ctx.router, f"/moe.v1.RouterService/{method}", req, resp, metadata=md)
+
+
+@case("Rebalance without the admin token")
+def _(ctx):
+    r = ctx.pb.router.RebalanceRequest()
+    r.layer = LAYER
+    return expect(C.PERMISSION_DENIED, "admin token", lambda: admin(
+        ctx, "Rebalance", r, ctx.pb.router.RebalanceResponse))
+
+
+@case("Rebalance with a wrong admin token")
+def _(ctx):
+    r = ctx.pb.router.RebalanceRequest()
+    r.layer = LAYER
+    return expect(C.PERMISSION_DENIED, "admin token", lambda: admin(
+        ctx, "Rebalance", r, ctx.pb.router.RebalanceResponse, token=ADMIN + "x"))
+
+
+@case("SetBiasMode without the admin token")
+def _(ctx):
+    r = ctx.pb.router.SetBiasModeRequest()
+    r.layer = LAYER
+    r.mode = 2
+    return expect(C.PERMISSION_DENIED, "admin token", lambda: admin(
+        ctx, "SetBiasMode", r, ctx.pb.router.LayerBias))
+
+
+@case("RollbackBias without the admin token")
+def _(ctx):
+    r = ctx.pb.router.RollbackBiasRequest()
+    r.layer = LAYER
+    return expect(C.PERMISSION_DENIED, "admin token", lambda: admin(
+        ctx, "RollbackBias", r, ctx.pb.router.LayerBias))
+
+
+@case(f"WatchPlacement: {MAX_WATCHERS + 8} streams that never read")
+def _(ctx):
+    calls = []
+    watch = ctx.router.unary_stream("/moe.v1.RouterService/WatchPlacement",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=ctx.pb.router.Placement.FromString)
+    try:
+        for _i in range(MAX_WATCHERS + 8):
+            calls.append(watch(ctx.pb.router.GetPlacementRequest(), timeout=30))
+        refused = 0
+        msg = ""
+        for c in calls:  # each either streams a placement or was refused
+            try:
+                next(c)
+            except grpc.RpcError as e:
+                assert e.code() == C.RESOURCE_EXHAUSTED, (e.code(), e.details())
+                refused += 1
+                msg = e.details()
+        assert refused >= 8, refused
+        return f"{refused} RESOURCE_EXHAUSTED: {msg}"
+    finally:
+        for c in calls:
+            c.cancel()
+
+
+# the load-balance page
+@case("page: POST /api/rebalance without the admin token")
+def _(ctx):
+    status, body = http(ctx.cluster["web"], "POST", f"/api/rebalance?layer={LAYER}")
+    assert status == 403 and "admin token is required" in body, (status, body)
+    return f"{status}: {body.strip()}"
+
+
+@case("page: POST /api/rollback with a wrong admin token")
+def _(ctx):
+    status, body = http(ctx.cluster["web"], "POST", f"/api/rollback?layer={LAYER}&to=0",
+                        headers={"X-Moe-Admin-Token": "nope"})
+    assert status == 403 and "wrong" in body, (status, body)
+    return f"{status}: {body.strip()}"
+
+
+@case("page: 48 slowloris connections")
+def _(ctx):
+    host, port = ctx.cluster["web"].rsplit(":", 1)
+    slow = []
+    try:
+        for _i in range(48):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"GET /api/state HTTP/1.1\r\nX-Slow: ")
+            slow.append(s)
+        for _round in range(3):
+            for s in slow:
+                s.sendall(b"a")
+            t = time.time()
+            status, _body = http(ctx.cluster["web"], "GET", f"/api/state?layer={LAYER}")
+            assert status == 200 and time.time() - t < 2, (status, time.time() - t)
+            time.sleep(0.5)
+        return "200 within 2 s while 48 slow connections are open"
+    finally:
+        for s in slow:
+            s.close()
+
+
+@case("page: 64 KiB of headers")
+def _(ctx):
+    status, _body = http(ctx.cluster["web"], "GET", "/", headers={"X-Big": "b" * (64 << 10)})
+    assert status in (400, 413, 431), status
+    return f"{status}"
+
+
+# raw sockets
+@case("300 idle TCP connections to attention-svc")
+def _(ctx):
+    host, port = ctx.cluster["attention"].rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(300)]
+    try:
+        r = forward(ctx, forward_request(ctx))
+        assert r.output.data == ctx.ref["out"].tobytes()
+        return "a Forward next to them: bit-exact"
+    finally:
+        for s in socks:
+            s.close()
+
+
+@case("garbage bytes instead of the HTTP/2 preface")
+def _(ctx):
+    out = raw_exchange(ctx.cluster["attention"], os.urandom(4096))
+    return f"connection closed after {len(out)} bytes back"
+
+
+@case("HTTP/1.1 to the gRPC port")
+def _(ctx):
+    out = raw_exchange(ctx.cluster["attention"], b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    return f"closed ({out[:40]!r})"
+
+
+@case("/metrics with 64 KiB of headers")
+def _(ctx):
+    status, _body = http(ctx.cluster["attention_metrics"], "GET", "/metrics",
+                         headers={"X-Big": "b" * (64 << 10)})
+    assert status in (0, 400, 413, 431), status
+    status, body = http(ctx.cluster["attention_metrics"], "GET", "/metrics")
+    assert status == 200 and "moe_" in body, status
+    return "refused, then /metrics still 200"
+
+
+def alive(pid):
+    """Running (a zombie, exited but not yet reaped by moe-cli, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_under_load(ctx, pids):
+    """SIGTERM to every server while heavy requests run: each exits within 4 s (its 2 s grace
+    for running calls, then its own teardown)."""
+    x = np.tile(ctx.ref["x"], (512, 1))
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            try:
+                forward(ctx, forward_request(ctx, x), timeout=5)
+            except grpc.RpcError:
+                stop.wait(0.05)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    took = {}
+    for name in ("attention-svc", "shard-0", "shard-1", "router-svc"):
+        t = time.time()
+        os.kill(pids[name], 15)
+        while alive(pids[name]) and time.time() - t < 10:
+            time.sleep(0.02)
+        took[name] = time.time() - t
+    stop.set()
+    slow = {n: s for n, s in took.items() if s > 4.0}
+    assert not slow, f"past the grace period: {slow}"
+    return ", ".join(f"{n} {1000 * s:.0f} ms" for n, s in took.items())
+
+
+# --- the harness ------------------------------------------------------------------------------
+def rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Canary(threading.Thread):
+    """The same Forward (per-pair replies) every 50 ms; every answer must be bit-exact."""
+
+    def __init__(self, ctx, seconds):
+        super().__init__(daemon=True)
+        self.ctx = ctx
+        self.until = time.time() + seconds
+        self.stop = threading.Event()
+        self.ok = self.wrong = self.failed = 0
+        self.errors = []
+
+    def run(self):
+        req = forward_request(self.ctx, mode=1)
+        want = self.ctx.ref["out"].tobytes()
+        while not self.stop.is_set() and time.time() < self.until:
+            try:
+                r = forward(self.ctx, req, timeout=10)
+                if r.output.data == want:
+                    self.ok += 1
+                else:
+                    self.wrong += 1
+            except grpc.RpcError as e:
+                self.failed += 1
+                self.errors.append(f"{e.code().name}: {e.details()}")
+            self.stop.wait(0.05)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--moe-cli", required=True)
+    ap.add_argument("--moe-tool", required=True)
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    from moe_client import load_protos
+    import importlib
+    pb = load_protos(out_dir=os.path.join(args.work, "protos"))
+    pb.expert = importlib.import_module("moe.v1.expert_pb2")
+    ckpt = synth_checkpoint(args.moe_tool, args.work, "mid", 4)
+    ref_path = os.path.join(args.work, "canary.safetensors")
+    subprocess.run([args.moe_tool, "forward", "--checkpoint", ckpt, "--tokens",
+                    str(CANARY_TOKENS), "--seed", "9", "--output", ref_path], check=True,
+                   stdout=subprocess.DEVNULL, timeout=300)
+    ref, _ = read_safetensors(ref_path)
+    cluster_dir = os.path.join(args.work, "cluster")
+    cj = os.path.join(cluster_dir, "cluster.json")
+    if os.path.exists(cj):
+        os.remove(cj)
+    up = subprocess.Popen(
+        [args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir, "--threads", "1",
+         "--max_seconds", "900", "--admin_token", ADMIN,
+         "--router_args", f"--max_watchers={MAX_WATCHERS}",
+         "--attention_args", f"--max_message_bytes={64 << 20} --max_stream_in_flight=8 "
+                             f"--max_stream_outbox_bytes={32 << 20}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    failures = []
+    try:
+        wait_for("cluster.json", lambda: os.path.exists(cj), 180)
+        cluster = json.load(open(cj))
+        token = open(os.path.join(cluster_dir, "cluster_token")).read().strip()
+        ctx = Ctx(cluster, pb, token, ref)
+        info = ctx.unary(ctx.shard0, "/moe.v1.ExpertService/GetInfo",
+                         pb.expert.GetExpertInfoRequest(), pb.expert.ExpertServerInfo)
+        ctx.latent = info.latent
+        cluster["shard0_hi"] = info.expert_hi
+        pids = {"router-svc": cluster["router_pid"], "attention-svc": cluster["attention_pid"]}
+        for s in cluster["shards"]:
+            pids[s["name"]] = s["pid"]
+        wait_for("a first answer", lambda: forward(ctx, forward_request(ctx)), 60)
+        base = {name: rss(pid) for name, pid in pids.items()}
+        peak = dict(base)
+        canary = Canary(ctx, seconds=600)
+        canary.start()
+        rows = []
+        for name, fn in CASES:
+            t = time.time()
+            try:
+                detail = fn(ctx)
+                verdict = "ok"
+            except Exception as e:  # a failed case is reported with the rest
+                detail, verdict = f"{type(e).__name__}: {e}", "FAILED"
+                failures.append(name)
+            ms = 1000 * (time.time() - t)
+            for pname, pid in pids.items():
+                if not os.path.exists(f"/proc/{pid}"):
+                    failures.append(f"{name}: {pname} died")
+                    continue
+                peak[pname] = max(peak[pname], rss(pid))
+                if peak[pname] > base[pname] + MEMORY_SLACK:
+                    failures.append(f"{name}: {pname} RSS {peak[pname] >> 20} MiB")
+            if canary.wrong:
+                failures.append(f"{name}: the canary got a wrong answer")
+            rows.append((name, verdict, ms, str(detail)[:110]))
+        canary.stop.set()
+        canary.join(timeout=20)
+        t = time.time()
+        try:
+            detail = stop_under_load(ctx, pids)
+            rows.append(("SIGTERM under load: every server stops", "ok",
+                         1000 * (time.time() - t), detail))
+        except AssertionError as e:
+            rows.append(("SIGTERM under load: every server stops", "FAILED", 0, str(e)))
+            failures.append("SIGTERM under load")
+        width = max(len(r[0]) for r in rows)
+        for i, (name, verdict, ms, detail) in enumerate(rows, 1):
+            print(f"{i:2d}. {name:<{width}}  {verdict:6s} {ms:8.0f} ms  {detail}")
+        print(f"\n{len(rows)} cases, {len(rows) - len(set(f.split(':')[0] for f in failures))} "
+              f"passed; canary: {canary.ok} bit-exact, {canary.wrong} wrong, {canary.failed} "
+              f"failed answers")
+        for pname in pids:
+            print(f"  {pname}: RSS {base[pname] >> 20} MiB at start, peak {peak[pname] >> 20} "
+                  f"MiB (bound +{MEMORY_SLACK >> 20} MiB)")
+        if canary.errors:
+            print("  canary errors:", canary.errors[:5])
+        if canary.failed:
+            failures.append(f"the canary had {canary.failed} failed answers")
+    finally:
+        up.terminate()
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+    if failures:
+        print("FAILED:", *failures, sep="\n  ")
+        return 1
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
