@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "expert-svc/batch_verifier.h"
 #include "expert-svc/data_plane_clients.h"
+#include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_backend.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
@@ -54,45 +55,12 @@ using tensor::Bf16;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 // An idle compute thread wakes this often so that the busy ratio decays to 0.
 constexpr std::chrono::seconds kIdleTick(1);
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// A validated batch, ready to compute.
-struct Batch {
-  uint64_t batch_id = 0;
-  const MoeLayerWeights* layer = nullptr;
-  v1::ReplyMode mode = v1::REPLY_MODE_PER_PAIR;
-  int64_t rows = 0;
-  int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
-  numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
-  std::vector<Bf16> z;        // [rows, D]
-  std::vector<int32_t> token_index;
-  std::vector<float> weights;
-  int32_t num_tokens = 0;
-  Clock::time_point arrived;
-  Clock::time_point expires = Clock::time_point::max();
-  // Out of band: the reply's payload goes to this data-plane client's endpoint.
-  bool out_of_band = false;
-  uint64_t reply_ep = 0;
-  uint64_t reply_tag = 0;
-  int64_t reply_capacity = 0;
-  double receive_seconds = 0;
-};
-
-// A time budget in milliseconds from now (0: none, then this long).
-constexpr std::chrono::seconds kNoBudget(30);
-// The longest budget a batch may ask for: a clock plus INT64_MAX ms overflows (into the past).
-constexpr std::chrono::hours kMaxBudget(24);
-
-// A batch's timeout_ms as a duration: kNoBudget when not positive, at most kMaxBudget.
-std::chrono::milliseconds BatchBudget(int64_t timeout_ms) {
-  if (timeout_ms <= 0) return kNoBudget;
-  return std::min<std::chrono::milliseconds>(std::chrono::milliseconds(timeout_ms), kMaxBudget);
-}
 // How long past a batch's budget its reply payload may take to be taken by the caller.
 constexpr absl::Duration kReplySendGrace = absl::Seconds(5);
 
@@ -116,10 +84,6 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   absl::Status StartServing();
   void Shutdown(absl::Duration grace);
 
-  // Validates a request against what is hosted here (codes as in expert.proto).
-  // oob: the activations' bytes when they came out of band (else req.activations().data()).
-  absl::StatusOr<std::unique_ptr<Batch>> Validate(v1::DispatchRequest& req,
-                                                  const std::string_view* oob = nullptr) const;
   // Runs one batch and fills the reply (outputs, timings).
   void Compute(const Batch& b, v1::DispatchReply* reply);
   // Queues a batch for the compute thread: RESOURCE_EXHAUSTED when the queue is full,
@@ -370,148 +334,6 @@ absl::Status ExpertServer::Impl::StartServing() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Batch>> ExpertServer::Impl::Validate(
-    v1::DispatchRequest& req, const std::string_view* oob) const {
-  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id());
-  auto it = layers_.find(req.layer());
-  if (it == layers_.end()) {
-    std::vector<int64_t> hosted;
-    for (const auto& [l, w] : layers_) hosted.push_back(l);
-    return absl::NotFoundError(absl::StrCat(where, ": layer ", req.layer(),
-                                            " is not hosted here (layers ",
-                                            absl::StrJoin(hosted, ","), ")"));
-  }
-  auto b = std::make_unique<Batch>();
-  b->batch_id = req.batch_id();
-  b->layer = &it->second;
-  b->mode =
-      req.reply_mode() == v1::REPLY_MODE_UNSPECIFIED ? v1::REPLY_MODE_PER_PAIR : req.reply_mode();
-  if (b->mode != v1::REPLY_MODE_PER_PAIR && b->mode != v1::REPLY_MODE_PARTIAL_SUM) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": unknown reply_mode ", static_cast<int>(req.reply_mode())));
-  }
-  if (req.groups_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": no expert groups"));
-  }
-  int64_t rows = 0;
-  int64_t prev = -1;
-  for (const v1::ExpertGroup& g : req.groups()) {
-    if (g.expert_id() < 0 || g.expert_id() >= cfg_.num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": expert id ", g.expert_id(),
-                                                     " outside [0, ", cfg_.num_experts, ")"));
-    }
-    if (!b->layer->HostsExpert(g.expert_id())) {
-      return absl::NotFoundError(absl::StrCat(where, ": expert ", g.expert_id(), " of layer ",
-                                              req.layer(), " is not hosted here (experts [",
-                                              options_.expert_lo, ", ", options_.expert_hi, "))"));
-    }
-    if (g.expert_id() <= prev) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": expert ids must be strictly ascending (", g.expert_id(), " after ", prev, ")"));
-    }
-    if (g.token_count() < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": expert ", g.expert_id(), " has token_count ", g.token_count()));
-    }
-    prev = g.expert_id();
-    rows += g.token_count();
-  }
-  // The batch's expert inputs and per-pair outputs are rows x D bf16: bounded by what one
-  // message may carry, before anything that size is allocated (a small request may claim
-  // 2^26 rows).
-  const int64_t pair_bytes = rows * cfg_.latent * static_cast<int64_t>(sizeof(Bf16));
-  if (pair_bytes > options_.max_message_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(where, ": ", rows, " (token, expert) rows of ", cfg_.latent, " bf16 (",
-                     pair_bytes, " bytes) exceed this server's limit of ",
-                     options_.max_message_bytes, " bytes per batch (--max_message_bytes)"));
-  }
-  MOE_ASSIGN_OR_RETURN(
-      transport::Bf16Matrix z,
-      transport::DecodeBf16Matrix(
-          req.activations(), oob != nullptr ? *oob : std::string_view(req.activations().data()),
-          where + ": activations", cfg_.latent, /*accept_f32=*/false));
-  if (req.row_source_size() == 0 && z.rows != rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": activations have ", z.rows, " rows but the groups count ", rows));
-  }
-  if (req.row_source_size() != 0 && req.row_source_size() != rows) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", req.row_source_size(),
-                                                   " row_source entries for ", rows, " rows"));
-  }
-  b->rows = rows;
-  b->experts = req.groups_size();
-  b->routing.tokens = rows;
-  b->routing.top_k = 1;
-  b->routing.expert_ids.reserve(static_cast<size_t>(rows));
-  for (const v1::ExpertGroup& g : req.groups()) {
-    b->routing.expert_ids.insert(b->routing.expert_ids.end(), g.token_count(), g.expert_id());
-  }
-  b->routing.weights.assign(static_cast<size_t>(rows), 1.0f);
-  // NaN policy: non-finite activations are rejected (they would poison every partial sum).
-  const int64_t d = cfg_.latent;
-  // bf16 is finite unless all 8 exponent bits are set: one test per value, no conversion.
-  uint16_t any_bad = 0;
-  for (const Bf16& v : z.values) any_bad |= static_cast<uint16_t>((v.bits & 0x7f80u) == 0x7f80u);
-  for (int64_t r = 0; any_bad != 0 && r < z.rows; ++r) {
-    for (int64_t c = 0; c < d; ++c) {
-      if (!std::isfinite(z.values[r * d + c].ToFloat())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": activations row ", r,
-            req.row_source_size() == 0 ? absl::StrCat(" (expert ", b->routing.expert_ids[r], ")")
-                                       : std::string(),
-            " column ", c, " is not finite"));
-      }
-    }
-  }
-  if (req.row_source_size() == 0) {
-    b->z = std::move(z.values);
-  } else {
-    b->z.resize(static_cast<size_t>(rows * d));
-    for (int64_t r = 0; r < rows; ++r) {
-      const int32_t src = req.row_source(static_cast<int>(r));
-      if (src < 0 || src >= z.rows) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": row_source[", r, "] = ", src, " outside [0, ", z.rows, ")"));
-      }
-      std::copy_n(z.values.data() + src * d, d, b->z.data() + r * d);
-    }
-  }
-  if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
-    if (req.token_index_size() != rows || req.weights_size() != rows) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": partial sums need one token_index and one weight per row (", rows, " rows, ",
-          req.token_index_size(), " token_index, ", req.weights_size(), " weights)"));
-    }
-    if (req.num_tokens() < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": num_tokens must be >= 1"));
-    }
-    int64_t row = 0;
-    for (const v1::ExpertGroup& g : req.groups()) {
-      int32_t last = -1;
-      for (int32_t i = 0; i < g.token_count(); ++i, ++row) {
-        const int32_t t = req.token_index(static_cast<int>(row));
-        const float w = req.weights(static_cast<int>(row));
-        if (t < 0 || t >= req.num_tokens() || t <= last) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": row ", row, " token_index ", t, " must lie in [0, ",
-                           req.num_tokens(), ") and ascend within expert ", g.expert_id()));
-        }
-        if (!std::isfinite(w)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": row ", row, " weight is not finite"));
-        }
-        last = t;
-      }
-    }
-    b->token_index.assign(req.token_index().begin(), req.token_index().end());
-    b->weights.assign(req.weights().begin(), req.weights().end());
-    b->num_tokens = req.num_tokens();
-  }
-  b->arrived = Clock::now();
-  if (req.timeout_ms() > 0) b->expires = b->arrived + BatchBudget(req.timeout_ms());
-  return b;
-}
 
 void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;
@@ -661,7 +483,10 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
 
 void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun,
                                const Batch* oob, const std::string_view* oob_bytes) {
-  absl::StatusOr<std::unique_ptr<Batch>> batch = Validate(req, oob_bytes);
+  absl::StatusOr<std::unique_ptr<Batch>> batch = ValidateDispatch(
+      req, oob_bytes,
+      DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent, options_.max_message_bytes},
+      layers_);
   if (!batch.ok()) {
     if (metrics_ != nullptr) {
       metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));

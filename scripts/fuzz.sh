@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer target for the safetensors parser with clang (ASan + UBSan) and runs it
-# for a bounded number of inputs from a seed corpus of valid and malformed files.
-# Usage: scripts/fuzz.sh [RUNS] (default 200000; bounded by 120 s as well)
+# Builds the libFuzzer targets with clang (ASan + UBSan) and runs each for a bounded time from a
+# seed corpus: the safetensors parser, expert-svc's DispatchRequest validation, attention-svc's
+# ForwardRequest input decoding, the QB histogram wire form, the page's query parser.
+# Allocations past 512 MiB count as findings (a small input must not claim a large buffer).
+# Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] (default 20: the test command; a campaign: 600)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUNS=${1:-200000}
+SECONDS_EACH=${1:-20}
 if ! command -v clang++ >/dev/null; then
-  echo "fuzz: clang++ not found, skipping the fuzzer (the corpus test still ran)"
+  echo "fuzz: clang++ not found, skipping the fuzzers (the corpus tests still ran)"
   exit 0
 fi
 BUILD=${MOE_FUZZ_BUILD_DIR:-build-fuzz}
+TARGETS=(safetensors_fuzz dispatch_fuzz forward_fuzz qb_histogram_fuzz http_query_fuzz)
 CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DMOE_BUILD_FUZZERS=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$BUILD" --target safetensors_fuzz
+cmake --build "$BUILD" --target "${TARGETS[@]}"
 CORPUS="$BUILD/fuzz-corpus"
 mkdir -p "$CORPUS"
-/usr/bin/python3 tests/fuzz/make_seed_corpus.py "$CORPUS"
-"$BUILD/tests/safetensors_fuzz" -runs="$RUNS" -max_total_time=120 -max_len=4096 \
-  "$CORPUS" 2>"$BUILD/fuzz.log" || { tail -50 "$BUILD/fuzz.log"; exit 1; }
-echo "fuzz: $(grep -E '^Done|^#[0-9]+.*DONE' "$BUILD/fuzz.log" | tail -1)"
+/usr/bin/python3 tests/fuzz/make_seed_corpus.py "$CORPUS/safetensors"
+/usr/bin/python3 tests/fuzz/make_proto_seeds.py "$CORPUS"
+for t in "${TARGETS[@]}"; do
+  name=${t%_fuzz}
+  log="$BUILD/$t.log"
+  "$BUILD/tests/$t" -max_total_time="$SECONDS_EACH" -max_len=65536 -malloc_limit_mb=512 \
+    -rss_limit_mb=2048 -print_final_stats=1 "$CORPUS/$name" 2>"$log" ||
+    { tail -60 "$log"; echo "fuzz: $t found a failure (log: $log)"; exit 1; }
+  echo "fuzz: $t: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') inputs" \
+    "in ${SECONDS_EACH} s, $(grep -E '^stat::peak_rss_mb' "$log" | awk '{print $2}') MB peak RSS"
+done

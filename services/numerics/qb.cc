@@ -356,6 +356,13 @@ absl::StatusOr<QbHistogram> QbHistogram::Deserialize(absl::string_view bytes) {
   }
   w.top_k = k;
   w.bins = static_cast<int32_t>(bins);
+  // Every bias is 4 bytes and every varint at least one: a message too short for its shape is
+  // refused before the n x bins counts are allocated (28 bytes must not claim 1 GiB).
+  const uint64_t least = sizeof(kMagic) + 32 + 4ull * n + 1 + n + uint64_t{n} * bins;
+  if (bytes.size() < least) {
+    return Corrupt(absl::StrCat("truncated: ", bytes.size(), " bytes, n = ", n, " and bins = ",
+                                bins, " need at least ", least));
+  }
   std::vector<float> bias(n);
   for (float& b : bias) {
     if (!r.Fixed(&b)) return Corrupt("truncated bias");

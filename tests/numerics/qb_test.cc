@@ -329,6 +329,17 @@ TEST(QbHistogram, SerializedFormRoundTripsAndRejectsCorruption) {
     rejected += !QbHistogram::Deserialize(bad).ok();  // must not crash either way
   }
   EXPECT_GT(rejected, 400);  // the row-sum and load-sum checks catch most flips
+
+  // A header that claims n x bins = 2^28 counts (1 GiB) with a few KB behind it is refused
+  // before anything that size is allocated (found by tests/fuzz/qb_histogram_fuzz.cc).
+  std::string claim = wire.substr(0, 4 + 8 + 8 + 4);
+  const uint32_t big_n = 1u << 14, big_bins = 1u << 14, top_k = 4;
+  for (uint32_t v : {big_n, top_k, big_bins}) claim.append(reinterpret_cast<const char*>(&v), 4);
+  claim.append(std::string(4 * big_n + 64, '\0'));
+  auto refused = QbHistogram::Deserialize(claim);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("need at least"), std::string::npos)
+      << refused.status();
 }
 
 TEST(QuantileBalancing, EdgeCases) {

@@ -1,0 +1,171 @@
+#include "expert-svc/dispatch_batch.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "services/common/status_macros.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::expert_svc {
+namespace {
+
+using tensor::Bf16;
+
+// The longest budget a batch may ask for: a clock plus INT64_MAX ms overflows (into the past).
+constexpr std::chrono::hours kMaxBudget(24);
+
+}  // namespace
+
+
+std::chrono::milliseconds BatchBudget(int64_t timeout_ms) {
+  if (timeout_ms <= 0) return kNoBudget;
+  return std::min<std::chrono::milliseconds>(std::chrono::milliseconds(timeout_ms), kMaxBudget);
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
+    const v1::DispatchRequest& req, const std::string_view* oob, const DispatchLimits& limits,
+    const std::map<int64_t, numerics::MoeLayerWeights>& layers) {
+  const std::string where = absl::StrCat("shard ", limits.shard, ", batch ", req.batch_id());
+  auto it = layers.find(req.layer());
+  if (it == layers.end()) {
+    std::vector<int64_t> hosted;
+    for (const auto& [l, w] : layers) hosted.push_back(l);
+    return absl::NotFoundError(absl::StrCat(where, ": layer ", req.layer(),
+                                            " is not hosted here (layers ",
+                                            absl::StrJoin(hosted, ","), ")"));
+  }
+  auto b = std::make_unique<Batch>();
+  b->batch_id = req.batch_id();
+  b->layer = &it->second;
+  b->mode =
+      req.reply_mode() == v1::REPLY_MODE_UNSPECIFIED ? v1::REPLY_MODE_PER_PAIR : req.reply_mode();
+  if (b->mode != v1::REPLY_MODE_PER_PAIR && b->mode != v1::REPLY_MODE_PARTIAL_SUM) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": unknown reply_mode ", static_cast<int>(req.reply_mode())));
+  }
+  if (req.groups_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": no expert groups"));
+  }
+  int64_t rows = 0;
+  int64_t prev = -1;
+  for (const v1::ExpertGroup& g : req.groups()) {
+    if (g.expert_id() < 0 || g.expert_id() >= limits.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expert id ", g.expert_id(),
+                                                     " outside [0, ", limits.num_experts, ")"));
+    }
+    if (!b->layer->HostsExpert(g.expert_id())) {
+      return absl::NotFoundError(absl::StrCat(where, ": expert ", g.expert_id(), " of layer ",
+                                              req.layer(), " is not hosted here (experts [",
+                                              b->layer->expert_lo, ", ", b->layer->expert_hi, "))"));
+    }
+    if (g.expert_id() <= prev) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": expert ids must be strictly ascending (", g.expert_id(), " after ", prev, ")"));
+    }
+    if (g.token_count() < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expert ", g.expert_id(), " has token_count ", g.token_count()));
+    }
+    prev = g.expert_id();
+    rows += g.token_count();
+  }
+  // The batch's expert inputs and per-pair outputs are rows x D bf16: bounded by what one
+  // message may carry, before anything that size is allocated (a small request may claim
+  // 2^26 rows).
+  const int64_t pair_bytes = rows * limits.latent * static_cast<int64_t>(sizeof(Bf16));
+  if (pair_bytes > limits.max_message_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(where, ": ", rows, " (token, expert) rows of ", limits.latent, " bf16 (",
+                     pair_bytes, " bytes) exceed this server's limit of ",
+                     limits.max_message_bytes, " bytes per batch (--max_message_bytes)"));
+  }
+  MOE_ASSIGN_OR_RETURN(
+      transport::Bf16Matrix z,
+      transport::DecodeBf16Matrix(
+          req.activations(), oob != nullptr ? *oob : std::string_view(req.activations().data()),
+          where + ": activations", limits.latent, /*accept_f32=*/false));
+  if (req.row_source_size() == 0 && z.rows != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": activations have ", z.rows, " rows but the groups count ", rows));
+  }
+  if (req.row_source_size() != 0 && req.row_source_size() != rows) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", req.row_source_size(),
+                                                   " row_source entries for ", rows, " rows"));
+  }
+  b->rows = rows;
+  b->experts = req.groups_size();
+  b->routing.tokens = rows;
+  b->routing.top_k = 1;
+  b->routing.expert_ids.reserve(static_cast<size_t>(rows));
+  for (const v1::ExpertGroup& g : req.groups()) {
+    b->routing.expert_ids.insert(b->routing.expert_ids.end(), g.token_count(), g.expert_id());
+  }
+  b->routing.weights.assign(static_cast<size_t>(rows), 1.0f);
+  // NaN policy: non-finite activations are rejected (they would poison every partial sum).
+  const int64_t d = limits.latent;
+  // bf16 is finite unless all 8 exponent bits are set: one test per value, no conversion.
+  uint16_t any_bad = 0;
+  for (const Bf16& v : z.values) any_bad |= static_cast<uint16_t>((v.bits & 0x7f80u) == 0x7f80u);
+  for (int64_t r = 0; any_bad != 0 && r < z.rows; ++r) {
+    for (int64_t c = 0; c < d; ++c) {
+      if (!std::isfinite(z.values[r * d + c].ToFloat())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": activations row ", r,
+            req.row_source_size() == 0 ? absl::StrCat(" (expert ", b->routing.expert_ids[r], ")")
+                                       : std::string(),
+            " column ", c, " is not finite"));
+      }
+    }
+  }
+  if (req.row_source_size() == 0) {
+    b->z = std::move(z.values);
+  } else {
+    b->z.resize(static_cast<size_t>(rows * d));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t src = req.row_source(static_cast<int>(r));
+      if (src < 0 || src >= z.rows) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": row_source[", r, "] = ", src, " outside [0, ", z.rows, ")"));
+      }
+      std::copy_n(z.values.data() + src * d, d, b->z.data() + r * d);
+    }
+  }
+  if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
+    if (req.token_index_size() != rows || req.weights_size() != rows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": partial sums need one token_index and one weight per row (", rows, " rows, ",
+          req.token_index_size(), " token_index, ", req.weights_size(), " weights)"));
+    }
+    if (req.num_tokens() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": num_tokens must be >= 1"));
+    }
+    int64_t row = 0;
+    for (const v1::ExpertGroup& g : req.groups()) {
+      int32_t last = -1;
+      for (int32_t i = 0; i < g.token_count(); ++i, ++row) {
+        const int32_t t = req.token_index(static_cast<int>(row));
+        const float w = req.weights(static_cast<int>(row));
+        if (t < 0 || t >= req.num_tokens() || t <= last) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": row ", row, " token_index ", t, " must lie in [0, ",
+                           req.num_tokens(), ") and ascend within expert ", g.expert_id()));
+        }
+        if (!std::isfinite(w)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": row ", row, " weight is not finite"));
+        }
+        last = t;
+      }
+    }
+    b->token_index.assign(req.token_index().begin(), req.token_index().end());
+    b->weights.assign(req.weights().begin(), req.weights().end());
+    b->num_tokens = req.num_tokens();
+  }
+  b->arrived = Clock::now();
+  if (req.timeout_ms() > 0) b->expires = b->arrived + BatchBudget(req.timeout_ms());
+  return b;
+}
+
+}  // namespace moe::expert_svc

@@ -1,0 +1,72 @@
+// A Dispatch batch checked against what a shard hosts, before anything the request implies is
+// allocated (its rows bounded by --max_message_bytes, row_source and partial-sum sizes by the
+// rows it carries): the codes and messages of expert.proto. Apart from the server so that the
+// fuzzer (tests/fuzz/dispatch_fuzz.cc) runs it without a server.
+//
+//   MOE_ASSIGN_OR_RETURN(std::unique_ptr<Batch> b, ValidateDispatch(req, nullptr, limits, layers));
+#ifndef MOE_EXPERT_SVC_DISPATCH_BATCH_H_
+#define MOE_EXPERT_SVC_DISPATCH_BATCH_H_
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "moe/v1/expert.pb.h"
+#include "services/numerics/layer_weights.h"
+#include "services/numerics/router.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::expert_svc {
+
+using Clock = std::chrono::steady_clock;
+
+// A validated batch, ready to compute.
+struct Batch {
+  uint64_t batch_id = 0;
+  const numerics::MoeLayerWeights* layer = nullptr;
+  v1::ReplyMode mode = v1::REPLY_MODE_PER_PAIR;
+  int64_t rows = 0;
+  int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
+  numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
+  std::vector<tensor::Bf16> z;        // [rows, D]
+  std::vector<int32_t> token_index;
+  std::vector<float> weights;
+  int32_t num_tokens = 0;
+  Clock::time_point arrived;
+  Clock::time_point expires = Clock::time_point::max();
+  // Out of band: the reply's payload goes to this data-plane client's endpoint.
+  bool out_of_band = false;
+  uint64_t reply_ep = 0;
+  uint64_t reply_tag = 0;
+  int64_t reply_capacity = 0;
+  double receive_seconds = 0;
+};
+
+struct DispatchLimits {
+  std::string shard;  // for messages
+  int64_t num_experts = 0;
+  int64_t latent = 0;
+  int64_t max_message_bytes = 0;  // rows x latent bf16 of one batch, at most
+};
+
+// A time budget in milliseconds from now (0: none, then this long).
+inline constexpr std::chrono::seconds kNoBudget(30);
+
+// A batch's timeout_ms as a duration: kNoBudget when not positive, at most 24 h (a clock plus
+// INT64_MAX ms overflows into the past).
+std::chrono::milliseconds BatchBudget(int64_t timeout_ms);
+
+// layers: the hosted layers (each with its expert range). oob: the activations' bytes when
+// they came out of band (else the request's activations.data).
+absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
+    const v1::DispatchRequest& req, const std::string_view* oob, const DispatchLimits& limits,
+    const std::map<int64_t, numerics::MoeLayerWeights>& layers);
+
+}  // namespace moe::expert_svc
+
+#endif  // MOE_EXPERT_SVC_DISPATCH_BATCH_H_

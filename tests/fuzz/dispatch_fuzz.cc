@@ -1,0 +1,53 @@
+// libFuzzer target: expert-svc's DispatchRequest validation (expert-svc/dispatch_batch.h) on
+// any bytes: a request either parses and validates into a batch whose sizes agree with each
+// other and with the limits, or is refused; nothing crashes, nothing is allocated past what
+// the message carries (ASan's allocation limit, -malloc_limit_mb in scripts/fuzz.sh, would
+// trip).
+#include <cstddef>
+#include <cstdint>
+#include <map>
+
+#include "expert-svc/dispatch_batch.h"
+#include "moe/v1/expert.pb.h"
+
+namespace {
+
+const std::map<int64_t, moe::numerics::MoeLayerWeights>& Layers() {
+  static auto* layers = [] {
+    auto* m = new std::map<int64_t, moe::numerics::MoeLayerWeights>();
+    moe::numerics::MoeLayerWeights w;
+    w.layer = 1;
+    w.expert_lo = 2;
+    w.expert_hi = 9;
+    (*m)[1] = std::move(w);
+    return m;
+  }();
+  return *layers;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  moe::v1::DispatchRequest req;
+  if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
+  const moe::expert_svc::DispatchLimits limits{"fuzz", 16, 8, 1 << 16};
+  auto b = moe::expert_svc::ValidateDispatch(req, nullptr, limits, Layers());
+  if (!b.ok()) return 0;
+  const moe::expert_svc::Batch& batch = **b;
+  if (batch.rows < 1 || batch.rows * limits.latent * 2 > limits.max_message_bytes) {
+    __builtin_trap();
+  }
+  if (static_cast<int64_t>(batch.z.size()) != batch.rows * limits.latent) __builtin_trap();
+  if (static_cast<int64_t>(batch.routing.expert_ids.size()) != batch.rows) __builtin_trap();
+  for (int32_t e : batch.routing.expert_ids) {
+    if (!batch.layer->HostsExpert(e)) __builtin_trap();
+  }
+  if (batch.mode == moe::v1::REPLY_MODE_PARTIAL_SUM) {
+    if (static_cast<int64_t>(batch.token_index.size()) != batch.rows) __builtin_trap();
+    for (int32_t t : batch.token_index) {
+      if (t < 0 || t >= batch.num_tokens) __builtin_trap();
+    }
+  }
+  (void)moe::expert_svc::BatchBudget(req.timeout_ms()).count();
+  return 0;
+}
