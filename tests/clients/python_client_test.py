@@ -319,6 +319,64 @@ def test_python_client(client_dir, attention, router, ref, work):
           "errors, stats, rebalance: ok")
 
 
+def start_cluster(moe_cli, ckpt, cluster_dir, extra=()):
+    """moe-cli up on the checkpoint; returns (process, cluster.json contents)."""
+    cj = os.path.join(cluster_dir, "cluster.json")
+    if os.path.exists(cj):
+        os.remove(cj)
+    up = subprocess.Popen([moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir,
+                           "--threads", "1", "--max_seconds", "600", *extra],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for("cluster.json", lambda: os.path.exists(cj), 120)
+    except AssertionError:
+        up.kill()
+        raise
+    return up, json.load(open(cj))
+
+
+def stop(up):
+    up.terminate()
+    try:
+        up.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        up.kill()
+
+
+def test_python_client_tls(client_dir, moe_cli, ckpt, ref, work):
+    """The client over mutual TLS (certificates made here by openssl); plaintext and
+    certificate-less clients are refused."""
+    sys.path.insert(0, client_dir)
+    from moe_client import Client, MoeError, tls_credentials
+    pki = os.path.join(work, "pki")
+    subprocess.run(["bash", os.path.join(_TESTS, "common", "make_test_pki.sh"), pki], check=True,
+                   timeout=60)
+    f = {n: os.path.join(pki, n) for n in ("ca.pem", "member.pem", "member.key")}
+    up, cluster = start_cluster(moe_cli, ckpt, os.path.join(work, "cluster-tls"), [
+        f"--tls_ca_file={f['ca.pem']}", f"--tls_cert_file={f['member.pem']}",
+        f"--tls_key_file={f['member.key']}"])
+    try:
+        member = tls_credentials(f["ca.pem"], f["member.pem"], f["member.key"])
+        with Client(cluster["attention"], credentials=member) as c:
+            r = c.forward(bf16_to_f32_local(ref["x"][:5]))
+            assert np.array_equal(r.out_bf16, ref["out"][:5]), "TLS forward differs"
+        for name, creds in (("plaintext", None), ("no client certificate",
+                                                  tls_credentials(f["ca.pem"]))):
+            with Client(cluster["attention"], credentials=creds, timeout=5) as c:
+                try:
+                    c.forward(bf16_to_f32_local(ref["x"][:5]))
+                    raise AssertionError(f"a {name} client was served")
+                except MoeError as e:
+                    assert e.code == "UNAVAILABLE", (name, e)
+    finally:
+        stop(up)
+    print("python client over mutual TLS: bit-exact; plaintext and certificate-less refused")
+
+
+def bf16_to_f32_local(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--moe-cli", required=True)
@@ -332,25 +390,15 @@ def main():
                     "--seed", "9", "--output", ref_path], check=True, stdout=subprocess.DEVNULL,
                    timeout=300)
     ref, _ = read_safetensors(ref_path)
-    cluster_dir = os.path.join(args.work, "cluster")
-    cj = os.path.join(cluster_dir, "cluster.json")
-    if os.path.exists(cj):
-        os.remove(cj)
-    up = subprocess.Popen([args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir,
-                           "--threads", "1", "--max_seconds", "600", "--admin_token", ADMIN],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up, cluster = start_cluster(args.moe_cli, ckpt, os.path.join(args.work, "cluster"),
+                                ["--admin_token", ADMIN])
     try:
-        wait_for("cluster.json", lambda: os.path.exists(cj), 120)
-        cluster = json.load(open(cj))
         attention, router = cluster["attention"], cluster["router"]
         test_open_inference_protocol(attention, ref)
         test_python_client(args.client_dir, attention, router, ref, args.work)
     finally:
-        up.terminate()
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        stop(up)
+    test_python_client_tls(args.client_dir, args.moe_cli, ckpt, ref, args.work)
     print("PASS")
     return 0
 

@@ -13,7 +13,7 @@ classes are generated from the repository's .proto files by protoc at first use 
 directory given in MOE_CLIENT_PROTO_OUT), so no generated code is checked in.
 """
 from .client import (Client, ForwardStream, MoeError, Result, bf16_to_f32, f32_to_bf16,
-                     load_protos)
+                     load_protos, tls_credentials)
 
 __all__ = ["Client", "ForwardStream", "MoeError", "Result", "bf16_to_f32", "f32_to_bf16",
-           "load_protos"]
+           "load_protos", "tls_credentials"]

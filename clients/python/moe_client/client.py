@@ -162,18 +162,40 @@ def _code_name(code):
     return str(code)
 
 
+def tls_credentials(ca_file, cert_file=None, key_file=None):
+    """grpc.ChannelCredentials for a cluster on TLS: the CA its servers' certificates come from,
+    and (mutual TLS) this client's certificate and key, all PEM files."""
+    import grpc
+
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs its key and a key its certificate")
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca_file),
+        private_key=read(key_file) if key_file else None,
+        certificate_chain=read(cert_file) if cert_file else None)
+
+
 class Client:
     """attention: host:port of attention-svc; router: host:port of router-svc (statistics,
-    Rebalance); admin_token: the router's admin token for Rebalance."""
+    Rebalance); admin_token: the router's admin token for Rebalance; credentials: TLS
+    (tls_credentials(...)), else plaintext."""
 
     def __init__(self, attention, router=None, admin_token=None, timeout=30.0,
-                 max_message_bytes=_MAX_MESSAGE):
+                 max_message_bytes=_MAX_MESSAGE, credentials=None):
         import grpc
         self._pb = load_protos()
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self._attention = grpc.insecure_channel(attention, options=options)
-        self._router = grpc.insecure_channel(router, options=options) if router else None
+
+        def channel(target):
+            if credentials is None:
+                return grpc.insecure_channel(target, options=options)
+            return grpc.secure_channel(target, credentials, options=options)
+        self._attention = channel(attention)
+        self._router = channel(router) if router else None
         self._admin = [("x-moe-admin-token", admin_token)] if admin_token else None
         self._timeout = timeout
         self._info = None
