@@ -29,6 +29,9 @@
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
 #include "services/tools/tensor_file.h"
+#include "services/transport/channel.h"
+#include "services/transport/health_check.h"
+#include "services/transport/security.h"
 
 namespace moe::tools {
 namespace {
@@ -199,6 +202,33 @@ int Stats(int argc, char** argv) {
 
 // Starts a local cluster and keeps it up until SIGINT/SIGTERM (or --max_seconds): for the
 // observability tests and for poking at the page by hand. Writes <work_dir>/cluster.json.
+// A health probe over TLS where kubelet's own gRPC probe cannot go (it speaks plaintext only):
+// exit 0 when the service is SERVING, 1 otherwise.
+int Health(int argc, char** argv) {
+  std::string endpoint = "127.0.0.1:50051", service;
+  double timeout_s = 2;
+  transport::TlsOptions tls;
+  SvcFlags f("moe-cli health", "gRPC health check of one server (a Kubernetes exec probe).");
+  f.String("endpoint", &endpoint, "host:port of the server");
+  f.String("service", &service, "health service name (\"\": readiness; moe.liveness)");
+  f.Double("timeout", &timeout_s, "seconds");
+  AddTlsFlags(f, &tls);
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (tls.enabled()) {
+    auto c = transport::MakeChannelCredentials(tls);
+    if (!c.ok()) return Fail(c.status());
+    creds = *std::move(c);
+  }
+  auto serving = transport::CheckHealth(
+      transport::MakeChannel(endpoint, transport::kDefaultMaxMessageBytes, creds),
+      absl::Seconds(timeout_s), service);
+  if (!serving.ok()) return Fail(serving.status());
+  std::printf("%s%s%s: %s\n", endpoint.c_str(), service.empty() ? "" : " ", service.c_str(),
+              *serving ? "SERVING" : "NOT_SERVING");
+  return *serving ? 0 : 1;
+}
+
 int Up(int argc, char** argv) {
   LocalClusterOptions co;
   std::string work_dir;
@@ -424,7 +454,7 @@ int Cluster(int argc, char** argv) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up [flags] "
+               "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up|health [flags] "
                "(--help on each)\n");
   return 2;
 }
@@ -442,7 +472,7 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "--help" || cmd == "-h") {
     std::printf(
-        "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up [flags] "
+        "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up|health [flags] "
         "(--help on each)\n");
     return 0;
   }
@@ -454,6 +484,7 @@ int main(int argc, char** argv) {
   if (cmd == "loadgen") return Loadgen(argc, argv);
   if (cmd == "cluster") return Cluster(argc, argv);
   if (cmd == "up") return Up(argc, argv);
+  if (cmd == "health") return Health(argc, argv);
   std::fprintf(stderr, "moe-cli: unknown command '%s'\n", cmd.c_str());
   return Usage();
 }

@@ -76,6 +76,11 @@ node validate.mjs --manifests "$WORK/rdma.yaml" --dashboard "$DASH" \
 node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-data-plane auto --expect-ucx-tls tcp
 
+echo "== mutual TLS on every channel from a cert-manager style Secret"
+render -set tls.enabled=true -set tls.existingSecret=moe-tls -out "$WORK/tls.yaml"
+node validate.mjs --manifests "$WORK/tls.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-tls --expect-tls-secret moe-tls
+
 echo "== bad values fail to render, with the reason"
 expect_render_error() {
   local want=$1; shift
@@ -90,6 +95,7 @@ expect_render_error "must lie in \[1, E = 16\]" -set model.preset=tiny -set expe
 expect_render_error "replicasPerRange must be at least 1" -set experts.replicasPerRange=0
 expect_render_error 'no files/config-huge.json' -set model.preset=huge
 expect_render_error 'dataPlane.mode "rdma" must be auto, grpc or ucx' -set dataPlane.mode=rdma
+expect_render_error 'tls.enabled needs tls.existingSecret' -set tls.enabled=true
 
 echo "== every invariant can fail"
 for m in sts-replicas range-gap no-resources probe-port service-selector port-type; do

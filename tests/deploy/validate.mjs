@@ -150,11 +150,24 @@ for (const w of workloads) {
       check(ports.web === Number(flagValue(c.args, 'web_port')), `${name}/${c.name}: web port != --web_port`);
     }
     check(flagValue(c.args, 'host') === '0.0.0.0', `${name}/${c.name}: must listen on all pod addresses`);
-    for (const p of ['startupProbe', 'livenessProbe', 'readinessProbe']) {
-      check(c[p] && c[p].grpc && c[p].grpc.port === grpc, `${name}/${c.name}: ${p} is not a gRPC probe on ${grpc}`);
+    if (flag('expect-tls')) {  // exec probes over the pod's certificate, on the gRPC port
+      for (const p of ['startupProbe', 'livenessProbe', 'readinessProbe']) {
+        const cmd = (c[p]?.exec?.command || []).join(' ');
+        check(cmd.includes('moe-cli health') && cmd.includes(`--endpoint=127.0.0.1:${grpc}`) &&
+              cmd.includes('--tls_cert_file=/var/run/moe/tls/tls.crt'),
+              `${name}/${c.name}: ${p} is not a TLS health probe on ${grpc}`);
+      }
+      check((c.livenessProbe.exec.command.join(' ')).includes('--service=moe.liveness'),
+            `${name}/${c.name}: liveness must ask moe.liveness`);
+      check(!(c.readinessProbe.exec.command.join(' ')).includes('--service'),
+            `${name}/${c.name}: readiness must ask the overall status`);
+    } else {
+      for (const p of ['startupProbe', 'livenessProbe', 'readinessProbe']) {
+        check(c[p] && c[p].grpc && c[p].grpc.port === grpc, `${name}/${c.name}: ${p} is not a gRPC probe on ${grpc}`);
+      }
+      check(c.livenessProbe?.grpc?.service === 'moe.liveness', `${name}/${c.name}: liveness must ask moe.liveness`);
+      check(!c.readinessProbe?.grpc?.service, `${name}/${c.name}: readiness must ask the overall status`);
     }
-    check(c.livenessProbe?.grpc?.service === 'moe.liveness', `${name}/${c.name}: liveness must ask moe.liveness`);
-    check(!c.readinessProbe?.grpc?.service, `${name}/${c.name}: readiness must ask the overall status`);
     const router = flagValue(c.args, 'router');
     if (router !== undefined) {
       const [host, port] = router.split(':');
@@ -208,6 +221,22 @@ for (const w of workloads) {
   check(f.private, `${w.metadata.name}: the cluster token file is readable beyond the pod's group`);
   check(!c.args.some((a) => /token=/.test(a) && !/token_file=/.test(a)), `${w.metadata.name}: a token on the command line`);
   check(!(c.env || []).some((e) => /TOKEN/.test(e.name)), `${w.metadata.name}: a token in the environment`);
+}
+// TLS: every service reads certificate, key and CA from the mounted Secret, private to the pod.
+if (arg('expect-tls-secret')) {
+  for (const w of workloads) {
+    const c = w.spec.template.spec.containers[0];
+    if (!['router-svc', 'attention-svc', 'expert-svc'].includes(c.name)) continue;
+    for (const flagName of ['tls_cert_file', 'tls_key_file', 'tls_ca_file']) {
+      const f = secretFileFor(w, flagName, arg('expect-tls-secret'));
+      check(f.ok, `${w.metadata.name}: no --${flagName} on the mounted TLS Secret`);
+      check(f.private, `${w.metadata.name}: the TLS files are readable beyond the pod's group`);
+    }
+    check(c.args.includes('--tls_require_client_cert=true'), `${w.metadata.name}: not mutual TLS`);
+  }
+} else {
+  check(!workloads.some((w) => w.spec.template.spec.containers[0].args.some((a) => a.startsWith('--tls_'))),
+        'TLS flags without tls.enabled');
 }
 const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
 if (arg('expect-admin-secret')) {

@@ -34,6 +34,20 @@ app.kubernetes.io/component: {{ .component }}
 {{/* The membership token as a file in every pod (never on a command line or in the environment). */}}
 {{- define "moe.clusterTokenFlag" -}}
 - --cluster_token_file=/var/run/moe/cluster/{{ .Values.membership.secretKey }}
+{{- include "moe.tlsFlags" . }}
+{{- end -}}
+{{/* TLS files from the mounted Secret (tls.enabled). */}}
+{{- define "moe.tlsFlags" -}}
+{{- if .Values.tls.enabled }}
+{{- if not .Values.tls.existingSecret }}
+{{- fail "tls.enabled needs tls.existingSecret (a Secret with tls.crt, tls.key and ca.crt)" }}
+{{- end }}
+- --tls_cert_file=/var/run/moe/tls/tls.crt
+- --tls_key_file=/var/run/moe/tls/tls.key
+- --tls_ca_file=/var/run/moe/tls/ca.crt
+- --tls_require_client_cert={{ .Values.tls.requireClientCert }}
+- --tls_refresh_seconds={{ .Values.tls.refreshSeconds }}
+{{- end }}
 {{- end -}}
 {{- define "moe.adminSecret" -}}
 {{- default (printf "%s-admin" (include "moe.fullname" .)) .Values.admin.existingSecret -}}
@@ -90,6 +104,12 @@ app.kubernetes.io/component: {{ .component }}
   secret:
     secretName: {{ include "moe.clusterSecret" . }}
     defaultMode: 288  # 0440: the pod's group (fsGroup) reads it, nobody else
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    defaultMode: 288
+{{- end }}
 - name: checkpoint
 {{- if .Values.checkpoint.existingClaim }}
   persistentVolumeClaim:
@@ -108,6 +128,11 @@ app.kubernetes.io/component: {{ .component }}
 - name: cluster-token
   mountPath: /var/run/moe/cluster
   readOnly: true
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /var/run/moe/tls
+  readOnly: true
+{{- end }}
 - name: checkpoint
   mountPath: /models
 {{- if .Values.checkpoint.existingClaim }}
@@ -159,8 +184,28 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* gRPC health probes: readiness = the server's overall status, liveness = moe.liveness. */}}
+{{/* gRPC health probes: readiness = the server's overall status, liveness = moe.liveness. With
+TLS, exec probes (`moe-cli health` over the pod's own certificate): kubelet's gRPC probe has no
+TLS. */}}
 {{- define "moe.probes" -}}
+{{- if .Values.tls.enabled }}
+{{- $health := printf "moe-cli health --endpoint=127.0.0.1:%v --tls_ca_file=/var/run/moe/tls/ca.crt --tls_cert_file=/var/run/moe/tls/tls.crt --tls_key_file=/var/run/moe/tls/tls.key" .Values.ports.grpc }}
+startupProbe:
+  exec:
+    command: ["sh", "-c", {{ printf "%s --service=moe.liveness" $health | quote }}]
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: {{ .Values.probes.startupFailureThreshold }}
+livenessProbe:
+  exec:
+    command: ["sh", "-c", {{ printf "%s --service=moe.liveness" $health | quote }}]
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: 3
+readinessProbe:
+  exec:
+    command: ["sh", "-c", {{ $health | quote }}]
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: 2
+{{- else }}
 startupProbe:
   grpc:
     port: {{ .Values.ports.grpc }}
@@ -178,6 +223,7 @@ readinessProbe:
     port: {{ .Values.ports.grpc }}
   periodSeconds: {{ .Values.probes.periodSeconds }}
   failureThreshold: 2
+{{- end }}
 {{- end -}}
 
 {{/* The data plane flags and environment of attention and expert pods (values dataPlane). */}}
