@@ -23,8 +23,6 @@ int main(int argc, char** argv) {
                "file holding the cluster token (chmod 600) that expert and attention nodes send "
                "to register, heartbeat and report; without one they are refused");
   flags.Int("max_watchers", &o.max_watchers, "open WatchPlacement/WatchBias streams at once");
-  flags.String("admin_token", &o.admin_token,
-               "the admin token itself (visible in ps: prefer --admin_token_file)");
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;

@@ -2,8 +2,8 @@
 //
 //   moe-cli forward   --attention HOST:PORT --layer L --input x.npy|x.safetensors [--output y.npy]
 //   moe-cli stats     --router HOST:PORT --layer L
-//   moe-cli rebalance --router HOST:PORT --layer L [--dry_run] [--admin_token T]
-//   moe-cli rollback  --router HOST:PORT --layer L --to V [--admin_token T]
+//   moe-cli rebalance --router HOST:PORT --layer L [--dry_run] [--admin_token_file F]
+//   moe-cli rollback  --router HOST:PORT --layer L --to V [--admin_token_file F]
 //   moe-cli mode      --router HOST:PORT --layer L --mode frozen|rebalance|continuous
 //   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
 //   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
@@ -46,7 +46,7 @@ int Fail(const absl::Status& s) {
 }
 
 struct Common {
-  std::string attention, router, admin_token, admin_token_file;
+  std::string attention, router, admin_token_file;
   int64_t layer = 1;
   double timeout_s = 30;
   transport::TlsOptions tls;
@@ -56,7 +56,6 @@ struct Common {
     f.String("router", &router, "router-svc host:port");
     f.String("admin_token_file", &admin_token_file,
              "file with the admin token for rebalance/rollback/mode (chmod 600)");
-    f.String("admin_token", &admin_token, "the admin token itself (visible in ps)");
     f.Int64("layer", &layer, "MoE layer");
     f.Double("timeout", &timeout_s, "deadline of each call in seconds");
   }
@@ -64,7 +63,6 @@ struct Common {
     client::ClientOptions o;
     o.attention = attention;
     o.router = router;
-    o.admin_token = admin_token;
     if (!admin_token_file.empty()) {
       MOE_ASSIGN_OR_RETURN(o.admin_token, ReadSecretFile(admin_token_file));
     }
@@ -238,7 +236,9 @@ int Up(int argc, char** argv) {
   f.String("checkpoint", &co.checkpoint, "checkpoint directory");
   f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
   f.String("work_dir", &work_dir, "logs, port files and cluster.json (default: a temp dir)");
-  f.String("admin_token", &co.admin_token, "router-svc admin token");
+  std::string admin_token_file;
+  f.String("admin_token_file", &admin_token_file,
+           "file with router-svc's admin token (chmod 600; empty: admin calls refused)");
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
   f.String("attention_args", &attention_args, "extra attention-svc flags, space-separated");
   f.String("router_args", &router_args, "extra router-svc flags, space-separated");
@@ -246,6 +246,11 @@ int Up(int argc, char** argv) {
   f.Double("max_seconds", &max_seconds, "stop by itself after this long");
   AddTlsFlags(f, &co.tls);  // every process, and this one's readiness check
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (!admin_token_file.empty()) {
+    auto token = ReadSecretFile(admin_token_file);
+    if (!token.ok()) return Fail(token.status());
+    co.admin_token = *std::move(token);
+  }
   co.work_dir = work_dir;
   co.attention_args = absl::StrSplit(attention_args, ' ', absl::SkipEmpty());
   co.router_args = absl::StrSplit(router_args, ' ', absl::SkipEmpty());

@@ -319,6 +319,15 @@ def test_python_client(client_dir, attention, router, ref, work):
           "errors, stats, rebalance: ok")
 
 
+def admin_token_file(work, token):
+    """The token in a file only this user reads (tokens never go on a command line)."""
+    path = os.path.join(work, "admin_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path
+
+
 def start_cluster(moe_cli, ckpt, cluster_dir, extra=()):
     """moe-cli up on the checkpoint; returns (process, cluster.json contents)."""
     cj = os.path.join(cluster_dir, "cluster.json")
@@ -391,7 +400,7 @@ def main():
                    timeout=300)
     ref, _ = read_safetensors(ref_path)
     up, cluster = start_cluster(args.moe_cli, ckpt, os.path.join(args.work, "cluster"),
-                                ["--admin_token", ADMIN])
+                                ["--admin_token_file", admin_token_file(args.work, ADMIN)])
     try:
         attention, router = cluster["attention"], cluster["router"]
         test_open_inference_protocol(attention, ref)

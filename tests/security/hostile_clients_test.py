@@ -863,12 +863,16 @@ def main():
                    stdout=subprocess.DEVNULL, timeout=300)
     ref, _ = read_safetensors(ref_path)
     cluster_dir = os.path.join(args.work, "cluster")
+    token_file = os.path.join(args.work, "admin_token")
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(ADMIN)
     cj = os.path.join(cluster_dir, "cluster.json")
     if os.path.exists(cj):
         os.remove(cj)
     up = subprocess.Popen(
         [args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir, "--threads", "1",
-         "--max_seconds", "900", "--admin_token", ADMIN,
+         "--max_seconds", "900", "--admin_token_file", token_file,
          "--router_args", f"--max_watchers={MAX_WATCHERS}",
          "--attention_args", f"--max_message_bytes={64 << 20} --max_stream_in_flight=8 "
                              f"--max_stream_outbox_bytes={32 << 20}"],

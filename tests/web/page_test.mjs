@@ -68,7 +68,10 @@ function stopAll() {
 process.on('exit', stopAll);
 
 try {
-  const up = spawn(cli, ['up', '--checkpoint', ckpt, '--work_dir', clusterDir, '--admin_token', TOKEN,
+  // The admin token in a file only this user reads (tokens never go on a command line).
+  const tokenFile = path.join(work, 'admin_token');
+  fs.writeFileSync(tokenFile, TOKEN, { mode: 0o600 });
+  const up = spawn(cli, ['up', '--checkpoint', ckpt, '--work_dir', clusterDir, '--admin_token_file', tokenFile,
                          '--threads', '1', '--max_seconds', '600',
                          '--attention_args', '--report_interval_ms=200'], { stdio: 'ignore' });
   children.push(up);
