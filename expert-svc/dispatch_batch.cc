@@ -18,7 +18,6 @@ constexpr std::chrono::hours kMaxBudget(24);
 
 }  // namespace
 
-
 std::chrono::milliseconds BatchBudget(int64_t timeout_ms) {
   if (timeout_ms <= 0) return kNoBudget;
   return std::min<std::chrono::milliseconds>(std::chrono::milliseconds(timeout_ms), kMaxBudget);
@@ -56,9 +55,9 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
                                                      " outside [0, ", limits.num_experts, ")"));
     }
     if (!b->layer->HostsExpert(g.expert_id())) {
-      return absl::NotFoundError(absl::StrCat(where, ": expert ", g.expert_id(), " of layer ",
-                                              req.layer(), " is not hosted here (experts [",
-                                              b->layer->expert_lo, ", ", b->layer->expert_hi, "))"));
+      return absl::NotFoundError(absl::StrCat(
+          where, ": expert ", g.expert_id(), " of layer ", req.layer(),
+          " is not hosted here (experts [", b->layer->expert_lo, ", ", b->layer->expert_hi, "))"));
     }
     if (g.expert_id() <= prev) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -78,8 +77,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   if (pair_bytes > limits.max_message_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat(where, ": ", rows, " (token, expert) rows of ", limits.latent, " bf16 (",
-                     pair_bytes, " bytes) exceed this server's limit of ",
-                     limits.max_message_bytes, " bytes per batch (--max_message_bytes)"));
+                     pair_bytes, " bytes) exceed this server's limit of ", limits.max_message_bytes,
+                     " bytes per batch (--max_message_bytes)"));
   }
   MOE_ASSIGN_OR_RETURN(
       transport::Bf16Matrix z,

@@ -31,9 +31,9 @@ struct Batch {
   const numerics::MoeLayerWeights* layer = nullptr;
   v1::ReplyMode mode = v1::REPLY_MODE_PER_PAIR;
   int64_t rows = 0;
-  int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
-  numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
-  std::vector<tensor::Bf16> z;        // [rows, D]
+  int64_t experts = 0;          // distinct experts (the request's groups, strictly ascending)
+  numerics::Routing routing;    // one row per (token, expert) pair: tokens = rows, top_k = 1
+  std::vector<tensor::Bf16> z;  // [rows, D]
   std::vector<int32_t> token_index;
   std::vector<float> weights;
   int32_t num_tokens = 0;

@@ -55,7 +55,6 @@ using tensor::Bf16;
 
 namespace {
 
-
 // An idle compute thread wakes this often so that the busy ratio decays to 0.
 constexpr std::chrono::seconds kIdleTick(1);
 
@@ -333,7 +332,6 @@ absl::Status ExpertServer::Impl::StartServing() {
   }
   return absl::OkStatus();
 }
-
 
 void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;

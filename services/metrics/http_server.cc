@@ -49,8 +49,8 @@ const char* Reason(int status) {
 // A complete response (Connection: close; CivetWeb closes after it).
 void Respond(mg_connection* conn, const HttpResponse& r) {
   const std::string head =
-      absl::StrCat("HTTP/1.1 ", r.status, " ", Reason(r.status), "\r\nContent-Type: ", r.content_type,
-                   "\r\nContent-Length: ", r.body.size(),
+      absl::StrCat("HTTP/1.1 ", r.status, " ", Reason(r.status),
+                   "\r\nContent-Type: ", r.content_type, "\r\nContent-Length: ", r.body.size(),
                    "\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n");
   mg_write(conn, head.data(), head.size());
   if (!r.body.empty()) mg_write(conn, r.body.data(), r.body.size());
@@ -94,15 +94,23 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   std::unique_ptr<HttpServer> s(new HttpServer());
   s->handler_ = std::move(handler);
   const bool v6 = host.find(':') != std::string::npos;
-  const std::string ports = v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+  const std::string ports =
+      v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
   const std::string threads = absl::StrCat(std::max(1, workers));
   const std::string timeout = absl::StrCat(kRequestTimeoutMs);
   const std::string max_request = absl::StrCat(kMaxHeaderBytes);
   // No document root: nothing but the handler is served.
-  const char* options[] = {"listening_ports",    ports.c_str(),       "num_threads",
-                           threads.c_str(),      "request_timeout_ms", timeout.c_str(),
-                           "max_request_size",   max_request.c_str(), "enable_keep_alive",
-                           "no",                 nullptr};
+  const char* options[] = {"listening_ports",
+                           ports.c_str(),
+                           "num_threads",
+                           threads.c_str(),
+                           "request_timeout_ms",
+                           timeout.c_str(),
+                           "max_request_size",
+                           max_request.c_str(),
+                           "enable_keep_alive",
+                           "no",
+                           nullptr};
   mg_callbacks callbacks = {};
   // CivetWeb logs to stderr by default; its errors become the response or Start's status.
   callbacks.log_message = [](const mg_connection*, const char*) { return 1; };

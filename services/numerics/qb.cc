@@ -360,8 +360,8 @@ absl::StatusOr<QbHistogram> QbHistogram::Deserialize(absl::string_view bytes) {
   // refused before the n x bins counts are allocated (28 bytes must not claim 1 GiB).
   const uint64_t least = sizeof(kMagic) + 32 + 4ull * n + 1 + n + uint64_t{n} * bins;
   if (bytes.size() < least) {
-    return Corrupt(absl::StrCat("truncated: ", bytes.size(), " bytes, n = ", n, " and bins = ",
-                                bins, " need at least ", least));
+    return Corrupt(absl::StrCat("truncated: ", bytes.size(), " bytes, n = ", n,
+                                " and bins = ", bins, " need at least ", least));
   }
   std::vector<float> bias(n);
   for (float& b : bias) {

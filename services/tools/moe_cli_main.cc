@@ -458,9 +458,10 @@ int Cluster(int argc, char** argv) {
 }
 
 int Usage() {
-  std::fprintf(stderr,
-               "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up|health [flags] "
-               "(--help on each)\n");
+  std::fprintf(
+      stderr,
+      "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up|health [flags] "
+      "(--help on each)\n");
   return 2;
 }
 

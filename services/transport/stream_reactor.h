@@ -65,11 +65,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
       if (outbox_bytes_ > max_outbox_bytes_ && !outbox_.empty()) {
         // The client does not read: keep only the write in progress, drop the rest.
         broken_ = true;
-        end_status_ = grpc::Status(
-            grpc::StatusCode::RESOURCE_EXHAUSTED,
-            "the client does not read its replies: more than " +
-                std::to_string(max_outbox_bytes_ >> 20) +
-                " MiB of them unread, so the stream is ended and the rest dropped");
+        end_status_ =
+            grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                         "the client does not read its replies: more than " +
+                             std::to_string(max_outbox_bytes_ >> 20) +
+                             " MiB of them unread, so the stream is ended and the rest dropped");
         outbox_.erase(std::next(outbox_.begin()), outbox_.end());
         outbox_bytes_ = outbox_.front().ByteSizeLong();
         MaybeFinishLocked();
@@ -141,7 +141,6 @@ class StreamReactor final : public grpc::ServerBidiReactor<Req, Resp> {
   int in_flight_ = 0;
   bool reads_done_ = false, writing_ = false, finished_ = false, broken_ = false;
   grpc::Status end_status_;  // OK, or why the server ended the stream
-
 };
 
 }  // namespace moe::transport

@@ -17,7 +17,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "little-endian host exp
 // The dtype's name, or its number for a value outside the enum (whose name is empty).
 std::string DTypeLabel(v1::DType dtype) {
   const std::string& name = v1::DType_Name(dtype);
-  return name.empty() ? absl::StrCat(static_cast<int>(dtype), " (not a dtype of the contract)") : name;
+  return name.empty() ? absl::StrCat(static_cast<int>(dtype), " (not a dtype of the contract)")
+                      : name;
 }
 
 void SetShape(v1::Tensor* t, v1::DType dtype, int64_t rows, int64_t cols) {

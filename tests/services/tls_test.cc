@@ -157,13 +157,13 @@ TEST(ClusterTls, RefusesPlaintextCertificateLessAndWrongCaPeers) {
 
   // The exec probe of a TLS deployment (kubelet's gRPC probe speaks plaintext only).
   const transport::TlsOptions m = MemberTls(f.pki);
-  const std::string probe =
-      absl::StrCat(MOE_BIN_DIR, "/moe-cli health --service=moe.liveness --endpoint=",
-                   f.cluster->attention_endpoint());
-  EXPECT_THAT(RunShell(absl::StrCat(probe, " --tls_ca_file=", m.ca_file, " --tls_cert_file=",
-                                    m.cert_file, " --tls_key_file=", m.key_file,
-                                    " 2>&1; echo rc=$?")),
-              ::testing::HasSubstr("SERVING\nrc=0"));
+  const std::string probe = absl::StrCat(
+      MOE_BIN_DIR,
+      "/moe-cli health --service=moe.liveness --endpoint=", f.cluster->attention_endpoint());
+  EXPECT_THAT(
+      RunShell(absl::StrCat(probe, " --tls_ca_file=", m.ca_file, " --tls_cert_file=", m.cert_file,
+                            " --tls_key_file=", m.key_file, " 2>&1; echo rc=$?")),
+      ::testing::HasSubstr("SERVING\nrc=0"));
   EXPECT_THAT(RunShell(probe + " 2>&1; echo rc=$?"), ::testing::HasSubstr("rc=1"));
 
   // Everything still serves members, with the same bits (the placement did not change).
