@@ -761,6 +761,56 @@ def _(ctx):
     return f"closed ({out[:40]!r})"
 
 
+def h2_frame(kind, flags, stream, payload=b""):
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(
+        ">I", stream) + payload
+
+
+def h2_headers(path, authority):
+    """HPACK (RFC 7541) by hand: POST, http, the path, the authority, gRPC's content-type, te."""
+    def lit(index, value):  # literal with incremental indexing, indexed name
+        return bytes([0x40 | index, len(value)]) + value
+    return (b"\x83\x86" + lit(4, path.encode()) + lit(1, authority.encode()) +
+            lit(31, b"application/grpc") + b"\x40\x02te\x08trailers")
+
+
+def h2_connect(endpoint):
+    host, port = endpoint.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + h2_frame(4, 0, 0))  # preface, SETTINGS
+    return s
+
+
+@case("HTTP/2 rapid reset: 2000 streams opened and cancelled at once")
+def _(ctx):
+    s = h2_connect(ctx.cluster["attention"])
+    block = h2_headers("/moe.v1.AttentionService/GetModelInfo", ctx.cluster["attention"])
+    burst = b"".join(h2_frame(1, 0x4, 2 * i + 1, block) + h2_frame(3, 0, 2 * i + 1,
+                                                                  struct.pack(">I", 8))
+                     for i in range(2000))
+    try:
+        s.sendall(burst)
+    except OSError:
+        pass  # the server may close the connection (GOAWAY) part way: also fine
+    s.close()
+    r = forward(ctx, forward_request(ctx))
+    assert r.output.data == ctx.ref["out"].tobytes()
+    return "the connection absorbed or closed; a Forward next: bit-exact"
+
+
+@case("half a message: 100 MB announced, 1 KB sent, then silence")
+def _(ctx):
+    s = h2_connect(ctx.cluster["attention"])
+    block = h2_headers("/moe.v1.AttentionService/Forward", ctx.cluster["attention"])
+    data = b"\x00" + struct.pack(">I", 100 << 20) + b"\x00" * 1024
+    s.sendall(h2_frame(1, 0x4, 1, block) + h2_frame(0, 0, 1, data))
+    time.sleep(2)
+    r = forward(ctx, forward_request(ctx))
+    s.close()
+    assert r.output.data == ctx.ref["out"].tobytes()
+    return "held without cost (the limit refuses 100 MB before it arrives); others served"
+
+
 @case("/metrics with 64 KiB of headers")
 def _(ctx):
     status, _body = http(ctx.cluster["attention_metrics"], "GET", "/metrics",
