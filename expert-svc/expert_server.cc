@@ -186,13 +186,9 @@ absl::Status ExpertServer::Impl::Load() {
     std::ifstream f(options_.ranges_file);
     if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", options_.ranges_file));
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    int64_t ordinal = options_.ordinal;
-    if (ordinal < 0) {
-      const char* host = std::getenv("HOSTNAME");
-      MOE_ASSIGN_OR_RETURN(ordinal, placement::OrdinalFromHostname(host != nullptr ? host : ""));
-    }
-    MOE_ASSIGN_OR_RETURN(placement::RangeTable table, placement::ParseRangeTable(text));
-    MOE_ASSIGN_OR_RETURN(placement::Range range, placement::RangeForOrdinal(table, ordinal));
+    const char* host = std::getenv("HOSTNAME");
+    MOE_ASSIGN_OR_RETURN(placement::Range range,
+                         placement::PodRange(text, options_.ordinal, host != nullptr ? host : ""));
     options_.expert_lo = range.lo;
     options_.expert_hi = range.hi;
   }

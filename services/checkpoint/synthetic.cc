@@ -208,8 +208,14 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
   for (int64_t layer : layers) {
     for (const TensorSpec& s : DenseTensorSpecs(cfg, layer)) plan[0].bytes += s.NumBytes();
   }
+  const int64_t expert_hi = opt.expert_hi < 0 ? cfg.num_experts : opt.expert_hi;
+  if (opt.expert_lo < 0 || opt.expert_lo >= expert_hi || expert_hi > cfg.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("expert range [", opt.expert_lo, ", ",
+                                                   expert_hi, ") outside [0, ", cfg.num_experts,
+                                                   ")"));
+  }
   for (int64_t layer : layers) {
-    for (int64_t e = 0; opt.experts && e < cfg.num_experts; ++e) {
+    for (int64_t e = opt.expert_lo; opt.experts && e < expert_hi; ++e) {
       if (!opt.single_file && !plan.back().experts.empty() &&
           plan.back().bytes + cfg.ExpertBytes() > opt.shard_bytes) {
         plan.emplace_back();

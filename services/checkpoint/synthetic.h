@@ -34,6 +34,10 @@ struct SyntheticOptions {
   int64_t shard_bytes = int64_t{4} << 30;  // experts are split into shards of about this
   bool single_file = false;                // model.safetensors, no index (small models)
   bool experts = true;  // false: the dense tensors only (what router-svc and attention-svc read)
+  // Only the experts [expert_lo, expert_hi) of every layer (-1: to the last): what one expert
+  // pod loads, so that a pod of a k3 deployment writes its range, not the whole 15.8 GB layer.
+  int64_t expert_lo = 0;
+  int64_t expert_hi = -1;
   int threads = 2;
 };
 

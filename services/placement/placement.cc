@@ -86,6 +86,18 @@ absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname) {
   return ordinal;
 }
 
+absl::StatusOr<Range> PodRange(const std::string& ranges_json, int64_t ordinal,
+                               const std::string& hostname) {
+  if (ordinal < 0) {
+    absl::StatusOr<int64_t> o = OrdinalFromHostname(hostname);
+    if (!o.ok()) return o.status();
+    ordinal = *o;
+  }
+  absl::StatusOr<RangeTable> table = ParseRangeTable(ranges_json);
+  if (!table.ok()) return table.status();
+  return RangeForOrdinal(*table, ordinal);
+}
+
 LayerRoute BuildRoute(int32_t layer, int32_t num_experts, std::vector<ShardRef> shards) {
   LayerRoute route;
   route.layer = layer;

@@ -48,6 +48,10 @@ std::string RangeTableJson(const RangeTable& t);
 absl::StatusOr<Range> RangeForOrdinal(const RangeTable& t, int64_t ordinal);
 // "moe-serving-expert-7" -> 7 (a StatefulSet pod's host name ends in its ordinal).
 absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname);
+// The range of one pod from the table's JSON (ranges.json) and its ordinal; ordinal < 0 reads
+// it from the host name (expert-svc and the pod's synthetic-checkpoint init container).
+absl::StatusOr<Range> PodRange(const std::string& ranges_json, int64_t ordinal,
+                               const std::string& hostname);
 
 // One expert server's range of one layer as the control plane reports it.
 struct ShardRef {

@@ -11,6 +11,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -61,7 +63,27 @@ int Synth(int argc, char** argv) {
   f.Bool("single_file", &opt.single_file, "one model.safetensors, no index (small models)");
   f.Int("threads", &opt.threads, "generator threads");
   f.Bool("dense_only", &dense_only, "no expert tensors: enough for router-svc and attention-svc");
+  f.Int64("expert_lo", &opt.expert_lo, "first expert written");
+  f.Int64("expert_hi", &opt.expert_hi, "one past the last expert written (-1: all)");
+  std::string ranges_file;
+  int64_t ordinal = -1;
+  f.String("ranges_file", &ranges_file,
+           "placement table (JSON): write only this pod's range (as expert-svc reads it)");
+  f.Int64("ordinal", &ordinal, "with --ranges_file: -1 reads it from $HOSTNAME");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (!ranges_file.empty()) {
+    std::ifstream rf(ranges_file);
+    const std::string text((std::istreambuf_iterator<char>(rf)), std::istreambuf_iterator<char>());
+    const char* host = std::getenv("HOSTNAME");
+    auto range = moe::placement::PodRange(text, ordinal, host != nullptr ? host : "");
+    if (!rf || !range.ok()) {
+      std::fprintf(stderr, "error: %s: %s\n", ranges_file.c_str(),
+                   rf ? std::string(range.status().message()).c_str() : "cannot read");
+      return 1;
+    }
+    opt.expert_lo = range->lo;
+    opt.expert_hi = range->hi;
+  }
   if (config.empty()) return Missing("synth", "config");
   if (out.empty()) return Missing("synth", "out");
   auto cfg = Config(config);

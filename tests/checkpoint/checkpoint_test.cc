@@ -320,5 +320,43 @@ TEST(SyntheticCheckpoint, DenseOnlyHoldsTheDensePartAndNoExperts) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
 }
 
+// An expert pod's synthetic checkpoint: only its range, bit-identical to the same experts of
+// the whole layer, a fraction of its bytes; the others are not there.
+TEST(SyntheticCheckpoint, AnExpertRangeHoldsOnlyThoseExperts) {
+  const ModelConfig cfg = *PresetConfig("tiny");
+  const std::string dir = MakeTempDir("range_only");
+  SyntheticOptions opt;
+  opt.seed = 6;
+  opt.expert_lo = 3;
+  opt.expert_hi = 7;
+  SyntheticReport part;
+  ASSERT_TRUE(WriteSyntheticCheckpoint(cfg, dir, opt, &part).ok());
+  SyntheticOptions all = opt;
+  all.expert_lo = 0;
+  all.expert_hi = -1;
+  SyntheticReport whole;
+  ASSERT_TRUE(WriteSyntheticCheckpoint(cfg, MakeTempDir("range_all"), all, &whole).ok());
+  const int64_t expert_bytes = cfg.ExpertBytes();
+  // 12 fewer experts: their bytes plus their entries in the safetensors header (< 1 KB each).
+  EXPECT_GE(whole.bytes - part.bytes, (cfg.num_experts - 4) * expert_bytes);
+  EXPECT_LT(whole.bytes - part.bytes, (cfg.num_experts - 4) * (expert_bytes + 1024));
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  LoadOptions range;
+  range.expert_lo = 3;
+  range.expert_hi = 7;
+  auto w = LoadMoeLayer(**ckpt, cfg, 1, range);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ExpectSameExperts(cfg, *w, SyntheticExperts(cfg, 1, 0, cfg.num_experts, all), 3, 7);
+  LoadOptions outside;
+  outside.expert_lo = 2;
+  outside.expert_hi = 4;
+  EXPECT_EQ(LoadMoeLayer(**ckpt, cfg, 1, outside).status().code(), absl::StatusCode::kNotFound);
+  SyntheticOptions bad = opt;
+  bad.expert_hi = cfg.num_experts + 1;
+  EXPECT_EQ(WriteSyntheticCheckpoint(cfg, MakeTempDir("range_bad"), bad).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace moe::checkpoint

@@ -282,6 +282,19 @@ if (arg('expect-data-plane')) {
     }
   }
 }
+// Synthetic checkpoints: an expert pod writes only its own range (the ranges file and its
+// ordinal, as expert-svc reads them), router and attention pods only the dense part.
+for (const w of workloads) {
+  const init = (w.spec.template.spec.initContainers || []).find((c) => c.name === 'synthetic-checkpoint');
+  if (!init) continue;
+  const component = w.metadata.labels['app.kubernetes.io/component'];
+  if (component === 'expert') {
+    check(init.args.includes('--ranges_file=/etc/moe/ranges.json') && init.args.includes('--ordinal=-1'),
+          `${w.metadata.name}: the synthetic checkpoint is not limited to the pod's range`);
+  } else {
+    check(init.args.includes('--dense_only'), `${w.metadata.name}: the synthetic checkpoint writes experts`);
+  }
+}
 if (flag('expect-gpu')) {
   const sts = byKind('StatefulSet')[0];
   const spec = sts.spec.template.spec;

@@ -176,6 +176,10 @@ initContainers:
       {{- end }}
       {{- if .denseOnly }}
       - --dense_only
+      {{- else }}
+      # this pod's expert range only (its ordinal from the host name, as expert-svc reads it)
+      - --ranges_file=/etc/moe/ranges.json
+      - --ordinal=-1
       {{- end }}
     volumeMounts:
       {{- include "moe.volumeMounts" .ctx | nindent 6 }}
