@@ -108,6 +108,12 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
                           v1::ForwardResponse* resp);
   // RunForward plus its metrics (latency, errors by code, bytes from and to the client).
+  // Queues work for the workers (false: the queue is full); the queue depth gauge follows.
+  bool Submit(std::function<void()> work) {
+    const bool queued = workers_->Submit(std::move(work));
+    if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
+    return queued;
+  }
   absl::Status ServeForward(const v1::ForwardRequest& req, absl::Time deadline,
                             v1::ForwardResponse* resp, const char* method);
   void Accumulate(int32_t layer, uint64_t version, const std::vector<float>& bias,
@@ -254,7 +260,7 @@ absl::Status AttentionServer::Impl::StartServing() {
                          v1::ForwardResponse* out) {
     return ServeForward(r, deadline, out, "ModelInfer");
   };
-  hooks.submit = [this](std::function<void()> f) { return workers_->Submit(std::move(f)); };
+  hooks.submit = [this](std::function<void()> f) { return Submit(std::move(f)); };
   hooks.layer_ready = [this](int32_t layer) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = covered_.find(layer);
@@ -636,8 +642,13 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
 absl::Status AttentionServer::Impl::ServeForward(const v1::ForwardRequest& req, absl::Time deadline,
                                                  v1::ForwardResponse* resp, const char* method) {
   const auto start = Clock::now();
+  if (metrics_ != nullptr) {
+    metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
+    metrics_->common.Started(method);
+  }
   const absl::Status s = RunForward(req, deadline, resp);
   if (metrics_ == nullptr) return s;
+  metrics_->common.Finished(method, s.ok());
   const v1::Tensor& x = req.hidden_states();
   metrics_->wire.Add("received", x.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "client",
                      static_cast<int64_t>(x.data().size()), x.shape_size() > 0 ? x.shape(0) : 0);
@@ -659,7 +670,7 @@ grpc::ServerUnaryReactor* AttentionServer::Impl::Forward(grpc::CallbackServerCon
   auto* reactor = ctx->DefaultReactor();
   absl::Time deadline = absl::Now() + absl::Milliseconds(options_.default_timeout_ms);
   deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
-  const bool queued = workers_->Submit([this, reactor, req, resp, deadline] {
+  const bool queued = Submit([this, reactor, req, resp, deadline] {
     reactor->Finish(transport::ToGrpc(ServeForward(*req, deadline, resp, "Forward")));
   });
   if (!queued) {
@@ -701,7 +712,7 @@ AttentionServer::Impl::ForwardStream(grpc::CallbackServerContext* ctx) {
           if (!s.ok()) resp = StreamError(shared_req->request_id(), s);
           stream->Reply(std::move(resp), /*ends_work=*/true);
         };
-        if (!workers_->Submit(run)) {
+        if (!Submit(run)) {
           if (metrics_ != nullptr) metrics_->common.Error("ForwardStream", "RESOURCE_EXHAUSTED");
           stream->Reply(StreamError(shared_req->request_id(),
                                     absl::ResourceExhaustedError("too many requests waiting")),

@@ -367,6 +367,7 @@ absl::Status ExpertServer::Impl::Enqueue(std::unique_ptr<Batch> b, DispatchReact
                                                      options_.max_queued_batches, " batches)"));
   }
   queue_.emplace_back(std::move(b), reactor);
+  if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
   cv_.notify_one();
   return absl::OkStatus();
 }
@@ -384,6 +385,7 @@ void ExpertServer::Impl::ComputeLoop() {
       b = std::move(queue_.front().first);
       reactor = queue_.front().second;
       queue_.pop_front();
+      if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
     }
     v1::DispatchReply reply;
     reply.set_batch_id(b->batch_id);
@@ -405,8 +407,10 @@ void ExpertServer::Impl::ComputeLoop() {
                                                  " waited past its deadline in the queue")),
                                 &reply);
     } else {
+      if (metrics_ != nullptr) metrics_->common.Started("Dispatch");
       Compute(*b, &reply);
       reply.set_compute_seconds(Seconds(Clock::now() - start));
+      if (metrics_ != nullptr) metrics_->common.Finished("Dispatch", reply.code() == 0);
     }
     if (metrics_ != nullptr) {
       if (reply.code() == 0) {

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "services/metrics/process_collector.h"
 
 namespace moe::metrics {
 
@@ -23,6 +24,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
         absl::StrCat("metrics endpoint: cannot listen on ", address, ": ", e.what()));
   }
   m->exposer_->RegisterCollectable(m->registry_);
+  m->process_ = std::make_shared<ProcessCollector>();
+  m->exposer_->RegisterCollectable(m->process_);
   const std::vector<int> ports = m->exposer_->GetListeningPorts();
   if (ports.empty()) return absl::UnavailableError("metrics endpoint: no listening port");
   m->port_ = ports[0];

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 
 namespace prometheus {
+class Collectable;
 class Exposer;
 class Registry;
 }  // namespace prometheus
@@ -30,6 +31,7 @@ class MetricsServer {
   MetricsServer() = default;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Collectable> process_;  // process_* metrics
   int port_ = 0;
 };
 

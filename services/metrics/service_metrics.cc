@@ -33,13 +33,51 @@ CommonMetrics::CommonMetrics(prometheus::Registry& registry, const std::string& 
       errors_(BuildCounter()
                   .Name("moe_errors_total")
                   .Help("Requests answered with an error, by service, method and status code")
-                  .Register(registry)) {
+                  .Register(registry)),
+      in_flight_(BuildGauge()
+                     .Name("moe_requests_in_flight")
+                     .Help("Requests (batches on expert-svc) being computed now, by method")
+                     .Register(registry)),
+      succeeded_(BuildCounter()
+                     .Name("moe_requests_succeeded_total")
+                     .Help("Requests (batches on expert-svc) answered OK, by method")
+                     .Register(registry)),
+      queue_depth_(BuildGauge()
+                       .Name("moe_queue_depth")
+                       .Help("Requests (batches on expert-svc) waiting for a worker")
+                       .Register(registry)
+                       .Add({{"service", service}})) {
   BuildGauge()
       .Name("moe_build_info")
       .Help("Always 1; the labels say which build and service this is")
       .Register(registry)
       .Add({{"service", service}, {"version", MOE_VERSION}})
       .Set(1);
+}
+
+CommonMetrics::PerMethod& CommonMetrics::For(const std::string& method) {
+  PerMethod& m = methods_[method];
+  if (m.in_flight == nullptr) {
+    m.in_flight = &in_flight_.Add({{"service", service_}, {"method", method}});
+    m.succeeded = &succeeded_.Add({{"service", service_}, {"method", method}});
+  }
+  return m;
+}
+
+void CommonMetrics::Started(const std::string& method) {
+  std::lock_guard<std::mutex> lock(mu_);
+  For(method).in_flight->Increment();
+}
+
+void CommonMetrics::Finished(const std::string& method, bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PerMethod& m = For(method);
+  m.in_flight->Decrement();
+  if (ok) m.succeeded->Increment();
+}
+
+void CommonMetrics::QueueDepth(int64_t waiting) {
+  queue_depth_.Set(static_cast<double>(waiting));
 }
 
 void CommonMetrics::Error(const std::string& method, const std::string& code) {

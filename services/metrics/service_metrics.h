@@ -27,19 +27,37 @@ namespace moe::metrics {
 // Latency buckets: 0.5 ms .. ~16 s, doubling.
 prometheus::Histogram::BucketBoundaries LatencyBuckets();
 
-// What every service exports: build info and errors by method and status code.
+// What every service exports: build info, errors by method and status code, requests being
+// served and succeeded by method, and the depth of its work queue. (Process metrics, CPU, RSS,
+// open fds, come from the metrics server itself: process_collector.h.)
 class CommonMetrics {
  public:
   CommonMetrics(prometheus::Registry& registry, const std::string& service);
   // code: the absl/grpc status code name, e.g. "INVALID_ARGUMENT".
   void Error(const std::string& method, const std::string& code);
+  // A request starts being served / is answered (ok: counted as a success; an error is counted
+  // by Error with its code).
+  void Started(const std::string& method);
+  void Finished(const std::string& method, bool ok);
+  // Requests (attention-svc) or batches (expert-svc) waiting for a worker.
+  void QueueDepth(int64_t waiting);
 
  private:
+  struct PerMethod {
+    prometheus::Gauge* in_flight = nullptr;
+    prometheus::Counter* succeeded = nullptr;
+  };
+  PerMethod& For(const std::string& method);  // mu_ held
+
   prometheus::Registry& registry_;
   std::string service_;
   prometheus::Family<prometheus::Counter>& errors_;
+  prometheus::Family<prometheus::Gauge>& in_flight_;
+  prometheus::Family<prometheus::Counter>& succeeded_;
+  prometheus::Gauge& queue_depth_;
   std::mutex mu_;
   std::map<std::pair<std::string, std::string>, prometheus::Counter*> error_counters_;
+  std::map<std::string, PerMethod> methods_;
 };
 
 // The build's version (git describe of the configured tree; "dev" outside git): the

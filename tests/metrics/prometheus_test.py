@@ -141,6 +141,27 @@ def main():
         assert errors == {"INVALID_ARGUMENT": 1.0}, errors
         print(f"PromQL {q_err}: {errors}")
 
+        # Successes: every OK request of the load generator (64 tokens each), nothing in flight
+        # or queued now; expert-svc counted its batches.
+        q_ok = 'moe_requests_succeeded_total{service="attention-svc",method="Forward"}'
+        ok = float(promql(prom, q_ok)[0]["value"][1])
+        assert ok * 64 == forwarded, (ok, forwarded)
+        for q in ['sum(moe_requests_in_flight)', 'sum(moe_queue_depth)']:
+            assert float(promql(prom, q)[0]["value"][1]) == 0, q
+        q_batches = 'sum(moe_requests_succeeded_total{service="expert-svc",method="Dispatch"})'
+        assert float(promql(prom, q_batches)[0]["value"][1]) >= ok, q_batches
+        print(f"PromQL {q_ok} = {ok:.0f} (= OK requests); in flight and queued: 0")
+        # Process metrics of every service: CPU used, RSS, open descriptors.
+        for q, low, high in [('process_cpu_seconds_total', 0.01, 1e5),
+                             ('process_resident_memory_bytes', 1 << 20, 16 << 30),
+                             ('process_open_fds', 3, 1e5), ('process_threads', 1, 1e4)]:
+            rows = promql(prom, q)
+            assert len(rows) == len(targets), (q, len(rows))
+            for r in rows:
+                v = float(r["value"][1])
+                assert low <= v <= high, (q, r["metric"].get("instance"), v)
+        print(f"PromQL process_*: CPU, RSS, fds and threads of all {len(targets)} services")
+
         q_vio = 'moe_imbalance_max_vio{layer="1"}'
         vio = float(promql(prom, q_vio)[0]["value"][1])
         assert abs(vio - window_vio) <= 1e-9 * max(1.0, window_vio), (vio, window_vio)
