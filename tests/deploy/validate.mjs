@@ -261,6 +261,16 @@ const dash = byKind('ConfigMap').find((c) => c.data && c.data['moe-dashboard.jso
 check(dash && JSON.stringify(JSON.parse(dash.data['moe-dashboard.json'])) ===
       JSON.stringify(JSON.parse(fs.readFileSync(arg('dashboard'), 'utf8'))),
       'the dashboard ConfigMap differs from deploy/grafana/moe-dashboard.json');
+// Imported by the Grafana sidecar (provisioning does not fill in __inputs): every ${VAR} the
+// dashboard uses is one of its own template variables, the data source one of type datasource.
+{
+  const d = JSON.parse(fs.readFileSync(arg('dashboard'), 'utf8'));
+  const vars = new Map((d.templating?.list || []).map((v) => [v.name, v.type]));
+  const used = new Set([...JSON.stringify(d).matchAll(/\$\{([A-Za-z_][A-Za-z0-9_]*)/g)].map((m) => m[1]));
+  for (const u of used) check(vars.has(u), `the dashboard uses \${${u}} but defines no such variable`);
+  check(vars.get('DS_PROMETHEUS') === 'datasource', 'the dashboard has no datasource variable DS_PROMETHEUS');
+  check(!d.__inputs, 'the dashboard needs __inputs (the sidecar cannot fill them in)');
+}
 // The data plane: attention and expert containers get the same --data_plane and UCX_TLS, and
 // with RDMA the device resource and IPC_LOCK.
 if (arg('expect-data-plane')) {
