@@ -7,7 +7,10 @@
 #   * bad values fail to render with a clear message; deliberately broken manifests fail
 #     validation (each invariant can fail);
 #   * the chart's model configs are what moe-tool writes, its dashboard is deploy/grafana's;
-#   * the Dockerfile's runtime packages hold every shared library the binaries need.
+#   * the Dockerfile's runtime packages hold every shared library the binaries need;
+#   * values.schema.json accepts the chart's values files and refuses typos and bad enums;
+#     kubeVersion is declared; pods are Pod Security "restricted"; a config change changes the
+#     pods' checksum annotation; the attention HPA.
 # Usage: chart_test.sh WORK_DIR MOE_TOOL BIN_DIR
 set -euo pipefail
 trap 'echo "FAIL: line $LINENO: $BASH_COMMAND"' ERR
@@ -38,8 +41,34 @@ cmp "$DASH" "$CHART/files/moe-dashboard.json"
 echo "== default values"
 render -out "$WORK/default.yaml" -notes "$WORK/default-notes.txt"
 node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" \
-  --expect-ranges "$WORK/ranges-default.json"
+  --expect-ranges "$WORK/ranges-default.json" --print-checksum "$WORK/checksum-default"
 grep -q "svc/moe-moe-serving-attention" "$WORK/default-notes.txt"
+
+echo "== values.schema.json and kubeVersion"
+schema() { node values_schema.mjs --schema "$CHART/values.schema.json" --values "$CHART/values.yaml" "$@"; }
+schema
+schema --values "$CHART/values-k3.yaml"
+schema --set tls.enabled=true --set tls.existingSecret=moe-tls --set attention.autoscaling.enabled=true
+schema --set dataPlane.mode=rdma --expect-invalid "/dataPlane/mode"
+schema --set experts.shard=4 --expect-invalid "(shard)"
+schema --set router.biasMode=sometimes --expect-invalid "/router/biasMode"
+schema --set attention.workers=0 --expect-invalid "/attention/workers"
+schema --set ports.grpc=70000 --expect-invalid "/ports/grpc"
+grep -q '^kubeVersion: ">=1.25.0-0"' "$CHART/Chart.yaml"
+
+echo "== a config change rolls the pods (checksum/config)"
+render -set model.preset=tiny -out "$WORK/tiny.yaml"
+node validate.mjs --manifests "$WORK/tiny.yaml" --dashboard "$DASH" --print-checksum "$WORK/checksum-tiny" \
+  --expect-ranges <("$MOE_TOOL" ranges --config tiny --shards 2 --replicas 1)
+if cmp -s "$WORK/checksum-default" "$WORK/checksum-tiny"; then
+  echo "FAIL: another model config leaves the pods' checksum/config unchanged"; exit 1
+fi
+
+echo "== the attention HPA"
+render -set attention.autoscaling.enabled=true -set attention.autoscaling.maxReplicas=6 \
+  -out "$WORK/hpa.yaml"
+node validate.mjs --manifests "$WORK/hpa.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-hpa
 grep -q "cannot change the bias" "$WORK/default-notes.txt"
 
 echo "== values-k3.yaml with an admin token"
@@ -96,9 +125,12 @@ expect_render_error "replicasPerRange must be at least 1" -set experts.replicasP
 expect_render_error 'no files/config-huge.json' -set model.preset=huge
 expect_render_error 'dataPlane.mode "rdma" must be auto, grpc or ucx' -set dataPlane.mode=rdma
 expect_render_error 'tls.enabled needs tls.existingSecret' -set tls.enabled=true
+expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autoscaling.enabled=true \
+  -set attention.autoscaling.minReplicas=5 -set attention.autoscaling.maxReplicas=2
 
 echo "== every invariant can fail"
-for m in sts-replicas range-gap no-resources probe-port service-selector port-type; do
+for m in sts-replicas range-gap no-resources probe-port service-selector port-type root writable-root \
+  no-checksum; do
   if node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" --mutate "$m" \
       >"$WORK/mutate.out" 2>&1; then
     echo "FAIL: mutation $m went unnoticed"; exit 1

@@ -24,6 +24,8 @@ const models = {
   'v1/Service': require('kubernetes-models/v1/Service').Service,
   'apps/v1/Deployment': require('kubernetes-models/apps/v1/Deployment').Deployment,
   'apps/v1/StatefulSet': require('kubernetes-models/apps/v1/StatefulSet').StatefulSet,
+  'autoscaling/v2/HorizontalPodAutoscaler':
+    require('kubernetes-models/autoscaling/v2/HorizontalPodAutoscaler').HorizontalPodAutoscaler,
   'monitoring.coreos.com/v1/ServiceMonitor': (await import(
     '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor')).ServiceMonitor,
 };
@@ -54,6 +56,9 @@ const mutations = {
   'probe-port': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].readinessProbe.grpc.port += 1; },
   'service-selector': () => { docs.find((d) => d.kind === 'Service').spec.selector['app.kubernetes.io/component'] = 'nobody'; },
   'port-type': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].ports[0].containerPort = 'grpc'; },
+  'root': () => { docs.find((d) => d.kind === 'StatefulSet').spec.template.spec.securityContext.runAsNonRoot = false; },
+  'writable-root': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].securityContext.readOnlyRootFilesystem = false; },
+  'no-checksum': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.metadata.annotations['checksum/config']; },
 };
 const mutation = arg('mutate');
 if (mutation) {
@@ -304,6 +309,52 @@ for (const w of workloads) {
   } else {
     check(init.args.includes('--dense_only'), `${w.metadata.name}: the synthetic checkpoint writes experts`);
   }
+}
+// Pod Security "restricted" (what namespaces enforcing it admit), but for IPC_LOCK with RDMA:
+// non-root, RuntimeDefault seccomp, no privilege escalation, every capability dropped, a
+// read-only root filesystem, only volume types the profile allows.
+for (const w of workloads) {
+  const spec = w.spec.template.spec;
+  const name = w.metadata.name;
+  check(spec.securityContext?.runAsNonRoot === true && spec.securityContext?.runAsUser > 0,
+        `${name}: the pod may run as root`);
+  check(spec.securityContext?.seccompProfile?.type === 'RuntimeDefault', `${name}: no RuntimeDefault seccomp profile`);
+  for (const c of [...(spec.initContainers || []), ...spec.containers]) {
+    const sc = c.securityContext || {};
+    check(sc.allowPrivilegeEscalation === false, `${name}/${c.name}: privilege escalation allowed`);
+    check(sc.readOnlyRootFilesystem === true, `${name}/${c.name}: writable root filesystem`);
+    check((sc.capabilities?.drop || []).includes('ALL'), `${name}/${c.name}: capabilities not dropped`);
+    const added = sc.capabilities?.add || [];
+    check(added.every((a) => a === 'IPC_LOCK') && (added.length === 0 || arg('expect-rdma')),
+          `${name}/${c.name}: adds capabilities ${added}`);
+    check(!sc.privileged, `${name}/${c.name}: privileged`);
+  }
+  const allowed = ['configMap', 'secret', 'emptyDir', 'persistentVolumeClaim', 'projected', 'downwardAPI', 'name'];
+  for (const v of spec.volumes || []) {
+    check(Object.keys(v).every((k) => allowed.includes(k)), `${name}: volume ${v.name} of a type "restricted" forbids`);
+  }
+  // A config change rolls the pods: the model ConfigMap's checksum on the pod template.
+  check(/^[0-9a-f]{64}$/.test(w.spec.template.metadata.annotations?.['checksum/config'] || ''),
+        `${name}: no checksum/config annotation`);
+}
+// The attention HPA: scales the attention Deployment, which then leaves replicas to it.
+{
+  const hpas = byKind('HorizontalPodAutoscaler');
+  const attention = byKind('Deployment').find((d) => d.metadata.labels['app.kubernetes.io/component'] === 'attention');
+  if (flag('expect-hpa')) {
+    check(hpas.length === 1 && hpas[0].spec.scaleTargetRef.kind === 'Deployment' &&
+          hpas[0].spec.scaleTargetRef.name === attention.metadata.name,
+          'the HPA does not scale the attention Deployment');
+    check(attention.spec.replicas === undefined, 'the attention Deployment sets replicas under an HPA');
+    check(hpas[0].spec.minReplicas <= hpas[0].spec.maxReplicas, 'HPA minReplicas > maxReplicas');
+  } else {
+    check(hpas.length === 0, `${hpas.length} HPAs without attention.autoscaling.enabled`);
+  }
+}
+// The checksum of every workload is the same (one ConfigMap), and it is recorded for the test
+// that renders another config (chart_test.sh compares).
+if (arg('print-checksum')) {
+  fs.writeFileSync(arg('print-checksum'), workloads[0].spec.template.metadata.annotations['checksum/config']);
 }
 if (flag('expect-gpu')) {
   const sts = byKind('StatefulSet')[0];

@@ -110,6 +110,9 @@ app.kubernetes.io/component: {{ .component }}
     secretName: {{ .Values.tls.existingSecret }}
     defaultMode: 288
 {{- end }}
+- name: tmp
+  emptyDir:
+    sizeLimit: 256Mi
 - name: checkpoint
 {{- if .Values.checkpoint.existingClaim }}
   persistentVolumeClaim:
@@ -133,6 +136,8 @@ app.kubernetes.io/component: {{ .component }}
   mountPath: /var/run/moe/tls
   readOnly: true
 {{- end }}
+- name: tmp
+  mountPath: /tmp
 - name: checkpoint
   mountPath: /models
 {{- if .Values.checkpoint.existingClaim }}
@@ -181,6 +186,7 @@ initContainers:
       - --ranges_file=/etc/moe/ranges.json
       - --ordinal=-1
       {{- end }}
+    {{- include "moe.containerSecurityContext" .ctx | nindent 4 }}
     volumeMounts:
       {{- include "moe.volumeMounts" .ctx | nindent 6 }}
     resources:
@@ -251,12 +257,34 @@ readinessProbe:
 {{- end -}}
 {{- toYaml $res -}}
 {{- end -}}
-{{- define "moe.rdmaSecurityContext" -}}
-{{- if .Values.dataPlane.rdma.enabled -}}
+{{/* Pod Security "restricted": non-root (the image's user 10001), the runtime's seccomp
+profile, no privilege escalation, every capability dropped, a read-only root filesystem (/tmp
+is an emptyDir). RDMA needs IPC_LOCK to pin memory: with dataPlane.rdma.enabled the pods are
+"baseline", not "restricted". */}}
+{{- define "moe.podSecurityContext" -}}
 securityContext:
-  capabilities:
-    add: ["IPC_LOCK"]
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  fsGroup: 10001  # token and TLS files are readable by the pod's group, by nobody else
+  seccompProfile:
+    type: RuntimeDefault
 {{- end -}}
+{{- define "moe.containerSecurityContext" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  runAsNonRoot: true
+  capabilities:
+    drop: ["ALL"]
+    {{- if .Values.dataPlane.rdma.enabled }}
+    add: ["IPC_LOCK"]
+    {{- end }}
+{{- end -}}
+{{/* Pod annotations that change with the configuration, so that a config change rolls the
+pods (the model ConfigMap: config.json and ranges.json). */}}
+{{- define "moe.configChecksum" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap-model.yaml") . | sha256sum }}
 {{- end -}}
 {{- define "moe.podEnv" -}}
 - name: POD_NAME
