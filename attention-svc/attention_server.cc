@@ -26,6 +26,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/router_link.h"
 #include "services/common/secret_file.h"
+#include "services/common/logging.h"
 #include "services/common/status_macros.h"
 #include "services/common/work_queue.h"
 #include "services/dataplane/ucx_worker.h"
@@ -195,6 +196,11 @@ absl::Status AttentionServer::Impl::Load() {
       w.backing.clear();
       w.expert_lo = w.expert_hi = 0;
     }
+    const size_t dense_bytes =
+        2 * (w.gate.size() + w.down_proj.size() + w.norm.size() + w.up_proj.size() +
+             w.shared_gate.size() + w.shared_up.size() + w.shared_down.size());
+    MOE_LOG_INFO("layer {}: dense weights loaded ({:.1f} MB, {})", layer, dense_bytes / 1e6,
+                 ckpt != nullptr ? options_.checkpoint : "synthetic");
     auto hosted = std::make_unique<HostedLayer>();
     hosted->checkpoint_bias = w.bias;
     MOE_ASSIGN_OR_RETURN(hosted->layer, CpuMoeLayer::Create(cfg_, std::move(w), lo));
@@ -227,13 +233,12 @@ absl::Status AttentionServer::Impl::StartServing() {
     auto w = dataplane::UcxWorker::Create(uo);
     if (w.ok()) {
       ucx_ = std::move(*w);
-      std::fprintf(stderr, "attention-svc: UCX data plane up (UCX_TLS %s)\n", ucx_->tls().c_str());
+      MOE_LOG_INFO("UCX data plane up (UCX_TLS {})", ucx_->tls());
     } else if (options_.data_plane == dataplane::DataPlane::kUcx) {
       return absl::FailedPreconditionError(
           absl::StrCat("--data_plane=ucx: ", w.status().message()));
     } else {
-      std::fprintf(stderr, "attention-svc: no UCX data plane (%s): in band only\n",
-                   std::string(w.status().message()).c_str());
+      MOE_LOG_WARN("no UCX data plane ({}): in band only", w.status().ToString());
     }
   }
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
@@ -425,8 +430,7 @@ void AttentionServer::Impl::ReportNow() {
     *req.mutable_loads() = {h.loads().begin(), h.loads().end()};
     req.set_qb_histogram(h.Serialize());
     if (auto r = router_->ReportStats(req); !r.ok()) {
-      std::fprintf(stderr, "attention-svc: ReportStats failed: %s\n",
-                   std::string(r.status().message()).c_str());
+      MOE_LOG_WARN("ReportStats failed: {}", r.status().ToString());
     }
   }
 }

@@ -32,6 +32,8 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/router_link.h"
 #include "services/common/secret_file.h"
+#include "services/common/logging.h"
+#include "services/common/progress.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
@@ -217,6 +219,10 @@ absl::Status ExpertServer::Impl::Load() {
       lo_opt.dense = false;
       lo_opt.expert_lo = lo;
       lo_opt.expert_hi = hi;
+      Progress progress(absl::StrCat("shard ", options_.shard, ": loading layer ", layer,
+                                     " experts [", lo, ", ", hi, ")"),
+                        (hi - lo) * cfg_.ExpertBytes());
+      lo_opt.on_expert_loaded = [&](int64_t bytes) { progress.Add(bytes); };
       MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt_, cfg_, layer, lo_opt));
     } else {
       checkpoint::SyntheticOptions so;
@@ -236,10 +242,9 @@ absl::Status ExpertServer::Impl::Load() {
     MOE_ASSIGN_OR_RETURN(backends_[layer],
                          MakeExpertBackend(options_.backend, cfg_, w, *kernels_, pool_.get()));
   }
-  std::fprintf(stderr, "expert-svc: shard %s, experts [%lld, %lld), backend %s\n",
-               options_.shard.c_str(), static_cast<long long>(options_.expert_lo),
-               static_cast<long long>(options_.expert_hi),
-               backends_.begin()->second->name().c_str());
+  MOE_LOG_INFO("shard {}: experts [{}, {}) of layers {} loaded, backend {}", options_.shard,
+               options_.expert_lo, options_.expert_hi, fmt::join(layers, ","),
+               backends_.begin()->second->name());
   // The limits of the CPU the kernels run on, before any traffic (bounded: 512 MiB read, 3 x
   // 50 ms of FMAs, about 0.4 s). A GPU backend's limits are not these.
   if (options_.measure_limits && backends_.begin()->second->name().rfind("cpu", 0) == 0) {
@@ -248,12 +253,11 @@ absl::Status ExpertServer::Impl::Load() {
     lo.read_passes = 3;
     lo.fma_seconds = 0.05;
     limits_ = numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
-    std::fprintf(stderr,
-                 "expert-svc: shard %s, this machine: read %.1f GB/s, %s FMA peak %.1f GFLOP/s "
-                 "(%d threads, measured in %.2f s)\n",
-                 options_.shard.c_str(), limits_.read_bytes_per_second / 1e9,
-                 numerics::cpu::IsaName(limits_.isa), limits_.fma_flops_per_second / 1e9,
-                 limits_.threads, limits_.seconds);
+    MOE_LOG_INFO(
+        "shard {}: this machine: read {:.1f} GB/s, {} FMA peak {:.1f} GFLOP/s ({} threads, "
+        "measured in {:.2f} s)",
+        options_.shard, limits_.read_bytes_per_second / 1e9, numerics::cpu::IsaName(limits_.isa),
+        limits_.fma_flops_per_second / 1e9, limits_.threads, limits_.seconds);
   }
   return absl::OkStatus();
 }
@@ -283,8 +287,8 @@ absl::Status ExpertServer::Impl::StartServing() {
         cfg_, vo, ReferenceWeightsFor(options_, cfg_),
         [this](VerifyResult r, const std::string& detail) {
           if (r == VerifyResult::kMismatch || r == VerifyResult::kError) {
-            std::fprintf(stderr, "expert-svc: shard %s: production check %s: %s\n",
-                         options_.shard.c_str(), VerifyResultName(r), detail.c_str());
+            MOE_LOG_ERROR("shard {}: production check {}: {}", options_.shard,
+                          VerifyResultName(r), detail);
           }
           if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
         });
@@ -682,9 +686,8 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
   response->set_client_id(*client);
   response->set_worker_address(ucx_->address());
   response->set_tls(ucx_->tls());
-  std::fprintf(stderr, "expert-svc: shard %s, data-plane client %llu (%s) connected over UCX\n",
-               options_.shard.c_str(), static_cast<unsigned long long>(*client),
-               request->node().c_str());
+  MOE_LOG_INFO("shard {}: data-plane client {} ({}) connected over UCX", options_.shard, *client,
+               request->node());
   return finish(absl::OkStatus());
 }
 
@@ -699,14 +702,13 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
       return absl::FailedPreconditionError(
           absl::StrCat("--data_plane=ucx: ", w.status().message()));
     }
-    std::fprintf(stderr, "expert-svc: shard %s, no UCX data plane (%s): in band only\n",
-                 options_.shard.c_str(), std::string(w.status().message()).c_str());
+    MOE_LOG_WARN("shard {}: no UCX data plane ({}): in band only", options_.shard,
+                 w.status().ToString());
     return absl::OkStatus();
   }
   std::unique_lock<std::shared_mutex> lock(ucx_mu_);
   ucx_ = std::move(*w);
-  std::fprintf(stderr, "expert-svc: shard %s, UCX data plane up (UCX_TLS %s)\n",
-               options_.shard.c_str(), ucx_->tls().c_str());
+  MOE_LOG_INFO("shard {}: UCX data plane up (UCX_TLS {})", options_.shard, ucx_->tls());
   return absl::OkStatus();
 }
 

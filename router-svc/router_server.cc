@@ -24,6 +24,7 @@
 #include "router-svc/router_proto.h"
 #include "router-svc/watch_reactor.h"
 #include "services/common/secret_file.h"
+#include "services/common/logging.h"
 #include "services/common/status_macros.h"
 #include "services/metrics/http_server.h"
 #include "services/metrics/metrics_server.h"
@@ -225,14 +226,13 @@ absl::Status RouterServer::Impl::Load() {
     MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
   }
   if (options_.cluster_token.empty()) {
-    std::fprintf(stderr,
-                 "router-svc: no cluster token: registrations, heartbeats and reports "
-                 "are refused (--cluster_token_file)\n");
+    MOE_LOG_WARN(
+        "no cluster token: registrations, heartbeats and reports are refused "
+        "(--cluster_token_file)");
   }
   if (options_.admin_token.empty()) {
-    std::fprintf(stderr,
-                 "router-svc: no admin token: Rebalance, rollback and mode changes are "
-                 "refused (--admin_token_file)\n");
+    MOE_LOG_WARN(
+        "no admin token: Rebalance, rollback and mode changes are refused (--admin_token_file)");
   }
   if (options_.checkpoint.empty()) {
     return absl::InvalidArgumentError("router-svc needs --checkpoint (config and routing bias)");
@@ -354,8 +354,7 @@ absl::Status RouterServer::Impl::DoRegister(const v1::RegisterExpertServerReques
   resp->set_lease_id(lease);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
   PublishPlacementLocked();
-  std::fprintf(stderr, "router-svc: shard %s registered at %s (lease %llu)\n", req.shard().c_str(),
-               req.endpoint().c_str(), static_cast<unsigned long long>(lease));
+  MOE_LOG_INFO("shard {} registered at {}", req.shard(), req.endpoint());
   return absl::OkStatus();
 }
 
@@ -372,7 +371,7 @@ void RouterServer::Impl::HealthLoop() {
   while (!stop_cv_.wait_for(lock, kHealthCheckInterval, [&] { return stopping_; })) {
     const std::vector<std::string> expired = registry_->ExpireStale(Clock::now(), stale);
     for (const std::string& name : expired) {
-      std::fprintf(stderr, "router-svc: shard %s missed its heartbeats, unhealthy\n", name.c_str());
+      MOE_LOG_WARN("shard {} missed its heartbeats, unhealthy", name);
     }
     if (!expired.empty()) PublishPlacementLocked();
   }
@@ -406,8 +405,7 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
 void RouterServer::Impl::PublishBiasLocked(LayerState& l) {
   l.window.Clear();
   const BiasVersion& cur = l.ledger.current();
-  std::fprintf(stderr, "router-svc: layer %d bias version %llu (%s)\n", cur.layer,
-               static_cast<unsigned long long>(cur.version), cur.reason.c_str());
+  MOE_LOG_INFO("layer {} bias version {} ({})", cur.layer, cur.version, cur.reason);
   const v1::LayerBias b = ToProto(cur);
   for (WatchReactor<v1::LayerBias>* w : bias_watchers_) w->Push(b);
   UpdateLayerMetricsLocked(l);

@@ -103,6 +103,7 @@ absl::StatusOr<MoeLayerWeights> LoadMoeLayer(Checkpoint& ckpt, const ModelConfig
         if (!held) w.backing.push_back(r->file);
       }
     }
+    if (options.on_expert_loaded) options.on_expert_loaded(cfg.ExpertBytes());
   }
   return w;
 }

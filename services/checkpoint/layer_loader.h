@@ -9,6 +9,7 @@
 #define MOE_SERVICES_CHECKPOINT_LAYER_LOADER_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/statusor.h"
 #include "services/checkpoint/checkpoint.h"
@@ -21,6 +22,8 @@ struct LoadOptions {
   bool dense = true;
   int64_t expert_lo = 0;
   int64_t expert_hi = -1;  // -1: all experts
+  // After each expert: its bytes (MXFP4 packed + scales), read and checked.
+  std::function<void(int64_t bytes)> on_expert_loaded;
 };
 
 absl::StatusOr<numerics::MoeLayerWeights> LoadMoeLayer(Checkpoint& ckpt, const ModelConfig& cfg,

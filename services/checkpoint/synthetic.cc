@@ -235,6 +235,13 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
 
   nlohmann::json weight_map = nlohmann::json::object();
   int64_t total = 0;
+  int64_t planned = 0;
+  for (const ShardPlan& shard : plan) planned += shard.bytes;
+  std::atomic<int64_t> written{0};
+  auto progress = [&](int64_t bytes) {
+    const int64_t now = written += bytes;
+    if (opt.on_progress) opt.on_progress(now, planned);
+  };
   for (const ShardPlan& shard : plan) {
     std::vector<TensorSpec> specs;
     if (shard.dense) {
@@ -258,7 +265,9 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
       for (int64_t layer : layers) {
         const std::vector<TensorSpec> dense = DenseTensorSpecs(cfg, layer);
         for (size_t i = 0; i < dense.size(); ++i) {
-          MOE_RETURN_IF_ERROR(writer->Write(dense[i].name, DenseBytes(cfg, layer, i, opt)));
+          const std::vector<uint8_t> bytes = DenseBytes(cfg, layer, i, opt);
+          MOE_RETURN_IF_ERROR(writer->Write(dense[i].name, bytes));
+          progress(static_cast<int64_t>(bytes.size()));
         }
       }
     }
@@ -280,6 +289,7 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
             return;
           }
         }
+        progress(cfg.ExpertBytes());
       }
     };
     std::vector<std::thread> pool;

@@ -17,6 +17,7 @@
 #define MOE_SERVICES_CHECKPOINT_SYNTHETIC_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,9 @@ struct SyntheticOptions {
   int64_t expert_lo = 0;
   int64_t expert_hi = -1;
   int threads = 2;
+  // Called from the writer threads after each expert (and the dense part): bytes written so
+  // far of the total the checkpoint will have (common/progress.h reports it).
+  std::function<void(int64_t written, int64_t total)> on_progress;
 };
 
 struct SyntheticReport {

@@ -1,5 +1,7 @@
 #include "services/common/flags.h"
 
+#include "services/common/logging.h"
+
 #include <algorithm>
 #include <utility>
 
@@ -9,7 +11,14 @@
 namespace moe {
 
 SvcFlags::SvcFlags(std::string program, std::string summary)
-    : program_(std::move(program)), summary_(std::move(summary)) {}
+    : program_(std::move(program)), summary_(std::move(summary)) {
+  Custom("log_level", "info", "trace|debug|info|warn|error|off: what is logged to stderr",
+         [](const std::string& level) {
+           if (SetLogLevel(level)) return true;
+           std::fprintf(stderr, "unknown log level '%s'\n", level.c_str());
+           return false;
+         });
+}
 
 void SvcFlags::Add(Flag f) { flags_.push_back(std::move(f)); }
 

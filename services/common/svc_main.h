@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "services/common/flags.h"
+#include "services/common/logging.h"
 
 namespace moe {
 
@@ -65,17 +66,18 @@ int WaitForTerminationSignal();
 template <typename StartFn>
 int RunServer(const char* name, StartFn start) {
   BlockTerminationSignals();
+  InitLogging(name);
   auto server = start();
   if (!server.ok()) {
-    std::fprintf(stderr, "%s: cannot start: %s\n", name, server.status().ToString().c_str());
+    MOE_LOG_ERROR("cannot start: {}", server.status().ToString());
     return 1;
   }
-  std::fprintf(stderr, "%s: serving on port %d\n", name, (*server)->port());
+  MOE_LOG_INFO("ready: serving on port {}", (*server)->port());
   const int sig = WaitForTerminationSignal();
-  std::fprintf(stderr, "%s: signal %d, shutting down\n", name, sig);
+  MOE_LOG_INFO("signal {}, shutting down", sig);
   (*server)->Shutdown();
   server->reset();
-  std::fprintf(stderr, "%s: stopped\n", name);
+  MOE_LOG_INFO("stopped");
   return 0;
 }
 

@@ -19,6 +19,7 @@
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
 #include "services/common/secret_file.h"
+#include "services/common/logging.h"
 #include "services/common/status_macros.h"
 #include "services/placement/placement.h"
 
@@ -265,7 +266,7 @@ void LocalCluster::Stop(absl::Duration grace) {
       if (::waitpid(c->pid, nullptr, WNOHANG) == c->pid) {
         c->pid = -1;
       } else if (absl::Now() > until) {
-        std::fprintf(stderr, "local cluster: %s did not stop in time, SIGKILL\n", c->name.c_str());
+        MOE_LOG_WARN("local cluster: {} did not stop in time, SIGKILL", c->name);
         ::kill(c->pid, SIGKILL);
         ::waitpid(c->pid, nullptr, 0);
         c->pid = -1;

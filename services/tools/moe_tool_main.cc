@@ -18,6 +18,8 @@
 #include "absl/status/statusor.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/common/flags.h"
+#include "services/common/logging.h"
+#include "services/common/progress.h"
 #include "services/placement/placement.h"
 #include "services/tools/layer_runner.h"
 
@@ -90,8 +92,12 @@ int Synth(int argc, char** argv) {
   if (!cfg.ok()) return 1;
   opt.shard_bytes = shard_mb << 20;
   opt.experts = !dense_only;
+  moe::InitLogging("moe-tool");
+  moe::Progress progress("writing the " + cfg->name + " checkpoint to " + out, 0);
+  opt.on_progress = [&](int64_t written, int64_t total) { progress.Update(written, total); };
   moe::checkpoint::SyntheticReport rep;
   absl::Status st = moe::checkpoint::WriteSyntheticCheckpoint(*cfg, out, opt, &rep);
+  progress.Done();
   if (!st.ok()) {
     std::fprintf(stderr, "error: %s\n", std::string(st.message()).c_str());
     return 1;

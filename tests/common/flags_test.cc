@@ -2,6 +2,8 @@
 // arguments, --help (exit 0), and errors that name the flag (exit 2), with the nearest known
 // name for a typo.
 #include "services/common/flags.h"
+#include "services/common/logging.h"
+#include "services/common/progress.h"
 
 #include <string>
 #include <tuple>
@@ -129,6 +131,30 @@ TEST(Flags, TypedValuesUseTheirOwnParser) {
       EXPECT_NE(err.find("color 'green' is not red or blue"), std::string::npos) << err;
     }
   }
+}
+
+// The progress line's figures, from known values (and the edges: nothing done, all done).
+TEST(Progress, FormatsBytesPercentRateAndTimeLeft) {
+  EXPECT_EQ(FormatProgress("writing k3", 4'200'000'000, 15'800'000'000, 13.5),
+            "writing k3: 4.2 GB of 15.8 GB (26%), 311 MB/s, 37 s left");
+  EXPECT_EQ(FormatProgress("loading", 0, 50'000'000, 0.0), "loading: 0.0 KB of 50.0 MB (0%)");
+  EXPECT_EQ(FormatProgress("loading", 50'000'000, 50'000'000, 0.5),
+            "loading: 50.0 MB of 50.0 MB (100%), 100 MB/s");
+}
+
+// --log_level is a flag of every binary; a bad level is refused at the flag.
+TEST(Logging, EveryBinaryTakesALogLevel) {
+  int n = 0;
+  SvcFlags flags("t", "test");
+  flags.Int("n", &n, "n");
+  const char* good[] = {"t", "--log_level=warn", "--n=2"};
+  EXPECT_EQ(flags.Parse(3, const_cast<char**>(good)), -1);
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(spdlog::get_level(), spdlog::level::warn);
+  SvcFlags again("t", "test");
+  const char* bad[] = {"t", "--log_level=loud"};
+  EXPECT_EQ(again.Parse(2, const_cast<char**>(bad)), 2);
+  EXPECT_TRUE(SetLogLevel("info"));
 }
 
 }  // namespace
