@@ -20,21 +20,62 @@ async function api(path, options) {
   return body;
 }
 
-function drawBars(el, loads, q, sorted) {
-  const values = sorted ? [...loads].sort((a, b) => b - a) : loads;
-  const max = Math.max(q * 1.2, ...values, 1);
-  el.textContent = '';
-  values.forEach((v, i) => {
-    const b = document.createElement('div');
+// The loads of the last window before the latest Rebalance (the "ghost" marks): the bars then
+// move from them toward the even line as new windows fill.
+let ghost = null;
+let lastVersion = null;
+let lastLoads = null;
+const timeline = [];  // {t, vio, floor, version}, at most TIMELINE_POINTS
+const TIMELINE_POINTS = 240;
+
+// Bars are kept and resized (not rebuilt), so a new window's heights animate from the old ones.
+function drawBars(el, loads, q, sorted, axisMax, ghostLoads) {
+  const order = loads.map((v, i) => i);
+  if (sorted) order.sort((a, b) => loads[b] - loads[a]);
+  const max = Math.max(q * 1.2, ...loads, ...(ghostLoads || []), 1);
+  let line = el.querySelector(':scope > .target');
+  if (line === null) {
+    line = document.createElement('div');
+    line.className = 'target';
+    el.appendChild(line);
+  }
+  const barsOf = () => Array.from(el.children).filter((c) => c !== line);
+  while (barsOf().length > loads.length) el.removeChild(barsOf()[0]);
+  while (barsOf().length < loads.length) el.insertBefore(document.createElement('div'), line);
+  const bars = barsOf();
+  order.forEach((e, i) => {
+    const b = bars[i];
+    const v = loads[e];
     b.className = 'bar' + (v > 1.25 * q ? ' hot' : '');
     b.style.height = `${(100 * v / max).toFixed(2)}%`;
-    b.title = sorted ? `${v} tokens` : `expert ${i}: ${v} tokens`;
-    el.appendChild(b);
+    b.title = `expert ${e}: ${v} tokens`;
+    b.dataset.expert = String(e);
+    b.textContent = '';
+    if (ghostLoads) {  // where this expert's bar stood before the Rebalance, relative to the bar
+      const g = document.createElement('div');
+      g.className = 'ghost';
+      g.style.bottom = v > 0 ? `${(100 * ghostLoads[e] / v).toFixed(2)}%` : '0';
+      b.appendChild(g);
+    }
   });
-  const line = document.createElement('div');
-  line.className = 'target';
   line.style.bottom = `calc(4px + ${(100 * q / max).toFixed(2)}% * (152 / 160))`;
-  el.appendChild(line);
+  $(axisMax).textContent = Math.round(max).toLocaleString();
+}
+
+function drawTimeline() {
+  const svg = $('vio-chart');
+  const max = Math.max(0.1, ...timeline.map((p) => Math.max(p.vio, p.floor))) * 1.1;
+  const x = (i) => (timeline.length < 2 ? 0 : (1000 * i) / (timeline.length - 1)).toFixed(1);
+  const y = (v) => (160 - (160 * v) / max).toFixed(1);
+  const points = timeline.map((p, i) => `${x(i)},${y(p.vio)}`).join(' ');
+  const floor = timeline.map((p, i) => `${x(i)},${y(p.floor)}`).join(' ');
+  const versions = timeline.map((p, i) => (i > 0 && p.version !== timeline[i - 1].version
+    ? `<line class="version" x1="${x(i)}" x2="${x(i)}" y1="0" y2="160"><title>bias version ${p.version}</title></line>` : ''));
+  svg.innerHTML = `<polyline class="floor" points="${floor}"></polyline>` +
+                  `<polyline class="vio" points="${points}"></polyline>` + versions.join('');
+  svg.dataset.points = String(timeline.length);
+  $('y-max-vio').textContent = max.toFixed(2);
+  $('vio-since').textContent = timeline.length ? new Date(timeline[0].t).toLocaleTimeString() : '';
 }
 
 function render(s) {
@@ -51,8 +92,20 @@ function render(s) {
   $('shard-ratio').textContent = s.shard_max_over_mean ? s.shard_max_over_mean.toFixed(3) : '–';
   $('cv').textContent = s.cv.toFixed(3);
   $('dead').textContent = s.dead;
-  drawBars($('bars-id'), s.loads, s.target, false);
-  drawBars($('bars-sorted'), s.loads, s.target, true);
+  if (lastVersion !== null && s.bias_version !== lastVersion && lastLoads !== null) {
+    ghost = lastLoads;  // a new bias: remember where the bars were
+  }
+  if (s.window_tokens > 0) {
+    lastVersion = s.bias_version;
+    lastLoads = s.loads;
+    timeline.push({ t: Date.now(), vio: s.max_vio, floor: s.noise_floor, version: s.bias_version });
+    if (timeline.length > TIMELINE_POINTS) timeline.shift();
+  }
+  const g = ghost && ghost.length === s.loads.length ? ghost : null;
+  drawBars($('bars-id'), s.loads, s.target, false, 'y-max-id', g);
+  drawBars($('bars-sorted'), s.loads, s.target, true, 'y-max-sorted', g);
+  $('x-max-id').textContent = `expert ${s.loads.length - 1}`;
+  drawTimeline();
   const total = s.shards.reduce((a, x) => a + x.load, 0) || 1;
   $('shards').tBodies[0].innerHTML = s.shards.map((x) =>
     `<tr><td>${x.name}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +

@@ -108,6 +108,39 @@ try {
   }, 90);
   console.log(`before: MaxVio ${before.vio.toFixed(3)} over ${before.window} tokens, bias version ${before.version}`);
   assert(before.vio > THRESHOLD_BEFORE, `expected MaxVio above ${THRESHOLD_BEFORE}, read ${before.vio}`);
+
+  // The charts say what they show: axis labels with a scale, a legend for every mark, one bar
+  // per expert, and the imbalance over time with its noise floor.
+  const E = await page.$$eval('#bars-id > .bar', (b) => b.length);
+  assert(E === 128, `expected a bar per expert (128), found ${E}`);
+  for (const text of ['tokens in the window', 'expert id', 'experts by load', 'MaxVio', 'time']) {
+    assert(await page.locator('.y-label, .x-label', { hasText: text }).count() > 0, `no axis label "${text}"`);
+  }
+  const yMax = parseInt((await page.textContent('#y-max-id')).replace(/[^0-9]/g, ''), 10);
+  assert(yMax > 0, `no scale on the y axis (${yMax})`);
+  assert((await page.textContent('#x-max-id')).trim() === 'expert 127', 'no last expert id on the x axis');
+  const legend = await page.$$eval('#legend .key', (k) => k.map((x) => x.textContent));
+  for (const text of ['hot: above 1.25 q', 'the even load q', 'before Rebalance']) {
+    assert(legend.some((l) => l.includes(text)), `legend lacks "${text}": ${legend}`);
+  }
+  const hotColour = await page.$eval('#legend .swatch.hot', (s) => getComputedStyle(s).backgroundColor);
+  const hotBar = await page.$eval('#bars-id > .bar.hot', (s) => getComputedStyle(s).backgroundColor);
+  assert(hotColour === hotBar, `the legend's hot colour ${hotColour} is not the hot bars' ${hotBar}`);
+  const points = await waitFor('MaxVio over time', async () => {
+    const n = parseInt(await page.getAttribute('#vio-chart', 'data-points'), 10);
+    return n >= 4 ? n : null;
+  }, 30);
+  assert(await page.$('#vio-chart polyline.vio') && await page.$('#vio-chart polyline.floor'),
+         'the timeline lacks the MaxVio line or the noise floor');
+  console.log(`charts: ${E} bars, y axis to ${yMax} tokens, legend ${legend.length} keys, timeline ${points} points`);
+
+  // The mean distance of the bars from the even line, in pixels (the "queue" the toy shows).
+  const spread = () => page.$eval('#bars-id', (el) => {
+    const line = el.querySelector(':scope > .target').getBoundingClientRect().top;
+    const bars = Array.from(el.querySelectorAll(':scope > .bar'));
+    return bars.reduce((a, b) => a + Math.abs(b.getBoundingClientRect().top - line), 0) / bars.length;
+  });
+  const spreadBefore = await spread();
   await page.screenshot({ path: path.join(artifacts, 'before.png'), fullPage: true });
 
   // Without the token: refused, shown on the page, nothing changes.
@@ -130,6 +163,14 @@ try {
     return s.version === '1' && s.window >= MIN_WINDOW_TOKENS && s.vio < THRESHOLD_AFTER ? s : null;
   }, 120);
   console.log(`after: MaxVio ${after.vio.toFixed(3)} over ${after.window} tokens, bias version ${after.version}`);
+  // The bars moved toward the even line, the old loads stay as marks, the timeline marks the
+  // new bias version.
+  const spreadAfter = await spread();
+  console.log(`bars from the even line: ${spreadBefore.toFixed(1)} px before, ${spreadAfter.toFixed(1)} px after`);
+  assert(spreadAfter < 0.6 * spreadBefore, `the bars did not move toward the even line (${spreadBefore} -> ${spreadAfter})`);
+  const ghosts = await page.$$eval('#bars-id .bar .ghost', (g) => g.length);
+  assert(ghosts === 128, `expected the pre-Rebalance loads as 128 marks, found ${ghosts}`);
+  assert(await page.$('#vio-chart line.version'), 'the timeline does not mark the new bias version');
   await page.screenshot({ path: path.join(artifacts, 'after.png'), fullPage: true });
   assert(consoleErrors.length === 0, `page errors: ${consoleErrors.join('; ')}`);
   console.log(`screenshots: ${path.join(artifacts, 'before.png')}, ${path.join(artifacts, 'after.png')}`);
