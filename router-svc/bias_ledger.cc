@@ -37,6 +37,11 @@ BiasLedger::BiasLedger(int32_t layer, std::vector<float> checkpoint_bias, BiasMo
   history_.push_back({layer, 0, mode, std::move(checkpoint_bias), "checkpoint", now_unix_ms});
 }
 
+BiasLedger::BiasLedger(int32_t layer, std::vector<BiasVersion> history, BiasMode mode,
+                       int64_t continuous_tokens)
+    : layer_(layer), mode_(mode), continuous_tokens_(continuous_tokens),
+      history_(std::move(history)) {}
+
 const BiasVersion& BiasLedger::Append(std::vector<float> bias, const std::string& reason,
                                       int64_t now_unix_ms) {
   history_.push_back({layer_, history_.size(), mode_, std::move(bias), reason, now_unix_ms});

@@ -36,6 +36,10 @@ class BiasLedger {
  public:
   BiasLedger(int32_t layer, std::vector<float> checkpoint_bias, BiasMode mode,
              int64_t continuous_tokens, int64_t now_unix_ms);
+  // A ledger as stored before a restart (state_store.h): its history (version == index, from
+  // the checkpoint's at 0) and mode.
+  BiasLedger(int32_t layer, std::vector<BiasVersion> history, BiasMode mode,
+             int64_t continuous_tokens);
 
   int32_t layer() const { return layer_; }
   BiasMode mode() const { return mode_; }
@@ -55,7 +59,7 @@ class BiasLedger {
   absl::StatusOr<bool> SetMode(BiasMode mode, int64_t continuous_tokens, int64_t now_unix_ms);
 
  private:
-  const int32_t layer_;
+  int32_t layer_;
   BiasMode mode_;
   int64_t continuous_tokens_;
   std::vector<BiasVersion> history_;

@@ -9,6 +9,9 @@ int main(int argc, char** argv) {
   moe::SvcFlags flags("router-svc", "Control plane: placement, routing bias, load balancing.");
   flags.String("checkpoint", &o.checkpoint, "checkpoint directory (config and bias)");
   flags.IntList("layers", &o.layers, "MoE layers (empty: all whose bias is in the checkpoint)");
+  flags.String("state_db", &o.state_db,
+               "SQLite file of bias versions, modes and registrations, kept across restarts "
+               "(empty: in memory)");
   moe::AddServingFlags(flags, &o);
   flags.Int("web_port", &o.web_port, "load-balance page port (-1: off, 0: any)");
   flags.String("web_port_file", &o.web_port_file, "write the page's port here");

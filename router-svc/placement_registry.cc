@@ -4,6 +4,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/status_macros.h"
 #include "services/placement/placement.h"
 
 namespace moe::router_svc {
@@ -43,6 +44,26 @@ absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
   s.data_plane = data_plane;
   ++version_;
   return s.lease;
+}
+
+absl::Status PlacementRegistry::Restore(const std::string& shard, const std::string& endpoint,
+                                        const std::vector<LayerRange>& ranges, uint64_t lease,
+                                        Clock::time_point now, const std::string& data_plane) {
+  if (lease == 0) return absl::DataLossError(absl::StrCat("shard ", shard, ": lease 0"));
+  for (const auto& [name, s] : shards_) {
+    if (s.lease == lease) {
+      return absl::DataLossError(absl::StrCat("shards ", name, " and ", shard, " share a lease"));
+    }
+  }
+  MOE_ASSIGN_OR_RETURN(uint64_t fresh, Register(shard, endpoint, ranges, now, data_plane));
+  (void)fresh;
+  shards_[shard].lease = lease;
+  return absl::OkStatus();
+}
+
+uint64_t PlacementRegistry::LeaseOf(const std::string& shard) const {
+  auto it = shards_.find(shard);
+  return it == shards_.end() ? 0 : it->second.lease;
 }
 
 uint64_t PlacementRegistry::NewLease() const {

@@ -61,6 +61,13 @@ class PlacementRegistry {
   absl::StatusOr<uint64_t> Register(const std::string& shard, const std::string& endpoint,
                                     const std::vector<LayerRange>& ranges, Clock::time_point now,
                                     const std::string& data_plane = "grpc");
+  // A registration from before a restart (its lease kept, so its heartbeats go on), healthy as
+  // of now: it is expired like any other if no heartbeat comes.
+  absl::Status Restore(const std::string& shard, const std::string& endpoint,
+                       const std::vector<LayerRange>& ranges, uint64_t lease,
+                       Clock::time_point now, const std::string& data_plane);
+  // The lease of a registered shard (0: none).
+  uint64_t LeaseOf(const std::string& shard) const;
   // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again.
   absl::StatusOr<bool> Heartbeat(uint64_t lease, Clock::time_point now);
   // Marks shards silent for longer than `stale` unhealthy; returns their names.

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "router-svc/bias_ledger.h"
+#include "router-svc/state_store.h"
 #include "router-svc/load_balance_page.h"
 #include "router-svc/load_window.h"
 #include "router-svc/placement_registry.h"
@@ -193,7 +194,11 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   absl::Status RebalanceLocked(LayerState& l, bool dry_run, const std::string& reason,
                                v1::RebalanceResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new current bias version: the window restarts, watchers and metrics hear of it.
-  void PublishBiasLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores the layer's current version and mode, then sends it to the bias watchers.
+  absl::Status PublishBiasLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PersistLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens --state_db and restores ledgers and registrations from it.
+  absl::Status RestoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new placement version to every watcher (and the shard gauges).
   void PublishPlacementLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateLayerMetricsLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -210,6 +215,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
 
   mutable std::mutex mu_;
   std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
   std::map<int32_t, LayerState> layers_ ABSL_GUARDED_BY(mu_);
   WatchSet<v1::Placement> placement_watchers_ ABSL_GUARDED_BY(mu_);
   WatchSet<v1::LayerBias> bias_watchers_ ABSL_GUARDED_BY(mu_);
@@ -246,7 +252,43 @@ absl::Status RouterServer::Impl::Load() {
         l, LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs()),
                       LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
   }
+  if (!options_.state_db.empty()) MOE_RETURN_IF_ERROR(RestoreLocked());
   return absl::OkStatus();
+}
+
+absl::Status RouterServer::Impl::RestoreLocked() {
+  MOE_ASSIGN_OR_RETURN(store_, OpenSqliteStore(options_.state_db));
+  MOE_ASSIGN_OR_RETURN(StoredState state, store_->Load());
+  for (auto& [l, layer] : layers_) {
+    auto it = state.layers.find(l);
+    if (it == state.layers.end()) {  // new here: its version 0 and mode, from now on
+      MOE_RETURN_IF_ERROR(PersistLocked(layer));
+      continue;
+    }
+    StoredLayer& stored = it->second;
+    if (stored.history[0].bias != layer.ledger.current().bias) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the router state ", options_.state_db, " was written for another checkpoint (layer ",
+          l, "'s version 0 differs from ", options_.checkpoint,
+          "'s bias): remove it or use another --state_db"));
+    }
+    MOE_LOG_INFO("layer {}: restored {} bias versions (current {}), mode {}", l,
+                 stored.history.size(), stored.history.size() - 1, BiasModeName(stored.mode));
+    layer.ledger = BiasLedger(l, std::move(stored.history), stored.mode, stored.continuous_tokens);
+  }
+  for (const StoredShard& s : state.shards) {
+    MOE_RETURN_IF_ERROR(
+        registry_->Restore(s.name, s.endpoint, s.ranges, s.lease, Clock::now(), s.data_plane));
+    MOE_LOG_INFO("shard {} restored at {} (its heartbeats go on under its lease)", s.name,
+                 s.endpoint);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RouterServer::Impl::PersistLocked(const LayerState& l) {
+  if (store_ == nullptr) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(store_->PutBiasVersion(l.ledger.current()));
+  return store_->PutMode(l.window.layer(), l.ledger.mode(), l.ledger.continuous_tokens());
 }
 
 absl::Status RouterServer::Impl::StartServing() {
@@ -351,6 +393,11 @@ absl::Status RouterServer::Impl::DoRegister(const v1::RegisterExpertServerReques
   MOE_ASSIGN_OR_RETURN(uint64_t lease,
                        registry_->Register(req.shard(), req.endpoint(), ranges, Clock::now(),
                                            req.data_plane().empty() ? "grpc" : req.data_plane()));
+  if (store_ != nullptr) {
+    MOE_RETURN_IF_ERROR(store_->PutShard(
+        {req.shard(), req.endpoint(), req.data_plane().empty() ? "grpc" : req.data_plane(), lease,
+         ranges}));
+  }
   resp->set_lease_id(lease);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
   PublishPlacementLocked();
@@ -402,13 +449,16 @@ absl::Status RouterServer::Impl::DoReportStats(const v1::ReportStatsRequest& req
   return absl::OkStatus();
 }
 
-void RouterServer::Impl::PublishBiasLocked(LayerState& l) {
+absl::Status RouterServer::Impl::PublishBiasLocked(LayerState& l) {
+  // Stored before anyone routes with it: a version that was served is never lost.
+  MOE_RETURN_IF_ERROR(PersistLocked(l));
   l.window.Clear();
   const BiasVersion& cur = l.ledger.current();
   MOE_LOG_INFO("layer {} bias version {} ({})", cur.layer, cur.version, cur.reason);
   const v1::LayerBias b = ToProto(cur);
   for (WatchReactor<v1::LayerBias>* w : bias_watchers_) w->Push(b);
   UpdateLayerMetricsLocked(l);
+  return absl::OkStatus();
 }
 
 void RouterServer::Impl::UpdateLayerMetricsLocked(const LayerState& l) {
@@ -452,7 +502,7 @@ absl::Status RouterServer::Impl::RebalanceLocked(LayerState& l, bool dry_run,
                   absl::StrCat(reason, " from ", plan.window_tokens, " tokens"), UnixMs());
   ++l.rebalances;
   if (metrics_ != nullptr) metrics_->Rebalanced(layer);
-  PublishBiasLocked(l);
+  MOE_RETURN_IF_ERROR(PublishBiasLocked(l));
   *resp->mutable_new_bias() = ToProto(l.ledger.current());
   resp->set_applied(true);
   return absl::OkStatus();
@@ -462,7 +512,7 @@ absl::Status RouterServer::Impl::DoRollback(int32_t layer, uint64_t to, v1::Laye
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
   MOE_ASSIGN_OR_RETURN(const BiasVersion* v, l->ledger.Rollback(to, UnixMs()));
-  PublishBiasLocked(*l);
+  MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
   *resp = ToProto(*v);
   return absl::OkStatus();
 }
@@ -474,8 +524,9 @@ absl::Status RouterServer::Impl::DoSetMode(const v1::SetBiasModeRequest& req, v1
   MOE_ASSIGN_OR_RETURN(bool new_version,
                        l->ledger.SetMode(mode, req.continuous_tokens(), UnixMs()));
   if (new_version) {
-    PublishBiasLocked(*l);
+    MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
   } else {
+    MOE_RETURN_IF_ERROR(PersistLocked(*l));
     const v1::LayerBias b = ToProto(l->ledger.current());
     for (WatchReactor<v1::LayerBias>* w : bias_watchers_) w->Push(b);
   }

@@ -29,6 +29,9 @@ namespace moe::router_svc {
 struct RouterServerOptions {
   // config.json and the per-layer bias come from here.
   std::string checkpoint;
+  // The durable control plane (state_store.h): bias versions, modes and registrations in this
+  // SQLite file, restored at start (empty: in memory only, lost on restart).
+  std::string state_db;
   std::vector<int64_t> layers;  // empty: every MoE layer whose bias the checkpoint holds
 
   std::string host = "127.0.0.1";

@@ -217,11 +217,33 @@ absl::Status LocalCluster::SignalShard(int i, int sig) {
   if (i < 0 || i >= num_shards() || shards_[i].pid <= 0) {
     return absl::NotFoundError(absl::StrCat("no running shard ", i));
   }
-  const pid_t pid = shards_[i].pid;
+  return Signal(&shards_[i], sig);
+}
+
+absl::Status LocalCluster::SignalRouter(int sig) {
+  if (router_.pid <= 0) return absl::NotFoundError("router-svc is not running");
+  return Signal(&router_, sig);
+}
+
+absl::Status LocalCluster::RestartRouter() {
+  if (router_.pid > 0) return absl::FailedPreconditionError("router-svc is still running");
+  // The same port: every member was started with --router=<it>.
+  Child again = router_;
+  again.args.push_back(absl::StrCat("--port=", router_port_));
+  MOE_RETURN_IF_ERROR(Launch(&again, options_.start_timeout));
+  router_.pid = again.pid;
+  router_.metrics_port = again.metrics_port;
+  std::ifstream w(options_.work_dir + "/router-svc.web_port");
+  if (!(w >> web_port_)) web_port_ = 0;
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::Signal(Child* c, int sig) {
+  const pid_t pid = c->pid;
   if (::kill(pid, sig) != 0) return absl::InternalError("kill failed");
   if (sig == SIGKILL) {
     ::waitpid(pid, nullptr, 0);
-    shards_[i].pid = -1;
+    c->pid = -1;
   }
   if (sig == SIGSTOP || sig == SIGCONT) {
     // Signals arrive asynchronously: wait (bounded) until /proc shows the new state, so the
@@ -237,7 +259,7 @@ absl::Status LocalCluster::SignalShard(int i, int sig) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    return absl::DeadlineExceededError(absl::StrCat(shards_[i].name, " did not change state"));
+    return absl::DeadlineExceededError(absl::StrCat(c->name, " did not change state"));
   }
   return absl::OkStatus();
 }

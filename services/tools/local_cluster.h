@@ -68,6 +68,9 @@ class LocalCluster {
   absl::Status SignalShard(int i, int sig);
   // Starts shard i again (after a kill), on a new free port, and waits for its port file.
   absl::Status RestartShard(int i);
+  // The same for router-svc, on its old port (the members know it by that).
+  absl::Status SignalRouter(int sig);
+  absl::Status RestartRouter();
   // Waits until attention-svc reports SERVING (every expert has a healthy shard).
   absl::Status WaitReady(absl::Duration timeout);
   // SIGTERM to every child, SIGKILL after `grace`; waits for all. Idempotent.
@@ -84,6 +87,7 @@ class LocalCluster {
   LocalCluster() = default;
   static std::string Endpoint(int port) { return "127.0.0.1:" + std::to_string(port); }
   absl::Status Launch(Child* c, absl::Duration timeout);
+  absl::Status Signal(Child* c, int sig);
 
   LocalClusterOptions options_;
   Child router_;

@@ -3,6 +3,8 @@
 // Rebalance (oracle: QbHistogram::Solve on the same reports), modes, rollback, the admin token.
 #include "router-svc/router_server.h"
 
+#include "router-svc/state_store.h"
+
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 
@@ -491,6 +493,91 @@ TEST(RouterServer, AdminCallsAreRefusedWithoutATokenAndTheTokenComesFromAFile) {
             grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(r->SetBiasMode(r.Ctx("s3cret").get(), sm, &ack).ok());
   EXPECT_EQ(ack.mode(), v1::BIAS_MODE_REBALANCE);
+}
+
+// --state_db: the bias versions with their reasons, the mode and the registrations (with
+// their leases) come back after a restart; a shard heartbeating through it keeps its place; a
+// database of another checkpoint is refused.
+TEST(RouterServer, BiasHistoryModesAndLeasesSurviveARestart) {
+  std::string tmpl = ::testing::TempDir() + "/moe_state_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  RouterServerOptions o;
+  o.state_db = dir + "/router.db";
+  o.admin_token = "adm";
+  v1::RegisterExpertServerResponse lease;
+  {
+    Router r(o);
+    v1::RegisterExpertServerRequest reg;
+    reg.set_shard("shard-a");
+    reg.set_endpoint("127.0.0.1:7");
+    auto* range = reg.add_ranges();
+    range->set_layer(1);
+    range->set_expert_lo(0);
+    range->set_expert_hi(16);
+    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+    v1::RollbackBiasRequest rb;
+    rb.set_layer(1);
+    rb.set_to_version(0);
+    v1::LayerBias b;
+    ASSERT_TRUE(r->RollbackBias(r.Ctx("adm").get(), rb, &b).ok());
+    ASSERT_EQ(b.version(), 1u);
+    v1::SetBiasModeRequest sm;
+    sm.set_layer(1);
+    sm.set_mode(v1::BIAS_MODE_CONTINUOUS);
+    sm.set_continuous_tokens(5000);
+    ASSERT_TRUE(r->SetBiasMode(r.Ctx("adm").get(), sm, &b).ok());
+  }  // router-svc stops
+  Router again(o);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b;
+  ASSERT_TRUE(again->GetBias(again.Ctx().get(), gb, &b).ok());
+  EXPECT_EQ(b.version(), 1u);
+  EXPECT_EQ(b.reason(), "rollback to 0");
+  EXPECT_EQ(b.mode(), v1::BIAS_MODE_CONTINUOUS);
+  v1::GetLoadStatsRequest gs;
+  gs.set_layer(1);
+  v1::LoadStats st;
+  ASSERT_TRUE(again->GetLoadStats(again.Ctx().get(), gs, &st).ok());
+  ASSERT_EQ(st.history_size(), 2);
+  EXPECT_EQ(st.history(0).reason(), "checkpoint");
+  // The shard's old lease still heartbeats; the first placement already holds it.
+  v1::HeartbeatRequest hb;
+  hb.set_lease_id(lease.lease_id());
+  v1::HeartbeatResponse hr;
+  EXPECT_TRUE(again->Heartbeat(again.Ctx().get(), hb, &hr).ok());
+  v1::Placement p;
+  ASSERT_TRUE(again->GetPlacement(again.Ctx().get(), v1::GetPlacementRequest(), &p).ok());
+  ASSERT_EQ(p.shards_size(), 1);
+  EXPECT_EQ(p.shards(0).shard(), "shard-a");
+  EXPECT_EQ(p.shards(0).endpoint(), "127.0.0.1:7");
+  // A new version after the restart continues the numbering.
+  v1::RollbackBiasRequest rb;
+  rb.set_layer(1);
+  rb.set_to_version(1);
+  ASSERT_TRUE(again->RollbackBias(again.Ctx("adm").get(), rb, &b).ok());
+  EXPECT_EQ(b.version(), 2u);
+
+  // A database written for another checkpoint (another version 0) is refused at start.
+  const std::string other = dir + "/other.db";
+  {
+    auto store = OpenSqliteStore(other);
+    ASSERT_TRUE(store.ok()) << store.status();
+    BiasVersion v0;
+    v0.layer = 1;
+    v0.bias = std::vector<float>(16, 0.5f);
+    v0.reason = "checkpoint";
+    ASSERT_TRUE((*store)->PutBiasVersion(v0).ok());
+  }
+  RouterServerOptions bad = o;
+  bad.state_db = other;
+  bad.checkpoint = TinyCheckpoint();
+  bad.cluster_token = kMember;
+  auto refused = RouterServer::Start(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("written for another checkpoint"), std::string::npos)
+      << refused.status();
 }
 
 }  // namespace

@@ -1,0 +1,125 @@
+// The control plane survives router-svc's death (docs/design.md "Control plane"): with
+// --state_db, a kill -9 of router-svc under load and its restart cost no failed and no wrong
+// answer, the bias version and its history come back, and a shard that was stopped through the
+// restart comes back by itself under its old lease. Real processes on loopback.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/services/cluster_fixtures.h"
+
+namespace moe {
+namespace {
+
+using tensor::Bf16;
+using testing::CheckpointFor;
+using testing::ClientFor;
+using testing::InProcessLayer;
+using testing::SameBits;
+using testing::TestCluster;
+using tools::LocalCluster;
+using tools::LocalClusterOptions;
+
+// Forward traffic on its own thread, every answer checked against the in-process layer.
+struct Traffic {
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> ok{0}, failed{0}, wrong{0};
+  std::vector<std::string> errors;  // the first few
+  std::thread thread;
+
+  void Start(const LocalCluster& c, int32_t layer, const std::vector<Bf16>& x, int64_t tokens,
+             int64_t hidden, const std::vector<Bf16>& want) {
+    thread = std::thread([this, &c, layer, x, tokens, hidden, want] {
+      auto client = ClientFor(c);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (!stop.load() && std::chrono::steady_clock::now() < until) {
+        auto r = client->Forward(layer, x, tokens, hidden);
+        if (!r.ok()) {
+          if (errors.size() < 5) errors.push_back(r.status().ToString());
+          ++failed;
+        } else if (!SameBits(r->out, want)) {
+          ++wrong;
+        } else {
+          ++ok;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+  }
+  void Stop() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+};
+
+TEST(ClusterSurvive, RouterKilledUnderLoadLosesNothing) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
+  o.work_dir = moe::testing::MakeTempDir("survive");
+  o.admin_token = "survive-admin";
+  o.router_args = {"--state_db=" + o.work_dir + "/router.db", "--heartbeat_interval_ms=200"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  auto admin = ClientFor(**cluster, o.admin_token);
+  // A bias version worth keeping: version 1 (the checkpoint's bias again, so the in-process
+  // layer stays the oracle).
+  auto v1 = admin->RollbackBias(layer, 0);
+  ASSERT_TRUE(v1.ok()) << v1.status();
+  ASSERT_EQ(v1->version(), 1u);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 4, 31);
+  const std::vector<Bf16> want = local->Forward(x, 4, cfg.hidden)->out;
+
+  Traffic traffic;
+  traffic.Start(**cluster, layer, x, 4, cfg.hidden, want);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE((*cluster)->SignalRouter(SIGKILL).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // served without a router
+  ASSERT_TRUE((*cluster)->RestartRouter().ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  traffic.Stop();
+  std::printf("[router kill -9 under load] %lld ok, %lld failed, %lld wrong\n",
+              static_cast<long long>(traffic.ok.load()),
+              static_cast<long long>(traffic.failed.load()),
+              static_cast<long long>(traffic.wrong.load()));
+  EXPECT_GT(traffic.ok.load(), 10);
+  EXPECT_EQ(traffic.failed.load(), 0) << (traffic.errors.empty() ? "" : traffic.errors[0]);
+  EXPECT_EQ(traffic.wrong.load(), 0);
+  auto bias = admin->GetBias(layer);
+  ASSERT_TRUE(bias.ok()) << bias.status();
+  EXPECT_EQ(bias->version(), 1u);
+  EXPECT_EQ(bias->reason(), "rollback to 0");
+  auto stats = admin->GetLoadStats(layer);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->history_size(), 2);
+
+  // A shard stopped through a router restart comes back by itself: its heartbeats carry the
+  // lease the new router restored.
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGSTOP).ok());
+  ASSERT_TRUE((*cluster)->SignalRouter(SIGKILL).ok());
+  ASSERT_TRUE((*cluster)->RestartRouter().ok());
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGCONT).ok());
+  absl::Status ready = (*cluster)->WaitReady(absl::Seconds(20));
+  ASSERT_TRUE(ready.ok()) << ready;
+  absl::StatusOr<client::ForwardResult> r = absl::UnavailableError("not yet");
+  for (int i = 0; i < 100 && !r.ok(); ++i) {  // bounded: 10 s
+    r = admin->Forward(layer, x, 4, cfg.hidden);
+    if (!r.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(SameBits(r->out, want));
+  auto placement = admin->GetBias(layer);
+  ASSERT_TRUE(placement.ok());
+  EXPECT_EQ(placement->version(), 1u);
+}
+
+}  // namespace
+}  // namespace moe
