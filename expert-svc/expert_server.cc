@@ -31,9 +31,9 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/router_link.h"
-#include "services/common/secret_file.h"
 #include "services/common/logging.h"
 #include "services/common/progress.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
@@ -287,8 +287,8 @@ absl::Status ExpertServer::Impl::StartServing() {
         cfg_, vo, ReferenceWeightsFor(options_, cfg_),
         [this](VerifyResult r, const std::string& detail) {
           if (r == VerifyResult::kMismatch || r == VerifyResult::kError) {
-            MOE_LOG_ERROR("shard {}: production check {}: {}", options_.shard,
-                          VerifyResultName(r), detail);
+            MOE_LOG_ERROR("shard {}: production check {}: {}", options_.shard, VerifyResultName(r),
+                          detail);
           }
           if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
         });

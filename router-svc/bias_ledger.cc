@@ -39,7 +39,9 @@ BiasLedger::BiasLedger(int32_t layer, std::vector<float> checkpoint_bias, BiasMo
 
 BiasLedger::BiasLedger(int32_t layer, std::vector<BiasVersion> history, BiasMode mode,
                        int64_t continuous_tokens)
-    : layer_(layer), mode_(mode), continuous_tokens_(continuous_tokens),
+    : layer_(layer),
+      mode_(mode),
+      continuous_tokens_(continuous_tokens),
       history_(std::move(history)) {}
 
 const BiasVersion& BiasLedger::Append(std::vector<float> bias, const std::string& reason,

@@ -64,8 +64,8 @@ class PlacementRegistry {
   // A registration from before a restart (its lease kept, so its heartbeats go on), healthy as
   // of now: it is expired like any other if no heartbeat comes.
   absl::Status Restore(const std::string& shard, const std::string& endpoint,
-                       const std::vector<LayerRange>& ranges, uint64_t lease,
-                       Clock::time_point now, const std::string& data_plane);
+                       const std::vector<LayerRange>& ranges, uint64_t lease, Clock::time_point now,
+                       const std::string& data_plane);
   // The lease of a registered shard (0: none).
   uint64_t LeaseOf(const std::string& shard) const;
   // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again.

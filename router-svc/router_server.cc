@@ -18,14 +18,14 @@
 #include "absl/strings/str_cat.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "router-svc/bias_ledger.h"
-#include "router-svc/state_store.h"
 #include "router-svc/load_balance_page.h"
 #include "router-svc/load_window.h"
 #include "router-svc/placement_registry.h"
 #include "router-svc/router_proto.h"
+#include "router-svc/state_store.h"
 #include "router-svc/watch_reactor.h"
-#include "services/common/secret_file.h"
 #include "services/common/logging.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/metrics/http_server.h"
 #include "services/metrics/metrics_server.h"
@@ -268,8 +268,8 @@ absl::Status RouterServer::Impl::RestoreLocked() {
     StoredLayer& stored = it->second;
     if (stored.history[0].bias != layer.ledger.current().bias) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "the router state ", options_.state_db, " was written for another checkpoint (layer ",
-          l, "'s version 0 differs from ", options_.checkpoint,
+          "the router state ", options_.state_db, " was written for another checkpoint (layer ", l,
+          "'s version 0 differs from ", options_.checkpoint,
           "'s bias): remove it or use another --state_db"));
     }
     MOE_LOG_INFO("layer {}: restored {} bias versions (current {}), mode {}", l,
@@ -394,9 +394,9 @@ absl::Status RouterServer::Impl::DoRegister(const v1::RegisterExpertServerReques
                        registry_->Register(req.shard(), req.endpoint(), ranges, Clock::now(),
                                            req.data_plane().empty() ? "grpc" : req.data_plane()));
   if (store_ != nullptr) {
-    MOE_RETURN_IF_ERROR(store_->PutShard(
-        {req.shard(), req.endpoint(), req.data_plane().empty() ? "grpc" : req.data_plane(), lease,
-         ranges}));
+    MOE_RETURN_IF_ERROR(
+        store_->PutShard({req.shard(), req.endpoint(),
+                          req.data_plane().empty() ? "grpc" : req.data_plane(), lease, ranges}));
   }
   resp->set_lease_id(lease);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);

@@ -6,9 +6,9 @@
 #include <mutex>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/numbers.h"
 
 namespace moe::router_svc {
 namespace {
@@ -102,19 +102,19 @@ class SqliteStore final : public StateStore {
       state.layers[layer].continuous_tokens = sqlite3_column_int64(st, 2);
     });
     if (!q.ok()) return q;
-    q = Query("SELECT name, endpoint, lease, data_plane, ranges FROM shards ORDER BY name",
-                  [&](sqlite3_stmt* st) {
-                    StoredShard s;
-                    s.name = reinterpret_cast<const char*>(sqlite3_column_text(st, 0));
-                    s.endpoint = reinterpret_cast<const char*>(sqlite3_column_text(st, 1));
-                    s.lease = static_cast<uint64_t>(sqlite3_column_int64(st, 2));
-                    s.data_plane = reinterpret_cast<const char*>(sqlite3_column_text(st, 3));
-                    if (!ParseRanges(reinterpret_cast<const char*>(sqlite3_column_text(st, 4)),
-                                     &s.ranges)) {
-                      return row_error(absl::StrCat("shard ", s.name, ": bad ranges"));
-                    }
-                    state.shards.push_back(std::move(s));
-                  });
+    q = Query(
+        "SELECT name, endpoint, lease, data_plane, ranges FROM shards ORDER BY name",
+        [&](sqlite3_stmt* st) {
+          StoredShard s;
+          s.name = reinterpret_cast<const char*>(sqlite3_column_text(st, 0));
+          s.endpoint = reinterpret_cast<const char*>(sqlite3_column_text(st, 1));
+          s.lease = static_cast<uint64_t>(sqlite3_column_int64(st, 2));
+          s.data_plane = reinterpret_cast<const char*>(sqlite3_column_text(st, 3));
+          if (!ParseRanges(reinterpret_cast<const char*>(sqlite3_column_text(st, 4)), &s.ranges)) {
+            return row_error(absl::StrCat("shard ", s.name, ": bad ranges"));
+          }
+          state.shards.push_back(std::move(s));
+        });
     if (!q.ok()) return q;
     for (const auto& [layer, l] : state.layers) {
       if (l.history.empty()) row_error(absl::StrCat("layer ", layer, " has a mode but no bias"));
@@ -125,17 +125,16 @@ class SqliteStore final : public StateStore {
 
   absl::Status PutBiasVersion(const BiasVersion& v) override {
     std::lock_guard<std::mutex> lock(mu_);
-    return Write(
-        "INSERT OR REPLACE INTO bias_versions VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        [&](sqlite3_stmt* st) {
-          sqlite3_bind_int(st, 1, v.layer);
-          sqlite3_bind_int64(st, 2, static_cast<sqlite3_int64>(v.version));
-          sqlite3_bind_text(st, 3, BiasModeName(v.mode), -1, SQLITE_STATIC);
-          sqlite3_bind_text(st, 4, v.reason.c_str(), -1, SQLITE_TRANSIENT);
-          sqlite3_bind_int64(st, 5, v.created_unix_ms);
-          sqlite3_bind_blob(st, 6, v.bias.data(), static_cast<int>(v.bias.size() * 4),
-                            SQLITE_TRANSIENT);
-        });
+    return Write("INSERT OR REPLACE INTO bias_versions VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                 [&](sqlite3_stmt* st) {
+                   sqlite3_bind_int(st, 1, v.layer);
+                   sqlite3_bind_int64(st, 2, static_cast<sqlite3_int64>(v.version));
+                   sqlite3_bind_text(st, 3, BiasModeName(v.mode), -1, SQLITE_STATIC);
+                   sqlite3_bind_text(st, 4, v.reason.c_str(), -1, SQLITE_TRANSIENT);
+                   sqlite3_bind_int64(st, 5, v.created_unix_ms);
+                   sqlite3_bind_blob(st, 6, v.bias.data(), static_cast<int>(v.bias.size() * 4),
+                                     SQLITE_TRANSIENT);
+                 });
   }
 
   absl::Status PutMode(int32_t layer, BiasMode mode, int64_t continuous_tokens) override {
@@ -162,8 +161,8 @@ class SqliteStore final : public StateStore {
 
  private:
   absl::Status Error(const std::string& what) const {
-    return absl::InternalError(absl::StrCat("router state (SQLite): ", what, ": ",
-                                            sqlite3_errmsg(db_)));
+    return absl::InternalError(
+        absl::StrCat("router state (SQLite): ", what, ": ", sqlite3_errmsg(db_)));
   }
 
   absl::Status Exec(const char* sql) {

@@ -210,9 +210,8 @@ absl::Status WriteSyntheticCheckpoint(const ModelConfig& cfg, const std::string&
   }
   const int64_t expert_hi = opt.expert_hi < 0 ? cfg.num_experts : opt.expert_hi;
   if (opt.expert_lo < 0 || opt.expert_lo >= expert_hi || expert_hi > cfg.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("expert range [", opt.expert_lo, ", ",
-                                                   expert_hi, ") outside [0, ", cfg.num_experts,
-                                                   ")"));
+    return absl::InvalidArgumentError(absl::StrCat("expert range [", opt.expert_lo, ", ", expert_hi,
+                                                   ") outside [0, ", cfg.num_experts, ")"));
   }
   for (int64_t layer : layers) {
     for (int64_t e = opt.expert_lo; opt.experts && e < expert_hi; ++e) {

@@ -1,12 +1,11 @@
 #include "services/common/flags.h"
 
-#include "services/common/logging.h"
-
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "services/common/logging.h"
 
 namespace moe {
 

@@ -8,8 +8,8 @@
 namespace moe {
 
 void InitLogging(const std::string& name) {
-  auto logger = std::make_shared<spdlog::logger>(
-      name, std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  auto logger =
+      std::make_shared<spdlog::logger>(name, std::make_shared<spdlog::sinks::stderr_sink_mt>());
   logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %l %n: %v");
   logger->set_level(spdlog::default_logger()->level());
   logger->flush_on(spdlog::level::info);  // a line is on stderr when it is logged

@@ -58,8 +58,8 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
     // utime 14, stime 15, num_threads 20, starttime 22, vsize 23, rss 24 (proc(5), 1-based).
     out.push_back(One("process_cpu_seconds_total", "User and system CPU time in seconds",
                       MetricType::Counter, (std::stod(f[11]) + std::stod(f[12])) / tick));
-    out.push_back(One("process_threads", "Threads of the process", MetricType::Gauge,
-                      std::stod(f[17])));
+    out.push_back(
+        One("process_threads", "Threads of the process", MetricType::Gauge, std::stod(f[17])));
     out.push_back(One("process_virtual_memory_bytes", "Virtual memory size in bytes",
                       MetricType::Gauge, std::stod(f[20])));
     out.push_back(One("process_resident_memory_bytes", "Resident set size in bytes",

@@ -76,9 +76,7 @@ void CommonMetrics::Finished(const std::string& method, bool ok) {
   if (ok) m.succeeded->Increment();
 }
 
-void CommonMetrics::QueueDepth(int64_t waiting) {
-  queue_depth_.Set(static_cast<double>(waiting));
-}
+void CommonMetrics::QueueDepth(int64_t waiting) { queue_depth_.Set(static_cast<double>(waiting)); }
 
 void CommonMetrics::Error(const std::string& method, const std::string& code) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -18,8 +18,8 @@
 #include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
-#include "services/common/secret_file.h"
 #include "services/common/logging.h"
+#include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/placement/placement.h"
 

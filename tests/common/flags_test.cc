@@ -2,8 +2,6 @@
 // arguments, --help (exit 0), and errors that name the flag (exit 2), with the nearest known
 // name for a typo.
 #include "services/common/flags.h"
-#include "services/common/logging.h"
-#include "services/common/progress.h"
 
 #include <string>
 #include <tuple>
@@ -11,6 +9,8 @@
 
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
+#include "services/common/logging.h"
+#include "services/common/progress.h"
 
 namespace moe {
 namespace {

@@ -3,8 +3,6 @@
 // Rebalance (oracle: QbHistogram::Solve on the same reports), modes, rollback, the admin token.
 #include "router-svc/router_server.h"
 
-#include "router-svc/state_store.h"
-
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 
@@ -15,6 +13,7 @@
 
 #include "gtest/gtest.h"
 #include "moe/v1/router.grpc.pb.h"
+#include "router-svc/state_store.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
