@@ -64,6 +64,11 @@ if cmp -s "$WORK/checksum-default" "$WORK/checksum-tiny"; then
   echo "FAIL: another model config leaves the pods' checksum/config unchanged"; exit 1
 fi
 
+echo "== router-svc's state without a claim: an emptyDir"
+render -set router.persistence.enabled=false -out "$WORK/router-emptydir.yaml"
+node validate.mjs --manifests "$WORK/router-emptydir.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-router-emptydir
+
 echo "== the attention HPA"
 render -set attention.autoscaling.enabled=true -set attention.autoscaling.maxReplicas=6 \
   -out "$WORK/hpa.yaml"
@@ -130,7 +135,7 @@ expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autosc
 
 echo "== every invariant can fail"
 for m in sts-replicas range-gap no-resources probe-port service-selector port-type root writable-root \
-  no-checksum; do
+  no-checksum router-state-lost; do
   if node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" --mutate "$m" \
       >"$WORK/mutate.out" 2>&1; then
     echo "FAIL: mutation $m went unnoticed"; exit 1

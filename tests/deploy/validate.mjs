@@ -45,7 +45,7 @@ console.log(`${docs.length} objects`);
 
 // --mutate NAME breaks the manifests on purpose, so the test can show each check failing.
 const mutations = {
-  'sts-replicas': () => { docs.find((d) => d.kind === 'StatefulSet').spec.replicas += 1; },
+  'sts-replicas': () => { docs.find((d) => d.kind === 'StatefulSet' && d.metadata.labels['app.kubernetes.io/component'] === 'expert').spec.replicas += 1; },
   'range-gap': () => {
     const cm = docs.find((d) => d.data && d.data['ranges.json']);
     const t = JSON.parse(cm.data['ranges.json']);
@@ -56,8 +56,12 @@ const mutations = {
   'probe-port': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].readinessProbe.grpc.port += 1; },
   'service-selector': () => { docs.find((d) => d.kind === 'Service').spec.selector['app.kubernetes.io/component'] = 'nobody'; },
   'port-type': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].ports[0].containerPort = 'grpc'; },
-  'root': () => { docs.find((d) => d.kind === 'StatefulSet').spec.template.spec.securityContext.runAsNonRoot = false; },
+  'root': () => { docs.find((d) => d.kind === 'StatefulSet' && d.metadata.labels['app.kubernetes.io/component'] === 'expert').spec.template.spec.securityContext.runAsNonRoot = false; },
   'writable-root': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].securityContext.readOnlyRootFilesystem = false; },
+  'router-state-lost': () => {
+    const r = docs.find((d) => d.metadata?.labels?.['app.kubernetes.io/component'] === 'router' && d.kind === 'StatefulSet');
+    r.spec.template.spec.containers[0].args = r.spec.template.spec.containers[0].args.filter((a) => !a.startsWith('--state_db'));
+  },
   'no-checksum': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.metadata.annotations['checksum/config']; },
 };
 const mutation = arg('mutate');
@@ -105,7 +109,7 @@ if (model) {
           JSON.stringify(table.ranges) === JSON.stringify(want.ranges),
           `ranges.json ${JSON.stringify(table)} != moe-tool ranges ${JSON.stringify(want)}`);
   }
-  const sts = byKind('StatefulSet')[0];
+  const sts = byKind('StatefulSet').find((d) => d.metadata.labels['app.kubernetes.io/component'] === 'expert');
   check(sts, 'no expert StatefulSet');
   if (sts) {
     const pods = sts.spec.replicas;
@@ -244,6 +248,18 @@ if (arg('expect-tls-secret')) {
         'TLS flags without tls.enabled');
 }
 const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
+// The control plane's state: router-svc is one StatefulSet pod whose --state_db lies on its
+// volume (a claim template unless persistence is off).
+{
+  const spec = router.spec.template.spec;
+  const db = flagValue(spec.containers[0].args, 'state_db');
+  const mount = (spec.containers[0].volumeMounts || []).find((m) => db && db.startsWith(m.mountPath + '/'));
+  check(router.kind === 'StatefulSet' && router.spec.replicas === 1, 'router-svc is not one StatefulSet pod');
+  const claimed = (router.spec.volumeClaimTemplates || []).some((t) => mount && t.metadata.name === mount.name);
+  const empty = (spec.volumes || []).some((v) => mount && v.name === mount.name && v.emptyDir);
+  check(db && mount && (flag('expect-router-emptydir') ? empty : claimed),
+        `router-svc's --state_db ${db} is not on its ${flag('expect-router-emptydir') ? 'emptyDir' : 'claimed volume'}`);
+}
 if (arg('expect-admin-secret')) {
   const args = router.spec.template.spec.containers[0].args;
   const f = secretFileFor(router, 'admin_token_file', arg('expect-admin-secret'));
@@ -357,7 +373,7 @@ if (arg('print-checksum')) {
   fs.writeFileSync(arg('print-checksum'), workloads[0].spec.template.metadata.annotations['checksum/config']);
 }
 if (flag('expect-gpu')) {
-  const sts = byKind('StatefulSet')[0];
+  const sts = byKind('StatefulSet').find((d) => d.metadata.labels['app.kubernetes.io/component'] === 'expert');
   const spec = sts.spec.template.spec;
   check(Object.keys(spec.containers[0].resources.limits).some((k) => k.endsWith('/gpu')), 'expert pods ask for no GPU');
   check(spec.nodeSelector && Object.keys(spec.nodeSelector).length > 0, 'expert pods have no node selector for GPU nodes');
