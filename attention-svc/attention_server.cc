@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "attention-svc/dispatch_plan.h"
+#include "attention-svc/replica_picker.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/expert_channel_ucx.h"
@@ -122,6 +123,11 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   void ApplyPlacement(const v1::Placement& p);
   void ApplyBias(const v1::LayerBias& b);
   std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
+  // Sends one message to route.shards[target] (counted as outstanding there, and on the wire).
+  void SendTo(const LayerRoute& route, size_t target, const DispatchHeader& header,
+              const DispatchMessage& m, std::unique_ptr<ExpertCall>* call, const char** transport,
+              int64_t* bytes_sent);
+  ReplicaPicker picker_;
   void ReportLoop();
   void ReportNow();
   bool SleepUnlessStopping(std::chrono::milliseconds d);
@@ -354,6 +360,29 @@ void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
 
 namespace {
 
+// A call counted as outstanding on its replica from Send until it is dropped (answered, failed
+// over or abandoned), and marked failed when it ended UNAVAILABLE.
+class CountedCall final : public ExpertCall {
+ public:
+  CountedCall(std::unique_ptr<ExpertCall> inner, ReplicaPicker* picker, placement::ShardRef shard)
+      : inner_(std::move(inner)), picker_(picker), shard_(std::move(shard)) {
+    picker_->Started(shard_);
+  }
+  ~CountedCall() override { picker_->Finished(shard_, failed_); }
+  absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
+    absl::StatusOr<ExpertReply> r = inner_->Wait(deadline);
+    failed_ = !r.ok() && r.status().code() == absl::StatusCode::kUnavailable;
+    return r;
+  }
+  const char* transport() const override { return inner_->transport(); }
+
+ private:
+  std::unique_ptr<ExpertCall> inner_;
+  ReplicaPicker* picker_;
+  const placement::ShardRef shard_;
+  bool failed_ = false;
+};
+
 absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64_t first_token) {
   for (size_t i = 0; i < z.size(); ++i) {
     if ((z[i].bits & 0x7f80) == 0x7f80) {
@@ -368,8 +397,24 @@ absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64
 
 }  // namespace
 
+void AttentionServer::Impl::SendTo(const LayerRoute& route, size_t target,
+                                   const DispatchHeader& header, const DispatchMessage& m,
+                                   std::unique_ptr<ExpertCall>* call, const char** transport,
+                                   int64_t* bytes_sent) {
+  const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
+  *bytes_sent += bytes;
+  *call = std::make_unique<CountedCall>(ChannelFor(route.shards[target])->Send(header, m),
+                                        &picker_, route.shards[target]);
+  *transport = (*call)->transport();
+  if (metrics_ != nullptr && **transport != '\0') {
+    metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
+                       *transport);
+  }
+}
+
 std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef& s) {
   const std::string key = s.shard + "@" + s.endpoint;
+  if (metrics_ != nullptr) metrics_->Failover(s.shard, 0);
   std::lock_guard<std::mutex> lock(mu_);
   auto& channel = channels_[key];
   if (channel == nullptr && ucx_ != nullptr) {
@@ -501,7 +546,9 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     int64_t lo = 0, rows = 0;  // tokens [lo, lo + rows) of the request
     RoutedBatch batch;
     DispatchPlan plan;
+    DispatchHeader header;
     std::vector<std::unique_ptr<ExpertCall>> calls;
+    std::vector<size_t> targets;  // per message: the replica it went to (an index of shards)
     std::vector<const char*> transports;
     std::vector<float> shared;
   };
@@ -541,7 +588,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
     }
     if (!first_send.has_value()) first_send = Clock::now();
-    DispatchHeader header;
+    DispatchHeader& header = f.header;
     header.layer = req.layer();
     header.mode = mode;
     header.num_tokens = rows;
@@ -550,18 +597,13 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
         std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
     // Every message goes out before any reply is awaited.
     f.calls.resize(f.plan.messages.size());
+    f.targets.resize(f.plan.messages.size());
     f.transports.assign(f.plan.messages.size(), "grpc");
     for (size_t i = 0; i < f.plan.messages.size(); ++i) {
       const DispatchMessage& m = f.plan.messages[i];
-      const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
-      bytes_sent += bytes;
-      std::shared_ptr<ExpertChannel> channel = ChannelFor(route->shards[m.shard]);
-      f.calls[i] = channel->Send(header, m);
-      f.transports[i] = f.calls[i]->transport();
-      if (metrics_ != nullptr && *f.transports[i] != '\0') {
-        metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
-                           f.transports[i]);
-      }
+      // Any healthy replica of the message's range: the least busy one.
+      f.targets[i] = picker_.Pick(*route, ReplicasOf(*route, m.shard), {});
+      SendTo(*route, f.targets[i], header, m, &f.calls[i], &f.transports[i], &bytes_sent);
     }
     // The shared experts need only x: they run here while the expert servers work.
     std::lock_guard<std::mutex> lock(hosted.mu);
@@ -572,7 +614,29 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   auto finish = [&](InFlight& f) -> absl::Status {
     std::vector<ExpertReply> replies(f.plan.messages.size());
     for (size_t i = 0; i < f.calls.size(); ++i) {
-      MOE_ASSIGN_OR_RETURN(replies[i], f.calls[i]->Wait(expert_deadline));
+      // A replica that is gone (UNAVAILABLE) hands its message to another replica of the same
+      // range within the same deadline; other errors are the answer.
+      std::set<size_t> tried;
+      for (;;) {
+        absl::StatusOr<ExpertReply> reply = f.calls[i]->Wait(expert_deadline);
+        const bool gone = !reply.ok() && reply.status().code() == absl::StatusCode::kUnavailable;
+        if (reply.ok() || !gone || absl::Now() >= expert_deadline) {
+          MOE_ASSIGN_OR_RETURN(replies[i], std::move(reply));
+          break;
+        }
+        tried.insert(f.targets[i]);
+        const DispatchMessage& m = f.plan.messages[i];
+        const size_t next = picker_.Pick(*route, ReplicasOf(*route, m.shard), tried);
+        if (next >= route->shards.size()) return reply.status();  // no replica left
+        MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req.layer(),
+                     route->shards[f.targets[i]].shard, route->shards[next].shard,
+                     reply.status().ToString());
+        if (metrics_ != nullptr) metrics_->Failover(route->shards[f.targets[i]].shard);
+        f.targets[i] = next;
+        f.header.timeout_ms =
+            std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
+        SendTo(*route, next, f.header, m, &f.calls[i], &f.transports[i], &bytes_sent);
+      }
       const bool f32 = mode == ReplyMode::kPartialSum;
       const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
                                 : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));

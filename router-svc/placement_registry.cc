@@ -1,5 +1,6 @@
 #include "router-svc/placement_registry.h"
 
+#include <algorithm>
 #include <mutex>
 #include <random>
 
@@ -109,7 +110,8 @@ PlacementSnapshot PlacementRegistry::Snapshot(Clock::time_point now) const {
   for (const auto& [name, s] : shards_) {
     p.shards.push_back(
         {name, s.endpoint, s.ranges, s.lease, s.healthy,
-         std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count(),
+         std::max<int64_t>(
+             0, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count()),
          s.data_plane});
   }
   return p;

@@ -61,8 +61,9 @@ class PlacementRegistry {
   absl::StatusOr<uint64_t> Register(const std::string& shard, const std::string& endpoint,
                                     const std::vector<LayerRange>& ranges, Clock::time_point now,
                                     const std::string& data_plane = "grpc");
-  // A registration from before a restart (its lease kept, so its heartbeats go on), healthy as
-  // of now: it is expired like any other if no heartbeat comes.
+  // A registration from before a restart (its lease kept, so its heartbeats go on), healthy
+  // until `seen` (which may lie ahead: a grace for the shards' channels to reconnect), then
+  // expired like any other if no heartbeat comes.
   absl::Status Restore(const std::string& shard, const std::string& endpoint,
                        const std::vector<LayerRange>& ranges, uint64_t lease, Clock::time_point now,
                        const std::string& data_plane);

@@ -276,9 +276,16 @@ absl::Status RouterServer::Impl::RestoreLocked() {
                  stored.history.size(), stored.history.size() - 1, BiasModeName(stored.mode));
     layer.ledger = BiasLedger(l, std::move(stored.history), stored.mode, stored.continuous_tokens);
   }
+  // A shard's channel to the new router reconnects with backoff (up to 1 s): its restored
+  // registration counts as seen a little ahead, so it is not expired before its first
+  // heartbeat can arrive.
+  const Clock::time_point seen =
+      Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2),
+                                               5 * std::chrono::milliseconds(
+                                                       options_.heartbeat_interval_ms));
   for (const StoredShard& s : state.shards) {
     MOE_RETURN_IF_ERROR(
-        registry_->Restore(s.name, s.endpoint, s.ranges, s.lease, Clock::now(), s.data_plane));
+        registry_->Restore(s.name, s.endpoint, s.ranges, s.lease, seen, s.data_plane));
     MOE_LOG_INFO("shard {} restored at {} (its heartbeats go on under its lease)", s.name,
                  s.endpoint);
   }

@@ -126,7 +126,12 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                              .Name("moe_data_plane_events_total")
                              .Help("Out-of-band data plane events per expert shard: connected, "
                                    "fallback (a batch sent in band), transfer_failed")
-                             .Register(registry)) {
+                             .Register(registry)),
+      failovers_(BuildCounter()
+                     .Name("moe_failovers_total")
+                     .Help("Expert messages sent again to another replica because the first "
+                           "was gone (UNAVAILABLE), by the replica that failed")
+                     .Register(registry)) {
   auto& forward = BuildHistogram()
                       .Name("moe_forward_duration_seconds")
                       .Help("Forward latency inside attention-svc (successful batches)")
@@ -203,6 +208,13 @@ void AttentionMetrics::DataPlaneEvent(const std::string& shard, const std::strin
   prometheus::Counter*& c = data_plane_counters_[{shard, event}];
   if (c == nullptr) c = &data_plane_events_.Add({{"shard", shard}, {"event", event}});
   c->Increment();
+}
+
+void AttentionMetrics::Failover(const std::string& shard, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prometheus::Counter*& c = failover_counters_[shard];
+  if (c == nullptr) c = &failovers_.Add({{"shard", shard}});
+  c->Increment(static_cast<double>(n));
 }
 
 ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers,

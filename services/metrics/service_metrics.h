@@ -98,6 +98,9 @@ class AttentionMetrics {
   // The out-of-band data plane of one shard: "connected" (OpenDataPlane done), "fallback" (a
   // batch went in band because UCX was not available to that shard), "transfer_failed".
   void DataPlaneEvent(const std::string& shard, const std::string& event);
+  // n messages of `shard` (which was gone) sent to another replica of its range (n = 0: the
+  // series exists at 0 from the shard's first use, so a rate() has a start).
+  void Failover(const std::string& shard, int64_t n = 1);
 
  private:
   struct Layer {
@@ -111,6 +114,8 @@ class AttentionMetrics {
   std::map<int64_t, Layer> layers_;
   prometheus::Family<prometheus::Counter>& shard_tokens_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
+  prometheus::Family<prometheus::Counter>& failovers_;
+  std::map<std::string, prometheus::Counter*> failover_counters_;
   std::mutex mu_;
   std::map<std::pair<int64_t, std::string>, prometheus::Counter*> shard_counters_;
   std::map<std::pair<std::string, std::string>, prometheus::Counter*> data_plane_counters_;

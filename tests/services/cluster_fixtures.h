@@ -9,7 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <atomic>
+#include <chrono>
 #include <map>
+#include <thread>
 #include <memory>
 #include <string>
 #include <utility>
@@ -126,6 +129,38 @@ inline transport::TlsOptions MemberTls(const std::string& pki, const std::string
   t.refresh_seconds = 1;
   return t;
 }
+
+// Forward traffic on its own thread, every answer checked against the in-process layer.
+struct Traffic {
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> ok{0}, failed{0}, wrong{0};
+  std::vector<std::string> errors;  // the first few
+  std::thread thread;
+
+  void Start(const LocalCluster& c, int32_t layer, const std::vector<Bf16>& x, int64_t tokens,
+             int64_t hidden, const std::vector<Bf16>& want) {
+    thread = std::thread([this, &c, layer, x, tokens, hidden, want] {
+      auto client = ClientFor(c);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (!stop.load() && std::chrono::steady_clock::now() < until) {
+        auto r = client->Forward(layer, x, tokens, hidden);
+        if (!r.ok()) {
+          if (errors.size() < 5) errors.push_back(r.status().ToString());
+          ++failed;
+        } else if (!SameBits(r->out, want)) {
+          ++wrong;
+        } else {
+          ++ok;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+  }
+  void Stop() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+};
 
 }  // namespace moe::testing
 

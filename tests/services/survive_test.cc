@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
 
 namespace moe {
@@ -23,40 +24,9 @@ using testing::ClientFor;
 using testing::InProcessLayer;
 using testing::SameBits;
 using testing::TestCluster;
+using testing::Traffic;
 using tools::LocalCluster;
 using tools::LocalClusterOptions;
-
-// Forward traffic on its own thread, every answer checked against the in-process layer.
-struct Traffic {
-  std::atomic<bool> stop{false};
-  std::atomic<int64_t> ok{0}, failed{0}, wrong{0};
-  std::vector<std::string> errors;  // the first few
-  std::thread thread;
-
-  void Start(const LocalCluster& c, int32_t layer, const std::vector<Bf16>& x, int64_t tokens,
-             int64_t hidden, const std::vector<Bf16>& want) {
-    thread = std::thread([this, &c, layer, x, tokens, hidden, want] {
-      auto client = ClientFor(c);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-      while (!stop.load() && std::chrono::steady_clock::now() < until) {
-        auto r = client->Forward(layer, x, tokens, hidden);
-        if (!r.ok()) {
-          if (errors.size() < 5) errors.push_back(r.status().ToString());
-          ++failed;
-        } else if (!SameBits(r->out, want)) {
-          ++wrong;
-        } else {
-          ++ok;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    });
-  }
-  void Stop() {
-    stop = true;
-    if (thread.joinable()) thread.join();
-  }
-};
 
 TEST(ClusterSurvive, RouterKilledUnderLoadLosesNothing) {
   const std::string& dir = CheckpointFor("tiny");
@@ -119,6 +89,48 @@ TEST(ClusterSurvive, RouterKilledUnderLoadLosesNothing) {
   auto placement = admin->GetBias(layer);
   ASSERT_TRUE(placement.ok());
   EXPECT_EQ(placement->version(), 1u);
+}
+
+// Two replicas per range: the attention node spreads batches over both, and a kill -9 of one
+// under load fails no request (its messages go to the other replica within their deadline).
+TEST(ClusterReplicas, KillingAReplicaUnderLoadFailsNoRequest) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  // shard-2 and shard-3 are replicas of shard-0 and shard-1.
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}, {0, 8}, {8, 16}});
+  o.router_args = {"--heartbeat_interval_ms=200"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 4, 33);
+  const std::vector<Bf16> want = local->Forward(x, 4, cfg.hidden)->out;
+  Traffic a, b;
+  a.Start(**cluster, layer, x, 4, cfg.hidden, want);
+  b.Start(**cluster, layer, x, 4, cfg.hidden, want);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  auto batches = [&](int shard) {
+    return moe::testing::ScrapeSum((*cluster)->shard_metrics(shard),
+                                   "moe_requests_succeeded_total", {"method=\"Dispatch\""});
+  };
+  const double to_0 = batches(0), to_2 = batches(2);
+  ASSERT_TRUE((*cluster)->SignalShard(2, SIGKILL).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  a.Stop();
+  b.Stop();
+  const double failovers = moe::testing::ScrapeSum((*cluster)->attention_metrics(),
+                                                   "moe_failovers_total", {"shard=\"shard-2\""});
+  const int64_t ok = a.ok + b.ok, failed = a.failed + b.failed, wrong = a.wrong + b.wrong;
+  std::printf(
+      "[replica kill -9 under load] batches before the kill: shard-0 %.0f, shard-2 %.0f; "
+      "%lld ok, %lld failed, %lld wrong, %.0f failed over\n",
+      to_0, to_2, static_cast<long long>(ok), static_cast<long long>(failed),
+      static_cast<long long>(wrong), failovers);
+  EXPECT_GT(to_0, 0);
+  EXPECT_GT(to_2, 0) << "the replicas did not share the load";
+  EXPECT_GT(ok, 20);
+  EXPECT_EQ(failed, 0) << (a.errors.empty() ? (b.errors.empty() ? "" : b.errors[0]) : a.errors[0]);
+  EXPECT_EQ(wrong, 0);
 }
 
 }  // namespace
