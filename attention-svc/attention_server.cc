@@ -15,11 +15,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "attention-svc/dispatch_plan.h"
-#include "attention-svc/replica_picker.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/expert_channel_ucx.h"
 #include "attention-svc/oip_service.h"
+#include "attention-svc/replica_picker.h"
 #include "moe/v1/attention.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
@@ -403,8 +403,8 @@ void AttentionServer::Impl::SendTo(const LayerRoute& route, size_t target,
                                    int64_t* bytes_sent) {
   const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
   *bytes_sent += bytes;
-  *call = std::make_unique<CountedCall>(ChannelFor(route.shards[target])->Send(header, m),
-                                        &picker_, route.shards[target]);
+  *call = std::make_unique<CountedCall>(ChannelFor(route.shards[target])->Send(header, m), &picker_,
+                                        route.shards[target]);
   *transport = (*call)->transport();
   if (metrics_ != nullptr && **transport != '\0') {
     metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),

@@ -1,8 +1,8 @@
 // Which replica of an expert range serves a message. Shards that host the same range of a layer
 // are replicas of each other; a message may go to any healthy one. The picker sends it to the
-// one with the least outstanding work here (ties in turn), and keeps away for a while from one whose call just
-// failed (UNAVAILABLE: gone or restarting), so that the attention node fails over to another
-// replica within the request's deadline instead of failing the request.
+// one with the least outstanding work here (ties in turn), and keeps away for a while from one
+// whose call just failed (UNAVAILABLE: gone or restarting), so that the attention node fails over
+// to another replica within the request's deadline instead of failing the request.
 //
 //   std::vector<size_t> replicas = ReplicasOf(route, message.shard);
 //   size_t target = picker.Pick(route, replicas, /*tried=*/{});

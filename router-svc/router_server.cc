@@ -280,9 +280,9 @@ absl::Status RouterServer::Impl::RestoreLocked() {
   // registration counts as seen a little ahead, so it is not expired before its first
   // heartbeat can arrive.
   const Clock::time_point seen =
-      Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2),
-                                               5 * std::chrono::milliseconds(
-                                                       options_.heartbeat_interval_ms));
+      Clock::now() +
+      std::max<Clock::duration>(std::chrono::seconds(2),
+                                5 * std::chrono::milliseconds(options_.heartbeat_interval_ms));
   for (const StoredShard& s : state.shards) {
     MOE_RETURN_IF_ERROR(
         registry_->Restore(s.name, s.endpoint, s.ranges, s.lease, seen, s.data_plane));

@@ -6,15 +6,15 @@
 
 #include <stdlib.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <atomic>
-#include <chrono>
 #include <map>
-#include <thread>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 

@@ -110,8 +110,8 @@ TEST(ClusterReplicas, KillingAReplicaUnderLoadFailsNoRequest) {
   b.Start(**cluster, layer, x, 4, cfg.hidden, want);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   auto batches = [&](int shard) {
-    return moe::testing::ScrapeSum((*cluster)->shard_metrics(shard),
-                                   "moe_requests_succeeded_total", {"method=\"Dispatch\""});
+    return moe::testing::ScrapeSum((*cluster)->shard_metrics(shard), "moe_requests_succeeded_total",
+                                   {"method=\"Dispatch\""});
   };
   const double to_0 = batches(0), to_2 = batches(2);
   ASSERT_TRUE((*cluster)->SignalShard(2, SIGKILL).ok());
