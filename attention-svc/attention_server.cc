@@ -517,6 +517,10 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       return absl::InvalidArgumentError(
           absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
+  if (!v1::MissingExperts_IsValid(req.options().missing_experts())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown missing_experts ", static_cast<int>(req.options().missing_experts())));
+  }
   std::shared_ptr<const BiasEntry> bias;
   std::shared_ptr<const LayerRoute> route;
   {
@@ -554,6 +558,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   };
   LayerTimings t;
   int64_t bytes_sent = 0, bytes_received = 0;
+  std::set<int32_t> missing;  // DEGRADE: experts left out, over all micro-batches
+  int64_t degraded_pairs = 0;
   double combine_seconds = 0;
   // Dispatch: from the first message sent to the last reply in (the shared experts overlap it).
   std::optional<Clock::time_point> first_send;
@@ -582,8 +588,17 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
     // error, said here, not a shard's refusal of non-finite activations.
     MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d, lo));
-    Accumulate(req.layer(), bias->version, bias->bias, f.batch);
-    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route, spec));
+    Accumulate(req.layer(), bias->version, bias->bias, f.batch);  // the loads as routed
+    DispatchSpec batch_spec = spec;
+    if (req.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*route)) {
+      int64_t pairs = 0;
+      for (int32_t e : DegradeRouting(*route, &f.batch.routing, &batch_spec.skip, &pairs)) {
+        missing.insert(e);
+      }
+      degraded_pairs += pairs;
+    }
+    MOE_ASSIGN_OR_RETURN(f.plan,
+                         PlanDispatch(f.batch.routing, f.batch.z.data(), *route, batch_spec));
     if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
       metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
     }
@@ -696,6 +711,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
   }
   resp->set_dispatch_bytes_sent(bytes_sent);
   resp->set_dispatch_bytes_received(bytes_received);
+  if (degraded_pairs > 0) {
+    *resp->mutable_missing_experts() = {missing.begin(), missing.end()};
+    resp->set_degraded_pairs(degraded_pairs);
+    if (metrics_ != nullptr) metrics_->Degraded(req.layer(), degraded_pairs);
+  }
   v1::StageSeconds* sec = resp->mutable_seconds();
   sec->set_router(t.router);
   sec->set_down_proj(t.down_proj);

@@ -39,6 +39,7 @@ absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, cons
   std::vector<std::vector<int32_t>> experts_of(route.shards.size());
   for (int32_t e = 0; e < static_cast<int32_t>(spec.num_experts); ++e) {
     if (pairs[e].empty()) continue;
+    if (static_cast<size_t>(e) < spec.skip.size() && spec.skip[e]) continue;
     const int32_t o = e < static_cast<int32_t>(route.owner.size()) ? route.owner[e] : -1;
     if (o < 0) {
       return absl::UnavailableError(
@@ -105,6 +106,42 @@ absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, cons
     }
   }
   return plan;
+}
+
+std::vector<int32_t> DegradeRouting(const LayerRoute& route, numerics::Routing* routing,
+                                    std::vector<bool>* skip, int64_t* degraded_pairs) {
+  const int64_t k = routing->top_k;
+  std::vector<int32_t> missing;
+  skip->assign(route.owner.size(), false);
+  *degraded_pairs = 0;
+  for (size_t e = 0; e < route.owner.size(); ++e) {
+    const int32_t o = route.owner[e];
+    (*skip)[e] = o < 0 || !route.shards[o].healthy;  // the owner is the healthiest replica
+  }
+  std::vector<bool> seen(route.owner.size(), false);
+  for (int64_t t = 0; t < routing->tokens; ++t) {
+    float all = 0, kept = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = routing->expert_ids[t * k + j];
+      const float w = routing->weights[t * k + j];
+      all += w;
+      if (!(*skip)[e]) kept += w;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = routing->expert_ids[t * k + j];
+      float& w = routing->weights[t * k + j];
+      if ((*skip)[e]) {
+        w = 0;
+        ++*degraded_pairs;
+        if (!seen[e]) missing.push_back(e);
+        seen[e] = true;
+      } else if (kept < all) {
+        w = kept > 0 ? w * (all / kept) : 0;
+      }
+    }
+  }
+  std::sort(missing.begin(), missing.end());
+  return missing;
 }
 
 absl::StatusOr<std::vector<Bf16>> Gather(const DispatchPlan& plan, const numerics::Routing& routing,

@@ -45,6 +45,9 @@ struct DispatchSpec {
   // A message's reply stays under this many bytes (an expert with more rows gets a message of
   // its own: experts are never split).
   int64_t max_message_bytes = int64_t{64} << 20;
+  // [E] or empty: experts to leave out (DEGRADE: no healthy replica); their pairs go nowhere and
+  // gather as zero rows (their weights must be 0).
+  std::vector<bool> skip;
 };
 
 // One message to one shard.
@@ -73,6 +76,13 @@ struct DispatchPlan {
 // owner or an unhealthy one (naming the expert or the shard).
 absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const tensor::Bf16* z,
                                           const LayerRoute& route, const DispatchSpec& spec);
+
+// DEGRADE: the routed experts without a healthy replica are left out. Their slots' weights
+// become 0 and each token's other weights are scaled by (sum of its k weights) / (sum of the
+// kept ones) (a token with none kept: all 0, the shared experts alone); *skip marks them for
+// PlanDispatch. Returns the missing routed experts, ascending; *degraded_pairs their pairs.
+std::vector<int32_t> DegradeRouting(const LayerRoute& route, numerics::Routing* routing,
+                                    std::vector<bool>* skip, int64_t* degraded_pairs);
 
 // A shard's answer to one message: per-pair, `bf16` [rows, latent]; partial sums, `f32`
 // [tokens.size(), latent].

@@ -33,6 +33,8 @@ absl::StatusOr<ForwardResult> ToResult(const v1::ForwardResponse& r) {
   out.seconds = r.seconds();
   out.dispatch_bytes_sent = r.dispatch_bytes_sent();
   out.dispatch_bytes_received = r.dispatch_bytes_received();
+  out.missing_experts.assign(r.missing_experts().begin(), r.missing_experts().end());
+  out.degraded_pairs = r.degraded_pairs();
   return out;
 }
 
@@ -40,6 +42,7 @@ void FillRequest(int32_t layer, const ForwardOptions& o, v1::ForwardRequest* req
   req->set_layer(layer);
   req->mutable_options()->set_return_routing(o.return_routing);
   req->mutable_options()->set_reply_mode(o.reply_mode);
+  req->mutable_options()->set_missing_experts(o.missing_experts);
 }
 
 class GrpcForwardStream final : public ForwardStream {

@@ -39,6 +39,8 @@ struct ForwardOptions {
   bool return_routing = false;
   v1::ReplyMode reply_mode = v1::REPLY_MODE_UNSPECIFIED;
   absl::Duration timeout = absl::ZeroDuration();  // zero: ClientOptions::timeout
+  // FAIL (the default) or DEGRADE when an expert has no healthy replica (attention.proto).
+  v1::MissingExperts missing_experts = v1::MISSING_EXPERTS_UNSPECIFIED;
 };
 
 struct ForwardResult {
@@ -51,6 +53,8 @@ struct ForwardResult {
   uint64_t bias_version = 0;
   v1::StageSeconds seconds;
   int64_t dispatch_bytes_sent = 0, dispatch_bytes_received = 0;
+  std::vector<int32_t> missing_experts;  // DEGRADE: the skipped experts
+  int64_t degraded_pairs = 0;
 };
 
 // Many Forward batches on one stream; responses may come back in any order.

@@ -148,6 +148,11 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                      .Name("moe_forward_tokens_total")
                      .Help("Tokens served by Forward (successful batches)")
                      .Register(registry);
+  auto& degraded = BuildCounter()
+                       .Name("moe_degraded_pairs_total")
+                       .Help("Routed token-expert pairs skipped by DEGRADE requests (the expert "
+                             "had no healthy replica)")
+                       .Register(registry);
   auto& version = BuildGauge()
                       .Name("moe_attention_bias_version")
                       .Help("The routing-bias version this attention node routes with")
@@ -164,6 +169,7 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
     l.dispatch = &dispatch.Add({{"layer", L(layer)}}, LatencyBuckets());
     l.combine = &combine.Add({{"layer", L(layer)}}, LatencyBuckets());
     l.tokens = &tokens.Add({{"layer", L(layer)}});
+    l.degraded = &degraded.Add({{"layer", L(layer)}});
     l.bias_version = &version.Add({{"layer", L(layer)}});
     if (per_expert) {
       for (int64_t e = 0; e < num_experts; ++e) {
@@ -171,6 +177,11 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
       }
     }
   }
+}
+
+void AttentionMetrics::Degraded(int64_t layer, int64_t pairs) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) it->second.degraded->Increment(static_cast<double>(pairs));
 }
 
 void AttentionMetrics::ForwardDone(int64_t layer, double seconds, double dispatch_seconds,

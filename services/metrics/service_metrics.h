@@ -95,6 +95,8 @@ class AttentionMetrics {
   void Routed(int64_t layer, const std::vector<int64_t>& counts,
               const std::vector<std::pair<std::string, int64_t>>& shard_pairs);
   void BiasVersion(int64_t layer, uint64_t version);
+  // A DEGRADE request left out `pairs` routed pairs (experts without a healthy replica).
+  void Degraded(int64_t layer, int64_t pairs);
   // The out-of-band data plane of one shard: "connected" (OpenDataPlane done), "fallback" (a
   // batch went in band because UCX was not available to that shard), "transfer_failed".
   void DataPlaneEvent(const std::string& shard, const std::string& event);
@@ -108,6 +110,7 @@ class AttentionMetrics {
     prometheus::Histogram* dispatch = nullptr;
     prometheus::Histogram* combine = nullptr;
     prometheus::Counter* tokens = nullptr;
+    prometheus::Counter* degraded = nullptr;
     prometheus::Gauge* bias_version = nullptr;
     std::vector<prometheus::Counter*> experts;  // empty when per-expert series are off
   };

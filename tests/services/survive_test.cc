@@ -4,6 +4,7 @@
 // restart comes back by itself under its old lease. Real processes on loopback.
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "services/numerics/combine.h"
 #include "gtest/gtest.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
@@ -131,6 +133,87 @@ TEST(ClusterReplicas, KillingAReplicaUnderLoadFailsNoRequest) {
   EXPECT_GT(ok, 20);
   EXPECT_EQ(failed, 0) << (a.errors.empty() ? (b.errors.empty() ? "" : b.errors[0]) : a.errors[0]);
   EXPECT_EQ(wrong, 0);
+}
+
+// An expert range with no replica left: by default (FAIL) the request is UNAVAILABLE naming
+// the shard; with DEGRADE the missing experts are skipped, the token's other weights scaled to
+// the sum all k had, and the response says which experts and how many pairs. Oracle: the
+// in-process layer's stages on a routing degraded here, by the rule of attention.proto.
+TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
+  o.router_args = {"--heartbeat_interval_ms=200"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const int64_t tokens = 16, d = cfg.latent, k = cfg.top_k;
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 41);
+  auto client = ClientFor(**cluster);
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGKILL).ok());
+
+  client::ForwardOptions fail;
+  auto failed = client->Forward(layer, x, tokens, cfg.hidden, fail);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+  EXPECT_NE(failed.status().message().find("shard-1"), absl::string_view::npos) << failed.status();
+
+  client::ForwardOptions degrade;
+  degrade.missing_experts = v1::MISSING_EXPERTS_DEGRADE;
+  degrade.return_routing = true;
+  absl::StatusOr<client::ForwardResult> got = absl::UnavailableError("not yet");
+  for (int i = 0; i < 100 && !got.ok(); ++i) {  // until the router has marked shard-1 (10 s)
+    got = client->Forward(layer, x, tokens, cfg.hidden, degrade);
+    if (!got.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(got.ok()) << got.status();
+
+  // The oracle: the same routing, experts [8, 16) left out by the rule.
+  auto batch = local->RouteAndProject(x, tokens, cfg.hidden, nullptr, nullptr);
+  ASSERT_TRUE(batch.ok());
+  numerics::Routing routing = batch->routing;
+  std::vector<int32_t> want_missing;
+  int64_t want_pairs = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    float all = 0, kept = 0;  // fp32 sums in slot order, as the rule says
+    for (int64_t j = 0; j < k; ++j) {
+      all += routing.weights[t * k + j];
+      if (routing.expert_ids[t * k + j] < 8) kept += routing.weights[t * k + j];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      float& w = routing.weights[t * k + j];
+      const int32_t e = routing.expert_ids[t * k + j];
+      if (e >= 8) {
+        w = 0;
+        ++want_pairs;
+        want_missing.push_back(e);
+      } else if (kept < all) {
+        w = kept > 0 ? w * (all / kept) : 0.0f;
+      }
+    }
+  }
+  std::sort(want_missing.begin(), want_missing.end());
+  want_missing.erase(std::unique(want_missing.begin(), want_missing.end()), want_missing.end());
+  std::vector<Bf16> y = local->RunLocalExperts(routing, batch->z.data());
+  for (int64_t p = 0; p < tokens * k; ++p) {
+    if (routing.expert_ids[p] >= 8) std::fill_n(y.begin() + p * d, d, Bf16());
+  }
+  std::vector<Bf16> r(static_cast<size_t>(tokens * d));
+  numerics::ref::Combine(routing, y.data(), d, r.data());
+  const std::vector<Bf16> want = local->Finish(*batch, r.data(), nullptr);
+
+  EXPECT_EQ(got->missing_experts, want_missing);
+  EXPECT_EQ(got->degraded_pairs, want_pairs);
+  EXPECT_GT(want_pairs, 0);
+  EXPECT_EQ(got->weights, routing.weights) << "the response carries the weights it used";
+  EXPECT_TRUE(SameBits(got->out, want)) << "DEGRADE differs from the rule";
+  EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_degraded_pairs_total",
+                                    {}),
+            static_cast<double>(want_pairs));
+  std::printf("[degrade] %lld of %lld pairs skipped (experts %zu), output as the rule says\n",
+              static_cast<long long>(want_pairs), static_cast<long long>(tokens * k),
+              want_missing.size());
 }
 
 }  // namespace
