@@ -150,8 +150,9 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                      .Register(registry);
   auto& degraded = BuildCounter()
                        .Name("moe_degraded_pairs_total")
-                       .Help("Routed token-expert pairs skipped by DEGRADE requests (the expert "
-                             "had no healthy replica)")
+                       .Help(
+                           "Routed token-expert pairs skipped by DEGRADE requests (the expert "
+                           "had no healthy replica)")
                        .Register(registry);
   auto& version = BuildGauge()
                       .Name("moe_attention_bias_version")

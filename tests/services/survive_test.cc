@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "services/numerics/combine.h"
 #include "gtest/gtest.h"
+#include "services/numerics/combine.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
 
@@ -208,9 +208,9 @@ TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
   EXPECT_GT(want_pairs, 0);
   EXPECT_EQ(got->weights, routing.weights) << "the response carries the weights it used";
   EXPECT_TRUE(SameBits(got->out, want)) << "DEGRADE differs from the rule";
-  EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_degraded_pairs_total",
-                                    {}),
-            static_cast<double>(want_pairs));
+  EXPECT_EQ(
+      moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_degraded_pairs_total", {}),
+      static_cast<double>(want_pairs));
   std::printf("[degrade] %lld of %lld pairs skipped (experts %zu), output as the rule says\n",
               static_cast<long long>(want_pairs), static_cast<long long>(tokens * k),
               want_missing.size());
