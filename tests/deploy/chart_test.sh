@@ -135,7 +135,7 @@ expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autosc
 
 echo "== every invariant can fail"
 for m in sts-replicas range-gap no-resources probe-port service-selector port-type root writable-root \
-  no-checksum router-state-lost; do
+  no-checksum router-state-lost pdb-range; do
   if node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" --mutate "$m" \
       >"$WORK/mutate.out" 2>&1; then
     echo "FAIL: mutation $m went unnoticed"; exit 1

@@ -24,6 +24,7 @@ const models = {
   'v1/Service': require('kubernetes-models/v1/Service').Service,
   'apps/v1/Deployment': require('kubernetes-models/apps/v1/Deployment').Deployment,
   'apps/v1/StatefulSet': require('kubernetes-models/apps/v1/StatefulSet').StatefulSet,
+  'policy/v1/PodDisruptionBudget': require('kubernetes-models/policy/v1/PodDisruptionBudget').PodDisruptionBudget,
   'autoscaling/v2/HorizontalPodAutoscaler':
     require('kubernetes-models/autoscaling/v2/HorizontalPodAutoscaler').HorizontalPodAutoscaler,
   'monitoring.coreos.com/v1/ServiceMonitor': (await import(
@@ -61,6 +62,11 @@ const mutations = {
   'router-state-lost': () => {
     const r = docs.find((d) => d.metadata?.labels?.['app.kubernetes.io/component'] === 'router' && d.kind === 'StatefulSet');
     r.spec.template.spec.containers[0].args = r.spec.template.spec.containers[0].args.filter((a) => !a.startsWith('--state_db'));
+  },
+  'pdb-range': () => {
+    const p = docs.find((d) => d.kind === 'PodDisruptionBudget');
+    p.spec.selector.matchExpressions[0].values.pop();
+    p.spec.selector.matchExpressions[0].values.push('nobody-7');
   },
   'no-checksum': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.metadata.annotations['checksum/config']; },
 };
@@ -312,6 +318,27 @@ if (arg('expect-data-plane')) {
       check(!Object.keys(c.resources.limits || {}).some((k) => k.startsWith('rdma/')), `${name}: an RDMA resource without rdma.enabled`);
     }
   }
+}
+// Disruptions: one PodDisruptionBudget per range, minAvailable 1, selecting exactly the pods
+// that serve that range (ordinals r*R .. r*R+R-1); expert pods spread by anti-affinity.
+{
+  const sts = byKind('StatefulSet').find((d) => d.metadata.labels['app.kubernetes.io/component'] === 'expert');
+  const table = JSON.parse(byKind('ConfigMap').find((c) => c.data && c.data['ranges.json']).data['ranges.json']);
+  const R = table.replicas_per_range;
+  const pdbs = byKind('PodDisruptionBudget');
+  check(pdbs.length === table.ranges.length, `${pdbs.length} PodDisruptionBudgets for ${table.ranges.length} ranges`);
+  table.ranges.forEach((range, r) => {
+    const want = Array.from({ length: R }, (_, j) => `${sts.metadata.name}-${r * R + j}`);
+    const pdb = pdbs.find((p) => {
+      const names = p.spec.selector.matchExpressions?.find((e) => e.key === 'statefulset.kubernetes.io/pod-name')?.values || [];
+      return JSON.stringify([...names].sort()) === JSON.stringify([...want].sort());
+    });
+    check(pdb && pdb.spec.minAvailable === 1 && matches(pdb.spec.selector.matchLabels, sts.spec.template.metadata.labels),
+          `range ${r} [${range}]: no PodDisruptionBudget keeping one of ${want.join(', ')}`);
+  });
+  const anti = sts.spec.template.spec.affinity?.podAntiAffinity?.preferredDuringSchedulingIgnoredDuringExecution;
+  check(anti && anti.some((t) => t.podAffinityTerm.topologyKey === 'kubernetes.io/hostname'),
+        'expert pods are not spread by anti-affinity');
 }
 // Synthetic checkpoints: an expert pod writes only its own range (the ranges file and its
 // ordinal, as expert-svc reads them), router and attention pods only the dense part.
