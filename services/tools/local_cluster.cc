@@ -226,15 +226,41 @@ absl::Status LocalCluster::SignalRouter(int sig) {
 }
 
 absl::Status LocalCluster::RestartRouter() {
-  if (router_.pid > 0) return absl::FailedPreconditionError("router-svc is still running");
   // The same port: every member was started with --router=<it>.
-  Child again = router_;
-  again.args.push_back(absl::StrCat("--port=", router_port_));
-  MOE_RETURN_IF_ERROR(Launch(&again, options_.start_timeout));
-  router_.pid = again.pid;
-  router_.metrics_port = again.metrics_port;
+  MOE_RETURN_IF_ERROR(RestartOnItsPort(&router_, router_port_));
   std::ifstream w(options_.work_dir + "/router-svc.web_port");
   if (!(w >> web_port_)) web_port_ = 0;
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, pid_t>> LocalCluster::Processes() const {
+  std::vector<std::pair<std::string, pid_t>> out;
+  for (const Child* c : {&router_, &attention_}) {
+    if (c->pid > 0) out.emplace_back(c->name, c->pid);
+  }
+  for (const Child& s : shards_) {
+    if (s.pid > 0) out.emplace_back(s.name, s.pid);
+  }
+  return out;
+}
+
+absl::Status LocalCluster::SignalAttention(int sig) {
+  if (attention_.pid <= 0) return absl::NotFoundError("attention-svc is not running");
+  return Signal(&attention_, sig);
+}
+
+absl::Status LocalCluster::RestartAttention() {
+  // The same port: clients know it by that.
+  return RestartOnItsPort(&attention_, attention_port_);
+}
+
+absl::Status LocalCluster::RestartOnItsPort(Child* c, int port) {
+  if (c->pid > 0) return absl::FailedPreconditionError(absl::StrCat(c->name, " is still running"));
+  Child again = *c;
+  again.args.push_back(absl::StrCat("--port=", port));
+  MOE_RETURN_IF_ERROR(Launch(&again, options_.start_timeout));
+  c->pid = again.pid;
+  c->metrics_port = again.metrics_port;
   return absl::OkStatus();
 }
 

@@ -71,6 +71,11 @@ class LocalCluster {
   // The same for router-svc, on its old port (the members know it by that).
   absl::Status SignalRouter(int sig);
   absl::Status RestartRouter();
+  // And attention-svc, on its old port (the clients know it by that).
+  absl::Status SignalAttention(int sig);
+  absl::Status RestartAttention();
+  // pids of every running child, by name (router-svc, attention-svc, shard-N): for sampling.
+  std::vector<std::pair<std::string, pid_t>> Processes() const;
   // Waits until attention-svc reports SERVING (every expert has a healthy shard).
   absl::Status WaitReady(absl::Duration timeout);
   // SIGTERM to every child, SIGKILL after `grace`; waits for all. Idempotent.
@@ -88,6 +93,7 @@ class LocalCluster {
   static std::string Endpoint(int port) { return "127.0.0.1:" + std::to_string(port); }
   absl::Status Launch(Child* c, absl::Duration timeout);
   absl::Status Signal(Child* c, int sig);
+  absl::Status RestartOnItsPort(Child* c, int port);
 
   LocalClusterOptions options_;
   Child router_;

@@ -130,23 +130,30 @@ inline transport::TlsOptions MemberTls(const std::string& pki, const std::string
   return t;
 }
 
-// Forward traffic on its own thread, every answer checked against the in-process layer.
+// Forward traffic on its own thread, every answer checked against the in-process layer: ok,
+// failed (an error status), wrong (other bits), hung (answered past its deadline + 1 s).
 struct Traffic {
   std::atomic<bool> stop{false};
-  std::atomic<int64_t> ok{0}, failed{0}, wrong{0};
+  std::atomic<int64_t> ok{0}, failed{0}, wrong{0}, hung{0};
   std::vector<std::string> errors;  // the first few
   std::thread thread;
 
   void Start(const LocalCluster& c, int32_t layer, const std::vector<Bf16>& x, int64_t tokens,
-             int64_t hidden, const std::vector<Bf16>& want) {
-    thread = std::thread([this, &c, layer, x, tokens, hidden, want] {
+             int64_t hidden, const std::vector<Bf16>& want,
+             absl::Duration timeout = absl::Seconds(10)) {
+    thread = std::thread([this, &c, layer, x, tokens, hidden, want, timeout] {
       auto client = ClientFor(c);
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      client::ForwardOptions o;
+      o.timeout = timeout;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(600);
       while (!stop.load() && std::chrono::steady_clock::now() < until) {
-        auto r = client->Forward(layer, x, tokens, hidden);
+        const absl::Time start = absl::Now();
+        auto r = client->Forward(layer, x, tokens, hidden, o);
+        if (absl::Now() - start > timeout + absl::Seconds(1)) ++hung;
         if (!r.ok()) {
           if (errors.size() < 5) errors.push_back(r.status().ToString());
           ++failed;
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));  // no hot loop on errors
         } else if (!SameBits(r->out, want)) {
           ++wrong;
         } else {

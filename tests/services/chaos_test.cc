@@ -1,0 +1,106 @@
+// Chaos under load, bounded in time (docs/design.md "Failure"): two replicas per range, a
+// durable router, and in turn a kill -9 of a replica, a SIGSTOP of another, a kill -9 of
+// router-svc and of attention-svc, each followed by its restart, while two clients send
+// Forward requests with a 3 s deadline. Counted per phase: answers OK and bit-exact, failed,
+// wrong (must be 0) and hung past their deadline (must be 0); a replica kill and a router kill
+// fail none. The figures are the README's chaos table.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/services/cluster_fixtures.h"
+
+namespace moe {
+namespace {
+
+using tensor::Bf16;
+using testing::CheckpointFor;
+using testing::InProcessLayer;
+using testing::TestCluster;
+using testing::Traffic;
+using tools::LocalCluster;
+using tools::LocalClusterOptions;
+
+void Sleep(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+TEST(ClusterChaos, KillsAndStallsUnderLoad) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}, {0, 8}, {8, 16}});
+  o.work_dir = moe::testing::MakeTempDir("chaos");
+  o.router_args = {"--state_db=" + o.work_dir + "/router.db", "--heartbeat_interval_ms=200"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  LocalCluster& c = **cluster;
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 4, 51);
+  const std::vector<Bf16> want = local->Forward(x, 4, cfg.hidden)->out;
+  Traffic a, b;
+  a.Start(c, layer, x, 4, cfg.hidden, want, absl::Seconds(3));
+  b.Start(c, layer, x, 4, cfg.hidden, want, absl::Seconds(3));
+  Sleep(1000);
+
+  struct Phase {
+    const char* name;
+    std::function<void()> act;
+    bool zero_failed;  // replicas or a durable router cover it
+  };
+  const std::vector<Phase> phases = {
+      {"kill -9 replica shard-2, restart", [&] {
+         ASSERT_TRUE(c.SignalShard(2, SIGKILL).ok());
+         Sleep(1500);
+         ASSERT_TRUE(c.RestartShard(2).ok());
+       },
+       true},
+      {"SIGSTOP replica shard-3 for 1.5 s", [&] {
+         ASSERT_TRUE(c.SignalShard(3, SIGSTOP).ok());
+         Sleep(1500);
+         ASSERT_TRUE(c.SignalShard(3, SIGCONT).ok());
+       },
+       false},
+      {"kill -9 router-svc, restart", [&] {
+         ASSERT_TRUE(c.SignalRouter(SIGKILL).ok());
+         Sleep(1000);
+         ASSERT_TRUE(c.RestartRouter().ok());
+       },
+       true},
+      {"kill -9 attention-svc, restart", [&] {
+         ASSERT_TRUE(c.SignalAttention(SIGKILL).ok());
+         ASSERT_TRUE(c.RestartAttention().ok());
+         ASSERT_TRUE(c.WaitReady(absl::Seconds(30)).ok());
+       },
+       false},
+  };
+  std::printf("[chaos] %-36s %6s %6s %6s %6s\n", "phase", "ok", "failed", "wrong", "hung");
+  for (const Phase& p : phases) {
+    const int64_t ok0 = a.ok + b.ok, failed0 = a.failed + b.failed, wrong0 = a.wrong + b.wrong,
+                  hung0 = a.hung + b.hung;
+    p.act();
+    Sleep(2000);  // the cluster settles; traffic goes on
+    const int64_t ok = a.ok + b.ok - ok0, failed = a.failed + b.failed - failed0,
+                  wrong = a.wrong + b.wrong - wrong0, hung = a.hung + b.hung - hung0;
+    std::printf("[chaos] %-36s %6lld %6lld %6lld %6lld\n", p.name, static_cast<long long>(ok),
+                static_cast<long long>(failed), static_cast<long long>(wrong),
+                static_cast<long long>(hung));
+    EXPECT_GT(ok, 0) << p.name;
+    EXPECT_EQ(wrong, 0) << p.name;
+    EXPECT_EQ(hung, 0) << p.name;
+    if (p.zero_failed) {
+      EXPECT_EQ(failed, 0) << p.name << ": "
+                           << (a.errors.empty() ? (b.errors.empty() ? "" : b.errors.back())
+                                                : a.errors.back());
+    }
+  }
+  a.Stop();
+  b.Stop();
+}
+
+}  // namespace
+}  // namespace moe
