@@ -53,25 +53,29 @@ TEST(ClusterChaos, KillsAndStallsUnderLoad) {
     bool zero_failed;  // replicas or a durable router cover it
   };
   const std::vector<Phase> phases = {
-      {"kill -9 replica shard-2, restart", [&] {
+      {"kill -9 replica shard-2, restart",
+       [&] {
          ASSERT_TRUE(c.SignalShard(2, SIGKILL).ok());
          Sleep(1500);
          ASSERT_TRUE(c.RestartShard(2).ok());
        },
        true},
-      {"SIGSTOP replica shard-3 for 1.5 s", [&] {
+      {"SIGSTOP replica shard-3 for 1.5 s",
+       [&] {
          ASSERT_TRUE(c.SignalShard(3, SIGSTOP).ok());
          Sleep(1500);
          ASSERT_TRUE(c.SignalShard(3, SIGCONT).ok());
        },
        false},
-      {"kill -9 router-svc, restart", [&] {
+      {"kill -9 router-svc, restart",
+       [&] {
          ASSERT_TRUE(c.SignalRouter(SIGKILL).ok());
          Sleep(1000);
          ASSERT_TRUE(c.RestartRouter().ok());
        },
        true},
-      {"kill -9 attention-svc, restart", [&] {
+      {"kill -9 attention-svc, restart",
+       [&] {
          ASSERT_TRUE(c.SignalAttention(SIGKILL).ok());
          ASSERT_TRUE(c.RestartAttention().ok());
          ASSERT_TRUE(c.WaitReady(absl::Seconds(30)).ok());
