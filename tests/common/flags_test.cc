@@ -142,6 +142,25 @@ TEST(Progress, FormatsBytesPercentRateAndTimeLeft) {
             "loading: 50.0 MB of 50.0 MB (100%), 100 MB/s");
 }
 
+// Off a terminal (as here), progress goes to the log: a line per period and a last one.
+TEST(Progress, LogsPeriodicLinesAndALastOneOffATerminal) {
+  ASSERT_FALSE(StderrIsTerminal());
+  InitLogging("progress-test");
+  ::testing::internal::CaptureStderr();
+  {
+    Progress p("writing a test", 3'000'000, std::chrono::seconds(0));
+    p.Add(1'000'000);
+    p.Add(1'000'000);
+    p.Done();
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(log.find("info progress-test: writing a test: 1.0 MB of 3.0 MB (33%)"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("writing a test: 2.0 MB of 3.0 MB (66%)"), std::string::npos) << log;
+  EXPECT_NE(log.find("writing a test: 2.0 MB in "), std::string::npos) << log;
+}
+
 // --log_level is a flag of every binary; a bad level is refused at the flag.
 TEST(Logging, EveryBinaryTakesALogLevel) {
   int n = 0;

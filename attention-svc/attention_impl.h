@@ -1,0 +1,170 @@
+// attention-svc's implementation, shared by its two files: attention_server.cc (start,
+// placement and bias watches, statistics reports, the gRPC fronts) and forward_pass.cc (one
+// Forward: route, project, dispatch to the expert replicas with failover, gather, finish).
+// Private to attention-svc.
+#ifndef MOE_ATTENTION_SVC_ATTENTION_IMPL_H_
+#define MOE_ATTENTION_SVC_ATTENTION_IMPL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "attention-svc/dispatch_plan.h"
+#include "attention-svc/expert_channel.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/oip_service.h"
+#include "attention-svc/replica_picker.h"
+#include "moe/v1/attention.grpc.pb.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/client/router_link.h"
+#include "services/common/logging.h"
+#include "services/common/secret_file.h"
+#include "services/common/status_macros.h"
+#include "services/common/work_queue.h"
+#include "services/dataplane/ucx_worker.h"
+#include "services/metrics/metrics_server.h"
+#include "services/metrics/service_metrics.h"
+#include "services/numerics/combine.h"
+#include "services/numerics/cpu/moe_layer.h"
+#include "services/numerics/qb.h"
+#include "services/transport/grpc_server.h"
+#include "services/transport/status_convert.h"
+#include "services/transport/stream_reactor.h"
+#include "services/transport/tensor_codec.h"
+#include "attention-svc/attention_server.h"
+
+namespace moe::attention_svc {
+
+using numerics::LayerTimings;
+using numerics::QbHistogram;
+using numerics::cpu::CpuMoeLayer;
+using numerics::cpu::RoutedBatch;
+using tensor::Bf16;
+using Clock = std::chrono::steady_clock;
+
+// The expert calls end this share of the time left before the caller's deadline, within
+// [min, max], so that the caller hears which shard was late rather than a bare
+// DEADLINE_EXCEEDED from its own clock.
+inline constexpr double kExpertDeadlineShare = 0.1;
+inline constexpr absl::Duration kExpertDeadlineMarginMin = absl::Milliseconds(10);
+inline constexpr absl::Duration kExpertDeadlineMarginMax = absl::Milliseconds(100);
+using ForwardStreamReactor = transport::StreamReactor<v1::ForwardRequest, v1::ForwardResponse>;
+
+// A ForwardStream answer that carries a batch's own failure (the stream goes on).
+inline v1::ForwardResponse StreamError(uint64_t request_id, const absl::Status& s) {
+  v1::ForwardResponse resp;
+  resp.set_request_id(request_id);
+  resp.set_code(static_cast<int>(s.code()));
+  resp.set_message(std::string(s.message()));
+  return resp;
+}
+
+inline double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+struct HostedLayer {
+  std::unique_ptr<CpuMoeLayer> layer;
+  std::mutex mu;  // CpuMoeLayer is not reentrant
+  std::vector<float> checkpoint_bias;
+};
+
+struct BiasEntry {
+  uint64_t version = 0;
+  std::vector<float> bias;
+};
+
+
+class AttentionServer::Impl final : public v1::AttentionService::CallbackService {
+ public:
+  explicit Impl(const AttentionServerOptions& o) : options_(o) {}
+  ~Impl() override;
+
+  absl::Status Load();
+  absl::Status StartServing();
+  void Shutdown(absl::Duration grace);
+  int port() const { return server_ != nullptr ? server_->port() : 0; }
+  void Wait() {
+    if (server_ != nullptr) server_->Wait();
+  }
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
+                                    v1::ForwardResponse* resp) override;
+  grpc::ServerBidiReactor<v1::ForwardRequest, v1::ForwardResponse>* ForwardStream(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx,
+                                         const v1::GetModelInfoRequest* req,
+                                         v1::ModelInfo* resp) override;
+
+ private:
+  absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
+                          v1::ForwardResponse* resp);
+  // RunForward plus its metrics (latency, errors by code, bytes from and to the client).
+  // Queues work for the workers (false: the queue is full); the queue depth gauge follows.
+  bool Submit(std::function<void()> work) {
+    const bool queued = workers_->Submit(std::move(work));
+    if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
+    return queued;
+  }
+  absl::Status ServeForward(const v1::ForwardRequest& req, absl::Time deadline,
+                            v1::ForwardResponse* resp, const char* method);
+  void Accumulate(int32_t layer, uint64_t version, const std::vector<float>& bias,
+                  const RoutedBatch& batch);
+  void ApplyPlacement(const v1::Placement& p);
+  void ApplyBias(const v1::LayerBias& b);
+  std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
+  // Sends one message to route.shards[target] (counted as outstanding there, and on the wire).
+  void SendTo(const LayerRoute& route, size_t target, const DispatchHeader& header,
+              const DispatchMessage& m, std::unique_ptr<ExpertCall>* call, const char** transport,
+              int64_t* bytes_sent);
+  ReplicaPicker picker_;
+  void ReportLoop();
+  void ReportNow();
+  bool SleepUnlessStopping(std::chrono::milliseconds d);
+
+  AttentionServerOptions options_;
+  ModelConfig cfg_;
+  std::map<int32_t, std::unique_ptr<HostedLayer>> layers_;
+  std::unique_ptr<transport::GrpcServer> server_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<metrics::AttentionMetrics> metrics_;
+  std::unique_ptr<WorkQueue> workers_;
+  std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
+  // The UCX worker of the out-of-band data plane (null: in band only). Declared before the
+  // channels so that it outlives them.
+  std::unique_ptr<dataplane::UcxWorker> ucx_;
+  std::unique_ptr<OipService> oip_;  // the Open Inference Protocol front
+
+  std::mutex mu_;
+  std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_ ABSL_GUARDED_BY(mu_);
+  std::map<int32_t, std::shared_ptr<const LayerRoute>> routes_ ABSL_GUARDED_BY(mu_);
+  std::map<int32_t, bool> covered_ ABSL_GUARDED_BY(mu_);  // every expert has a healthy shard
+  v1::Placement placement_ ABSL_GUARDED_BY(mu_);          // the last one from router-svc
+  // by shard@endpoint
+  std::map<std::string, std::shared_ptr<ExpertChannel>> channels_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::condition_variable stop_cv_;
+
+  std::mutex stats_mu_;
+  std::map<int32_t, std::optional<QbHistogram>> stats_ ABSL_GUARDED_BY(stats_mu_);
+  // finished windows of an older bias version
+  std::vector<QbHistogram> outgoing_ ABSL_GUARDED_BY(stats_mu_);
+
+  std::thread report_thread_;
+};
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_ATTENTION_IMPL_H_
