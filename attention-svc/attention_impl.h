@@ -19,6 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "attention-svc/attention_server.h"
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
@@ -45,7 +46,6 @@
 #include "services/transport/status_convert.h"
 #include "services/transport/stream_reactor.h"
 #include "services/transport/tensor_codec.h"
-#include "attention-svc/attention_server.h"
 
 namespace moe::attention_svc {
 
@@ -85,7 +85,6 @@ struct BiasEntry {
   uint64_t version = 0;
   std::vector<float> bias;
 };
-
 
 class AttentionServer::Impl final : public v1::AttentionService::CallbackService {
  public:

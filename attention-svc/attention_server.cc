@@ -4,7 +4,6 @@
 
 namespace moe::attention_svc {
 
-
 AttentionServer::Impl::~Impl() { Shutdown(absl::ZeroDuration()); }
 
 absl::Status AttentionServer::Impl::Load() {
