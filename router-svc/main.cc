@@ -9,6 +9,10 @@ int main(int argc, char** argv) {
   moe::SvcFlags flags("router-svc", "Control plane: placement, routing bias, load balancing.");
   flags.String("checkpoint", &o.checkpoint, "checkpoint directory (config and bias)");
   flags.IntList("layers", &o.layers, "MoE layers (empty: all whose bias is in the checkpoint)");
+  flags.String("etcd", &o.etcd,
+               "etcd client endpoint host:port: the state there, one leader among the routers");
+  flags.String("etcd_prefix", &o.etcd_prefix, "key prefix of this deployment's state in etcd");
+  flags.String("name", &o.name, "this router's name in the leader election (default host:port)");
   flags.String("state_db", &o.state_db,
                "SQLite file of bias versions, modes and registrations, kept across restarts "
                "(empty: in memory)");

@@ -22,6 +22,7 @@
 #include "router-svc/load_window.h"
 #include "router-svc/placement_registry.h"
 #include "router-svc/router_proto.h"
+#include "router-svc/etcd_store.h"
 #include "router-svc/state_store.h"
 #include "router-svc/watch_reactor.h"
 #include "services/common/logging.h"
@@ -86,6 +87,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* GetPlacement(grpc::CallbackServerContext* ctx,
                                          const v1::GetPlacementRequest*,
                                          v1::Placement* resp) override {
+    if (absl::Status s = Standby(); !s.ok()) return Done(ctx, "GetPlacement", s);
     std::lock_guard<std::mutex> lock(mu_);
     *resp = ToProto(registry_->Snapshot(Clock::now()));
     return Done(ctx, "GetPlacement", absl::OkStatus());
@@ -95,6 +97,10 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     auto* r = new WatchReactor<v1::Placement>(&mu_, &placement_watchers_, nullptr);
     placement_watchers_.insert(r);
+    if (absl::Status s = Standby(); !s.ok()) {
+      r->Refuse(s);
+      return r;
+    }
     if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
         options_.max_watchers) {
       r->Refuse(absl::ResourceExhaustedError(
@@ -106,6 +112,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   }
   grpc::ServerUnaryReactor* GetBias(grpc::CallbackServerContext* ctx, const v1::GetBiasRequest* req,
                                     v1::LayerBias* resp) override {
+    if (absl::Status s = Standby(); !s.ok()) return Done(ctx, "GetBias", s);
     std::lock_guard<std::mutex> lock(mu_);
     auto layer = LayerLocked(req->layer());
     if (layer.ok()) *resp = ToProto((*layer)->ledger.current());
@@ -120,6 +127,10 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
         [wanted](const v1::LayerBias& b) { return wanted.empty() || wanted.count(b.layer()); },
         [](const v1::LayerBias& b) { return int64_t{b.layer()}; });
     bias_watchers_.insert(r);
+    if (absl::Status s = Standby(); !s.ok()) {
+      r->Refuse(s);
+      return r;
+    }
     if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
         options_.max_watchers) {
       r->Refuse(absl::ResourceExhaustedError(
@@ -163,6 +174,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* GetLoadStats(grpc::CallbackServerContext* ctx,
                                          const v1::GetLoadStatsRequest* req,
                                          v1::LoadStats* resp) override {
+    if (absl::Status s = Standby(); !s.ok()) return Done(ctx, "GetLoadStats", s);
     std::lock_guard<std::mutex> lock(mu_);
     auto layer = LayerLocked(req->layer());
     if (layer.ok()) {
@@ -198,7 +210,12 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   absl::Status PublishBiasLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens --state_db and restores ledgers and registrations from it.
-  absl::Status RestoreLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RestoreLocked(std::unique_ptr<StateStore> store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // etcd: campaigns until this router leads, then restores and serves; exits if it loses the
+  // lease (a router that may be stale must not serve).
+  void CampaignLoop();
+  // UNAVAILABLE while a standby (etcd, another router leads).
+  absl::Status Standby() const;
   // A new placement version to every watcher (and the shard gauges).
   void PublishPlacementLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateLayerMetricsLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -216,6 +233,11 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   mutable std::mutex mu_;
   std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
+  EtcdStore* etcd_ = nullptr;                   // with --etcd: the store, before it is store_
+  std::unique_ptr<EtcdStore> etcd_owned_;       // until elected
+  std::atomic<bool> standby_{false};
+  std::atomic<bool> campaign_stop_{false};
+  std::thread campaign_thread_;
   std::map<int32_t, LayerState> layers_ ABSL_GUARDED_BY(mu_);
   WatchSet<v1::Placement> placement_watchers_ ABSL_GUARDED_BY(mu_);
   WatchSet<v1::LayerBias> bias_watchers_ ABSL_GUARDED_BY(mu_);
@@ -252,12 +274,60 @@ absl::Status RouterServer::Impl::Load() {
         l, LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs()),
                       LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
   }
-  if (!options_.state_db.empty()) MOE_RETURN_IF_ERROR(RestoreLocked());
+  if (!options_.etcd.empty() && !options_.state_db.empty()) {
+    return absl::InvalidArgumentError("--etcd and --state_db: one store, not both");
+  }
+  if (!options_.etcd.empty()) {
+    MOE_ASSIGN_OR_RETURN(etcd_owned_, EtcdStore::Connect(options_.etcd, options_.etcd_prefix));
+    etcd_ = etcd_owned_.get();
+    standby_ = true;  // until elected
+  } else if (!options_.state_db.empty()) {
+    MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db));
+    MOE_RETURN_IF_ERROR(RestoreLocked(std::move(sqlite)));
+  }
   return absl::OkStatus();
 }
 
-absl::Status RouterServer::Impl::RestoreLocked() {
-  MOE_ASSIGN_OR_RETURN(store_, OpenSqliteStore(options_.state_db));
+absl::Status RouterServer::Impl::Standby() const {
+  if (!standby_.load()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("router-svc ", options_.name,
+                                             " is a standby: another router leads (etcd ",
+                                             options_.etcd, ")"));
+}
+
+void RouterServer::Impl::CampaignLoop() {
+  MOE_LOG_INFO("standby: campaigning for leadership as {} (etcd {})", options_.name,
+               options_.etcd);
+  absl::StatusOr<bool> won = absl::UnavailableError("not yet");
+  while (!campaign_stop_.load()) {
+    won = etcd_->Campaign(
+        options_.name, /*ttl_seconds=*/3, [this] { return campaign_stop_.load(); },
+        [name = options_.name] {
+          MOE_LOG_ERROR("{} lost its etcd lease: another router may lead now; exiting", name);
+          spdlog::default_logger()->flush();
+          std::_Exit(3);
+        });
+    if (won.ok()) break;
+    MOE_LOG_WARN("etcd campaign: {}", won.status().ToString());
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  if (!won.ok() || !*won) return;  // stopping
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Status s = RestoreLocked(std::move(etcd_owned_));
+  if (!s.ok()) {
+    MOE_LOG_ERROR("leader {} cannot restore the state from etcd: {}; exiting", options_.name,
+                  s.ToString());
+    spdlog::default_logger()->flush();
+    std::_Exit(3);
+  }
+  standby_ = false;
+  PublishPlacementLocked();
+  server_->SetServing(true);
+  MOE_LOG_INFO("{} leads (etcd {})", options_.name, options_.etcd);
+}
+
+absl::Status RouterServer::Impl::RestoreLocked(std::unique_ptr<StateStore> store) {
+  store_ = std::move(store);
   MOE_ASSIGN_OR_RETURN(StoredState state, store_->Load());
   for (auto& [l, layer] : layers_) {
     auto it = state.layers.find(l);
@@ -329,11 +399,13 @@ absl::Status RouterServer::Impl::StartServing() {
   so.port = options_.port;
   so.services = {this};
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
-  server_->SetServing(true);
+  if (options_.name.empty()) options_.name = server_->endpoint();
+  server_->SetServing(!standby_.load());  // a standby is live, not ready
   if (!options_.port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
   }
   health_thread_ = std::thread([this] { HealthLoop(); });
+  if (etcd_ != nullptr) campaign_thread_ = std::thread([this] { CampaignLoop(); });
   return absl::OkStatus();
 }
 
@@ -345,12 +417,15 @@ void RouterServer::Impl::Shutdown(absl::Duration grace) {
     stop_cv_.notify_all();
   }
   if (health_thread_.joinable()) health_thread_.join();
+  campaign_stop_ = true;
+  if (campaign_thread_.joinable()) campaign_thread_.join();
   if (web_ != nullptr) web_->Stop();
   if (server_ != nullptr) server_->Shutdown(std::min(grace, kWatchShutdownGrace));
 }
 
 absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
                                              const char* what) const {
+  MOE_RETURN_IF_ERROR(Standby());
   if (options_.cluster_token.empty()) {
     return absl::PermissionDeniedError(
         absl::StrCat(what,
@@ -364,6 +439,7 @@ absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
 
 absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,
                                             const char* what) const {
+  MOE_RETURN_IF_ERROR(Standby());
   if (options_.admin_token.empty()) {
     return absl::PermissionDeniedError(absl::StrCat(
         what,

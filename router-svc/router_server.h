@@ -32,6 +32,12 @@ struct RouterServerOptions {
   // The durable control plane (state_store.h): bias versions, modes and registrations in this
   // SQLite file, restored at start (empty: in memory only, lost on restart).
   std::string state_db;
+  // Several routers with one leader: the state in etcd (host:port of its client URL) under
+  // etcd_prefix instead of state_db. A router that does not lead is a standby: NOT_SERVING and
+  // every call UNAVAILABLE, until it wins the election and restores the state from etcd.
+  std::string etcd;
+  std::string etcd_prefix = "/moe/router";
+  std::string name;  // this router in the election (default: host:port)
   std::vector<int64_t> layers;  // empty: every MoE layer whose bias the checkpoint holds
 
   std::string host = "127.0.0.1";

@@ -19,7 +19,7 @@ TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy python3-grpcio gnuplot-nox libopenblas-dev
-  prometheus chromium
+  prometheus chromium etcd-server
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )
 PACKAGES=("${BUILD_PACKAGES[@]}")

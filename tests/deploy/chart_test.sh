@@ -69,6 +69,11 @@ render -set router.persistence.enabled=false -out "$WORK/router-emptydir.yaml"
 node validate.mjs --manifests "$WORK/router-emptydir.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-router-emptydir
 
+echo "== three routers on etcd, one leading"
+render -set router.replicas=3 -set router.etcd.endpoint=etcd.infra:2379 -out "$WORK/router-etcd.yaml"
+node validate.mjs --manifests "$WORK/router-etcd.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-router-etcd etcd.infra:2379
+
 echo "== the attention HPA"
 render -set attention.autoscaling.enabled=true -set attention.autoscaling.maxReplicas=6 \
   -out "$WORK/hpa.yaml"
@@ -130,6 +135,7 @@ expect_render_error "replicasPerRange must be at least 1" -set experts.replicasP
 expect_render_error 'no files/config-huge.json' -set model.preset=huge
 expect_render_error 'dataPlane.mode "rdma" must be auto, grpc or ucx' -set dataPlane.mode=rdma
 expect_render_error 'tls.enabled needs tls.existingSecret' -set tls.enabled=true
+expect_render_error 'router.replicas > 1 needs router.etcd.endpoint' -set router.replicas=2
 expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autoscaling.enabled=true \
   -set attention.autoscaling.minReplicas=5 -set attention.autoscaling.maxReplicas=2
 

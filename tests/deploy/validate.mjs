@@ -255,17 +255,24 @@ if (arg('expect-tls-secret')) {
 }
 const router = workloads.find((w) => w.spec.template.spec.containers[0].name === 'router-svc');
 // The control plane's state: router-svc is one StatefulSet pod whose --state_db lies on its
-// volume (a claim template unless persistence is off).
-{
+// volume (a claim template unless persistence is off), or several on etcd.
+(() => {
   const spec = router.spec.template.spec;
   const db = flagValue(spec.containers[0].args, 'state_db');
   const mount = (spec.containers[0].volumeMounts || []).find((m) => db && db.startsWith(m.mountPath + '/'));
+  const etcd = flagValue(spec.containers[0].args, 'etcd');
+  if (arg('expect-router-etcd')) {
+    check(etcd === arg('expect-router-etcd') && !db && spec.containers[0].args.includes('--name=$(POD_NAME)'),
+          `router-svc is not on etcd ${arg('expect-router-etcd')} (--etcd ${etcd}, --state_db ${db})`);
+    check(router.spec.replicas > 1, 'several routers expected with etcd');
+    return;
+  }
   check(router.kind === 'StatefulSet' && router.spec.replicas === 1, 'router-svc is not one StatefulSet pod');
   const claimed = (router.spec.volumeClaimTemplates || []).some((t) => mount && t.metadata.name === mount.name);
   const empty = (spec.volumes || []).some((v) => mount && v.name === mount.name && v.emptyDir);
   check(db && mount && (flag('expect-router-emptydir') ? empty : claimed),
         `router-svc's --state_db ${db} is not on its ${flag('expect-router-emptydir') ? 'emptyDir' : 'claimed volume'}`);
-}
+})();
 if (arg('expect-admin-secret')) {
   const args = router.spec.template.spec.containers[0].args;
   const f = secretFileFor(router, 'admin_token_file', arg('expect-admin-secret'));
