@@ -197,7 +197,7 @@ EtcdStore::EtcdStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 EtcdStore::~EtcdStore() = default;
 
 absl::StatusOr<std::unique_ptr<EtcdStore>> EtcdStore::Connect(const std::string& endpoint,
-                                                             const std::string& prefix) {
+                                                              const std::string& prefix) {
   if (prefix.empty() || prefix.back() == '/') {
     return absl::InvalidArgumentError(
         absl::StrCat("etcd prefix '", prefix, "' must be non-empty without a trailing /"));
@@ -219,7 +219,7 @@ absl::StatusOr<StoredState> EtcdStore::Load() {
       if (!b.ParseFromString(kv.value()) || !(mode = FromProto(b.mode())).ok()) {
         return absl::DataLossError(absl::StrCat("router state (etcd): ", kv.key(), " malformed"));
       }
-      BiasVersion v{b.layer(),  b.version(), *mode, {b.bias().begin(), b.bias().end()},
+      BiasVersion v{b.layer(),  b.version(),        *mode, {b.bias().begin(), b.bias().end()},
                     b.reason(), b.created_unix_ms()};
       state.layers[v.layer].history.push_back(std::move(v));
     } else if (absl::StartsWith(rest, "mode/")) {
@@ -257,7 +257,8 @@ absl::StatusOr<StoredState> EtcdStore::Load() {
       }
     }
     if (l.history.empty()) {
-      return absl::DataLossError(absl::StrCat("router state (etcd): layer ", layer, " has no bias"));
+      return absl::DataLossError(
+          absl::StrCat("router state (etcd): layer ", layer, " has no bias"));
     }
   }
   return state;

@@ -30,7 +30,7 @@ class EtcdStore final : public StateStore {
  public:
   // endpoint: host:port of etcd's client URL; prefix: e.g. "/moe/router".
   static absl::StatusOr<std::unique_ptr<EtcdStore>> Connect(const std::string& endpoint,
-                                                           const std::string& prefix);
+                                                            const std::string& prefix);
   ~EtcdStore() override;
 
   absl::StatusOr<StoredState> Load() override;

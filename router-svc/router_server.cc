@@ -18,11 +18,11 @@
 #include "absl/strings/str_cat.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "router-svc/bias_ledger.h"
+#include "router-svc/etcd_store.h"
 #include "router-svc/load_balance_page.h"
 #include "router-svc/load_window.h"
 #include "router-svc/placement_registry.h"
 #include "router-svc/router_proto.h"
-#include "router-svc/etcd_store.h"
 #include "router-svc/state_store.h"
 #include "router-svc/watch_reactor.h"
 #include "services/common/logging.h"
@@ -233,8 +233,8 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   mutable std::mutex mu_;
   std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
-  EtcdStore* etcd_ = nullptr;                   // with --etcd: the store, before it is store_
-  std::unique_ptr<EtcdStore> etcd_owned_;       // until elected
+  EtcdStore* etcd_ = nullptr;              // with --etcd: the store, before it is store_
+  std::unique_ptr<EtcdStore> etcd_owned_;  // until elected
   std::atomic<bool> standby_{false};
   std::atomic<bool> campaign_stop_{false};
   std::thread campaign_thread_;
@@ -296,8 +296,7 @@ absl::Status RouterServer::Impl::Standby() const {
 }
 
 void RouterServer::Impl::CampaignLoop() {
-  MOE_LOG_INFO("standby: campaigning for leadership as {} (etcd {})", options_.name,
-               options_.etcd);
+  MOE_LOG_INFO("standby: campaigning for leadership as {} (etcd {})", options_.name, options_.etcd);
   absl::StatusOr<bool> won = absl::UnavailableError("not yet");
   while (!campaign_stop_.load()) {
     won = etcd_->Campaign(

@@ -37,7 +37,7 @@ struct RouterServerOptions {
   // every call UNAVAILABLE, until it wins the election and restores the state from etcd.
   std::string etcd;
   std::string etcd_prefix = "/moe/router";
-  std::string name;  // this router in the election (default: host:port)
+  std::string name;             // this router in the election (default: host:port)
   std::vector<int64_t> layers;  // empty: every MoE layer whose bias the checkpoint holds
 
   std::string host = "127.0.0.1";

@@ -126,14 +126,14 @@ TEST(ClusterEtcd, TheStandbyTakesOverFromAKilledLeaderWithTheState) {
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   Child b;
-  ASSERT_TRUE(Spawn(testing::Concat({MOE_BIN_DIR "/router-svc", "--checkpoint=" + dir,
-                                     "--port=0", "--port_file=" + work + "/router-b.port",
-                                     "--metrics_port=-1", "--web_port=-1", "--name=router-b",
-                                     "--heartbeat_interval_ms=200",
-                                     "--cluster_token_file=" + work + "/cluster_token",
-                                     "--admin_token_file=" + work + "/admin_token"},
-                                    on_etcd),
-                    work + "/router-b.log", &b));
+  ASSERT_TRUE(
+      Spawn(testing::Concat({MOE_BIN_DIR "/router-svc", "--checkpoint=" + dir, "--port=0",
+                             "--port_file=" + work + "/router-b.port", "--metrics_port=-1",
+                             "--web_port=-1", "--name=router-b", "--heartbeat_interval_ms=200",
+                             "--cluster_token_file=" + work + "/cluster_token",
+                             "--admin_token_file=" + work + "/admin_token"},
+                            on_etcd),
+            work + "/router-b.log", &b));
   const int b_port = ReadPort(work + "/router-b.port");
   ASSERT_GT(b_port, 0);
   const std::string b_endpoint = absl::StrCat("127.0.0.1:", b_port);
