@@ -10,7 +10,7 @@ float E4M3ToFloat(uint8_t code) {
   const int m = code & 0x7;
   if (e == 0xF && m == 0x7) return std::nanf("");
   if (e == 0) return sign * std::ldexp(static_cast<float>(m), -9);  // m/8 x 2^-6
-  return sign * std::ldexp(static_cast<float>(8 + m), e - 10);     // (1 + m/8) x 2^(e-7)
+  return sign * std::ldexp(static_cast<float>(8 + m), e - 10);      // (1 + m/8) x 2^(e-7)
 }
 
 uint8_t FloatToE4M3(float v) {
@@ -28,8 +28,8 @@ uint8_t FloatToE4M3(float v) {
   const float r = q * step;  // the nearest representable magnitude, <= 448
   if (r == 0.0f) return sign;
   const int re = r < std::ldexp(1.0f, -6) ? 0 : std::ilogb(r) + 7;  // biased exponent
-  const int m = re == 0 ? static_cast<int>(std::ldexp(r, 9))
-                        : static_cast<int>(std::ldexp(r, 10 - re)) - 8;
+  const int m =
+      re == 0 ? static_cast<int>(std::ldexp(r, 9)) : static_cast<int>(std::ldexp(r, 10 - re)) - 8;
   return static_cast<uint8_t>(sign | (re << 3) | m);
 }
 
