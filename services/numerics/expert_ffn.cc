@@ -28,21 +28,34 @@ void Mxfp4Linear(const Mxfp4Matrix& w, const float* xt, int64_t tokens, float* o
 }  // namespace
 
 void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta, float linear_beta,
-               Bf16* y) {
+               Bf16* y, Precision precision) {
   const int64_t latent = w.w1.cols;
   const int64_t inter = w.w1.rows;
-  const std::vector<float> zt = TransposeToFloat(z, tokens, latent);
+  std::vector<float> zt;
+  if (precision == Precision::kW4A8) {
+    std::vector<float> zq(static_cast<size_t>(tokens * latent));
+    for (int64_t i = 0; i < tokens * latent; ++i) zq[i] = z[i].ToFloat();
+    RoundTripMxfp8Rows(zq.data(), tokens, latent);
+    zt.resize(zq.size());
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t i = 0; i < latent; ++i) zt[i * tokens + t] = zq[t * latent + i];
+    }
+  } else {
+    zt = TransposeToFloat(z, tokens, latent);
+  }
   std::vector<float> g(static_cast<size_t>(tokens * inter));
   std::vector<float> u(static_cast<size_t>(tokens * inter));
   Mxfp4Linear(w.w1, zt.data(), tokens, g.data());
   Mxfp4Linear(w.w3, zt.data(), tokens, u.data());
-  // h: [inter, tokens] (already transposed for the down projection).
+  // h: [tokens, inter], then [inter, tokens] (transposed for the down projection).
+  std::vector<float> h(static_cast<size_t>(tokens * inter));
+  for (int64_t k = 0; k < tokens * inter; ++k) {
+    h[k] = tensor::RoundBf16(Situ(g[k], u[k], beta, linear_beta));
+  }
+  if (precision == Precision::kW4A8) RoundTripMxfp8Rows(h.data(), tokens, inter);
   std::vector<float> ht(static_cast<size_t>(inter * tokens));
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < inter; ++i) {
-      ht[i * tokens + t] =
-          tensor::RoundBf16(Situ(g[t * inter + i], u[t * inter + i], beta, linear_beta));
-    }
+    for (int64_t i = 0; i < inter; ++i) ht[i * tokens + t] = h[t * inter + i];
   }
   std::vector<float> out(static_cast<size_t>(tokens * latent));
   Mxfp4Linear(w.w2, ht.data(), tokens, out.data());

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "services/numerics/mxfp4.h"
+#include "services/numerics/mxfp8.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::numerics {
@@ -25,9 +26,10 @@ struct ExpertWeights {
 };
 
 namespace ref {
-// z: [tokens, D] -> y: [tokens, D].
+// z: [tokens, D] -> y: [tokens, D]. W4A8: z and h are rounded through MXFP8 (per token, blocks
+// of 32) before FC1 and FC2 read them; everything else as in W4A16.
 void ExpertFfn(const ExpertWeights& w, const tensor::Bf16* z, int64_t tokens, float beta,
-               float linear_beta, tensor::Bf16* y);
+               float linear_beta, tensor::Bf16* y, Precision precision = Precision::kW4A16);
 }  // namespace ref
 
 }  // namespace moe::numerics

@@ -67,7 +67,8 @@ std::vector<tensor::Bf16> LatentDown(const ModelConfig& cfg, const MoeLayerWeigh
 // so that each expert's weights are dequantized once per batch. Every routed expert must be
 // hosted by w.
 std::vector<tensor::Bf16> RunExperts(const ModelConfig& cfg, const MoeLayerWeights& w,
-                                     const Routing& routing, const tensor::Bf16* z);
+                                     const Routing& routing, const tensor::Bf16* z,
+                                     Precision precision = Precision::kW4A16);
 // Steps 5 to 8 from the combined latent r: [T, D] -> out: [T, H].
 std::vector<tensor::Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w,
                                       const tensor::Bf16* x, int64_t tokens, const tensor::Bf16* r,
@@ -77,7 +78,8 @@ std::vector<tensor::Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeig
 absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLayerWeights& w,
                                             absl::Span<const tensor::Bf16> x, int64_t tokens,
                                             int64_t width, const float* bias = nullptr,
-                                            LayerTimings* timings = nullptr);
+                                            LayerTimings* timings = nullptr,
+                                            Precision precision = Precision::kW4A16);
 
 }  // namespace ref
 }  // namespace moe::numerics

@@ -54,4 +54,12 @@ void DequantizeMxfp8Block(const uint8_t* codes, uint8_t scale, float* out) {
   for (int i = 0; i < kMxfp8BlockSize; ++i) out[i] = std::ldexp(E4M3ToFloat(codes[i]), e);
 }
 
+void RoundTripMxfp8Rows(float* values, int64_t rows, int64_t cols) {
+  uint8_t codes[kMxfp8BlockSize], scale;
+  for (int64_t b = 0; b < rows * cols; b += kMxfp8BlockSize) {
+    QuantizeMxfp8Block(values + b, codes, &scale);
+    DequantizeMxfp8Block(codes, scale, values + b);
+  }
+}
+
 }  // namespace moe::numerics

@@ -38,6 +38,15 @@ void QuantizeMxfp8Block(const float* values, uint8_t* codes, uint8_t* scale);
 // e4m3(code) * 2^(scale - 127) for the 32 values of a block.
 void DequantizeMxfp8Block(const uint8_t* codes, uint8_t scale, float* out);
 
+// The precision modes of the routed experts (docs/math.md section 6): W4A16, latent activations
+// in bf16; W4A8, the expert inputs z and h quantized to MXFP8 (per token, blocks of 32 along
+// the row) before the FC that reads them.
+enum class Precision { kW4A16, kW4A8 };
+
+// values [rows, cols] (cols a multiple of 32), each row's blocks quantized to MXFP8 and back,
+// in place: what a W4A8 FC reads.
+void RoundTripMxfp8Rows(float* values, int64_t rows, int64_t cols);
+
 }  // namespace moe::numerics
 
 #endif  // MOE_SERVICES_NUMERICS_MXFP8_H_

@@ -7,7 +7,9 @@ weights; moe_reference.py recomputes the layer from the files alone. Asserts:
   * the same experts for every token, in the same rank order;
   * routing weights within MAX_WEIGHT_REL_DIFF;
   * outputs bit-identical except for at most MAX_DIFFERING_FRACTION of them, which may differ by
-    at most MAX_ULP bf16 ulp.
+    at most MAX_ULP bf16 ulp;
+both in W4A16 and in W4A8 (z and h through MXFP8, docs/math.md section 6), whose outputs must
+differ from W4A16's (relative RMS in (0, 0.2)).
 """
 import argparse
 import os
@@ -48,17 +50,18 @@ def run(cmd):
     return res.stdout
 
 
-def check(tool, work, preset, synth_flags):
+def check(tool, work, preset, synth_flags, precision):
     ckpt = os.path.join(work, preset)
     os.makedirs(work, exist_ok=True)
-    run([tool, "synth", "--config", preset, "--out", ckpt, "--seed", "21", "--skew", "1.0"]
-        + synth_flags)
-    out_path = os.path.join(ckpt, "forward.safetensors")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        run([tool, "synth", "--config", preset, "--out", ckpt, "--seed", "21", "--skew", "1.0"]
+            + synth_flags)
+    out_path = os.path.join(ckpt, f"forward-{precision}.safetensors")
     run([tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS), "--seed", "5",
-         "--backend", "ref", "--output", out_path])
+         "--backend", "ref", "--precision", precision, "--output", out_path])
     cpp, _ = ref.read_safetensors(out_path)
     t0 = time.time()
-    out, ids, weights = ref.layer_forward(ref.Checkpoint(ckpt), 1, cpp["x"])
+    out, ids, weights = ref.layer_forward(ref.Checkpoint(ckpt), 1, cpp["x"], precision)
     seconds = time.time() - t0
 
     failures = []
@@ -77,7 +80,7 @@ def check(tool, work, preset, synth_flags):
     if frac > MAX_DIFFERING_FRACTION:
         failures.append(f"{differing} of {dist.size} outputs differ ({frac:.2e} > "
                         f"{MAX_DIFFERING_FRACTION:.0e})")
-    print(f"{preset}: {TOKENS} tokens, experts identical: {np.array_equal(ids, cpp['expert_ids'])}, "
+    print(f"{preset} {precision}: {TOKENS} tokens, experts identical: {np.array_equal(ids, cpp['expert_ids'])}, "
           f"weights max rel diff {wrel:.2e}, outputs differing {differing}/{dist.size} "
           f"({frac:.2e}), max {max_ulp} ulp; numpy took {seconds:.1f} s")
     return failures
@@ -90,13 +93,23 @@ def main():
     args = ap.parse_args()
     passed = failed = 0
     for preset, flags in CASES:
-        failures = check(args.moe_tool, args.work, preset, flags)
-        if failures:
+        outs = {}
+        for precision in ("w4a16", "w4a8"):
+            failures = check(args.moe_tool, args.work, preset, flags, precision)
+            if failures:
+                failed += 1
+                for f in failures:
+                    print(f"FAIL {preset} {precision}: {f}")
+            else:
+                passed += 1
+            outs[precision] = ref.bf16_to_f32(ref.read_safetensors(os.path.join(
+                args.work, preset, f"forward-{precision}.safetensors"))[0]["out"])
+        a, b = outs["w4a16"].astype(np.float64), outs["w4a8"].astype(np.float64)
+        rel = np.sqrt(np.mean((b - a) ** 2) / np.mean(a ** 2))
+        print(f"{preset}: W4A8 vs W4A16 relative RMS difference of the output {rel:.2e}")
+        if not 0 < rel < 0.2:  # a different mode, but the same layer
             failed += 1
-            for f in failures:
-                print(f"FAIL {preset}: {f}")
-        else:
-            passed += 1
+            print(f"FAIL {preset}: W4A8 vs W4A16 relative RMS {rel:.3g} outside (0, 0.2)")
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -104,6 +104,36 @@ def dequant_mxfp4(packed, scales):
     return E2M1[codes] * np.repeat(scale, 32, axis=1)
 
 
+# E4M3 magnitudes of the codes 0..0x7E, ascending (0x7F is NaN): exponent 0 subnormal.
+E4M3 = np.array([(c & 7) / 8 * 2.0 ** -6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7)
+                 for c in range(0x7F)], dtype=np.float64)
+
+
+def mxfp8_roundtrip(x):
+    """x [rows, cols] f32, through MXFP8 and back: per block of 32 along a row, the scale 2^e
+    with e the smallest integer for which amax <= 448 * 2^e (clamped to [-127, 127]; an
+    all-zero block 2^-127), each element the nearest E4M3 value of x / 2^e (a table search; ties
+    to the even code), saturated at 448."""
+    rows, cols = x.shape
+    b = x.astype(np.float64).reshape(rows, cols // 32, 32)
+    amax = np.max(np.abs(b), axis=2)
+    _, p = np.frexp(np.where(amax > 0, amax, 1.0))  # amax = f 2^p, f in [0.5, 1)
+    e = p - 1 - 8
+    for _ in range(3):  # at most a step each way from floor(log2 amax) - 8
+        e = np.where(amax > 448.0 * np.exp2(e), e + 1, e)
+        e = np.where(amax <= 448.0 * np.exp2(e - 1), e - 1, e)
+    e = np.clip(np.where(amax > 0, e, -127), -127, 127)
+    scale = np.exp2(e)[:, :, None]
+    a = np.minimum(np.abs(b) / scale, 448.0)
+    hi = np.clip(np.searchsorted(E4M3, a), 0, len(E4M3) - 1)
+    lo = np.clip(hi - 1, 0, len(E4M3) - 1)
+    d_lo, d_hi = a - E4M3[lo], E4M3[hi] - a
+    pick = np.where(d_hi < d_lo, hi, np.where(d_lo < d_hi, lo, np.where(hi % 2 == 0, hi, lo)))
+    pick = np.where(a == E4M3[hi], hi, pick)
+    out = np.copysign(E4M3[pick], b) * scale
+    return out.reshape(rows, cols).astype(F32)
+
+
 # ---------------------------------------------------------------- ops
 
 def matmul_seq(x, w):
@@ -131,7 +161,9 @@ def situ(g, u, b1, b2):
     return (gate * up).astype(F32)
 
 
-def layer_forward(ck, layer, x_bits):
+def layer_forward(ck, layer, x_bits, precision="w4a16"):
+    """precision: w4a16, or w4a8 (z and h through MXFP8 before the expert FCs that read them)."""
+    a8 = mxfp8_roundtrip if precision == "w4a8" else (lambda v: v)
     c = ck.cfg
     H, D, I = c["hidden_size"], c["routed_expert_hidden_size"], c["moe_intermediate_size"]
     E, k = c["num_experts"], c["num_experts_per_token"]
@@ -168,10 +200,10 @@ def layer_forward(ck, layer, x_bits):
         w1 = dequant_mxfp4(ck.get(pe + "w1.weight_packed"), ck.get(pe + "w1.weight_scale"))
         w3 = dequant_mxfp4(ck.get(pe + "w3.weight_packed"), ck.get(pe + "w3.weight_scale"))
         w2 = dequant_mxfp4(ck.get(pe + "w2.weight_packed"), ck.get(pe + "w2.weight_scale"))
-        ze = z[rows]
+        ze = a8(z[rows])
         g = round_bf16(matmul_seq(ze, w1))
         u = round_bf16(matmul_seq(ze, w3))
-        h = round_bf16(situ(g, u, b1, b2))
+        h = a8(round_bf16(situ(g, u, b1, b2)))
         y[rows, slots] = round_bf16(matmul_seq(h, w2))
 
     # 4. combine in ascending expert id
