@@ -92,11 +92,11 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   numerics::LayerOutput best;
   for (int r = 0; r < std::max(1, req.repeat); ++r) {
     numerics::LayerTimings t;
-    MOE_ASSIGN_OR_RETURN(numerics::LayerOutput y,
-                         cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t)
-                             : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens,
-                                                              rep.config.hidden, nullptr, &t,
-                                                              precision));
+    MOE_ASSIGN_OR_RETURN(
+        numerics::LayerOutput y,
+        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t)
+            : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens, rep.config.hidden,
+                                             nullptr, &t, precision));
     if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;
     best = std::move(y);
   }
