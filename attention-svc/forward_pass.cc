@@ -60,9 +60,10 @@ void AttentionServer::Impl::SendTo(const LayerRoute& route, size_t target,
 
 std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef& s) {
   const std::string key = s.shard + "@" + s.endpoint;
-  if (metrics_ != nullptr) metrics_->Failover(s.shard, 0);
   std::lock_guard<std::mutex> lock(mu_);
   auto& channel = channels_[key];
+  // Once per shard, not per message: its failover series starts at 0.
+  if (channel == nullptr && metrics_ != nullptr) metrics_->Failover(s.shard, 0);
   if (channel == nullptr && ucx_ != nullptr) {
     channel = std::make_shared<UcxExpertChannel>(
         s.shard, s.endpoint, options_.max_message_bytes, ucx_.get(), options_.data_plane,

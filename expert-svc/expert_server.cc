@@ -442,7 +442,8 @@ void ExpertServer::Impl::ComputeLoop() {
 absl::Status ExpertServer::Impl::CheckMember(const grpc::CallbackServerContext& context,
                                              const char* what) const {
   if (options_.cluster_token.empty() ||
-      transport::HasClusterToken(context, options_.cluster_token)) {
+      transport::HasSecretMetadata(context, transport::kClusterTokenMetadata,
+                                   options_.cluster_token)) {
     return absl::OkStatus();
   }
   if (metrics_ != nullptr) metrics_->common.Error(what, "UNAUTHENTICATED");

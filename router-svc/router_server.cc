@@ -97,14 +97,8 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     std::lock_guard<std::mutex> lock(mu_);
     auto* r = new WatchReactor<v1::Placement>(&mu_, &placement_watchers_, nullptr);
     placement_watchers_.insert(r);
-    if (absl::Status s = Standby(); !s.ok()) {
+    if (absl::Status s = AdmitWatcherLocked(); !s.ok()) {
       r->Refuse(s);
-      return r;
-    }
-    if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
-        options_.max_watchers) {
-      r->Refuse(absl::ResourceExhaustedError(
-          absl::StrCat(options_.max_watchers, " watch streams are open already (--max_watchers)")));
       return r;
     }
     r->Push(ToProto(registry_->Snapshot(Clock::now())));
@@ -127,14 +121,8 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
         [wanted](const v1::LayerBias& b) { return wanted.empty() || wanted.count(b.layer()); },
         [](const v1::LayerBias& b) { return int64_t{b.layer()}; });
     bias_watchers_.insert(r);
-    if (absl::Status s = Standby(); !s.ok()) {
+    if (absl::Status s = AdmitWatcherLocked(); !s.ok()) {
       r->Refuse(s);
-      return r;
-    }
-    if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
-        options_.max_watchers) {
-      r->Refuse(absl::ResourceExhaustedError(
-          absl::StrCat(options_.max_watchers, " watch streams are open already (--max_watchers)")));
       return r;
     }
     for (const auto& [l, state] : layers_) r->Push(ToProto(state.ledger.current()));
@@ -216,6 +204,9 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   void CampaignLoop();
   // UNAVAILABLE while a standby (etcd, another router leads).
   absl::Status Standby() const;
+  // Whether one more watch stream (already counted) may stay: not on a standby, and at most
+  // --max_watchers of them.
+  absl::Status AdmitWatcherLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new placement version to every watcher (and the shard gauges).
   void PublishPlacementLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateLayerMetricsLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -293,6 +284,16 @@ absl::Status RouterServer::Impl::Standby() const {
   return absl::UnavailableError(absl::StrCat("router-svc ", options_.name,
                                              " is a standby: another router leads (etcd ",
                                              options_.etcd, ")"));
+}
+
+absl::Status RouterServer::Impl::AdmitWatcherLocked() const {
+  MOE_RETURN_IF_ERROR(Standby());
+  if (static_cast<int>(placement_watchers_.size() + bias_watchers_.size()) >
+      options_.max_watchers) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(options_.max_watchers, " watch streams are open already (--max_watchers)"));
+  }
+  return absl::OkStatus();
 }
 
 void RouterServer::Impl::CampaignLoop() {
@@ -431,7 +432,10 @@ absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
                      " needs the cluster token, and router-svc was started without one "
                      "(--cluster_token_file): membership is closed"));
   }
-  if (transport::HasClusterToken(*ctx, options_.cluster_token)) return absl::OkStatus();
+  if (transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata,
+                                   options_.cluster_token)) {
+    return absl::OkStatus();
+  }
   return absl::UnauthenticatedError(
       absl::StrCat(what, " needs the cluster token in the x-moe-cluster-token metadata"));
 }
@@ -445,10 +449,7 @@ absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,
         " is an admin call, and admin calls are disabled: router-svc was started without "
         "an admin token (--admin_token_file)"));
   }
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("x-moe-admin-token");
-  if (it != md.end() &&
-      SecretEquals(std::string(it->second.data(), it->second.size()), options_.admin_token)) {
+  if (transport::HasSecretMetadata(*ctx, transport::kAdminTokenMetadata, options_.admin_token)) {
     return absl::OkStatus();
   }
   return absl::PermissionDeniedError(
@@ -471,14 +472,12 @@ absl::StatusOr<LayerState*> RouterServer::Impl::LayerLocked(int32_t layer) {
 absl::Status RouterServer::Impl::DoRegister(const v1::RegisterExpertServerRequest& req,
                                             v1::RegisterExpertServerResponse* resp) {
   const std::vector<LayerRange> ranges = FromProto(req.ranges());
+  const std::string data_plane = req.data_plane().empty() ? "grpc" : req.data_plane();
   std::lock_guard<std::mutex> lock(mu_);
-  MOE_ASSIGN_OR_RETURN(uint64_t lease,
-                       registry_->Register(req.shard(), req.endpoint(), ranges, Clock::now(),
-                                           req.data_plane().empty() ? "grpc" : req.data_plane()));
+  MOE_ASSIGN_OR_RETURN(uint64_t lease, registry_->Register(req.shard(), req.endpoint(), ranges,
+                                                           Clock::now(), data_plane));
   if (store_ != nullptr) {
-    MOE_RETURN_IF_ERROR(
-        store_->PutShard({req.shard(), req.endpoint(),
-                          req.data_plane().empty() ? "grpc" : req.data_plane(), lease, ranges}));
+    MOE_RETURN_IF_ERROR(store_->PutShard({req.shard(), req.endpoint(), data_plane, lease, ranges}));
   }
   resp->set_lease_id(lease);
   resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);

@@ -207,7 +207,7 @@ class GrpcMoeClient final : public MoeClient {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
     if (admin && !options_.admin_token.empty()) {
-      ctx.AddMetadata("x-moe-admin-token", options_.admin_token);
+      ctx.AddMetadata(transport::kAdminTokenMetadata, options_.admin_token);
     }
     Resp resp;
     const grpc::Status s = (router_.get()->*method)(&ctx, req, &resp);

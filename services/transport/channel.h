@@ -19,6 +19,8 @@ inline constexpr int kDefaultMaxMessageBytes = 256 << 20;
 // The metadata key of the cluster (membership) token: on registration, heartbeats and reports to
 // router-svc, and on the attention node's Dispatch and OpenDataPlane calls to expert shards.
 inline constexpr char kClusterTokenMetadata[] = "x-moe-cluster-token";
+// The admin token's: on Rebalance, RollbackBias and SetBiasMode.
+inline constexpr char kAdminTokenMetadata[] = "x-moe-admin-token";
 // HTTP/2 frames and flow-control window of every channel and server (large tensors).
 inline constexpr int kHttp2FrameBytes = 1 << 20;
 inline constexpr int kHttp2LookaheadBytes = 16 << 20;

@@ -130,10 +130,11 @@ void GrpcServer::Shutdown(absl::Duration grace) {
 
 void GrpcServer::Wait() { server_->Wait(); }
 
-bool HasClusterToken(const grpc::ServerContextBase& context, const std::string& expected) {
+bool HasSecretMetadata(const grpc::ServerContextBase& context, const char* key,
+                       const std::string& expected) {
   if (expected.empty()) return false;
   const auto& md = context.client_metadata();
-  auto it = md.find(kClusterTokenMetadata);
+  auto it = md.find(key);
   return it != md.end() &&
          SecretEquals(std::string(it->second.data(), it->second.size()), expected);
 }

@@ -62,9 +62,10 @@ class GrpcServer {
   bool shut_down_ = false;
 };
 
-// Whether the call carries `expected` as its cluster token (kClusterTokenMetadata), compared in
-// constant time. False when expected is empty.
-bool HasClusterToken(const grpc::ServerContextBase& context, const std::string& expected);
+// Whether the call's metadata `key` (kClusterTokenMetadata, kAdminTokenMetadata) carries
+// `expected`, compared in constant time. False when expected is empty.
+bool HasSecretMetadata(const grpc::ServerContextBase& context, const char* key,
+                       const std::string& expected);
 
 // Writes the port to path atomically (tmp file + rename), for launchers that start servers on
 // port 0.
