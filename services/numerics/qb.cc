@@ -100,6 +100,12 @@ absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t 
     if (!std::isfinite(bias[j])) {
       return absl::InvalidArgumentError(absl::StrCat("bias of expert ", j, " is not finite"));
     }
+    // Scores lie in [0, 1]; a bias this large only breaks the histogram's range (its +-1 margin
+    // vanishes in double arithmetic and the bins collapse to width 0).
+    if (std::fabs(bias[j]) > kMaxQbBias) {
+      return absl::InvalidArgumentError(absl::StrCat("bias of expert ", j, " is ", bias[j],
+                                                     ": |bias| must be at most ", kMaxQbBias));
+    }
   }
   return absl::OkStatus();
 }

@@ -33,7 +33,12 @@
 
 namespace moe::numerics {
 
-// Checks 1 <= k < n, scores.size() == m * n, bias.size() == n, every value finite.
+// The largest |bias| QB takes: scores lie in [0, 1], and a bias near 2^53 leaves the
+// histogram's range [min - 1, max + 1] empty in double arithmetic.
+inline constexpr float kMaxQbBias = 1e6f;
+
+// Checks 1 <= k < n, scores.size() == m * n, bias.size() == n, every value finite, every
+// |bias| <= kMaxQbBias.
 absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t n,
                              absl::Span<const float> bias, int64_t k);
 

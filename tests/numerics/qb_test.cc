@@ -340,6 +340,15 @@ TEST(QbHistogram, SerializedFormRoundTripsAndRejectsCorruption) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("need at least"), std::string::npos)
       << refused.status();
+
+  // A histogram whose routing bias is 2.1e37 (finite) had bins of width 0 and sent
+  // PredictLoads into NaN indices (found by the fuzzer): such a bias is refused.
+  const std::vector<float> huge = {2.1e37f, 2.1e37f};
+  auto no = QbHistogram::Create(QbWindow{1, 0, 1, 1, 2}, huge);
+  ASSERT_FALSE(no.ok());
+  EXPECT_NE(no.status().message().find("|bias| must be at most"), std::string::npos)
+      << no.status();
+  EXPECT_TRUE(QbHistogram::Create(QbWindow{1, 0, 1, 1, 2}, std::vector<float>{-5.0f, 7.0f}).ok());
 }
 
 TEST(QuantileBalancing, EdgeCases) {
