@@ -346,8 +346,7 @@ TEST(QbHistogram, SerializedFormRoundTripsAndRejectsCorruption) {
   const std::vector<float> huge = {2.1e37f, 2.1e37f};
   auto no = QbHistogram::Create(QbWindow{1, 0, 1, 1, 2}, huge);
   ASSERT_FALSE(no.ok());
-  EXPECT_NE(no.status().message().find("|bias| must be at most"), std::string::npos)
-      << no.status();
+  EXPECT_NE(no.status().message().find("|bias| must be at most"), std::string::npos) << no.status();
   EXPECT_TRUE(QbHistogram::Create(QbWindow{1, 0, 1, 1, 2}, std::vector<float>{-5.0f, 7.0f}).ok());
 }
 
