@@ -225,8 +225,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     std::vector<ExpertReply> replies(f.plan.messages.size());
     for (size_t i = 0; i < f.calls.size(); ++i) {
       // A replica that is gone (UNAVAILABLE) hands its message to another replica of the same
-      // range within the same deadline; other errors are the answer.
+      // range within the same deadline; with none left, the last one gets it once more (a
+      // transport broken under this call, e.g. a data-plane endpoint another request's
+      // cancelled transfer closed, is reopened by the channel); other errors are the answer.
       std::set<size_t> tried;
+      bool again = false;
       for (;;) {
         absl::StatusOr<ExpertReply> reply = f.calls[i]->Wait(expert_deadline);
         const bool gone = !reply.ok() && reply.status().code() == absl::StatusCode::kUnavailable;
@@ -236,8 +239,12 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
         }
         tried.insert(f.targets[i]);
         const DispatchMessage& m = f.plan.messages[i];
-        const size_t next = picker_.Pick(*route, ReplicasOf(*route, m.shard), tried);
-        if (next >= route->shards.size()) return reply.status();  // no replica left
+        size_t next = picker_.Pick(*route, ReplicasOf(*route, m.shard), tried);
+        if (next >= route->shards.size()) {
+          if (again) return reply.status();  // no replica left
+          again = true;
+          next = f.targets[i];
+        }
         MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req.layer(),
                      route->shards[f.targets[i]].shard, route->shards[next].shard,
                      reply.status().ToString());

@@ -129,8 +129,9 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                              .Register(registry)),
       failovers_(BuildCounter()
                      .Name("moe_failovers_total")
-                     .Help("Expert messages sent again to another replica because the first "
-                           "was gone (UNAVAILABLE), by the replica that failed")
+                     .Help("Expert messages sent again because their replica answered "
+                           "UNAVAILABLE (to another replica, or once more to the same when none "
+                           "is left), by the replica that failed")
                      .Register(registry)) {
   auto& forward = BuildHistogram()
                       .Name("moe_forward_duration_seconds")
