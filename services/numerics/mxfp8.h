@@ -13,8 +13,13 @@
 #define MOE_SERVICES_NUMERICS_MXFP8_H_
 
 #include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
 
 #include "services/numerics/mxfp4.h"  // the E8M0 scale (kE8M0Bias, kE8M0NaN, E8M0ToFloat)
+#include "services/tensor/bf16.h"
 
 namespace moe::numerics {
 
@@ -25,6 +30,8 @@ static_assert(kMxfp8BlockSize == kMxfp4BlockSize, "one scale per 32 values in bo
 
 // The value of an E4M3 code (NaN for 0x7F and 0xFF). Exact in fp32.
 float E4M3ToFloat(uint8_t code);
+// The 256 values of E4M3ToFloat, by code (for decoders).
+const float* E4M3Table();
 
 // The E4M3 code nearest to v, ties to the even code (mantissa bit 0 clear), magnitudes above
 // 448 saturating to +-448; NaN gives 0x7F with v's sign bit. -0 keeps its sign (0x80).
@@ -42,6 +49,22 @@ void DequantizeMxfp8Block(const uint8_t* codes, uint8_t scale, float* out);
 // in bf16; W4A8, the expert inputs z and h quantized to MXFP8 (per token, blocks of 32 along
 // the row) before the FC that reads them.
 enum class Precision { kW4A16, kW4A8 };
+const char* PrecisionName(Precision p);  // "w4a16", "w4a8"
+absl::StatusOr<Precision> ParsePrecision(std::string_view s);
+
+// Rows of MXFP8 values, the wire form of W4A8 activations (proto/moe/v1/tensor.proto
+// DTYPE_MXFP8): codes [rows, cols] E4M3 and scales [rows, cols / 32] E8M0, block b of row r
+// covering columns [32 b, 32 b + 32).
+struct Mxfp8Rows {
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> codes;
+  std::vector<uint8_t> scales;
+};
+
+// x [rows, cols] bf16 (cols a multiple of 32, values finite) quantized row by row.
+Mxfp8Rows QuantizeMxfp8Rows(const tensor::Bf16* x, int64_t rows, int64_t cols);
+// Row `row` of q as fp32 [q.cols] (exact).
+void DequantizeMxfp8Row(const Mxfp8Rows& q, int64_t row, float* out);
 
 // values [rows, cols] (cols a multiple of 32), each row's blocks quantized to MXFP8 and back,
 // in place: what a W4A8 FC reads.

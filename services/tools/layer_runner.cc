@@ -69,17 +69,8 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown backend \"", req.backend, "\"; use cpu or ref"));
   }
-  if (req.precision != "w4a16" && req.precision != "w4a8") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown precision \"", req.precision, "\"; use w4a16 or w4a8"));
-  }
-  const numerics::Precision precision =
-      req.precision == "w4a8" ? numerics::Precision::kW4A8 : numerics::Precision::kW4A16;
-  if (precision == numerics::Precision::kW4A8 && req.backend != "ref") {
-    return absl::UnimplementedError(
-        "w4a8 runs in the reference backend only (--backend ref); its CPU kernels are not "
-        "built yet");
-  }
+  MOE_ASSIGN_OR_RETURN(const numerics::Precision precision,
+                       numerics::ParsePrecision(req.precision));
   std::unique_ptr<numerics::cpu::CpuMoeLayer> cpu;
   if (req.backend == "cpu") {
     MOE_ASSIGN_OR_RETURN(cpu,
@@ -94,7 +85,7 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
     numerics::LayerTimings t;
     MOE_ASSIGN_OR_RETURN(
         numerics::LayerOutput y,
-        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t)
+        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t, precision)
             : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens, rep.config.hidden,
                                              nullptr, &t, precision));
     if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;

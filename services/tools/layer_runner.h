@@ -23,7 +23,7 @@ struct ForwardRequest {
   std::string output;           // optional safetensors file for x, out, expert_ids, weights
   int repeat = 1;               // forwards to time; the report keeps the fastest
   std::string backend = "cpu";  // "cpu" (optimized, numerics/cpu) or "ref" (scalar reference)
-  std::string precision = "w4a16";  // or "w4a8" (the reference backend only, so far)
+  std::string precision = "w4a16";  // or "w4a8"
 };
 
 struct ForwardReport {

@@ -120,7 +120,7 @@ int Forward(int argc, char** argv) {
   f.Int("repeat", &req.repeat, "forwards to time (the fastest is reported)");
   f.String("backend", &req.backend, "cpu (optimized) or ref (scalar reference)");
   f.String("precision", &req.precision,
-           "w4a16 or w4a8 (MXFP8 expert inputs; reference backend only, so far)");
+           "w4a16 or w4a8 (MXFP8 expert inputs, docs/math.md section 6)");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   if (req.checkpoint.empty()) return Missing("forward", "checkpoint");
   auto rep = moe::tools::RunLayerForward(req);

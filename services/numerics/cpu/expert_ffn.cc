@@ -9,6 +9,12 @@ using tensor::Bf16;
 
 namespace {
 
+// The routed experts' input: z [T, D] bf16, or its MXFP8 form (W4A8).
+struct ExpertInput {
+  const Bf16* bf16 = nullptr;
+  const Mxfp8Rows* mxfp8 = nullptr;
+};
+
 struct ActiveExpert {
   const ExpertWeights* w = nullptr;
   std::vector<int64_t> pairs;  // token * k + slot, ascending
@@ -22,7 +28,7 @@ struct ActiveExpert {
 
 // FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
 void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, float beta,
-              float linear_beta) {
+              float linear_beta, Precision precision) {
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
   const int64_t ld_z = ActivationSlots(k, d), ld_h = ActivationSlots(k, inter);
@@ -39,6 +45,9 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
     k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.get(), rows);
   }
   k.situ(g.get(), u.get(), n * rows, beta, linear_beta, h.get());
+  // W4A8: h through MXFP8 before FC2 reads it. A work item's rows start at a multiple of
+  // kExpertRowBlock (of 32), so its blocks of 32 are the reference's blocks of each token's h.
+  if (precision == Precision::kW4A8) RoundTripMxfp8Rows(h.get(), n, rows);
   // h into the FC2 activations: the slot of each row once, not once per element.
   for (int64_t r = r0; r < r1; ++r) {
     const float* hr = h.get() + (r - r0);
@@ -75,7 +84,7 @@ void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r
 }
 
 void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>& active,
-               float beta, float linear_beta, Bf16* y) {
+               float beta, float linear_beta, Precision precision, Bf16* y) {
   if (active.empty()) return;
   const int64_t inter = active[0].w->w1.rows, d = active[0].w->w1.cols;
   const int64_t fc1_blocks = (inter + kExpertRowBlock - 1) / kExpertRowBlock;
@@ -84,7 +93,7 @@ void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>
   pool->ParallelFor(experts * fc1_blocks, [&](int64_t item) {
     const int64_t b = item % fc1_blocks;
     Fc1Block(k, active[item / fc1_blocks], b * kExpertRowBlock,
-             std::min(inter, (b + 1) * kExpertRowBlock), beta, linear_beta);
+             std::min(inter, (b + 1) * kExpertRowBlock), beta, linear_beta, precision);
   });
   pool->ParallelFor(experts * fc2_blocks, [&](int64_t item) {
     const int64_t b = item % fc2_blocks;
@@ -93,12 +102,21 @@ void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>
   });
 }
 
-void Prepare(const KernelTable& k, ActiveExpert& e, const Bf16* z, int64_t k_slots, int64_t d,
-             int64_t inter) {
+// The expert's z rows as fp32, then in the kernels' layout. MXFP8 rows are decoded here, once
+// per (token, expert): every weight row of the expert then reads the same exact fp32 values
+// from L1/L2 (decoding them again next to each weight chunk would cost more instructions per
+// weight than the MXFP4 decode itself; docs/math.md section 6).
+void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_t k_slots,
+             int64_t d, int64_t inter) {
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   std::vector<float> zf(static_cast<size_t>(n * d));
   for (int64_t t = 0; t < n; ++t) {
-    const Bf16* src = z + (e.pairs[t] / k_slots) * d;
+    const int64_t row = e.pairs[t] / k_slots;
+    if (z.mxfp8 != nullptr) {
+      DequantizeMxfp8Row(*z.mxfp8, row, zf.data() + t * d);
+      continue;
+    }
+    const Bf16* src = z.bf16 + row * d;
     for (int64_t i = 0; i < d; ++i) zf[t * d + i] = src[i].ToFloat();
   }
   e.token_major = k.mxfp4_rows_tm != nullptr && n >= kPrefillTokens;
@@ -117,10 +135,9 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const Bf16* z, int64_t k_slo
   e.hp.assign(static_cast<size_t>(n * ActivationSlots(k, inter)), 0.0f);
 }
 
-}  // namespace
-
-std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
-                             const MoeLayerWeights& w, const Routing& routing, const Bf16* z) {
+std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                      const MoeLayerWeights& w, const Routing& routing, const ExpertInput& z,
+                      Precision precision) {
   const int64_t d = cfg.latent, k = routing.top_k;
   std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
   std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
@@ -134,18 +151,40 @@ std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const
   }
   pool->ParallelFor(static_cast<int64_t>(active.size()),
                     [&](int64_t i) { Prepare(kernels, active[i], z, k, d, cfg.intermediate); });
-  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, y.data());
+  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, precision, y.data());
   return y;
 }
 
+}  // namespace
+
+std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                             const MoeLayerWeights& w, const Routing& routing, const Bf16* z,
+                             Precision precision) {
+  if (precision == Precision::kW4A8) {
+    const Mxfp8Rows z8 = QuantizeMxfp8Rows(z, routing.tokens, cfg.latent);
+    return RunExperts(kernels, pool, cfg, w, routing, z8);
+  }
+  return Run(kernels, pool, cfg, w, routing, {z, nullptr}, Precision::kW4A16);
+}
+
+std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                             const MoeLayerWeights& w, const Routing& routing,
+                             const Mxfp8Rows& z) {
+  return Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8);
+}
+
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const Bf16* z, int64_t tokens,
-               float beta, float linear_beta, Bf16* y) {
+               float beta, float linear_beta, Bf16* y, Precision precision) {
   ThreadPool single(1);
   std::vector<ActiveExpert> active(1);
   active[0].w = &w;
   for (int64_t t = 0; t < tokens; ++t) active[0].pairs.push_back(t);
-  Prepare(kernels, active[0], z, 1, w.w1.cols, w.w1.rows);
-  RunPhases(kernels, &single, active, beta, linear_beta, y);
+  Mxfp8Rows z8;
+  if (precision == Precision::kW4A8) z8 = QuantizeMxfp8Rows(z, tokens, w.w1.cols);
+  const ExpertInput in = precision == Precision::kW4A8 ? ExpertInput{nullptr, &z8}
+                                                       : ExpertInput{z, nullptr};
+  Prepare(kernels, active[0], in, 1, w.w1.cols, w.w1.rows);
+  RunPhases(kernels, &single, active, beta, linear_beta, precision, y);
 }
 
 }  // namespace moe::numerics::cpu

@@ -17,6 +17,7 @@
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/layer_weights.h"
+#include "services/numerics/mxfp8.h"
 #include "services/numerics/router.h"
 #include "services/tensor/bf16.h"
 
@@ -28,14 +29,22 @@ namespace moe::numerics::cpu {
 inline constexpr int64_t kExpertRowBlock = 128;
 
 // z: [T, D] bf16 -> y: [T, k, D] bf16 in routing's slot order. Every routed expert must be
-// hosted by w.
+// hosted by w. W4A8 quantizes z per token to MXFP8 (as an attention node does before it sends
+// it) and runs the overload below.
 std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool,
                                      const ModelConfig& cfg, const MoeLayerWeights& w,
-                                     const Routing& routing, const tensor::Bf16* z);
+                                     const Routing& routing, const tensor::Bf16* z,
+                                     Precision precision = Precision::kW4A16);
+// W4A8 on z already in MXFP8 ([T, D], as it arrives at an expert server): each FC reads
+// MXFP8 activations (z here, h quantized after SiTU), as ref::ExpertFfn in kW4A8.
+std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool,
+                                     const ModelConfig& cfg, const MoeLayerWeights& w,
+                                     const Routing& routing, const Mxfp8Rows& z);
 
 // One expert for `tokens` rows of z [tokens, D] -> y [tokens, D] (single-threaded; tests).
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const tensor::Bf16* z,
-               int64_t tokens, float beta, float linear_beta, tensor::Bf16* y);
+               int64_t tokens, float beta, float linear_beta, tensor::Bf16* y,
+               Precision precision = Precision::kW4A16);
 
 }  // namespace moe::numerics::cpu
 

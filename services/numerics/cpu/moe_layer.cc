@@ -72,12 +72,12 @@ size_t CpuMoeLayer::packed_dense_bytes() const {
 
 absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64_t tokens,
                                                  int64_t width, const float* bias,
-                                                 LayerTimings* timings) {
+                                                 LayerTimings* timings, Precision precision) {
   MOE_ASSIGN_OR_RETURN(RoutedBatch batch, RouteAndProject(x, tokens, width, bias, timings));
   std::vector<Bf16> y;
   {
     StageTimer timer(timings, &LayerTimings::experts);
-    y = RunLocalExperts(batch.routing, batch.z.data());
+    y = RunLocalExperts(batch.routing, batch.z.data(), precision);
   }
   std::vector<Bf16> r(static_cast<size_t>(tokens * cfg_.latent));
   {
@@ -122,12 +122,13 @@ absl::StatusOr<RoutedBatch> CpuMoeLayer::RouteAndProject(absl::Span<const Bf16> 
   return batch;
 }
 
-std::vector<Bf16> CpuMoeLayer::RunLocalExperts(const Routing& routing, const Bf16* z) {
+std::vector<Bf16> CpuMoeLayer::RunLocalExperts(const Routing& routing, const Bf16* z,
+                                               Precision precision) {
   if (!has_experts_) {  // a programming error, not bad traffic
     std::fprintf(stderr, "CpuMoeLayer::RunLocalExperts on a layer created without experts\n");
     std::abort();
   }
-  return RunExperts(*kernels_, pool_.get(), cfg_, weights_, routing, z);
+  return RunExperts(*kernels_, pool_.get(), cfg_, weights_, routing, z, precision);
 }
 
 std::vector<float> CpuMoeLayer::SharedExperts(const RoutedBatch& batch, LayerTimings* timings) {

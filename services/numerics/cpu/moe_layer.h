@@ -27,6 +27,7 @@
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/moe_layer.h"
+#include "services/numerics/mxfp8.h"
 
 namespace moe::numerics::cpu {
 
@@ -53,7 +54,8 @@ class CpuMoeLayer {
 
   absl::StatusOr<LayerOutput> Forward(absl::Span<const tensor::Bf16> x, int64_t tokens,
                                       int64_t width, const float* bias = nullptr,
-                                      LayerTimings* timings = nullptr);
+                                      LayerTimings* timings = nullptr,
+                                      Precision precision = Precision::kW4A16);
 
   // The stages of Forward, for the disaggregated path (the attention node runs steps 1-2,
   // sends z to the expert servers, and finishes from the combined latent r).
@@ -62,7 +64,8 @@ class CpuMoeLayer {
                                               int64_t width, const float* bias,
                                               LayerTimings* timings);
   // Step 3 on this layer's own experts: y [T, k, D] in routing's slot order (needs experts).
-  std::vector<tensor::Bf16> RunLocalExperts(const Routing& routing, const tensor::Bf16* z);
+  std::vector<tensor::Bf16> RunLocalExperts(const Routing& routing, const tensor::Bf16* z,
+                                            Precision precision = Precision::kW4A16);
   // Step 7 alone: the shared experts' output [T, H] as fp32 (rounded to bf16 values). An
   // attention node runs it while the expert servers work.
   std::vector<float> SharedExperts(const RoutedBatch& batch, LayerTimings* timings);

@@ -193,21 +193,49 @@ TEST_P(Consistency, ExpertFfnMatchesReference) {
   }
 }
 
-void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed) {
+// W4A8: each ISA's kernels on MXFP8 activations (z decoded from codes, h quantized after
+// SiTU) against ref::ExpertFfn in kW4A8. A one-ulp difference in a bf16 h can move its MXFP8
+// code, so the bound is kExpertFfnW4A8Tolerance, not the W4A16 one.
+TEST_P(Consistency, ExpertFfnW4A8MatchesReference) {
+  const ModelConfig cfg = *PresetConfig("mid");
+  checkpoint::SyntheticOptions opt;
+  const MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
+  for (int64_t tokens : {int64_t{12}, int64_t{40}}) {
+    const std::vector<Bf16> z = RandomBf16(tokens * cfg.latent, 1.0f, 5);
+    UlpStats stats, w4a16;
+    for (int64_t e : {0, 17, 99}) {
+      std::vector<Bf16> want(tokens * cfg.latent), got(want.size()), a16(want.size());
+      ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, want.data(), Precision::kW4A8);
+      ExpertFfn(k(), *w.Expert(e), z.data(), tokens, 4.0f, 25.0f, got.data(), Precision::kW4A8);
+      ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, a16.data());
+      stats.AddRows(got.data(), want.data(), tokens, cfg.latent);
+      w4a16.AddRows(a16.data(), want.data(), tokens, cfg.latent);
+    }
+    std::printf("[ %s ] expert ffn w4a8, %lld tokens: %s (w4a16 vs w4a8: %s)\n",
+                IsaName(GetParam()), static_cast<long long>(tokens), stats.Str().c_str(),
+                w4a16.Str().c_str());
+    EXPECT_TRUE(stats.Within(kExpertFfnW4A8Tolerance)) << stats.Str();
+    // The mode is not a no-op: W4A16 is far outside the W4A8 bound.
+    EXPECT_FALSE(w4a16.Within(kExpertFfnW4A8Tolerance)) << w4a16.Str();
+  }
+}
+
+void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
+                Precision precision = Precision::kW4A16) {
   const ModelConfig cfg = *PresetConfig(preset);
   checkpoint::SyntheticOptions opt;
   opt.router_skew = 1.0;
   opt.seed = seed;
   MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
   const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, seed + 4);
-  auto want = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden);
+  auto want = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden, nullptr, nullptr, precision);
   ASSERT_TRUE(want.ok());
   CpuLayerOptions o;
   o.isa = isa;
   o.threads = 2;
   auto layer = CpuMoeLayer::Create(cfg, std::move(w), o);
   ASSERT_TRUE(layer.ok()) << layer.status();
-  auto got = (*layer)->Forward(x, tokens, cfg.hidden);
+  auto got = (*layer)->Forward(x, tokens, cfg.hidden, nullptr, nullptr, precision);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->routing.expert_ids, want->routing.expert_ids);
   EXPECT_EQ(got->routing.weights, want->routing.weights);
@@ -219,9 +247,9 @@ void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed) {
                     cfg.situ_linear_beta, sh.data());
   UlpStats stats;
   stats.AddRows(got->out.data(), want->out.data(), tokens, cfg.hidden, sh.data());
-  std::printf("[ %s ] %s layer, %lld tokens, seed %llu: %s\n", IsaName(isa), preset,
-              static_cast<long long>(tokens), static_cast<unsigned long long>(seed),
-              stats.Str().c_str());
+  std::printf("[ %s ] %s layer %s, %lld tokens, seed %llu: %s\n", IsaName(isa), preset,
+              PrecisionName(precision), static_cast<long long>(tokens),
+              static_cast<unsigned long long>(seed), stats.Str().c_str());
   EXPECT_LE(double(stats.over1) / stats.total, kLayerTolerance.over1_fraction) << stats.Str();
   EXPECT_LE(double(stats.differing) / stats.total, kLayerTolerance.differing_fraction)
       << stats.Str();
@@ -235,6 +263,13 @@ TEST_P(Consistency, TinyLayerMatchesReference) {
 TEST_P(Consistency, MidLayerMatchesReference) {
   CheckLayer(GetParam(), "mid", 64, 1);
   CheckLayer(GetParam(), "mid", 96, 2);
+}
+
+// W4A8 through the whole layer: the same routing and the layer bound (MXFP8 of z and h on
+// every ISA's kernels, against the reference's W4A8).
+TEST_P(Consistency, LayerW4A8MatchesReference) {
+  CheckLayer(GetParam(), "mid", 64, 1, Precision::kW4A8);
+  CheckLayer(GetParam(), "tiny", 200, 2, Precision::kW4A8);
 }
 
 TEST_P(Consistency, ResultsDoNotDependOnTheThreadCount) {
