@@ -128,9 +128,8 @@ const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" :
 absl::StatusOr<Precision> ParsePrecision(std::string_view s) {
   if (s == "w4a16") return Precision::kW4A16;
   if (s == "w4a8") return Precision::kW4A8;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown precision \"", absl::string_view(s.data(), s.size()),
-                   "\"; use w4a16 or w4a8"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown precision \"", absl::string_view(s.data(), s.size()), "\"; use w4a16 or w4a8"));
 }
 
 }  // namespace moe::numerics

@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-
 #include "services/numerics/mxfp4.h"  // the E8M0 scale (kE8M0Bias, kE8M0NaN, E8M0ToFloat)
 #include "services/tensor/bf16.h"
 

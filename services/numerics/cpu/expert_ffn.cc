@@ -168,8 +168,7 @@ std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const
 }
 
 std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
-                             const MoeLayerWeights& w, const Routing& routing,
-                             const Mxfp8Rows& z) {
+                             const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z) {
   return Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8);
 }
 
@@ -181,8 +180,8 @@ void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const Bf16* z
   for (int64_t t = 0; t < tokens; ++t) active[0].pairs.push_back(t);
   Mxfp8Rows z8;
   if (precision == Precision::kW4A8) z8 = QuantizeMxfp8Rows(z, tokens, w.w1.cols);
-  const ExpertInput in = precision == Precision::kW4A8 ? ExpertInput{nullptr, &z8}
-                                                       : ExpertInput{z, nullptr};
+  const ExpertInput in =
+      precision == Precision::kW4A8 ? ExpertInput{nullptr, &z8} : ExpertInput{z, nullptr};
   Prepare(kernels, active[0], in, 1, w.w1.cols, w.w1.rows);
   RunPhases(kernels, &single, active, beta, linear_beta, precision, y);
 }
