@@ -27,6 +27,7 @@
 #include "attention-svc/dispatch_plan.h"
 #include "services/dataplane/data_plane.h"
 #include "services/numerics/cpu/cpu_isa.h"
+#include "services/numerics/mxfp8.h"
 
 namespace moe::attention_svc {
 
@@ -51,6 +52,8 @@ struct AttentionServerOptions {
 
   // The reply mode of requests that do not name one (dispatch_plan.h).
   ReplyMode reply_mode = ReplyMode::kPerPair;
+  // The routed experts' precision of requests that do not name one (W4A8: z goes out in MXFP8).
+  numerics::Precision precision = numerics::Precision::kW4A16;
   int threads = 0;  // dense compute threads (0: all cores)
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
   int workers = 4;       // requests in progress at once (dense compute is serialized)

@@ -21,7 +21,8 @@ absl::StatusOr<ReplyMode> ParseReplyMode(const std::string& s) {
 }
 
 absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const Bf16* z,
-                                          const LayerRoute& route, const DispatchSpec& spec) {
+                                          const LayerRoute& route, const DispatchSpec& spec,
+                                          const tensor::Mxfp8Rows* z8) {
   DispatchPlan plan;
   plan.mode = spec.mode;
   plan.tokens = routing.tokens;
@@ -86,9 +87,23 @@ absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, cons
         row_of_token[t] = static_cast<int32_t>(m.tokens.size());
         m.tokens.push_back(t);
       }
-      m.z.resize(m.tokens.size() * static_cast<size_t>(d));
-      for (size_t i = 0; i < m.tokens.size(); ++i) {
-        std::copy_n(z + m.tokens[i] * d, d, m.z.data() + static_cast<int64_t>(i) * d);
+      if (z8 != nullptr) {  // the rows of the batch's MXFP8 z, quantized once per token
+        const int64_t blocks = d / 32;
+        m.z8.rows = static_cast<int64_t>(m.tokens.size());
+        m.z8.cols = d;
+        m.z8.codes.resize(m.tokens.size() * static_cast<size_t>(d));
+        m.z8.scales.resize(m.tokens.size() * static_cast<size_t>(blocks));
+        for (size_t i = 0; i < m.tokens.size(); ++i) {
+          std::copy_n(z8->codes.data() + m.tokens[i] * d, d,
+                      m.z8.codes.data() + static_cast<int64_t>(i) * d);
+          std::copy_n(z8->scales.data() + m.tokens[i] * blocks, blocks,
+                      m.z8.scales.data() + static_cast<int64_t>(i) * blocks);
+        }
+      } else {
+        m.z.resize(m.tokens.size() * static_cast<size_t>(d));
+        for (size_t i = 0; i < m.tokens.size(); ++i) {
+          std::copy_n(z + m.tokens[i] * d, d, m.z.data() + static_cast<int64_t>(i) * d);
+        }
       }
       for (int32_t e : experts) {
         m.groups.emplace_back(e, static_cast<int32_t>(pairs[e].size()));

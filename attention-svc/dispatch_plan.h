@@ -26,6 +26,7 @@
 #include "services/numerics/router.h"
 #include "services/placement/placement.h"
 #include "services/tensor/bf16.h"
+#include "services/tensor/mxfp8_rows.h"
 
 namespace moe::attention_svc {
 
@@ -57,11 +58,17 @@ struct DispatchMessage {
   std::vector<int64_t> pairs;       // per row: token * k + slot (where its output goes)
   std::vector<int32_t> row_source;  // per row: index into tokens / z
   std::vector<int64_t> tokens;      // the distinct tokens of the message, ascending
-  std::vector<tensor::Bf16> z;      // [tokens.size(), latent]
+  std::vector<tensor::Bf16> z;      // [tokens.size(), latent] (W4A16)
+  tensor::Mxfp8Rows z8;             // the same rows in MXFP8 (W4A8; z is then empty)
   // Partial sums only: per row the token (as an index < num_tokens) and routing weight.
   std::vector<int32_t> token_index;
   std::vector<float> weights;
   int64_t rows() const { return static_cast<int64_t>(pairs.size()); }
+  bool mxfp8() const { return z8.rows > 0; }
+  // The activations' payload bytes on the wire.
+  int64_t activation_bytes() const {
+    return mxfp8() ? z8.bytes() : static_cast<int64_t>(z.size() * sizeof(tensor::Bf16));
+  }
 };
 
 struct DispatchPlan {
@@ -72,10 +79,12 @@ struct DispatchPlan {
   std::vector<DispatchMessage> messages;                    // ascending (shard order, expert id)
 };
 
-// routing: the layer's [T, k] routing; z: [T, latent]. UNAVAILABLE when a routed expert has no
-// owner or an unhealthy one (naming the expert or the shard).
+// routing: the layer's [T, k] routing; z: [T, latent]; z8: null, or z in MXFP8 (W4A8: the
+// messages carry its rows instead). UNAVAILABLE when a routed expert has no owner or an
+// unhealthy one (naming the expert or the shard).
 absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const tensor::Bf16* z,
-                                          const LayerRoute& route, const DispatchSpec& spec);
+                                          const LayerRoute& route, const DispatchSpec& spec,
+                                          const tensor::Mxfp8Rows* z8 = nullptr);
 
 // DEGRADE: the routed experts without a healthy replica are left out. Their slots' weights
 // become 0 and each token's other weights are scaled by (sum of its k weights) / (sum of the

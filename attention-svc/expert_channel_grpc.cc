@@ -14,11 +14,12 @@ namespace {
 class GrpcCall final : public ExpertCall {
  public:
   GrpcCall(std::shared_ptr<transport::ExpertStream> stream,
-           std::shared_ptr<transport::PendingReply> pending, ReplyMode mode, int64_t latent,
-           int64_t rows, int64_t tokens)
+           std::shared_ptr<transport::PendingReply> pending, ReplyMode mode, bool w4a8,
+           int64_t latent, int64_t rows, int64_t tokens)
       : stream_(std::move(stream)),
         pending_(std::move(pending)),
         mode_(mode),
+        w4a8_(w4a8),
         latent_(latent),
         rows_(rows),
         tokens_(tokens) {}
@@ -28,6 +29,7 @@ class GrpcCall final : public ExpertCall {
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     MOE_ASSIGN_OR_RETURN(v1::DispatchReply reply, stream_->Wait(*pending_, deadline));
     const std::string what = absl::StrCat("reply of shard ", stream_->shard());
+    MOE_RETURN_IF_ERROR(CheckReplyPrecision(reply, w4a8_, stream_->shard()));
     ExpertReply out;
     if (mode_ == ReplyMode::kPerPair) {
       MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix m,
@@ -51,6 +53,7 @@ class GrpcCall final : public ExpertCall {
   std::shared_ptr<transport::ExpertStream> stream_;
   std::shared_ptr<transport::PendingReply> pending_;
   const ReplyMode mode_;
+  const bool w4a8_;
   const int64_t latent_, rows_, tokens_;
 };
 
@@ -68,6 +71,18 @@ GrpcExpertChannel::GrpcExpertChannel(std::string shard,
 
 GrpcExpertChannel::~GrpcExpertChannel() = default;
 
+absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, bool w4a8,
+                                 const std::string& shard) {
+  const v1::Precision want = w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16;
+  // A server older than the precision field answers UNSPECIFIED, and serves W4A16 only.
+  const v1::Precision got =
+      reply.precision() == v1::PRECISION_UNSPECIFIED ? v1::PRECISION_W4A16 : reply.precision();
+  if (got == want) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("shard ", shard, " answered in ",
+                                          v1::Precision_Name(got), " for a batch sent in ",
+                                          v1::Precision_Name(want)));
+}
+
 v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const DispatchMessage& m,
                                        bool with_activation_bytes) {
   v1::DispatchRequest dr;
@@ -75,6 +90,7 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
   dr.set_reply_mode(header.mode == ReplyMode::kPerPair ? v1::REPLY_MODE_PER_PAIR
                                                        : v1::REPLY_MODE_PARTIAL_SUM);
   dr.set_timeout_ms(header.timeout_ms);
+  dr.set_precision(header.w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
   for (const auto& [expert, rows] : m.groups) {
     v1::ExpertGroup* g = dr.add_groups();
     g->set_expert_id(expert);
@@ -86,7 +102,13 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
     *dr.mutable_weights() = {m.weights.begin(), m.weights.end()};
     dr.set_num_tokens(static_cast<int32_t>(header.num_tokens));
   }
-  if (with_activation_bytes) {
+  if (m.mxfp8()) {
+    if (with_activation_bytes) {
+      transport::EncodeMxfp8Into(m.z8, dr.mutable_activations());
+    } else {
+      transport::SetMxfp8Header(m.z8.rows, m.z8.cols, dr.mutable_activations());
+    }
+  } else if (with_activation_bytes) {
     transport::EncodeBf16Into(m.z, static_cast<int64_t>(m.tokens.size()), header.latent,
                               dr.mutable_activations());
   } else {
@@ -101,8 +123,8 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
 std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header,
                                                     const DispatchMessage& m) {
   auto pending = stream_->Send(DispatchRequestFor(header, m, /*with_activation_bytes=*/true));
-  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, header.latent,
-                                    m.rows(), static_cast<int64_t>(m.tokens.size()));
+  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, header.w4a8,
+                                    header.latent, m.rows(), static_cast<int64_t>(m.tokens.size()));
 }
 
 }  // namespace moe::attention_svc

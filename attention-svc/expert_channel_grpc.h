@@ -16,6 +16,7 @@ class ExpertStream;
 
 namespace moe::v1 {
 class DispatchRequest;
+class DispatchReply;
 }
 
 namespace moe::attention_svc {
@@ -24,6 +25,11 @@ namespace moe::attention_svc {
 // activations' bytes when with_activation_bytes (their dtype and shape always).
 v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const DispatchMessage& m,
                                        bool with_activation_bytes);
+
+// OK when the reply's precision is the one the batch was sent in (w4a8 or W4A16), else
+// INTERNAL naming the shard and both.
+absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, bool w4a8,
+                                 const std::string& shard);
 
 class GrpcExpertChannel final : public ExpertChannel {
  public:

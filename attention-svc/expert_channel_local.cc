@@ -49,13 +49,18 @@ absl::StatusOr<ExpertReply> LocalExpertChannel::Run(const DispatchHeader& header
     routing.expert_ids.insert(routing.expert_ids.end(), static_cast<size_t>(n), expert);
   }
   routing.weights.assign(static_cast<size_t>(rows), 1.0f);
-  std::vector<tensor::Bf16> z(static_cast<size_t>(rows * d));
-  for (int64_t r = 0; r < rows; ++r) {
-    std::copy_n(m.z.data() + static_cast<int64_t>(m.row_source[r]) * d, d, z.data() + r * d);
+  std::vector<tensor::Bf16> y;
+  if (m.mxfp8()) {
+    y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing,
+                                  m.z8.Gather(m.row_source.data(), rows));
+  } else {
+    std::vector<tensor::Bf16> z(static_cast<size_t>(rows * d));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(m.z.data() + static_cast<int64_t>(m.row_source[r]) * d, d, z.data() + r * d);
+    }
+    y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.data());
   }
   ExpertReply reply;
-  std::vector<tensor::Bf16> y =
-      numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.data());
   if (header.mode == ReplyMode::kPerPair) {
     reply.rows = rows;
     reply.bf16 = std::move(y);

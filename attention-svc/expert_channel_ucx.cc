@@ -38,8 +38,8 @@ class UcxCall final : public ExpertCall {
           std::shared_ptr<transport::PendingReply> pending,
           std::shared_ptr<dataplane::UcxTransfer> sent,
           std::shared_ptr<dataplane::UcxTransfer> received,
-          std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode, int64_t latent,
-          int64_t rows, int64_t tokens)
+          std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode, bool w4a8,
+          int64_t latent, int64_t rows, int64_t tokens)
       : broken_(std::move(broken)),
         on_transfer_failed_(std::move(on_transfer_failed)),
         stream_(std::move(stream)),
@@ -48,6 +48,7 @@ class UcxCall final : public ExpertCall {
         received_(std::move(received)),
         reply_buffer_(std::move(reply_buffer)),
         mode_(mode),
+        w4a8_(w4a8),
         latent_(latent),
         rows_(rows),
         tokens_(tokens) {}
@@ -68,6 +69,7 @@ class UcxCall final : public ExpertCall {
       if (reply.status().code() == absl::StatusCode::kFailedPrecondition) broken_->store(true);
       return reply.status();
     }
+    MOE_RETURN_IF_ERROR(CheckReplyPrecision(*reply, w4a8_, shard));
     const bool f32 = mode_ == ReplyMode::kPartialSum;
     const int64_t rows = f32 ? tokens_ : rows_;
     const int64_t want = rows * latent_ * (f32 ? 4 : 2);
@@ -111,6 +113,7 @@ class UcxCall final : public ExpertCall {
   std::shared_ptr<dataplane::UcxTransfer> sent_, received_;
   std::shared_ptr<dataplane::UcxBuffer> reply_buffer_;
   const ReplyMode mode_;
+  const bool w4a8_;
   const int64_t latent_, rows_, tokens_;
 };
 
@@ -199,7 +202,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
     return std::make_unique<FailedCall>(absl::UnavailableError(open.message()));
   }
   const int64_t u = static_cast<int64_t>(m.tokens.size());
-  const size_t bytes = static_cast<size_t>(u * header.latent) * sizeof(Bf16);
+  const size_t bytes = static_cast<size_t>(m.activation_bytes());
   const bool f32 = header.mode == ReplyMode::kPartialSum;
   const int64_t reply_rows = f32 ? u : m.rows();
   const size_t reply_bytes = static_cast<size_t>(reply_rows * header.latent) * (f32 ? 4 : 2);
@@ -210,8 +213,15 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
         "expert shard ", shard_, ": no UCX buffer: ",
         (!send_buffer.ok() ? send_buffer.status() : reply_buffer.status()).message())));
   }
-  // z: [U, latent] bf16, copied once into registered memory that the transfer owns.
-  std::memcpy((*send_buffer)->data(), m.z.data(), bytes);
+  // z: [U, latent] bf16 (or MXFP8 codes, then scales), copied once into registered memory
+  // that the transfer owns.
+  if (m.mxfp8()) {
+    std::memcpy((*send_buffer)->data(), m.z8.codes.data(), m.z8.codes.size());
+    std::memcpy((*send_buffer)->data() + m.z8.codes.size(),
+                m.z8.scales.data(), m.z8.scales.size());
+  } else {
+    std::memcpy((*send_buffer)->data(), m.z.data(), bytes);
+  }
   const uint64_t seq = next_sequence.fetch_add(1);
   const uint64_t client = client_id_.load();
   const uint64_t tag = dataplane::ActivationTag(client, seq);
@@ -231,7 +241,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
     failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
   return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
                                    std::move(sent), std::move(received), *reply_buffer, header.mode,
-                                   header.latent, m.rows(), u);
+                                   header.w4a8, header.latent, m.rows(), u);
 }
 
 }  // namespace moe::attention_svc

@@ -47,14 +47,14 @@ void AttentionServer::Impl::SendTo(const LayerRoute& route, size_t target,
                                    const DispatchHeader& header, const DispatchMessage& m,
                                    std::unique_ptr<ExpertCall>* call, const char** transport,
                                    int64_t* bytes_sent) {
-  const int64_t bytes = static_cast<int64_t>(m.z.size() * sizeof(Bf16));
+  const int64_t bytes = m.activation_bytes();
   *bytes_sent += bytes;
   *call = std::make_unique<CountedCall>(ChannelFor(route.shards[target])->Send(header, m), &picker_,
                                         route.shards[target]);
   *transport = (*call)->transport();
   if (metrics_ != nullptr && **transport != '\0') {
-    metrics_->wire.Add("sent", "bf16", "expert", bytes, static_cast<int64_t>(m.tokens.size()),
-                       *transport);
+    metrics_->wire.Add("sent", m.mxfp8() ? "mxfp8" : "bf16", "expert", bytes,
+                       static_cast<int64_t>(m.tokens.size()), *transport);
   }
 }
 
@@ -112,6 +112,21 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       return absl::InvalidArgumentError(
           absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
+  numerics::Precision precision = options_.precision;
+  switch (req.options().precision()) {
+    case v1::PRECISION_UNSPECIFIED:
+      break;
+    case v1::PRECISION_W4A16:
+      precision = numerics::Precision::kW4A16;
+      break;
+    case v1::PRECISION_W4A8:
+      precision = numerics::Precision::kW4A8;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown precision ", static_cast<int>(req.options().precision())));
+  }
+  const bool w4a8 = precision == numerics::Precision::kW4A8;
   if (!v1::MissingExperts_IsValid(req.options().missing_experts())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown missing_experts ", static_cast<int>(req.options().missing_experts())));
@@ -192,8 +207,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       }
       degraded_pairs += pairs;
     }
-    MOE_ASSIGN_OR_RETURN(f.plan,
-                         PlanDispatch(f.batch.routing, f.batch.z.data(), *route, batch_spec));
+    // W4A8: z quantized to MXFP8 once per token here; every message carries its tokens' rows.
+    std::optional<tensor::Mxfp8Rows> z8;
+    if (w4a8) z8 = numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d);
+    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route,
+                                              batch_spec, z8 ? &*z8 : nullptr));
     if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
       metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
     }
@@ -203,6 +221,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     header.mode = mode;
     header.num_tokens = rows;
     header.latent = d;
+    header.w4a8 = w4a8;
     header.timeout_ms =
         std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
     // Every message goes out before any reply is awaited.
@@ -311,6 +330,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     *rt->mutable_expert_ids() = {expert_ids.begin(), expert_ids.end()};
     *rt->mutable_weights() = {weights.begin(), weights.end()};
   }
+  resp->set_precision(w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
   resp->set_dispatch_bytes_sent(bytes_sent);
   resp->set_dispatch_bytes_received(bytes_received);
   if (degraded_pairs > 0) {

@@ -111,7 +111,8 @@ grpc::ServerUnaryReactor* OipService::ModelMetadata(grpc::CallbackServerContext*
   p["num_experts"] = absl::StrCat(hooks_.num_experts);
   p["top_k"] = absl::StrCat(hooks_.top_k);
   p["input_datatypes"] = "BF16,FP32";
-  p["precision"] = "w4a16";
+  p["precision"] = "w4a16,w4a8";  // parameter "precision" of a request; the server's default
+                                  // otherwise (GetModelInfo.default_precision)
   p["reply_modes"] = "per_pair,partial_sum";
   return Finish(ctx, absl::OkStatus());
 }
@@ -168,6 +169,17 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
   }
   out->set_layer(layer);
   for (const auto& [key, value] : req.parameters()) {
+    if (key == "precision") {
+      if (value.string_param() == "w4a16") {
+        out->mutable_options()->set_precision(v1::PRECISION_W4A16);
+      } else if (value.string_param() == "w4a8") {
+        out->mutable_options()->set_precision(v1::PRECISION_W4A8);
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter precision '", value.string_param(), "', expected w4a16 or w4a8"));
+      }
+      continue;
+    }
     if (key != "reply_mode") continue;  // other parameters are the caller's own
     if (value.string_param() == "per_pair") {
       out->mutable_options()->set_reply_mode(v1::REPLY_MODE_PER_PAIR);
@@ -220,6 +232,8 @@ grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ct
     resp->set_model_version("1");
     resp->set_id(req->id());
     (*resp->mutable_parameters())["bias_version"].set_uint64_param(fr.bias_version());
+    (*resp->mutable_parameters())["precision"].set_string_param(
+        fr.precision() == v1::PRECISION_W4A8 ? "w4a8" : "w4a16");
     const int64_t tokens = fr.output().shape(0);
     for (const std::string& name : *outputs) {
       auto* o = resp->add_outputs();

@@ -44,7 +44,7 @@ BatchVerifier::~BatchVerifier() {
 }
 
 void BatchVerifier::OnBatch(uint64_t batch_id, int64_t layer, const numerics::Routing& routing,
-                            const Bf16* z, const Bf16* y) {
+                            const Bf16* z, const Bf16* y, const tensor::Mxfp8Rows* z8) {
   const int64_t rows = static_cast<int64_t>(routing.expert_ids.size());
   if (options_.fraction <= 0 || rows == 0) return;
   int64_t sample_index;
@@ -72,7 +72,13 @@ void BatchVerifier::OnBatch(uint64_t batch_id, int64_t layer, const numerics::Ro
   s.batch_rows = rows;
   s.rows = std::min(end - first, options_.max_rows);
   const int64_t d = cfg_.latent;
-  s.z.assign(z + first * d, z + (first + s.rows) * d);
+  if (z8 != nullptr) {
+    std::vector<int32_t> rows_of(static_cast<size_t>(s.rows));
+    for (int64_t r = 0; r < s.rows; ++r) rows_of[r] = static_cast<int32_t>(first + r);
+    s.z8 = z8->Gather(rows_of.data(), s.rows);
+  } else {
+    s.z.assign(z + first * d, z + (first + s.rows) * d);
+  }
   s.y.assign(y + first * d, y + (first + s.rows) * d);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -123,17 +129,23 @@ void BatchVerifier::Check(const Sample& s) {
     return;
   }
   std::vector<Bf16> want(s.y.size());
-  numerics::ref::ExpertFfn(*ew, s.z.data(), s.rows, cfg_.situ_beta, cfg_.situ_linear_beta,
-                           want.data());
+  const bool w4a8 = s.z8.rows > 0;
+  if (w4a8) {
+    numerics::ref::ExpertFfn(*ew, s.z8, cfg_.situ_beta, cfg_.situ_linear_beta, want.data());
+  } else {
+    numerics::ref::ExpertFfn(*ew, s.z.data(), s.rows, cfg_.situ_beta, cfg_.situ_linear_beta,
+                             want.data());
+  }
   numerics::UlpStats stats;
   stats.AddRows(s.y.data(), want.data(), s.rows, cfg_.latent);
-  if (stats.Within(numerics::kExpertFfnTolerance)) {
+  if (stats.Within(w4a8 ? numerics::kExpertFfnW4A8Tolerance : numerics::kExpertFfnTolerance)) {
     Record(VerifyResult::kMatch, absl::StrCat(what, ": ", stats.Str()));
     return;
   }
   const int64_t worst = stats.worst_index;
   Record(VerifyResult::kMismatch,
-         absl::StrCat(what, ": outside the expert FFN tolerance (", stats.Str(), "); worst at row ",
+         absl::StrCat(what, ": outside the expert FFN ", w4a8 ? "W4A8 " : "", "tolerance (",
+                      stats.Str(), "); worst at row ",
                       worst / cfg_.latent, " column ", worst % cfg_.latent, ": got ",
                       s.y[worst].ToFloat(), ", reference ", want[worst].ToFloat()));
 }

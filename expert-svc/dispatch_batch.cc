@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "services/common/status_macros.h"
 #include "services/transport/tensor_codec.h"
 
@@ -21,6 +22,26 @@ constexpr std::chrono::hours kMaxBudget(24);
 std::chrono::milliseconds BatchBudget(int64_t timeout_ms) {
   if (timeout_ms <= 0) return kNoBudget;
   return std::min<std::chrono::milliseconds>(std::chrono::milliseconds(timeout_ms), kMaxBudget);
+}
+
+std::string PrecisionList(const std::vector<numerics::Precision>& p) {
+  std::string out;
+  for (numerics::Precision m : p) absl::StrAppend(&out, out.empty() ? "" : ",", PrecisionName(m));
+  return out.empty() ? "w4a16" : out;
+}
+
+absl::StatusOr<std::vector<numerics::Precision>> ParsePrecisionList(const std::string& s) {
+  std::vector<numerics::Precision> out;
+  if (s.empty()) return out;
+  for (absl::string_view part : absl::StrSplit(s, ',')) {
+    MOE_ASSIGN_OR_RETURN(numerics::Precision p,
+                         numerics::ParsePrecision(std::string_view(part.data(), part.size())));
+    if (std::find(out.begin(), out.end(), p) != out.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("precision ", part, " listed twice"));
+    }
+    out.push_back(p);
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
@@ -43,6 +64,29 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   if (b->mode != v1::REPLY_MODE_PER_PAIR && b->mode != v1::REPLY_MODE_PARTIAL_SUM) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": unknown reply_mode ", static_cast<int>(req.reply_mode())));
+  }
+  // The precision: asked, or this server's default; one it does not serve is refused by name.
+  const std::vector<numerics::Precision> served =
+      limits.precisions.empty() ? std::vector<numerics::Precision>{numerics::Precision::kW4A16}
+                                : limits.precisions;
+  switch (req.precision()) {
+    case v1::PRECISION_UNSPECIFIED:
+      b->precision = served.front();
+      break;
+    case v1::PRECISION_W4A16:
+      b->precision = numerics::Precision::kW4A16;
+      break;
+    case v1::PRECISION_W4A8:
+      b->precision = numerics::Precision::kW4A8;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": unknown precision ", static_cast<int>(req.precision())));
+  }
+  if (std::find(served.begin(), served.end(), b->precision) == served.end()) {
+    return absl::UnimplementedError(absl::StrCat(where, ": this shard serves ",
+                                                 PrecisionList(served), " only (--precision); the batch asks ",
+                                                 PrecisionName(b->precision)));
   }
   if (req.groups_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": no expert groups"));
@@ -80,11 +124,25 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
                      pair_bytes, " bytes) exceed this server's limit of ", limits.max_message_bytes,
                      " bytes per batch (--max_message_bytes)"));
   }
-  MOE_ASSIGN_OR_RETURN(
-      transport::Bf16Matrix z,
-      transport::DecodeBf16Matrix(
-          req.activations(), oob != nullptr ? *oob : std::string_view(req.activations().data()),
-          where + ": activations", limits.latent, /*accept_f32=*/false));
+  const std::string_view data =
+      oob != nullptr ? *oob : std::string_view(req.activations().data());
+  const bool mxfp8 = req.activations().dtype() == v1::DTYPE_MXFP8;
+  if (mxfp8 && b->precision != numerics::Precision::kW4A8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": MXFP8 activations need precision W4A8 (the batch asks ",
+                     PrecisionName(b->precision), ")"));
+  }
+  transport::Bf16Matrix z;
+  tensor::Mxfp8Rows z8;
+  if (mxfp8) {
+    MOE_ASSIGN_OR_RETURN(z8, transport::DecodeMxfp8Matrix(req.activations(), data,
+                                                          where + ": activations", limits.latent));
+    z.rows = z8.rows;
+  } else {
+    MOE_ASSIGN_OR_RETURN(z, transport::DecodeBf16Matrix(req.activations(), data,
+                                                        where + ": activations", limits.latent,
+                                                        /*accept_f32=*/false));
+  }
   if (req.row_source_size() == 0 && z.rows != rows) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": activations have ", z.rows, " rows but the groups count ", rows));
@@ -102,7 +160,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
     b->routing.expert_ids.insert(b->routing.expert_ids.end(), g.token_count(), g.expert_id());
   }
   b->routing.weights.assign(static_cast<size_t>(rows), 1.0f);
-  // NaN policy: non-finite activations are rejected (they would poison every partial sum).
+  // NaN policy: non-finite activations are rejected (they would poison every partial sum;
+  // MXFP8's NaN codes and scales are refused by its decoder).
   const int64_t d = limits.latent;
   // bf16 is finite unless all 8 exponent bits are set: one test per value, no conversion.
   uint16_t any_bad = 0;
@@ -118,17 +177,34 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
       }
     }
   }
+  std::vector<int32_t> source;  // the activations row of each batch row
   if (req.row_source_size() == 0) {
+    source.resize(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) source[r] = static_cast<int32_t>(r);
+  } else {
+    source.assign(req.row_source().begin(), req.row_source().end());
+    for (int64_t r = 0; r < rows; ++r) {
+      if (source[r] < 0 || source[r] >= z.rows) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ",
+                                                       source[r], " outside [0, ", z.rows, ")"));
+      }
+    }
+  }
+  if (mxfp8) {
+    b->z8 = req.row_source_size() == 0 ? std::move(z8) : z8.Gather(source.data(), rows);
+  } else if (b->precision == numerics::Precision::kW4A8) {
+    // BF16 rows in W4A8: quantized here per row, as an attention node quantizes per token.
+    std::vector<Bf16> expanded(static_cast<size_t>(rows * d));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(z.values.data() + source[r] * d, d, expanded.data() + r * d);
+    }
+    b->z8 = numerics::QuantizeMxfp8Rows(expanded.data(), rows, d);
+  } else if (req.row_source_size() == 0) {
     b->z = std::move(z.values);
   } else {
     b->z.resize(static_cast<size_t>(rows * d));
     for (int64_t r = 0; r < rows; ++r) {
-      const int32_t src = req.row_source(static_cast<int>(r));
-      if (src < 0 || src >= z.rows) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": row_source[", r, "] = ", src, " outside [0, ", z.rows, ")"));
-      }
-      std::copy_n(z.values.data() + src * d, d, b->z.data() + r * d);
+      std::copy_n(z.values.data() + source[r] * d, d, b->z.data() + r * d);
     }
   }
   if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "moe/v1/expert.pb.h"
 #include "services/numerics/layer_weights.h"
+#include "services/numerics/mxfp8.h"
 #include "services/numerics/router.h"
 #include "services/tensor/bf16.h"
 
@@ -33,7 +34,9 @@ struct Batch {
   int64_t rows = 0;
   int64_t experts = 0;          // distinct experts (the request's groups, strictly ascending)
   numerics::Routing routing;    // one row per (token, expert) pair: tokens = rows, top_k = 1
-  std::vector<tensor::Bf16> z;  // [rows, D]
+  numerics::Precision precision = numerics::Precision::kW4A16;
+  std::vector<tensor::Bf16> z;  // [rows, D] (W4A16)
+  tensor::Mxfp8Rows z8;         // [rows, D] (W4A8; z is then empty)
   std::vector<int32_t> token_index;
   std::vector<float> weights;
   int32_t num_tokens = 0;
@@ -52,7 +55,14 @@ struct DispatchLimits {
   int64_t num_experts = 0;
   int64_t latent = 0;
   int64_t max_message_bytes = 0;  // rows x latent bf16 of one batch, at most
+  // The precision modes served, the default (for PRECISION_UNSPECIFIED) first; empty: W4A16.
+  std::vector<numerics::Precision> precisions;
 };
+
+// "w4a16", "w4a16,w4a8", ... (messages, logs, --precision); empty reads as W4A16.
+std::string PrecisionList(const std::vector<numerics::Precision>& p);
+// "w4a8" or "w4a16,w4a8" (the first the default); "" is empty (every mode of the backend).
+absl::StatusOr<std::vector<numerics::Precision>> ParsePrecisionList(const std::string& s);
 
 // A time budget in milliseconds from now (0: none, then this long).
 inline constexpr std::chrono::seconds kNoBudget(30);

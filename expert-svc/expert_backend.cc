@@ -19,6 +19,13 @@ class CpuBackend final : public ExpertBackend {
                                                 const tensor::Bf16* z) override {
     return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z);
   }
+  std::vector<numerics::Precision> precisions() const override {
+    return {numerics::Precision::kW4A16, numerics::Precision::kW4A8};
+  }
+  absl::StatusOr<std::vector<tensor::Bf16>> RunMxfp8(const numerics::Routing& routing,
+                                                     const tensor::Mxfp8Rows& z) override {
+    return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z);
+  }
 
  private:
   const ModelConfig cfg_;
@@ -35,6 +42,15 @@ class CudaBackend final : public ExpertBackend {
   absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
                                                 const tensor::Bf16* z) override {
     return experts_->Run(routing, z);
+  }
+  // The CUDA kernels read bf16 activations only (W4A8 on the GPU is not built).
+  std::vector<numerics::Precision> precisions() const override {
+    return {numerics::Precision::kW4A16};
+  }
+  absl::StatusOr<std::vector<tensor::Bf16>> RunMxfp8(const numerics::Routing&,
+                                                     const tensor::Mxfp8Rows&) override {
+    return absl::UnimplementedError(
+        absl::StrCat("backend ", name_, " computes w4a16 only; w4a8 needs the cpu backend"));
   }
 
  private:

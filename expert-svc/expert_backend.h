@@ -19,6 +19,7 @@
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/layer_weights.h"
+#include "services/numerics/mxfp8.h"
 #include "services/numerics/router.h"
 #include "services/tensor/bf16.h"
 
@@ -31,6 +32,11 @@ class ExpertBackend {
   virtual std::string name() const = 0;
   virtual absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
                                                         const tensor::Bf16* z) = 0;
+  // The precision modes this backend computes (W4A16 always).
+  virtual std::vector<numerics::Precision> precisions() const = 0;
+  // W4A8 on MXFP8 rows z [routing.tokens, D]; UNIMPLEMENTED where precisions() lacks it.
+  virtual absl::StatusOr<std::vector<tensor::Bf16>> RunMxfp8(const numerics::Routing& routing,
+                                                             const tensor::Mxfp8Rows& z) = 0;
 };
 
 enum class Backend { kAuto, kCpu, kCuda };

@@ -67,6 +67,11 @@ constexpr absl::Duration kReplySendGrace = absl::Seconds(5);
 
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
+// The wire dtype label of a batch's activations (the moe_wire_* metrics).
+const char* WireDtype(const v1::Tensor& t) {
+  return t.dtype() == v1::DTYPE_MXFP8 ? "mxfp8" : "bf16";
+}
+
 // A Dispatch stream refused before any message is read.
 class RefusedDispatch final
     : public grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply> {
@@ -79,7 +84,7 @@ class RefusedDispatch final
 
 class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
  public:
-  explicit Impl(const ExpertServerOptions& o) : options_(o) {}
+  explicit Impl(const ExpertServerOptions& o) : options_(o), precisions_(o.precisions) {}
 
   absl::Status Load();
   absl::Status StartServing();
@@ -127,6 +132,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<checkpoint::Checkpoint> ckpt_;
   std::map<int64_t, MoeLayerWeights> layers_;
   std::map<int64_t, std::unique_ptr<ExpertBackend>> backends_;  // per hosted layer
+  std::vector<numerics::Precision> precisions_;                  // served, the default first
   const numerics::cpu::KernelTable* kernels_ = nullptr;
   std::unique_ptr<numerics::cpu::ThreadPool> pool_;
   std::unique_ptr<transport::GrpcServer> server_;
@@ -242,6 +248,17 @@ absl::Status ExpertServer::Impl::Load() {
     MOE_ASSIGN_OR_RETURN(backends_[layer],
                          MakeExpertBackend(options_.backend, cfg_, w, *kernels_, pool_.get()));
   }
+  {
+    const std::vector<numerics::Precision> can = backends_.begin()->second->precisions();
+    if (precisions_.empty()) precisions_ = can;
+    for (numerics::Precision p : precisions_) {
+      if (std::find(can.begin(), can.end(), p) == can.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--precision ", PrecisionList(precisions_), ": backend ",
+            backends_.begin()->second->name(), " computes ", PrecisionList(can), " only"));
+      }
+    }
+  }
   MOE_LOG_INFO("shard {}: experts [{}, {}) of layers {} loaded, backend {}", options_.shard,
                options_.expert_lo, options_.expert_hi, fmt::join(layers, ","),
                backends_.begin()->second->name());
@@ -336,8 +353,10 @@ absl::Status ExpertServer::Impl::StartServing() {
 void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;
   // y: [rows, D], row i from expert routing.expert_ids[i].
+  const bool w4a8 = b.precision == numerics::Precision::kW4A8;
+  ExpertBackend& backend = *backends_.at(b.layer->layer);
   absl::StatusOr<std::vector<Bf16>> computed =
-      backends_.at(b.layer->layer)->Run(b.routing, b.z.data());
+      w4a8 ? backend.RunMxfp8(b.routing, b.z8) : backend.Run(b.routing, b.z.data());
   if (!computed.ok()) {
     transport::SetBatchStatus(
         absl::Status(computed.status().code(),
@@ -346,8 +365,11 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
     return;
   }
   const std::vector<Bf16>& y = *computed;
-  if (verifier_ != nullptr)
-    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z.data(), y.data());
+  reply->set_precision(w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
+  if (verifier_ != nullptr) {
+    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, w4a8 ? nullptr : b.z.data(),
+                       y.data(), w4a8 ? &b.z8 : nullptr);
+  }
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
     transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
     return;
@@ -477,7 +499,7 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
     return;
   }
   if (metrics_ != nullptr) {
-    metrics_->wire.Add("received", "bf16", "attention",
+    metrics_->wire.Add("received", WireDtype(req.activations()), "attention",
                        static_cast<int64_t>(req.activations().data().size()),
                        req.activations().shape_size() > 0 ? req.activations().shape(0) : 0);
   }
@@ -488,7 +510,8 @@ void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream
                                const Batch* oob, const std::string_view* oob_bytes) {
   absl::StatusOr<std::unique_ptr<Batch>> batch = ValidateDispatch(
       req, oob_bytes,
-      DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent, options_.max_message_bytes},
+      DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent, options_.max_message_bytes,
+                     precisions_},
       layers_);
   if (!batch.ok()) {
     if (metrics_ != nullptr) {
@@ -578,7 +601,7 @@ void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReact
         info->receive_seconds = Seconds(Clock::now() - info->arrived);
         if (metrics_ != nullptr) {
           const v1::Tensor& a = shared_req->activations();
-          metrics_->wire.Add("received", "bf16", "attention", static_cast<int64_t>(n),
+          metrics_->wire.Add("received", WireDtype(a), "attention", static_cast<int64_t>(n),
                              a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
         }
         // Validated and copied into the batch straight from the registered buffer.
@@ -645,6 +668,10 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
   response->set_num_experts(static_cast<int32_t>(cfg_.num_experts));
   response->set_latent(static_cast<int32_t>(cfg_.latent));
   response->set_backend(backends_.begin()->second->name());
+  for (numerics::Precision p : precisions_) {
+    response->add_precisions(p == numerics::Precision::kW4A8 ? v1::PRECISION_W4A8
+                                                             : v1::PRECISION_W4A16);
+  }
   {
     std::shared_lock<std::shared_mutex> lock(ucx_mu_);
     response->set_data_plane(ucx_ != nullptr ? "ucx" : "grpc");

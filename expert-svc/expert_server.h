@@ -25,6 +25,7 @@
 #include "expert-svc/expert_backend.h"
 #include "services/dataplane/data_plane.h"
 #include "services/numerics/cpu/cpu_isa.h"
+#include "services/numerics/mxfp8.h"
 
 namespace moe::expert_svc {
 
@@ -63,6 +64,9 @@ struct ExpertServerOptions {
   // (expert_backend.h).
   Backend backend = Backend::kAuto;
   numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
+  // The precision modes served, the first the default of batches that name none (empty:
+  // every mode of the backend, W4A16 first). A mode the backend cannot compute fails the start.
+  std::vector<numerics::Precision> precisions;
   int max_queued_batches = 256;       // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;  // also the largest out-of-band payload
   // The out-of-band data plane (docs/data-plane.md): auto offers UCX when this build has it

@@ -1,6 +1,7 @@
 // expert-svc: flags -> ExpertServerOptions -> start -> wait for SIGTERM/SIGINT.
 #include <cstdio>
 
+#include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_server.h"
 #include "services/common/status_macros.h"
 #include "services/common/svc_main.h"
@@ -26,6 +27,10 @@ int main(int argc, char** argv) {
               "auto|cpu|cuda: where the experts run");
   flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
+  flags.Typed("precision", &o.precisions, moe::expert_svc::PrecisionList,
+              moe::expert_svc::ParsePrecisionList,
+              "precision modes served, comma-separated, the first the default of batches that "
+              "name none: w4a16, w4a8, w4a16,w4a8 (default: every mode of the backend)");
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
   flags.Int("max_message_bytes", &o.max_message_bytes,
             "gRPC message limit, and the largest out-of-band payload");

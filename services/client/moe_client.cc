@@ -30,6 +30,7 @@ absl::StatusOr<ForwardResult> ToResult(const v1::ForwardResponse& r) {
   out.expert_ids.assign(r.routing().expert_ids().begin(), r.routing().expert_ids().end());
   out.weights.assign(r.routing().weights().begin(), r.routing().weights().end());
   out.bias_version = r.bias_version();
+  out.precision = r.precision();
   out.seconds = r.seconds();
   out.dispatch_bytes_sent = r.dispatch_bytes_sent();
   out.dispatch_bytes_received = r.dispatch_bytes_received();
@@ -43,6 +44,7 @@ void FillRequest(int32_t layer, const ForwardOptions& o, v1::ForwardRequest* req
   req->mutable_options()->set_return_routing(o.return_routing);
   req->mutable_options()->set_reply_mode(o.reply_mode);
   req->mutable_options()->set_missing_experts(o.missing_experts);
+  req->mutable_options()->set_precision(o.precision);
 }
 
 class GrpcForwardStream final : public ForwardStream {

@@ -41,6 +41,8 @@ struct ForwardOptions {
   absl::Duration timeout = absl::ZeroDuration();  // zero: ClientOptions::timeout
   // FAIL (the default) or DEGRADE when an expert has no healthy replica (attention.proto).
   v1::MissingExperts missing_experts = v1::MISSING_EXPERTS_UNSPECIFIED;
+  // W4A16 or W4A8 (MXFP8 expert inputs); UNSPECIFIED: the server's --precision.
+  v1::Precision precision = v1::PRECISION_UNSPECIFIED;
 };
 
 struct ForwardResult {
@@ -55,6 +57,7 @@ struct ForwardResult {
   int64_t dispatch_bytes_sent = 0, dispatch_bytes_received = 0;
   std::vector<int32_t> missing_experts;  // DEGRADE: the skipped experts
   int64_t degraded_pairs = 0;
+  v1::Precision precision = v1::PRECISION_W4A16;  // the precision that produced out
 };
 
 // Many Forward batches on one stream; responses may come back in any order.

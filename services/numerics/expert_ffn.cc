@@ -25,23 +25,14 @@ void Mxfp4Linear(const Mxfp4Matrix& w, const float* xt, int64_t tokens, float* o
   }
 }
 
-}  // namespace
-
-void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta, float linear_beta,
-               Bf16* y, Precision precision) {
+// The FFN from z as fp32 [tokens, D] (W4A8: already through MXFP8).
+void FfnFromFloat(const ExpertWeights& w, const std::vector<float>& zf, int64_t tokens, float beta,
+                  float linear_beta, Bf16* y, Precision precision) {
   const int64_t latent = w.w1.cols;
   const int64_t inter = w.w1.rows;
-  std::vector<float> zt;
-  if (precision == Precision::kW4A8) {
-    std::vector<float> zq(static_cast<size_t>(tokens * latent));
-    for (int64_t i = 0; i < tokens * latent; ++i) zq[i] = z[i].ToFloat();
-    RoundTripMxfp8Rows(zq.data(), tokens, latent);
-    zt.resize(zq.size());
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < latent; ++i) zt[i * tokens + t] = zq[t * latent + i];
-    }
-  } else {
-    zt = TransposeToFloat(z, tokens, latent);
+  std::vector<float> zt(zf.size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < latent; ++i) zt[i * tokens + t] = zf[t * latent + i];
   }
   std::vector<float> g(static_cast<size_t>(tokens * inter));
   std::vector<float> u(static_cast<size_t>(tokens * inter));
@@ -60,6 +51,23 @@ void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta
   std::vector<float> out(static_cast<size_t>(tokens * latent));
   Mxfp4Linear(w.w2, ht.data(), tokens, out.data());
   for (int64_t k = 0; k < tokens * latent; ++k) y[k] = Bf16::FromFloat(out[k]);
+}
+
+}  // namespace
+
+void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta, float linear_beta,
+               Bf16* y, Precision precision) {
+  const int64_t latent = w.w1.cols;
+  std::vector<float> zf(static_cast<size_t>(tokens * latent));
+  for (int64_t i = 0; i < tokens * latent; ++i) zf[i] = z[i].ToFloat();
+  if (precision == Precision::kW4A8) RoundTripMxfp8Rows(zf.data(), tokens, latent);
+  FfnFromFloat(w, zf, tokens, beta, linear_beta, y, precision);
+}
+
+void ExpertFfn(const ExpertWeights& w, const Mxfp8Rows& z, float beta, float linear_beta, Bf16* y) {
+  std::vector<float> zf(static_cast<size_t>(z.rows * z.cols));
+  for (int64_t r = 0; r < z.rows; ++r) DequantizeMxfp8Row(z, r, zf.data() + r * z.cols);
+  FfnFromFloat(w, zf, z.rows, beta, linear_beta, y, Precision::kW4A8);
 }
 
 }  // namespace moe::numerics::ref

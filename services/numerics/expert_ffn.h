@@ -30,6 +30,9 @@ namespace ref {
 // of 32) before FC1 and FC2 read them; everything else as in W4A16.
 void ExpertFfn(const ExpertWeights& w, const tensor::Bf16* z, int64_t tokens, float beta,
                float linear_beta, tensor::Bf16* y, Precision precision = Precision::kW4A16);
+// W4A8 on z already in MXFP8 (z.rows tokens, as an expert server receives it).
+void ExpertFfn(const ExpertWeights& w, const Mxfp8Rows& z, float beta, float linear_beta,
+               tensor::Bf16* y);
 }  // namespace ref
 
 }  // namespace moe::numerics

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "services/numerics/mxfp4.h"  // the E8M0 scale (kE8M0Bias, kE8M0NaN, E8M0ToFloat)
 #include "services/tensor/bf16.h"
+#include "services/tensor/mxfp8_rows.h"
 
 namespace moe::numerics {
 
@@ -51,14 +52,8 @@ enum class Precision { kW4A16, kW4A8 };
 const char* PrecisionName(Precision p);  // "w4a16", "w4a8"
 absl::StatusOr<Precision> ParsePrecision(std::string_view s);
 
-// Rows of MXFP8 values, the wire form of W4A8 activations (proto/moe/v1/tensor.proto
-// DTYPE_MXFP8): codes [rows, cols] E4M3 and scales [rows, cols / 32] E8M0, block b of row r
-// covering columns [32 b, 32 b + 32).
-struct Mxfp8Rows {
-  int64_t rows = 0, cols = 0;
-  std::vector<uint8_t> codes;
-  std::vector<uint8_t> scales;
-};
+// Rows of MXFP8 values (services/tensor/mxfp8_rows.h), the wire form of W4A8 activations.
+using tensor::Mxfp8Rows;
 
 // x [rows, cols] bf16 (cols a multiple of 32, values finite) quantized row by row.
 Mxfp8Rows QuantizeMxfp8Rows(const tensor::Bf16* x, int64_t rows, int64_t cols);

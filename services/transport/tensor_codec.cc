@@ -135,4 +135,56 @@ absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const st
   return v;
 }
 
+void SetMxfp8Header(int64_t rows, int64_t cols, v1::Tensor* out) {
+  SetShape(out, v1::DTYPE_MXFP8, rows, cols);
+}
+
+void EncodeMxfp8Into(const tensor::Mxfp8Rows& m, v1::Tensor* out) {
+  SetShape(out, v1::DTYPE_MXFP8, m.rows, m.cols);
+  std::string* data = out->mutable_data();
+  data->resize(m.codes.size() + m.scales.size());
+  std::memcpy(data->data(), m.codes.data(), m.codes.size());
+  std::memcpy(data->data() + m.codes.size(), m.scales.data(), m.scales.size());
+}
+
+absl::StatusOr<tensor::Mxfp8Rows> DecodeMxfp8Matrix(const v1::Tensor& t, std::string_view data,
+                                                    const std::string& what,
+                                                    int64_t expected_cols) {
+  if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
+  if (t.dtype() != v1::DTYPE_MXFP8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": dtype ", DTypeLabel(t.dtype()), " not accepted (expected DTYPE_MXFP8)"));
+  }
+  tensor::Mxfp8Rows m;
+  m.rows = t.shape(0);
+  m.cols = t.shape(1);
+  if (m.cols != expected_cols || m.cols % 32 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": width ", m.cols, " but this layer needs ",
+                                                   expected_cols, " (a multiple of 32)"));
+  }
+  if (m.rows == 0) return absl::InvalidArgumentError(absl::StrCat(what, ": no rows (T = 0)"));
+  const size_t codes = static_cast<size_t>(m.rows * m.cols), scales = codes / 32;
+  if (data.size() != codes + scales) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(),
+                                                   " bytes of data but MXFP8 [", m.rows, ", ",
+                                                   m.cols, "] needs ", codes + scales));
+  }
+  m.codes.assign(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(codes));
+  m.scales.assign(data.begin() + static_cast<std::ptrdiff_t>(codes), data.end());
+  // NaN policy, as for bf16: non-finite activations are refused. E4M3 NaN is S.1111.111; the
+  // E8M0 NaN is 0xFF.
+  uint8_t any_nan = 0;
+  for (uint8_t c : m.codes) any_nan |= static_cast<uint8_t>((c & 0x7F) == 0x7F);
+  for (uint8_t s : m.scales) any_nan |= static_cast<uint8_t>(s == 0xFF);
+  for (size_t i = 0; any_nan != 0 && i < codes; ++i) {
+    if ((m.codes[i] & 0x7F) == 0x7F || m.scales[i / 32] == 0xFF) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": row ", i / static_cast<size_t>(m.cols), " column ",
+          i % static_cast<size_t>(m.cols), " is not finite (",
+          m.scales[i / 32] == 0xFF ? "NaN scale" : "NaN code", ")"));
+    }
+  }
+  return m;
+}
+
 }  // namespace moe::transport

@@ -17,6 +17,7 @@
 #include "absl/types/span.h"
 #include "moe/v1/tensor.pb.h"
 #include "services/tensor/bf16.h"
+#include "services/tensor/mxfp8_rows.h"
 
 namespace moe::transport {
 
@@ -45,6 +46,16 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_vie
 // A rank-2 F32 tensor with exactly [rows, cols].
 absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const std::string& what,
                                                    int64_t rows, int64_t cols);
+
+// DTYPE_MXFP8 [rows, cols]: the codes, then the scales (tensor.proto).
+void EncodeMxfp8Into(const tensor::Mxfp8Rows& m, v1::Tensor* out);
+// Only the header (dtype and shape) when the bytes travel out of band.
+void SetMxfp8Header(int64_t rows, int64_t cols, v1::Tensor* out);
+// A DTYPE_MXFP8 tensor [rows, expected_cols] with its bytes in `data`: shape and byte count
+// checked, NaN codes and scales refused (naming row and column).
+absl::StatusOr<tensor::Mxfp8Rows> DecodeMxfp8Matrix(const v1::Tensor& t, std::string_view data,
+                                                    const std::string& what,
+                                                    int64_t expected_cols);
 
 }  // namespace moe::transport
 

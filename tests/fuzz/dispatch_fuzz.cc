@@ -30,14 +30,27 @@ const std::map<int64_t, moe::numerics::MoeLayerWeights>& Layers() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   moe::v1::DispatchRequest req;
   if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
-  const moe::expert_svc::DispatchLimits limits{"fuzz", 16, 8, 1 << 16};
+  // Latent 32: one MXFP8 block per row, so W4A8 batches (MXFP8 or BF16 rows) validate too.
+  const moe::expert_svc::DispatchLimits limits{
+      "fuzz", 16, 32, 1 << 16, {moe::numerics::Precision::kW4A16, moe::numerics::Precision::kW4A8}};
   auto b = moe::expert_svc::ValidateDispatch(req, nullptr, limits, Layers());
   if (!b.ok()) return 0;
   const moe::expert_svc::Batch& batch = **b;
   if (batch.rows < 1 || batch.rows * limits.latent * 2 > limits.max_message_bytes) {
     __builtin_trap();
   }
-  if (static_cast<int64_t>(batch.z.size()) != batch.rows * limits.latent) __builtin_trap();
+  if (batch.precision == moe::numerics::Precision::kW4A8) {
+    if (!batch.z.empty() || batch.z8.rows != batch.rows || batch.z8.cols != limits.latent ||
+        static_cast<int64_t>(batch.z8.codes.size()) != batch.rows * limits.latent ||
+        static_cast<int64_t>(batch.z8.scales.size()) != batch.rows * limits.latent / 32) {
+      __builtin_trap();
+    }
+    for (uint8_t c : batch.z8.codes) {
+      if ((c & 0x7F) == 0x7F) __builtin_trap();  // NaN codes are refused
+    }
+  } else if (static_cast<int64_t>(batch.z.size()) != batch.rows * limits.latent) {
+    __builtin_trap();
+  }
   if (static_cast<int64_t>(batch.routing.expert_ids.size()) != batch.rows) __builtin_trap();
   for (int32_t e : batch.routing.expert_ids) {
     if (!batch.layer->HostsExpert(e)) __builtin_trap();

@@ -36,7 +36,7 @@ def main():
     pb = load_protos(out_dir=os.path.join(out, "protos"))
     import importlib
     expert = importlib.import_module("moe.v1.expert_pb2")
-    # DispatchRequest for the fuzzer's shard: layer 1, experts [2, 9) of 16, latent 8.
+    # DispatchRequest for the fuzzer's shard: layer 1, experts [2, 9) of 16, latent 32.
     seeds = []
     for mode, rows in ((1, 3), (2, 3), (2, 1)):
         r = expert.DispatchRequest()
@@ -45,7 +45,7 @@ def main():
         g = r.groups.add()
         g.expert_id = 3
         g.token_count = rows
-        r.activations.CopyFrom(tensor(pb, rows, 8))
+        r.activations.CopyFrom(tensor(pb, rows, 32))
         if mode == 2:
             r.num_tokens = 4
             r.token_index.extend(range(rows))
@@ -54,7 +54,18 @@ def main():
     r = expert.DispatchRequest()
     r.CopyFrom(seeds[0])
     r.row_source.extend([0, 0, 0])
-    r.activations.CopyFrom(tensor(pb, 1, 8))
+    r.activations.CopyFrom(tensor(pb, 1, 32))
+    seeds.append(r)
+    # W4A8: MXFP8 rows (32 codes + 1 scale each, tensor.proto), and BF16 rows in W4A8.
+    r = expert.DispatchRequest()
+    r.CopyFrom(seeds[-1])
+    r.precision = 2
+    r.activations.CopyFrom(tensor(pb, 1, 32, dtype=3, elem=1))
+    r.activations.data = bytes(32) + bytes([127])
+    seeds.append(r)
+    r = expert.DispatchRequest()
+    r.CopyFrom(seeds[0])
+    r.precision = 2
     seeds.append(r)
     write(out, "dispatch", seeds)
     # ForwardRequest, width 16: bf16 and fp32.

@@ -89,6 +89,8 @@ class Result:
     bias_version: int = 0
     seconds: dict = None
     request_id: int = 0
+    precision: str = "w4a16"  # the routed experts' precision that produced out
+    dispatch_bytes_sent: int = 0  # activation payload bytes sent to the expert servers
 
     @property
     def out(self):
@@ -229,7 +231,7 @@ class Client:
         return {"live": live, "ready": ready}
 
     # Forward.
-    def _forward_request(self, x, layer, return_routing, reply_mode):
+    def _forward_request(self, x, layer, return_routing, reply_mode, precision=None):
         pb = self._pb
         if layer is None:
             layer = (self._info or self.model_info()).layers[0]
@@ -246,22 +248,32 @@ class Client:
         if reply_mode is not None:
             req.options.reply_mode = {"per_pair": pb.tensor.REPLY_MODE_PER_PAIR,
                                       "partial_sum": pb.tensor.REPLY_MODE_PARTIAL_SUM}[reply_mode]
+        if precision is not None:
+            modes = {"w4a16": pb.tensor.PRECISION_W4A16, "w4a8": pb.tensor.PRECISION_W4A8}
+            if precision not in modes:
+                raise ValueError(f"precision must be w4a16 or w4a8, got {precision!r}")
+            req.options.precision = modes[precision]
         return req
 
     def _result(self, r):
         shape = tuple(r.output.shape)
         out = np.frombuffer(r.output.data, dtype="<u2").reshape(shape).copy()
         res = Result(out_bf16=out, bias_version=r.bias_version, request_id=r.request_id,
-                     seconds={f.name: v for f, v in r.seconds.ListFields()})
+                     seconds={f.name: v for f, v in r.seconds.ListFields()},
+                     precision="w4a8" if r.precision == self._pb.tensor.PRECISION_W4A8 else "w4a16",
+                     dispatch_bytes_sent=r.dispatch_bytes_sent)
         if r.routing.top_k:
             k = r.routing.top_k
             res.expert_ids = np.array(r.routing.expert_ids, dtype=np.int32).reshape(-1, k)
             res.weights = np.array(r.routing.weights, dtype=np.float32).reshape(-1, k)
         return res
 
-    def forward(self, x, layer=None, return_routing=False, reply_mode=None, timeout=None):
-        """x: float32 [T, H] (rounded to bf16 here, RNE) or uint16 bf16 bits -> Result."""
-        req = self._forward_request(x, layer, return_routing, reply_mode)
+    def forward(self, x, layer=None, return_routing=False, reply_mode=None, timeout=None,
+                precision=None):
+        """x: float32 [T, H] (rounded to bf16 here, RNE) or uint16 bf16 bits -> Result.
+
+        precision: None (the server's default), "w4a16" or "w4a8" (MXFP8 expert inputs)."""
+        req = self._forward_request(x, layer, return_routing, reply_mode, precision)
         r = _unary(self._attention, "/moe.v1.AttentionService/Forward", req,
                    self._pb.attention.ForwardResponse, timeout or self._timeout)
         return self._result(r)

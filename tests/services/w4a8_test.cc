@@ -1,0 +1,176 @@
+// W4A8 across the cluster (docs/math.md section 6): attention-svc quantizes z to MXFP8 once per
+// token and sends the codes; the expert servers run their FCs on MXFP8 activations. The oracle is
+// the in-process layer in the same mode (CpuMoeLayer::Forward with Precision::kW4A8), which the
+// consistency and NumPy tests tie to the references. Real processes on loopback.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/client/moe_client.h"
+#include "services/dataplane/data_plane.h"
+#include "services/dataplane/ucx_worker.h"
+#include "services/tools/local_cluster.h"
+#include "tests/common/metrics_text.h"
+#include "tests/services/cluster_fixtures.h"
+
+namespace moe {
+namespace {
+
+using tensor::Bf16;
+using testing::CheckpointFor;
+using testing::ClientFor;
+using testing::Concat;
+using testing::InProcessLayer;
+using testing::kGrpc;
+using testing::SameBits;
+using testing::TestCluster;
+using testing::UcxArgs;
+using tools::LocalCluster;
+
+struct W4A8Case {
+  std::string name;
+  std::vector<std::string> attention_args, expert_args;
+  std::string transport;
+};
+void PrintTo(const W4A8Case& c, std::ostream* os) { *os << c.name; }
+
+class ClusterW4A8 : public ::testing::TestWithParam<W4A8Case> {};
+
+// attention-svc starts with --precision=w4a8 (the server's mode); requests that name no
+// precision get W4A8 and say so, a request may ask W4A16 back; both equal the in-process layer
+// in their mode bit for bit (per-pair replies), and the wire carries 33/64 of the bytes.
+TEST_P(ClusterW4A8, EqualsTheInProcessW4A8LayerWithHalfTheWireBytes) {
+  const W4A8Case& p = GetParam();
+  if (p.transport == "ucx" && !dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const std::string& dir = CheckpointFor("mid");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  tools::LocalClusterOptions o = TestCluster(dir, {{0, 40}, {40, 128}});
+  o.attention_args = Concat(p.attention_args, {"--precision=w4a8"});
+  o.expert_args = p.expert_args;
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const int64_t d = cfg.latent;
+  int64_t bytes8 = 0, bytes16 = 0;
+  for (int64_t tokens : {1, 5, 64, 256}) {
+    SCOPED_TRACE(absl::StrCat("T=", tokens));
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 300 + tokens);
+    auto want8 = local->Forward(x, tokens, cfg.hidden, nullptr, nullptr, numerics::Precision::kW4A8);
+    auto want16 = local->Forward(x, tokens, cfg.hidden);
+    ASSERT_TRUE(want8.ok() && want16.ok());
+    // The mode matters: the two in-process outputs differ.
+    EXPECT_FALSE(SameBits(want8->out, want16->out));
+
+    client::ForwardOptions per_pair;  // no precision: the server's W4A8
+    per_pair.return_routing = true;
+    per_pair.reply_mode = v1::REPLY_MODE_PER_PAIR;
+    auto got8 = client->Forward(layer, x, tokens, cfg.hidden, per_pair);
+    ASSERT_TRUE(got8.ok()) << got8.status();
+    EXPECT_EQ(got8->precision, v1::PRECISION_W4A8);
+    EXPECT_EQ(got8->expert_ids, want8->routing.expert_ids);  // selection is full width
+    EXPECT_TRUE(SameBits(got8->out, want8->out)) << "W4A8 per-pair replies must be bit-exact";
+
+    client::ForwardOptions a16 = per_pair;
+    a16.precision = v1::PRECISION_W4A16;
+    auto got16 = client->Forward(layer, x, tokens, cfg.hidden, a16);
+    ASSERT_TRUE(got16.ok()) << got16.status();
+    EXPECT_EQ(got16->precision, v1::PRECISION_W4A16);
+    EXPECT_TRUE(SameBits(got16->out, want16->out));
+    // Per distinct (token, shard) row: d codes + d / 32 scales instead of 2 d bytes.
+    EXPECT_EQ(got8->dispatch_bytes_sent * 2 * d, got16->dispatch_bytes_sent * (d + d / 32));
+    bytes8 += got8->dispatch_bytes_sent;
+    bytes16 += got16->dispatch_bytes_sent;
+
+    // Partial sums in W4A8: the shards' sums against the in-process W4A8 layer, within the
+    // partial-sum bound of cluster_test.cc (1% of outputs, 2^-7 of the row's largest output).
+    client::ForwardOptions partial;
+    partial.reply_mode = v1::REPLY_MODE_PARTIAL_SUM;
+    auto sum = client->Forward(layer, x, tokens, cfg.hidden, partial);
+    ASSERT_TRUE(sum.ok()) << sum.status();
+    EXPECT_EQ(sum->precision, v1::PRECISION_W4A8);
+    int64_t differing = 0;
+    double worst = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      double scale = 0;
+      for (int64_t i = 0; i < cfg.hidden; ++i) {
+        scale = std::max(scale, std::fabs(double{want8->out[t * cfg.hidden + i].ToFloat()}));
+      }
+      for (int64_t i = 0; i < cfg.hidden; ++i) {
+        const double a = sum->out[t * cfg.hidden + i].ToFloat();
+        const double b = want8->out[t * cfg.hidden + i].ToFloat();
+        differing += a != b;
+        worst = std::max(worst, std::fabs(a - b) / scale);
+      }
+    }
+    EXPECT_LE(static_cast<double>(differing) / static_cast<double>(sum->out.size()), 0.01);
+    EXPECT_LE(worst, 0x1p-7);
+  }
+  std::printf("[w4a8 %s] dispatch bytes sent: w4a8 %lld, w4a16 %lld (%.4f)\n", p.name.c_str(),
+              static_cast<long long>(bytes8), static_cast<long long>(bytes16),
+              static_cast<double>(bytes8) / static_cast<double>(bytes16));
+
+  // The wire metrics of both sides: bytes per routed row, by dtype, 528 vs 1024 at D = 512.
+  const std::string attention = (*cluster)->attention_metrics();
+  for (const char* dtype : {"mxfp8", "bf16"}) {
+    SCOPED_TRACE(dtype);
+    const std::vector<std::string> labels = {"direction=\"sent\"", "peer=\"expert\"",
+                                             absl::StrCat("dtype=\"", dtype, "\""),
+                                             absl::StrCat("transport=\"", p.transport, "\"")};
+    const double bytes = moe::testing::ScrapeSum(attention, "moe_wire_bytes_total", labels);
+    const double rows = moe::testing::ScrapeSum(attention, "moe_wire_tokens_total", labels);
+    ASSERT_GT(rows, 0);
+    EXPECT_EQ(bytes / rows, std::string(dtype) == "mxfp8" ? d + d / 32 : 2 * d);
+    double received = 0;
+    for (int i = 0; i < (*cluster)->num_shards(); ++i) {
+      received += moe::testing::ScrapeSum((*cluster)->shard_metrics(i), "moe_wire_bytes_total",
+                                          {"direction=\"received\"", labels[2], labels[3]});
+    }
+    EXPECT_EQ(received, bytes) << "what attention-svc sent is what the shards received";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports, ClusterW4A8,
+    ::testing::Values(W4A8Case{"grpc", kGrpc, kGrpc, "grpc"},
+                      W4A8Case{"ucx_shm", UcxArgs("posix,tcp"), UcxArgs("posix,tcp"), "ucx"}),
+    [](const auto& info) { return info.param.name; });
+
+// A shard started with --precision=w4a16 refuses W4A8 by name (UNIMPLEMENTED), and serves
+// W4A16 on; a bad precision value is INVALID_ARGUMENT.
+TEST(ClusterW4A8Refusal, AShardThatServesW4A16OnlySaysSo) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  tools::LocalClusterOptions o = TestCluster(dir, {{0, 5}, {5, 16}});
+  o.expert_args = {"--precision=w4a16"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto client = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 16, 9);
+  client::ForwardOptions a8;
+  a8.precision = v1::PRECISION_W4A8;
+  auto refused = client->Forward(layer, x, 16, cfg.hidden, a8);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
+  EXPECT_NE(refused.status().message().find("serves w4a16 only"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find("shard-"), std::string::npos) << refused.status();
+  client::ForwardOptions bogus;
+  bogus.precision = static_cast<v1::Precision>(7);
+  auto bad = client->Forward(layer, x, 16, cfg.hidden, bogus);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  // The default (W4A16) still works, and equals the in-process layer.
+  auto ok = client->Forward(layer, x, 16, cfg.hidden);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->precision, v1::PRECISION_W4A16);
+  EXPECT_TRUE(SameBits(ok->out, local->Forward(x, 16, cfg.hidden)->out));
+}
+
+}  // namespace
+}  // namespace moe
