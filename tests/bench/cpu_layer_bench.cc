@@ -12,7 +12,8 @@
 //    at the K3 shape (D 3584, I 3072) on the threaded expert path, weights streamed from DRAM
 //    (64 experts = 1.1 GB, more than any cache): 1 and 4 tokens per expert as weight bytes/s
 //    over the read bandwidth and over the roof min(bandwidth, FMA peak / (4 flops per byte x
-//    tokens)); 64 and 256 tokens per expert as FLOP/s over the FMA peak.
+//    tokens)); 64 and 256 tokens per expert as FLOP/s over the FMA peak. Each also in W4A8
+//    (MXFP8 activations, docs/math.md section 6): its time next to W4A16's.
 // 3. Dense bf16 projections: T = 1 over a 1.06 GB weight (K3 shared-expert gate rows x 12, so it
 //    streams from DRAM) as bytes/s, T = 256 on [6144 x 7168] as FLOP/s; OpenBLAS sgemm on fp32
 //    copies for comparison (Debian's OpenBLAS has no bf16 GEMM).
@@ -204,6 +205,16 @@ void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet
       volatile uint16_t sink = y[0].bits;
       (void)sink;
     });
+    // W4A8: the same experts on MXFP8 activations as they arrive at a shard (z quantized by the
+    // attention node: not timed), h quantized after SiTU inside (timed).
+    const numerics::Mxfp8Rows z8 = numerics::QuantizeMxfp8Rows(z.data(), per_expert, c.latent);
+    const double s8 = Median(per_expert >= 64 ? 2 : 4, [&] {
+      auto y = numerics::cpu::RunExperts(k, &pool, c, set.w, r, z8);
+      volatile uint16_t sink = y[0].bits;
+      (void)sink;
+    });
+    Add(tag + std::to_string(per_expert) + " tok/expert, W4A8 vs W4A16",
+        F("%.2f vs ", 1e3 * s8) + F("%.2f ms", 1e3 * s), F("W4A8 takes %.2fx", s8 / s));
     const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
     const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * per_expert * experts;
     if (per_expert <= 4) {

@@ -1,0 +1,173 @@
+// W4A8 against W4A16 on one local cluster (issue: W4A8 MXFP8 latent activations): the same
+// requests in both modes (ForwardOptions.precision), so quality and speed are compared on the
+// same processes, inputs and routing.
+//
+//   build/tests/w4a8_bench [--preset mid | --checkpoint DIR] [--tokens 16,64,256]
+//                          [--quality_tokens 64] [--seconds 3] [--data_plane grpc|ucx_shm]
+//
+// Quality: the layer output of W4A8 against W4A16 on --quality_tokens synthetic tokens: relative
+// RMS error, the largest error in bf16 ulps of its row's RMS (numerics/tolerance.h), and whether
+// routing (expert ids and weights) is identical. Speed, per T and mode: tokens/s of one client
+// in a loop for --seconds, the activation bytes sent to the shards per forward, and the dispatch
+// time (first message out to last reply in), median.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/client/moe_client.h"
+#include "services/common/flags.h"
+#include "services/numerics/tolerance.h"
+#include "services/tools/local_cluster.h"
+
+namespace moe::bench {
+namespace {
+
+using tensor::Bf16;
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int Main(int argc, char** argv) {
+  std::string checkpoint, preset = "mid", data_plane = "grpc";
+  std::vector<int64_t> sizes = {16, 64, 256};
+  int64_t quality_tokens = 64;
+  double seconds = 3;
+  int shards = 2;
+  SvcFlags f("w4a8_bench", "W4A8 against W4A16 on one local cluster: quality and speed.");
+  f.String("checkpoint", &checkpoint, "checkpoint directory (empty: synthetic --preset)");
+  f.String("preset", &preset, "synthetic preset when no checkpoint");
+  f.IntList("tokens", &sizes, "batch sizes of the speed rows, comma-separated");
+  f.Int64("quality_tokens", &quality_tokens, "tokens of the quality comparison");
+  f.Double("seconds", &seconds, "seconds per speed point and mode");
+  f.Int("shards", &shards, "expert shards");
+  f.String("data_plane", &data_plane, "grpc or ucx_shm");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  if (checkpoint.empty()) {
+    checkpoint = "/tmp/moe_w4a8_bench_" + preset;
+    auto cfg = PresetConfig(preset);
+    if (!cfg.ok()) return 2;
+    checkpoint::SyntheticOptions so;
+    so.router_skew = 1.0;
+    if (absl::Status s = checkpoint::WriteSyntheticCheckpoint(*cfg, checkpoint, so); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  auto ckpt = checkpoint::Checkpoint::Open(checkpoint);
+  if (!ckpt.ok()) {
+    std::fprintf(stderr, "%s\n", ckpt.status().ToString().c_str());
+    return 1;
+  }
+  const ModelConfig cfg = *(*ckpt)->LoadConfig();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+
+  tools::LocalClusterOptions co;
+  co.checkpoint = checkpoint;
+  co.num_shards = shards;
+  if (data_plane == "ucx_shm") {
+    co.expert_args = co.attention_args = {"--data_plane=ucx", "--ucx_tls=posix,tcp"};
+  } else if (data_plane == "grpc") {
+    co.expert_args = co.attention_args = {"--data_plane=grpc"};
+  } else {
+    std::fprintf(stderr, "--data_plane must be grpc or ucx_shm\n");
+    return 2;
+  }
+  co.start_timeout = absl::Minutes(10);  // k3 shards map 7.9 GB each
+  auto cluster = tools::LocalCluster::Start(co);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "%s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  client::ClientOptions clo = (*cluster)->client_options();
+  clo.timeout = absl::Minutes(5);
+  auto client = client::MoeClient::Create(clo);
+  if (!client.ok()) return 1;
+  std::printf("%s (H %lld, D %lld, E %lld, k %lld), %d shards, %s, per-pair replies\n",
+              checkpoint.c_str(), static_cast<long long>(cfg.hidden),
+              static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
+              static_cast<long long>(cfg.top_k), shards, data_plane.c_str());
+
+  auto forward = [&](const std::vector<Bf16>& x, int64_t tokens, v1::Precision p,
+                     bool routing) -> absl::StatusOr<client::ForwardResult> {
+    client::ForwardOptions o;
+    o.precision = p;
+    o.return_routing = routing;
+    return (*client)->Forward(layer, x, tokens, cfg.hidden, o);
+  };
+
+  {  // Quality on the same inputs.
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, quality_tokens, 77);
+    auto a16 = forward(x, quality_tokens, v1::PRECISION_W4A16, true);
+    auto a8 = forward(x, quality_tokens, v1::PRECISION_W4A8, true);
+    if (!a16.ok() || !a8.ok()) {
+      std::fprintf(stderr, "%s\n", (!a16.ok() ? a16 : a8).status().ToString().c_str());
+      return 1;
+    }
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a16->out.size(); ++i) {
+      const double d = double{a8->out[i].ToFloat()} - a16->out[i].ToFloat();
+      num += d * d;
+      den += double{a16->out[i].ToFloat()} * a16->out[i].ToFloat();
+    }
+    numerics::UlpStats stats;
+    stats.AddRows(a8->out.data(), a16->out.data(), quality_tokens, cfg.hidden);
+    const bool same_routing =
+        a8->expert_ids == a16->expert_ids && a8->weights == a16->weights;
+    std::printf(
+        "quality, W4A8 vs W4A16, %lld tokens: relative RMS error %.3e, max error %.1f bf16 ulps "
+        "of the row RMS, %.1f%% of outputs differ, routing identical: %s\n",
+        static_cast<long long>(quality_tokens), std::sqrt(num / den), stats.max_row_ulps,
+        100.0 * static_cast<double>(stats.differing) / static_cast<double>(stats.total),
+        same_routing ? "yes" : "NO");
+  }
+
+  std::printf("\n| T | mode | tokens/s | activation bytes sent per forward | dispatch ms (median) |\n"
+              "|---:|---|---:|---:|---:|\n");
+  for (int64_t t : sizes) {
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
+    int64_t bytes16 = 0;
+    for (v1::Precision p : {v1::PRECISION_W4A16, v1::PRECISION_W4A8}) {
+      if (!forward(x, t, p, false).ok()) return 1;  // warm-up
+      int64_t n = 0, bytes = 0;
+      std::vector<double> dispatch;
+      const auto t0 = Clock::now();
+      while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds || n < 2) {
+        auto r = forward(x, t, p, false);
+        if (!r.ok()) {
+          std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+          return 1;
+        }
+        bytes = r->dispatch_bytes_sent;
+        dispatch.push_back(r->seconds.dispatch());
+        ++n;
+      }
+      const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (p == v1::PRECISION_W4A16) bytes16 = bytes;
+      std::printf("| %lld | %s | %.1f | %lld%s | %.2f |\n", static_cast<long long>(t),
+                  p == v1::PRECISION_W4A8 ? "W4A8" : "W4A16", static_cast<double>(n * t) / wall,
+                  static_cast<long long>(bytes),
+                  p == v1::PRECISION_W4A8
+                      ? (" (" + std::to_string(static_cast<double>(bytes) / bytes16).substr(0, 6) +
+                         " of W4A16)")
+                            .c_str()
+                      : "",
+                  1e3 * Median(dispatch));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe::bench
+
+int main(int argc, char** argv) { return moe::bench::Main(argc, argv); }
