@@ -78,9 +78,8 @@ absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, bool w4a8,
   const v1::Precision got =
       reply.precision() == v1::PRECISION_UNSPECIFIED ? v1::PRECISION_W4A16 : reply.precision();
   if (got == want) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("shard ", shard, " answered in ",
-                                          v1::Precision_Name(got), " for a batch sent in ",
-                                          v1::Precision_Name(want)));
+  return absl::InternalError(absl::StrCat("shard ", shard, " answered in ", v1::Precision_Name(got),
+                                          " for a batch sent in ", v1::Precision_Name(want)));
 }
 
 v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const DispatchMessage& m,

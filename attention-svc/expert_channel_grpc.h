@@ -17,7 +17,7 @@ class ExpertStream;
 namespace moe::v1 {
 class DispatchRequest;
 class DispatchReply;
-}
+}  // namespace moe::v1
 
 namespace moe::attention_svc {
 

@@ -217,8 +217,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   // that the transfer owns.
   if (m.mxfp8()) {
     std::memcpy((*send_buffer)->data(), m.z8.codes.data(), m.z8.codes.size());
-    std::memcpy((*send_buffer)->data() + m.z8.codes.size(),
-                m.z8.scales.data(), m.z8.scales.size());
+    std::memcpy((*send_buffer)->data() + m.z8.codes.size(), m.z8.scales.data(), m.z8.scales.size());
   } else {
     std::memcpy((*send_buffer)->data(), m.z.data(), bytes);
   }

@@ -210,8 +210,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     // W4A8: z quantized to MXFP8 once per token here; every message carries its tokens' rows.
     std::optional<tensor::Mxfp8Rows> z8;
     if (w4a8) z8 = numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d);
-    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route,
-                                              batch_spec, z8 ? &*z8 : nullptr));
+    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route, batch_spec,
+                                              z8 ? &*z8 : nullptr));
     if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
       metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
     }

@@ -19,10 +19,11 @@ int main(int argc, char** argv) {
   flags.Typed("reply_mode", &o.reply_mode, moe::attention_svc::ReplyModeName,
               moe::attention_svc::ParseReplyMode,
               "per_pair|partial_sum: the default reply mode of the expert shards");
-  flags.Typed("precision", &o.precision, moe::numerics::PrecisionName,
-              [](const std::string& s) { return moe::numerics::ParsePrecision(s); },
-              "w4a16|w4a8: the routed experts' precision of requests that name none (w4a8 "
-              "sends z in MXFP8)");
+  flags.Typed(
+      "precision", &o.precision, moe::numerics::PrecisionName,
+      [](const std::string& s) { return moe::numerics::ParsePrecision(s); },
+      "w4a16|w4a8: the routed experts' precision of requests that name none (w4a8 "
+      "sends z in MXFP8)");
   flags.Int("threads", &o.threads, "dense compute threads (0: all cores)");
   flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");

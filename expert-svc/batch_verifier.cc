@@ -145,9 +145,9 @@ void BatchVerifier::Check(const Sample& s) {
   const int64_t worst = stats.worst_index;
   Record(VerifyResult::kMismatch,
          absl::StrCat(what, ": outside the expert FFN ", w4a8 ? "W4A8 " : "", "tolerance (",
-                      stats.Str(), "); worst at row ",
-                      worst / cfg_.latent, " column ", worst % cfg_.latent, ": got ",
-                      s.y[worst].ToFloat(), ", reference ", want[worst].ToFloat()));
+                      stats.Str(), "); worst at row ", worst / cfg_.latent, " column ",
+                      worst % cfg_.latent, ": got ", s.y[worst].ToFloat(), ", reference ",
+                      want[worst].ToFloat()));
 }
 
 void BatchVerifier::Record(VerifyResult r, const std::string& detail) {

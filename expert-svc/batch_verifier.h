@@ -65,8 +65,7 @@ class BatchVerifier {
   // or the batch's MXFP8 inputs (W4A8; z is then null), checked against the reference's W4A8
   // within kExpertFfnW4A8Tolerance.
   void OnBatch(uint64_t batch_id, int64_t layer, const numerics::Routing& routing,
-               const tensor::Bf16* z, const tensor::Bf16* y,
-               const tensor::Mxfp8Rows* z8 = nullptr);
+               const tensor::Bf16* z, const tensor::Bf16* y, const tensor::Mxfp8Rows* z8 = nullptr);
   // Waits until every queued sample has been checked (tests, shutdown).
   void Drain();
 

@@ -84,9 +84,9 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
           absl::StrCat(where, ": unknown precision ", static_cast<int>(req.precision())));
   }
   if (std::find(served.begin(), served.end(), b->precision) == served.end()) {
-    return absl::UnimplementedError(absl::StrCat(where, ": this shard serves ",
-                                                 PrecisionList(served), " only (--precision); the batch asks ",
-                                                 PrecisionName(b->precision)));
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": this shard serves ", PrecisionList(served),
+                     " only (--precision); the batch asks ", PrecisionName(b->precision)));
   }
   if (req.groups_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": no expert groups"));
@@ -124,8 +124,7 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
                      pair_bytes, " bytes) exceed this server's limit of ", limits.max_message_bytes,
                      " bytes per batch (--max_message_bytes)"));
   }
-  const std::string_view data =
-      oob != nullptr ? *oob : std::string_view(req.activations().data());
+  const std::string_view data = oob != nullptr ? *oob : std::string_view(req.activations().data());
   const bool mxfp8 = req.activations().dtype() == v1::DTYPE_MXFP8;
   if (mxfp8 && b->precision != numerics::Precision::kW4A8) {
     return absl::InvalidArgumentError(
@@ -185,8 +184,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
     source.assign(req.row_source().begin(), req.row_source().end());
     for (int64_t r = 0; r < rows; ++r) {
       if (source[r] < 0 || source[r] >= z.rows) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ",
-                                                       source[r], " outside [0, ", z.rows, ")"));
+        return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ", source[r],
+                                                       " outside [0, ", z.rows, ")"));
       }
     }
   }

@@ -32,8 +32,8 @@ struct Batch {
   const numerics::MoeLayerWeights* layer = nullptr;
   v1::ReplyMode mode = v1::REPLY_MODE_PER_PAIR;
   int64_t rows = 0;
-  int64_t experts = 0;          // distinct experts (the request's groups, strictly ascending)
-  numerics::Routing routing;    // one row per (token, expert) pair: tokens = rows, top_k = 1
+  int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
+  numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
   numerics::Precision precision = numerics::Precision::kW4A16;
   std::vector<tensor::Bf16> z;  // [rows, D] (W4A16)
   tensor::Mxfp8Rows z8;         // [rows, D] (W4A8; z is then empty)

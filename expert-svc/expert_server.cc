@@ -132,7 +132,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<checkpoint::Checkpoint> ckpt_;
   std::map<int64_t, MoeLayerWeights> layers_;
   std::map<int64_t, std::unique_ptr<ExpertBackend>> backends_;  // per hosted layer
-  std::vector<numerics::Precision> precisions_;                  // served, the default first
+  std::vector<numerics::Precision> precisions_;                 // served, the default first
   const numerics::cpu::KernelTable* kernels_ = nullptr;
   std::unique_ptr<numerics::cpu::ThreadPool> pool_;
   std::unique_ptr<transport::GrpcServer> server_;
@@ -367,8 +367,8 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const std::vector<Bf16>& y = *computed;
   reply->set_precision(w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
   if (verifier_ != nullptr) {
-    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, w4a8 ? nullptr : b.z.data(),
-                       y.data(), w4a8 ? &b.z8 : nullptr);
+    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, w4a8 ? nullptr : b.z.data(), y.data(),
+                       w4a8 ? &b.z8 : nullptr);
   }
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
     transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
@@ -508,11 +508,11 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
 
 void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream, bool work_begun,
                                const Batch* oob, const std::string_view* oob_bytes) {
-  absl::StatusOr<std::unique_ptr<Batch>> batch = ValidateDispatch(
-      req, oob_bytes,
-      DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent, options_.max_message_bytes,
-                     precisions_},
-      layers_);
+  absl::StatusOr<std::unique_ptr<Batch>> batch =
+      ValidateDispatch(req, oob_bytes,
+                       DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent,
+                                      options_.max_message_bytes, precisions_},
+                       layers_);
   if (!batch.ok()) {
     if (metrics_ != nullptr) {
       metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));

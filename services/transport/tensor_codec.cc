@@ -152,15 +152,15 @@ absl::StatusOr<tensor::Mxfp8Rows> DecodeMxfp8Matrix(const v1::Tensor& t, std::st
                                                     int64_t expected_cols) {
   if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
   if (t.dtype() != v1::DTYPE_MXFP8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": dtype ", DTypeLabel(t.dtype()), " not accepted (expected DTYPE_MXFP8)"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", DTypeLabel(t.dtype()),
+                                                   " not accepted (expected DTYPE_MXFP8)"));
   }
   tensor::Mxfp8Rows m;
   m.rows = t.shape(0);
   m.cols = t.shape(1);
   if (m.cols != expected_cols || m.cols % 32 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": width ", m.cols, " but this layer needs ",
-                                                   expected_cols, " (a multiple of 32)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": width ", m.cols, " but this layer needs ", expected_cols, " (a multiple of 32)"));
   }
   if (m.rows == 0) return absl::InvalidArgumentError(absl::StrCat(what, ": no rows (T = 0)"));
   const size_t codes = static_cast<size_t>(m.rows * m.cols), scales = codes / 32;
@@ -178,10 +178,10 @@ absl::StatusOr<tensor::Mxfp8Rows> DecodeMxfp8Matrix(const v1::Tensor& t, std::st
   for (uint8_t s : m.scales) any_nan |= static_cast<uint8_t>(s == 0xFF);
   for (size_t i = 0; any_nan != 0 && i < codes; ++i) {
     if ((m.codes[i] & 0x7F) == 0x7F || m.scales[i / 32] == 0xFF) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": row ", i / static_cast<size_t>(m.cols), " column ",
-          i % static_cast<size_t>(m.cols), " is not finite (",
-          m.scales[i / 32] == 0xFF ? "NaN scale" : "NaN code", ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": row ", i / static_cast<size_t>(m.cols), " column ",
+                       i % static_cast<size_t>(m.cols), " is not finite (",
+                       m.scales[i / 32] == 0xFF ? "NaN scale" : "NaN code", ")"));
     }
   }
   return m;

@@ -54,8 +54,7 @@ void SetMxfp8Header(int64_t rows, int64_t cols, v1::Tensor* out);
 // A DTYPE_MXFP8 tensor [rows, expected_cols] with its bytes in `data`: shape and byte count
 // checked, NaN codes and scales refused (naming row and column).
 absl::StatusOr<tensor::Mxfp8Rows> DecodeMxfp8Matrix(const v1::Tensor& t, std::string_view data,
-                                                    const std::string& what,
-                                                    int64_t expected_cols);
+                                                    const std::string& what, int64_t expected_cols);
 
 }  // namespace moe::transport
 

@@ -120,8 +120,7 @@ int Main(int argc, char** argv) {
     }
     numerics::UlpStats stats;
     stats.AddRows(a8->out.data(), a16->out.data(), quality_tokens, cfg.hidden);
-    const bool same_routing =
-        a8->expert_ids == a16->expert_ids && a8->weights == a16->weights;
+    const bool same_routing = a8->expert_ids == a16->expert_ids && a8->weights == a16->weights;
     std::printf(
         "quality, W4A8 vs W4A16, %lld tokens: relative RMS error %.3e, max error %.1f bf16 ulps "
         "of the row RMS, %.1f%% of outputs differ, routing identical: %s\n",
@@ -130,8 +129,9 @@ int Main(int argc, char** argv) {
         same_routing ? "yes" : "NO");
   }
 
-  std::printf("\n| T | mode | tokens/s | activation bytes sent per forward | dispatch ms (median) |\n"
-              "|---:|---|---:|---:|---:|\n");
+  std::printf(
+      "\n| T | mode | tokens/s | activation bytes sent per forward | dispatch ms (median) |\n"
+      "|---:|---|---:|---:|---:|\n");
   for (int64_t t : sizes) {
     const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
     int64_t bytes16 = 0;

@@ -60,7 +60,8 @@ TEST_P(ClusterW4A8, EqualsTheInProcessW4A8LayerWithHalfTheWireBytes) {
   for (int64_t tokens : {1, 5, 64, 256}) {
     SCOPED_TRACE(absl::StrCat("T=", tokens));
     const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 300 + tokens);
-    auto want8 = local->Forward(x, tokens, cfg.hidden, nullptr, nullptr, numerics::Precision::kW4A8);
+    auto want8 =
+        local->Forward(x, tokens, cfg.hidden, nullptr, nullptr, numerics::Precision::kW4A8);
     auto want16 = local->Forward(x, tokens, cfg.hidden);
     ASSERT_TRUE(want8.ok() && want16.ok());
     // The mode matters: the two in-process outputs differ.
@@ -134,11 +135,11 @@ TEST_P(ClusterW4A8, EqualsTheInProcessW4A8LayerWithHalfTheWireBytes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Transports, ClusterW4A8,
-    ::testing::Values(W4A8Case{"grpc", kGrpc, kGrpc, "grpc"},
-                      W4A8Case{"ucx_shm", UcxArgs("posix,tcp"), UcxArgs("posix,tcp"), "ucx"}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Transports, ClusterW4A8,
+                         ::testing::Values(W4A8Case{"grpc", kGrpc, kGrpc, "grpc"},
+                                           W4A8Case{"ucx_shm", UcxArgs("posix,tcp"),
+                                                    UcxArgs("posix,tcp"), "ucx"}),
+                         [](const auto& info) { return info.param.name; });
 
 // A shard started with --precision=w4a16 refuses W4A8 by name (UNIMPLEMENTED), and serves
 // W4A16 on; a bad precision value is INVALID_ARGUMENT.
