@@ -222,6 +222,13 @@ def test_open_inference_protocol(endpoint, ref):
     g = decode_infer(oip(ch, "ModelInfer", infer_request(model, x[:5], outputs=["output"],
                                                           params={"reply_mode": "partial_sum"})))
     assert g["output"][1] == [5, 1024]
+    # W4A8 through a request parameter: the in-process C++ layer's W4A8 bits; a bad value refused.
+    g = decode_infer(oip(ch, "ModelInfer", infer_request(model, x[:5], outputs=["output"],
+                                                          params={"precision": "w4a8"})))
+    assert np.array_equal(g["output"][2], ref["out_w4a8"][:5]), "W4A8 ModelInfer differs"
+    assert "precision" in expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], params={"precision": "w4a4"})))
     # The large batch (5.3 MB in, 5.3 MB out).
     big = decode_infer(oip(ch, "ModelInfer", infer_request(model, x, outputs=["output"])))
     assert np.array_equal(big["output"][2], out), "large ModelInfer differs"
@@ -284,6 +291,17 @@ def test_python_client(client_dir, attention, router, ref, work):
         assert np.array_equal(r.weights, ref["weights"][:7])
         assert np.array_equal(c.forward(x_bits[:7]).out_bf16, out[:7])  # bf16 bits in
         assert np.array_equal(c.forward(x).out_bf16, out), "large forward differs"
+        # W4A8 per request: the in-process layer's W4A8 bits, the mode said, 33/64 of the bytes.
+        r8, r16 = c.forward(x, precision="w4a8"), c.forward(x, precision="w4a16")
+        assert np.array_equal(r8.out_bf16, ref["out_w4a8"]), "W4A8 forward differs"
+        assert (r8.precision, r16.precision) == ("w4a8", "w4a16")
+        assert r8.dispatch_bytes_sent * 1024 == r16.dispatch_bytes_sent * 528, (r8, r16)
+        assert not np.array_equal(r8.out_bf16, out)
+        try:
+            c.forward(x[:2], precision="fp8")
+            raise AssertionError("a bad precision was accepted")
+        except ValueError as e:
+            assert "w4a16 or w4a8" in str(e)
         s = c.stream()
         ids = {s.send(x[:3]): out[:3], s.send(x[3:11]): out[3:11]}
         bad = s.send(x[:2], layer=99)
@@ -399,6 +417,13 @@ def main():
                     "--seed", "9", "--output", ref_path], check=True, stdout=subprocess.DEVNULL,
                    timeout=300)
     ref, _ = read_safetensors(ref_path)
+    ref8_path = os.path.join(args.work, "ref-w4a8.safetensors")
+    subprocess.run([args.moe_tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS),
+                    "--seed", "9", "--precision", "w4a8", "--output", ref8_path], check=True,
+                   stdout=subprocess.DEVNULL, timeout=300)
+    ref8, _ = read_safetensors(ref8_path)
+    assert np.array_equal(ref8["x"], ref["x"])
+    ref["out_w4a8"] = ref8["out"]
     up, cluster = start_cluster(args.moe_cli, ckpt, os.path.join(args.work, "cluster"),
                                 ["--admin_token_file", admin_token_file(args.work, ADMIN)])
     try:
