@@ -47,7 +47,7 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   k.situ(g.get(), u.get(), n * rows, beta, linear_beta, h.get());
   // W4A8: h through MXFP8 before FC2 reads it. A work item's rows start at a multiple of
   // kExpertRowBlock (of 32), so its blocks of 32 are the reference's blocks of each token's h.
-  if (precision == Precision::kW4A8) RoundTripMxfp8Rows(h.get(), n, rows);
+  if (precision == Precision::kW4A8) k.mxfp8_roundtrip(h.get(), n * rows);
   // h into the FC2 activations: the slot of each row once, not once per element.
   for (int64_t r = r0; r < r1; ++r) {
     const float* hr = h.get() + (r - r0);

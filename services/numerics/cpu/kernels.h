@@ -14,6 +14,9 @@
 //    per token) -> out fp32 [tokens, ld_out], row r of the matrix in column r - r0. The
 //    products are exact, but the sums are split over vector lanes (and, with AVX512-BF16,
 //    over bf16 pairs), so results differ from the reference by fp32 rounding.
+//  * mxfp8_roundtrip: values through MXFP8 and back (numerics/mxfp8.h): the block scale from the
+//    block's amax by its exponent bits, the E4M3 rounding as integer rounding of the fp32
+//    mantissa (vroundps below 2^-6), no codes materialized.
 //  * situ: h = bf16(SiTU(bf16(g), bf16(u))) elementwise, fp32 in and out, with vectorized exp
 //    and tanh (a few fp32 ulp from the reference's correctly rounded ones).
 #ifndef MOE_SERVICES_NUMERICS_CPU_KERNELS_H_
@@ -64,6 +67,10 @@ struct KernelTable {
   // The fp32 multiply-add peak probe of this ISA: `iters` iterations of independent
   // register-resident FMA chains (more chains than latency x ports); returns the flops done.
   double (*fma_probe)(int64_t iters);
+  // W4A8's h: n values (n a multiple of 32, blocks of 32 consecutive values) rounded through
+  // MXFP8 in place, bit for bit numerics::RoundTripMxfp8Rows (the scalar table calls it). Finite
+  // input only.
+  void (*mxfp8_roundtrip)(float* values, int64_t n);
 };
 
 // Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).

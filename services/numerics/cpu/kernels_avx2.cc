@@ -583,11 +583,78 @@ double FmaProbe(int64_t iters) {
   return 2.0 * 8 * 10 * static_cast<double>(iters);
 }
 
+
+// ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
+
+// The MXFP8 block exponent e of amax (finite, >= 0): the smallest e with amax <= 448 x 2^e,
+// clamped to [-127, 127], from the bits: amax = m x 2^E with m in [1, 2) needs e = E - 8, one
+// more when m > 1.75 (448 = 1.75 x 2^8); subnormal amax clamps to -127.
+inline int Mxfp8Exponent(float amax) {
+  uint32_t u;
+  std::memcpy(&u, &amax, sizeof(u));
+  const int biased = static_cast<int>(u >> 23);
+  if (biased == 0) return -127;
+  const int e = biased - 127 - 8 + ((u & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// 2^k for k in [-127, 127] (2^-127 is subnormal).
+inline float Pow2(int k) {
+  const uint32_t u = k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// One E4M3 rounding of 8 values already divided by the block scale (|y| <= 448): the fp32
+// mantissa rounded to 3 bits, half to even, from 2^-6 up; multiples of 2^-9 below (vroundps
+// rounds half to even); the sign kept by both.
+inline __m256 RoundE4M3(__m256 y) {
+  const __m256i u = _mm256_castps_si256(y);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFFF)), lsb),
+      _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m256 sub = _mm256_mul_ps(
+      _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(512.0f)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm256_set1_ps(1.0f / 512.0f));
+  const __m256 a = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(1.0f / 64.0f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), sub, small);
+}
+
+void RoundTripMxfp8(float* v, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < n; b += 32) {
+    __m256 x[4];
+    __m256 m = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      x[i] = _mm256_loadu_ps(v + b + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(x[i], abs_mask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    // An all-zero block takes the smallest scale (2^-127); its values stay +-0 either way.
+    const int e = amax > 0.0f ? Mxfp8Exponent(amax) : -127;
+    const __m256 inv = _mm256_set1_ps(Pow2(-e)), scale = _mm256_set1_ps(Pow2(e));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(v + b + 8 * i,
+                       _mm256_mul_ps(RoundE4M3(_mm256_mul_ps(x[i], inv)), scale));
+    }
+  }
+}
+
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table = {Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64, Gemm,    Mxfp4Rows,
-                                    Situ,       MxPanel, MxLayout::kByteLut, 64, FmaProbe};
+  static const KernelTable table = {Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64,       Gemm,
+                                    Mxfp4Rows,  Situ,    MxPanel,            MxLayout::kByteLut,
+                                    64,         FmaProbe, RoundTripMxfp8};
   return table;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include "services/numerics/cpu/kernels.h"
 
@@ -618,12 +619,61 @@ double FmaProbe(int64_t iters) {
   return 2.0 * 16 * 12 * static_cast<double>(iters);
 }
 
+
+// ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
+
+// The MXFP8 block exponent e of amax (finite, >= 0): the smallest e with amax <= 448 x 2^e,
+// clamped to [-127, 127], from the bits (as in kernels_avx2.cc; each ISA file keeps its own
+// copy: no inline code is shared across differently compiled files).
+inline int Mxfp8Exponent(float amax) {
+  uint32_t u;
+  std::memcpy(&u, &amax, sizeof(u));
+  const int biased = static_cast<int>(u >> 23);
+  if (biased == 0) return -127;
+  const int e = biased - 127 - 8 + ((u & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+  return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+inline float Pow2(int k) {
+  const uint32_t u = k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// E4M3 rounding of 16 values already divided by the block scale (see kernels_avx2.cc).
+inline __m512 RoundE4M3(__m512 y) {
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFFF)), lsb),
+      _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m512 sub = _mm512_mul_ps(
+      _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(512.0f)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(1.0f / 64.0f),
+                                             _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(small, _mm512_castsi512_ps(r), sub);
+}
+
+void RoundTripMxfp8(float* v, int64_t n) {
+  for (int64_t b = 0; b < n; b += 32) {
+    const __m512 x0 = _mm512_loadu_ps(v + b), x1 = _mm512_loadu_ps(v + b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const int e = amax > 0.0f ? Mxfp8Exponent(amax) : -127;
+    const __m512 inv = _mm512_set1_ps(Pow2(-e)), scale = _mm512_set1_ps(Pow2(e));
+    _mm512_storeu_ps(v + b, _mm512_mul_ps(RoundE4M3(_mm512_mul_ps(x0, inv)), scale));
+    _mm512_storeu_ps(v + b + 16, _mm512_mul_ps(RoundE4M3(_mm512_mul_ps(x1, inv)), scale));
+  }
+}
+
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
   static const KernelTable table = {
       Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,    Mxfp4Rows,
-      Situ,         MxPanel,  MxLayout::kFloat, 128, FmaProbe};
+      Situ,         MxPanel,  MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8};
   return table;
 }
 
@@ -638,7 +688,8 @@ const KernelTable& Avx512Bf16Kernels() {
                                     MxPanel,
                                     MxLayout::kFloat,
                                     128,
-                                    FmaProbe};
+                                    FmaProbe,
+                                    RoundTripMxfp8};
   return table;
 }
 

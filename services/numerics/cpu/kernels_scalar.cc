@@ -4,6 +4,7 @@
 
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/mxfp4.h"
+#include "services/numerics/mxfp8.h"
 #include "services/numerics/situ.h"
 #include "services/tensor/bf16.h"
 
@@ -54,6 +55,8 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
 }
 
 // Scalar multiply + add (the build does not contract them into FMA) on 8 independent chains.
+void RoundTripScalar(float* values, int64_t n) { RoundTripMxfp8Rows(values, 1, n); }
+
 double FmaProbeScalar(int64_t iters) {
   float acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = 0.001f * static_cast<float>(i);
@@ -74,7 +77,7 @@ double FmaProbeScalar(int64_t iters) {
 const KernelTable& ScalarKernels() {
   static const KernelTable table = {
       Isa::kScalar, "scalar", MxLayout::kFloat, 8,   GemmScalar,    Mxfp4RowsScalar,
-      SituScalar,   nullptr,  MxLayout::kFloat, 128, FmaProbeScalar};
+      SituScalar,   nullptr,  MxLayout::kFloat, 128, FmaProbeScalar, RoundTripScalar};
   return table;
 }
 

@@ -2,6 +2,7 @@
 // machine supports (scalar, AVX2, AVX-512), with named tolerances.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -191,6 +192,43 @@ TEST_P(Consistency, ExpertFfnMatchesReference) {
         << stats.Str();
     EXPECT_TRUE(stats.Within(kExpertFfnTolerance)) << stats.Str();
   }
+}
+
+// W4A8's h rounding per ISA against numerics::RoundTripMxfp8Rows, bit for bit (+-0 apart), over
+// blocks at every binade of the scale (2^-149 .. 2^120), exact rounding midpoints, values at the
+// subnormal edge 2^-6 of E4M3, all-zero and signed-zero blocks, and a block whose amax sits just
+// above and at 448 x 2^k. A change of the tie rule or of the scale rule in either fails it.
+TEST_P(Consistency, Mxfp8RoundTripIsBitExact) {
+  Rng rng(11);
+  std::vector<float> v;
+  for (int b = -149; b <= 120; ++b) {  // one block per binade of the largest value
+    for (int i = 0; i < 32; ++i) {
+      v.push_back(std::ldexp(static_cast<float>(rng.Normal()), b - (i % 7)));
+    }
+  }
+  for (int k : {-20, 0, 3}) {  // midpoints between E4M3 neighbours, and the 2^-6 edge
+    for (int i = 0; i < 32; ++i) {
+      const float mid = 1.0f + (2 * (i % 8) + 1) / 16.0f;  // (1 + (m + 1/2)/8)
+      v.push_back(std::ldexp(i < 16 ? mid : (i % 9) / 8.0f + 1.0f / 16, k - (i % 5)));
+    }
+  }
+  for (int i = 0; i < 32; ++i) v.push_back(i % 3 == 0 ? -0.0f : 0.0f);
+  for (float top : {448.0f, std::nextafter(448.0f, 1e9f), 449.0f}) {
+    for (int i = 0; i < 32; ++i) v.push_back(i == 5 ? top : std::ldexp(1.0f + i / 32.0f, -i % 9));
+  }
+  std::vector<float> want = v, got = v;
+  RoundTripMxfp8Rows(want.data(), 1, static_cast<int64_t>(want.size()));
+  k().mxfp8_roundtrip(got.data(), static_cast<int64_t>(got.size()));
+  int64_t differ = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint32_t a, b;
+    std::memcpy(&a, &got[i], 4);
+    std::memcpy(&b, &want[i], 4);
+    if (a != b) {
+      if (++differ <= 5) ADD_FAILURE() << i << ": " << v[i] << " -> " << got[i] << " vs " << want[i];
+    }
+  }
+  EXPECT_EQ(differ, 0) << " of " << v.size();
 }
 
 // W4A8: each ISA's kernels on MXFP8 activations (z decoded from codes, h quantized after
