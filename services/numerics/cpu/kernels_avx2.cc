@@ -583,7 +583,6 @@ double FmaProbe(int64_t iters) {
   return 2.0 * 8 * 10 * static_cast<double>(iters);
 }
 
-
 // ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
 
 // The MXFP8 block exponent e of amax (finite, >= 0): the smallest e with amax <= 448 x 2^e,
@@ -612,13 +611,12 @@ inline float Pow2(int k) {
 inline __m256 RoundE4M3(__m256 y) {
   const __m256i u = _mm256_castps_si256(y);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFFF)), lsb),
-      _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
-  const __m256 sub = _mm256_mul_ps(
-      _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(512.0f)),
-                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-      _mm256_set1_ps(1.0f / 512.0f));
+  const __m256i r =
+      _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFFF)), lsb),
+                       _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(512.0f)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                   _mm256_set1_ps(1.0f / 512.0f));
   const __m256 a = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
   const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(1.0f / 64.0f), _CMP_LT_OQ);
   return _mm256_blendv_ps(_mm256_castsi256_ps(r), sub, small);
@@ -643,8 +641,7 @@ void RoundTripMxfp8(float* v, int64_t n) {
     const __m256 inv = _mm256_set1_ps(Pow2(-e)), scale = _mm256_set1_ps(Pow2(e));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(v + b + 8 * i,
-                       _mm256_mul_ps(RoundE4M3(_mm256_mul_ps(x[i], inv)), scale));
+      _mm256_storeu_ps(v + b + 8 * i, _mm256_mul_ps(RoundE4M3(_mm256_mul_ps(x[i], inv)), scale));
     }
   }
 }
@@ -652,9 +649,9 @@ void RoundTripMxfp8(float* v, int64_t n) {
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table = {Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64,       Gemm,
-                                    Mxfp4Rows,  Situ,    MxPanel,            MxLayout::kByteLut,
-                                    64,         FmaProbe, RoundTripMxfp8};
+  static const KernelTable table = {
+      Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64, Gemm,     Mxfp4Rows,
+      Situ,       MxPanel, MxLayout::kByteLut, 64, FmaProbe, RoundTripMxfp8};
   return table;
 }
 

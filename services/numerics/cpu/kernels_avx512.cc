@@ -619,7 +619,6 @@ double FmaProbe(int64_t iters) {
   return 2.0 * 16 * 12 * static_cast<double>(iters);
 }
 
-
 // ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
 
 // The MXFP8 block exponent e of amax (finite, >= 0): the smallest e with amax <= 448 x 2^e,
@@ -645,15 +644,15 @@ inline float Pow2(int k) {
 inline __m512 RoundE4M3(__m512 y) {
   const __m512i u = _mm512_castps_si512(y);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFFF)), lsb),
-      _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-  const __m512 sub = _mm512_mul_ps(
-      _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(512.0f)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-      _mm512_set1_ps(1.0f / 512.0f));
-  const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(1.0f / 64.0f),
-                                             _CMP_LT_OQ);
+  const __m512i r =
+      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFFF)), lsb),
+                       _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m512 sub =
+      _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(512.0f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                    _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 small =
+      _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(1.0f / 64.0f), _CMP_LT_OQ);
   return _mm512_mask_blend_ps(small, _mm512_castsi512_ps(r), sub);
 }
 
@@ -672,7 +671,7 @@ void RoundTripMxfp8(float* v, int64_t n) {
 
 const KernelTable& Avx512Kernels() {
   static const KernelTable table = {
-      Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,    Mxfp4Rows,
+      Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,     Mxfp4Rows,
       Situ,         MxPanel,  MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8};
   return table;
 }

@@ -76,7 +76,7 @@ double FmaProbeScalar(int64_t iters) {
 
 const KernelTable& ScalarKernels() {
   static const KernelTable table = {
-      Isa::kScalar, "scalar", MxLayout::kFloat, 8,   GemmScalar,    Mxfp4RowsScalar,
+      Isa::kScalar, "scalar", MxLayout::kFloat, 8,   GemmScalar,     Mxfp4RowsScalar,
       SituScalar,   nullptr,  MxLayout::kFloat, 128, FmaProbeScalar, RoundTripScalar};
   return table;
 }

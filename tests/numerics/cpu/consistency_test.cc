@@ -225,7 +225,8 @@ TEST_P(Consistency, Mxfp8RoundTripIsBitExact) {
     std::memcpy(&a, &got[i], 4);
     std::memcpy(&b, &want[i], 4);
     if (a != b) {
-      if (++differ <= 5) ADD_FAILURE() << i << ": " << v[i] << " -> " << got[i] << " vs " << want[i];
+      if (++differ <= 5)
+        ADD_FAILURE() << i << ": " << v[i] << " -> " << got[i] << " vs " << want[i];
     }
   }
   EXPECT_EQ(differ, 0) << " of " << v.size();
