@@ -78,6 +78,17 @@ v1::ReplyMode ParseReplyMode(const std::string& s) {
   return v1::REPLY_MODE_UNSPECIFIED;
 }
 
+// --precision: "" (the server's), w4a16 or w4a8.
+const char* PrecisionFlagName(v1::Precision p) {
+  return p == v1::PRECISION_W4A8 ? "w4a8" : (p == v1::PRECISION_W4A16 ? "w4a16" : "");
+}
+absl::StatusOr<v1::Precision> ParsePrecisionFlag(const std::string& s) {
+  if (s.empty()) return v1::PRECISION_UNSPECIFIED;
+  if (s == "w4a16") return v1::PRECISION_W4A16;
+  if (s == "w4a8") return v1::PRECISION_W4A8;
+  return absl::InvalidArgumentError("--precision: '" + s + "' is not w4a16 or w4a8");
+}
+
 void PrintBalance(const char* what, const v1::Balance& b) {
   std::printf("  %-18s MaxVio %.3f  CV %.3f  min/q %.2f  dead %lld  shard max/mean %.3f\n", what,
               b.max_vio(), b.cv(), b.min_over_target(), static_cast<long long>(b.dead()),
@@ -137,22 +148,25 @@ int Forward(int argc, char** argv) {
   f.String("tensor", &tensor_name, "tensor name inside a .safetensors file");
   f.String("output", &output, "write the output [T, H] as float32 .npy here");
   f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
+  client::ForwardOptions fo;
+  f.Typed("precision", &fo.precision, PrecisionFlagName, ParsePrecisionFlag,
+          "w4a16|w4a8 (default: the server's)");
   f.Bool("routing", &routing, "print the experts of the first tokens");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto x = ReadMatrix(input, tensor_name);
   if (!x.ok()) return Fail(x.status());
   auto client = c.Client();
   if (!client.ok()) return Fail(client.status());
-  client::ForwardOptions fo;
   fo.return_routing = routing;
   fo.reply_mode = ParseReplyMode(reply_mode);
   auto y = (*client)->Forward(static_cast<int32_t>(c.layer), x->values, x->rows, x->cols, fo);
   if (!y.ok()) return Fail(y.status());
   const v1::StageSeconds& s = y->seconds;
   std::printf(
-      "output [%lld, %lld], bias version %llu; ms: router %.2f down %.2f dispatch %.2f "
+      "output [%lld, %lld], %s, bias version %llu; ms: router %.2f down %.2f dispatch %.2f "
       "combine+norm %.2f up %.2f shared %.2f\n",
       static_cast<long long>(y->tokens), static_cast<long long>(y->width),
+      y->precision == v1::PRECISION_W4A8 ? "w4a8" : "w4a16",
       static_cast<unsigned long long>(y->bias_version), 1e3 * s.router(), 1e3 * s.down_proj(),
       1e3 * s.dispatch(), 1e3 * s.combine_norm(), 1e3 * s.up_proj(), 1e3 * s.shared());
   if (routing) {
@@ -333,6 +347,7 @@ struct LoadFlags {
   uint64_t seed = 1;
   int batches = 16;
   std::string reply_mode;
+  v1::Precision precision = v1::PRECISION_UNSPECIFIED;
   void Register(SvcFlags& f) {
     f.Int("batches", &batches, "distinct synthetic input batches to cycle through");
     f.Int("concurrency", &concurrency, "requests in flight");
@@ -340,6 +355,8 @@ struct LoadFlags {
     f.Double("duration", &duration_s, "seconds of traffic");
     f.Uint64("seed", &seed, "input seed");
     f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
+    f.Typed("precision", &precision, PrecisionFlagName, ParsePrecisionFlag,
+            "w4a16|w4a8 (default: the server's)");
   }
   LoadOptions Options(int64_t layer, int64_t hidden) const {
     LoadOptions o;
@@ -351,6 +368,7 @@ struct LoadFlags {
     o.seed = seed;
     o.distinct_batches = batches;
     o.forward.reply_mode = ParseReplyMode(reply_mode);
+    o.forward.precision = precision;
     o.stop = &g_stop;
     return o;
   }

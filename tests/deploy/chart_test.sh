@@ -54,6 +54,8 @@ schema --set experts.shard=4 --expect-invalid "(shard)"
 schema --set router.biasMode=sometimes --expect-invalid "/router/biasMode"
 schema --set attention.workers=0 --expect-invalid "/attention/workers"
 schema --set ports.grpc=70000 --expect-invalid "/ports/grpc"
+schema --set attention.precision=w4a8 --set experts.precision=w4a16,w4a8
+schema --set attention.precision=fp8 --expect-invalid "/attention/precision"
 grep -q '^kubeVersion: ">=1.25.0-0"' "$CHART/Chart.yaml"
 
 echo "== a config change rolls the pods (checksum/config)"
@@ -104,6 +106,17 @@ grep -q -- "--checkpoint=/models/k3/ckpt" "$WORK/claim.yaml"
 grep -q -- "--layers=1,2" "$WORK/claim.yaml"
 if grep -q "synthetic-checkpoint" "$WORK/claim.yaml"; then
   echo "FAIL: an init container writes a synthetic checkpoint although a claim is given"; exit 1
+fi
+
+echo "== W4A8: the attention node's default and the shards' modes reach the flags"
+render -set attention.precision=w4a8 -set experts.precision=w4a16 -out "$WORK/w4a8.yaml"
+node validate.mjs --manifests "$WORK/w4a8.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json"
+grep -q -- "--precision=w4a8" "$WORK/w4a8.yaml"
+grep -q -- "--precision=w4a16$" "$WORK/w4a8.yaml"
+grep -q -- "--precision=w4a16$" "$WORK/default.yaml"  # attention-svc's default
+if [ "$(grep -c -- "--precision=" "$WORK/default.yaml")" != 1 ]; then
+  echo "FAIL: the default values pass --precision to the expert pods"; exit 1
 fi
 
 echo "== the data plane: UCX over RDMA verbs with the device resource"
