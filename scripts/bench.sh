@@ -7,6 +7,8 @@
 # Usage: scripts/bench.sh [--reference_tokens 1,16]   (MOE_CKPT_DIR overrides the path)
 #        scripts/bench.sh --cluster [cluster_bench flags]  (services issue: the disaggregated
 #        layer on loopback vs in process, mid preset, about 1 min)
+#        scripts/bench.sh --w4a8 [w4a8_bench flags]  (W4A8 vs W4A16 on one cluster: quality,
+#        tokens/s, dispatch bytes; mid preset by default, about 30 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF_TOKENS=1
@@ -17,6 +19,11 @@ if [ "${1:-}" = "--cluster" ]; then
   shift
   cmake --build "$BUILD" --target cluster_bench router-svc expert-svc attention-svc
   exec "$BUILD/tests/cluster_bench" "$@"
+fi
+if [ "${1:-}" = "--w4a8" ]; then
+  shift
+  cmake --build "$BUILD" --target w4a8_bench router-svc expert-svc attention-svc
+  exec "$BUILD/tests/w4a8_bench" "$@"
 fi
 if [ "${1:-}" = "--reference_tokens" ]; then REF_TOKENS=$2; fi
 cmake --build "$BUILD" --target moe-tool cpu_layer_bench qb_bench
