@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/strings/str_cat.h"
-
 namespace moe::numerics {
 
 namespace {
@@ -121,15 +119,6 @@ void DequantizeMxfp8Row(const Mxfp8Rows& q, int64_t row, float* out) {
     DequantizeMxfp8Block(q.codes.data() + row * q.cols + b * kMxfp8BlockSize,
                          q.scales[row * blocks + b], out + b * kMxfp8BlockSize);
   }
-}
-
-const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" : "w4a16"; }
-
-absl::StatusOr<Precision> ParsePrecision(std::string_view s) {
-  if (s == "w4a16") return Precision::kW4A16;
-  if (s == "w4a8") return Precision::kW4A8;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown precision \"", absl::string_view(s.data(), s.size()), "\"; use w4a16 or w4a8"));
 }
 
 }  // namespace moe::numerics

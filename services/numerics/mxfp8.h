@@ -13,11 +13,10 @@
 #define MOE_SERVICES_NUMERICS_MXFP8_H_
 
 #include <cstdint>
-#include <string_view>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "services/numerics/mxfp4.h"  // the E8M0 scale (kE8M0Bias, kE8M0NaN, E8M0ToFloat)
+#include "services/numerics/precision.h"
 #include "services/tensor/bf16.h"
 #include "services/tensor/mxfp8_rows.h"
 
@@ -44,13 +43,6 @@ void QuantizeMxfp8Block(const float* values, uint8_t* codes, uint8_t* scale);
 
 // e4m3(code) * 2^(scale - 127) for the 32 values of a block.
 void DequantizeMxfp8Block(const uint8_t* codes, uint8_t scale, float* out);
-
-// The precision modes of the routed experts (docs/math.md section 6): W4A16, latent activations
-// in bf16; W4A8, the expert inputs z and h quantized to MXFP8 (per token, blocks of 32 along
-// the row) before the FC that reads them.
-enum class Precision { kW4A16, kW4A8 };
-const char* PrecisionName(Precision p);  // "w4a16", "w4a8"
-absl::StatusOr<Precision> ParsePrecision(std::string_view s);
 
 // Rows of MXFP8 values (services/tensor/mxfp8_rows.h), the wire form of W4A8 activations.
 using tensor::Mxfp8Rows;
