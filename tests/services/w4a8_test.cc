@@ -88,28 +88,13 @@ TEST_P(ClusterW4A8, EqualsTheInProcessW4A8LayerWithHalfTheWireBytes) {
     bytes16 += got16->dispatch_bytes_sent;
 
     // Partial sums in W4A8: the shards' sums against the in-process W4A8 layer, within the
-    // partial-sum bound of cluster_test.cc (1% of outputs, 2^-7 of the row's largest output).
+    // partial-sum bounds (cluster_fixtures.h).
     client::ForwardOptions partial;
     partial.reply_mode = v1::REPLY_MODE_PARTIAL_SUM;
     auto sum = client->Forward(layer, x, tokens, cfg.hidden, partial);
     ASSERT_TRUE(sum.ok()) << sum.status();
     EXPECT_EQ(sum->precision, v1::PRECISION_W4A8);
-    int64_t differing = 0;
-    double worst = 0;
-    for (int64_t t = 0; t < tokens; ++t) {
-      double scale = 0;
-      for (int64_t i = 0; i < cfg.hidden; ++i) {
-        scale = std::max(scale, std::fabs(double{want8->out[t * cfg.hidden + i].ToFloat()}));
-      }
-      for (int64_t i = 0; i < cfg.hidden; ++i) {
-        const double a = sum->out[t * cfg.hidden + i].ToFloat();
-        const double b = want8->out[t * cfg.hidden + i].ToFloat();
-        differing += a != b;
-        worst = std::max(worst, std::fabs(a - b) / scale);
-      }
-    }
-    EXPECT_LE(static_cast<double>(differing) / static_cast<double>(sum->out.size()), 0.01);
-    EXPECT_LE(worst, 0x1p-7);
+    testing::ExpectWithinPartialSumBounds(sum->out, want8->out, tokens, cfg.hidden);
   }
   std::printf("[w4a8 %s] dispatch bytes sent: w4a8 %lld, w4a16 %lld (%.4f)\n", p.name.c_str(),
               static_cast<long long>(bytes8), static_cast<long long>(bytes16),
