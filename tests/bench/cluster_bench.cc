@@ -36,6 +36,7 @@
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
+#include "tests/bench/bench_checkpoint.h"
 #include "tests/bench/memcpy_bandwidth.h"
 
 namespace moe {
@@ -87,16 +88,11 @@ int Main(int argc, char** argv) {
   f.String("data_planes", &data_planes,
            "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  if (checkpoint.empty()) {
-    checkpoint = "/tmp/moe_cluster_bench_" + preset;
-    auto cfg = PresetConfig(preset);
-    if (!cfg.ok()) return 2;
-    checkpoint::SyntheticOptions so;
-    so.router_skew = 1.0;
-    if (absl::Status s = checkpoint::WriteSyntheticCheckpoint(*cfg, checkpoint, so); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return 1;
-    }
+  if (absl::StatusOr<std::string> dir = bench::BenchCheckpoint(checkpoint, preset, "moe_cluster_bench_"); dir.ok()) {
+    checkpoint = *dir;
+  } else {
+    std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
+    return 1;
   }
   auto ckpt = checkpoint::Checkpoint::Open(checkpoint);
   if (!ckpt.ok()) return 1;

@@ -23,6 +23,7 @@
 #include "services/common/flags.h"
 #include "services/numerics/tolerance.h"
 #include "services/tools/local_cluster.h"
+#include "tests/bench/bench_checkpoint.h"
 
 namespace moe::bench {
 namespace {
@@ -51,16 +52,11 @@ int Main(int argc, char** argv) {
   f.Int("shards", &shards, "expert shards");
   f.String("data_plane", &data_plane, "grpc or ucx_shm");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  if (checkpoint.empty()) {
-    checkpoint = "/tmp/moe_w4a8_bench_" + preset;
-    auto cfg = PresetConfig(preset);
-    if (!cfg.ok()) return 2;
-    checkpoint::SyntheticOptions so;
-    so.router_skew = 1.0;
-    if (absl::Status s = checkpoint::WriteSyntheticCheckpoint(*cfg, checkpoint, so); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return 1;
-    }
+  if (absl::StatusOr<std::string> dir = BenchCheckpoint(checkpoint, preset, "moe_w4a8_bench_"); dir.ok()) {
+    checkpoint = *dir;
+  } else {
+    std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
+    return 1;
   }
   auto ckpt = checkpoint::Checkpoint::Open(checkpoint);
   if (!ckpt.ok()) {
