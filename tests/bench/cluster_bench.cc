@@ -88,7 +88,9 @@ int Main(int argc, char** argv) {
   f.String("data_planes", &data_planes,
            "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  if (absl::StatusOr<std::string> dir = bench::BenchCheckpoint(checkpoint, preset, "moe_cluster_bench_"); dir.ok()) {
+  if (absl::StatusOr<std::string> dir =
+          bench::BenchCheckpoint(checkpoint, preset, "moe_cluster_bench_");
+      dir.ok()) {
     checkpoint = *dir;
   } else {
     std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());

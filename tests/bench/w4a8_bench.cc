@@ -52,7 +52,8 @@ int Main(int argc, char** argv) {
   f.Int("shards", &shards, "expert shards");
   f.String("data_plane", &data_plane, "grpc or ucx_shm");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  if (absl::StatusOr<std::string> dir = BenchCheckpoint(checkpoint, preset, "moe_w4a8_bench_"); dir.ok()) {
+  if (absl::StatusOr<std::string> dir = BenchCheckpoint(checkpoint, preset, "moe_w4a8_bench_");
+      dir.ok()) {
     checkpoint = *dir;
   } else {
     std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
