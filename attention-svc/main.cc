@@ -4,6 +4,7 @@
 #include "attention-svc/attention_server.h"
 #include "services/common/status_macros.h"
 #include "services/common/svc_main.h"
+#include "services/numerics/precision.h"
 #include "services/transport/security.h"
 
 int main(int argc, char** argv) {

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "services/common/status_macros.h"
+#include "services/numerics/precision.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe::expert_svc {

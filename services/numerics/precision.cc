@@ -4,8 +4,6 @@
 
 namespace moe::numerics {
 
-const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" : "w4a16"; }
-
 absl::StatusOr<Precision> ParsePrecision(std::string_view s) {
   if (s == "w4a16") return Precision::kW4A16;
   if (s == "w4a8") return Precision::kW4A8;

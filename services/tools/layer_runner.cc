@@ -11,6 +11,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/cpu/moe_layer.h"
+#include "services/numerics/precision.h"
 #include "services/tools/tensor_file.h"
 
 namespace moe::tools {
