@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_helpers import synth_checkpoint, wait_for  # noqa: E402
 from hostile_lib import (C, LAYER, LIMIT, Canary, Ctx, batch, bf16, dispatch_error,  # noqa: E402
                          dispatch_stream, expect, forward, forward_request, h2_connect, h2_frame,
-                         h2_headers, http, placement, raw_exchange, rss, stats, stop_under_load)
+                         h2_headers, http, placement, raw_exchange, rss, stats, stop_under_load,
+                         tensor)
 from moe_reference import read_safetensors  # noqa: E402
 
 CANARY_TOKENS = 4
@@ -146,6 +147,13 @@ def _(ctx):
 def _(ctx):
     return expect(C.INVALID_ARGUMENT, "unknown reply_mode 9",
                   lambda: forward(ctx, forward_request(ctx, mode=9)))
+
+
+@case("Forward: an unknown precision")
+def _(ctx):
+    r = forward_request(ctx)
+    r.options.precision = 9
+    return expect(C.INVALID_ARGUMENT, "unknown precision 9", lambda: forward(ctx, r))
 
 
 @case("Forward: random bytes instead of a message")
@@ -368,6 +376,33 @@ def _(ctx):
     v = np.full(3 * ctx.latent, 0.25)
     v[7] = np.nan
     return dispatch_error(ctx, batch(ctx, values=v), "INVALID_ARGUMENT", "finite")
+
+
+@case("Dispatch: MXFP8 activations with a NaN code")
+def _(ctx):
+    d = ctx.latent
+    codes = bytearray([0x38] * (3 * d))  # 1.0 everywhere ...
+    codes[d + 5] = 0xFF  # ... but row 1 column 5 (-NaN)
+    r = batch(ctx, precision=2)
+    r.activations.CopyFrom(tensor(ctx.pb, bytes(codes) + bytes([127] * (3 * d // 32)), [3, d],
+                                  ctx.pb.tensor.DTYPE_MXFP8))
+    return dispatch_error(ctx, r, "INVALID_ARGUMENT", "row 1 column 5 is not finite (NaN code)")
+
+
+@case("Dispatch: an MXFP8 shape claiming 2^30 rows in 1 KB")
+def _(ctx):
+    r = batch(ctx, precision=2)
+    r.activations.CopyFrom(tensor(ctx.pb, bytes(1024), [1 << 30, ctx.latent],
+                                  ctx.pb.tensor.DTYPE_MXFP8))
+    return dispatch_error(ctx, r, "INVALID_ARGUMENT", "bytes of data but MXFP8")
+
+
+@case("Dispatch: MXFP8 activations in W4A16")
+def _(ctx):
+    r = batch(ctx, precision=1)
+    r.activations.CopyFrom(tensor(ctx.pb, bytes(3 * ctx.latent * 33 // 32), [3, ctx.latent],
+                                  ctx.pb.tensor.DTYPE_MXFP8))
+    return dispatch_error(ctx, r, "INVALID_ARGUMENT", "MXFP8 activations need precision W4A8")
 
 
 @case("Dispatch: an out-of-band header from an unknown client")
