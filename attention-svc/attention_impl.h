@@ -43,6 +43,7 @@
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
+#include "services/transport/precision_convert.h"
 #include "services/transport/status_convert.h"
 #include "services/transport/stream_reactor.h"
 #include "services/transport/tensor_codec.h"

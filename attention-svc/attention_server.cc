@@ -351,8 +351,7 @@ grpc::ServerUnaryReactor* AttentionServer::Impl::GetModelInfo(grpc::CallbackServ
   resp->set_output_dtype(v1::DTYPE_BF16);
   resp->add_precision_modes("w4a16");
   resp->add_precision_modes("w4a8");
-  resp->set_default_precision(
-      options_.precision == numerics::Precision::kW4A8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
+  resp->set_default_precision(transport::PrecisionToProto(options_.precision));
   resp->add_reply_modes(v1::REPLY_MODE_PER_PAIR);
   resp->add_reply_modes(v1::REPLY_MODE_PARTIAL_SUM);
   resp->set_default_reply_mode(options_.reply_mode == ReplyMode::kPerPair

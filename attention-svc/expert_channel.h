@@ -31,8 +31,6 @@ struct DispatchHeader {
   int64_t num_tokens = 0;  // T of the batch (partial sums: token_index < T)
   int64_t latent = 0;
   int64_t timeout_ms = 0;  // the shard's budget for the batch, queue included
-  // W4A8: the messages carry MXFP8 z (DispatchMessage::z8) and the replies must say W4A8.
-  bool w4a8 = false;
 };
 
 class ExpertCall {

@@ -89,7 +89,8 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
   dr.set_reply_mode(header.mode == ReplyMode::kPerPair ? v1::REPLY_MODE_PER_PAIR
                                                        : v1::REPLY_MODE_PARTIAL_SUM);
   dr.set_timeout_ms(header.timeout_ms);
-  dr.set_precision(header.w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
+  // The precision follows the activations: MXFP8 rows are W4A8 (DispatchMessage::z8).
+  dr.set_precision(m.mxfp8() ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
   for (const auto& [expert, rows] : m.groups) {
     v1::ExpertGroup* g = dr.add_groups();
     g->set_expert_id(expert);
@@ -122,7 +123,7 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
 std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header,
                                                     const DispatchMessage& m) {
   auto pending = stream_->Send(DispatchRequestFor(header, m, /*with_activation_bytes=*/true));
-  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, header.w4a8,
+  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, m.mxfp8(),
                                     header.latent, m.rows(), static_cast<int64_t>(m.tokens.size()));
 }
 

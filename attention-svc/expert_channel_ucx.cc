@@ -240,7 +240,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
     failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
   return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
                                    std::move(sent), std::move(received), *reply_buffer, header.mode,
-                                   header.w4a8, header.latent, m.rows(), u);
+                                   m.mxfp8(), header.latent, m.rows(), u);
 }
 
 }  // namespace moe::attention_svc

@@ -112,20 +112,8 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       return absl::InvalidArgumentError(
           absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
-  numerics::Precision precision = options_.precision;
-  switch (req.options().precision()) {
-    case v1::PRECISION_UNSPECIFIED:
-      break;
-    case v1::PRECISION_W4A16:
-      precision = numerics::Precision::kW4A16;
-      break;
-    case v1::PRECISION_W4A8:
-      precision = numerics::Precision::kW4A8;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown precision ", static_cast<int>(req.options().precision())));
-  }
+  MOE_ASSIGN_OR_RETURN(const numerics::Precision precision,
+                       transport::PrecisionFromProto(req.options().precision(), options_.precision));
   const bool w4a8 = precision == numerics::Precision::kW4A8;
   if (!v1::MissingExperts_IsValid(req.options().missing_experts())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -221,7 +209,6 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     header.mode = mode;
     header.num_tokens = rows;
     header.latent = d;
-    header.w4a8 = w4a8;
     header.timeout_ms =
         std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
     // Every message goes out before any reply is awaited.
@@ -330,7 +317,7 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     *rt->mutable_expert_ids() = {expert_ids.begin(), expert_ids.end()};
     *rt->mutable_weights() = {weights.begin(), weights.end()};
   }
-  resp->set_precision(w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
+  resp->set_precision(transport::PrecisionToProto(precision));
   resp->set_dispatch_bytes_sent(bytes_sent);
   resp->set_dispatch_bytes_received(bytes_received);
   if (degraded_pairs > 0) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_split.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/precision.h"
+#include "services/transport/precision_convert.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe::expert_svc {
@@ -28,7 +29,7 @@ std::chrono::milliseconds BatchBudget(int64_t timeout_ms) {
 std::string PrecisionList(const std::vector<numerics::Precision>& p) {
   std::string out;
   for (numerics::Precision m : p) absl::StrAppend(&out, out.empty() ? "" : ",", PrecisionName(m));
-  return out.empty() ? "w4a16" : out;
+  return out;
 }
 
 absl::StatusOr<std::vector<numerics::Precision>> ParsePrecisionList(const std::string& s) {
@@ -70,20 +71,12 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   const std::vector<numerics::Precision> served =
       limits.precisions.empty() ? std::vector<numerics::Precision>{numerics::Precision::kW4A16}
                                 : limits.precisions;
-  switch (req.precision()) {
-    case v1::PRECISION_UNSPECIFIED:
-      b->precision = served.front();
-      break;
-    case v1::PRECISION_W4A16:
-      b->precision = numerics::Precision::kW4A16;
-      break;
-    case v1::PRECISION_W4A8:
-      b->precision = numerics::Precision::kW4A8;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": unknown precision ", static_cast<int>(req.precision())));
+  absl::StatusOr<numerics::Precision> asked =
+      transport::PrecisionFromProto(req.precision(), served.front());
+  if (!asked.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", asked.status().message()));
   }
+  b->precision = *asked;
   if (std::find(served.begin(), served.end(), b->precision) == served.end()) {
     return absl::UnimplementedError(
         absl::StrCat(where, ": this shard serves ", PrecisionList(served),
@@ -177,29 +170,22 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
       }
     }
   }
-  std::vector<int32_t> source;  // the activations row of each batch row
-  if (req.row_source_size() == 0) {
-    source.resize(static_cast<size_t>(rows));
-    for (int64_t r = 0; r < rows; ++r) source[r] = static_cast<int32_t>(r);
-  } else {
-    source.assign(req.row_source().begin(), req.row_source().end());
-    for (int64_t r = 0; r < rows; ++r) {
-      if (source[r] < 0 || source[r] >= z.rows) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ", source[r],
-                                                       " outside [0, ", z.rows, ")"));
-      }
+  // row_source: the activations row of each batch row (none: row r is row r).
+  const bool gathered = req.row_source_size() != 0;
+  const int32_t* source = req.row_source().data();
+  for (int64_t r = 0; gathered && r < rows; ++r) {
+    if (source[r] < 0 || source[r] >= z.rows) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ", source[r],
+                                                     " outside [0, ", z.rows, ")"));
     }
   }
-  if (mxfp8) {
-    b->z8 = req.row_source_size() == 0 ? std::move(z8) : z8.Gather(source.data(), rows);
-  } else if (b->precision == numerics::Precision::kW4A8) {
-    // BF16 rows in W4A8: quantized here per row, as an attention node quantizes per token.
-    std::vector<Bf16> expanded(static_cast<size_t>(rows * d));
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy_n(z.values.data() + source[r] * d, d, expanded.data() + r * d);
-    }
-    b->z8 = numerics::QuantizeMxfp8Rows(expanded.data(), rows, d);
-  } else if (req.row_source_size() == 0) {
+  if (!mxfp8 && b->precision == numerics::Precision::kW4A8) {
+    // BF16 rows in W4A8: each distinct row quantized here once, as an attention node does.
+    z8 = numerics::QuantizeMxfp8Rows(z.values.data(), z.rows, d);
+  }
+  if (b->precision == numerics::Precision::kW4A8) {
+    b->z8 = gathered ? z8.Gather(source, rows) : std::move(z8);
+  } else if (!gathered) {
     b->z = std::move(z.values);
   } else {
     b->z.resize(static_cast<size_t>(rows * d));

@@ -59,7 +59,8 @@ struct DispatchLimits {
   std::vector<numerics::Precision> precisions;
 };
 
-// "w4a16", "w4a16,w4a8", ... (messages, logs, --precision); empty reads as W4A16.
+// "w4a16", "w4a16,w4a8", ... (messages, logs, --precision); "" for none (the flag's default:
+// every mode of the backend).
 std::string PrecisionList(const std::vector<numerics::Precision>& p);
 // "w4a8" or "w4a16,w4a8" (the first the default); "" is empty (every mode of the backend).
 absl::StatusOr<std::vector<numerics::Precision>> ParsePrecisionList(const std::string& s);

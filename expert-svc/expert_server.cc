@@ -46,6 +46,7 @@
 #include "services/numerics/moe_layer.h"
 #include "services/placement/placement.h"
 #include "services/transport/grpc_server.h"
+#include "services/transport/precision_convert.h"
 #include "services/transport/status_convert.h"
 #include "services/transport/stream_reactor.h"
 #include "services/transport/tensor_codec.h"
@@ -365,7 +366,7 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
     return;
   }
   const std::vector<Bf16>& y = *computed;
-  reply->set_precision(w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
+  reply->set_precision(transport::PrecisionToProto(b.precision));
   if (verifier_ != nullptr) {
     verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, w4a8 ? nullptr : b.z.data(), y.data(),
                        w4a8 ? &b.z8 : nullptr);
@@ -669,8 +670,7 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
   response->set_latent(static_cast<int32_t>(cfg_.latent));
   response->set_backend(backends_.begin()->second->name());
   for (numerics::Precision p : precisions_) {
-    response->add_precisions(p == numerics::Precision::kW4A8 ? v1::PRECISION_W4A8
-                                                             : v1::PRECISION_W4A16);
+    response->add_precisions(transport::PrecisionToProto(p));
   }
   {
     std::shared_lock<std::shared_mutex> lock(ucx_mu_);

@@ -149,15 +149,14 @@ int Main(int argc, char** argv) {
       }
       const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
       if (p == v1::PRECISION_W4A16) bytes16 = bytes;
+      char share[32] = "";
+      if (p == v1::PRECISION_W4A8) {
+        std::snprintf(share, sizeof(share), " (%.4f of W4A16)",
+                      static_cast<double>(bytes) / static_cast<double>(bytes16));
+      }
       std::printf("| %lld | %s | %.1f | %lld%s | %.2f |\n", static_cast<long long>(t),
                   p == v1::PRECISION_W4A8 ? "W4A8" : "W4A16", static_cast<double>(n * t) / wall,
-                  static_cast<long long>(bytes),
-                  p == v1::PRECISION_W4A8
-                      ? (" (" + std::to_string(static_cast<double>(bytes) / bytes16).substr(0, 6) +
-                         " of W4A16)")
-                            .c_str()
-                      : "",
-                  1e3 * Median(dispatch));
+                  static_cast<long long>(bytes), share, 1e3 * Median(dispatch));
       std::fflush(stdout);
     }
   }
