@@ -112,8 +112,9 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       return absl::InvalidArgumentError(
           absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
-  MOE_ASSIGN_OR_RETURN(const numerics::Precision precision,
-                       transport::PrecisionFromProto(req.options().precision(), options_.precision));
+  MOE_ASSIGN_OR_RETURN(
+      const numerics::Precision precision,
+      transport::PrecisionFromProto(req.options().precision(), options_.precision));
   const bool w4a8 = precision == numerics::Precision::kW4A8;
   if (!v1::MissingExperts_IsValid(req.options().missing_experts())) {
     return absl::InvalidArgumentError(absl::StrCat(

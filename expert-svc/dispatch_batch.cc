@@ -175,8 +175,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   const int32_t* source = req.row_source().data();
   for (int64_t r = 0; gathered && r < rows; ++r) {
     if (source[r] < 0 || source[r] >= z.rows) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": row_source[", r, "] = ", source[r],
-                                                     " outside [0, ", z.rows, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": row_source[", r, "] = ", source[r], " outside [0, ", z.rows, ")"));
     }
   }
   if (!mxfp8 && b->precision == numerics::Precision::kW4A8) {
