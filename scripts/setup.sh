@@ -11,14 +11,14 @@ BUILD_PACKAGES=(
   libabsl-dev nlohmann-json3-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
   libcivetweb-dev libspdlog-dev libsqlite3-dev
-  libucx-dev pkg-config
+  libucx-dev libssl-dev pkg-config
 )
 # What the tests and benchmarks need on top: the fuzzer and formatter, test frameworks, the
 # NumPy reference, real peers (Prometheus, Chromium), the chart renderer (Go + sprig + yaml).
 TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-numpy python3-grpcio gnuplot-nox libopenblas-dev
+  python3-numpy python3-grpcio gnuplot-nox libopenblas-dev ucx-utils
   prometheus chromium etcd-server
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )

@@ -165,7 +165,7 @@ bool UcxTransfer::done() const {
   return done_;
 }
 
-void UcxTransfer::Complete(absl::Status status, size_t length) {
+void UcxTransfer::Complete(absl::Status status, size_t length, bool release_buffer) {
   if (on_done_) on_done_(status, length);
   on_done_ = nullptr;
   std::shared_ptr<UcxBuffer> release;
@@ -174,19 +174,36 @@ void UcxTransfer::Complete(absl::Status status, size_t length) {
     done_ = true;
     status_ = std::move(status);
     length_ = length;
-    release = std::move(buffer_);  // UCX is done with the memory
+    if (release_buffer) release = std::move(buffer_);  // UCX is done with the memory
   }
   cv_.notify_all();
 }
 
 class UcxWorkerImpl {
  public:
+  // One chunk of a transfer waiting for its turn on an endpoint (flow control).
+  struct Chunk {
+    std::shared_ptr<UcxTransfer> t;
+    size_t offset = 0, length = 0;
+    uint64_t tag = 0;
+  };
   struct Endpoint {
     ucp_ep_h ep = nullptr;
     uint64_t id = 0;
     bool failed = false;
+    bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER: can be closed forcibly
+    bool owned = true;       // false: UCX made it (a hello's reply endpoint)
     std::function<void(const absl::Status&)> on_error;
     UcxWorkerImpl* owner = nullptr;
+    size_t bytes_in_flight = 0;
+    std::deque<Chunk> waiting;
+  };
+  // One UCX request: a chunk of a transfer.
+  struct Part {
+    std::shared_ptr<UcxTransfer> t;
+    size_t length = 0;  // the chunk's expected length
+    uint64_t ep = 0;    // sends: the endpoint whose window it holds
+    bool exact = true;  // false: any length up to `length` (RecvAny)
   };
 
   ~UcxWorkerImpl() {
@@ -197,6 +214,11 @@ class UcxWorkerImpl {
   }
 
   absl::Status Init(const UcxOptions& o, std::string* address, std::string* tls) {
+    options_ = o;
+    if (options_.chunk_bytes < kMinBufferClass) options_.chunk_bytes = kMinBufferClass;
+    if (options_.max_bytes_in_flight < options_.chunk_bytes) {
+      options_.max_bytes_in_flight = options_.chunk_bytes;
+    }
     ucp_config_t* config = nullptr;
     if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
       return FromUcs(s, "ucp_config_read");
@@ -214,7 +236,7 @@ class UcxWorkerImpl {
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.name = o.name.c_str();
     ucs_status_t s = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -227,6 +249,15 @@ class UcxWorkerImpl {
     }
     if (s = ucp_worker_get_efd(worker_, &efd_); s != UCS_OK)
       return FromUcs(s, "ucp_worker_get_efd");
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = kHelloAmId;
+    hp.cb = &UcxWorkerImpl::OnAm;
+    hp.arg = this;
+    if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK) {
+      return FromUcs(s, "ucp_worker_set_am_recv_handler");
+    }
     ucp_address_t* addr = nullptr;
     size_t len = 0;
     if (s = ucp_worker_get_address(worker_, &addr, &len); s != UCS_OK) {
@@ -241,6 +272,8 @@ class UcxWorkerImpl {
     thread_ = std::thread([this] { Loop(); });
     return absl::OkStatus();
   }
+
+  size_t chunk_bytes() const { return options_.chunk_bytes; }
 
   void Post(std::function<void()> f) {
     {
@@ -266,27 +299,34 @@ class UcxWorkerImpl {
     RunCommands();  // buffer releases posted while the loop wound down
   }
 
+  void SetHello(UcxWorker::HelloFn fn) {
+    Run<bool>([&] {
+      hello_ = std::move(fn);
+      return true;
+    });
+  }
+
   absl::StatusOr<uint64_t> Connect(const std::string& peer,
                                    std::function<void(const absl::Status&)> on_error) {
     return Run<absl::StatusOr<uint64_t>>([&]() -> absl::StatusOr<uint64_t> {
       if (stopping_) return absl::UnavailableError("UCX worker is stopping");
-      auto e = std::make_unique<Endpoint>();
-      e->id = next_ep_++;
-      e->on_error = std::move(on_error);
-      e->owner = this;
-      ucp_ep_params_t ep{};
-      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      ep.address = reinterpret_cast<const ucp_address_t*>(peer.data());
-      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-      ep.err_handler.cb = &UcxWorkerImpl::OnEpError;
-      ep.err_handler.arg = e.get();
-      if (ucs_status_t s = ucp_ep_create(worker_, &ep, &e->ep); s != UCS_OK) {
-        return FromUcs(s, "ucp_ep_create");
+      if (peer.empty()) return absl::InvalidArgumentError("empty UCX worker address");
+      // Shared memory first: UCX 1.13 offers posix/sysv/cma lanes only without peer error
+      // handling. Anything else (a remote peer: TCP, verbs) gets peer error handling.
+      absl::StatusOr<uint64_t> id = Create(peer, /*peer_mode=*/false, on_error);
+      if (id.ok()) {
+        if (LanesOf(*id).kind == "shm") return id;
+        // Nothing was sent on it yet: a flush close returns at once.
+        CloseEp(*id);
       }
-      const uint64_t id = e->id;
-      eps_[id] = std::move(e);
-      return id;
+      return Create(peer, /*peer_mode=*/true, on_error);
+    });
+  }
+
+  absl::StatusOr<UcxLanes> Lanes(uint64_t id) {
+    return Run<absl::StatusOr<UcxLanes>>([&]() -> absl::StatusOr<UcxLanes> {
+      if (eps_.count(id) == 0) return absl::NotFoundError(absl::StrCat("no UCX endpoint ", id));
+      return LanesOf(id);
     });
   }
 
@@ -327,110 +367,341 @@ class UcxWorkerImpl {
     return std::shared_ptr<UcxBuffer>(b, [pool](UcxBuffer* x) { pool->Release(x); });
   }
 
-  std::shared_ptr<UcxTransfer> Start(bool send, uint64_t ep, uint64_t tag,
+  enum class Kind { kSend, kRecv, kRecvAny, kHello };
+
+  std::shared_ptr<UcxTransfer> Start(Kind kind, uint64_t ep, uint64_t tag,
                                      std::shared_ptr<UcxBuffer> buffer, size_t bytes,
-                                     absl::Time deadline, UcxWorker::Done done) {
+                                     absl::Time deadline, UcxWorker::Done done, size_t chunk,
+                                     std::string hello = {}) {
     auto t = std::make_shared<UcxTransfer>();
     t->buffer_ = std::move(buffer);
     t->on_done_ = std::move(done);
     t->deadline_ = deadline;
     t->ep_ = ep;
     t->tag_ = tag;
-    t->what_ = absl::StrCat("UCX ", send ? "send" : "receive", " of tag ", tag);
-    if (t->buffer_ == nullptr || bytes > t->buffer_->capacity()) {
+    t->what_ = kind == Kind::kHello ? std::string("UCX hello")
+                                    : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive",
+                                                   " of tag ", tag);
+    if (chunk == 0) chunk = options_.chunk_bytes;
+    if (kind != Kind::kHello && (t->buffer_ == nullptr || bytes > t->buffer_->capacity())) {
+      t->finished_ = true;
       t->Complete(absl::InvalidArgumentError(
                       absl::StrCat(t->what_, ": ", bytes, " bytes do not fit the buffer")),
                   0);
       return t;
     }
     in_flight_.fetch_add(1);
-    Post([this, t, send, bytes] { send ? StartSend(t, bytes) : StartRecv(t, bytes); });
+    Post([this, t, kind, bytes, chunk, hello = std::move(hello)] {
+      switch (kind) {
+        case Kind::kSend:
+          StartSend(t, bytes, chunk);
+          break;
+        case Kind::kRecv:
+          StartRecv(t, bytes, chunk);
+          break;
+        case Kind::kRecvAny:
+          StartRecvAny(t, bytes);
+          break;
+        case Kind::kHello:
+          StartHello(t, hello);
+          break;
+      }
+    });
     return t;
   }
 
   int64_t in_flight() const { return in_flight_.load(); }
   int64_t registered() const { return pool_ != nullptr ? pool_->registered.load() : 0; }
+  int64_t hellos_dropped() const { return hellos_dropped_.load(); }
 
  private:
+  static constexpr uint16_t kHelloAmId = 1;
+  static constexpr size_t kMaxHelloBytes = 256;
+
   // Progress thread from here on.
+  absl::StatusOr<uint64_t> Create(const std::string& peer, bool peer_mode,
+                                  const std::function<void(const absl::Status&)>& on_error) {
+    auto e = std::make_unique<Endpoint>();
+    e->id = next_ep_++;
+    e->on_error = on_error;
+    e->owner = this;
+    e->peer_mode = peer_mode;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(peer.data());
+    ep.err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    if (peer_mode) {
+      ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.err_handler.cb = &UcxWorkerImpl::OnEpError;
+      ep.err_handler.arg = e.get();
+    }
+    if (ucs_status_t s = ucp_ep_create(worker_, &ep, &e->ep); s != UCS_OK) {
+      return FromUcs(s, "ucp_ep_create");
+    }
+    const uint64_t id = e->id;
+    by_handle_[e->ep] = id;
+    eps_[id] = std::move(e);
+    return id;
+  }
+
+  UcxLanes LanesOf(uint64_t id) {
+    auto it = eps_.find(id);
+    if (it == eps_.end()) return UcxLanes{};
+    char* text = nullptr;
+    size_t size = 0;
+    FILE* f = open_memstream(&text, &size);
+    if (f == nullptr) return UcxLanes{};
+    ucp_ep_print_info(it->second->ep, f);
+    std::fclose(f);
+    UcxLanes lanes = ParseUcxLanes(std::string_view(text, size));
+    std::free(text);
+    return lanes;
+  }
+
+  // The id of an endpoint UCX made for a peer (a hello's reply endpoint), made known once.
+  uint64_t Adopt(ucp_ep_h h) {
+    auto it = by_handle_.find(h);
+    if (it != by_handle_.end()) return it->second;
+    auto e = std::make_unique<Endpoint>();
+    e->id = next_ep_++;
+    e->ep = h;
+    e->owned = false;
+    e->owner = this;
+    const uint64_t id = e->id;
+    by_handle_[h] = id;
+    eps_[id] = std::move(e);
+    return id;
+  }
+
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* /*data*/,
+                           size_t length, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxWorkerImpl*>(arg);
+    // A hello has a header and no data; a reply endpoint is what it is for. Anything else is
+    // dropped (data, eager or rendezvous, is released by UCX when we return UCS_OK).
+    const bool has_reply =
+        (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 && param->reply_ep != nullptr;
+    if (length != 0 || !has_reply || header_length == 0 || header_length > kMaxHelloBytes ||
+        !self->hello_ || self->stopping_) {
+      self->hellos_dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    const uint64_t ep = self->Adopt(param->reply_ep);
+    self->hello_(std::string_view(static_cast<const char*>(header), header_length), ep,
+                 self->LanesOf(ep));
+    return UCS_OK;
+  }
+
   void Finish(const std::shared_ptr<UcxTransfer>& t, absl::Status s, size_t length) {
+    if (t->finished_) return;
+    t->finished_ = true;
     if (!s.ok() && t->cancelled_for_deadline_ &&
         (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled)) {
       s = absl::DeadlineExceededError(absl::StrCat(t->what_, " did not complete by its deadline"));
     }
     in_flight_.fetch_sub(1);
-    t->Complete(std::move(s), length);
+    t->Complete(std::move(s), length, /*release_buffer=*/t->parts_left_ == 0);
+  }
+
+  // One chunk finished (status s, length n); the transfer finishes with its last chunk.
+  void PartDone(const Part& p, absl::Status s, size_t n) {
+    UcxTransfer& t = *p.t;
+    if (p.ep != 0) {
+      auto it = eps_.find(p.ep);
+      if (it != eps_.end()) {
+        it->second->bytes_in_flight -= std::min(it->second->bytes_in_flight, p.length);
+        Pump(*it->second);
+      }
+    }
+    --t.parts_left_;
+    if (s.ok() && p.exact && n != p.length) {
+      s = absl::InvalidArgumentError(
+          absl::StrCat(t.what_, ": a chunk of ", n, " bytes where ", p.length, " were due"));
+    }
+    if (!s.ok() && t.first_error_.ok()) t.first_error_ = s;
+    t.bytes_done_ += n;
+    if (!t.first_error_.ok() && !t.finished_) {
+      // Fail at once; the buffer stays held until UCX is done with every chunk.
+      CancelParts(p.t);
+      Finish(p.t, t.first_error_, 0);
+    }
+    if (t.parts_left_ == 0) {
+      if (!t.finished_) {
+        Finish(p.t, absl::OkStatus(), t.bytes_done_);
+      } else {
+        std::lock_guard<std::mutex> lock(t.mu_);
+        t.buffer_.reset();  // UCX is done with the memory now
+      }
+    }
   }
 
   // After a *_nbx call: r is NULL (done at once), an error, or a request whose callback comes
   // later, or already came inside the call (UCP_OP_ATTR_FLAG_NO_IMM_CMPL: starting_ got it).
-  void Adopt(const std::shared_ptr<UcxTransfer>& t, ucs_status_ptr_t r, size_t bytes) {
-    const bool already = starting_ == nullptr;
-    starting_ = nullptr;
+  void AdoptRequest(const Part& p, ucs_status_ptr_t r) {
+    const bool already = !starting_;
+    starting_ = false;
     if (already) return;
     if (r == nullptr) {
-      Finish(t, absl::OkStatus(), bytes);
+      PartDone(p, absl::OkStatus(), p.length);
     } else if (UCS_PTR_IS_ERR(r)) {
-      Finish(t, FromUcs(UCS_PTR_STATUS(r), t->what_), 0);
+      PartDone(p, FromUcs(UCS_PTR_STATUS(r), p.t->what_), 0);
     } else {
-      t->request_ = r;
-      inflight_[r] = t;
+      inflight_[r] = p;
     }
   }
 
-  void StartSend(const std::shared_ptr<UcxTransfer>& t, size_t bytes) {
+  static std::vector<std::pair<size_t, size_t>> Chunks(size_t bytes, size_t chunk) {
+    std::vector<std::pair<size_t, size_t>> out;
+    for (size_t off = 0; off < bytes || out.empty(); off += chunk) {
+      out.emplace_back(off, std::min(chunk, bytes - off));
+      if (bytes == 0) break;
+    }
+    return out;
+  }
+
+  void StartSend(const std::shared_ptr<UcxTransfer>& t, size_t bytes, size_t chunk) {
     auto it = eps_.find(t->ep_);
     if (stopping_ || it == eps_.end() || it->second->failed) {
       Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the endpoint is closed")), 0);
       return;
     }
-    ucp_request_param_t p{};
-    p.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-    p.cb.send = &UcxWorkerImpl::OnSend;
-    p.user_data = this;
-    p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
-    starting_ = t;
-    Adopt(t, ucp_tag_send_nbx(it->second->ep, t->buffer_->data(), bytes, t->tag_, &p), bytes);
+    const auto chunks = Chunks(bytes, chunk);
+    t->parts_left_ = static_cast<int>(chunks.size());
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      it->second->waiting.push_back(
+          Chunk{t, chunks[i].first, chunks[i].second, t->tag_ + static_cast<uint64_t>(i)});
+    }
+    Pump(*it->second);
   }
 
-  void StartRecv(const std::shared_ptr<UcxTransfer>& t, size_t bytes) {
+  // Starts waiting chunks while the endpoint's window has room (one always goes).
+  void Pump(Endpoint& e) {
+    while (!e.waiting.empty() && !stopping_) {
+      Chunk c = e.waiting.front();
+      if (c.t->finished_) {  // failed or abandoned meanwhile: never started
+        e.waiting.pop_front();
+        --c.t->parts_left_;
+        if (c.t->parts_left_ == 0) {
+          std::lock_guard<std::mutex> lock(c.t->mu_);
+          c.t->buffer_.reset();
+        }
+        continue;
+      }
+      if (e.bytes_in_flight > 0 && e.bytes_in_flight + c.length > options_.max_bytes_in_flight) {
+        return;
+      }
+      e.waiting.pop_front();
+      e.bytes_in_flight += c.length;
+      ucp_request_param_t p{};
+      p.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+      p.cb.send = &UcxWorkerImpl::OnSend;
+      p.user_data = this;
+      p.memh = static_cast<ucp_mem_h>(c.t->buffer_->memh_);
+      const Part part{c.t, c.length, e.id};
+      starting_ = true;
+      starting_part_ = part;
+      AdoptRequest(part,
+                   ucp_tag_send_nbx(e.ep, c.t->buffer_->data() + c.offset, c.length, c.tag, &p));
+    }
+  }
+
+  void StartRecv(const std::shared_ptr<UcxTransfer>& t, size_t bytes, size_t chunk) {
+    if (stopping_) {
+      Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the worker is stopping")), 0);
+      return;
+    }
+    const auto chunks = Chunks(bytes, chunk);
+    t->parts_left_ = static_cast<int>(chunks.size());
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      ucp_request_param_t p{};
+      // Always through the callback, which carries the received length (UCX 1.13 leaves
+      // recv_info unset on immediate completion).
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+      p.cb.recv = &UcxWorkerImpl::OnRecv;
+      p.user_data = this;
+      p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
+      const Part part{t, chunks[i].second, 0};
+      starting_ = true;
+      starting_part_ = part;
+      // The last chunk may take one byte more than due, so a longer message shows as a
+      // length error instead of being cut to fit.
+      const size_t room = std::min(chunks[i].second + (i + 1 == chunks.size() ? 1 : 0),
+                                   t->buffer_->capacity() - chunks[i].first);
+      AdoptRequest(part, ucp_tag_recv_nbx(worker_, t->buffer_->data() + chunks[i].first, room,
+                                          t->tag_ + static_cast<uint64_t>(i), ~ucp_tag_t{0}, &p));
+      if (t->finished_) return;  // failed at once; the rest are never posted
+    }
+  }
+
+  void StartRecvAny(const std::shared_ptr<UcxTransfer>& t, size_t capacity) {
     if (stopping_) {
       Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the worker is stopping")), 0);
       return;
     }
     ucp_request_param_t p{};
-    // Always through the callback, which carries the received length (UCX 1.13 leaves
-    // recv_info unset on immediate completion).
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &UcxWorkerImpl::OnRecv;
     p.user_data = this;
     p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
-    starting_ = t;
-    Adopt(t, ucp_tag_recv_nbx(worker_, t->buffer_->data(), bytes, t->tag_, ~ucp_tag_t{0}, &p), 0);
+    t->parts_left_ = 1;
+    const Part part{t, capacity, 0, /*exact=*/false};
+    starting_ = true;
+    starting_part_ = part;
+    AdoptRequest(
+        part, ucp_tag_recv_nbx(worker_, t->buffer_->data(), capacity, t->tag_, ~ucp_tag_t{0}, &p));
   }
 
-  // The transfer of a request (user_data is the worker; the request is the key of inflight_).
-  std::shared_ptr<UcxTransfer> Take(void* request) {
-    auto it = inflight_.find(request);
-    if (it == inflight_.end()) return nullptr;
-    std::shared_ptr<UcxTransfer> t = std::move(it->second);
-    inflight_.erase(it);
-    return t;
+  void StartHello(const std::shared_ptr<UcxTransfer>& t, const std::string& hello) {
+    auto it = eps_.find(t->ep_);
+    if (stopping_ || it == eps_.end() || it->second->failed) {
+      Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the endpoint is closed")), 0);
+      return;
+    }
+    auto header = std::make_shared<std::string>(hello);
+    hello_headers_.push_back(header);  // UCX may read it until the send completes
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    p.cb.send = &UcxWorkerImpl::OnSend;
+    p.user_data = this;
+    t->parts_left_ = 1;
+    const Part part{t, 0, 0};
+    starting_ = true;
+    starting_part_ = part;
+    AdoptRequest(part, ucp_am_send_nbx(it->second->ep, kHelloAmId, header->data(), header->size(),
+                                       nullptr, 0, &p));
+    if (hello_headers_.size() > 64) hello_headers_.pop_front();
   }
 
   void Completed(void* request, ucs_status_t status, size_t length) {
-    std::shared_ptr<UcxTransfer> t = Take(request);
-    if (t == nullptr && starting_ != nullptr) t = std::move(starting_);  // inside the nbx call
+    Part p;
+    auto it = inflight_.find(request);
+    if (it != inflight_.end()) {
+      p = std::move(it->second);
+      inflight_.erase(it);
+    } else if (starting_) {  // inside the nbx call
+      p = starting_part_;
+      starting_ = false;
+    }
     ucp_request_free(request);
-    if (t == nullptr) return;
-    t->request_ = nullptr;
-    Finish(t, status == UCS_OK ? absl::OkStatus() : FromUcs(status, t->what_), length);
+    if (p.t == nullptr) return;
+    PartDone(p, status == UCS_OK ? absl::OkStatus() : FromUcs(status, p.t->what_), length);
   }
 
   static void OnSend(void* request, ucs_status_t status, void* user_data) {
-    static_cast<UcxWorkerImpl*>(user_data)->Completed(request, status, 0);
+    auto* self = static_cast<UcxWorkerImpl*>(user_data);
+    // A send's length is its chunk's (sends complete whole or fail).
+    size_t n = 0;
+    auto it = self->inflight_.find(request);
+    if (it != self->inflight_.end()) {
+      n = it->second.length;
+    } else if (self->starting_) {
+      n = self->starting_part_.length;
+    }
+    self->Completed(request, status, status == UCS_OK ? n : 0);
   }
   static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
                      void* user_data) {
@@ -449,14 +720,48 @@ class UcxWorkerImpl {
     e->owner->Post([owner = e->owner, id = e->id] { owner->CloseEp(id); });
   }
 
+  // Cancels the UCX requests of a transfer that failed (its other chunks).
+  void CancelParts(const std::shared_ptr<UcxTransfer>& t) {
+    std::vector<void*> mine;
+    for (auto& [r, p] : inflight_) {
+      if (p.t == t) mine.push_back(r);
+    }
+    for (void* r : mine) {
+      if (inflight_.count(r) != 0) ucp_request_cancel(worker_, r);
+    }
+  }
+
   void CloseEp(uint64_t id) {
     auto it = eps_.find(id);
     if (it == eps_.end()) return;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(it->second->ep, &p);
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
+    Endpoint& e = *it->second;
+    // Chunks never started fail with the endpoint.
+    std::deque<Chunk> waiting;
+    waiting.swap(e.waiting);
+    for (Chunk& c : waiting) {
+      --c.t->parts_left_;
+      if (!c.t->finished_) {
+        CancelParts(c.t);
+        Finish(c.t, absl::UnavailableError(absl::StrCat(c.t->what_, ": the endpoint is closed")),
+               0);
+      }
+      if (c.t->parts_left_ == 0) {
+        std::lock_guard<std::mutex> lock(c.t->mu_);
+        c.t->buffer_.reset();
+      }
+    }
+    // An endpoint UCX made for a peer's hello is UCX's: forgotten here, released with the worker.
+    if (e.owned) {
+      ucp_request_param_t p{};
+      // Forcibly only where both sides have peer error handling (UCX's rule); a flush otherwise.
+      if (e.peer_mode) {
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      }
+      ucs_status_ptr_t r = ucp_ep_close_nbx(e.ep, &p);
+      if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
+    }
+    by_handle_.erase(e.ep);
     closed_.push_back(std::move(it->second));  // the error handler's arg stays valid
     eps_.erase(it);
   }
@@ -472,20 +777,36 @@ class UcxWorkerImpl {
     }
   }
 
-  // Cancels what is past its deadline; returns the time to the next deadline.
+  // Cancels what is past its deadline; returns the time to the next deadline. A transfer UCX
+  // has not given back kCancelGrace after its cancel (a send to a dead shared-memory peer) is
+  // failed for its caller (abandoned) while its buffer stays held until UCX lets go; an
+  // endpoint with peer error handling is closed instead, which fails it.
   absl::Duration CheckDeadlines() {
     const absl::Time now = absl::Now();
     absl::Duration next = absl::Milliseconds(200);
     std::vector<uint64_t> to_close;
     std::vector<void*> to_cancel;
-    for (auto& [key, t] : inflight_) {
-      if (!t->cancelled_for_deadline_ && now >= t->deadline_) {
-        t->cancelled_for_deadline_ = true;
-        to_cancel.push_back(t->request_);
-      } else if (t->cancelled_for_deadline_ && now >= t->deadline_ + kCancelGrace && t->ep_ != 0) {
-        to_close.push_back(t->ep_);
-      } else if (!t->cancelled_for_deadline_) {
-        next = std::min(next, t->deadline_ - now);
+    std::vector<std::shared_ptr<UcxTransfer>> to_abandon;
+    for (auto& [key, p] : inflight_) {
+      UcxTransfer& t = *p.t;
+      if (!t.cancelled_for_deadline_ && now >= t.deadline_) {
+        t.cancelled_for_deadline_ = true;
+        to_cancel.push_back(key);
+      } else if (t.cancelled_for_deadline_ && now >= t.deadline_ + kCancelGrace) {
+        auto ep = eps_.find(p.ep);
+        if (ep != eps_.end() && ep->second->peer_mode) {
+          to_close.push_back(p.ep);
+        } else if (!t.finished_) {
+          to_abandon.push_back(p.t);
+        }
+      } else if (!t.cancelled_for_deadline_) {
+        next = std::min(next, t.deadline_ - now);
+      }
+    }
+    // Chunks still waiting for their window past the deadline.
+    for (auto& [id, e] : eps_) {
+      for (Chunk& c : e->waiting) {
+        if (!c.t->finished_ && now >= c.t->deadline_) to_abandon.push_back(c.t);
       }
     }
     // ucp_request_cancel may complete the request at once (its callback edits inflight_).
@@ -493,6 +814,15 @@ class UcxWorkerImpl {
       if (inflight_.count(r) != 0) ucp_request_cancel(worker_, r);
     }
     for (uint64_t ep : to_close) CloseEp(ep);
+    for (auto& t : to_abandon) {
+      if (t->finished_) continue;
+      t->cancelled_for_deadline_ = true;
+      Finish(
+          t,
+          absl::DeadlineExceededError(absl::StrCat(t->what_, " did not complete by its deadline")),
+          0);
+    }
+    for (auto& [id, e] : eps_) Pump(*e);
     return std::max(next, absl::Milliseconds(1));
   }
 
@@ -520,8 +850,8 @@ class UcxWorkerImpl {
           stop_by = absl::Now() + kShutdownGrace;
           // A cancel may complete its request at once (the callback edits inflight_).
           std::vector<void*> requests;
-          for (auto& [request, t] : inflight_) {
-            t->cancelled_for_deadline_ = false;
+          for (auto& [request, p] : inflight_) {
+            p.t->cancelled_for_deadline_ = false;
             requests.push_back(request);
           }
           for (void* r : requests) {
@@ -540,13 +870,17 @@ class UcxWorkerImpl {
       (void)poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(next)) + 1);
     }
     // Whatever UCX did not give back in time: failed here, never left waiting.
-    for (auto& [key, t] : inflight_) {
-      in_flight_.fetch_sub(1);
-      t->Complete(absl::UnavailableError(absl::StrCat(t->what_, ": the worker stopped")), 0);
+    for (auto& [key, p] : inflight_) {
+      if (!p.t->finished_) {
+        p.t->finished_ = true;
+        in_flight_.fetch_sub(1);
+        p.t->Complete(absl::UnavailableError(absl::StrCat(p.t->what_, ": the worker stopped")), 0);
+      }
     }
     inflight_.clear();
   }
 
+  UcxOptions options_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
@@ -556,14 +890,19 @@ class UcxWorkerImpl {
   std::deque<std::function<void()>> commands_;
   std::shared_ptr<UcxBufferPool> pool_;
   std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> hellos_dropped_{0};
   // Progress thread only.
   bool stopping_ = false;
   uint64_t next_ep_ = 1;
+  UcxWorker::HelloFn hello_;
   std::map<uint64_t, std::unique_ptr<Endpoint>> eps_;
+  std::unordered_map<ucp_ep_h, uint64_t> by_handle_;
   std::vector<std::unique_ptr<Endpoint>> closed_;
   std::vector<void*> closing_;
-  std::unordered_map<void*, std::shared_ptr<UcxTransfer>> inflight_;  // by request
-  std::shared_ptr<UcxTransfer> starting_;  // the transfer whose *_nbx call is running
+  std::unordered_map<void*, Part> inflight_;  // by request
+  std::deque<std::shared_ptr<std::string>> hello_headers_;
+  bool starting_ = false;  // a *_nbx call is running for starting_part_
+  Part starting_part_;
 };
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& options) {
@@ -573,6 +912,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   auto w = std::unique_ptr<UcxWorker>(new UcxWorker(std::move(impl)));
   w->address_ = std::move(address);
   w->tls_ = std::move(tls);
+  w->chunk_bytes_ = w->impl_->chunk_bytes();
   return w;
 }
 
@@ -583,19 +923,35 @@ absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& peer_address,
                                             std::function<void(const absl::Status&)> on_error) {
   return impl_->Connect(peer_address, std::move(on_error));
 }
+absl::StatusOr<UcxLanes> UcxWorker::Lanes(uint64_t ep) { return impl_->Lanes(ep); }
 void UcxWorker::Disconnect(uint64_t ep) { impl_->Disconnect(ep); }
+void UcxWorker::OnHello(HelloFn fn) { impl_->SetHello(std::move(fn)); }
+std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t ep, std::string hello,
+                                                  absl::Time deadline) {
+  return impl_->Start(UcxWorkerImpl::Kind::kHello, ep, 0, nullptr, 0, deadline, nullptr, 0,
+                      std::move(hello));
+}
+int64_t UcxWorker::hellos_dropped() const { return impl_->hellos_dropped(); }
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t bytes) {
   return impl_->Buffer(bytes);
 }
 std::shared_ptr<UcxTransfer> UcxWorker::Send(uint64_t ep, uint64_t tag,
                                              std::shared_ptr<UcxBuffer> buffer, size_t bytes,
-                                             absl::Time deadline, Done done) {
-  return impl_->Start(true, ep, tag, std::move(buffer), bytes, deadline, std::move(done));
+                                             absl::Time deadline, Done done, size_t chunk_bytes) {
+  return impl_->Start(UcxWorkerImpl::Kind::kSend, ep, tag, std::move(buffer), bytes, deadline,
+                      std::move(done), chunk_bytes);
 }
 std::shared_ptr<UcxTransfer> UcxWorker::Recv(uint64_t tag, std::shared_ptr<UcxBuffer> buffer,
-                                             absl::Time deadline, Done done) {
+                                             size_t bytes, absl::Time deadline, Done done,
+                                             size_t chunk_bytes) {
+  return impl_->Start(UcxWorkerImpl::Kind::kRecv, 0, tag, std::move(buffer), bytes, deadline,
+                      std::move(done), chunk_bytes);
+}
+std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t tag, std::shared_ptr<UcxBuffer> buffer,
+                                                absl::Time deadline, Done done) {
   const size_t bytes = buffer != nullptr ? buffer->capacity() : 0;
-  return impl_->Start(false, 0, tag, std::move(buffer), bytes, deadline, std::move(done));
+  return impl_->Start(UcxWorkerImpl::Kind::kRecvAny, 0, tag, std::move(buffer), bytes, deadline,
+                      std::move(done), 0);
 }
 int64_t UcxWorker::transfers_in_flight() const { return impl_->in_flight(); }
 int64_t UcxWorker::buffers_registered() const { return impl_->registered(); }

@@ -5,11 +5,24 @@
 //
 // Every transfer has a deadline: a send or receive not complete by then is cancelled and fails
 // with DEADLINE_EXCEEDED; a peer that fails (endpoint error) fails its transfers with
-// UNAVAILABLE. A transfer's buffer is held by the transfer until UCX is done with it, so a
-// caller that gives up early can never have its memory written or read after it moved on.
+// UNAVAILABLE. A transfer's buffer is held until UCX is done with it, so a caller that gives up
+// early can never have its memory written or read after it moved on.
+//
+// Lanes: Connect first makes the endpoint without peer error handling and keeps it when every
+// lane UCX chose is shared memory (posix, sysv, cma: UCX 1.13 offers them only without
+// UCP_ERR_HANDLING_MODE_PEER, whose endpoints would silently run over TCP); otherwise it makes
+// it again with peer error handling (TCP, RDMA verbs). Lanes() says what UCX really selected.
+// A shared-memory peer that dies is found by the caller's gRPC stream and the deadlines.
+//
+// Flow control: a payload moves in chunks of at most chunk_bytes (tags tag, tag + 1, ...), and
+// an endpoint has at most max_bytes_in_flight of sends started; the rest wait their turn.
+//
+// Active messages: the only one is the hello (data_plane.h): OnHello's callback gets its bytes
+// and the endpoint it came on (UCX's reply endpoint), so a server never parses a peer's address.
 //
 //   MOE_ASSIGN_OR_RETURN(auto w, UcxWorker::Create({.name = "attention-0"}));
 //   MOE_ASSIGN_OR_RETURN(uint64_t ep, w->Connect(peer_address, on_peer_error));
+//   MOE_ASSIGN_OR_RETURN(UcxLanes lanes, w->Lanes(ep));  // lanes.kind == "shm" on one host
 //   auto buf = w->Buffer(bytes);  std::memcpy(buf->data(), src, bytes);
 //   auto sent = w->Send(ep, tag, buf, bytes, deadline);
 //   auto got = w->Recv(reply_tag, reply_buf, deadline);
@@ -31,6 +44,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "services/dataplane/data_plane.h"
 
 namespace moe::dataplane {
 
@@ -44,6 +58,10 @@ struct UcxOptions {
   std::string tls;
   // Free registered buffers kept per size class for reuse (more are unmapped when released).
   int pooled_buffers_per_class = 16;
+  // A payload moves in chunks of at most this many bytes (the receiver is told the size).
+  size_t chunk_bytes = size_t{4} << 20;
+  // Bytes of sends started and not yet complete per endpoint; further chunks wait.
+  size_t max_bytes_in_flight = size_t{64} << 20;
 };
 
 class UcxWorkerImpl;
@@ -80,7 +98,8 @@ class UcxTransfer {
 
  private:
   friend class UcxWorkerImpl;
-  void Complete(absl::Status status, size_t length);
+  // Runs the callback and wakes the waiters; releases the buffer unless UCX may still use it.
+  void Complete(absl::Status status, size_t length, bool release_buffer = true);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -88,10 +107,13 @@ class UcxTransfer {
   absl::Status status_;
   size_t length_ = 0;
   // Progress-thread state.
+  int parts_left_ = 0;        // chunks not yet complete
+  size_t bytes_done_ = 0;     // of the chunks complete
+  absl::Status first_error_;  // of any chunk
+  bool finished_ = false;     // Complete ran (abandoned transfers finish before UCX is done)
   std::shared_ptr<UcxBuffer> buffer_;
   std::function<void(const absl::Status&, size_t)> on_done_;
   absl::Time deadline_ = absl::InfiniteFuture();
-  void* request_ = nullptr;
   bool cancelled_for_deadline_ = false;
   uint64_t ep_ = 0;
   uint64_t tag_ = 0;
@@ -107,28 +129,56 @@ class UcxWorker {
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
 
-  // This worker's address (opaque bytes a peer passes to Connect).
+  // This worker's address (opaque bytes a peer passes to Connect). Hand it only to peers
+  // that authenticated: UCX itself authenticates nobody.
   const std::string& address() const { return address_; }
   // The transports UCX was asked for ("posix,self", or "default").
   const std::string& tls() const { return tls_; }
+  size_t chunk_bytes() const { return chunk_bytes_; }
 
-  // An endpoint to a peer worker with peer error handling. on_error runs once (progress thread)
-  // when the peer fails; the endpoint's transfers then fail with UNAVAILABLE.
+  // An endpoint to a peer worker whose address came from a trusted source (UCX may abort on a
+  // malformed one): shared-memory lanes without peer error handling when UCX can give them,
+  // else peer error handling (see above). on_error runs once (progress thread) when a peer
+  // with error handling fails; the endpoint's transfers then fail with UNAVAILABLE.
   absl::StatusOr<uint64_t> Connect(const std::string& peer_address,
                                    std::function<void(const absl::Status&)> on_error);
-  // Closes an endpoint (forcibly: its unfinished transfers fail with UNAVAILABLE).
+  // The lanes UCX selected for an endpoint (read from UCX, not from the configuration).
+  absl::StatusOr<UcxLanes> Lanes(uint64_t ep);
+  // Closes an endpoint: forcibly when it has peer error handling (its unfinished transfers
+  // fail with UNAVAILABLE), else by a flush that may never end for a dead peer (bounded by the
+  // transfers' deadlines; given up at shutdown).
   void Disconnect(uint64_t ep);
+
+  // The hello handler (progress thread; must not block nor call back into this worker but for
+  // Send/Recv/Disconnect): the message's bytes (at most 256; longer ones and any with data
+  // attached are dropped and counted), the endpoint it came on and that endpoint's lanes. Set
+  // it before the address is handed out.
+  using HelloFn =
+      std::function<void(std::string_view hello, uint64_t reply_ep, const UcxLanes& lanes)>;
+  void OnHello(HelloFn fn);
+  // Sends a hello (an active message with a reply endpoint) on `ep`.
+  std::shared_ptr<UcxTransfer> SendHello(uint64_t ep, std::string hello, absl::Time deadline);
+  // Active messages dropped as malformed (hostile or confused peers).
+  int64_t hellos_dropped() const;
 
   // A registered buffer of at least `bytes`, from the pool (registration only when the pool has
   // none of that size class yet).
   absl::StatusOr<std::shared_ptr<UcxBuffer>> Buffer(size_t bytes);
 
-  // Tagged send of buffer[0, bytes) to `ep`; the transfer holds `buffer` until it completes.
+  // Tagged send of buffer[0, bytes) to `ep` in chunks of chunk_bytes (tags tag, tag + 1, ...);
+  // the transfer holds `buffer` until UCX is done with every chunk.
   std::shared_ptr<UcxTransfer> Send(uint64_t ep, uint64_t tag, std::shared_ptr<UcxBuffer> buffer,
-                                    size_t bytes, absl::Time deadline, Done done = nullptr);
-  // Receives the message with exactly this tag (from any peer) into buffer.
-  std::shared_ptr<UcxTransfer> Recv(uint64_t tag, std::shared_ptr<UcxBuffer> buffer,
-                                    absl::Time deadline, Done done = nullptr);
+                                    size_t bytes, absl::Time deadline, Done done = nullptr,
+                                    size_t chunk_bytes = 0);
+  // Receives exactly `bytes` sent by Send with this tag and chunk size (0: this worker's) into
+  // buffer; a chunk of another length fails the transfer (INVALID_ARGUMENT, or INTERNAL for a
+  // longer one). Tags match from any peer: payloads are checked (payload_mac.h) by the caller.
+  std::shared_ptr<UcxTransfer> Recv(uint64_t tag, std::shared_ptr<UcxBuffer> buffer, size_t bytes,
+                                    absl::Time deadline, Done done = nullptr,
+                                    size_t chunk_bytes = 0);
+  // Receives one message of any length up to the buffer's capacity (small control messages).
+  std::shared_ptr<UcxTransfer> RecvAny(uint64_t tag, std::shared_ptr<UcxBuffer> buffer,
+                                       absl::Time deadline, Done done = nullptr);
 
   // Counters (any thread).
   int64_t transfers_in_flight() const;
@@ -138,6 +188,7 @@ class UcxWorker {
   explicit UcxWorker(std::unique_ptr<UcxWorkerImpl> impl);
   std::unique_ptr<UcxWorkerImpl> impl_;
   std::string address_, tls_;
+  size_t chunk_bytes_ = 0;
 };
 
 }  // namespace moe::dataplane

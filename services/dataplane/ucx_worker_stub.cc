@@ -24,16 +24,28 @@ absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string&,
                                             std::function<void(const absl::Status&)>) {
   return absl::UnimplementedError("built without UCX");
 }
+absl::StatusOr<UcxLanes> UcxWorker::Lanes(uint64_t) {
+  return absl::UnimplementedError("built without UCX");
+}
 void UcxWorker::Disconnect(uint64_t) {}
+void UcxWorker::OnHello(HelloFn) {}
+std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t, std::string, absl::Time) {
+  return std::make_shared<UcxTransfer>();
+}
+int64_t UcxWorker::hellos_dropped() const { return 0; }
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t) {
   return absl::UnimplementedError("built without UCX");
 }
 std::shared_ptr<UcxTransfer> UcxWorker::Send(uint64_t, uint64_t, std::shared_ptr<UcxBuffer>, size_t,
-                                             absl::Time, Done) {
+                                             absl::Time, Done, size_t) {
   return std::make_shared<UcxTransfer>();
 }
-std::shared_ptr<UcxTransfer> UcxWorker::Recv(uint64_t, std::shared_ptr<UcxBuffer>, absl::Time,
-                                             Done) {
+std::shared_ptr<UcxTransfer> UcxWorker::Recv(uint64_t, std::shared_ptr<UcxBuffer>, size_t,
+                                             absl::Time, Done, size_t) {
+  return std::make_shared<UcxTransfer>();
+}
+std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t, std::shared_ptr<UcxBuffer>, absl::Time,
+                                                Done) {
   return std::make_shared<UcxTransfer>();
 }
 int64_t UcxWorker::transfers_in_flight() const { return 0; }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -34,12 +35,63 @@ std::shared_ptr<UcxBuffer> Filled(UcxWorker& w, size_t bytes, uint8_t seed) {
   return *b;
 }
 
-class UcxTransports : public ::testing::TestWithParam<std::string> {};
+// UCX_TLS and the lane kind UCX must then really select (read from UCX): shared memory only
+// without peer error handling (UCX 1.13), so "posix,tcp" puts the rendezvous lanes on TCP and
+// the worker falls back to an all-TCP endpoint with peer error handling.
+struct Lane {
+  std::string tls, kind;
+};
+class UcxTransports : public ::testing::TestWithParam<Lane> {};
+
+TEST_P(UcxTransports, TheLaneIsTheOneUcxSelected) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  auto a = MakeWorker(GetParam().tls, "a");
+  auto b = MakeWorker(GetParam().tls, "b");
+  ASSERT_NE(b, nullptr);
+  auto ep = a->Connect(b->address(), nullptr);
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  auto lanes = a->Lanes(*ep);
+  ASSERT_TRUE(lanes.ok()) << lanes.status();
+  EXPECT_EQ(lanes->kind, GetParam().kind) << lanes->Describe();
+  // The other side sees the same lanes on the endpoint UCX made for our hello.
+  std::atomic<uint64_t> hello_ep{0};
+  std::string seen_lanes, seen_hello;
+  std::mutex mu;
+  b->OnHello([&](std::string_view hello, uint64_t from, const UcxLanes& l) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen_hello = std::string(hello);
+    seen_lanes = l.kind;
+    hello_ep.store(from);
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  ASSERT_TRUE(a->SendHello(*ep, "hello there", deadline)->Wait(deadline).ok());
+  for (int i = 0; i < 200 && hello_ep.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_NE(hello_ep.load(), 0u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(seen_hello, "hello there");
+    EXPECT_EQ(seen_lanes, GetParam().kind);
+  }
+  // And can answer on it, chunked: 3 MiB + 5 in 1 MiB chunks.
+  auto in = a->Buffer((3 << 20) + 5);
+  ASSERT_TRUE(in.ok());
+  auto r = a->Recv(77, *in, (3 << 20) + 5, deadline, nullptr, 1 << 20);
+  auto out = Filled(*b, (3 << 20) + 5, 4);
+  ASSERT_TRUE(b->Send(hello_ep.load(), 77, out, (3 << 20) + 5, deadline, nullptr, 1 << 20)
+                  ->Wait(deadline)
+                  .ok());
+  auto n = r->Wait(deadline);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, size_t{(3 << 20) + 5});
+  EXPECT_EQ(std::memcmp(out->data(), (*in)->data(), (3 << 20) + 5), 0);
+}
 
 TEST_P(UcxTransports, TaggedMessagesArriveWholeAndMatchTheirTags) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
-  auto a = MakeWorker(GetParam(), "a");
-  auto b = MakeWorker(GetParam(), "b");
+  auto a = MakeWorker(GetParam().tls, "a");
+  auto b = MakeWorker(GetParam().tls, "b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   auto ep = a->Connect(b->address(), nullptr);
@@ -55,7 +107,7 @@ TEST_P(UcxTransports, TaggedMessagesArriveWholeAndMatchTheirTags) {
   for (size_t j = sizes.size(); j-- > 0;) {
     auto buf = b->Buffer(sizes[j]);
     ASSERT_TRUE(buf.ok());
-    auto recv = b->Recv(100 + j, *buf, deadline);
+    auto recv = b->Recv(100 + j, *buf, sizes[j], deadline);
     auto n = recv->Wait(deadline);
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(*n, sizes[j]);
@@ -72,8 +124,8 @@ TEST_P(UcxTransports, TaggedMessagesArriveWholeAndMatchTheirTags) {
 
 TEST_P(UcxTransports, BuffersAreRegisteredOnceAndReused) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
-  auto a = MakeWorker(GetParam(), "a");
-  auto b = MakeWorker(GetParam(), "b");
+  auto a = MakeWorker(GetParam().tls, "a");
+  auto b = MakeWorker(GetParam().tls, "b");
   ASSERT_NE(b, nullptr);
   auto ep = a->Connect(b->address(), nullptr);
   ASSERT_TRUE(ep.ok());
@@ -82,7 +134,7 @@ TEST_P(UcxTransports, BuffersAreRegisteredOnceAndReused) {
     auto out = Filled(*a, 200000, static_cast<uint8_t>(i));
     auto in = b->Buffer(200000);
     ASSERT_TRUE(in.ok());
-    auto r = b->Recv(i, *in, deadline);
+    auto r = b->Recv(i, *in, 200000, deadline);
     auto s = a->Send(*ep, i, out, 200000, deadline);
     ASSERT_TRUE(r->Wait(deadline).ok());
     ASSERT_TRUE(s->Wait(deadline).ok());
@@ -93,9 +145,11 @@ TEST_P(UcxTransports, BuffersAreRegisteredOnceAndReused) {
   EXPECT_LE(b->buffers_registered(), 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tls, UcxTransports, ::testing::Values("posix,tcp", "sysv,tcp", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Tls, UcxTransports,
+                         ::testing::Values(Lane{"posix", "shm"}, Lane{"sysv", "shm"},
+                                           Lane{"posix,tcp", "tcp"}, Lane{"tcp", "tcp"}),
                          [](const auto& info) {
-                           std::string name = info.param;
+                           std::string name = info.param.tls;
                            for (char& c : name) c = c == ',' ? '_' : c;
                            return name;
                          });
@@ -107,7 +161,7 @@ TEST(UcxWorker, AReceiveNobodySendsEndsAtItsDeadline) {
   auto buf = a->Buffer(4096);
   ASSERT_TRUE(buf.ok());
   const absl::Time t0 = absl::Now();
-  auto r = a->Recv(42, *buf, t0 + absl::Milliseconds(150));
+  auto r = a->Recv(42, *buf, 4096, t0 + absl::Milliseconds(150));
   auto n = r->Wait(t0 + absl::Seconds(5));  // the transfer's own deadline comes first
   EXPECT_EQ(n.status().code(), absl::StatusCode::kDeadlineExceeded) << n.status();
   EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
@@ -126,7 +180,7 @@ TEST(UcxWorker, AMessageLongerThanTheBufferIsAnErrorNotAnOverrun) {
   auto s = a->Send(*ep, 9, Filled(*a, 100000, 1), 100000, deadline);
   auto small = b->Buffer(4096);
   ASSERT_TRUE(small.ok());
-  auto r = b->Recv(9, *small, deadline);
+  auto r = b->Recv(9, *small, 4096, deadline);
   auto n = r->Wait(deadline);
   ASSERT_FALSE(n.ok());
   EXPECT_EQ(n.status().code(), absl::StatusCode::kInternal) << n.status();
@@ -144,7 +198,7 @@ TEST(UcxWorker, TransfersToAFailedPeerFailAndNeverHang) {
   // The endpoint works first ...
   absl::Time deadline = absl::Now() + absl::Seconds(5);
   auto in = b->Buffer(64);
-  auto r = b->Recv(1, *in, deadline);
+  auto r = b->Recv(1, *in, 64, deadline);
   ASSERT_TRUE(a->Send(*ep, 1, Filled(*a, 64, 3), 64, deadline)->Wait(deadline).ok());
   ASSERT_TRUE(r->Wait(deadline).ok());
   b.reset();  // ... then the peer is gone
@@ -170,6 +224,113 @@ TEST(UcxWorker, TransfersToAFailedPeerFailAndNeverHang) {
   EXPECT_EQ(a->transfers_in_flight(), 0);
 }
 
+// Flow control: with a 1 MiB window, 8 MiB of 1 MiB chunks to one endpoint all arrive, in
+// order of their tags, while no more than the window is ever started at once (the receiver
+// posts late, so every chunk waits for it).
+TEST(UcxWorker, AWindowBoundsTheBytesInFlightAndEveryChunkArrives) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  UcxOptions o;
+  o.tls = "posix";
+  o.chunk_bytes = 1 << 20;
+  o.max_bytes_in_flight = 1 << 20;
+  auto a = UcxWorker::Create(o);
+  auto b = UcxWorker::Create(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto ep = (*a)->Connect((*b)->address(), nullptr);
+  ASSERT_TRUE(ep.ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::vector<std::shared_ptr<UcxBuffer>> outs;
+  std::vector<std::shared_ptr<UcxTransfer>> sends;
+  for (int i = 0; i < 2; ++i) {
+    outs.push_back(Filled(**a, 4 << 20, static_cast<uint8_t>(i)));
+    sends.push_back((*a)->Send(*ep, 1000 * (i + 1), outs.back(), 4 << 20, deadline));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(sends[1]->done()) << "the second payload went past the window";
+  for (int i = 0; i < 2; ++i) {
+    auto in = (*b)->Buffer(4 << 20);
+    ASSERT_TRUE(in.ok());
+    auto n = (*b)->Recv(1000 * (i + 1), *in, 4 << 20, deadline)->Wait(deadline);
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(std::memcmp(outs[i]->data(), (*in)->data(), 4 << 20), 0) << "payload " << i;
+  }
+  for (auto& s : sends) EXPECT_TRUE(s->Wait(deadline).ok());
+}
+
+// A shared-memory endpoint has no peer error handling in UCX 1.13: a send to a destroyed peer
+// fails (UNAVAILABLE when UCX sees the segment gone, else DEADLINE_EXCEEDED at its deadline,
+// abandoned with its buffer held until UCX lets go); it never hangs, never crashes.
+TEST(UcxWorker, ASendToADeadSharedMemoryPeerEndsAtItsDeadline) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  auto a = MakeWorker("posix", "a");
+  auto b = MakeWorker("posix", "b");
+  ASSERT_NE(b, nullptr);
+  auto ep = a->Connect(b->address(), nullptr);
+  ASSERT_TRUE(ep.ok());
+  b.reset();
+  const absl::Time t0 = absl::Now();
+  auto s = a->Send(*ep, 3, Filled(*a, 4 << 20, 1), 4 << 20, t0 + absl::Milliseconds(300));
+  auto got = s->Wait(t0 + absl::Seconds(5));
+  EXPECT_TRUE(got.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              got.status().code() == absl::StatusCode::kUnavailable)
+      << got.status();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+  EXPECT_EQ(a->transfers_in_flight(), 0);
+}
+
+TEST(UcxLanes, ParsedFromUcxsOwnReport) {
+  // Captured from ucp_ep_print_info of Debian's UCX 1.13.1 on this machine kind.
+  const std::string shm_tcp =
+      "# UCP endpoint\n#               peer: <no debug data>\n"
+      "#                 lane[0]:  2:posix/memory.0 md[1]          -> md[1]/posix/sysdev[255] am "
+      "am_bw#0\n"
+      "#                 lane[1]:  0:tcp/lo.0 md[0]                -> md[0]/tcp/sysdev[255] "
+      "rma_bw#0\n"
+      "#                tag_send: 0..<egr/short>..93..<egr/bcopy>..8256..<rndv>..(inf)\n";
+  const std::string sysv_cma =
+      "#                 lane[0]:  2:sysv/memory.0 md[1]           -> md[1]/sysv/sysdev[255] am "
+      "am_bw#0\n"
+      "#                 lane[1]:  4:cma/memory.0 md[3]            -> md[3]/cma/sysdev[255] "
+      "rma_bw#0\n";
+  const std::string tcp =
+      "#                 lane[0]:  0:tcp/lo.0 md[0]                -> md[0]/tcp/sysdev[255] am "
+      "am_bw#0 keepalive wireup\n";
+  const std::string verbs =
+      "#                 lane[0]:  1:rc_mlx5/mlx5_0:1 md[1]        -> md[1]/ib am am_bw#0\n"
+      "#                 lane[1]:  3:ud_verbs/mlx5_0:1 md[1]       -> md[1]/ib wireup\n";
+  struct Case {
+    std::string text, kind, describe;
+  };
+  for (const Case& c :
+       {Case{shm_tcp, "mixed", "mixed (posix, tcp)"}, Case{sysv_cma, "shm", "shm (sysv, cma)"},
+        Case{tcp, "tcp", "tcp"}, Case{verbs, "rdma", "rdma (rc_mlx5, ud_verbs)"},
+        Case{"", "none", "none"}, Case{"lane[0]: x:posix/ lane[1]:  2:/x\n", "none", "none"}}) {
+    const UcxLanes l = ParseUcxLanes(c.text);
+    EXPECT_EQ(l.kind, c.kind) << c.text;
+    EXPECT_EQ(l.Describe(), c.describe) << c.text;
+  }
+  EXPECT_STREQ(TransportClass("rcx"), "other");
+  EXPECT_STREQ(TransportClass("dc_mlx5"), "rdma");
+}
+
+TEST(Hello, RoundTripsAndRefusesAnythingElse) {
+  const std::string secret(kHelloSecretBytes, 's');
+  const std::string h = EncodeHello({0x0102030405060708ull, secret});
+  ASSERT_EQ(h.size(), kHelloBytes);
+  auto back = ParseHello(h);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->client_id, 0x0102030405060708ull);
+  EXPECT_EQ(back->secret, secret);
+  EXPECT_FALSE(ParseHello(h.substr(1)).ok());
+  EXPECT_FALSE(ParseHello(h + "x").ok());
+  std::string bad = h;
+  bad[4] = 2;  // version
+  EXPECT_FALSE(ParseHello(bad).ok());
+  bad = h;
+  bad[0] = 'X';
+  EXPECT_FALSE(ParseHello(bad).ok());
+}
+
 // RDMA verbs (rc, ud, dc) need an InfiniBand or RoCE device; where there is none, say so.
 TEST(UcxWorker, RdmaVerbsWhereADeviceExists) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
@@ -183,7 +344,7 @@ TEST(UcxWorker, RdmaVerbsWhereADeviceExists) {
   ASSERT_TRUE(ep.ok()) << ep.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   auto in = (*b)->Buffer(1 << 20);
-  auto r = (*b)->Recv(5, *in, deadline);
+  auto r = (*b)->Recv(5, *in, 1 << 20, deadline);
   auto out = Filled(**a, 1 << 20, 9);
   ASSERT_TRUE((*a)->Send(*ep, 5, out, 1 << 20, deadline)->Wait(deadline).ok());
   ASSERT_TRUE(r->Wait(deadline).ok());
