@@ -2,55 +2,81 @@
 
 #include "absl/strings/str_cat.h"
 #include "services/dataplane/data_plane.h"
-#include "services/dataplane/ucx_worker.h"
 
 namespace moe::expert_svc {
 
-absl::StatusOr<uint64_t> DataPlaneClients::Open(dataplane::UcxWorker& worker,
-                                                const std::string& address) {
-  if (address.empty() || address.size() > (64 << 10)) {
+absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
+                                                       uint64_t* replaced_endpoint) {
+  *replaced_endpoint = 0;
+  if (node.size() > kMaxNodeBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("worker_address of ", address.size(), " bytes (need 1 to 65536)"));
+        absl::StrCat("node name of ", node.size(), " bytes (at most ", kMaxNodeBytes, ")"));
   }
-  uint64_t id = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = clients_.begin(); it != clients_.end();) {
-      if (it->second.address == address) {
-        worker.Disconnect(it->second.endpoint);
-        it = clients_.erase(it);
-      } else {
-        ++it;
+  DataPlaneClient c;
+  c.node = node;
+  c.hello_secret = dataplane::RandomBytes(dataplane::kHelloSecretBytes);
+  c.mac_key = dataplane::RandomBytes(dataplane::kMacKeyBytes);
+  c.ack_tag = dataplane::RandomU64();
+  auto mac = dataplane::PayloadMac::Create(c.mac_key);
+  if (!mac.ok()) return mac.status();
+  c.mac = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!node.empty()) {
+    for (auto it = clients_.begin(); it != clients_.end(); ++it) {
+      if (it->second.node == node) {
+        *replaced_endpoint = it->second.endpoint;
+        clients_.erase(it);
+        break;
       }
     }
-    if (static_cast<int>(clients_.size()) >= max_clients_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat(max_clients_, " data-plane clients already (--max_data_plane_clients)"));
-    }
-    if (next_ > dataplane::kMaxClientId) {
-      return absl::ResourceExhaustedError("data-plane client ids exhausted");
-    }
-    id = next_++;
   }
-  // A failed peer (its process died) is forgotten; its id is never given again.
-  absl::StatusOr<uint64_t> ep = worker.Connect(address, [this, id](const absl::Status&) {
-    std::lock_guard<std::mutex> lock(mu_);
-    clients_.erase(id);
-  });
-  if (!ep.ok()) return ep.status();
-  std::lock_guard<std::mutex> lock(mu_);
-  clients_[id] = Client{*ep, address};
-  return id;
+  if (static_cast<int>(clients_.size()) >= max_clients_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(max_clients_, " data-plane clients already (--max_data_plane_clients)"));
+  }
+  c.id = next_++;
+  clients_[c.id] = c;
+  return c;
 }
 
-absl::StatusOr<uint64_t> DataPlaneClients::Endpoint(uint64_t client) const {
+absl::StatusOr<DataPlaneClient> DataPlaneClients::Bind(std::string_view hello, uint64_t endpoint) {
+  absl::StatusOr<dataplane::Hello> h = dataplane::ParseHello(hello);
+  if (!h.ok()) return h.status();
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = clients_.find(client);
+  auto it = clients_.find(h->client_id);
+  if (it == clients_.end()) {
+    return absl::NotFoundError(absl::StrCat("UCX hello for unknown client ", h->client_id));
+  }
+  DataPlaneClient& c = it->second;
+  if (!dataplane::ConstantTimeEqual(c.hello_secret, h->secret)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("UCX hello for client ", h->client_id, " with a wrong secret"));
+  }
+  if (c.endpoint != 0 && c.endpoint != endpoint) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("client ", h->client_id, " already said hello on another endpoint"));
+  }
+  c.endpoint = endpoint;
+  return c;
+}
+
+absl::StatusOr<DataPlaneClient> DataPlaneClients::Get(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = clients_.find(id);
   if (it == clients_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("unknown data-plane client ", client, " (call OpenDataPlane again)"));
+        absl::StrCat("unknown data-plane client ", id, " (call OpenDataPlane again)"));
   }
-  return it->second.endpoint;
+  if (it->second.endpoint == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("data-plane client ", id, " has not sent its UCX hello"));
+  }
+  return it->second;
+}
+
+int DataPlaneClients::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(clients_.size());
 }
 
 }  // namespace moe::expert_svc

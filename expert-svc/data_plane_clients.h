@@ -1,46 +1,65 @@
 // The attention nodes that opened the out-of-band data plane of an expert server
-// (ExpertService.OpenDataPlane, docs/data-plane.md): a client id per node, never reused by this
-// process, and the UCX endpoint its replies go to. A node that opens again from the same worker
-// (a reconnect) replaces its old entry; a node whose endpoint fails is forgotten.
+// (ExpertService.OpenDataPlane, docs/data-plane.md): per client an id, a hello secret and a
+// payload MAC key drawn from a CSPRNG, and, once its UCX hello arrived, the endpoint UCX made
+// for it. No UCX here (a pure registry, tested without processes): the server never parses an
+// address a client supplied; it binds a client to the endpoint its hello came on.
 //
 //   DataPlaneClients clients(256);
-//   MOE_ASSIGN_OR_RETURN(uint64_t id, clients.Open(*worker, request.worker_address()));
-//   MOE_ASSIGN_OR_RETURN(uint64_t ep, clients.Endpoint(id));  // NOT_FOUND once forgotten
+//   MOE_ASSIGN_OR_RETURN(DataPlaneClient c, clients.Open("attention-0", &replaced));
+//   ... reply c.id, c.hello_secret, c.mac_key over the authenticated gRPC call ...
+//   MOE_ASSIGN_OR_RETURN(DataPlaneClient bound, clients.Bind(hello_bytes, reply_endpoint));
+//   MOE_ASSIGN_OR_RETURN(DataPlaneClient c, clients.Get(oob.client_id()));  // bound ones only
 #ifndef MOE_EXPERT_SVC_DATA_PLANE_CLIENTS_H_
 #define MOE_EXPERT_SVC_DATA_PLANE_CLIENTS_H_
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-
-namespace moe::dataplane {
-class UcxWorker;
-}
+#include "services/dataplane/payload_mac.h"
 
 namespace moe::expert_svc {
 
+struct DataPlaneClient {
+  uint64_t id = 0;
+  std::string node;
+  std::string hello_secret;  // dataplane::kHelloSecretBytes
+  std::string mac_key;       // dataplane::kMacKeyBytes
+  uint64_t ack_tag = 0;      // the hello's acknowledgement goes out on this tag
+  uint64_t endpoint = 0;     // the UCX endpoint of its hello; 0 until then
+  std::shared_ptr<const dataplane::PayloadMac> mac;
+};
+
 class DataPlaneClients {
  public:
+  static constexpr size_t kMaxNodeBytes = 128;
+
   explicit DataPlaneClients(int max_clients) : max_clients_(max_clients) {}
 
-  // A new client id with an endpoint to `address` on `worker` (which must not outlive this).
-  // INVALID_ARGUMENT for an empty or over-64-KiB address, RESOURCE_EXHAUSTED past max_clients.
-  absl::StatusOr<uint64_t> Open(dataplane::UcxWorker& worker, const std::string& address);
-  // The endpoint of a client; NOT_FOUND for an unknown or forgotten one.
-  absl::StatusOr<uint64_t> Endpoint(uint64_t client) const;
+  // A new client for `node`, with fresh secrets. A node that opens again (a reconnect)
+  // replaces its old client: *replaced_endpoint is then that client's endpoint (0 if none), for
+  // the caller to forget. INVALID_ARGUMENT for a node name over kMaxNodeBytes,
+  // RESOURCE_EXHAUSTED past max_clients.
+  absl::StatusOr<DataPlaneClient> Open(const std::string& node, uint64_t* replaced_endpoint);
+  // Binds the client a hello names to the endpoint the hello came on. INVALID_ARGUMENT for a
+  // malformed hello, NOT_FOUND for an unknown client, PERMISSION_DENIED for a wrong secret
+  // (compared in constant time), ALREADY_EXISTS when that client is bound to another endpoint.
+  // The same hello again on the same endpoint is fine (UCX may deliver a retry).
+  absl::StatusOr<DataPlaneClient> Bind(std::string_view hello, uint64_t endpoint);
+  // A bound client; NOT_FOUND for an unknown or replaced one, FAILED_PRECONDITION for one whose
+  // hello has not arrived.
+  absl::StatusOr<DataPlaneClient> Get(uint64_t id) const;
+  int size() const;
 
  private:
-  struct Client {
-    uint64_t endpoint = 0;
-    std::string address;
-  };
   const int max_clients_;
   mutable std::mutex mu_;
-  std::map<uint64_t, Client> clients_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, DataPlaneClient> clients_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -22,9 +22,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "expert-svc/batch_verifier.h"
-#include "expert-svc/data_plane_clients.h"
 #include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_backend.h"
+#include "expert-svc/ucx_data_plane.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/checkpoint/checkpoint.h"
@@ -150,11 +150,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
 
   // The UCX data plane: null when not offered. ucx_mu_ (shared by the gRPC handlers) keeps it
-  // alive while they use it; Shutdown takes it exclusively to stop it. The clients (declared
-  // first) outlive the worker whose callbacks reach them.
-  DataPlaneClients clients_{options_.max_data_plane_clients};
+  // alive while they use it; Shutdown takes it exclusively to stop it.
   std::shared_mutex ucx_mu_;
-  std::unique_ptr<dataplane::UcxWorker> ucx_;
+  std::unique_ptr<UcxDataPlane> ucx_;
 };
 
 namespace {
@@ -448,13 +446,13 @@ void ExpertServer::Impl::ComputeLoop() {
         metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
                            static_cast<int64_t>(reply.outputs().data().size()),
                            reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0,
-                           b->out_of_band ? "ucx" : "grpc");
+                           b->out_of_band != nullptr ? "ucx" : "grpc");
       } else {
         metrics_->common.Error(
             "Dispatch", absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));
       }
     }
-    if (b->out_of_band && reply.code() == 0) {
+    if (b->out_of_band != nullptr && reply.code() == 0) {
       ReplyOutOfBand(*b, std::move(reply), reactor);
     } else {
       reactor->Reply(std::move(reply), /*ends_work=*/true);
@@ -522,10 +520,7 @@ void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream
     return;
   }
   if (oob != nullptr) {
-    (*batch)->out_of_band = true;
-    (*batch)->reply_ep = oob->reply_ep;
-    (*batch)->reply_tag = oob->reply_tag;
-    (*batch)->reply_capacity = oob->reply_capacity;
+    (*batch)->out_of_band = oob->out_of_band;
     (*batch)->receive_seconds = oob->receive_seconds;
     (*batch)->arrived = oob->arrived;
     (*batch)->expires = oob->expires;
@@ -540,123 +535,101 @@ void ExpertServer::Impl::Admit(v1::DispatchRequest& req, DispatchReactor* stream
 }
 
 void ExpertServer::Impl::ReceiveOutOfBand(v1::DispatchRequest req, DispatchReactor* stream) {
-  const uint64_t id = req.batch_id();
-  const v1::OutOfBand& oob = req.out_of_band();
-  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", id);
-  auto fail = [&](const absl::Status& s) {
-    if (metrics_ != nullptr) metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
-    stream->Reply(ErrorReply(id, s), /*ends_work=*/true);
-  };
+  const v1::OutOfBand& o = req.out_of_band();
+  auto h = std::make_shared<OutOfBandHeader>();
+  h->batch_id = req.batch_id();
+  h->client_id = o.client_id();
+  h->tag = o.tag();
+  h->activation_bytes = o.activation_bytes();
+  h->reply_tag = o.reply_tag();
+  h->reply_bytes = o.reply_capacity_bytes();
+  h->sequence = o.sequence();
+  h->activation_mac = o.activation_mac();
   std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
   if (ucx_ == nullptr) {
-    return fail(absl::FailedPreconditionError(
-        absl::StrCat(where, ": this server has no UCX data plane (send the batch in band)")));
-  }
-  const absl::StatusOr<uint64_t> ep = clients_.Endpoint(oob.client_id());
-  if (!ep.ok()) {
-    return fail(absl::FailedPreconditionError(absl::StrCat(where, ": ", ep.status().message())));
-  }
-  if (dataplane::ClientOfTag(oob.tag()) != oob.client_id()) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat(where, ": tag ", oob.tag(), " is not of client ", oob.client_id())));
-  }
-  if (oob.activation_bytes() < 1 || oob.activation_bytes() > options_.max_message_bytes ||
-      oob.reply_capacity_bytes() < 0 || oob.reply_capacity_bytes() > options_.max_message_bytes) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat(where, ": out-of-band sizes (activations ", oob.activation_bytes(),
-                     " bytes, reply capacity ", oob.reply_capacity_bytes(), ") must lie in [1, ",
-                     options_.max_message_bytes, "]")));
-  }
-  auto buffer = ucx_->Buffer(static_cast<size_t>(oob.activation_bytes()));
-  if (!buffer.ok()) {
-    return fail(absl::ResourceExhaustedError(
-        absl::StrCat(where, ": no receive buffer: ", buffer.status().message())));
+    const absl::Status s = absl::FailedPreconditionError(
+        absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id(),
+                     ": this server has no UCX data plane (send the batch in band)"));
+    if (metrics_ != nullptr) metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
+    stream->Reply(ErrorReply(req.batch_id(), s), /*ends_work=*/true);
+    return;
   }
   auto info = std::make_shared<Batch>();
-  info->reply_ep = *ep;
-  info->reply_tag = oob.reply_tag();
-  info->reply_capacity = oob.reply_capacity_bytes();
+  info->out_of_band = h;
   info->arrived = Clock::now();
   const auto budget = BatchBudget(req.timeout_ms());
   info->expires = info->arrived + budget;
   const absl::Time deadline = absl::Now() + absl::FromChrono(budget);
-  const size_t want = static_cast<size_t>(oob.activation_bytes());
   auto shared_req = std::make_shared<v1::DispatchRequest>(std::move(req));
-  std::shared_ptr<dataplane::UcxBuffer> buf = *buffer;
-  // Runs on the UCX progress thread once the payload is in (or the receive failed).
-  ucx_->Recv(
-      oob.tag(), buf, deadline,
-      [this, shared_req, stream, info, buf, want, where](const absl::Status& s, size_t n) {
-        if (!s.ok() || n != want) {
-          const absl::Status why =
-              !s.ok()
-                  ? absl::Status(s.code(), absl::StrCat(where, ": activations: ", s.message()))
-                  : absl::InvalidArgumentError(absl::StrCat(where, ": out-of-band activations of ",
-                                                            n, " bytes, the header said ", want));
-          if (metrics_ != nullptr) {
-            metrics_->common.Error("Dispatch", absl::StatusCodeToString(why.code()));
-          }
-          stream->Reply(ErrorReply(shared_req->batch_id(), why), /*ends_work=*/true);
-          return;
-        }
-        info->receive_seconds = Seconds(Clock::now() - info->arrived);
-        if (metrics_ != nullptr) {
-          const v1::Tensor& a = shared_req->activations();
-          metrics_->wire.Add("received", WireDtype(a), "attention", static_cast<int64_t>(n),
-                             a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
-        }
-        // Validated and copied into the batch straight from the registered buffer.
-        const std::string_view bytes(reinterpret_cast<const char*>(buf->data()), n);
-        Admit(*shared_req, stream, /*work_begun=*/true, info.get(), &bytes);
-      });
+  // Runs on the UCX progress thread once the payload is in and its MAC matched (or not).
+  ucx_->Receive(*h, deadline,
+                [this, shared_req, stream, info](const absl::Status& s, std::string_view bytes) {
+                  if (!s.ok()) {
+                    if (metrics_ != nullptr) {
+                      metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
+                    }
+                    stream->Reply(ErrorReply(shared_req->batch_id(), s), /*ends_work=*/true);
+                    return;
+                  }
+                  info->receive_seconds = Seconds(Clock::now() - info->arrived);
+                  if (metrics_ != nullptr) {
+                    const v1::Tensor& a = shared_req->activations();
+                    metrics_->wire.Add("received", WireDtype(a), "attention",
+                                       static_cast<int64_t>(bytes.size()),
+                                       a.shape_size() > 0 ? a.shape(0) : 0, "ucx");
+                  }
+                  // Validated and copied into the batch straight from the registered buffer.
+                  Admit(*shared_req, stream, /*work_begun=*/true, info.get(), &bytes);
+                });
 }
 
 void ExpertServer::Impl::ReplyOutOfBand(const Batch& b, v1::DispatchReply reply,
                                         DispatchReactor* reactor) {
   reply.set_receive_seconds(b.receive_seconds);
-  const std::string& data = reply.outputs().data();
-  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", b.batch_id);
-  if (static_cast<int64_t>(data.size()) > b.reply_capacity) {
-    transport::SetBatchStatus(
-        absl::InvalidArgumentError(absl::StrCat(where, ": the reply has ", data.size(),
-                                                " bytes, the caller posted ", b.reply_capacity)),
-        &reply);
-    reactor->Reply(std::move(reply), /*ends_work=*/true);
-    return;
-  }
-  auto buffer = ucx_->Buffer(data.size());
-  if (!buffer.ok()) {
-    transport::SetBatchStatus(absl::ResourceExhaustedError(absl::StrCat(
-                                  where, ": no reply buffer: ", buffer.status().message())),
-                              &reply);
-    reactor->Reply(std::move(reply), /*ends_work=*/true);
-    return;
-  }
-  std::memcpy((*buffer)->data(), data.data(), data.size());
-  const size_t n = data.size();
-  reply.mutable_outputs()->clear_data();
-  reply.set_out_of_band(true);
-  reply.set_output_bytes(static_cast<int64_t>(n));
-  auto header = std::make_shared<v1::DispatchReply>(std::move(reply));
+  const OutOfBandHeader& h = *b.out_of_band;
   const absl::Time deadline = (b.expires == Clock::time_point::max()
                                    ? absl::Now() + absl::FromChrono(kNoBudget)
                                    : absl::Now() + absl::FromChrono(b.expires - Clock::now())) +
                               kReplySendGrace;
+  auto header = std::make_shared<v1::DispatchReply>();
+  const std::string& data = reply.outputs().data();
+  std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
+  if (ucx_ == nullptr) {
+    transport::SetBatchStatus(absl::UnavailableError(absl::StrCat(
+                                  "shard ", options_.shard, " is shutting down its data plane")),
+                              &reply);
+    reactor->Reply(std::move(reply), /*ends_work=*/true);
+    return;
+  }
+  const int64_t n = static_cast<int64_t>(data.size());
   // The header goes out once UCX is done with the payload (on the progress thread).
-  ucx_->Send(b.reply_ep, b.reply_tag, *buffer, n, deadline,
-             [this, header, reactor, where](const absl::Status& s, size_t) {
-               if (!s.ok()) {
-                 const uint64_t batch_id = header->batch_id();
-                 header->Clear();
-                 header->set_batch_id(batch_id);
-                 header->set_shard(options_.shard);
-                 transport::SetBatchStatus(
-                     absl::UnavailableError(
-                         absl::StrCat(where, ": the reply payload did not go out: ", s.message())),
-                     header.get());
-               }
-               reactor->Reply(std::move(*header), /*ends_work=*/true);
-             });
+  const absl::Status sent = ucx_->Reply(
+      h, data, deadline,
+      [&](const std::string& mac) {
+        v1::DispatchReply r = reply;  // the outputs' bytes travel out of band
+        r.mutable_outputs()->clear_data();
+        r.set_out_of_band(true);
+        r.set_output_bytes(n);
+        r.set_output_mac(mac);
+        *header = std::move(r);
+      },
+      [this, header, reactor, batch_id = b.batch_id](const absl::Status& s) {
+        if (!s.ok()) {
+          header->Clear();
+          header->set_batch_id(batch_id);
+          header->set_shard(options_.shard);
+          transport::SetBatchStatus(absl::UnavailableError(absl::StrCat(
+                                        "shard ", options_.shard, ", batch ", batch_id,
+                                        ": the reply payload did not go out: ", s.message())),
+                                    header.get());
+        }
+        reactor->Reply(std::move(*header), /*ends_work=*/true);
+      });
+  if (!sent.ok()) {
+    reply.mutable_outputs()->Clear();
+    transport::SetBatchStatus(sent, &reply);
+    reactor->Reply(std::move(reply), /*ends_work=*/true);
+  }
 }
 
 grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContext* context,
@@ -676,8 +649,13 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
     std::shared_lock<std::shared_mutex> lock(ucx_mu_);
     response->set_data_plane(ucx_ != nullptr ? "ucx" : "grpc");
     if (ucx_ != nullptr) {
-      response->set_ucx_address(ucx_->address());
       response->set_ucx_tls(ucx_->tls());
+      // UCX authenticates nobody: its address only for members.
+      if (options_.cluster_token.empty() ||
+          transport::HasSecretMetadata(*context, transport::kClusterTokenMetadata,
+                                       options_.cluster_token)) {
+        response->set_ucx_address(ucx_->address());
+      }
     }
   }
   auto* reactor = context->DefaultReactor();
@@ -706,25 +684,32 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
         "shard ", options_.shard, " has no UCX data plane (",
         dataplane::UcxBuilt() ? "started with --data_plane=grpc" : "built without UCX", ")")));
   }
-  const absl::StatusOr<uint64_t> client = clients_.Open(*ucx_, request->worker_address());
+  const absl::StatusOr<DataPlaneClient> client = ucx_->Open(request->node());
   if (!client.ok()) {
     return finish(absl::Status(client.status().code(), absl::StrCat("shard ", options_.shard, ": ",
                                                                     client.status().message())));
   }
-  response->set_client_id(*client);
+  response->set_client_id(client->id);
   response->set_worker_address(ucx_->address());
   response->set_tls(ucx_->tls());
-  MOE_LOG_INFO("shard {}: data-plane client {} ({}) connected over UCX", options_.shard, *client,
-               request->node());
+  response->set_hello_secret(client->hello_secret);
+  response->set_ack_tag(client->ack_tag);
+  response->set_mac_key(client->mac_key);
+  response->set_chunk_bytes(static_cast<int64_t>(ucx_->chunk_bytes()));
   return finish(absl::OkStatus());
 }
 
 absl::Status ExpertServer::Impl::StartDataPlane() {
   if (options_.data_plane == dataplane::DataPlane::kGrpc) return absl::OkStatus();
-  dataplane::UcxOptions uo;
-  uo.name = options_.shard;
+  UcxDataPlaneOptions uo;
+  uo.shard = options_.shard;
   uo.tls = options_.ucx_tls;
-  auto w = dataplane::UcxWorker::Create(uo);
+  uo.max_clients = options_.max_data_plane_clients;
+  uo.max_message_bytes = options_.max_message_bytes;
+  uo.on_event = [this](const std::string& event) {
+    if (metrics_ != nullptr) metrics_->DataPlaneEvent(event);
+  };
+  auto w = UcxDataPlane::Start(std::move(uo));
   if (!w.ok()) {
     if (options_.data_plane == dataplane::DataPlane::kUcx) {
       return absl::FailedPreconditionError(

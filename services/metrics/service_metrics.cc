@@ -125,14 +125,20 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
       data_plane_events_(BuildCounter()
                              .Name("moe_data_plane_events_total")
                              .Help("Out-of-band data plane events per expert shard: connected, "
-                                   "fallback (a batch sent in band), transfer_failed")
+                                   "fallback (a batch sent in band), transfer_failed, "
+                                   "integrity_failed (a reply payload whose MAC did not match)")
                              .Register(registry)),
       failovers_(BuildCounter()
                      .Name("moe_failovers_total")
                      .Help("Expert messages sent again because their replica answered "
                            "UNAVAILABLE (to another replica, or once more to the same when none "
                            "is left), by the replica that failed")
-                     .Register(registry)) {
+                     .Register(registry)),
+      data_plane_lanes_(BuildGauge()
+                            .Name("moe_data_plane_lane_info")
+                            .Help("The lanes UCX selected for the out-of-band data plane to each "
+                                  "shard, read from UCX (value 1): kind shm, tcp, rdma or mixed")
+                            .Register(registry)) {
   auto& forward = BuildHistogram()
                       .Name("moe_forward_duration_seconds")
                       .Help("Forward latency inside attention-svc (successful batches)")
@@ -223,6 +229,16 @@ void AttentionMetrics::DataPlaneEvent(const std::string& shard, const std::strin
   c->Increment();
 }
 
+void AttentionMetrics::DataPlaneLanes(const std::string& shard, const std::string& kind,
+                                      const std::string& lanes, const std::string& shard_lanes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prometheus::Gauge*& g = lane_gauges_[shard];
+  if (g != nullptr) data_plane_lanes_.Remove(g);
+  g = &data_plane_lanes_.Add(
+      {{"shard", shard}, {"kind", kind}, {"lanes", lanes}, {"shard_lanes", shard_lanes}});
+  g->Set(1);
+}
+
 void AttentionMetrics::Failover(const std::string& shard, int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   prometheus::Counter*& c = failover_counters_[shard];
@@ -283,7 +299,14 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                     .Name("moe_expert_verified_batches_total")
                     .Help("Sampled batches recomputed with the scalar reference, by result "
                           "(match, mismatch, skipped, error)")
-                    .Register(registry)) {
+                    .Register(registry)),
+      data_plane_events_(BuildCounter()
+                             .Name("moe_expert_data_plane_events_total")
+                             .Help("Out-of-band data plane events of this expert server: "
+                                   "hello_rejected (a UCX hello with a wrong secret, unknown "
+                                   "client or bad form), integrity_failed (an activation "
+                                   "payload whose MAC did not match)")
+                             .Register(registry)) {
   auto& compute = BuildHistogram()
                       .Name("moe_expert_compute_duration_seconds")
                       .Help("Expert FFN time per dispatched batch")
@@ -338,6 +361,10 @@ void ExpertMetrics::SetMachineLimits(double read_bytes_per_second, double fma_fl
 
 void ExpertMetrics::Verified(const std::string& result) {
   verified_.Add({{"shard", shard_}, {"result", result}}).Increment();
+}
+
+void ExpertMetrics::DataPlaneEvent(const std::string& event) {
+  data_plane_events_.Add({{"shard", shard_}, {"event", event}}).Increment();
 }
 
 void ExpertMetrics::Tick() {

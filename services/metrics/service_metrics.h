@@ -100,6 +100,10 @@ class AttentionMetrics {
   // The out-of-band data plane of one shard: "connected" (OpenDataPlane done), "fallback" (a
   // batch went in band because UCX was not available to that shard), "transfer_failed".
   void DataPlaneEvent(const std::string& shard, const std::string& event);
+  // The lanes UCX selected for the data plane to `shard` (one series per shard, value 1):
+  // kind "shm", "tcp", "rdma" or "mixed", ours and the shard's view (its hello's answer).
+  void DataPlaneLanes(const std::string& shard, const std::string& kind, const std::string& lanes,
+                      const std::string& shard_lanes);
   // n messages of `shard` (which was gone) sent to another replica of its range (n = 0: the
   // series exists at 0 from the shard's first use, so a rate() has a start).
   void Failover(const std::string& shard, int64_t n = 1);
@@ -118,7 +122,9 @@ class AttentionMetrics {
   prometheus::Family<prometheus::Counter>& shard_tokens_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
   prometheus::Family<prometheus::Counter>& failovers_;
+  prometheus::Family<prometheus::Gauge>& data_plane_lanes_;
   std::map<std::string, prometheus::Counter*> failover_counters_;
+  std::map<std::string, prometheus::Gauge*> lane_gauges_;
   std::mutex mu_;
   std::map<std::pair<int64_t, std::string>, prometheus::Counter*> shard_counters_;
   std::map<std::pair<std::string, std::string>, prometheus::Counter*> data_plane_counters_;
@@ -141,6 +147,9 @@ class ExpertMetrics {
                         const std::string& isa);
   // A production check's result: "match", "mismatch", "skipped" or "error" (batch_verifier.h).
   void Verified(const std::string& result);
+  // The out-of-band data plane: "hello_rejected" (a UCX hello with a wrong secret, an unknown
+  // client or a malformed form), "integrity_failed" (a payload whose MAC did not match).
+  void DataPlaneEvent(const std::string& event);
   // Fraction of the last window (10 s) the compute thread was busy; updated on each batch and
   // by Tick() (call it periodically so an idle server decays to 0).
   void Tick();
@@ -167,6 +176,7 @@ class ExpertMetrics {
   prometheus::Gauge& read_bandwidth_;
   prometheus::Family<prometheus::Gauge>& fma_peak_;
   prometheus::Family<prometheus::Counter>& verified_;
+  prometheus::Family<prometheus::Counter>& data_plane_events_;
   std::mutex mu_;
   std::deque<Recent> recent_;
   double limit_bandwidth_ = 0, limit_flops_ = 0;

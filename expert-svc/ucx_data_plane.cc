@@ -1,0 +1,174 @@
+#include "expert-svc/ucx_data_plane.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "services/common/logging.h"
+#include "services/dataplane/payload_mac.h"
+#include "services/dataplane/ucx_worker.h"
+
+namespace moe::expert_svc {
+
+namespace {
+constexpr absl::Duration kAckTimeout = absl::Seconds(5);
+constexpr absl::Duration kLogEvery = absl::Minutes(1);
+}  // namespace
+
+UcxDataPlane::UcxDataPlane(UcxDataPlaneOptions options)
+    : options_(std::move(options)), clients_(options_.max_clients) {}
+
+UcxDataPlane::~UcxDataPlane() { worker_.reset(); }
+
+absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOptions options) {
+  auto dp = std::unique_ptr<UcxDataPlane>(new UcxDataPlane(std::move(options)));
+  dataplane::UcxOptions uo;
+  uo.name = dp->options_.shard;
+  uo.tls = dp->options_.tls;
+  auto w = dataplane::UcxWorker::Create(uo);
+  if (!w.ok()) return w.status();
+  dp->worker_ = std::move(*w);
+  UcxDataPlane* self = dp.get();
+  dp->worker_->OnHello([self](std::string_view hello, uint64_t ep, const dataplane::UcxLanes& l) {
+    self->OnHello(hello, ep, l.Describe());
+  });
+  return dp;
+}
+
+const std::string& UcxDataPlane::address() const { return worker_->address(); }
+const std::string& UcxDataPlane::tls() const { return worker_->tls(); }
+size_t UcxDataPlane::chunk_bytes() const { return worker_->chunk_bytes(); }
+
+absl::StatusOr<DataPlaneClient> UcxDataPlane::Open(const std::string& node) {
+  auto ack = worker_->Buffer(256);
+  if (!ack.ok()) return ack.status();
+  uint64_t replaced = 0;
+  absl::StatusOr<DataPlaneClient> c = clients_.Open(node, &replaced);
+  if (!c.ok()) return c.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ack_buffers_[c->id] = *ack;
+    // Buffers of clients that are gone (replaced or never said hello) are dropped lazily.
+    for (auto it = ack_buffers_.begin(); it != ack_buffers_.end();) {
+      it = clients_.Get(it->first).status().code() == absl::StatusCode::kNotFound
+               ? ack_buffers_.erase(it)
+               : std::next(it);
+    }
+  }
+  // The replaced client's endpoint is UCX's (made for its hello): forgotten, not closed.
+  if (replaced != 0) worker_->Disconnect(replaced);
+  return c;
+}
+
+void UcxDataPlane::Rejected(const std::string& event, const std::string& detail) {
+  if (options_.on_event) options_.on_event(event);
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Time& last = last_logged_[event];
+  const absl::Time now = absl::Now();
+  if (now - last < kLogEvery) return;
+  last = now;
+  MOE_LOG_WARN("shard {}: data plane: {} (logged once a minute per kind)", options_.shard, detail);
+}
+
+void UcxDataPlane::OnHello(std::string_view hello, uint64_t ep, const std::string& lanes) {
+  absl::StatusOr<DataPlaneClient> c = clients_.Bind(hello, ep);
+  if (!c.ok()) {
+    Rejected("hello_rejected", absl::StrCat("a UCX hello was refused: ", c.status().ToString()));
+    return;
+  }
+  std::shared_ptr<dataplane::UcxBuffer> ack;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ack_buffers_.find(c->id);
+    if (it == ack_buffers_.end()) return;  // said hello twice: acknowledged already
+    ack = std::move(it->second);
+    ack_buffers_.erase(it);
+  }
+  // The acknowledgement carries the lanes UCX selected on this side.
+  const size_t n = std::min(lanes.size(), ack->capacity());
+  std::memcpy(ack->data(), lanes.data(), n);
+  (void)worker_->Send(ep, c->ack_tag, ack, n, absl::Now() + kAckTimeout);
+  MOE_LOG_INFO("shard {}: data-plane client {} ({}) said hello over UCX, lanes {}", options_.shard,
+               c->id, c->node, lanes);
+}
+
+void UcxDataPlane::Receive(const OutOfBandHeader& h, absl::Time deadline, Received done) {
+  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", h.batch_id);
+  absl::StatusOr<DataPlaneClient> c = clients_.Get(h.client_id);
+  if (!c.ok()) {
+    return done(absl::FailedPreconditionError(absl::StrCat(where, ": ", c.status().message())), {});
+  }
+  if (h.activation_bytes < 1 || h.activation_bytes > options_.max_message_bytes ||
+      h.reply_bytes < 0 || h.reply_bytes > options_.max_message_bytes) {
+    return done(
+        absl::InvalidArgumentError(absl::StrCat(
+            where, ": out-of-band sizes (activations ", h.activation_bytes, " bytes, reply ",
+            h.reply_bytes, ") must lie in [1, ", options_.max_message_bytes, "]")),
+        {});
+  }
+  if (h.activation_mac.size() != dataplane::kMacBytes) {
+    return done(absl::InvalidArgumentError(absl::StrCat(where, ": activation_mac of ",
+                                                        h.activation_mac.size(), " bytes (need ",
+                                                        dataplane::kMacBytes, ")")),
+                {});
+  }
+  auto buffer = worker_->Buffer(static_cast<size_t>(h.activation_bytes));
+  if (!buffer.ok()) {
+    return done(absl::ResourceExhaustedError(
+                    absl::StrCat(where, ": no receive buffer: ", buffer.status().message())),
+                {});
+  }
+  std::shared_ptr<dataplane::UcxBuffer> buf = *buffer;
+  const size_t want = static_cast<size_t>(h.activation_bytes);
+  // Runs on the UCX progress thread once the payload is in (or the receive failed).
+  worker_->Recv(
+      h.tag, buf, want, deadline,
+      [this, buf, want, where, mac = c->mac, seq = h.sequence, tag = h.activation_mac,
+       done = std::move(done)](const absl::Status& s, size_t n) {
+        if (!s.ok()) {
+          const absl::StatusCode code = s.code() == absl::StatusCode::kInvalidArgument ||
+                                                s.code() == absl::StatusCode::kInternal
+                                            ? absl::StatusCode::kInvalidArgument
+                                            : s.code();
+          return done(absl::Status(code, absl::StrCat(where, ": activations: ", s.message())), {});
+        }
+        if (n != want || !mac->Verify(dataplane::Direction::kToExpert, seq, buf->data(), n, tag)) {
+          Rejected("integrity_failed", absl::StrCat(where,
+                                                    ": an activation payload failed its "
+                                                    "integrity check"));
+          return done(absl::DataLossError(
+                          absl::StrCat(where,
+                                       ": the activation payload failed its integrity check "
+                                       "(AES-GMAC of the connection); refused before compute")),
+                      {});
+        }
+        done(absl::OkStatus(), std::string_view(reinterpret_cast<const char*>(buf->data()), n));
+      });
+}
+
+absl::Status UcxDataPlane::Reply(const OutOfBandHeader& h, std::string_view payload,
+                                 absl::Time deadline,
+                                 const std::function<void(const std::string& mac)>& seal,
+                                 Sent sent) {
+  const std::string where = absl::StrCat("shard ", options_.shard, ", batch ", h.batch_id);
+  if (static_cast<int64_t>(payload.size()) != h.reply_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the reply has ", payload.size(),
+                                                   " bytes, the caller expects ", h.reply_bytes));
+  }
+  absl::StatusOr<DataPlaneClient> c = clients_.Get(h.client_id);
+  if (!c.ok()) {
+    return absl::UnavailableError(absl::StrCat(where, ": ", c.status().message()));
+  }
+  auto buffer = worker_->Buffer(payload.size());
+  if (!buffer.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(where, ": no reply buffer: ", buffer.status().message()));
+  }
+  std::memcpy((*buffer)->data(), payload.data(), payload.size());
+  seal(c->mac->Compute(dataplane::Direction::kToAttention, h.sequence, (*buffer)->data(),
+                       payload.size()));
+  worker_->Send(c->endpoint, h.reply_tag, *buffer, payload.size(), deadline,
+                [sent = std::move(sent)](const absl::Status& s, size_t) { sent(s); });
+  return absl::OkStatus();
+}
+
+}  // namespace moe::expert_svc

@@ -1,0 +1,102 @@
+// The expert server's end of the out-of-band data plane (docs/data-plane.md): its UCX worker,
+// the clients that opened it, the hello that binds a client to the endpoint UCX made for it,
+// and the two payload moves of a batch: the activations in (MAC checked before anything reads
+// them) and the outputs back (MAC attached). The attention node's end is UcxExpertChannel.
+// No protobuf here: the server converts OutOfBand to OutOfBandHeader.
+//
+//   MOE_ASSIGN_OR_RETURN(auto dp, UcxDataPlane::Start({.shard = "shard-0", .tls = "posix"}));
+//   MOE_ASSIGN_OR_RETURN(DataPlaneClient c, dp->Open("attention-0"));  // OpenDataPlane
+//   dp->Receive(header, deadline, [](const absl::Status& s, std::string_view payload) {...});
+//   MOE_RETURN_IF_ERROR(dp->Reply(header, outputs, deadline, put_mac_in_header, on_sent));
+#ifndef MOE_EXPERT_SVC_UCX_DATA_PLANE_H_
+#define MOE_EXPERT_SVC_UCX_DATA_PLANE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "expert-svc/data_plane_clients.h"
+
+namespace moe::dataplane {
+class UcxWorker;
+class UcxBuffer;
+}  // namespace moe::dataplane
+
+namespace moe::expert_svc {
+
+struct UcxDataPlaneOptions {
+  std::string shard;                      // for messages
+  std::string tls;                        // UCX_TLS syntax; empty: the environment's
+  int max_clients = 256;                  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
+  int64_t max_message_bytes = 256 << 20;  // the largest payload either way
+  // Counted events (metrics): "hello_rejected", "integrity_failed".
+  std::function<void(const std::string& event)> on_event;
+};
+
+// The out-of-band part of one batch's header (expert.proto OutOfBand).
+struct OutOfBandHeader {
+  uint64_t batch_id = 0;
+  uint64_t client_id = 0;
+  uint64_t tag = 0;
+  int64_t activation_bytes = 0;
+  uint64_t reply_tag = 0;
+  int64_t reply_bytes = 0;
+  uint64_t sequence = 0;
+  std::string activation_mac;
+};
+
+class UcxDataPlane {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Start(UcxDataPlaneOptions options);
+  ~UcxDataPlane();
+
+  const std::string& address() const;
+  const std::string& tls() const;
+  size_t chunk_bytes() const;
+
+  // A new client (OpenDataPlane): see DataPlaneClients::Open.
+  absl::StatusOr<DataPlaneClient> Open(const std::string& node);
+
+  // Receives a batch's activations: `done` runs once (UCX progress thread; it must not block
+  // for long) with the payload, valid only during the call, once it arrived whole and its MAC
+  // matched; otherwise with the error, naming the shard and the batch: FAILED_PRECONDITION
+  // (unknown client, no hello yet), INVALID_ARGUMENT (sizes), DATA_LOSS (integrity check),
+  // DEADLINE_EXCEEDED (never came).
+  using Received = std::function<void(const absl::Status&, std::string_view payload)>;
+  void Receive(const OutOfBandHeader& h, absl::Time deadline, Received done);
+
+  // Sends a batch's outputs to its client: `seal` gets the payload's MAC (for the reply's
+  // header) before the send starts, `sent` runs once UCX is done with the payload (progress
+  // thread). An error (the payload's size differs from the header's reply_bytes, unknown
+  // client, no buffer) runs neither.
+  using Sent = std::function<void(const absl::Status&)>;
+  absl::Status Reply(const OutOfBandHeader& h, std::string_view payload, absl::Time deadline,
+                     const std::function<void(const std::string& mac)>& seal, Sent sent);
+
+  int clients() const { return clients_.size(); }
+
+ private:
+  explicit UcxDataPlane(UcxDataPlaneOptions options);
+  void OnHello(std::string_view hello, uint64_t endpoint, const std::string& lanes);
+  // Logs a rejected peer at most once a minute per reason.
+  void Rejected(const std::string& event, const std::string& detail);
+
+  UcxDataPlaneOptions options_;
+  DataPlaneClients clients_;
+  std::mutex mu_;
+  // Each client's acknowledgement buffer, registered by Open (the hello runs on the progress
+  // thread, which must not wait for a registration).
+  std::map<uint64_t, std::shared_ptr<dataplane::UcxBuffer>> ack_buffers_;
+  std::map<std::string, absl::Time> last_logged_;
+  std::unique_ptr<dataplane::UcxWorker> worker_;  // last: stopped first
+};
+
+}  // namespace moe::expert_svc
+
+#endif  // MOE_EXPERT_SVC_UCX_DATA_PLANE_H_
