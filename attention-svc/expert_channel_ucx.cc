@@ -9,6 +9,7 @@
 #include "attention-svc/expert_channel_grpc.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/common/status_macros.h"
+#include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
@@ -28,9 +29,6 @@ constexpr absl::Duration kRetryWithoutUcx = absl::Seconds(10);
 // lands in our buffer (then dropped) instead of staying unexpected in the worker.
 constexpr absl::Duration kLateReplyGrace = absl::Seconds(5);
 
-// Reply tags: unique across every shard of this process (they share the worker).
-std::atomic<uint64_t> next_sequence{1};
-
 class UcxCall final : public ExpertCall {
  public:
   UcxCall(std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -39,8 +37,13 @@ class UcxCall final : public ExpertCall {
           std::shared_ptr<dataplane::UcxTransfer> sent,
           std::shared_ptr<dataplane::UcxTransfer> received,
           std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode, bool w4a8,
-          int64_t latent, int64_t rows, int64_t tokens)
-      : broken_(std::move(broken)),
+          int64_t latent, int64_t rows, int64_t tokens,
+          std::shared_ptr<const dataplane::PayloadMac> mac, uint64_t sequence,
+          std::function<void()> on_integrity_failed)
+      : mac_(std::move(mac)),
+        sequence_(sequence),
+        on_integrity_failed_(std::move(on_integrity_failed)),
+        broken_(std::move(broken)),
         on_transfer_failed_(std::move(on_transfer_failed)),
         stream_(std::move(stream)),
         pending_(std::move(pending)),
@@ -57,17 +60,22 @@ class UcxCall final : public ExpertCall {
 
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     const std::string& shard = stream_->shard();
-    // The payload must leave first: a failed send is the shard's failure, known at once.
+    // The header first: a shard that died (found by its gRPC stream, not by UCX: shared-memory
+    // lanes have no peer failure detection) or refused the batch answers here; no shard answers
+    // OK before the payload arrived whole.
+    absl::StatusOr<v1::DispatchReply> reply = stream_->Wait(*pending_, deadline);
+    if (!reply.ok()) {
+      if (reply.status().code() == absl::StatusCode::kFailedPrecondition ||
+          reply.status().code() == absl::StatusCode::kUnavailable) {
+        broken_->store(true);
+      }
+      return reply.status();
+    }
     if (absl::StatusOr<size_t> s = sent_->Wait(deadline); !s.ok()) {
       if (s.status().code() != absl::StatusCode::kDeadlineExceeded) broken_->store(true);
       if (on_transfer_failed_) on_transfer_failed_();
       return absl::Status(s.status().code(), absl::StrCat("expert shard ", shard,
                                                           ": activations: ", s.status().message()));
-    }
-    absl::StatusOr<v1::DispatchReply> reply = stream_->Wait(*pending_, deadline);
-    if (!reply.ok()) {
-      if (reply.status().code() == absl::StatusCode::kFailedPrecondition) broken_->store(true);
-      return reply.status();
     }
     MOE_RETURN_IF_ERROR(CheckReplyPrecision(*reply, w4a8_, shard));
     const bool f32 = mode_ == ReplyMode::kPartialSum;
@@ -93,6 +101,14 @@ class UcxCall final : public ExpertCall {
       return absl::InternalError(absl::StrCat("expert shard ", shard, " sent ", *n,
                                               " reply bytes out of band, the header said ", want));
     }
+    // Nothing is combined from bytes the shard did not seal under this connection's key.
+    if (!mac_->Verify(dataplane::Direction::kToAttention, sequence_, reply_buffer_->data(), *n,
+                      reply->output_mac())) {
+      if (on_integrity_failed_) on_integrity_failed_();
+      return absl::DataLossError(absl::StrCat(
+          "expert shard ", shard,
+          ": the reply payload failed its integrity check (AES-GMAC of the connection)"));
+    }
     ExpertReply out;
     out.rows = rows;
     if (f32) {
@@ -106,6 +122,9 @@ class UcxCall final : public ExpertCall {
   }
 
  private:
+  std::shared_ptr<const dataplane::PayloadMac> mac_;
+  const uint64_t sequence_;
+  std::function<void()> on_integrity_failed_;
   std::shared_ptr<std::atomic<bool>> broken_;
   std::function<void()> on_transfer_failed_;
   std::shared_ptr<transport::ExpertStream> stream_;
@@ -132,7 +151,8 @@ class FailedCall final : public ExpertCall {
 
 UcxExpertChannel::UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
                                    dataplane::UcxWorker* worker, dataplane::DataPlane mode,
-                                   std::string node, EventFn on_event, std::string cluster_token)
+                                   std::string node, EventFn on_event, std::string cluster_token,
+                                   LanesFn on_lanes)
     : shard_(shard),
       endpoint_(endpoint),
       node_(std::move(node)),
@@ -141,6 +161,7 @@ UcxExpertChannel::UcxExpertChannel(std::string shard, std::string endpoint, int 
       worker_(worker),
       mode_(mode),
       on_event_(std::move(on_event)),
+      on_lanes_(std::move(on_lanes)),
       stream_(std::make_shared<transport::ExpertStream>(shard, endpoint, max_message_bytes,
                                                         cluster_token_)),
       inband_(std::make_unique<GrpcExpertChannel>(shard, stream_)) {}
@@ -160,33 +181,75 @@ absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
   ep_ = 0;
   client_id_.store(0);
   broken_->store(false);
+  const absl::Time open_by = std::min(deadline, absl::Now() + kOpenTimeout);
   auto stub = v1::ExpertService::NewStub(transport::MakeChannel(endpoint_, max_message_bytes_));
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + kOpenTimeout)));
+  ctx.set_deadline(absl::ToChronoTime(open_by));
   if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
   v1::OpenDataPlaneRequest req;
-  req.set_worker_address(worker_->address());
   req.set_node(node_);
   v1::OpenDataPlaneReply reply;
   const absl::Status s = transport::FromGrpc(stub->OpenDataPlane(&ctx, req, &reply));
+  const std::string who = absl::StrCat("expert shard ", shard_, " (", endpoint_, ")");
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kFailedPrecondition ||
         s.code() == absl::StatusCode::kUnimplemented) {
       retry_after_ = absl::Now() + kRetryWithoutUcx;
     }
-    return absl::Status(s.code(), absl::StrCat("expert shard ", shard_, " (", endpoint_,
-                                               "): OpenDataPlane: ", s.message()));
+    return absl::Status(s.code(), absl::StrCat(who, ": OpenDataPlane: ", s.message()));
   }
+  auto mac = dataplane::PayloadMac::Create(reply.mac_key());
+  if (!mac.ok() || reply.hello_secret().size() != dataplane::kHelloSecretBytes ||
+      reply.chunk_bytes() < 4096 || reply.worker_address().empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        who, ": OpenDataPlane answered without a MAC key, hello secret, chunk size or address"));
+  }
+  // The address came from the shard we dialled over the authenticated channel.
   auto ep = worker_->Connect(reply.worker_address(),
                              [broken = broken_](const absl::Status&) { broken->store(true); });
   if (!ep.ok()) {
+    return absl::UnavailableError(absl::StrCat(who, ": UCX endpoint: ", ep.status().message()));
+  }
+  // The hello binds our client id to this endpoint on the shard; its acknowledgement (the
+  // shard's view of the lanes) proves the way back works before any batch relies on it.
+  auto ack_buffer = worker_->Buffer(256);
+  if (!ack_buffer.ok()) {
+    worker_->Disconnect(*ep);
+    return absl::ResourceExhaustedError(absl::StrCat(who, ": ", ack_buffer.status().message()));
+  }
+  // The acknowledgement is shorter than the buffer: a receive of up to 255 bytes.
+  auto ack = worker_->RecvAny(reply.ack_tag(), *ack_buffer, open_by);
+  auto hello = worker_->SendHello(
+      *ep, dataplane::EncodeHello({reply.client_id(), reply.hello_secret()}), open_by);
+  absl::StatusOr<size_t> acked = ack->Wait(open_by + absl::Milliseconds(100));
+  if (!acked.ok()) {
+    worker_->Disconnect(*ep);
     return absl::UnavailableError(
-        absl::StrCat("expert shard ", shard_, ": UCX endpoint: ", ep.status().message()));
+        absl::StrCat(who, ": the UCX hello was not acknowledged: ", acked.status().message()));
+  }
+  absl::StatusOr<dataplane::UcxLanes> lanes = worker_->Lanes(*ep);
+  {
+    std::lock_guard<std::mutex> l(lanes_mu_);
+    lanes_ = lanes.ok() ? *lanes : dataplane::UcxLanes{};
+    peer_lanes_.assign(reinterpret_cast<const char*>((*ack_buffer)->data()), *acked);
   }
   ep_ = *ep;
+  mac_ = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
+  chunk_bytes_ = static_cast<size_t>(reply.chunk_bytes());
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");
+  if (on_lanes_) on_lanes_(shard_, lanes_, peer_lanes_);
   return absl::OkStatus();
+}
+
+dataplane::UcxLanes UcxExpertChannel::lanes() const {
+  std::lock_guard<std::mutex> l(lanes_mu_);
+  return lanes_;
+}
+
+std::string UcxExpertChannel::peer_lanes() const {
+  std::lock_guard<std::mutex> l(lanes_mu_);
+  return peer_lanes_;
 }
 
 std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
@@ -221,26 +284,49 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   } else {
     std::memcpy((*send_buffer)->data(), m.z.data(), bytes);
   }
-  const uint64_t seq = next_sequence.fetch_add(1);
-  const uint64_t client = client_id_.load();
-  const uint64_t tag = dataplane::ActivationTag(client, seq);
+  // Tags nobody outside this connection can predict (a CSPRNG per batch), and the MAC nonce.
+  const uint64_t seq = sequence_.fetch_add(1);
+  const uint64_t tag = dataplane::RandomU64();
+  const uint64_t reply_tag = dataplane::RandomU64();
+  std::shared_ptr<const dataplane::PayloadMac> mac;
+  uint64_t ep, client;
+  size_t chunk;
+  {
+    std::lock_guard<std::mutex> lock(open_mu_);  // one connection's id, key and endpoint
+    client = client_id_.load();
+    mac = mac_;
+    ep = ep_;
+    chunk = chunk_bytes_;
+  }
+  const std::string activation_mac =
+      mac->Compute(dataplane::Direction::kToExpert, seq, (*send_buffer)->data(), bytes);
   // The reply's receive is posted before the header leaves, so the payload always finds it.
-  auto received = worker_->Recv(seq, *reply_buffer, deadline + kLateReplyGrace);
-  auto sent = worker_->Send(ep_, tag, *send_buffer, bytes, deadline);
+  auto received = worker_->Recv(reply_tag, *reply_buffer, reply_bytes, deadline + kLateReplyGrace,
+                                nullptr, chunk);
+  auto sent = worker_->Send(ep, tag, *send_buffer, bytes, deadline, nullptr, chunk);
   v1::DispatchRequest dr = DispatchRequestFor(header, m, /*with_activation_bytes=*/false);
   v1::OutOfBand* oob = dr.mutable_out_of_band();
   oob->set_client_id(client);
   oob->set_tag(tag);
   oob->set_activation_bytes(static_cast<int64_t>(bytes));
-  oob->set_reply_tag(seq);
+  oob->set_reply_tag(reply_tag);
   oob->set_reply_capacity_bytes(static_cast<int64_t>(reply_bytes));
+  oob->set_sequence(seq);
+  oob->set_activation_mac(activation_mac);
   auto pending = stream_->Send(std::move(dr));
   std::function<void()> failed;
   if (on_event_)
     failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
+  std::function<void()> integrity_failed;
+  if (on_event_) {
+    integrity_failed = [on_event = on_event_, shard = shard_] {
+      on_event(shard, "integrity_failed");
+    };
+  }
   return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
                                    std::move(sent), std::move(received), *reply_buffer, header.mode,
-                                   m.mxfp8(), header.latent, m.rows(), u);
+                                   m.mxfp8(), header.latent, m.rows(), u, std::move(mac), seq,
+                                   std::move(integrity_failed));
 }
 
 }  // namespace moe::attention_svc

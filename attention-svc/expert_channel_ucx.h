@@ -1,8 +1,10 @@
 // ExpertChannel with the payload out of band (docs/data-plane.md): the Dispatch header (groups,
 // row_source, sizes, tags) goes on the shard's gRPC stream, the activations and the reply's
 // bytes as UCX tagged messages between registered buffers (shared memory, TCP or RDMA verbs, as
-// UCX_TLS says). The first batch opens the data plane (ExpertService.OpenDataPlane); an
-// endpoint error or a shard that forgot us (restart) makes the next batch open it again.
+// UCX_TLS says). The first batch opens the data plane (ExpertService.OpenDataPlane, then a UCX
+// hello on our endpoint to the shard's worker, acknowledged); an endpoint error, a broken
+// stream or a shard that forgot us (restart) makes the next batch open it again. Each batch has
+// random tags and both payloads an AES-GMAC under the connection's key (payload_mac.h).
 //
 // Mode kAuto sends in band (counted as a "fallback" event) while the shard offers no UCX; kUcx
 // fails such batches with UNAVAILABLE naming the shard.
@@ -24,7 +26,8 @@
 
 namespace moe::dataplane {
 class UcxWorker;
-}
+class PayloadMac;
+}  // namespace moe::dataplane
 namespace moe::transport {
 class ExpertStream;
 }
@@ -38,9 +41,14 @@ class UcxExpertChannel final : public ExpertChannel {
   // event: "connected", "fallback", "transfer_failed" (metrics).
   using EventFn = std::function<void(const std::string& shard, const std::string& event)>;
 
+  // lanes: called when the data plane opens, with the lanes UCX selected on our side and the
+  // shard's view of its side (metrics, logs).
+  using LanesFn = std::function<void(const std::string& shard, const dataplane::UcxLanes& lanes,
+                                     const std::string& shard_lanes)>;
+
   UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
                    dataplane::UcxWorker* worker, dataplane::DataPlane mode, std::string node,
-                   EventFn on_event, std::string cluster_token);
+                   EventFn on_event, std::string cluster_token, LanesFn on_lanes = nullptr);
   ~UcxExpertChannel() override;
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
@@ -48,6 +56,10 @@ class UcxExpertChannel final : public ExpertChannel {
   const std::string& shard() const override { return shard_; }
   // "ucx" once the data plane is open, "grpc" while batches go in band.
   const char* transport() const override { return client_id_.load() != 0 ? "ucx" : "grpc"; }
+  // The lanes UCX selected for our endpoint to the shard (read from UCX when the data plane
+  // opened), and the shard's own view of its endpoint back (its hello acknowledgement).
+  dataplane::UcxLanes lanes() const;
+  std::string peer_lanes() const;
 
  private:
   // Opens (or reopens) the data plane; false: send in band / fail.
@@ -58,11 +70,18 @@ class UcxExpertChannel final : public ExpertChannel {
   dataplane::UcxWorker* const worker_;
   const dataplane::DataPlane mode_;
   EventFn on_event_;
+  LanesFn on_lanes_;
   std::shared_ptr<transport::ExpertStream> stream_;
   std::unique_ptr<GrpcExpertChannel> inband_;  // on the same stream
   std::mutex open_mu_;
   uint64_t ep_ = 0;
+  std::shared_ptr<const dataplane::PayloadMac> mac_;
+  size_t chunk_bytes_ = 0;
   std::atomic<uint64_t> client_id_{0};
+  std::atomic<uint64_t> sequence_{1};  // the MAC nonce: each batch of this connection once
+  mutable std::mutex lanes_mu_;
+  dataplane::UcxLanes lanes_;
+  std::string peer_lanes_;
   // Set by the endpoint's error handler and by calls that learned the data plane is gone
   // (unknown client after a shard restart): the next batch opens it again.
   std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);

@@ -71,7 +71,15 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
         [this](const std::string& shard, const std::string& event) {
           if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
         },
-        options_.cluster_token);
+        options_.cluster_token,
+        [this](const std::string& shard, const dataplane::UcxLanes& lanes,
+               const std::string& shard_lanes) {
+          MOE_LOG_INFO("data plane to {}: UCX lanes {} (the shard's side: {})", shard,
+                       lanes.Describe(), shard_lanes);
+          if (metrics_ != nullptr) {
+            metrics_->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
+          }
+        });
   } else if (channel == nullptr) {
     channel = std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, options_.max_message_bytes,
                                                   options_.cluster_token);
