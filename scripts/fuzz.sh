@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan + UBSan) and runs each for a bounded time from a
 # seed corpus: the safetensors parser, expert-svc's DispatchRequest validation, attention-svc's
-# ForwardRequest input decoding, the QB histogram wire form, the page's query parser.
+# ForwardRequest input decoding, the QB histogram wire form, the page's query parser, the data
+# plane's UCX hello and lanes parsers.
 # Allocations past 512 MiB count as findings (a small input must not claim a large buffer).
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] (default 20: the test command; a campaign: 600)
 set -euo pipefail
@@ -12,7 +13,7 @@ if ! command -v clang++ >/dev/null; then
   exit 0
 fi
 BUILD=${MOE_FUZZ_BUILD_DIR:-build-fuzz}
-TARGETS=(safetensors_fuzz dispatch_fuzz forward_fuzz qb_histogram_fuzz http_query_fuzz)
+TARGETS=(safetensors_fuzz dispatch_fuzz forward_fuzz qb_histogram_fuzz http_query_fuzz data_plane_fuzz)
 CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DMOE_BUILD_FUZZERS=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD" --target "${TARGETS[@]}"
@@ -20,6 +21,11 @@ CORPUS="$BUILD/fuzz-corpus"
 mkdir -p "$CORPUS"
 /usr/bin/python3 tests/fuzz/make_seed_corpus.py "$CORPUS/safetensors"
 /usr/bin/python3 tests/fuzz/make_proto_seeds.py "$CORPUS"
+# The data plane's hello and lanes: a well-formed hello shape and a lanes report as seeds.
+mkdir -p "$CORPUS/data_plane"
+printf 'MOEH\001\001\000\000\000\000\000\000\000abcdefghijklmnop' >"$CORPUS/data_plane/hello"
+printf '#  lane[0]:  2:posix/memory.0 md[1] -> md[1]/posix am\n#  lane[1]:  0:tcp/lo.0 md[0]\n' \
+  >"$CORPUS/data_plane/lanes"
 for t in "${TARGETS[@]}"; do
   name=${t%_fuzz}
   log="$BUILD/$t.log"

@@ -11,7 +11,7 @@
 // loopback, same checkpoint, same cores), one request at a time, so the ratio is the cost of
 // disaggregation per batch; then the cluster with 2 requests in flight (the attention node
 // overlaps one batch's dense work with another's experts). Each data plane gets its own
-// cluster: in-band gRPC, UCX over shared memory (UCX_TLS posix,tcp) and UCX over TCP on loopback;
+// cluster: in-band gRPC, UCX over shared memory (UCX_TLS posix) and UCX over TCP on loopback;
 // p50/p99 are of the dispatch stage (send to every shard, wait for every reply) per request.
 // Dispatch bytes are the tensor payloads the attention node reports: one latent row per distinct
 // token and shard out, and per (token, expert) bf16 rows or per-token fp32 partial sums back. A
@@ -49,7 +49,7 @@ using Clock = std::chrono::steady_clock;
 std::vector<std::string> DataPlaneArgs(const std::string& name) {
   const std::string base = name.substr(0, name.find('+'));
   if (base == "grpc") return {"--data_plane=grpc"};
-  if (base == "ucx_shm") return {"--data_plane=ucx", "--ucx_tls=posix,tcp"};
+  if (base == "ucx_shm") return {"--data_plane=ucx", "--ucx_tls=posix"};
   if (base == "ucx_tcp") return {"--data_plane=ucx", "--ucx_tls=tcp"};
   return {};
 }

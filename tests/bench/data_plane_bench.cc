@@ -3,7 +3,7 @@
 // thread, bounce a message of the dispatch sizes back and forth (send, then the same size back,
 // as a batch and its reply), over the transports UCX_TLS selects.
 //
-//   build/tests/data_plane_bench [--tls posix,tcp;tcp] [--seconds 1]
+//   build/tests/data_plane_bench [--tls "posix;posix,cma;tcp"] [--seconds 1]
 //
 // Sizes: 7 KiB (one k3 latent row), 1.8 MB (k3 T = 16 per-pair reply of one shard with all
 // 16 experts), 29 MB (k3 T = 256).
@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_split.h"
 #include "services/common/flags.h"
+#include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 #include "tests/bench/memcpy_bandwidth.h"
 
@@ -25,7 +26,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 int Main(int argc, char** argv) {
-  std::string tls_list = "posix,tcp;tcp";
+  std::string tls_list = "posix;posix,cma;tcp";
   double seconds = 1;
   SvcFlags f("data_plane_bench", "UCX round trips of dispatch-sized messages.");
   f.String("tls", &tls_list, "UCX_TLS values to try, separated by ';'");
@@ -35,10 +36,26 @@ int Main(int argc, char** argv) {
     std::printf("built without UCX\n");
     return 0;
   }
-  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", bench::MemcpyBandwidth() / 1e9);
+  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n", bench::MemcpyBandwidth() / 1e9);
+  {
+    // The payload integrity check's cost (AES-256-GMAC), per byte, on a k3 T = 16 reply.
+    auto mac = dataplane::PayloadMac::Create(dataplane::RandomBytes(dataplane::kMacKeyBytes));
+    std::vector<uint8_t> payload(1835008, 3);
+    int64_t n = 0;
+    const auto t0 = Clock::now();
+    while (n < 100000 && std::chrono::duration<double>(Clock::now() - t0).count() < 0.5) {
+      (void)mac->Compute(dataplane::Direction::kToExpert, static_cast<uint64_t>(n), payload.data(),
+                         payload.size());
+      ++n;
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::printf("payload MAC (AES-256-GMAC, 1.8 MB): %.2f GB/s, %.1f us per payload\n\n",
+                payload.size() * n / s / 1e9, 1e6 * s / n);
+  }
   std::printf(
-      "| UCX_TLS | bytes | round trips | us per round trip | GB/s (both ways) |\n"
-      "|---|---|---|---|---|\n");
+      "| UCX_TLS | lanes UCX selected | bytes | round trips | us per round trip | GB/s (both "
+      "ways) |\n"
+      "|---|---|---|---|---|---|\n");
   for (absl::string_view tls_view : absl::StrSplit(tls_list, ';')) {
     const std::string tls(tls_view);
     dataplane::UcxOptions o;
@@ -53,6 +70,8 @@ int Main(int argc, char** argv) {
     auto ab = (*a)->Connect((*b)->address(), nullptr);
     auto ba = (*b)->Connect((*a)->address(), nullptr);
     if (!ab.ok() || !ba.ok()) return 1;
+    const auto lane = (*a)->Lanes(*ab);
+    const std::string lanes = lane.ok() ? lane->Describe() : "?";
     for (size_t bytes : {size_t{7168}, size_t{1835008}, size_t{29360128}}) {
       auto out_a = (*a)->Buffer(bytes), in_b = (*b)->Buffer(bytes);
       auto out_b = (*b)->Buffer(bytes), in_a = (*a)->Buffer(bytes);
@@ -65,19 +84,20 @@ int Main(int argc, char** argv) {
       // Bounded in time and in count.
       while (n < 1000000 && std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
         const absl::Time deadline = absl::Now() + absl::Seconds(10);
-        auto r1 = (*b)->Recv(tag, *in_b, deadline);
+        // Chunks take tags tag, tag + 1, ...: the two directions 1000 apart.
+        auto r1 = (*b)->Recv(tag, *in_b, bytes, deadline);
         auto s1 = (*a)->Send(*ab, tag, *out_a, bytes, deadline);
-        auto r2 = (*a)->Recv(tag + 1, *in_a, deadline);
+        auto r2 = (*a)->Recv(tag + 1000, *in_a, bytes, deadline);
         if (!r1->Wait(deadline).ok()) return 1;
-        auto s2 = (*b)->Send(*ba, tag + 1, *out_b, bytes, deadline);
+        auto s2 = (*b)->Send(*ba, tag + 1000, *out_b, bytes, deadline);
         if (!r2->Wait(deadline).ok() || !s1->Wait(deadline).ok() || !s2->Wait(deadline).ok()) {
           return 1;
         }
-        tag += 2;
+        tag += 2000;
         ++n;
       }
       const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::printf("| %s | %zu | %lld | %.1f | %.2f |\n", tls.c_str(), bytes,
+      std::printf("| %s | %s | %zu | %lld | %.1f | %.2f |\n", tls.c_str(), lanes.c_str(), bytes,
                   static_cast<long long>(n), 1e6 * s / n, 2.0 * bytes * n / s / 1e9);
     }
   }

@@ -71,7 +71,7 @@ int Main(int argc, char** argv) {
   co.checkpoint = checkpoint;
   co.num_shards = shards;
   if (data_plane == "ucx_shm") {
-    co.expert_args = co.attention_args = {"--data_plane=ucx", "--ucx_tls=posix,tcp"};
+    co.expert_args = co.attention_args = {"--data_plane=ucx", "--ucx_tls=posix"};
   } else if (data_plane == "grpc") {
     co.expert_args = co.attention_args = {"--data_plane=grpc"};
   } else {

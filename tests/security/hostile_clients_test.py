@@ -325,18 +325,39 @@ def _(ctx):
 @case("OpenDataPlane without the cluster token")
 def _(ctx):
     r = ctx.pb.expert.OpenDataPlaneRequest()
-    r.worker_address = b"x" * 100
+    r.node = "stranger"
     return expect(C.UNAUTHENTICATED, "needs the cluster token", lambda: ctx.unary(
         ctx.shard0, "/moe.v1.ExpertService/OpenDataPlane", r, ctx.pb.expert.OpenDataPlaneReply))
 
 
-@case("OpenDataPlane: a 1 MiB worker address")
+@case("OpenDataPlane: 200 random bytes in the retired worker-address field")
+def _(ctx):
+    # Field 1 carried a UCX address that UCX asserted on (SIGABRT); the server no longer reads
+    # one. A member's call with garbage there is answered (a client, secrets) and the shard
+    # lives on (every case ends with every process checked).
+    raw = b"\x0a\xc8\x01" + os.urandom(200) + b"\x12\x07hostile"
+    r = ctx.pb.expert.OpenDataPlaneRequest.FromString(raw)
+    reply = ctx.unary(ctx.shard0, "/moe.v1.ExpertService/OpenDataPlane", r,
+                      ctx.pb.expert.OpenDataPlaneReply, metadata=ctx.member())
+    assert reply.client_id > 0 and len(reply.mac_key) == 32, reply
+    return f"OK: client {reply.client_id}, the bytes never reached UCX"
+
+
+@case("OpenDataPlane: a 1 MiB node name")
 def _(ctx):
     r = ctx.pb.expert.OpenDataPlaneRequest()
-    r.worker_address = b"x" * (1 << 20)
-    return expect(C.INVALID_ARGUMENT, "need 1 to 65536", lambda: ctx.unary(
+    r.node = "x" * (1 << 20)
+    return expect(C.INVALID_ARGUMENT, "node name of", lambda: ctx.unary(
         ctx.shard0, "/moe.v1.ExpertService/OpenDataPlane", r, ctx.pb.expert.OpenDataPlaneReply,
         metadata=ctx.member()))
+
+
+@case("GetInfo without the cluster token: no UCX address")
+def _(ctx):
+    info = ctx.unary(ctx.shard0, "/moe.v1.ExpertService/GetInfo",
+                     ctx.pb.expert.GetExpertInfoRequest(), ctx.pb.expert.ExpertServerInfo)
+    assert info.ucx_address == b"", "a stranger was handed the shard's UCX worker address"
+    return f"OK: data plane {info.data_plane!r}, no address"
 
 
 @case("Dispatch: partial sums for 2^30 tokens in a 1 KB batch")

@@ -27,6 +27,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
 #include "services/dataplane/data_plane.h"
+#include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/moe_layer.h"
@@ -202,6 +203,23 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
                                       Concat(labels, {absl::StrCat("transport=\"", other, "\"")})),
               0);
   }
+  if (p.transport == "ucx") {
+    // The lanes UCX really selected (read from UCX, both sides): shared memory where the case
+    // says so, TCP where it says so; a "shared memory" case on TCP fails here.
+    const std::string kind = p.name.find("_tcp") != std::string::npos ? "tcp" : "shm";
+    for (int i = 0; i < (*cluster)->num_shards(); ++i) {
+      const std::string shard = absl::StrCat("shard=\"shard-", i, "\"");
+      EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_data_plane_lane_info",
+                                        {shard, absl::StrCat("kind=\"", kind, "\"")}),
+                1)
+          << "shard-" << i << " is not on " << kind;
+      const std::string theirs =
+          kind == "tcp" ? "shard_lanes=\"tcp\"" : "shard_lanes=\"shm (posix)\"";
+      EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_data_plane_lane_info",
+                                        {shard, theirs}),
+                1);
+    }
+  }
   if (p.transport == "ucx") {  // ... and the shards took their payloads from UCX too
     for (int i = 0; i < (*cluster)->num_shards(); ++i) {
       EXPECT_GT(moe::testing::ScrapeSum((*cluster)->shard_metrics(i), "moe_wire_bytes_total",
@@ -224,18 +242,10 @@ INSTANTIATE_TEST_SUITE_P(
                     Concat(kGrpc, {"--max_dispatch_bytes=65536"}),
                     kGrpc},
         // The out-of-band data plane over shared memory and over TCP.
-        ClusterCase{"tiny_ucx_shm",
-                    "tiny",
-                    {{0, 5}, {5, 16}},
-                    UcxArgs("posix,tcp"),
-                    UcxArgs("posix,tcp"),
-                    "ucx"},
-        ClusterCase{"mid_ucx_shm",
-                    "mid",
-                    {{0, 40}, {40, 128}},
-                    UcxArgs("posix,tcp"),
-                    UcxArgs("posix,tcp"),
-                    "ucx"},
+        ClusterCase{
+            "tiny_ucx_shm", "tiny", {{0, 5}, {5, 16}}, UcxArgs("posix"), UcxArgs("posix"), "ucx"},
+        ClusterCase{
+            "mid_ucx_shm", "mid", {{0, 40}, {40, 128}}, UcxArgs("posix"), UcxArgs("posix"), "ucx"},
         ClusterCase{
             "mid_ucx_tcp", "mid", {{0, 40}, {40, 128}}, UcxArgs("tcp"), UcxArgs("tcp"), "ucx"},
         ClusterCase{
@@ -244,15 +254,15 @@ INSTANTIATE_TEST_SUITE_P(
         ClusterCase{"mid_ucx_micro_batches",
                     "mid",
                     {{0, 40}, {40, 128}},
-                    Concat(UcxArgs("posix,tcp"), {"--micro_batches=3"}),
-                    UcxArgs("posix,tcp"),
+                    Concat(UcxArgs("posix"), {"--micro_batches=3"}),
+                    UcxArgs("posix"),
                     "ucx",
                     3},
         ClusterCase{"mid_chunked_ucx_shm",
                     "mid",
                     {{0, 40}, {40, 128}},
-                    Concat(UcxArgs("posix,tcp"), {"--max_dispatch_bytes=65536"}),
-                    UcxArgs("posix,tcp"),
+                    Concat(UcxArgs("posix"), {"--max_dispatch_bytes=65536"}),
+                    UcxArgs("posix"),
                     "ucx"},
         // TLS on every channel: servers verified only, and mutual (the data plane is opened
         // through the mutually authenticated channel, docs/security.md).
@@ -260,8 +270,8 @@ INSTANTIATE_TEST_SUITE_P(
         ClusterCase{"mid_mtls_ucx_shm",
                     "mid",
                     {{0, 40}, {40, 128}},
-                    UcxArgs("posix,tcp"),
-                    UcxArgs("posix,tcp"),
+                    UcxArgs("posix"),
+                    UcxArgs("posix"),
                     "ucx",
                     1,
                     "mtls"}),
@@ -439,7 +449,8 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   // Out-of-band headers that lie (docs/data-plane.md): each gets its own code and the stream
   // goes on. A data plane of our own, opened over gRPC like attention-svc does.
   if (dataplane::UcxBuilt()) {
-    auto out_of_band = [&](uint64_t client, uint64_t tag, int64_t bytes, int64_t timeout_ms) {
+    auto out_of_band = [&](uint64_t client, uint64_t tag, int64_t bytes, int64_t timeout_ms,
+                           std::string mac = std::string(16, 'm'), uint64_t sequence = 1) {
       v1::DispatchRequest r = batch(layer, {{1, 3}}, z);
       r.mutable_activations()->clear_data();
       r.set_timeout_ms(timeout_ms);
@@ -447,64 +458,138 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
       o->set_client_id(client);
       o->set_tag(tag);
       o->set_activation_bytes(bytes);
-      o->set_reply_tag(tag);
+      o->set_reply_tag(tag + 1000);
       o->set_reply_capacity_bytes(3 * d * 2);
+      o->set_sequence(sequence);
+      o->set_activation_mac(mac);
       return r;
     };
-    expect_dispatch_error(out_of_band(999, dataplane::ActivationTag(999, 1), 3 * d * 2, 1000),
+    expect_dispatch_error(out_of_band(999, 1, 3 * d * 2, 1000),
                           absl::StatusCode::kFailedPrecondition, "unknown data-plane client 999");
     dataplane::UcxOptions uo;
     uo.tls = "tcp";
     auto worker = dataplane::UcxWorker::Create(uo);
     ASSERT_TRUE(worker.ok()) << worker.status();
     auto stub = v1::ExpertService::NewStub(transport::MakeChannel((*cluster)->shard_endpoint(0)));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::OpenDataPlaneRequest open;
-    open.set_worker_address((*worker)->address());
+    open.set_node("cluster-test");
     v1::OpenDataPlaneReply opened;
-    {  // only members may open a data plane
+    {  // only members may open a data plane, or learn the worker's address
       grpc::ClientContext stranger;
       stranger.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
       const grpc::Status refused = stub->OpenDataPlane(&stranger, open, &opened);
       EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED);
       EXPECT_NE(refused.error_message().find("needs the cluster token"), std::string::npos);
+      grpc::ClientContext info_ctx;
+      info_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::ExpertServerInfo info;
+      ASSERT_TRUE(stub->GetInfo(&info_ctx, v1::GetExpertInfoRequest(), &info).ok());
+      EXPECT_EQ(info.data_plane(), "ucx");
+      EXPECT_TRUE(info.ucx_address().empty()) << "a stranger was handed the UCX address";
     }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
     ASSERT_TRUE(stub->OpenDataPlane(&ctx, open, &opened).ok());
     const uint64_t me = opened.client_id();
     ASSERT_GE(me, 1u);
-    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me + 1, 1), 3 * d * 2, 1000),
-                          absl::StatusCode::kInvalidArgument, "is not of client");
-    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 2), 0, 1000),
-                          absl::StatusCode::kInvalidArgument, "out-of-band sizes");
-    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 3), int64_t{1} << 40, 1000),
-                          absl::StatusCode::kInvalidArgument, "out-of-band sizes");
-    // A payload that never comes: DEADLINE_EXCEEDED at the header's budget, not a hang.
-    const absl::Time t0 = absl::Now();
-    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 4), 3 * d * 2, 300),
-                          absl::StatusCode::kDeadlineExceeded, "did not complete by its deadline");
-    EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
-    // A payload shorter than the header says: refused, nothing computed from it.
+    ASSERT_EQ(opened.hello_secret().size(), dataplane::kHelloSecretBytes);
+    ASSERT_EQ(opened.mac_key().size(), dataplane::kMacKeyBytes);
+    // Before its hello, the client has no way back: refused by name.
+    expect_dispatch_error(out_of_band(me, 2, 3 * d * 2, 1000),
+                          absl::StatusCode::kFailedPrecondition, "has not sent its UCX hello");
     auto ep = (*worker)->Connect(opened.worker_address(), nullptr);
     ASSERT_TRUE(ep.ok()) << ep.status();
-    auto short_payload = (*worker)->Buffer(100);
-    ASSERT_TRUE(short_payload.ok());
-    auto sent = (*worker)->Send(*ep, dataplane::ActivationTag(me, 5), *short_payload, 100,
-                                absl::Now() + absl::Seconds(5));
-    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 5), 3 * d * 2, 2000),
-                          absl::StatusCode::kInvalidArgument, "activations of 100 bytes");
+    auto ack_buffer = (*worker)->Buffer(256);
+    ASSERT_TRUE(ack_buffer.ok());
+    // A hello with a wrong secret binds nothing (the shard counts it) ...
+    (void)(*worker)->SendHello(*ep, dataplane::EncodeHello({me, std::string(16, 'x')}),
+                               absl::Now() + absl::Seconds(5));
+    auto ack = (*worker)->RecvAny(opened.ack_tag(), *ack_buffer, absl::Now() + absl::Seconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_FALSE(ack->done()) << "a hello with a wrong secret was acknowledged";
+    expect_dispatch_error(out_of_band(me, 3, 3 * d * 2, 1000),
+                          absl::StatusCode::kFailedPrecondition, "has not sent its UCX hello");
+    // ... the right one is acknowledged with the shard's view of the lanes.
+    (void)(*worker)->SendHello(*ep, dataplane::EncodeHello({me, opened.hello_secret()}),
+                               absl::Now() + absl::Seconds(5));
+    auto acked = ack->Wait(absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(acked.ok()) << acked.status();
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>((*ack_buffer)->data()), *acked), "tcp");
+    expect_dispatch_error(out_of_band(me, 4, 0, 1000), absl::StatusCode::kInvalidArgument,
+                          "out-of-band sizes");
+    expect_dispatch_error(out_of_band(me, 5, int64_t{1} << 40, 1000),
+                          absl::StatusCode::kInvalidArgument, "out-of-band sizes");
+    expect_dispatch_error(out_of_band(me, 6, 3 * d * 2, 1000, "short"),
+                          absl::StatusCode::kInvalidArgument, "activation_mac of 5 bytes");
+    // A payload that never comes: DEADLINE_EXCEEDED at the header's budget, not a hang.
+    const absl::Time t_wait = absl::Now();
+    expect_dispatch_error(out_of_band(me, 7, 3 * d * 2, 300), absl::StatusCode::kDeadlineExceeded,
+                          "did not complete by its deadline");
+    EXPECT_LT(absl::Now() - t_wait, absl::Seconds(3));
+    auto payload = (*worker)->Buffer(3 * d * 2);
+    ASSERT_TRUE(payload.ok());
+    std::memcpy((*payload)->data(), z.data(), 3 * d * 2);
+    // A payload shorter than the header says: refused, nothing computed from it.
+    auto sent = (*worker)->Send(*ep, 8, *payload, 100, absl::Now() + absl::Seconds(5));
+    expect_dispatch_error(out_of_band(me, 8, 3 * d * 2, 2000), absl::StatusCode::kInvalidArgument,
+                          "a chunk of 100 bytes where");
     (void)sent->Wait(absl::Now() + absl::Seconds(5));
-    // Opening it again from the same worker (a reconnect) replaces the old client.
+    // The right bytes under a wrong MAC (what an injected payload looks like): DATA_LOSS, never
+    // computed; the same bytes with the MAC of the connection's key: the kernels' bits.
+    auto mac = dataplane::PayloadMac::Create(opened.mac_key());
+    ASSERT_TRUE(mac.ok());
+    const std::string good_mac =
+        mac->Compute(dataplane::Direction::kToExpert, 9, (*payload)->data(), 3 * d * 2);
+    sent = (*worker)->Send(*ep, 9, *payload, 3 * d * 2, absl::Now() + absl::Seconds(5));
+    expect_dispatch_error(out_of_band(me, 9, 3 * d * 2, 2000, good_mac, /*sequence=*/10),
+                          absl::StatusCode::kDataLoss, "failed its integrity check");
+    (void)sent->Wait(absl::Now() + absl::Seconds(5));
+    auto reply_buffer = (*worker)->Buffer(3 * d * 2);
+    ASSERT_TRUE(reply_buffer.ok());
+    auto got_reply =
+        (*worker)->Recv(1011, *reply_buffer, 3 * d * 2, absl::Now() + absl::Seconds(5));
+    sent = (*worker)->Send(*ep, 11, *payload, 3 * d * 2, absl::Now() + absl::Seconds(5));
+    auto ok_reply = stream.Call(out_of_band(me, 11, 3 * d * 2, 2000,
+                                            mac->Compute(dataplane::Direction::kToExpert, 11,
+                                                         (*payload)->data(), 3 * d * 2),
+                                            /*sequence=*/11),
+                                deadline);
+    ASSERT_TRUE(ok_reply.ok()) << ok_reply.status();
+    ASSERT_TRUE(ok_reply->out_of_band());
+    ASSERT_TRUE(got_reply->Wait(absl::Now() + absl::Seconds(5)).ok());
+    EXPECT_TRUE(mac->Verify(dataplane::Direction::kToAttention, 11, (*reply_buffer)->data(),
+                            3 * d * 2, ok_reply->output_mac()));
+    EXPECT_FALSE(mac->Verify(dataplane::Direction::kToAttention, 12, (*reply_buffer)->data(),
+                             3 * d * 2, ok_reply->output_mac()));
+    numerics::Routing r3;
+    r3.tokens = 3;
+    r3.top_k = 1;
+    r3.expert_ids = {1, 1, 1};
+    r3.weights = {1, 1, 1};
+    const std::vector<Bf16> want3 =
+        numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg,
+                                  local->weights(), r3, z.data());
+    EXPECT_EQ(std::memcmp((*reply_buffer)->data(), want3.data(), 3 * d * 2), 0);
+    // Opening it again from the same node (a reconnect) replaces the old client.
     grpc::ClientContext again_ctx;
     again_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     again_ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
     v1::OpenDataPlaneReply again;
     ASSERT_TRUE(stub->OpenDataPlane(&again_ctx, open, &again).ok());
     EXPECT_NE(again.client_id(), me);
-    expect_dispatch_error(out_of_band(me, dataplane::ActivationTag(me, 6), 3 * d * 2, 1000),
+    expect_dispatch_error(out_of_band(me, 12, 3 * d * 2, 1000),
                           absl::StatusCode::kFailedPrecondition,
                           absl::StrCat("unknown data-plane client ", me));
+    // What the shard counted: one rejected hello, one payload that failed its check.
+    EXPECT_EQ(
+        moe::testing::ScrapeSum((*cluster)->shard_metrics(0), "moe_expert_data_plane_events_total",
+                                {"event=\"hello_rejected\""}),
+        1);
+    EXPECT_EQ(
+        moe::testing::ScrapeSum((*cluster)->shard_metrics(0), "moe_expert_data_plane_events_total",
+                                {"event=\"integrity_failed\""}),
+        1);
   }
   EXPECT_EQ(stream.streams_opened(), 1);  // errors never broke the stream
 }

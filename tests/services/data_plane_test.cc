@@ -1,6 +1,8 @@
 // The cluster on the out-of-band UCX data plane under failure (docs/data-plane.md): a shard
 // killed mid-transfer, auto's fallback to gRPC and ucx's refusal, with real processes on
 // loopback. (The equivalence over UCX is in cluster_test.cc with the in-band cases.)
+#include "services/dataplane/data_plane.h"
+
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 
@@ -19,6 +21,7 @@
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
+#include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/tools/local_cluster.h"
 #include "services/transport/grpc_server.h"
@@ -52,8 +55,8 @@ TEST(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
   auto local = InProcessLayer(dir, &cfg);
   LocalClusterOptions o = TestCluster(dir, {{0, 40}, {40, 128}});
   o.router_args = {"--heartbeat_interval_ms=200"};
-  o.expert_args = UcxArgs("posix,tcp");
-  o.attention_args = UcxArgs("posix,tcp");
+  o.expert_args = UcxArgs("posix");
+  o.attention_args = UcxArgs("posix");
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
@@ -66,8 +69,8 @@ TEST(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
     v1::ExpertServerInfo info;
     ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
     EXPECT_EQ(info.data_plane(), "ucx");
-    EXPECT_EQ(info.ucx_tls(), "posix,tcp");
-    EXPECT_FALSE(info.ucx_address().empty());
+    EXPECT_EQ(info.ucx_tls(), "posix");
+    EXPECT_TRUE(info.ucx_address().empty());  // not to a caller without the token
   }
 
   constexpr int kClients = 3;
@@ -189,6 +192,138 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
     EXPECT_NE(got.status().message().find("shard-"), absl::string_view::npos) << got.status();
     EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
   }
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+using tensor::Bf16;
+using testing::CheckpointFor;
+using testing::ClientFor;
+using testing::InProcessLayer;
+using testing::SameBits;
+using testing::TestCluster;
+using testing::UcxArgs;
+using tools::LocalCluster;
+using tools::LocalClusterOptions;
+
+// A hostile UCX peer that holds the shard's worker address (leaked: a stranger is not handed
+// it) but no secret: it sprays tagged payloads on random tags and on the tags the first data
+// plane made predictable (client id << 40 | sequence), and sends hellos that are malformed, of
+// unknown clients, with wrong secrets, oversized. Meanwhile a canary's answers stay bit-exact,
+// every process stays up, and the shard counts the hellos it refused.
+TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
+  o.expert_args = UcxArgs("posix");
+  o.attention_args = UcxArgs("posix");
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  constexpr int64_t kTokens = 16;
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, kTokens, 77);
+  const std::vector<Bf16> want = local->Forward(x, kTokens, cfg.hidden)->out;
+
+  // The leak: the address, read with the token (what a stranger does not get).
+  auto stub = v1::ExpertService::NewStub(transport::MakeChannel((*cluster)->shard_endpoint(0)));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
+  v1::ExpertServerInfo info;
+  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  ASSERT_FALSE(info.ucx_address().empty());
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, wrong{0}, failed{0};
+  std::thread canary([&] {
+    auto client = ClientFor(**cluster);
+    client::ForwardOptions fo;
+    fo.timeout = absl::Seconds(5);
+    for (int i = 0; i < 2000 && !stop.load(); ++i) {  // bounded in count and (below) time
+      auto r = client->Forward(layer, x, kTokens, cfg.hidden, fo);
+      if (!r.ok()) {
+        failed.fetch_add(1);
+      } else {
+        (SameBits(r->out, want) ? ok : wrong).fetch_add(1);
+      }
+    }
+  });
+
+  dataplane::UcxOptions uo;
+  uo.tls = "posix";
+  auto hostile = dataplane::UcxWorker::Create(uo);
+  ASSERT_TRUE(hostile.ok()) << hostile.status();
+  auto ep = (*hostile)->Connect(info.ucx_address(), nullptr);
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const int d = static_cast<int>(cfg.latent);
+  std::vector<std::shared_ptr<dataplane::UcxBuffer>> payloads;
+  for (int64_t rows : {1, 3, 16, 48}) {  // sizes a batch of the canary can have
+    auto b = (*hostile)->Buffer(static_cast<size_t>(rows * d * 2));
+    ASSERT_TRUE(b.ok());
+    for (int64_t i = 0; i < rows * d * 2; ++i) (*b)->data()[i] = static_cast<uint8_t>(i * 31 + 7);
+    payloads.push_back(*b);
+  }
+  int sprayed = 0, hellos = 0;
+  const absl::Time until = absl::Now() + absl::Seconds(4);
+  std::vector<std::shared_ptr<dataplane::UcxTransfer>> pending;
+  for (uint64_t i = 0; absl::Now() < until && i < 200000; ++i) {
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(200);
+    // The old predictable tags (client 1..3, sequences near the canary's) and random ones.
+    const uint64_t tag = i % 2 == 0 ? ((1 + i % 3) << 40) | (i / 2 % 4096) : dataplane::RandomU64();
+    const auto& b = payloads[i % payloads.size()];
+    pending.push_back((*hostile)->Send(*ep, tag, b, b->capacity() / 2, deadline));
+    ++sprayed;
+    if (i % 8 == 0) {
+      std::string hello;
+      switch (i / 8 % 4) {
+        case 0:
+          hello = dataplane::RandomBytes(1 + i % 255);  // malformed
+          break;
+        case 1:
+          hello = dataplane::EncodeHello({1 + i % 5, dataplane::RandomBytes(16)});  // wrong secret
+          break;
+        case 2:
+          hello = dataplane::EncodeHello({1000000 + i, dataplane::RandomBytes(16)});  // unknown
+          break;
+        default:
+          hello = std::string(4096, 'h');  // oversized: dropped by the worker
+      }
+      pending.push_back((*hostile)->SendHello(*ep, hello, deadline));
+      ++hellos;
+    }
+    if (pending.size() > 256) {
+      for (auto& t : pending) (void)t->Wait(absl::Now() + absl::Seconds(1));
+      pending.clear();
+    }
+  }
+  for (auto& t : pending) (void)t->Wait(absl::Now() + absl::Seconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  stop.store(true);
+  canary.join();
+  std::printf(
+      "[hostile ucx peer] %d payloads and %d hellos sprayed; canary %d bit-exact, %d "
+      "wrong, %d failed\n",
+      sprayed, hellos, ok.load(), wrong.load(), failed.load());
+  EXPECT_GT(ok.load(), 10);
+  EXPECT_EQ(wrong.load(), 0) << "an injected payload changed an answer";
+  EXPECT_EQ(failed.load(), 0);
+  // Every process is still there and serving.
+  for (const auto& [name, pid] : (*cluster)->Processes()) {
+    EXPECT_EQ(kill(pid, 0), 0) << name << " died";
+  }
+  auto after = ClientFor(**cluster)->Forward(layer, x, kTokens, cfg.hidden);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(SameBits(after->out, want));
+  EXPECT_GT(
+      moe::testing::ScrapeSum((*cluster)->shard_metrics(0), "moe_expert_data_plane_events_total",
+                              {"event=\"hello_rejected\""}),
+      0);
 }
 
 }  // namespace

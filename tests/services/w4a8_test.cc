@@ -122,8 +122,8 @@ TEST_P(ClusterW4A8, EqualsTheInProcessW4A8LayerWithHalfTheWireBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, ClusterW4A8,
                          ::testing::Values(W4A8Case{"grpc", kGrpc, kGrpc, "grpc"},
-                                           W4A8Case{"ucx_shm", UcxArgs("posix,tcp"),
-                                                    UcxArgs("posix,tcp"), "ucx"}),
+                                           W4A8Case{"ucx_shm", UcxArgs("posix"), UcxArgs("posix"),
+                                                    "ucx"}),
                          [](const auto& info) { return info.param.name; });
 
 // A shard started with --precision=w4a16 refuses W4A8 by name (UNIMPLEMENTED), and serves

@@ -1,0 +1,42 @@
+// libFuzzer target: the bytes a UCX peer controls before it is trusted (docs/data-plane.md):
+// the hello an expert server parses and binds (DataPlaneClients::Bind), and, on the same bytes,
+// the lanes parser (its input is UCX's own report, fuzzed anyway). Invariants: only the exact
+// hello of the opened client binds it, and then to the endpoint given; a bound client stays
+// bound to it; the lanes' kind is one of its five values and names no transport twice.
+#include <cstddef>
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "expert-svc/data_plane_clients.h"
+#include "services/dataplane/data_plane.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using moe::expert_svc::DataPlaneClients;
+  const std::string in(reinterpret_cast<const char*>(data), size);
+  static DataPlaneClients* clients = nullptr;
+  static uint64_t id = 0;
+  static std::string good;
+  if (clients == nullptr) {
+    clients = new DataPlaneClients(4);
+    uint64_t replaced = 0;
+    auto c = clients->Open("fuzz", &replaced);
+    if (!c.ok()) __builtin_trap();
+    id = c->id;
+    good = moe::dataplane::EncodeHello({c->id, c->hello_secret});
+  }
+  auto bound = clients->Bind(in, 42);
+  if (bound.ok() && in != good) __builtin_trap();
+  if (bound.ok() && bound->endpoint != 42) __builtin_trap();
+  auto parsed = moe::dataplane::ParseHello(in);
+  if (parsed.ok() && moe::dataplane::EncodeHello(*parsed) != in) __builtin_trap();
+  const moe::dataplane::UcxLanes lanes = moe::dataplane::ParseUcxLanes(in);
+  static const std::set<std::string> kinds = {"shm", "tcp", "rdma", "mixed", "none"};
+  if (kinds.count(lanes.kind) == 0) __builtin_trap();
+  std::set<std::string> seen(lanes.transports.begin(), lanes.transports.end());
+  if (seen.size() != lanes.transports.size()) __builtin_trap();
+  if (lanes.transports.empty() != (lanes.kind == "none")) __builtin_trap();
+  (void)lanes.Describe();
+  (void)id;
+  return 0;
+}
