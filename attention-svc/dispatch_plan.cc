@@ -20,9 +20,14 @@ absl::StatusOr<ReplyMode> ParseReplyMode(const std::string& s) {
       absl::StrCat("reply mode '", s, "' is not per_pair or partial_sum"));
 }
 
-absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const Bf16* z,
-                                          const LayerRoute& route, const DispatchSpec& spec,
-                                          const tensor::Mxfp8Rows* z8) {
+absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing,
+                                          const tensor::Activations& z, const LayerRoute& route,
+                                          const DispatchSpec& spec) {
+  if (z.rows() != routing.tokens || z.cols() != spec.latent) {
+    return absl::InvalidArgumentError(absl::StrCat("activations [", z.rows(), ", ", z.cols(),
+                                                   "] for ", routing.tokens, " tokens of latent ",
+                                                   spec.latent));
+  }
   DispatchPlan plan;
   plan.mode = spec.mode;
   plan.tokens = routing.tokens;
@@ -87,24 +92,9 @@ absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, cons
         row_of_token[t] = static_cast<int32_t>(m.tokens.size());
         m.tokens.push_back(t);
       }
-      if (z8 != nullptr) {  // the rows of the batch's MXFP8 z, quantized once per token
-        const int64_t blocks = d / 32;
-        m.z8.rows = static_cast<int64_t>(m.tokens.size());
-        m.z8.cols = d;
-        m.z8.codes.resize(m.tokens.size() * static_cast<size_t>(d));
-        m.z8.scales.resize(m.tokens.size() * static_cast<size_t>(blocks));
-        for (size_t i = 0; i < m.tokens.size(); ++i) {
-          std::copy_n(z8->codes.data() + m.tokens[i] * d, d,
-                      m.z8.codes.data() + static_cast<int64_t>(i) * d);
-          std::copy_n(z8->scales.data() + m.tokens[i] * blocks, blocks,
-                      m.z8.scales.data() + static_cast<int64_t>(i) * blocks);
-        }
-      } else {
-        m.z.resize(m.tokens.size() * static_cast<size_t>(d));
-        for (size_t i = 0; i < m.tokens.size(); ++i) {
-          std::copy_n(z + m.tokens[i] * d, d, m.z.data() + static_cast<int64_t>(i) * d);
-        }
-      }
+      // The message's tokens' rows, in the batch's format (MXFP8: quantized once per token).
+      std::vector<int32_t> src(m.tokens.begin(), m.tokens.end());
+      m.z = z.Gather(src.data(), static_cast<int64_t>(src.size()));
       for (int32_t e : experts) {
         m.groups.emplace_back(e, static_cast<int32_t>(pairs[e].size()));
         for (int64_t p : pairs[e]) {

@@ -3,7 +3,7 @@
 // the combined latent r. attention_server.cc sends the messages through an ExpertChannel
 // (expert_channel.h); the tests check plans and gathers without processes.
 //
-//   MOE_ASSIGN_OR_RETURN(DispatchPlan plan, PlanDispatch(routing, z, route, spec));
+//   MOE_ASSIGN_OR_RETURN(DispatchPlan plan, PlanDispatch(routing, z, route, spec));  // z: rows
 //   std::vector<ExpertReply> replies = ...;  // one per plan.messages[i], from the channels
 //   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> r, Gather(plan, routing, route, replies));
 //
@@ -23,10 +23,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
 #include "services/placement/placement.h"
+#include "services/tensor/activations.h"
 #include "services/tensor/bf16.h"
-#include "services/tensor/mxfp8_rows.h"
 
 namespace moe::attention_svc {
 
@@ -58,16 +59,17 @@ struct DispatchMessage {
   std::vector<int64_t> pairs;       // per row: token * k + slot (where its output goes)
   std::vector<int32_t> row_source;  // per row: index into tokens / z
   std::vector<int64_t> tokens;      // the distinct tokens of the message, ascending
-  std::vector<tensor::Bf16> z;      // [tokens.size(), latent] (W4A16)
-  tensor::Mxfp8Rows z8;             // the same rows in MXFP8 (W4A8; z is then empty)
+  tensor::Activations z;            // [tokens.size(), latent], in the batch's format
   // Partial sums only: per row the token (as an index < num_tokens) and routing weight.
   std::vector<int32_t> token_index;
   std::vector<float> weights;
   int64_t rows() const { return static_cast<int64_t>(pairs.size()); }
-  bool mxfp8() const { return z8.rows > 0; }
   // The activations' payload bytes on the wire.
-  int64_t activation_bytes() const {
-    return mxfp8() ? z8.bytes() : static_cast<int64_t>(z.size() * sizeof(tensor::Bf16));
+  int64_t activation_bytes() const { return z.bytes(); }
+  // The mode the format implies: MXFP8 rows are W4A8.
+  numerics::Precision precision() const {
+    return z.format() == tensor::ActivationFormat::kMxfp8 ? numerics::Precision::kW4A8
+                                                          : numerics::Precision::kW4A16;
   }
 };
 
@@ -79,12 +81,13 @@ struct DispatchPlan {
   std::vector<DispatchMessage> messages;                    // ascending (shard order, expert id)
 };
 
-// routing: the layer's [T, k] routing; z: [T, latent]; z8: null, or z in MXFP8 (W4A8: the
-// messages carry its rows instead). UNAVAILABLE when a routed expert has no owner or an
-// unhealthy one (naming the expert or the shard).
-absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing, const tensor::Bf16* z,
-                                          const LayerRoute& route, const DispatchSpec& spec,
-                                          const tensor::Mxfp8Rows* z8 = nullptr);
+// routing: the layer's [T, k] routing; z: [T, latent] in bf16 (W4A16) or MXFP8 (W4A8: quantized
+// once per token; the messages carry its rows). UNAVAILABLE when a routed expert has no owner or
+// an unhealthy one (naming the expert or the shard); INVALID_ARGUMENT when z's shape is not
+// [T, latent].
+absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing,
+                                          const tensor::Activations& z, const LayerRoute& route,
+                                          const DispatchSpec& spec);
 
 // DEGRADE: the routed experts without a healthy replica are left out. Their slots' weights
 // become 0 and each token's other weights are scaled by (sum of its k weights) / (sum of the

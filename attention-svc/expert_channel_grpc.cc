@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/transport/expert_stream.h"
+#include "services/transport/precision_convert.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe::attention_svc {
@@ -14,12 +15,12 @@ namespace {
 class GrpcCall final : public ExpertCall {
  public:
   GrpcCall(std::shared_ptr<transport::ExpertStream> stream,
-           std::shared_ptr<transport::PendingReply> pending, ReplyMode mode, bool w4a8,
-           int64_t latent, int64_t rows, int64_t tokens)
+           std::shared_ptr<transport::PendingReply> pending, ReplyMode mode,
+           numerics::Precision precision, int64_t latent, int64_t rows, int64_t tokens)
       : stream_(std::move(stream)),
         pending_(std::move(pending)),
         mode_(mode),
-        w4a8_(w4a8),
+        precision_(precision),
         latent_(latent),
         rows_(rows),
         tokens_(tokens) {}
@@ -29,7 +30,7 @@ class GrpcCall final : public ExpertCall {
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     MOE_ASSIGN_OR_RETURN(v1::DispatchReply reply, stream_->Wait(*pending_, deadline));
     const std::string what = absl::StrCat("reply of shard ", stream_->shard());
-    MOE_RETURN_IF_ERROR(CheckReplyPrecision(reply, w4a8_, stream_->shard()));
+    MOE_RETURN_IF_ERROR(CheckReplyPrecision(reply, precision_, stream_->shard()));
     ExpertReply out;
     if (mode_ == ReplyMode::kPerPair) {
       MOE_ASSIGN_OR_RETURN(transport::Bf16Matrix m,
@@ -53,7 +54,7 @@ class GrpcCall final : public ExpertCall {
   std::shared_ptr<transport::ExpertStream> stream_;
   std::shared_ptr<transport::PendingReply> pending_;
   const ReplyMode mode_;
-  const bool w4a8_;
+  const numerics::Precision precision_;
   const int64_t latent_, rows_, tokens_;
 };
 
@@ -71,9 +72,9 @@ GrpcExpertChannel::GrpcExpertChannel(std::string shard,
 
 GrpcExpertChannel::~GrpcExpertChannel() = default;
 
-absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, bool w4a8,
+absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, numerics::Precision precision,
                                  const std::string& shard) {
-  const v1::Precision want = w4a8 ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16;
+  const v1::Precision want = transport::PrecisionToProto(precision);
   // A server older than the precision field answers UNSPECIFIED, and serves W4A16 only.
   const v1::Precision got =
       reply.precision() == v1::PRECISION_UNSPECIFIED ? v1::PRECISION_W4A16 : reply.precision();
@@ -89,8 +90,8 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
   dr.set_reply_mode(header.mode == ReplyMode::kPerPair ? v1::REPLY_MODE_PER_PAIR
                                                        : v1::REPLY_MODE_PARTIAL_SUM);
   dr.set_timeout_ms(header.timeout_ms);
-  // The precision follows the activations: MXFP8 rows are W4A8 (DispatchMessage::z8).
-  dr.set_precision(m.mxfp8() ? v1::PRECISION_W4A8 : v1::PRECISION_W4A16);
+  // The precision follows the activations' format: MXFP8 rows are W4A8.
+  dr.set_precision(transport::PrecisionToProto(m.precision()));
   for (const auto& [expert, rows] : m.groups) {
     v1::ExpertGroup* g = dr.add_groups();
     g->set_expert_id(expert);
@@ -102,20 +103,24 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
     *dr.mutable_weights() = {m.weights.begin(), m.weights.end()};
     dr.set_num_tokens(static_cast<int32_t>(header.num_tokens));
   }
-  if (m.mxfp8()) {
-    if (with_activation_bytes) {
-      transport::EncodeMxfp8Into(m.z8, dr.mutable_activations());
-    } else {
-      transport::SetMxfp8Header(m.z8.rows, m.z8.cols, dr.mutable_activations());
-    }
-  } else if (with_activation_bytes) {
-    transport::EncodeBf16Into(m.z, static_cast<int64_t>(m.tokens.size()), header.latent,
-                              dr.mutable_activations());
-  } else {
-    v1::Tensor* a = dr.mutable_activations();
-    a->set_dtype(v1::DTYPE_BF16);
-    a->add_shape(static_cast<int64_t>(m.tokens.size()));
-    a->add_shape(header.latent);
+  switch (m.z.format()) {
+    case tensor::ActivationFormat::kMxfp8:
+      if (with_activation_bytes) {
+        transport::EncodeMxfp8Into(m.z.mxfp8(), dr.mutable_activations());
+      } else {
+        transport::SetMxfp8Header(m.z.rows(), m.z.cols(), dr.mutable_activations());
+      }
+      break;
+    case tensor::ActivationFormat::kBf16:
+      if (with_activation_bytes) {
+        transport::EncodeBf16Into(m.z.bf16(), m.z.rows(), m.z.cols(), dr.mutable_activations());
+      } else {
+        v1::Tensor* a = dr.mutable_activations();
+        a->set_dtype(v1::DTYPE_BF16);
+        a->add_shape(m.z.rows());
+        a->add_shape(m.z.cols());
+      }
+      break;
   }
   return dr;
 }
@@ -123,7 +128,7 @@ v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const Dispa
 std::unique_ptr<ExpertCall> GrpcExpertChannel::Send(const DispatchHeader& header,
                                                     const DispatchMessage& m) {
   auto pending = stream_->Send(DispatchRequestFor(header, m, /*with_activation_bytes=*/true));
-  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, m.mxfp8(),
+  return std::make_unique<GrpcCall>(stream_, std::move(pending), header.mode, m.precision(),
                                     header.latent, m.rows(), static_cast<int64_t>(m.tokens.size()));
 }
 

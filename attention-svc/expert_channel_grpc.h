@@ -26,9 +26,9 @@ namespace moe::attention_svc {
 v1::DispatchRequest DispatchRequestFor(const DispatchHeader& header, const DispatchMessage& m,
                                        bool with_activation_bytes);
 
-// OK when the reply's precision is the one the batch was sent in (w4a8 or W4A16), else
-// INTERNAL naming the shard and both.
-absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, bool w4a8,
+// OK when the reply's precision is the one the batch was sent in, else INTERNAL naming the
+// shard and both.
+absl::Status CheckReplyPrecision(const v1::DispatchReply& reply, numerics::Precision precision,
                                  const std::string& shard);
 
 class GrpcExpertChannel final : public ExpertChannel {

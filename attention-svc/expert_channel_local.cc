@@ -49,16 +49,15 @@ absl::StatusOr<ExpertReply> LocalExpertChannel::Run(const DispatchHeader& header
     routing.expert_ids.insert(routing.expert_ids.end(), static_cast<size_t>(n), expert);
   }
   routing.weights.assign(static_cast<size_t>(rows), 1.0f);
+  const tensor::Activations z = m.z.Gather(m.row_source.data(), rows);  // [rows, D]
   std::vector<tensor::Bf16> y;
-  if (m.mxfp8()) {
-    y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing,
-                                  m.z8.Gather(m.row_source.data(), rows));
-  } else {
-    std::vector<tensor::Bf16> z(static_cast<size_t>(rows * d));
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy_n(m.z.data() + static_cast<int64_t>(m.row_source[r]) * d, d, z.data() + r * d);
-    }
-    y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.data());
+  switch (z.format()) {
+    case tensor::ActivationFormat::kMxfp8:
+      y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.mxfp8());
+      break;
+    case tensor::ActivationFormat::kBf16:
+      y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.bf16().data());
+      break;
   }
   ExpertReply reply;
   if (header.mode == ReplyMode::kPerPair) {

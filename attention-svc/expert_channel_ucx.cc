@@ -36,8 +36,8 @@ class UcxCall final : public ExpertCall {
           std::shared_ptr<transport::PendingReply> pending,
           std::shared_ptr<dataplane::UcxTransfer> sent,
           std::shared_ptr<dataplane::UcxTransfer> received,
-          std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode, bool w4a8,
-          int64_t latent, int64_t rows, int64_t tokens,
+          std::shared_ptr<dataplane::UcxBuffer> reply_buffer, ReplyMode mode,
+          numerics::Precision precision, int64_t latent, int64_t rows, int64_t tokens,
           std::shared_ptr<const dataplane::PayloadMac> mac, uint64_t sequence,
           std::function<void()> on_integrity_failed)
       : mac_(std::move(mac)),
@@ -51,7 +51,7 @@ class UcxCall final : public ExpertCall {
         received_(std::move(received)),
         reply_buffer_(std::move(reply_buffer)),
         mode_(mode),
-        w4a8_(w4a8),
+        precision_(precision),
         latent_(latent),
         rows_(rows),
         tokens_(tokens) {}
@@ -77,7 +77,7 @@ class UcxCall final : public ExpertCall {
       return absl::Status(s.status().code(), absl::StrCat("expert shard ", shard,
                                                           ": activations: ", s.status().message()));
     }
-    MOE_RETURN_IF_ERROR(CheckReplyPrecision(*reply, w4a8_, shard));
+    MOE_RETURN_IF_ERROR(CheckReplyPrecision(*reply, precision_, shard));
     const bool f32 = mode_ == ReplyMode::kPartialSum;
     const int64_t rows = f32 ? tokens_ : rows_;
     const int64_t want = rows * latent_ * (f32 ? 4 : 2);
@@ -132,7 +132,7 @@ class UcxCall final : public ExpertCall {
   std::shared_ptr<dataplane::UcxTransfer> sent_, received_;
   std::shared_ptr<dataplane::UcxBuffer> reply_buffer_;
   const ReplyMode mode_;
-  const bool w4a8_;
+  const numerics::Precision precision_;
   const int64_t latent_, rows_, tokens_;
 };
 
@@ -278,12 +278,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   }
   // z: [U, latent] bf16 (or MXFP8 codes, then scales), copied once into registered memory
   // that the transfer owns.
-  if (m.mxfp8()) {
-    std::memcpy((*send_buffer)->data(), m.z8.codes.data(), m.z8.codes.size());
-    std::memcpy((*send_buffer)->data() + m.z8.codes.size(), m.z8.scales.data(), m.z8.scales.size());
-  } else {
-    std::memcpy((*send_buffer)->data(), m.z.data(), bytes);
-  }
+  m.z.CopyTo((*send_buffer)->data());
   // Tags nobody outside this connection can predict (a CSPRNG per batch), and the MAC nonce.
   const uint64_t seq = sequence_.fetch_add(1);
   const uint64_t tag = dataplane::RandomU64();
@@ -325,7 +320,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   }
   return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
                                    std::move(sent), std::move(received), *reply_buffer, header.mode,
-                                   m.mxfp8(), header.latent, m.rows(), u, std::move(mac), seq,
+                                   m.precision(), header.latent, m.rows(), u, std::move(mac), seq,
                                    std::move(integrity_failed));
 }
 

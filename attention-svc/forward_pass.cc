@@ -1,6 +1,7 @@
 #include <set>
 
 #include "attention-svc/attention_impl.h"
+#include "services/numerics/precision_mode.h"
 
 namespace moe::attention_svc {
 
@@ -53,7 +54,7 @@ void AttentionServer::Impl::SendTo(const LayerRoute& route, size_t target,
                                         route.shards[target]);
   *transport = (*call)->transport();
   if (metrics_ != nullptr && **transport != '\0') {
-    metrics_->wire.Add("sent", m.mxfp8() ? "mxfp8" : "bf16", "expert", bytes,
+    metrics_->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert", bytes,
                        static_cast<int64_t>(m.tokens.size()), *transport);
   }
 }
@@ -205,10 +206,11 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
       degraded_pairs += pairs;
     }
     // W4A8: z quantized to MXFP8 once per token here; every message carries its tokens' rows.
-    std::optional<tensor::Mxfp8Rows> z8;
-    if (w4a8) z8 = numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d);
-    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, f.batch.z.data(), *route, batch_spec,
-                                              z8 ? &*z8 : nullptr));
+    const tensor::Activations z =
+        w4a8
+            ? tensor::Activations::FromMxfp8(numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d))
+            : tensor::Activations::FromBf16(f.batch.z, rows, d);
+    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *route, batch_spec));
     if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
       metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
     }

@@ -44,7 +44,7 @@ BatchVerifier::~BatchVerifier() {
 }
 
 void BatchVerifier::OnBatch(uint64_t batch_id, int64_t layer, const numerics::Routing& routing,
-                            const Bf16* z, const Bf16* y, const tensor::Mxfp8Rows* z8) {
+                            const tensor::Activations& z, const Bf16* y) {
   const int64_t rows = static_cast<int64_t>(routing.expert_ids.size());
   if (options_.fraction <= 0 || rows == 0) return;
   int64_t sample_index;
@@ -72,13 +72,9 @@ void BatchVerifier::OnBatch(uint64_t batch_id, int64_t layer, const numerics::Ro
   s.batch_rows = rows;
   s.rows = std::min(end - first, options_.max_rows);
   const int64_t d = cfg_.latent;
-  if (z8 != nullptr) {
-    std::vector<int32_t> rows_of(static_cast<size_t>(s.rows));
-    for (int64_t r = 0; r < s.rows; ++r) rows_of[r] = static_cast<int32_t>(first + r);
-    s.z8 = z8->Gather(rows_of.data(), s.rows);
-  } else {
-    s.z.assign(z + first * d, z + (first + s.rows) * d);
-  }
+  std::vector<int32_t> rows_of(static_cast<size_t>(s.rows));
+  for (int64_t r = 0; r < s.rows; ++r) rows_of[r] = static_cast<int32_t>(first + r);
+  s.z = z.Gather(rows_of.data(), s.rows);
   s.y.assign(y + first * d, y + (first + s.rows) * d);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -129,11 +125,11 @@ void BatchVerifier::Check(const Sample& s) {
     return;
   }
   std::vector<Bf16> want(s.y.size());
-  const bool w4a8 = s.z8.rows > 0;
+  const bool w4a8 = s.z.format() == tensor::ActivationFormat::kMxfp8;
   if (w4a8) {
-    numerics::ref::ExpertFfn(*ew, s.z8, cfg_.situ_beta, cfg_.situ_linear_beta, want.data());
+    numerics::ref::ExpertFfn(*ew, s.z.mxfp8(), cfg_.situ_beta, cfg_.situ_linear_beta, want.data());
   } else {
-    numerics::ref::ExpertFfn(*ew, s.z.data(), s.rows, cfg_.situ_beta, cfg_.situ_linear_beta,
+    numerics::ref::ExpertFfn(*ew, s.z.bf16().data(), s.rows, cfg_.situ_beta, cfg_.situ_linear_beta,
                              want.data());
   }
   numerics::UlpStats stats;

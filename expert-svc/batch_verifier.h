@@ -31,6 +31,7 @@
 #include "services/common/model_config.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/router.h"
+#include "services/tensor/activations.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::expert_svc {
@@ -61,11 +62,10 @@ class BatchVerifier {
   BatchVerifier& operator=(const BatchVerifier&) = delete;
 
   // After a computed batch. routing: one row per (token, expert) pair (top_k 1, rows grouped by
-  // expert); z, y: [rows, D] the batch's inputs and the backend's outputs; z8: null (W4A16),
-  // or the batch's MXFP8 inputs (W4A8; z is then null), checked against the reference's W4A8
-  // within kExpertFfnW4A8Tolerance.
+  // expert); z, y: [rows, D] the batch's inputs and the backend's outputs. MXFP8 inputs (W4A8)
+  // are checked against the reference's W4A8 within kExpertFfnW4A8Tolerance.
   void OnBatch(uint64_t batch_id, int64_t layer, const numerics::Routing& routing,
-               const tensor::Bf16* z, const tensor::Bf16* y, const tensor::Mxfp8Rows* z8 = nullptr);
+               const tensor::Activations& z, const tensor::Bf16* y);
   // Waits until every queued sample has been checked (tests, shutdown).
   void Drain();
 
@@ -78,8 +78,8 @@ class BatchVerifier {
   struct Sample {
     uint64_t batch_id = 0;
     int64_t layer = 0, expert = 0, batch_rows = 0, rows = 0;
-    std::vector<tensor::Bf16> z, y;  // [rows, D]
-    tensor::Mxfp8Rows z8;            // W4A8: the inputs (z empty)
+    tensor::Activations z;        // [rows, D]
+    std::vector<tensor::Bf16> y;  // [rows, D]
   };
   void Loop();
   void Check(const Sample& s);

@@ -183,16 +183,11 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
     // BF16 rows in W4A8: each distinct row quantized here once, as an attention node does.
     z8 = numerics::QuantizeMxfp8Rows(z.values.data(), z.rows, d);
   }
-  if (b->precision == numerics::Precision::kW4A8) {
-    b->z8 = gathered ? z8.Gather(source, rows) : std::move(z8);
-  } else if (!gathered) {
-    b->z = std::move(z.values);
-  } else {
-    b->z.resize(static_cast<size_t>(rows * d));
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy_n(z.values.data() + source[r] * d, d, b->z.data() + r * d);
-    }
-  }
+  tensor::Activations distinct =
+      b->precision == numerics::Precision::kW4A8
+          ? tensor::Activations::FromMxfp8(std::move(z8))
+          : tensor::Activations::FromBf16(std::move(z.values), z.rows, d);
+  b->z = gathered ? distinct.Gather(source, rows) : std::move(distinct);
   if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
     if (req.token_index_size() != rows || req.weights_size() != rows) {
       return absl::InvalidArgumentError(absl::StrCat(

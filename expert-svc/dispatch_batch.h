@@ -20,7 +20,9 @@
 #include "moe/v1/expert.pb.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
+#include "services/tensor/activations.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::expert_svc {
@@ -36,8 +38,7 @@ struct Batch {
   int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
   numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
   numerics::Precision precision = numerics::Precision::kW4A16;
-  std::vector<tensor::Bf16> z;  // [rows, D] (W4A16)
-  tensor::Mxfp8Rows z8;         // [rows, D] (W4A8; z is then empty)
+  tensor::Activations z;  // [rows, D]: bf16 (W4A16) or MXFP8 (W4A8)
   std::vector<int32_t> token_index;
   std::vector<float> weights;
   int32_t num_tokens = 0;

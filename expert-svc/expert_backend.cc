@@ -4,6 +4,7 @@
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cuda/cuda_backend.h"
+#include "services/numerics/precision_mode.h"
 
 namespace moe::expert_svc {
 
@@ -16,15 +17,17 @@ class CpuBackend final : public ExpertBackend {
       : cfg_(cfg), w_(w), k_(k), pool_(pool) {}
   std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::IsaName(k_.isa)); }
   absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
-                                                const tensor::Bf16* z) override {
-    return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z);
+                                                const tensor::Activations& z) override {
+    switch (z.format()) {
+      case tensor::ActivationFormat::kMxfp8:
+        return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8());
+      case tensor::ActivationFormat::kBf16:
+        return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data());
+    }
+    return absl::InternalError("unknown activation format");
   }
   std::vector<numerics::Precision> precisions() const override {
     return {numerics::Precision::kW4A16, numerics::Precision::kW4A8};
-  }
-  absl::StatusOr<std::vector<tensor::Bf16>> RunMxfp8(const numerics::Routing& routing,
-                                                     const tensor::Mxfp8Rows& z) override {
-    return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z);
   }
 
  private:
@@ -39,18 +42,17 @@ class CudaBackend final : public ExpertBackend {
   explicit CudaBackend(std::unique_ptr<numerics::cuda::CudaExperts> experts)
       : experts_(std::move(experts)), name_(numerics::cuda::CudaDeviceName()) {}
   std::string name() const override { return name_; }
-  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
-                                                const tensor::Bf16* z) override {
-    return experts_->Run(routing, z);
-  }
   // The CUDA kernels read bf16 activations only (W4A8 on the GPU is not built).
+  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
+                                                const tensor::Activations& z) override {
+    if (z.format() != tensor::ActivationFormat::kBf16) {
+      return absl::UnimplementedError(
+          absl::StrCat("backend ", name_, " computes w4a16 only; w4a8 needs the cpu backend"));
+    }
+    return experts_->Run(routing, z.bf16().data());
+  }
   std::vector<numerics::Precision> precisions() const override {
     return {numerics::Precision::kW4A16};
-  }
-  absl::StatusOr<std::vector<tensor::Bf16>> RunMxfp8(const numerics::Routing&,
-                                                     const tensor::Mxfp8Rows&) override {
-    return absl::UnimplementedError(
-        absl::StrCat("backend ", name_, " computes w4a16 only; w4a8 needs the cpu backend"));
   }
 
  private:

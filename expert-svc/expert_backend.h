@@ -6,7 +6,7 @@
 //
 //   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend(Backend::kAuto, cfg, weights, kernels,
 //                                                        &pool));
-//   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> y, backend->Run(routing, z));
+//   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> y, backend->Run(routing, z));  // z: Activations
 #ifndef MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 #define MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 
@@ -20,7 +20,9 @@
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
+#include "services/tensor/activations.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::expert_svc {
@@ -30,13 +32,12 @@ class ExpertBackend {
   virtual ~ExpertBackend() = default;
   // e.g. "cpu/avx512", "cuda/NVIDIA H200".
   virtual std::string name() const = 0;
+  // z: [routing.tokens, D]; its format is the mode (bf16: W4A16, MXFP8: W4A8). UNIMPLEMENTED
+  // for a format whose mode precisions() lacks.
   virtual absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
-                                                        const tensor::Bf16* z) = 0;
+                                                        const tensor::Activations& z) = 0;
   // The precision modes this backend computes (W4A16 always).
   virtual std::vector<numerics::Precision> precisions() const = 0;
-  // W4A8 on MXFP8 rows z [routing.tokens, D]; UNIMPLEMENTED where precisions() lacks it.
-  virtual absl::StatusOr<std::vector<tensor::Bf16>> RunMxfp8(const numerics::Routing& routing,
-                                                             const tensor::Mxfp8Rows& z) = 0;
 };
 
 enum class Backend { kAuto, kCpu, kCuda };

@@ -44,6 +44,7 @@
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/moe_layer.h"
+#include "services/numerics/precision_mode.h"
 #include "services/placement/placement.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/precision_convert.h"
@@ -352,10 +353,8 @@ absl::Status ExpertServer::Impl::StartServing() {
 void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;
   // y: [rows, D], row i from expert routing.expert_ids[i].
-  const bool w4a8 = b.precision == numerics::Precision::kW4A8;
   ExpertBackend& backend = *backends_.at(b.layer->layer);
-  absl::StatusOr<std::vector<Bf16>> computed =
-      w4a8 ? backend.RunMxfp8(b.routing, b.z8) : backend.Run(b.routing, b.z.data());
+  absl::StatusOr<std::vector<Bf16>> computed = backend.Run(b.routing, b.z);
   if (!computed.ok()) {
     transport::SetBatchStatus(
         absl::Status(computed.status().code(),
@@ -366,8 +365,7 @@ void ExpertServer::Impl::Compute(const Batch& b, v1::DispatchReply* reply) {
   const std::vector<Bf16>& y = *computed;
   reply->set_precision(transport::PrecisionToProto(b.precision));
   if (verifier_ != nullptr) {
-    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, w4a8 ? nullptr : b.z.data(), y.data(),
-                       w4a8 ? &b.z8 : nullptr);
+    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y.data());
   }
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
     transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());

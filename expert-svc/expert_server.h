@@ -26,6 +26,7 @@
 #include "services/dataplane/data_plane.h"
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 
 namespace moe::expert_svc {
 

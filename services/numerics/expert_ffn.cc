@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "services/numerics/linear.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/situ.h"
 
 namespace moe::numerics::ref {

@@ -15,6 +15,7 @@
 
 #include "services/numerics/mxfp4.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::numerics {

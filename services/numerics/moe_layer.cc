@@ -8,6 +8,7 @@
 #include "services/numerics/combine.h"
 #include "services/numerics/expert_ffn.h"
 #include "services/numerics/linear.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/rms_norm.h"
 #include "services/numerics/shared_expert.h"
 

@@ -16,6 +16,7 @@
 #include "absl/types/span.h"
 #include "services/common/model_config.h"
 #include "services/numerics/layer_weights.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
 #include "services/tensor/bf16.h"
 

@@ -43,13 +43,6 @@ void QuantizeMxfp8Block(const float* values, uint8_t* codes, uint8_t* scale);
 // e4m3(code) * 2^(scale - 127) for the 32 values of a block.
 void DequantizeMxfp8Block(const uint8_t* codes, uint8_t scale, float* out);
 
-// The precision modes of the routed experts (docs/math.md section 6): W4A16, latent activations
-// in bf16; W4A8, the expert inputs z and h quantized to MXFP8 (per token, blocks of 32 along
-// the row) before the FC that reads them. Parsing a mode's name: precision.h (Abseil; this
-// header stays Abseil-free for the standalone GPU check).
-enum class Precision { kW4A16, kW4A8 };
-inline const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" : "w4a16"; }
-
 // Rows of MXFP8 values (services/tensor/mxfp8_rows.h), the wire form of W4A8 activations.
 using tensor::Mxfp8Rows;
 

@@ -1,5 +1,5 @@
 // The precision modes by name (the --precision flags): "w4a16" | "w4a8". The modes themselves
-// are declared in mxfp8.h (docs/math.md section 6).
+// are declared in precision_mode.h (docs/math.md section 6).
 //
 //   MOE_ASSIGN_OR_RETURN(Precision p, ParsePrecision(flag));
 #ifndef MOE_SERVICES_NUMERICS_PRECISION_H_
@@ -8,7 +8,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 
 namespace moe::numerics {
 

@@ -26,6 +26,7 @@
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/common/svc_main.h"
+#include "services/numerics/precision_mode.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
 #include "services/tools/tensor_file.h"

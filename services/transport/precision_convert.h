@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "moe/v1/tensor.pb.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 
 namespace moe::transport {
 

@@ -57,7 +57,7 @@ TEST(PlanDispatch, GroupsRowsByShardAndSendsEachTokenOnce) {
     spec.mode = mode;
     spec.num_experts = 16;
     spec.latent = d;
-    auto plan = PlanDispatch(HandRouting(), z.data(), route, spec);
+    auto plan = PlanDispatch(HandRouting(), tensor::Activations::FromBf16(z, 3, d), route, spec);
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_EQ(plan->per_expert[1], 2);
     EXPECT_EQ(plan->per_expert[6], 2);
@@ -71,8 +71,9 @@ TEST(PlanDispatch, GroupsRowsByShardAndSendsEachTokenOnce) {
     EXPECT_EQ(a.pairs, (std::vector<int64_t>{0, 5}));  // (t0, slot 0), (t2, slot 1)
     EXPECT_EQ(a.tokens, (std::vector<int64_t>{0, 2}));
     EXPECT_EQ(a.row_source, (std::vector<int32_t>{0, 1}));
-    ASSERT_EQ(a.z.size(), 2u * d);
-    EXPECT_EQ(std::memcmp(a.z.data() + d, z.data() + 2 * d, d * sizeof(Bf16)), 0);  // token 2
+    ASSERT_EQ(a.z.bf16().size(), 2u * d);
+    EXPECT_EQ(std::memcmp(a.z.bf16().data() + d, z.data() + 2 * d, d * sizeof(Bf16)),
+              0);  // token 2
     const DispatchMessage& b = plan->messages[1];
     EXPECT_EQ(b.groups, (std::vector<std::pair<int32_t, int32_t>>{{6, 2}, {9, 2}}));
     EXPECT_EQ(b.pairs, (std::vector<int64_t>{1, 2, 3, 4}));
@@ -106,7 +107,7 @@ TEST(PlanDispatch, SplitsAtExpertBoundariesUnderTheByteBudget) {
                                          {1, {{1}, {6}, {9}}}}) {  // an expert is never split
     SCOPED_TRACE(c.budget_rows);
     spec.max_message_bytes = c.budget_rows * d * 2;
-    auto plan = PlanDispatch(HandRouting(), z.data(), route, spec);
+    auto plan = PlanDispatch(HandRouting(), tensor::Activations::FromBf16(z, 3, d), route, spec);
     ASSERT_TRUE(plan.ok());
     ASSERT_EQ(plan->messages.size(), c.experts.size());
     for (size_t i = 0; i < c.experts.size(); ++i) {
@@ -123,12 +124,13 @@ TEST(PlanDispatch, NamesAMissingOrUnhealthyOwner) {
   DispatchSpec spec;
   spec.num_experts = 16;
   spec.latent = d;
-  auto gap = PlanDispatch(HandRouting(), z.data(), BuildRoute(7, 16, {Shard("a", 0, 8)}), spec);
+  auto gap = PlanDispatch(HandRouting(), tensor::Activations::FromBf16(z, 3, d),
+                          BuildRoute(7, 16, {Shard("a", 0, 8)}), spec);
   EXPECT_EQ(gap.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(gap.status().message().find("no expert shard hosts expert 9 of layer 7"),
             absl::string_view::npos)
       << gap.status();
-  auto sick = PlanDispatch(HandRouting(), z.data(),
+  auto sick = PlanDispatch(HandRouting(), tensor::Activations::FromBf16(z, 3, d),
                            BuildRoute(7, 16, {Shard("a", 0, 5), Shard("b", 5, 16, false)}), spec);
   EXPECT_EQ(sick.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(sick.status().message().find("expert shard b ("), absl::string_view::npos);
@@ -139,7 +141,14 @@ TEST(PlanDispatch, NamesAMissingOrUnhealthyOwner) {
   one.top_k = 1;
   one.expert_ids = {1};
   one.weights = {1.0f};
-  EXPECT_TRUE(PlanDispatch(one, z.data(), BuildRoute(7, 16, {Shard("a", 0, 5)}), spec).ok());
+  const tensor::Activations z1 = tensor::Activations::FromBf16({z.begin(), z.begin() + d}, 1, d);
+  EXPECT_TRUE(PlanDispatch(one, z1, BuildRoute(7, 16, {Shard("a", 0, 5)}), spec).ok());
+  // Activations of another shape than [T, latent] are refused by name.
+  EXPECT_EQ(PlanDispatch(one, tensor::Activations::FromBf16(z, 3, d),
+                         BuildRoute(7, 16, {Shard("a", 0, 5)}), spec)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Gather, RefusesARepliesOfTheWrongShape) {
@@ -149,7 +158,7 @@ TEST(Gather, RefusesARepliesOfTheWrongShape) {
   DispatchSpec spec;
   spec.num_experts = 16;
   spec.latent = d;
-  auto plan = PlanDispatch(HandRouting(), z.data(), route, spec);
+  auto plan = PlanDispatch(HandRouting(), tensor::Activations::FromBf16(z, 3, d), route, spec);
   ASSERT_TRUE(plan.ok());
   std::vector<ExpertReply> replies(2);
   replies[0].rows = 2;
@@ -205,7 +214,8 @@ TEST(DispatchRoundTrip, EqualsTheInProcessCombine) {
       spec.num_experts = cfg.num_experts;
       spec.latent = cfg.latent;
       spec.max_message_bytes = budget;
-      auto plan = PlanDispatch(batch->routing, batch->z.data(), route, spec);
+      auto plan = PlanDispatch(
+          batch->routing, tensor::Activations::FromBf16(batch->z, tokens, cfg.latent), route, spec);
       ASSERT_TRUE(plan.ok()) << plan.status();
       if (budget < (1 << 20) && tokens == 200) {
         EXPECT_GT(plan->messages.size(), 2u);
@@ -244,7 +254,8 @@ TEST(LocalExpertChannel, RefusesAnExpertOutsideItsRange) {
   m.pairs = {0};
   m.row_source = {0};
   m.tokens = {0};
-  m.z.assign(static_cast<size_t>(cfg.latent), Bf16::FromFloat(1.0f));
+  m.z = tensor::Activations::FromBf16(
+      std::vector<Bf16>(static_cast<size_t>(cfg.latent), Bf16::FromFloat(1.0f)), 1, cfg.latent);
   DispatchHeader h;
   h.latent = cfg.latent;
   h.num_tokens = 1;

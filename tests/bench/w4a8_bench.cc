@@ -21,6 +21,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
 #include "services/common/flags.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/tolerance.h"
 #include "services/tools/local_cluster.h"
 #include "tests/bench/bench_checkpoint.h"

@@ -79,7 +79,8 @@ TEST(BatchVerifier, CleanBatchesMatchTheReference) {
   BatchVerifier v(f.cfg, o, f.Regenerate(), res.Sink());
   for (uint64_t id = 0; id < 3; ++id) {
     const auto b = f.Run({11, 14, 19}, 5);
-    v.OnBatch(id, 1, b.routing, b.z.data(), b.y.data());
+    v.OnBatch(id, 1, b.routing, tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent),
+              b.y.data());
     v.Drain();
   }
   const auto c = v.counts();
@@ -104,7 +105,8 @@ TEST(BatchVerifier, ACorruptedWeightByteIsCountedAsAMismatch) {
   o.fraction = 1.0;
   BatchVerifier v(f.cfg, o, f.Regenerate(), res.Sink());
   const auto b = f.Run({14}, 6);
-  v.OnBatch(42, 1, b.routing, b.z.data(), b.y.data());
+  v.OnBatch(42, 1, b.routing, tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent),
+            b.y.data());
   v.Drain();
   const auto c = v.counts();
   EXPECT_EQ(c.mismatch, 1);
@@ -119,7 +121,9 @@ TEST(BatchVerifier, ACorruptedWeightByteIsCountedAsAMismatch) {
   }
   // The other experts of the range are untouched and still match.
   const auto clean = f.Run({15}, 6);
-  v.OnBatch(43, 1, clean.routing, clean.z.data(), clean.y.data());
+  v.OnBatch(43, 1, clean.routing,
+            tensor::Activations::FromBf16(clean.z, clean.routing.tokens, f.cfg.latent),
+            clean.y.data());
   v.Drain();
   EXPECT_EQ(v.counts().match, 1);
 }
@@ -133,7 +137,8 @@ TEST(BatchVerifier, SamplesExactlyTheFractionOfBatches) {
     BatchVerifier v(f.cfg, o, f.Regenerate(), nullptr);
     const auto b = f.Run({12}, 1);
     for (uint64_t id = 0; id < 40; ++id) {
-      v.OnBatch(id, 1, b.routing, b.z.data(), b.y.data());
+      v.OnBatch(id, 1, b.routing,
+                tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent), b.y.data());
       v.Drain();
     }
     EXPECT_EQ(v.counts().sampled, want) << fraction;
@@ -163,9 +168,12 @@ TEST(BatchVerifier, AFullQueueAndAMissingReferenceAreCounted) {
       },
       res.Sink());
   const auto b = f.Run({13}, 2);
-  v.OnBatch(1, 1, b.routing, b.z.data(), b.y.data());
+  v.OnBatch(1, 1, b.routing, tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent),
+            b.y.data());
   entered.get_future().wait();
-  for (uint64_t id = 2; id <= 5; ++id) v.OnBatch(id, 1, b.routing, b.z.data(), b.y.data());
+  for (uint64_t id = 2; id <= 5; ++id)
+    v.OnBatch(id, 1, b.routing, tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent),
+              b.y.data());
   release.set_value();
   v.Drain();
   const auto c = v.counts();

@@ -9,6 +9,7 @@
 
 #include "expert-svc/dispatch_batch.h"
 #include "moe/v1/expert.pb.h"
+#include "services/numerics/precision_mode.h"
 
 namespace {
 
@@ -40,15 +41,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     __builtin_trap();
   }
   if (batch.precision == moe::numerics::Precision::kW4A8) {
-    if (!batch.z.empty() || batch.z8.rows != batch.rows || batch.z8.cols != limits.latent ||
-        static_cast<int64_t>(batch.z8.codes.size()) != batch.rows * limits.latent ||
-        static_cast<int64_t>(batch.z8.scales.size()) != batch.rows * limits.latent / 32) {
+    const moe::tensor::Mxfp8Rows& z8 = batch.z.mxfp8();
+    if (batch.z.format() != moe::tensor::ActivationFormat::kMxfp8 || z8.rows != batch.rows ||
+        z8.cols != limits.latent ||
+        static_cast<int64_t>(z8.codes.size()) != batch.rows * limits.latent ||
+        static_cast<int64_t>(z8.scales.size()) != batch.rows * limits.latent / 32) {
       __builtin_trap();
     }
-    for (uint8_t c : batch.z8.codes) {
+    for (uint8_t c : z8.codes) {
       if ((c & 0x7F) == 0x7F) __builtin_trap();  // NaN codes are refused
     }
-  } else if (static_cast<int64_t>(batch.z.size()) != batch.rows * limits.latent) {
+  } else if (batch.z.format() != moe::tensor::ActivationFormat::kBf16 ||
+             batch.z.rows() != batch.rows ||
+             static_cast<int64_t>(batch.z.bf16().size()) != batch.rows * limits.latent) {
     __builtin_trap();
   }
   if (static_cast<int64_t>(batch.routing.expert_ids.size()) != batch.rows) __builtin_trap();

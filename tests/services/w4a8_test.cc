@@ -12,6 +12,7 @@
 #include "services/client/moe_client.h"
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/ucx_worker.h"
+#include "services/numerics/precision_mode.h"
 #include "services/tools/local_cluster.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "services/numerics/precision_mode.h"
+
 namespace moe::numerics::cpu {
 
 using tensor::Bf16;

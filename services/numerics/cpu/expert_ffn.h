@@ -18,6 +18,7 @@
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
 #include "services/tensor/bf16.h"
 

@@ -6,6 +6,7 @@
 #include "services/common/status_macros.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/rms_norm.h"
 #include "services/numerics/situ.h"
 

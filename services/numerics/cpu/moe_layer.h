@@ -28,6 +28,7 @@
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/moe_layer.h"
 #include "services/numerics/mxfp8.h"
+#include "services/numerics/precision_mode.h"
 
 namespace moe::numerics::cpu {
 

@@ -16,6 +16,7 @@
 #include "services/numerics/expert_ffn.h"
 #include "services/numerics/linear.h"
 #include "services/numerics/moe_layer.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/shared_expert.h"
 #include "services/numerics/situ.h"
 #include "services/numerics/tolerance.h"

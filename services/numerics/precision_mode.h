@@ -1,0 +1,18 @@
+// The precision modes of the routed experts (docs/math.md section 6): W4A16, latent activations
+// in bf16; W4A8, the expert inputs z and h quantized to MXFP8 (per token, blocks of 32 along the
+// row) before the FC that reads them. A mode, not a format: a W4A8 batch may arrive with bf16
+// rows (the server quantizes them) or MXFP8 rows (tensor/activations.h says which). Parsing a
+// mode's name: precision.h (Abseil); this header stays Abseil-free for the standalone GPU check.
+//
+//   if (precision == Precision::kW4A8) ...;  PrecisionName(p) == "w4a8"
+#ifndef MOE_SERVICES_NUMERICS_PRECISION_MODE_H_
+#define MOE_SERVICES_NUMERICS_PRECISION_MODE_H_
+
+namespace moe::numerics {
+
+enum class Precision { kW4A16, kW4A8 };
+inline const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" : "w4a16"; }
+
+}  // namespace moe::numerics
+
+#endif  // MOE_SERVICES_NUMERICS_PRECISION_MODE_H_
