@@ -1,6 +1,7 @@
 // attention-svc's implementation, shared by its two files: attention_server.cc (start,
 // placement and bias watches, statistics reports, the gRPC fronts) and forward_pass.cc (one
-// Forward: route, project, dispatch to the expert replicas with failover, gather, finish).
+// Forward: route, project, dispatch to the expert replicas through a FailoverChannel, gather,
+// finish).
 // Private to attention-svc.
 #ifndef MOE_ATTENTION_SVC_ATTENTION_IMPL_H_
 #define MOE_ATTENTION_SVC_ATTENTION_IMPL_H_
@@ -109,6 +110,19 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
                                          v1::ModelInfo* resp) override;
 
  private:
+  // What a Forward request asks, checked, with the layer's bias and route at its start.
+  struct ForwardSpec {
+    HostedLayer* hosted = nullptr;
+    transport::Bf16Matrix x;  // [T, H]
+    ReplyMode mode = ReplyMode::kPerPair;
+    numerics::Precision precision = numerics::Precision::kW4A16;
+    std::shared_ptr<const BiasEntry> bias;
+    std::shared_ptr<const LayerRoute> route;
+    absl::Time expert_deadline;  // the expert calls end here, a little before the caller's
+  };
+  class ForwardPass;  // forward_pass.cc
+  absl::StatusOr<ForwardSpec> PrepareForward(const v1::ForwardRequest& req, absl::Time deadline);
+  // The conductor: PrepareForward, then each micro-batch started and finished by a ForwardPass.
   absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
                           v1::ForwardResponse* resp);
   // RunForward plus its metrics (latency, errors by code, bytes from and to the client).
@@ -124,11 +138,8 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
                   const RoutedBatch& batch);
   void ApplyPlacement(const v1::Placement& p);
   void ApplyBias(const v1::LayerBias& b);
+  // The channel of one shard (made once, kept by shard@endpoint): UCX or in-band gRPC.
   std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
-  // Sends one message to route.shards[target] (counted as outstanding there, and on the wire).
-  void SendTo(const LayerRoute& route, size_t target, const DispatchHeader& header,
-              const DispatchMessage& m, std::unique_ptr<ExpertCall>* call, const char** transport,
-              int64_t* bytes_sent);
   ReplicaPicker picker_;
   void ReportLoop();
   void ReportNow();

@@ -1,34 +1,15 @@
+// One Forward (attention_impl.h): the request checked into a ForwardSpec, then a ForwardPass that
+// routes, projects and dispatches each micro-batch to the expert replicas (FailoverChannel) and
+// gathers and finishes it, and the response. RunForward is the conductor.
 #include <set>
 
 #include "attention-svc/attention_impl.h"
+#include "attention-svc/failover_channel.h"
 #include "services/numerics/precision_mode.h"
 
 namespace moe::attention_svc {
 
 namespace {
-
-// A call counted as outstanding on its replica from Send until it is dropped (answered, failed
-// over or abandoned), and marked failed when it ended UNAVAILABLE.
-class CountedCall final : public ExpertCall {
- public:
-  CountedCall(std::unique_ptr<ExpertCall> inner, ReplicaPicker* picker, placement::ShardRef shard)
-      : inner_(std::move(inner)), picker_(picker), shard_(std::move(shard)) {
-    picker_->Started(shard_);
-  }
-  ~CountedCall() override { picker_->Finished(shard_, failed_); }
-  absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
-    absl::StatusOr<ExpertReply> r = inner_->Wait(deadline);
-    failed_ = !r.ok() && r.status().code() == absl::StatusCode::kUnavailable;
-    return r;
-  }
-  const char* transport() const override { return inner_->transport(); }
-
- private:
-  std::unique_ptr<ExpertCall> inner_;
-  ReplicaPicker* picker_;
-  const placement::ShardRef shard_;
-  bool failed_ = false;
-};
 
 absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64_t first_token) {
   for (size_t i = 0; i < z.size(); ++i) {
@@ -43,21 +24,6 @@ absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64
 }
 
 }  // namespace
-
-void AttentionServer::Impl::SendTo(const LayerRoute& route, size_t target,
-                                   const DispatchHeader& header, const DispatchMessage& m,
-                                   std::unique_ptr<ExpertCall>* call, const char** transport,
-                                   int64_t* bytes_sent) {
-  const int64_t bytes = m.activation_bytes();
-  *bytes_sent += bytes;
-  *call = std::make_unique<CountedCall>(ChannelFor(route.shards[target])->Send(header, m), &picker_,
-                                        route.shards[target]);
-  *transport = (*call)->transport();
-  if (metrics_ != nullptr && **transport != '\0') {
-    metrics_->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert", bytes,
-                       static_cast<int64_t>(m.tokens.size()), *transport);
-  }
-}
 
 std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef& s) {
   const std::string key = s.shard + "@" + s.endpoint;
@@ -88,8 +54,9 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   return channel;
 }
 
-absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, absl::Time deadline,
-                                               v1::ForwardResponse* resp) {
+absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::PrepareForward(
+    const v1::ForwardRequest& req, absl::Time deadline) {
+  ForwardSpec spec;
   auto it = layers_.find(req.layer());
   if (it == layers_.end()) {
     std::string hosted;
@@ -97,62 +64,54 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     return absl::NotFoundError(
         absl::StrCat("layer ", req.layer(), " is not hosted here (layers ", hosted, ")"));
   }
-  HostedLayer& hosted = *it->second;
-  MOE_ASSIGN_OR_RETURN(
-      transport::Bf16Matrix x,
-      transport::DecodeBf16Matrix(req.hidden_states(), "hidden_states", cfg_.hidden,
-                                  /*accept_f32=*/true));
-  if (x.rows > options_.max_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat("hidden_states: ", x.rows,
+  spec.hosted = it->second.get();
+  MOE_ASSIGN_OR_RETURN(spec.x, transport::DecodeBf16Matrix(req.hidden_states(), "hidden_states",
+                                                           cfg_.hidden, /*accept_f32=*/true));
+  if (spec.x.rows > options_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("hidden_states: ", spec.x.rows,
                                                      " tokens, this server takes at most ",
                                                      options_.max_tokens, " per request"));
   }
-  ReplyMode mode = options_.reply_mode;
+  spec.mode = options_.reply_mode;
   switch (req.options().reply_mode()) {
     case v1::REPLY_MODE_UNSPECIFIED:
       break;
     case v1::REPLY_MODE_PER_PAIR:
-      mode = ReplyMode::kPerPair;
+      spec.mode = ReplyMode::kPerPair;
       break;
     case v1::REPLY_MODE_PARTIAL_SUM:
-      mode = ReplyMode::kPartialSum;
+      spec.mode = ReplyMode::kPartialSum;
       break;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
   MOE_ASSIGN_OR_RETURN(
-      const numerics::Precision precision,
-      transport::PrecisionFromProto(req.options().precision(), options_.precision));
-  const bool w4a8 = precision == numerics::Precision::kW4A8;
+      spec.precision, transport::PrecisionFromProto(req.options().precision(), options_.precision));
   if (!v1::MissingExperts_IsValid(req.options().missing_experts())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown missing_experts ", static_cast<int>(req.options().missing_experts())));
   }
-  std::shared_ptr<const BiasEntry> bias;
-  std::shared_ptr<const LayerRoute> route;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    bias = bias_[req.layer()];
+    spec.bias = bias_[req.layer()];
     auto r = routes_.find(req.layer());
-    if (r != routes_.end()) route = r->second;
+    if (r != routes_.end()) spec.route = r->second;
   }
-  if (route == nullptr) {
+  if (spec.route == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("no placement for layer ", req.layer(), " from router-svc yet"));
   }
-  const int64_t tokens = x.rows, d = cfg_.latent, h = cfg_.hidden;
   // The expert calls end a little before the caller's deadline (kExpertDeadline*).
   const absl::Duration left = deadline - absl::Now();
-  const absl::Time expert_deadline =
-      deadline -
-      std::clamp(left * kExpertDeadlineShare, kExpertDeadlineMarginMin, kExpertDeadlineMarginMax);
-  DispatchSpec spec;
-  spec.mode = mode;
-  spec.num_experts = cfg_.num_experts;
-  spec.latent = d;
-  spec.max_message_bytes = options_.max_dispatch_bytes;
+  spec.expert_deadline = deadline - std::clamp(left * kExpertDeadlineShare,
+                                               kExpertDeadlineMarginMin, kExpertDeadlineMarginMax);
+  return spec;
+}
 
+// One Forward's state over its micro-batches.
+class AttentionServer::Impl::ForwardPass {
+ public:
   // One micro-batch in flight: routed, projected, dispatched; its shared experts done.
   struct InFlight {
     int64_t lo = 0, rows = 0;  // tokens [lo, lo + rows) of the request
@@ -160,190 +119,203 @@ absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, ab
     DispatchPlan plan;
     DispatchHeader header;
     std::vector<std::unique_ptr<ExpertCall>> calls;
-    std::vector<size_t> targets;  // per message: the replica it went to (an index of shards)
-    std::vector<const char*> transports;
     std::vector<float> shared;
   };
-  LayerTimings t;
-  int64_t bytes_sent = 0, bytes_received = 0;
-  std::set<int32_t> missing;  // DEGRADE: experts left out, over all micro-batches
-  int64_t degraded_pairs = 0;
-  double combine_seconds = 0;
-  // Dispatch: from the first message sent to the last reply in (the shared experts overlap it).
-  std::optional<Clock::time_point> first_send;
-  Clock::time_point last_reply;
-  std::vector<Bf16> out(static_cast<size_t>(tokens * h));
-  std::vector<int32_t> expert_ids;
-  std::vector<float> weights;
-  const int64_t top_k = cfg_.top_k;
-  if (req.options().return_routing()) {
-    expert_ids.resize(static_cast<size_t>(tokens * top_k));
-    weights.resize(static_cast<size_t>(tokens * top_k));
+
+  ForwardPass(Impl* impl, const v1::ForwardRequest& req, const ForwardSpec& spec)
+      : impl_(impl),
+        req_(req),
+        spec_(spec),
+        d_(impl->cfg_.latent),
+        h_(impl->cfg_.hidden),
+        top_k_(impl->cfg_.top_k),
+        out_(static_cast<size_t>(spec.x.rows * h_)),
+        replicas_(*spec.route, &impl->picker_, Hooks()) {
+    dispatch_.mode = spec.mode;
+    dispatch_.num_experts = impl->cfg_.num_experts;
+    dispatch_.latent = d_;
+    dispatch_.max_message_bytes = impl->options_.max_dispatch_bytes;
+    if (req.options().return_routing()) {
+      expert_ids_.resize(static_cast<size_t>(spec.x.rows * top_k_));
+      weights_.resize(static_cast<size_t>(spec.x.rows * top_k_));
+    }
   }
 
-  auto start = [&](int64_t lo, int64_t rows) -> absl::StatusOr<InFlight> {
+  // Routes and projects tokens [lo, lo + rows), sends every message, runs the shared experts.
+  absl::StatusOr<InFlight> Start(int64_t lo, int64_t rows) {
     InFlight f;
     f.lo = lo;
     f.rows = rows;
+    HostedLayer& hosted = *spec_.hosted;
     {
       std::lock_guard<std::mutex> lock(hosted.mu);
-      MOE_ASSIGN_OR_RETURN(f.batch,
-                           hosted.layer->RouteAndProject(
-                               absl::MakeConstSpan(x.values).subspan(static_cast<size_t>(lo * h),
-                                                                     static_cast<size_t>(rows * h)),
-                               rows, x.cols, bias->bias.data(), &t));
+      MOE_ASSIGN_OR_RETURN(
+          f.batch, hosted.layer->RouteAndProject(
+                       absl::MakeConstSpan(spec_.x.values)
+                           .subspan(static_cast<size_t>(lo * h_), static_cast<size_t>(rows * h_)),
+                       rows, spec_.x.cols, spec_.bias->bias.data(), &t_));
     }
     // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
     // error, said here, not a shard's refusal of non-finite activations.
-    MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d, lo));
-    Accumulate(req.layer(), bias->version, bias->bias, f.batch);  // the loads as routed
-    DispatchSpec batch_spec = spec;
-    if (req.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*route)) {
+    MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
+    impl_->Accumulate(req_.layer(), spec_.bias->version, spec_.bias->bias, f.batch);
+    DispatchSpec dispatch = dispatch_;
+    if (req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*spec_.route)) {
       int64_t pairs = 0;
-      for (int32_t e : DegradeRouting(*route, &f.batch.routing, &batch_spec.skip, &pairs)) {
-        missing.insert(e);
+      for (int32_t e : DegradeRouting(*spec_.route, &f.batch.routing, &dispatch.skip, &pairs)) {
+        missing_.insert(e);
       }
-      degraded_pairs += pairs;
+      degraded_pairs_ += pairs;
     }
     // W4A8: z quantized to MXFP8 once per token here; every message carries its tokens' rows.
-    const tensor::Activations z =
-        w4a8
-            ? tensor::Activations::FromMxfp8(numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d))
-            : tensor::Activations::FromBf16(f.batch.z, rows, d);
-    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *route, batch_spec));
-    if (metrics_ != nullptr) {  // counted where the router's loads are (routing time)
-      metrics_->Routed(req.layer(), f.plan.per_expert, f.plan.shard_rows);
+    const tensor::Activations z = spec_.precision == numerics::Precision::kW4A8
+                                      ? tensor::Activations::FromMxfp8(
+                                            numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d_))
+                                      : tensor::Activations::FromBf16(f.batch.z, rows, d_);
+    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *spec_.route, dispatch));
+    if (impl_->metrics_ != nullptr) {  // counted where the router's loads are (routing time)
+      impl_->metrics_->Routed(req_.layer(), f.plan.per_expert, f.plan.shard_rows);
     }
-    if (!first_send.has_value()) first_send = Clock::now();
-    DispatchHeader& header = f.header;
-    header.layer = req.layer();
-    header.mode = mode;
-    header.num_tokens = rows;
-    header.latent = d;
-    header.timeout_ms =
-        std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
+    if (!first_send_.has_value()) first_send_ = Clock::now();
+    f.header.layer = req_.layer();
+    f.header.mode = spec_.mode;
+    f.header.num_tokens = rows;
+    f.header.latent = d_;
+    f.header.timeout_ms =
+        std::max<int64_t>(1, absl::ToInt64Milliseconds(spec_.expert_deadline - absl::Now()));
     // Every message goes out before any reply is awaited.
-    f.calls.resize(f.plan.messages.size());
-    f.targets.resize(f.plan.messages.size());
-    f.transports.assign(f.plan.messages.size(), "grpc");
-    for (size_t i = 0; i < f.plan.messages.size(); ++i) {
-      const DispatchMessage& m = f.plan.messages[i];
-      // Any healthy replica of the message's range: the least busy one.
-      f.targets[i] = picker_.Pick(*route, ReplicasOf(*route, m.shard), {});
-      SendTo(*route, f.targets[i], header, m, &f.calls[i], &f.transports[i], &bytes_sent);
-    }
+    for (const DispatchMessage& m : f.plan.messages) f.calls.push_back(replicas_.Send(f.header, m));
     // The shared experts need only x: they run here while the expert servers work.
     std::lock_guard<std::mutex> lock(hosted.mu);
-    f.shared = hosted.layer->SharedExperts(f.batch, &t);
+    f.shared = hosted.layer->SharedExperts(f.batch, &t_);
     return f;
-  };
+  }
 
-  auto finish = [&](InFlight& f) -> absl::Status {
+  // Waits for a micro-batch's replies (failing over inside the calls), gathers and finishes it.
+  absl::Status Finish(InFlight& f) {
     std::vector<ExpertReply> replies(f.plan.messages.size());
+    const bool f32 = spec_.mode == ReplyMode::kPartialSum;
     for (size_t i = 0; i < f.calls.size(); ++i) {
-      // A replica that is gone (UNAVAILABLE) hands its message to another replica of the same
-      // range within the same deadline; with none left, the last one gets it once more (a
-      // transport broken under this call, e.g. a data-plane endpoint another request's
-      // cancelled transfer closed, is reopened by the channel); other errors are the answer.
-      std::set<size_t> tried;
-      bool again = false;
-      for (;;) {
-        absl::StatusOr<ExpertReply> reply = f.calls[i]->Wait(expert_deadline);
-        const bool gone = !reply.ok() && reply.status().code() == absl::StatusCode::kUnavailable;
-        if (reply.ok() || !gone || absl::Now() >= expert_deadline) {
-          MOE_ASSIGN_OR_RETURN(replies[i], std::move(reply));
-          break;
-        }
-        tried.insert(f.targets[i]);
-        const DispatchMessage& m = f.plan.messages[i];
-        size_t next = picker_.Pick(*route, ReplicasOf(*route, m.shard), tried);
-        if (next >= route->shards.size()) {
-          if (again) return reply.status();  // no replica left
-          again = true;
-          next = f.targets[i];
-        }
-        MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req.layer(),
-                     route->shards[f.targets[i]].shard, route->shards[next].shard,
-                     reply.status().ToString());
-        if (metrics_ != nullptr) metrics_->Failover(route->shards[f.targets[i]].shard);
-        f.targets[i] = next;
-        f.header.timeout_ms =
-            std::max<int64_t>(1, absl::ToInt64Milliseconds(expert_deadline - absl::Now()));
-        SendTo(*route, next, f.header, m, &f.calls[i], &f.transports[i], &bytes_sent);
-      }
-      const bool f32 = mode == ReplyMode::kPartialSum;
+      MOE_ASSIGN_OR_RETURN(replies[i], f.calls[i]->Wait(spec_.expert_deadline));
       const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
                                 : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
-      bytes_received += bytes;
-      if (metrics_ != nullptr) {
-        metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
-                           f.transports[i]);
+      bytes_received_ += bytes;
+      if (impl_->metrics_ != nullptr) {
+        impl_->metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes,
+                                  replies[i].rows, f.calls[i]->transport());
       }
     }
-    last_reply = Clock::now();
+    last_reply_ = Clock::now();
     const auto combine_start = Clock::now();
     std::vector<Bf16> r;
     {
-      numerics::StageTimer timer(&t, &LayerTimings::combine_norm);
-      MOE_ASSIGN_OR_RETURN(r, Gather(f.plan, f.batch.routing, *route, replies));
+      numerics::StageTimer timer(&t_, &LayerTimings::combine_norm);
+      MOE_ASSIGN_OR_RETURN(r, Gather(f.plan, f.batch.routing, *spec_.route, replies));
     }
-    combine_seconds += Seconds(Clock::now() - combine_start);
+    combine_seconds_ += Seconds(Clock::now() - combine_start);
     std::vector<Bf16> y;
     {
-      std::lock_guard<std::mutex> lock(hosted.mu);
-      y = hosted.layer->Finish(f.batch, r.data(), &t, &f.shared);
+      std::lock_guard<std::mutex> lock(spec_.hosted->mu);
+      y = spec_.hosted->layer->Finish(f.batch, r.data(), &t_, &f.shared);
     }
-    std::copy(y.begin(), y.end(), out.begin() + f.lo * h);
-    if (!expert_ids.empty()) {
+    std::copy(y.begin(), y.end(), out_.begin() + f.lo * h_);
+    if (!expert_ids_.empty()) {
       std::copy(f.batch.routing.expert_ids.begin(), f.batch.routing.expert_ids.end(),
-                expert_ids.begin() + f.lo * top_k);
+                expert_ids_.begin() + f.lo * top_k_);
       std::copy(f.batch.routing.weights.begin(), f.batch.routing.weights.end(),
-                weights.begin() + f.lo * top_k);
+                weights_.begin() + f.lo * top_k_);
     }
     return absl::OkStatus();
-  };
+  }
 
+  void Respond(v1::ForwardResponse* resp) const {
+    resp->set_request_id(req_.request_id());
+    transport::EncodeBf16Into(out_, spec_.x.rows, h_, resp->mutable_output());
+    resp->set_bias_version(spec_.bias->version);
+    if (req_.options().return_routing()) {
+      v1::Routing* rt = resp->mutable_routing();
+      rt->set_top_k(static_cast<int32_t>(top_k_));
+      *rt->mutable_expert_ids() = {expert_ids_.begin(), expert_ids_.end()};
+      *rt->mutable_weights() = {weights_.begin(), weights_.end()};
+    }
+    resp->set_precision(transport::PrecisionToProto(spec_.precision));
+    resp->set_dispatch_bytes_sent(bytes_sent_);
+    resp->set_dispatch_bytes_received(bytes_received_);
+    if (degraded_pairs_ > 0) {
+      *resp->mutable_missing_experts() = {missing_.begin(), missing_.end()};
+      resp->set_degraded_pairs(degraded_pairs_);
+      if (impl_->metrics_ != nullptr) impl_->metrics_->Degraded(req_.layer(), degraded_pairs_);
+    }
+    v1::StageSeconds* sec = resp->mutable_seconds();
+    sec->set_router(t_.router);
+    sec->set_down_proj(t_.down_proj);
+    sec->set_dispatch(first_send_.has_value() ? Seconds(last_reply_ - *first_send_) : 0.0);
+    sec->set_combine_norm(t_.combine_norm);
+    sec->set_up_proj(t_.up_proj);
+    sec->set_shared(t_.shared);
+    sec->set_combine(combine_seconds_);
+  }
+
+ private:
+  FailoverHooks Hooks() {
+    FailoverHooks hooks;
+    hooks.channel_for = [impl = impl_](const ShardRef& s) { return impl->ChannelFor(s); };
+    hooks.on_sent = [this](const DispatchMessage& m, const char* transport) {
+      bytes_sent_ += m.activation_bytes();
+      if (impl_->metrics_ != nullptr && *transport != '\0') {
+        impl_->metrics_->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert",
+                                  m.activation_bytes(), static_cast<int64_t>(m.tokens.size()),
+                                  transport);
+      }
+    };
+    hooks.on_failover = [this](const ShardRef& from, const ShardRef& to, const absl::Status& why) {
+      MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req_.layer(), from.shard, to.shard,
+                   why.ToString());
+      if (impl_->metrics_ != nullptr) impl_->metrics_->Failover(from.shard);
+    };
+    return hooks;
+  }
+
+  Impl* const impl_;
+  const v1::ForwardRequest& req_;
+  const ForwardSpec& spec_;
+  const int64_t d_, h_, top_k_;
+  DispatchSpec dispatch_;
+  LayerTimings t_;
+  int64_t bytes_sent_ = 0, bytes_received_ = 0;
+  std::set<int32_t> missing_;  // DEGRADE: experts left out, over all micro-batches
+  int64_t degraded_pairs_ = 0;
+  double combine_seconds_ = 0;
+  // Dispatch: from the first message sent to the last reply in (the shared experts overlap it).
+  std::optional<Clock::time_point> first_send_;
+  Clock::time_point last_reply_;
+  std::vector<Bf16> out_;
+  std::vector<int32_t> expert_ids_;
+  std::vector<float> weights_;
+  FailoverChannel replicas_;
+};
+
+absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, absl::Time deadline,
+                                               v1::ForwardResponse* resp) {
+  MOE_ASSIGN_OR_RETURN(const ForwardSpec spec, PrepareForward(req, deadline));
+  ForwardPass pass(this, req, spec);
   // Micro-batches (--micro_batches): at most two in flight, so one is routed, projected and
   // run through the shared experts here while the expert servers compute the other.
+  const int64_t tokens = spec.x.rows;
   const int64_t chunks =
       std::clamp<int64_t>(options_.micro_batches, 1, std::max<int64_t>(1, tokens));
   const int64_t per_chunk = (tokens + chunks - 1) / chunks;
-  std::deque<InFlight> flight;
+  std::deque<ForwardPass::InFlight> flight;
   for (int64_t lo = 0; lo < tokens; lo += per_chunk) {
-    MOE_ASSIGN_OR_RETURN(InFlight f, start(lo, std::min(per_chunk, tokens - lo)));
+    MOE_ASSIGN_OR_RETURN(ForwardPass::InFlight f, pass.Start(lo, std::min(per_chunk, tokens - lo)));
     flight.push_back(std::move(f));
     if (flight.size() > 1) {
-      MOE_RETURN_IF_ERROR(finish(flight.front()));
+      MOE_RETURN_IF_ERROR(pass.Finish(flight.front()));
       flight.pop_front();
     }
   }
-  for (InFlight& f : flight) MOE_RETURN_IF_ERROR(finish(f));
-
-  resp->set_request_id(req.request_id());
-  transport::EncodeBf16Into(out, tokens, h, resp->mutable_output());
-  resp->set_bias_version(bias->version);
-  if (req.options().return_routing()) {
-    v1::Routing* rt = resp->mutable_routing();
-    rt->set_top_k(static_cast<int32_t>(top_k));
-    *rt->mutable_expert_ids() = {expert_ids.begin(), expert_ids.end()};
-    *rt->mutable_weights() = {weights.begin(), weights.end()};
-  }
-  resp->set_precision(transport::PrecisionToProto(precision));
-  resp->set_dispatch_bytes_sent(bytes_sent);
-  resp->set_dispatch_bytes_received(bytes_received);
-  if (degraded_pairs > 0) {
-    *resp->mutable_missing_experts() = {missing.begin(), missing.end()};
-    resp->set_degraded_pairs(degraded_pairs);
-    if (metrics_ != nullptr) metrics_->Degraded(req.layer(), degraded_pairs);
-  }
-  v1::StageSeconds* sec = resp->mutable_seconds();
-  sec->set_router(t.router);
-  sec->set_down_proj(t.down_proj);
-  sec->set_dispatch(first_send.has_value() ? Seconds(last_reply - *first_send) : 0.0);
-  sec->set_combine_norm(t.combine_norm);
-  sec->set_up_proj(t.up_proj);
-  sec->set_shared(t.shared);
-  sec->set_combine(combine_seconds);
+  for (ForwardPass::InFlight& f : flight) MOE_RETURN_IF_ERROR(pass.Finish(f));
+  pass.Respond(resp);
   return absl::OkStatus();
 }
 

@@ -1,0 +1,168 @@
+// FailoverChannel without processes: scripted channels stand in for the replicas of one range,
+// and each case says what every replica answers and what the caller then gets, which replicas
+// were sent the message, and how often a failover was reported.
+#include "attention-svc/failover_channel.h"
+
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace moe::attention_svc {
+namespace {
+
+// A replica whose calls answer from a script, one status per send (then OK), counting sends.
+class ScriptedChannel final : public ExpertChannel {
+ public:
+  ScriptedChannel(std::string shard, std::deque<absl::StatusCode> script)
+      : shard_(std::move(shard)), script_(std::move(script)) {}
+  std::unique_ptr<ExpertCall> Send(const DispatchHeader& header, const DispatchMessage&) override {
+    ++sends;
+    last_timeout_ms = header.timeout_ms;
+    absl::StatusCode code = absl::StatusCode::kOk;
+    if (!script_.empty()) {
+      code = script_.front();
+      script_.pop_front();
+    }
+    return std::make_unique<Call>(code, shard_);
+  }
+  const std::string& shard() const override { return shard_; }
+  const char* transport() const override { return "fake"; }
+  int sends = 0;
+  int64_t last_timeout_ms = 0;
+
+ private:
+  class Call final : public ExpertCall {
+   public:
+    Call(absl::StatusCode code, std::string shard) : code_(code), shard_(std::move(shard)) {}
+    absl::StatusOr<ExpertReply> Wait(absl::Time) override {
+      if (code_ != absl::StatusCode::kOk) {
+        return absl::Status(code_, "expert shard " + shard_ + " scripted");
+      }
+      ExpertReply r;
+      r.rows = 1;
+      r.bf16.resize(1);
+      return r;
+    }
+    const char* transport() const override { return "fake"; }
+
+   private:
+    absl::StatusCode code_;
+    std::string shard_;
+  };
+  std::string shard_;
+  std::deque<absl::StatusCode> script_;
+};
+
+ShardRef Replica(const std::string& name, bool healthy = true) {
+  return {name, "127.0.0.1:" + std::to_string(6000 + name.back()), 0, 8, healthy, 0};
+}
+
+struct Case {
+  std::string name;
+  std::vector<std::deque<absl::StatusCode>> scripts;  // per replica a, b
+  absl::StatusCode want;
+  std::vector<int> sends;  // per replica
+  int failovers;
+};
+
+class FailoverChannelCases : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FailoverChannelCases, AnswersAsTheReplicasDo) {
+  const Case& c = GetParam();
+  const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b")});
+  std::map<std::string, std::shared_ptr<ScriptedChannel>> channels;
+  channels["a"] = std::make_shared<ScriptedChannel>("a", c.scripts[0]);
+  channels["b"] = std::make_shared<ScriptedChannel>("b", c.scripts[1]);
+  ReplicaPicker picker(std::chrono::seconds(0));
+  int failovers = 0, sent = 0;
+  FailoverHooks hooks;
+  hooks.channel_for = [&](const ShardRef& s) { return channels.at(s.shard); };
+  hooks.on_sent = [&](const DispatchMessage&, const char*) { ++sent; };
+  hooks.on_failover = [&](const ShardRef&, const ShardRef&, const absl::Status&) { ++failovers; };
+  FailoverChannel replicas(route, &picker, hooks);
+  DispatchMessage m;
+  m.shard = 0;
+  DispatchHeader h;
+  h.timeout_ms = 100000;
+  {
+    auto call = replicas.Send(h, m);
+    auto got = call->Wait(absl::Now() + absl::Seconds(5));
+    EXPECT_EQ(got.status().code(), c.want) << got.status();
+    EXPECT_STREQ(call->transport(), "fake");
+  }
+  EXPECT_EQ(channels["a"]->sends, c.sends[0]);
+  EXPECT_EQ(channels["b"]->sends, c.sends[1]);
+  EXPECT_EQ(failovers, c.failovers);
+  EXPECT_EQ(sent, c.sends[0] + c.sends[1]);
+  // Every call was counted and ended: nothing outstanding on either replica.
+  EXPECT_EQ(picker.outstanding(route.shards[0]), 0);
+  EXPECT_EQ(picker.outstanding(route.shards[1]), 0);
+}
+
+using C = absl::StatusCode;
+INSTANTIATE_TEST_SUITE_P(
+    Table, FailoverChannelCases,
+    ::testing::Values(
+        Case{"first_replica_answers", {{}, {}}, C::kOk, {1, 0}, 0},
+        Case{"gone_replica_fails_over", {{C::kUnavailable}, {}}, C::kOk, {1, 1}, 1},
+        // Both gone: the last tried gets it once more (a reopened transport), then the error.
+        Case{"both_gone_once_more_then_error",
+             {{C::kUnavailable}, {C::kUnavailable, C::kUnavailable}},
+             C::kUnavailable,
+             {1, 2},
+             2},
+        Case{"both_gone_the_retry_answers",
+             {{C::kUnavailable}, {C::kUnavailable}},
+             C::kOk,
+             {1, 2},
+             2},
+        // Other errors are the answer: a bad batch is not sent again elsewhere.
+        Case{"invalid_is_the_answer", {{C::kInvalidArgument}, {}}, C::kInvalidArgument, {1, 0}, 0},
+        Case{"data_loss_is_the_answer", {{C::kDataLoss}, {}}, C::kDataLoss, {1, 0}, 0},
+        Case{"deadline_is_the_answer",
+             {{C::kDeadlineExceeded}, {}},
+             C::kDeadlineExceeded,
+             {1, 0},
+             0}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(FailoverChannel, AnUnhealthyReplicaIsNeverChosenAndNoneLeftIsUnavailable) {
+  const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b", /*healthy=*/false)});
+  auto a = std::make_shared<ScriptedChannel>("a", std::deque<C>{C::kUnavailable, C::kUnavailable});
+  auto b = std::make_shared<ScriptedChannel>("b", std::deque<C>{});
+  ReplicaPicker picker(std::chrono::seconds(0));
+  FailoverHooks hooks;
+  hooks.channel_for = [&](const ShardRef& s) {
+    return s.shard == "a" ? std::shared_ptr<ExpertChannel>(a) : std::shared_ptr<ExpertChannel>(b);
+  };
+  FailoverChannel replicas(route, &picker, hooks);
+  DispatchMessage m;
+  m.shard = 0;
+  auto got = replicas.Send(DispatchHeader{}, m)->Wait(absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(got.status().code(), C::kUnavailable);
+  EXPECT_EQ(a->sends, 2);  // the only healthy replica, then once more
+  EXPECT_EQ(b->sends, 0);
+}
+
+TEST(FailoverChannel, APassedDeadlineEndsTheFailover) {
+  const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b")});
+  auto a = std::make_shared<ScriptedChannel>("a", std::deque<C>{C::kUnavailable});
+  auto b = std::make_shared<ScriptedChannel>("b", std::deque<C>{});
+  ReplicaPicker picker(std::chrono::seconds(0));
+  FailoverHooks hooks;
+  hooks.channel_for = [&](const ShardRef& s) {
+    return s.shard == "a" ? std::shared_ptr<ExpertChannel>(a) : std::shared_ptr<ExpertChannel>(b);
+  };
+  FailoverChannel replicas(route, &picker, hooks);
+  DispatchMessage m;
+  m.shard = 0;
+  auto got = replicas.Send(DispatchHeader{}, m)->Wait(absl::Now() - absl::Seconds(1));
+  EXPECT_EQ(got.status().code(), C::kUnavailable);
+  EXPECT_EQ(b->sends, 0);
+}
+
+}  // namespace
+}  // namespace moe::attention_svc
