@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "expert-svc/ucx_data_plane.h"
 #include "moe/v1/expert.pb.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
@@ -44,9 +43,6 @@ struct Batch {
   int32_t num_tokens = 0;
   Clock::time_point arrived;
   Clock::time_point expires = Clock::time_point::max();
-  // Out of band (ucx_data_plane.h): where the reply's payload goes; null in band.
-  std::shared_ptr<const OutOfBandHeader> out_of_band;
-  double receive_seconds = 0;
 };
 
 struct DispatchLimits {

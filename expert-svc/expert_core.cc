@@ -1,0 +1,341 @@
+#include "expert-svc/expert_core.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/logging.h"
+#include "services/common/progress.h"
+#include "services/common/status_macros.h"
+#include "services/metrics/service_metrics.h"
+#include "services/numerics/combine.h"
+#include "services/numerics/cpu/kernels.h"
+#include "services/numerics/moe_layer.h"
+#include "services/placement/placement.h"
+#include "services/transport/precision_convert.h"
+#include "services/transport/status_convert.h"
+#include "services/transport/tensor_codec.h"
+
+namespace moe::expert_svc {
+
+using numerics::MoeLayerWeights;
+using tensor::Bf16;
+
+namespace {
+
+// An idle compute thread wakes this often so that the busy ratio decays to 0.
+constexpr std::chrono::seconds kIdleTick(1);
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The wire dtype label of a batch's activations (the moe_wire_* metrics).
+const char* WireDtype(const v1::Tensor& t) {
+  return t.dtype() == v1::DTYPE_MXFP8 ? "mxfp8" : "bf16";
+}
+
+// The reference weights of the production check: regenerated from the seed (independent of the
+// serving copy in memory), or read through a mapping of the checkpoint of our own (read-only
+// pages: what the file holds).
+BatchVerifier::ReferenceWeights ReferenceWeightsFor(const ExpertServerOptions& o,
+                                                    const ModelConfig& cfg) {
+  if (o.checkpoint.empty()) {
+    checkpoint::SyntheticOptions so;
+    so.seed = o.seed;
+    so.router_skew = o.router_skew;
+    return [cfg, so](int64_t layer, int64_t e) -> absl::StatusOr<MoeLayerWeights> {
+      return checkpoint::SyntheticExperts(cfg, layer, e, e + 1, so);
+    };
+  }
+  auto ckpt = std::make_shared<std::unique_ptr<checkpoint::Checkpoint>>();
+  auto mu = std::make_shared<std::mutex>();
+  return [dir = o.checkpoint, cfg, ckpt, mu](int64_t layer,
+                                             int64_t e) -> absl::StatusOr<MoeLayerWeights> {
+    std::lock_guard<std::mutex> lock(*mu);
+    if (*ckpt == nullptr) {
+      MOE_ASSIGN_OR_RETURN(*ckpt, checkpoint::Checkpoint::Open(dir));
+    }
+    checkpoint::LoadOptions lo;
+    lo.dense = false;
+    lo.expert_lo = e;
+    lo.expert_hi = e + 1;
+    return checkpoint::LoadMoeLayer(**ckpt, cfg, layer, lo);
+  };
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertCore>> ExpertCore::Load(const ExpertServerOptions& options) {
+  auto core = std::unique_ptr<ExpertCore>(new ExpertCore(options));
+  MOE_RETURN_IF_ERROR(core->LoadWeights());
+  return core;
+}
+
+ExpertCore::~ExpertCore() { Stop(); }
+
+absl::Status ExpertCore::LoadWeights() {
+  if (!options_.ranges_file.empty()) {
+    std::ifstream f(options_.ranges_file);
+    if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", options_.ranges_file));
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const char* host = std::getenv("HOSTNAME");
+    MOE_ASSIGN_OR_RETURN(placement::Range range,
+                         placement::PodRange(text, options_.ordinal, host != nullptr ? host : ""));
+    options_.expert_lo = range.lo;
+    options_.expert_hi = range.hi;
+  }
+  std::vector<int64_t> layers = options_.layers;
+  if (!options_.checkpoint.empty()) {
+    MOE_ASSIGN_OR_RETURN(ckpt_, checkpoint::Checkpoint::Open(options_.checkpoint));
+    MOE_ASSIGN_OR_RETURN(cfg_, ckpt_->LoadConfig());
+  } else {
+    MOE_ASSIGN_OR_RETURN(cfg_, PresetConfig(options_.preset));
+  }
+  if (layers.empty()) layers.push_back(cfg_.first_moe_layer);
+  const int64_t lo = options_.expert_lo;
+  const int64_t hi = options_.expert_hi < 0 ? cfg_.num_experts : options_.expert_hi;
+  if (lo < 0 || lo >= hi || hi > cfg_.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("expert range [", lo, ", ", hi,
+                                                   ") is not inside [0, ", cfg_.num_experts, ")"));
+  }
+  options_.expert_hi = hi;
+  for (int64_t layer : layers) {
+    if (!cfg_.IsMoeLayer(layer)) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
+    }
+    MoeLayerWeights w;
+    if (ckpt_ != nullptr) {
+      checkpoint::LoadOptions lo_opt;
+      lo_opt.dense = false;
+      lo_opt.expert_lo = lo;
+      lo_opt.expert_hi = hi;
+      Progress progress(absl::StrCat("shard ", options_.shard, ": loading layer ", layer,
+                                     " experts [", lo, ", ", hi, ")"),
+                        (hi - lo) * cfg_.ExpertBytes());
+      lo_opt.on_expert_loaded = [&](int64_t bytes) { progress.Add(bytes); };
+      MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt_, cfg_, layer, lo_opt));
+    } else {
+      checkpoint::SyntheticOptions so;
+      so.seed = options_.seed;
+      so.router_skew = options_.router_skew;
+      // Only this server's range (the whole k3 layer would be 15.7 GB).
+      w = checkpoint::SyntheticExperts(cfg_, layer, lo, hi, so);
+    }
+    // Checks the shapes of every expert of the range (need_experts would demand all E).
+    MOE_RETURN_IF_ERROR(numerics::ValidateLayerWeights(cfg_, w, /*need_dense=*/false,
+                                                       /*need_experts=*/false));
+    layers_[layer] = std::move(w);
+  }
+  kernels_ = &numerics::cpu::KernelsFor(numerics::cpu::CapIsa(options_.isa));
+  pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
+  for (const auto& [layer, w] : layers_) {
+    MOE_ASSIGN_OR_RETURN(backends_[layer],
+                         MakeExpertBackend(options_.backend, cfg_, w, *kernels_, pool_.get()));
+  }
+  {
+    const std::vector<numerics::Precision> can = backends_.begin()->second->precisions();
+    if (precisions_.empty()) precisions_ = can;
+    for (numerics::Precision p : precisions_) {
+      if (std::find(can.begin(), can.end(), p) == can.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--precision ", PrecisionList(precisions_), ": backend ",
+            backends_.begin()->second->name(), " computes ", PrecisionList(can), " only"));
+      }
+    }
+  }
+  MOE_LOG_INFO("shard {}: experts [{}, {}) of layers {} loaded, backend {}", options_.shard,
+               options_.expert_lo, options_.expert_hi, fmt::join(layers, ","),
+               backends_.begin()->second->name());
+  // The limits of the CPU the kernels run on, before any traffic (bounded: 512 MiB read, 3 x
+  // 50 ms of FMAs, about 0.4 s). A GPU backend's limits are not these.
+  if (options_.measure_limits && backends_.begin()->second->name().rfind("cpu", 0) == 0) {
+    numerics::cpu::LimitsOptions lo;
+    lo.read_bytes = int64_t{512} << 20;
+    lo.read_passes = 3;
+    lo.fma_seconds = 0.05;
+    limits_ = numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
+    MOE_LOG_INFO(
+        "shard {}: this machine: read {:.1f} GB/s, {} FMA peak {:.1f} GFLOP/s ({} threads, "
+        "measured in {:.2f} s)",
+        options_.shard, limits_.read_bytes_per_second / 1e9, numerics::cpu::IsaName(limits_.isa),
+        limits_.fma_flops_per_second / 1e9, limits_.threads, limits_.seconds);
+  }
+  return absl::OkStatus();
+}
+
+void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
+  metrics_ = metrics;
+  if (metrics_ != nullptr && limits_.threads > 0) {
+    metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
+                               numerics::cpu::IsaName(limits_.isa));
+  }
+  if (options_.verify_fraction > 0) {
+    BatchVerifierOptions vo;
+    vo.fraction = options_.verify_fraction;
+    verifier_ = std::make_unique<BatchVerifier>(
+        cfg_, vo, ReferenceWeightsFor(options_, cfg_),
+        [this](VerifyResult r, const std::string& detail) {
+          if (r == VerifyResult::kMismatch || r == VerifyResult::kError) {
+            MOE_LOG_ERROR("shard {}: production check {}: {}", options_.shard, VerifyResultName(r),
+                          detail);
+          }
+          if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
+        });
+  }
+  compute_thread_ = std::thread([this] { ComputeLoop(); });
+}
+
+void ExpertCore::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  // The compute thread answers what is queued (UNAVAILABLE) before the streams are cancelled.
+  if (compute_thread_.joinable()) compute_thread_.join();
+  verifier_.reset();  // finishes the check in progress; what waits is counted as skipped
+}
+
+int64_t ExpertCore::queued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activations,
+                       std::unique_ptr<BatchReply> reply) {
+  if (metrics_ != nullptr) {
+    metrics_->wire.Add("received", WireDtype(req.activations()), "attention",
+                       static_cast<int64_t>(activations.size()),
+                       req.activations().shape_size() > 0 ? req.activations().shape(0) : 0,
+                       reply->transport());
+  }
+  const auto arrived = Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(reply->receive_seconds));
+  absl::StatusOr<std::unique_ptr<Batch>> batch =
+      ValidateDispatch(req, &activations,
+                       DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent,
+                                      options_.max_message_bytes, precisions_},
+                       layers_);
+  if (batch.ok()) {
+    // The batch's budget runs from its header's arrival (before an out-of-band payload's).
+    (*batch)->arrived = arrived;
+    if (req.timeout_ms() > 0) (*batch)->expires = arrived + BatchBudget(req.timeout_ms());
+    // Enqueue takes the reply only when it queued the batch.
+    absl::Status queued = Enqueue(std::move(*batch), reply);
+    if (queued.ok()) return;
+    batch = queued;
+  }
+  if (metrics_ != nullptr) {
+    metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));
+  }
+  if (reply != nullptr) reply->Send(ErrorReply(req.batch_id(), options_.shard, batch.status()));
+}
+
+void ExpertCore::Compute(const Batch& b, v1::DispatchReply* reply) {
+  const int64_t d = cfg_.latent;
+  // y: [rows, D], row i from expert routing.expert_ids[i].
+  ExpertBackend& backend = *backends_.at(b.layer->layer);
+  absl::StatusOr<std::vector<Bf16>> computed = backend.Run(b.routing, b.z);
+  if (!computed.ok()) {
+    transport::SetBatchStatus(
+        absl::Status(computed.status().code(),
+                     absl::StrCat("shard ", options_.shard, ": ", computed.status().message())),
+        reply);
+    return;
+  }
+  const std::vector<Bf16>& y = *computed;
+  reply->set_precision(transport::PrecisionToProto(b.precision));
+  if (verifier_ != nullptr) {
+    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y.data());
+  }
+  if (b.mode == v1::REPLY_MODE_PER_PAIR) {
+    transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
+    return;
+  }
+  // Partial sums per distinct token (ascending), over the token's experts in ascending expert
+  // id (the groups' order): numerics/combine.h.
+  std::vector<float> acc;
+  const std::vector<int64_t> distinct = numerics::PartialSums(
+      y.data(), b.rows, d, b.token_index.data(), b.weights.data(), b.num_tokens, &acc);
+  *reply->mutable_outputs() = transport::EncodeF32(acc, static_cast<int64_t>(distinct.size()), d);
+}
+
+absl::Status ExpertCore::Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<BatchReply>& reply) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) {
+    return absl::UnavailableError(absl::StrCat("shard ", options_.shard, " is shutting down"));
+  }
+  if (static_cast<int>(queue_.size()) >= options_.max_queued_batches) {
+    return absl::ResourceExhaustedError(absl::StrCat("shard ", options_.shard,
+                                                     ": compute queue full (",
+                                                     options_.max_queued_batches, " batches)"));
+  }
+  queue_.emplace_back(std::move(b), std::move(reply));
+  if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
+  cv_.notify_one();
+  return absl::OkStatus();
+}
+
+void ExpertCore::ComputeLoop() {
+  for (;;) {
+    std::unique_ptr<Batch> b;
+    std::unique_ptr<BatchReply> out;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!cv_.wait_for(lock, kIdleTick, [&] { return stopping_ || !queue_.empty(); })) {
+        if (metrics_ != nullptr) metrics_->Tick();  // the busy ratio decays while idle
+      }
+      if (queue_.empty()) return;  // stopping, nothing left
+      b = std::move(queue_.front().first);
+      out = std::move(queue_.front().second);
+      queue_.pop_front();
+      if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
+    }
+    v1::DispatchReply reply;
+    reply.set_batch_id(b->batch_id);
+    reply.set_shard(options_.shard);
+    const auto start = Clock::now();
+    reply.set_queue_seconds(Seconds(start - b->arrived));
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stopping_;
+    }
+    if (stopping) {
+      transport::SetBatchStatus(
+          absl::UnavailableError(absl::StrCat("shard ", options_.shard, " is shutting down")),
+          &reply);
+    } else if (start > b->expires) {
+      transport::SetBatchStatus(absl::DeadlineExceededError(
+                                    absl::StrCat("shard ", options_.shard, ": batch ", b->batch_id,
+                                                 " waited past its deadline in the queue")),
+                                &reply);
+    } else {
+      if (metrics_ != nullptr) metrics_->common.Started("Dispatch");
+      Compute(*b, &reply);
+      reply.set_compute_seconds(Seconds(Clock::now() - start));
+      if (metrics_ != nullptr) metrics_->common.Finished("Dispatch", reply.code() == 0);
+    }
+    if (metrics_ != nullptr) {
+      if (reply.code() == 0) {
+        // Each distinct expert's weights stream once per batch (rows are grouped by expert).
+        metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(),
+                            b->rows, static_cast<double>(b->experts) * cfg_.ExpertBytes(),
+                            6.0 * cfg_.latent * cfg_.intermediate * b->rows);
+        metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
+                           static_cast<int64_t>(reply.outputs().data().size()),
+                           reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0,
+                           out->transport());
+      } else {
+        metrics_->common.Error(
+            "Dispatch", absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));
+      }
+    }
+    out->Send(std::move(reply));
+  }
+}
+
+}  // namespace moe::expert_svc

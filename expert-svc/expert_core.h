@@ -1,0 +1,100 @@
+// The expert server's core, apart from its gRPC adapter (TF Serving's ServerCore beside its
+// stateless service classes): the hosted layers and their backends, the compute queue and its
+// thread, the production check and the machine limits. A batch comes in through Admit with its
+// activation bytes and a BatchReply (batch_endpoint.h: in band, UCX or local), and its answer
+// goes to that reply; the core never sees how the bytes moved.
+//
+//   MOE_ASSIGN_OR_RETURN(auto core, ExpertCore::Load(options));
+//   core->Start(metrics);  // may be null
+//   core->Admit(request, activation_bytes, std::move(reply));
+//   core->Stop();  // queued batches answered UNAVAILABLE
+#ifndef MOE_EXPERT_SVC_EXPERT_CORE_H_
+#define MOE_EXPERT_SVC_EXPERT_CORE_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "expert-svc/batch_endpoint.h"
+#include "expert-svc/batch_verifier.h"
+#include "expert-svc/dispatch_batch.h"
+#include "expert-svc/expert_backend.h"
+#include "expert-svc/expert_options.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/numerics/cpu/machine_limits.h"
+#include "services/numerics/cpu/thread_pool.h"
+#include "services/numerics/layer_weights.h"
+
+namespace moe::metrics {
+class ExpertMetrics;
+}
+
+namespace moe::expert_svc {
+
+class ExpertCore {
+ public:
+  // Loads the weights of every hosted layer (options.expert_lo/hi resolved from a ranges file),
+  // makes the backends and measures the machine's limits (options.measure_limits).
+  static absl::StatusOr<std::unique_ptr<ExpertCore>> Load(const ExpertServerOptions& options);
+  ~ExpertCore();
+
+  // Starts the production check and the compute thread; metrics may be null.
+  void Start(metrics::ExpertMetrics* metrics);
+  // Validates a batch and queues it; every outcome, error or answer, goes to `reply`.
+  void Admit(const v1::DispatchRequest& req, std::string_view activations,
+             std::unique_ptr<BatchReply> reply);
+  // Answers what is queued UNAVAILABLE, stops the compute thread and the production check.
+  void Stop();
+
+  const ExpertServerOptions& options() const { return options_; }
+  const ModelConfig& config() const { return cfg_; }
+  const std::map<int64_t, numerics::MoeLayerWeights>& layers() const { return layers_; }
+  const std::vector<numerics::Precision>& precisions() const { return precisions_; }
+  std::string backend_name() const { return backends_.begin()->second->name(); }
+  const numerics::cpu::MachineLimits& limits() const { return limits_; }
+  int64_t queued() const;
+
+ private:
+  explicit ExpertCore(const ExpertServerOptions& o) : options_(o), precisions_(o.precisions) {}
+  absl::Status LoadWeights();
+  // Runs one batch and fills the reply (outputs, timings).
+  void Compute(const Batch& b, v1::DispatchReply* reply);
+  // Queues a batch for the compute thread: RESOURCE_EXHAUSTED when the queue is full,
+  // UNAVAILABLE when stopping.
+  absl::Status Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<BatchReply>& reply);
+  void ComputeLoop();
+
+  ExpertServerOptions options_;
+  ModelConfig cfg_;
+  std::unique_ptr<checkpoint::Checkpoint> ckpt_;
+  std::map<int64_t, numerics::MoeLayerWeights> layers_;
+  std::map<int64_t, std::unique_ptr<ExpertBackend>> backends_;  // per hosted layer
+  std::vector<numerics::Precision> precisions_;                 // served, the default first
+  const numerics::cpu::KernelTable* kernels_ = nullptr;
+  std::unique_ptr<numerics::cpu::ThreadPool> pool_;
+  numerics::cpu::MachineLimits limits_;  // zero when not measured
+  std::unique_ptr<BatchVerifier> verifier_;
+  metrics::ExpertMetrics* metrics_ = nullptr;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::unique_ptr<Batch>, std::unique_ptr<BatchReply>>> queue_
+      ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread compute_thread_;
+};
+
+}  // namespace moe::expert_svc
+
+#endif  // MOE_EXPERT_SVC_EXPERT_CORE_H_
