@@ -4,6 +4,7 @@
 #include <set>
 
 #include "attention-svc/attention_impl.h"
+#include "attention-svc/expert_channel_factory.h"
 #include "attention-svc/failover_channel.h"
 #include "services/numerics/precision_mode.h"
 
@@ -29,28 +30,27 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   const std::string key = s.shard + "@" + s.endpoint;
   std::lock_guard<std::mutex> lock(mu_);
   auto& channel = channels_[key];
+  if (channel != nullptr) return channel;
   // Once per shard, not per message: its failover series starts at 0.
-  if (channel == nullptr && metrics_ != nullptr) metrics_->Failover(s.shard, 0);
-  if (channel == nullptr && ucx_ != nullptr) {
-    channel = std::make_shared<UcxExpertChannel>(
-        s.shard, s.endpoint, options_.max_message_bytes, ucx_.get(), options_.data_plane,
-        options_.node,
-        [this](const std::string& shard, const std::string& event) {
-          if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
-        },
-        options_.cluster_token,
-        [this](const std::string& shard, const dataplane::UcxLanes& lanes,
-               const std::string& shard_lanes) {
-          MOE_LOG_INFO("data plane to {}: UCX lanes {} (the shard's side: {})", shard,
-                       lanes.Describe(), shard_lanes);
-          if (metrics_ != nullptr) {
-            metrics_->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
-          }
-        });
-  } else if (channel == nullptr) {
-    channel = std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, options_.max_message_bytes,
-                                                  options_.cluster_token);
-  }
+  if (metrics_ != nullptr) metrics_->Failover(s.shard, 0);
+  ExpertChannelConfig c;
+  c.max_message_bytes = options_.max_message_bytes;
+  c.cluster_token = options_.cluster_token;
+  c.node = options_.node;
+  c.ucx = ucx_.get();
+  c.mode = options_.data_plane;
+  c.on_event = [this](const std::string& shard, const std::string& event) {
+    if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
+  };
+  c.on_lanes = [this](const std::string& shard, const dataplane::UcxLanes& lanes,
+                      const std::string& shard_lanes) {
+    MOE_LOG_INFO("data plane to {}: UCX lanes {} (the shard's side: {})", shard, lanes.Describe(),
+                 shard_lanes);
+    if (metrics_ != nullptr) {
+      metrics_->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
+    }
+  };
+  channel = MakeExpertChannel(c, s);
   return channel;
 }
 

@@ -1,6 +1,6 @@
-// FailoverChannel without processes: scripted channels stand in for the replicas of one range,
-// and each case says what every replica answers and what the caller then gets, which replicas
-// were sent the message, and how often a failover was reported.
+// FailoverChannel and the channel factory without processes: scripted channels stand in for the
+// replicas of one range, and each case says what every replica answers and what the caller then
+// gets, which replicas were sent the message, and how often a failover was reported.
 #include "attention-svc/failover_channel.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +9,12 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "attention-svc/expert_channel_factory.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "attention-svc/expert_channel_local.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/dataplane/ucx_worker.h"
 
 namespace moe::attention_svc {
 namespace {
@@ -162,6 +168,36 @@ TEST(FailoverChannel, APassedDeadlineEndsTheFailover) {
   auto got = replicas.Send(DispatchHeader{}, m)->Wait(absl::Now() - absl::Seconds(1));
   EXPECT_EQ(got.status().code(), C::kUnavailable);
   EXPECT_EQ(b->sends, 0);
+}
+
+}  // namespace
+}  // namespace moe::attention_svc
+
+namespace moe::attention_svc {
+namespace {
+
+// The one factory: in process where the experts are here, UCX where this node has a worker,
+// in-band gRPC otherwise (no connection is made by choosing).
+TEST(MakeExpertChannel, ChoosesInProcessThenUcxThenGrpc) {
+  const ModelConfig cfg = *PresetConfig("tiny");
+  const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 8, {});
+  numerics::cpu::ThreadPool pool(1);
+  ExpertChannelConfig c;
+  c.cfg = &cfg;
+  c.kernels = &numerics::cpu::ScalarKernels();
+  c.pool = &pool;
+  c.local_weights = [&](const ShardRef& s) { return s.shard == "here" ? &w : nullptr; };
+  const ShardRef here{"here", "127.0.0.1:1", 0, 8, true, 0};
+  const ShardRef there{"there", "127.0.0.1:2", 8, 16, true, 0};
+  EXPECT_NE(dynamic_cast<LocalExpertChannel*>(MakeExpertChannel(c, here).get()), nullptr);
+  EXPECT_NE(dynamic_cast<GrpcExpertChannel*>(MakeExpertChannel(c, there).get()), nullptr);
+  if (dataplane::UcxBuilt()) {
+    auto worker = dataplane::UcxWorker::Create({});
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    c.ucx = worker->get();
+    EXPECT_NE(dynamic_cast<UcxExpertChannel*>(MakeExpertChannel(c, there).get()), nullptr);
+    EXPECT_NE(dynamic_cast<LocalExpertChannel*>(MakeExpertChannel(c, here).get()), nullptr);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,47 @@
+// The one place the attention node chooses how a shard's messages travel (the twin of
+// expert-svc's MakeBatchEndpoint): in process when the shard's experts are here, UCX out of band
+// when this node has a UCX worker (which itself falls back in band under --data_plane=auto),
+// in-band gRPC otherwise.
+//
+//   ExpertChannelConfig c;  c.max_message_bytes = ...;  c.ucx = worker.get();  // or null
+//   std::shared_ptr<ExpertChannel> ch = MakeExpertChannel(c, shard_ref);
+#ifndef MOE_ATTENTION_SVC_EXPERT_CHANNEL_FACTORY_H_
+#define MOE_ATTENTION_SVC_EXPERT_CHANNEL_FACTORY_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "attention-svc/dispatch_plan.h"
+#include "attention-svc/expert_channel.h"
+#include "attention-svc/expert_channel_ucx.h"
+#include "services/common/model_config.h"
+#include "services/numerics/cpu/kernels.h"
+#include "services/numerics/cpu/thread_pool.h"
+#include "services/numerics/layer_weights.h"
+
+namespace moe::attention_svc {
+
+struct ExpertChannelConfig {
+  int max_message_bytes = 256 << 20;
+  std::string cluster_token;
+  std::string node;  // this attention node's name (OpenDataPlane, logs)
+  // UCX: the worker (null: in band), the mode, and the data plane's events and lanes.
+  dataplane::UcxWorker* ucx = nullptr;
+  dataplane::DataPlane mode = dataplane::DataPlane::kAuto;
+  UcxExpertChannel::EventFn on_event;
+  UcxExpertChannel::LanesFn on_lanes;
+  // In process: the experts of a shard when they are here (null: not here). cfg, kernels and
+  // pool must then be set; they and the weights must outlive the channels.
+  std::function<const numerics::MoeLayerWeights*(const ShardRef&)> local_weights;
+  const ModelConfig* cfg = nullptr;
+  const numerics::cpu::KernelTable* kernels = nullptr;
+  numerics::cpu::ThreadPool* pool = nullptr;
+};
+
+std::shared_ptr<ExpertChannel> MakeExpertChannel(const ExpertChannelConfig& config,
+                                                 const ShardRef& shard);
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_EXPERT_CHANNEL_FACTORY_H_
