@@ -4,6 +4,7 @@
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cuda/cuda_backend.h"
+#include "services/numerics/mxfp8.h"
 #include "services/numerics/precision_mode.h"
 
 namespace moe::expert_svc {
@@ -60,6 +61,26 @@ class CudaBackend final : public ExpertBackend {
   std::string name_;
 };
 
+// No compute: y[r] = z[r] (MXFP8 rows decoded to bf16), the shapes an expert FFN answers.
+class EchoBackend final : public ExpertBackend {
+ public:
+  std::string name() const override { return "echo"; }
+  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing&,
+                                                const tensor::Activations& z) override {
+    if (z.format() == tensor::ActivationFormat::kBf16) return z.bf16();
+    std::vector<tensor::Bf16> y(static_cast<size_t>(z.rows() * z.cols()));
+    std::vector<float> row(static_cast<size_t>(z.cols()));
+    for (int64_t r = 0; r < z.rows(); ++r) {
+      numerics::DequantizeMxfp8Row(z.mxfp8(), r, row.data());
+      for (int64_t c = 0; c < z.cols(); ++c) y[r * z.cols() + c] = tensor::Bf16::FromFloat(row[c]);
+    }
+    return y;
+  }
+  std::vector<numerics::Precision> precisions() const override {
+    return {numerics::Precision::kW4A16, numerics::Precision::kW4A8};
+  }
+};
+
 }  // namespace
 
 const char* BackendName(Backend b) {
@@ -68,6 +89,8 @@ const char* BackendName(Backend b) {
       return "cpu";
     case Backend::kCuda:
       return "cuda";
+    case Backend::kEcho:
+      return "echo";
     case Backend::kAuto:
       break;
   }
@@ -78,13 +101,15 @@ absl::StatusOr<Backend> ParseBackend(const std::string& name) {
   if (name == "auto") return Backend::kAuto;
   if (name == "cpu") return Backend::kCpu;
   if (name == "cuda") return Backend::kCuda;
+  if (name == "echo") return Backend::kEcho;
   return absl::InvalidArgumentError(
-      absl::StrCat("backend '", name, "' is not one of auto, cpu, cuda"));
+      absl::StrCat("backend '", name, "' is not one of auto, cpu, cuda, echo"));
 }
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
     const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool) {
+  if (backend == Backend::kEcho) return std::unique_ptr<ExpertBackend>(new EchoBackend());
   const bool want_cuda = backend == Backend::kCuda ||
                          (backend == Backend::kAuto && numerics::cuda::CudaDeviceStatus().ok());
   if (want_cuda) {

@@ -1,7 +1,9 @@
 // The backend registry of expert-svc: where a hosted layer's routed experts run.
 //   "cpu"   the optimized CPU kernels (numerics::cpu::RunExperts);
 //   "cuda"  the CUDA kernels (numerics::cuda::CudaExperts); fails at start without a usable GPU;
-//   "auto"  CUDA when a device is usable, else the CPU (the default).
+//   "auto"  CUDA when a device is usable, else the CPU (the default);
+//   "echo"  no expert compute: each row is answered with its own activations (bf16), so a
+//           cluster measures its data plane alone (tests/bench/dispatch_bench.cc).
 // Both honour RunExperts' contract: y [T, k, D] in the routing's slot order.
 //
 //   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend(Backend::kAuto, cfg, weights, kernels,
@@ -40,8 +42,8 @@ class ExpertBackend {
   virtual std::vector<numerics::Precision> precisions() const = 0;
 };
 
-enum class Backend { kAuto, kCpu, kCuda };
-const char* BackendName(Backend b);  // "auto", "cpu", "cuda"
+enum class Backend { kAuto, kCpu, kCuda, kEcho };
+const char* BackendName(Backend b);  // "auto", "cpu", "cuda", "echo"
 absl::StatusOr<Backend> ParseBackend(const std::string& name);
 
 // weights, kernels and pool must outlive the backend.

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");
   flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,
-              "auto|cpu|cuda: where the experts run");
+              "auto|cpu|cuda|echo: where the experts run (echo: no compute, each row answered "
+              "with its activations, to measure the data plane alone)");
   flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
               "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
   flags.Typed("precision", &o.precisions, moe::expert_svc::PrecisionList,

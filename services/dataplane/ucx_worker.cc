@@ -826,7 +826,8 @@ class UcxWorkerImpl {
     return std::max(next, absl::Milliseconds(1));
   }
 
-  void RunCommands() {
+  // Runs the posted commands; whether there were any.
+  bool RunCommands() {
     uint64_t n;
     (void)!read(wake_fd_, &n, sizeof(n));
     std::deque<std::function<void()>> todo;
@@ -835,14 +836,22 @@ class UcxWorkerImpl {
       todo.swap(commands_);
     }
     for (auto& f : todo) f();
+    return !todo.empty();
   }
 
   void Loop() {
     absl::Time stop_by = absl::InfiniteFuture();
+    // After any activity the thread may keep polling for options_.spin before it sleeps: a round
+    // trip is a chain of small steps (rendezvous handshakes, a reply right after a request), and
+    // waking from poll() costs tens of microseconds per step in a VM. Off by default: on a
+    // machine whose cores the experts need (2 here) spinning measured slower
+    // (tests/bench/dispatch_bench.cc); bounded, so an idle data plane costs no CPU.
+    auto last_activity = std::chrono::steady_clock::now();
     for (;;) {
-      RunCommands();
-      while (ucp_worker_progress(worker_) != 0) {
-      }
+      bool active = RunCommands();
+      while (ucp_worker_progress(worker_) != 0) active = true;
+      const auto now = std::chrono::steady_clock::now();
+      if (active) last_activity = now;
       const absl::Duration next = CheckDeadlines();
       ReapClosing();
       if (stopping_) {
@@ -865,6 +874,7 @@ class UcxWorkerImpl {
         }
         if ((inflight_.empty() && closing_.empty()) || absl::Now() > stop_by) break;
       }
+      if (now - last_activity < options_.spin) continue;
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
       pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
       (void)poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(next)) + 1);

@@ -33,6 +33,7 @@
 #ifndef MOE_SERVICES_DATAPLANE_UCX_WORKER_H_
 #define MOE_SERVICES_DATAPLANE_UCX_WORKER_H_
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +63,9 @@ struct UcxOptions {
   size_t chunk_bytes = size_t{4} << 20;
   // Bytes of sends started and not yet complete per endpoint; further chunks wait.
   size_t max_bytes_in_flight = size_t{64} << 20;
+  // The progress thread polls this long after its last activity before it sleeps (0: it sleeps
+  // at once; worth it only where the data plane has a core to itself).
+  std::chrono::microseconds spin{0};
 };
 
 class UcxWorkerImpl;

@@ -1,0 +1,269 @@
+// The data plane's own cost, next to the raw transport measured in the same run (issue: data
+// plane, second generation). An expert server with the echo backend (no expert compute: each
+// row answered with its activations) runs in this process; this process's attention-side
+// channel (in-band gRPC, or UCX with the hello, random tags and both MACs) sends it one dispatch
+// message per round trip: T tokens, each routed to the k experts the server hosts, so T x D
+// activations go out and T x k x D bf16 rows come back, as one shard of a K3-shaped layer sees.
+// Round trips are timed one at a time (p50, p99 over --seconds or --iterations), and
+// `ucx_perftest` (Debian ucx-utils) measures the raw UCX one-way latency of both payload sizes
+// and the tag bandwidth over the same transports: the raw round trip is lat(z) + lat(y). The
+// split: "worker RTT" is our UcxWorker's round trip of the same sizes between two workers of
+// this process (the progress-thread hand-offs, no gRPC), "gRPC header RTT" a batch the server
+// refuses at once (the Dispatch stream both ways, no payload, no compute).
+//
+//   scripts/bench.sh --dispatch    or
+//   build/tests/dispatch_bench [--preset mid|k3] [--tokens 1,16,64,256] [--seconds 2]
+//                              [--data_planes grpc,ucx_shm,ucx_tcp] [--raw=true]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "attention-svc/expert_channel_ucx.h"
+#include "expert-svc/expert_server.h"
+#include "services/common/flags.h"
+#include "services/common/model_config.h"
+#include "services/dataplane/ucx_worker.h"
+#include "tests/bench/memcpy_bandwidth.h"
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// ucx_perftest's "Final:" line: iterations, latency typical/avg/overall (us), bandwidth
+// avg/overall (MB/s), message rate avg/overall. Returns {typical latency us, overall MB/s}, or
+// {-1, -1} when the tool is missing or failed.
+std::pair<double, double> PerfTest(const std::string& tls, const char* test, size_t bytes,
+                                   int port) {
+  const int64_t n =
+      std::clamp<int64_t>(static_cast<int64_t>(4e8 / std::max<size_t>(bytes, 1)), 20, 20000);
+  const std::string cmd = absl::StrFormat(
+      "command -v ucx_perftest >/dev/null || exit 1; "
+      "(UCX_TLS=%s timeout 60 ucx_perftest -p %d -t %s -s %d -n %d >/dev/null 2>&1 &); "
+      "sleep 0.4; UCX_TLS=%s timeout 60 ucx_perftest 127.0.0.1 -p %d -t %s -s %d -n %d 2>&1",
+      tls, port, test, bytes, n, tls, port, test, bytes, n);
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return {-1, -1};
+  char line[512];
+  std::pair<double, double> out{-1, -1};
+  while (std::fgets(line, sizeof(line), p) != nullptr) {
+    double it, lat, avg, overall, bw, bw_all;
+    if (std::sscanf(line, " Final: %lf %lf %lf %lf %lf %lf", &it, &lat, &avg, &overall, &bw,
+                    &bw_all) == 6) {
+      out = {lat, bw_all};
+    }
+  }
+  pclose(p);
+  return out;
+}
+
+// The round trip of our own UCX worker (services/dataplane/ucx_worker.h) between two workers of
+// this process, z out and y back, each completion handed across its progress thread: the
+// transport with this project's thread hand-offs and no gRPC. p50 in us.
+double WorkerRoundTripUs(const std::string& tls, size_t zb, size_t yb, double seconds) {
+  dataplane::UcxOptions o;
+  o.tls = tls;
+  auto a = dataplane::UcxWorker::Create(o);
+  auto b = dataplane::UcxWorker::Create(o);
+  if (!a.ok() || !b.ok()) return -1;
+  auto ab = (*a)->Connect((*b)->address(), nullptr);
+  auto ba = (*b)->Connect((*a)->address(), nullptr);
+  auto out_a = (*a)->Buffer(zb), in_b = (*b)->Buffer(zb), out_b = (*b)->Buffer(yb),
+       in_a = (*a)->Buffer(yb);
+  if (!ab.ok() || !ba.ok() || !out_a.ok() || !in_b.ok() || !out_b.ok() || !in_a.ok()) return -1;
+  std::vector<double> us;
+  uint64_t tag = 1;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < 20000; ++i) {
+    if (i >= 3 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    const auto s = Clock::now();
+    auto r1 = (*b)->Recv(tag, *in_b, zb, deadline);
+    auto r2 = (*a)->Recv(tag + 1000, *in_a, yb, deadline);
+    auto s1 = (*a)->Send(*ab, tag, *out_a, zb, deadline);
+    if (!r1->Wait(deadline).ok()) return -1;
+    auto s2 = (*b)->Send(*ba, tag + 1000, *out_b, yb, deadline);
+    if (!r2->Wait(deadline).ok() || !s1->Wait(deadline).ok() || !s2->Wait(deadline).ok()) return -1;
+    if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+    tag += 2000;
+  }
+  std::sort(us.begin(), us.end());
+  return us.empty() ? -1 : us[us.size() / 2];
+}
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+int Main(int argc, char** argv) {
+  std::string preset = "mid", tokens_list = "1,16,64,256", planes = "grpc,ucx_shm,ucx_tcp";
+  double seconds = 2;
+  int64_t iterations = 20000;
+  bool raw = true;
+  SvcFlags f("dispatch_bench", "The data plane's round trip against the raw UCX transport.");
+  f.String("preset", &preset, "model shape: mid or k3");
+  f.String("tokens", &tokens_list, "T values (tokens per message)");
+  f.String("data_planes", &planes, "grpc, ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp)");
+  f.Double("seconds", &seconds, "seconds per point (after 3 warm-up round trips)");
+  f.Int64("iterations", &iterations, "at most this many round trips per point");
+  f.Bool("raw", &raw, "also run ucx_perftest for the raw transport");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  auto cfg = PresetConfig(preset);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
+    return 2;
+  }
+  const int64_t d = cfg->latent, k = cfg->top_k;
+  std::vector<int64_t> ts;
+  for (absl::string_view t : absl::StrSplit(tokens_list, ','))
+    ts.push_back(std::stoll(std::string(t)));
+  std::printf("preset %s: D %lld, k %lld; memcpy %.1f GB/s\n\n", preset.c_str(),
+              static_cast<long long>(d), static_cast<long long>(k), bench::MemcpyBandwidth() / 1e9);
+  std::printf(
+      "| data plane | lanes | T | z bytes | y bytes | round trips | p50 us | p99 us | raw UCX "
+      "RTT us | worker RTT us | gRPC header RTT us | added p50 us | service GB/s | raw tag_bw "
+      "GB/s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  int port = 14000 + static_cast<int>(getpid() % 1000) * 10;
+  for (absl::string_view plane_view : absl::StrSplit(planes, ',')) {
+    const std::string plane(plane_view);
+    const bool ucx = plane != "grpc";
+    const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
+    expert_svc::ExpertServerOptions o;
+    o.preset = preset;
+    o.expert_lo = 0;
+    o.expert_hi = k;  // every token's k experts on this server
+    o.shard = "echo-0";
+    o.threads = 1;
+    o.backend = expert_svc::Backend::kEcho;
+    o.measure_limits = false;
+    o.verify_fraction = 0;
+    o.data_plane = ucx ? dataplane::DataPlane::kUcx : dataplane::DataPlane::kGrpc;
+    o.ucx_tls = tls;
+    auto server = expert_svc::ExpertServer::Start(o);
+    if (!server.ok()) {
+      std::fprintf(stderr, "expert server: %s\n", server.status().ToString().c_str());
+      return 1;
+    }
+    const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
+    std::unique_ptr<dataplane::UcxWorker> worker;
+    std::unique_ptr<attention_svc::ExpertChannel> channel;
+    std::string lanes = "gRPC";
+    if (ucx) {
+      dataplane::UcxOptions uo;
+      uo.tls = tls;
+      auto w = dataplane::UcxWorker::Create(uo);
+      if (!w.ok()) {
+        std::fprintf(stderr, "UCX: %s\n", w.status().ToString().c_str());
+        return 1;
+      }
+      worker = std::move(*w);
+      channel = std::make_unique<attention_svc::UcxExpertChannel>(
+          "echo-0", endpoint, 1 << 30, worker.get(), dataplane::DataPlane::kUcx, "bench", nullptr,
+          "", [&](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
+            lanes = l.Describe();
+          });
+    } else {
+      channel = std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", endpoint, 1 << 30, "");
+    }
+    // The header alone: a batch the server refuses at once (a layer it does not host) travels
+    // the Dispatch stream both ways with no payload and no compute.
+    double header_us = -1;
+    {
+      attention_svc::DispatchMessage none;
+      none.z = tensor::Activations::FromBf16({}, 0, d);
+      attention_svc::DispatchHeader bad;
+      bad.layer = 9999;
+      bad.latent = d;
+      bad.timeout_ms = 20000;
+      auto stream_only =
+          std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", endpoint, 1 << 30, "");
+      std::vector<double> us;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < 20000; ++i) {
+        if (i >= 3 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
+        const auto s = Clock::now();
+        (void)stream_only->Send(bad, none)->Wait(absl::Now() + absl::Seconds(20));
+        if (i >= 3)
+          us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+      }
+      header_us = Percentile(us, 0.5);
+    }
+    std::mt19937 rng(7);
+    for (int64_t t : ts) {
+      attention_svc::DispatchMessage m;
+      m.shard = 0;
+      std::vector<tensor::Bf16> z(static_cast<size_t>(t * d));
+      for (auto& v : z) v = tensor::Bf16::FromFloat(static_cast<float>(rng() % 1000) / 1000.0f);
+      m.z = tensor::Activations::FromBf16(std::move(z), t, d);
+      for (int64_t i = 0; i < t; ++i) m.tokens.push_back(i);
+      for (int64_t e = 0; e < k; ++e) {
+        m.groups.emplace_back(static_cast<int32_t>(e), static_cast<int32_t>(t));
+        for (int64_t i = 0; i < t; ++i) {
+          m.pairs.push_back(i * k + e);
+          m.row_source.push_back(static_cast<int32_t>(i));
+        }
+      }
+      attention_svc::DispatchHeader h;
+      h.layer = static_cast<int32_t>(cfg->first_moe_layer);
+      h.mode = attention_svc::ReplyMode::kPerPair;
+      h.num_tokens = t;
+      h.latent = d;
+      h.timeout_ms = 20000;
+      std::vector<double> us;
+      bool failed = false;
+      const auto t0 = Clock::now();
+      for (int64_t i = 0; i < iterations + 3; ++i) {
+        if (i >= 3 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
+        const auto s = Clock::now();
+        auto reply = channel->Send(h, m)->Wait(absl::Now() + absl::Seconds(20));
+        const double e = std::chrono::duration<double, std::micro>(Clock::now() - s).count();
+        if (!reply.ok()) {
+          std::fprintf(stderr, "%s T %lld: %s\n", plane.c_str(), static_cast<long long>(t),
+                       reply.status().ToString().c_str());
+          failed = true;
+          break;
+        }
+        if (i >= 3) us.push_back(e);
+      }
+      if (failed) continue;
+      const size_t zb = static_cast<size_t>(t * d * 2), yb = static_cast<size_t>(t * k * d * 2);
+      double raw_rtt = -1, raw_bw = -1;
+      const double worker_us = ucx ? WorkerRoundTripUs(tls, zb, yb, seconds) : -1;
+      if (raw && ucx) {
+        const auto lz = PerfTest(tls, "tag_lat", zb, port++);
+        const auto ly = PerfTest(tls, "tag_lat", yb, port++);
+        const auto bw = PerfTest(tls, "tag_bw", yb, port++);
+        if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
+        raw_bw = bw.second > 0 ? bw.second * 1.048576e6 / 1e9 : -1;
+      }
+      const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
+      auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
+      std::printf(
+          "| %s | %s | %lld | %zu | %zu | %zu | %.1f | %.1f | %s | %s | %s | %s | %.2f | %s |\n",
+          plane.c_str(), lanes.c_str(), static_cast<long long>(t), zb, yb, us.size(), p50, p99,
+          num(raw_rtt).c_str(), num(worker_us).c_str(), num(header_us).c_str(),
+          raw_rtt > 0 ? absl::StrFormat("%.1f", p50 - raw_rtt).c_str() : "-",
+          (zb + yb) / (p50 * 1e-6) / 1e9,
+          raw_bw > 0 ? absl::StrFormat("%.2f", raw_bw).c_str() : "-");
+      std::fflush(stdout);
+    }
+    channel.reset();
+    (*server)->Shutdown(absl::Seconds(1));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) { return moe::Main(argc, argv); }
