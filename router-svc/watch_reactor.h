@@ -1,7 +1,7 @@
 // A server-streaming watch of router-svc (WatchPlacement, WatchBias): Push queues a message
-// (called with the router's mutex held), writes go out one at a time, and the stream ends when
+// (called with the watch set's mutex held), writes go out one at a time, and the stream ends when
 // the client cancels or the server shuts down. OnDone removes the reactor from its set under
-// the router's mutex before deleting it. Messages are states, not events: a pushed message
+// the watch set's mutex before deleting it. Messages are states, not events: a pushed message
 // replaces a queued one with the same key (the placement; one layer's bias), so a watcher that
 // reads slowly or not at all holds at most one message per key, and always gets the latest.
 //

@@ -5,8 +5,11 @@
 # printed as one table with the targets. Writes a synthetic k3 checkpoint (one layer, 16.1 GB)
 # first if it is missing; about 2.5 min to generate, 3.5 min to run on two cores.
 # Usage: scripts/bench.sh [--reference_tokens 1,16]   (MOE_CKPT_DIR overrides the path)
-#        scripts/bench.sh --cluster [cluster_bench flags]  (services issue: the disaggregated
-#        layer on loopback vs in process, mid preset, about 1 min)
+#        scripts/bench.sh --cluster [cluster_bench flags]  (data plane issues: in one run, the
+#        raw UCX transport (ucx_perftest) and the data plane's dispatch round trip per lane with
+#        an echo backend, at T = 1, 16, 64, 256 on mid and T = 1, 16 at the k3 shape
+#        (dispatch_bench); then the disaggregated layer on loopback vs in process (cluster_bench,
+#        mid preset); about 3 min)
 #        scripts/bench.sh --w4a8 [w4a8_bench flags]  (W4A8 vs W4A16 on one cluster: quality,
 #        tokens/s, dispatch bytes; mid preset by default, about 30 s)
 set -euo pipefail
@@ -17,7 +20,10 @@ BUILD=${MOE_BUILD_DIR:-build}
 cmake -S . -B "$BUILD" -G Ninja >/dev/null
 if [ "${1:-}" = "--cluster" ]; then
   shift
-  cmake --build "$BUILD" --target cluster_bench router-svc expert-svc attention-svc
+  cmake --build "$BUILD" --target cluster_bench dispatch_bench router-svc expert-svc attention-svc
+  lscpu | grep -E "^Model name|^CPU\(s\)"
+  "$BUILD/tests/dispatch_bench" --preset mid --tokens 1,16,64,256
+  "$BUILD/tests/dispatch_bench" --preset k3 --tokens 1,16
   exec "$BUILD/tests/cluster_bench" "$@"
 fi
 if [ "${1:-}" = "--w4a8" ]; then

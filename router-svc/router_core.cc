@@ -1,0 +1,334 @@
+#include "router-svc/router_core.h"
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "router-svc/router_proto.h"
+#include "services/common/logging.h"
+#include "services/common/status_macros.h"
+#include "services/metrics/service_metrics.h"
+
+namespace moe::router_svc {
+
+namespace {
+
+int64_t UnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerOptions& o) {
+  auto core = std::unique_ptr<RouterCore>(new RouterCore(o));
+  const RouterServerOptions& options_ = core->options_;
+  ModelConfig& cfg_ = core->cfg_;
+  if (options_.checkpoint.empty()) {
+    return absl::InvalidArgumentError("router-svc needs --checkpoint (config and routing bias)");
+  }
+  const BiasMode mode = options_.bias_mode;
+  MOE_ASSIGN_OR_RETURN(auto biases, CheckpointBiases(options_.checkpoint, options_.layers, &cfg_));
+  std::lock_guard<std::mutex> lock(core->mu_);
+  core->registry_ = std::make_unique<PlacementRegistry>(cfg_.num_experts);
+  for (auto& [l, bias] : biases) {
+    core->layers_.emplace(
+        l, LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs()),
+                      LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
+  }
+  if (!options_.state_db.empty()) {
+    MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db));
+    MOE_RETURN_IF_ERROR(core->RestoreLocked(std::move(sqlite)));
+  }
+  return core;
+}
+
+void RouterCore::SetSinks(RouterCoreSinks sinks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sinks_ = std::move(sinks);
+}
+
+void RouterCore::SetMetrics(metrics::RouterMetrics* metrics) {
+  std::lock_guard<std::mutex> lock(mu_);
+  metrics_ = metrics;
+  if (metrics_ == nullptr) return;
+  for (const auto& [l, state] : layers_) UpdateLayerMetricsLocked(state);
+  metrics_->Shards(0, 0);
+}
+
+v1::Placement RouterCore::Placement() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ToProto(registry_->Snapshot(Clock::now()));
+}
+
+absl::StatusOr<v1::LayerBias> RouterCore::Bias(int32_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) {
+    return UnknownLayerLocked(layer);
+  }
+  return ToProto(it->second.ledger.current());
+}
+
+absl::Status RouterCore::LoadStats(int32_t layer, v1::LoadStats* resp) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return UnknownLayerLocked(layer);
+  FillLoadStats(it->second.ledger, it->second.window, *registry_, it->second.rebalances, resp);
+  return absl::OkStatus();
+}
+
+void RouterCore::Subscribe(
+    const std::function<void(const v1::Placement&, const std::vector<v1::LayerBias>&)>& f) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::LayerBias> biases;
+  for (const auto& [l, state] : layers_) biases.push_back(ToProto(state.ledger.current()));
+  f(ToProto(registry_->Snapshot(Clock::now())), biases);
+}
+
+absl::Status RouterCore::Restore(std::unique_ptr<StateStore> store) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_RETURN_IF_ERROR(RestoreLocked(std::move(store)));
+  PublishPlacementLocked();
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::Rebalance(int32_t layer, bool dry_run, const std::string& reason,
+                                   v1::RebalanceResponse* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
+  return RebalanceLocked(*l, dry_run, reason, resp);
+}
+
+absl::Status RouterCore::RestoreLocked(std::unique_ptr<StateStore> store) {
+  store_ = std::move(store);
+  MOE_ASSIGN_OR_RETURN(StoredState state, store_->Load());
+  for (auto& [l, layer] : layers_) {
+    auto it = state.layers.find(l);
+    if (it == state.layers.end()) {  // new here: its version 0 and mode, from now on
+      MOE_RETURN_IF_ERROR(PersistLocked(layer));
+      continue;
+    }
+    StoredLayer& stored = it->second;
+    if (stored.history[0].bias != layer.ledger.current().bias) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the router state ", options_.state_db, " was written for another checkpoint (layer ", l,
+          "'s version 0 differs from ", options_.checkpoint,
+          "'s bias): remove it or use another --state_db"));
+    }
+    MOE_LOG_INFO("layer {}: restored {} bias versions (current {}), mode {}", l,
+                 stored.history.size(), stored.history.size() - 1, BiasModeName(stored.mode));
+    layer.ledger = BiasLedger(l, std::move(stored.history), stored.mode, stored.continuous_tokens);
+  }
+  // A shard's channel to the new router reconnects with backoff (up to 1 s): its restored
+  // registration counts as seen a little ahead, so it is not expired before its first
+  // heartbeat can arrive.
+  const Clock::time_point seen =
+      Clock::now() +
+      std::max<Clock::duration>(std::chrono::seconds(2),
+                                5 * std::chrono::milliseconds(options_.heartbeat_interval_ms));
+  for (const StoredShard& s : state.shards) {
+    MOE_RETURN_IF_ERROR(
+        registry_->Restore(s.name, s.endpoint, s.ranges, s.lease, seen, s.data_plane));
+    MOE_LOG_INFO("shard {} restored at {} (its heartbeats go on under its lease)", s.name,
+                 s.endpoint);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::PersistLocked(const LayerState& l) {
+  if (store_ == nullptr) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(store_->PutBiasVersion(l.ledger.current()));
+  return store_->PutMode(l.window.layer(), l.ledger.mode(), l.ledger.continuous_tokens());
+}
+
+absl::Status RouterCore::UnknownLayerLocked(int32_t layer) const {
+  std::string known;
+  for (const auto& [l, s] : layers_) absl::StrAppend(&known, known.empty() ? "" : ",", l);
+  return absl::NotFoundError(
+      absl::StrCat("layer ", layer, " is not managed by this router (layers ", known, ")"));
+}
+
+absl::StatusOr<LayerState*> RouterCore::LayerLocked(int32_t layer) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return UnknownLayerLocked(layer);
+  return &it->second;
+}
+
+absl::Status RouterCore::Register(const v1::RegisterExpertServerRequest& req,
+                                  v1::RegisterExpertServerResponse* resp) {
+  const std::vector<LayerRange> ranges = FromProto(req.ranges());
+  const std::string data_plane = req.data_plane().empty() ? "grpc" : req.data_plane();
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(uint64_t lease, registry_->Register(req.shard(), req.endpoint(), ranges,
+                                                           Clock::now(), data_plane));
+  if (store_ != nullptr) {
+    MOE_RETURN_IF_ERROR(store_->PutShard({req.shard(), req.endpoint(), data_plane, lease, ranges}));
+  }
+  resp->set_lease_id(lease);
+  resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  PublishPlacementLocked();
+  MOE_LOG_INFO("shard {} registered at {}", req.shard(), req.endpoint());
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::Heartbeat(const v1::HeartbeatRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(bool revived, registry_->Heartbeat(req.lease_id(), Clock::now()));
+  if (revived) PublishPlacementLocked();
+  return absl::OkStatus();
+}
+
+void RouterCore::ExpireStale(std::chrono::milliseconds stale) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<std::string> expired = registry_->ExpireStale(Clock::now(), stale);
+  for (const std::string& name : expired) {
+    MOE_LOG_WARN("shard {} missed its heartbeats, unhealthy", name);
+  }
+  if (!expired.empty()) PublishPlacementLocked();
+}
+
+void RouterCore::PublishPlacementLocked() {
+  if (sinks_.placement) sinks_.placement(ToProto(registry_->Snapshot(Clock::now())));
+  if (metrics_ != nullptr) metrics_->Shards(registry_->shards(), registry_->healthy_shards());
+}
+
+absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
+                                     v1::ReportStatsResponse* resp) {
+  const StatsReport r = FromProto(req);
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));
+  MOE_ASSIGN_OR_RETURN(ReportResult result, l->window.Add(r, l->ledger.current().version));
+  resp->set_current_bias_version(l->ledger.current().version);
+  resp->set_accepted_for_window(result == ReportResult::kCurrent);
+  if (metrics_ != nullptr) metrics_->Report(result == ReportResult::kCurrent);
+  if (result == ReportResult::kStale) return absl::OkStatus();
+  if (l->ledger.mode() == BiasMode::kContinuous &&
+      l->window.window_tokens() >= l->ledger.continuous_tokens()) {
+    v1::RebalanceResponse ignored;
+    MOE_RETURN_IF_ERROR(RebalanceLocked(*l, /*dry_run=*/false, "continuous", &ignored));
+  }
+  UpdateLayerMetricsLocked(*l);
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::PublishBiasLocked(LayerState& l) {
+  // Stored before anyone routes with it: a version that was served is never lost.
+  MOE_RETURN_IF_ERROR(PersistLocked(l));
+  l.window.Clear();
+  const BiasVersion& cur = l.ledger.current();
+  MOE_LOG_INFO("layer {} bias version {} ({})", cur.layer, cur.version, cur.reason);
+  if (sinks_.bias) sinks_.bias(ToProto(cur));
+  UpdateLayerMetricsLocked(l);
+  return absl::OkStatus();
+}
+
+void RouterCore::UpdateLayerMetricsLocked(const LayerState& l) {
+  if (metrics_ == nullptr) return;
+  // An empty window has no imbalance to speak of: NaN (a gap in a graph), never a false 0.
+  const double max_vio = l.window.window_tokens() > 0
+                             ? numerics::ComputeBalance(l.window.window_loads()).max_vio
+                             : std::numeric_limits<double>::quiet_NaN();
+  metrics_->Window(l.window.layer(), max_vio, l.window.window_tokens());
+  metrics_->BiasVersion(l.window.layer(), l.ledger.current().version);
+}
+
+absl::Status RouterCore::RebalanceLocked(LayerState& l, bool dry_run, const std::string& reason,
+                                         v1::RebalanceResponse* resp) {
+  const int32_t layer = l.window.layer();
+  if (!dry_run && l.ledger.mode() == BiasMode::kFrozen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, " is frozen (checkpoint bias): SetBiasMode to rebalance first"));
+  }
+  if (l.window.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, ": no traffic reported with bias version ",
+                     l.ledger.current().version, " yet; nothing to balance"));
+  }
+  MOE_ASSIGN_OR_RETURN(RebalancePlan plan,
+                       PlanRebalance(l.window, registry_->ShardOfExpert(layer)));
+  resp->set_layer(layer);
+  resp->set_window_tokens(plan.window_tokens);
+  FillBalance(plan.before, resp->mutable_before());
+  FillBalance(plan.predicted_after, resp->mutable_predicted_after());
+  resp->set_noise_floor_max_vio(plan.noise_floor_max_vio);
+  if (dry_run) {
+    BiasVersion next{
+        layer, l.ledger.history().size(), l.ledger.mode(), std::move(plan.bias), "dry run", 0};
+    *resp->mutable_new_bias() = ToProto(next);
+    resp->set_applied(false);
+    return absl::OkStatus();
+  }
+  l.ledger.Append(std::move(plan.bias),
+                  absl::StrCat(reason, " from ", plan.window_tokens, " tokens"), UnixMs());
+  ++l.rebalances;
+  if (metrics_ != nullptr) metrics_->Rebalanced(layer);
+  MOE_RETURN_IF_ERROR(PublishBiasLocked(l));
+  *resp->mutable_new_bias() = ToProto(l.ledger.current());
+  resp->set_applied(true);
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::Rollback(int32_t layer, uint64_t to, v1::LayerBias* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
+  MOE_ASSIGN_OR_RETURN(const BiasVersion* v, l->ledger.Rollback(to, UnixMs()));
+  MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
+  *resp = ToProto(*v);
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::SetMode(const v1::SetBiasModeRequest& req, v1::LayerBias* resp) {
+  MOE_ASSIGN_OR_RETURN(BiasMode mode, FromProto(req.mode()));
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));
+  MOE_ASSIGN_OR_RETURN(bool new_version,
+                       l->ledger.SetMode(mode, req.continuous_tokens(), UnixMs()));
+  if (new_version) {
+    MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
+  } else {
+    MOE_RETURN_IF_ERROR(PersistLocked(*l));
+    if (sinks_.bias) sinks_.bias(ToProto(l->ledger.current()));
+  }
+  *resp = ToProto(l->ledger.current());
+  return absl::OkStatus();
+}
+
+PageCallbacks RouterCore::PageApi() {
+  PageCallbacks cb;
+  cb.layers = [this] {
+    std::lock_guard<std::mutex> lock(mu_);
+    nlohmann::json j;
+    j["layers"] = nlohmann::json::array();
+    for (const auto& [l, state] : layers_) j["layers"].push_back(l);
+    j["experts"] = cfg_.num_experts;
+    j["top_k"] = cfg_.top_k;
+    return j;
+  };
+  cb.state = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
+    std::lock_guard<std::mutex> lock(mu_);
+    MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
+    return LayerStateJson(l->ledger, l->window,
+                          registry_->ShardLoads(layer, l->window.window_loads()),
+                          registry_->ShardOfExpert(layer), l->rebalances);
+  };
+  cb.rebalance = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
+    std::lock_guard<std::mutex> lock(mu_);
+    MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
+    v1::RebalanceResponse r;
+    MOE_RETURN_IF_ERROR(RebalanceLocked(*l, /*dry_run=*/false, "rebalance (page)", &r));
+    return nlohmann::json{{"applied", r.applied()},
+                          {"version", r.new_bias().version()},
+                          {"window_tokens", r.window_tokens()},
+                          {"before_max_vio", r.before().max_vio()},
+                          {"predicted_max_vio", r.predicted_after().max_vio()}};
+  };
+  cb.rollback = [this](int32_t layer, uint64_t to) -> absl::StatusOr<nlohmann::json> {
+    v1::LayerBias out;
+    MOE_RETURN_IF_ERROR(Rollback(layer, to, &out));
+    return nlohmann::json{{"version", out.version()}, {"reason", out.reason()}};
+  };
+  return cb;
+}
+
+}  // namespace moe::router_svc

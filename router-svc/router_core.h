@@ -1,0 +1,111 @@
+// router-svc's core, apart from its gRPC adapter (router_server.cc) and its page: the state
+// under one mutex (the placement registry, one bias ledger and load window per layer, the
+// durable store) and the operations on it (register, heartbeat, report, rebalance, rollback,
+// set mode, restore). Changes go out through sinks called with the core's mutex held, so a
+// watcher added inside Subscribe misses no change. The gRPC service and the page both call the
+// same operations; the classes it holds are tested one by one in router_state_test.cc.
+//
+//   MOE_ASSIGN_OR_RETURN(auto core, RouterCore::Load(options));  // checkpoint bias, --state_db
+//   core->SetSinks({.placement = push_to_watchers, .bias = push_to_bias_watchers});
+//   MOE_RETURN_IF_ERROR(core->Rebalance(layer, /*dry_run=*/false, "rebalance", &resp));
+#ifndef MOE_ROUTER_SVC_ROUTER_CORE_H_
+#define MOE_ROUTER_SVC_ROUTER_CORE_H_
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "moe/v1/router.pb.h"
+#include "router-svc/bias_ledger.h"
+#include "router-svc/load_balance_page.h"
+#include "router-svc/load_window.h"
+#include "router-svc/placement_registry.h"
+#include "router-svc/router_server.h"
+#include "router-svc/state_store.h"
+#include "services/common/model_config.h"
+
+namespace moe::metrics {
+class RouterMetrics;
+}
+
+namespace moe::router_svc {
+
+struct LayerState {
+  BiasLedger ledger;
+  LoadWindow window;
+  int64_t rebalances = 0;
+};
+
+// Where changes go; each runs with the core's mutex held (it must not call back into the core).
+struct RouterCoreSinks {
+  std::function<void(const v1::Placement&)> placement;
+  std::function<void(const v1::LayerBias&)> bias;
+};
+
+class RouterCore {
+ public:
+  // The checkpoint's config and bias per layer; with --state_db, the stored state restored.
+  static absl::StatusOr<std::unique_ptr<RouterCore>> Load(const RouterServerOptions& options);
+
+  void SetSinks(RouterCoreSinks sinks);
+  // Metrics may be null; set once, before traffic (the layers' and shards' series start).
+  void SetMetrics(metrics::RouterMetrics* metrics);
+
+  absl::Status Register(const v1::RegisterExpertServerRequest& req,
+                        v1::RegisterExpertServerResponse* resp);
+  absl::Status Heartbeat(const v1::HeartbeatRequest& req);
+  absl::Status ReportStats(const v1::ReportStatsRequest& req, v1::ReportStatsResponse* resp);
+  absl::Status Rebalance(int32_t layer, bool dry_run, const std::string& reason,
+                         v1::RebalanceResponse* resp);
+  absl::Status Rollback(int32_t layer, uint64_t to, v1::LayerBias* resp);
+  absl::Status SetMode(const v1::SetBiasModeRequest& req, v1::LayerBias* resp);
+  v1::Placement Placement() const;
+  absl::StatusOr<v1::LayerBias> Bias(int32_t layer) const;
+  absl::Status LoadStats(int32_t layer, v1::LoadStats* resp) const;
+  // Runs f with the current placement and every layer's bias under the core's mutex: a watcher
+  // registered inside f gets every later change through the sinks, none twice, none lost.
+  void Subscribe(
+      const std::function<void(const v1::Placement&, const std::vector<v1::LayerBias>&)>& f);
+  // A new leader (etcd): the stored state restored, then the placement published.
+  absl::Status Restore(std::unique_ptr<StateStore> store);
+  // Shards whose heartbeats stopped longer than `stale` become unhealthy (published).
+  void ExpireStale(std::chrono::milliseconds stale);
+  // The page's calls (load_balance_page.h), on the same operations.
+  PageCallbacks PageApi();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  explicit RouterCore(const RouterServerOptions& o) : options_(o) {}
+  absl::StatusOr<LayerState*> LayerLocked(int32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND naming the layer and the managed ones.
+  absl::Status UnknownLayerLocked(int32_t layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RebalanceLocked(LayerState& l, bool dry_run, const std::string& reason,
+                               v1::RebalanceResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new current bias version: stored, the window restarts, watchers and metrics hear of it.
+  absl::Status PublishBiasLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PersistLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens the store's state and restores ledgers and registrations from it.
+  absl::Status RestoreLocked(std::unique_ptr<StateStore> store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new placement version to the sink (and the shard gauges).
+  void PublishPlacementLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateLayerMetricsLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const RouterServerOptions options_;
+  ModelConfig cfg_;
+  metrics::RouterMetrics* metrics_ = nullptr;
+  RouterCoreSinks sinks_;
+  mutable std::mutex mu_;
+  std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
+  std::map<int32_t, LayerState> layers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace moe::router_svc
+
+#endif  // MOE_ROUTER_SVC_ROUTER_CORE_H_
