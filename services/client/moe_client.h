@@ -19,7 +19,6 @@
 #include "absl/types/span.h"
 #include "moe/v1/attention.pb.h"
 #include "moe/v1/router.pb.h"
-#include "services/numerics/precision_mode.h"
 #include "services/tensor/bf16.h"
 #include "services/transport/security.h"
 
