@@ -1,9 +1,11 @@
 #include "expert-svc/expert_backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "services/common/status_macros.h"
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cuda/cuda_backend.h"
+#include "services/numerics/cuda/launch_plan.h"
 #include "services/numerics/mxfp8.h"
 #include "services/numerics/precision_mode.h"
 
@@ -106,21 +108,46 @@ absl::StatusOr<Backend> ParseBackend(const std::string& name) {
       absl::StrCat("backend '", name, "' is not one of auto, cpu, cuda, echo"));
 }
 
+absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
+                                            const numerics::cuda::CudaDeviceInfo& gpu) {
+  if (requested == Backend::kCpu || requested == Backend::kEcho)
+    return BackendChoice{requested, ""};
+  std::string why;
+  if (!gpu.status.ok()) {
+    why = std::string(gpu.status.message());
+  } else if (gpu.major < numerics::cuda::kMinComputeMajor) {
+    why = absl::StrCat("GPU ", gpu.name, " has compute capability ", gpu.major, ".", gpu.minor,
+                       "; the CUDA kernels need ", numerics::cuda::kMinComputeMajor,
+                       ".0 (Ampere) or newer");
+  }
+  if (why.empty()) return BackendChoice{Backend::kCuda, ""};
+  if (requested == Backend::kCuda) {
+    return absl::FailedPreconditionError(absl::StrCat("backend cuda: ", why));
+  }
+  return BackendChoice{Backend::kCpu, absl::StrCat("auto chose the CPU: ", why)};
+}
+
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
     const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool) {
-  if (backend == Backend::kEcho) return std::unique_ptr<ExpertBackend>(new EchoBackend());
-  const bool want_cuda = backend == Backend::kCuda ||
-                         (backend == Backend::kAuto && numerics::cuda::CudaDeviceStatus().ok());
-  if (want_cuda) {
+  const numerics::cuda::CudaDeviceInfo gpu = backend == Backend::kCuda || backend == Backend::kAuto
+                                                 ? numerics::cuda::QueryCudaDevice()
+                                                 : numerics::cuda::CudaDeviceInfo{};
+  MOE_ASSIGN_OR_RETURN(BackendChoice choice, ChooseBackend(backend, gpu));
+  if (choice.backend == Backend::kEcho) return std::unique_ptr<ExpertBackend>(new EchoBackend());
+  std::string note = choice.note;
+  if (choice.backend == Backend::kCuda) {
     auto experts = numerics::cuda::CudaExperts::Create(cfg, weights);
-    if (!experts.ok()) {
+    if (experts.ok()) return std::unique_ptr<ExpertBackend>(new CudaBackend(std::move(*experts)));
+    if (backend == Backend::kCuda) {
       return absl::Status(experts.status().code(),
                           absl::StrCat("backend cuda: ", experts.status().message()));
     }
-    return std::unique_ptr<ExpertBackend>(new CudaBackend(std::move(*experts)));
+    note = absl::StrCat("auto chose the CPU: CUDA experts: ", experts.status().message());
   }
-  return std::unique_ptr<ExpertBackend>(new CpuBackend(cfg, weights, kernels, pool));
+  auto cpu = std::unique_ptr<ExpertBackend>(new CpuBackend(cfg, weights, kernels, pool));
+  cpu->note = note;
+  return cpu;
 }
 
 }  // namespace moe::expert_svc

@@ -20,6 +20,7 @@
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
+#include "services/numerics/cuda/cuda_backend.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
 #include "services/numerics/precision_mode.h"
@@ -40,13 +41,27 @@ class ExpertBackend {
                                                         const tensor::Activations& z) = 0;
   // The precision modes this backend computes (W4A16 always).
   virtual std::vector<numerics::Precision> precisions() const = 0;
+  // Why this backend and not the one asked for (auto's fallback to the CPU), or "".
+  std::string note;
 };
 
 enum class Backend { kAuto, kCpu, kCuda, kEcho };
 const char* BackendName(Backend b);  // "auto", "cpu", "cuda", "echo"
 absl::StatusOr<Backend> ParseBackend(const std::string& name);
 
-// weights, kernels and pool must outlive the backend.
+// Where a requested backend runs, given device 0 (a pure rule, tested by table): auto picks CUDA
+// on a usable GPU of compute capability 8.0 (Ampere) or newer, else the CPU with the reason in
+// `note`; cuda on an unusable or older GPU is an error naming it; cpu and echo run as asked.
+struct BackendChoice {
+  Backend backend = Backend::kCpu;  // kCpu, kCuda or kEcho
+  std::string note;                 // why auto did not pick CUDA ("" otherwise)
+};
+absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
+                                            const numerics::cuda::CudaDeviceInfo& gpu);
+
+// weights, kernels and pool must outlive the backend. auto falls back to the CPU (with the
+// reason in the backend's note()) when the GPU is unusable, too old, or CudaExperts::Create
+// fails; cuda does not fall back.
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
     const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool);

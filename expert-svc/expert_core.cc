@@ -1,5 +1,7 @@
 #include "expert-svc/expert_core.h"
 
+#include <pthread.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -149,6 +151,9 @@ absl::Status ExpertCore::LoadWeights() {
   MOE_LOG_INFO("shard {}: experts [{}, {}) of layers {} loaded, backend {}", options_.shard,
                options_.expert_lo, options_.expert_hi, fmt::join(layers, ","),
                backends_.begin()->second->name());
+  if (!backends_.begin()->second->note.empty()) {
+    MOE_LOG_WARN("shard {}: {}", options_.shard, backends_.begin()->second->note);
+  }
   // The limits of the CPU the kernels run on, before any traffic (bounded: 512 MiB read, 3 x
   // 50 ms of FMAs, about 0.4 s). A GPU backend's limits are not these.
   if (options_.measure_limits && backends_.begin()->second->name().rfind("cpu", 0) == 0) {
@@ -168,6 +173,9 @@ absl::Status ExpertCore::LoadWeights() {
 
 void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
   metrics_ = metrics;
+  if (metrics_ != nullptr) {
+    metrics_->Backend(backends_.begin()->second->name(), backends_.begin()->second->note);
+  }
   if (metrics_ != nullptr && limits_.threads > 0) {
     metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
                                numerics::cpu::IsaName(limits_.isa));
@@ -186,7 +194,10 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
           if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
         });
   }
-  compute_thread_ = std::thread([this] { ComputeLoop(); });
+  compute_thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "expert-compute");  // for top -H and profilers
+    ComputeLoop();
+  });
 }
 
 void ExpertCore::Stop() {

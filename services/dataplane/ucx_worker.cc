@@ -1,6 +1,7 @@
 #include "services/dataplane/ucx_worker.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
@@ -269,7 +270,10 @@ class UcxWorkerImpl {
     if (wake_fd_ < 0) return absl::InternalError("eventfd failed");
     pool_ = std::make_shared<UcxBufferPool>(o.pooled_buffers_per_class);
     pool_->SetPost([this](std::function<void()> f) { Post(std::move(f)); }, context_);
-    thread_ = std::thread([this] { Loop(); });
+    thread_ = std::thread([this] {
+      pthread_setname_np(pthread_self(), "ucx-progress");  // for top -H and profilers
+      Loop();
+    });
     return absl::OkStatus();
   }
 

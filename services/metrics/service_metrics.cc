@@ -306,7 +306,12 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                                    "hello_rejected (a UCX hello with a wrong secret, unknown "
                                    "client or bad form), integrity_failed (an activation "
                                    "payload whose MAC did not match)")
-                             .Register(registry)) {
+                             .Register(registry)),
+      backend_info_(BuildGauge()
+                        .Name("moe_expert_backend_info")
+                        .Help("The backend this server's experts run on (value 1), and why not "
+                              "the one asked for: auto's fallback to the CPU (empty otherwise)")
+                        .Register(registry)) {
   auto& compute = BuildHistogram()
                       .Name("moe_expert_compute_duration_seconds")
                       .Help("Expert FFN time per dispatched batch")
@@ -361,6 +366,10 @@ void ExpertMetrics::SetMachineLimits(double read_bytes_per_second, double fma_fl
 
 void ExpertMetrics::Verified(const std::string& result) {
   verified_.Add({{"shard", shard_}, {"result", result}}).Increment();
+}
+
+void ExpertMetrics::Backend(const std::string& backend, const std::string& fallback) {
+  backend_info_.Add({{"shard", shard_}, {"backend", backend}, {"fallback", fallback}}).Set(1);
 }
 
 void ExpertMetrics::DataPlaneEvent(const std::string& event) {

@@ -147,6 +147,8 @@ class ExpertMetrics {
                         const std::string& isa);
   // A production check's result: "match", "mismatch", "skipped" or "error" (batch_verifier.h).
   void Verified(const std::string& result);
+  // The backend the experts run on, and why not the one asked for ("" when it is).
+  void Backend(const std::string& backend, const std::string& fallback);
   // The out-of-band data plane: "hello_rejected" (a UCX hello with a wrong secret, an unknown
   // client or a malformed form), "integrity_failed" (a payload whose MAC did not match).
   void DataPlaneEvent(const std::string& event);
@@ -177,6 +179,7 @@ class ExpertMetrics {
   prometheus::Family<prometheus::Gauge>& fma_peak_;
   prometheus::Family<prometheus::Counter>& verified_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
+  prometheus::Family<prometheus::Gauge>& backend_info_;
   std::mutex mu_;
   std::deque<Recent> recent_;
   double limit_bandwidth_ = 0, limit_flops_ = 0;

@@ -3,7 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
+#include "services/numerics/cuda/expert_checks.h"
 #include "services/numerics/cuda/kernels.h"
+#include "services/numerics/cuda/launch_plan.h"
 #include "services/numerics/mxfp4.h"
 
 namespace moe::numerics::cuda {
@@ -58,6 +60,21 @@ absl::Status CudaDeviceStatus() {
   return absl::OkStatus();
 }
 
+CudaDeviceInfo QueryCudaDevice() {
+  CudaDeviceInfo info;
+  info.status = CudaDeviceStatus();
+  if (!info.status.ok()) return info;
+  cudaDeviceProp p = {};
+  if (cudaError_t e = cudaGetDeviceProperties(&p, 0); e != cudaSuccess) {
+    info.status = FromCuda(e, "cudaGetDeviceProperties");
+    return info;
+  }
+  info.name = p.name;
+  info.major = p.major;
+  info.minor = p.minor;
+  return info;
+}
+
 std::string CudaDeviceName() {
   if (absl::Status s = CudaDeviceStatus(); !s.ok()) return std::string(s.message());
   cudaDeviceProp p = {};
@@ -83,10 +100,8 @@ CudaExperts::~CudaExperts() = default;
 
 absl::StatusOr<std::unique_ptr<CudaExperts>> CudaExperts::Create(const ModelConfig& cfg,
                                                                  const MoeLayerWeights& w) {
+  if (absl::Status s = ValidateCudaExperts(cfg, w); !s.ok()) return s;
   if (absl::Status s = CudaDeviceStatus(); !s.ok()) return s;
-  if (cfg.latent % 64 != 0 || cfg.intermediate % 64 != 0 || cfg.top_k > 32) {
-    return absl::InvalidArgumentError("the CUDA experts need D and I multiples of 64 and k <= 32");
-  }
   auto impl = std::make_unique<Impl>();
   impl->cfg = cfg;
   impl->lo = w.expert_lo;
@@ -158,13 +173,16 @@ absl::StatusOr<std::vector<Bf16>> CudaExperts::Run(const Routing& routing, const
   MOE_CUDA_RETURN(cudaMemcpyAsync(m.tiles.ptr, tiles.data(), tiles.size() * sizeof(RowTile),
                                   cudaMemcpyHostToDevice, m.stream),
                   "upload tiles");
-  MOE_CUDA_RETURN(
-      LaunchExpertFfn(static_cast<const DeviceExpert*>(m.experts.ptr),
-                      static_cast<const RowTile*>(m.tiles.ptr), static_cast<int>(tiles.size()),
-                      static_cast<const uint16_t*>(m.z.ptr), static_cast<int>(d),
-                      static_cast<int>(i), m.cfg.situ_beta, m.cfg.situ_linear_beta,
-                      static_cast<uint16_t*>(m.h.ptr), static_cast<uint16_t*>(m.y.ptr), m.stream),
-      "expert FFN kernels");
+  // At most 65,535 row tiles per launch (gridDim.y): larger batches in chunks of tiles.
+  for (const auto& [first, count] : TileChunks(static_cast<int64_t>(tiles.size()))) {
+    MOE_CUDA_RETURN(
+        LaunchExpertFfn(static_cast<const DeviceExpert*>(m.experts.ptr),
+                        static_cast<const RowTile*>(m.tiles.ptr) + first, static_cast<int>(count),
+                        static_cast<const uint16_t*>(m.z.ptr), static_cast<int>(d),
+                        static_cast<int>(i), m.cfg.situ_beta, m.cfg.situ_linear_beta,
+                        static_cast<uint16_t*>(m.h.ptr), static_cast<uint16_t*>(m.y.ptr), m.stream),
+        "expert FFN kernels");
+  }
   std::vector<Bf16> out(total * d);
   MOE_CUDA_RETURN(
       cudaMemcpyAsync(out.data(), m.y.ptr, total * d * 2, cudaMemcpyDeviceToHost, m.stream),

@@ -26,12 +26,20 @@ namespace moe::numerics::cuda {
 // OK when CUDA support is built in and a device is usable; else UNAVAILABLE with the reason
 // (no driver: cudaGetDeviceCount's error, e.g. 35; no device; built without CUDA).
 absl::Status CudaDeviceStatus();
+// Device 0: whether it is usable (status), its name and compute capability.
+struct CudaDeviceInfo {
+  absl::Status status;
+  std::string name;
+  int major = 0, minor = 0;
+};
+CudaDeviceInfo QueryCudaDevice();
 // "cuda/<device name>" or the reason there is none.
 std::string CudaDeviceName();
 
 class CudaExperts {
  public:
-  // Copies the hosted experts [expert_lo, expert_hi) of `weights` to the device.
+  // Copies the hosted experts [expert_lo, expert_hi) of `weights` to the device, after
+  // ValidateCudaExperts (expert_checks.h) accepted them.
   static absl::StatusOr<std::unique_ptr<CudaExperts>> Create(const ModelConfig& cfg,
                                                              const MoeLayerWeights& weights);
   ~CudaExperts();

@@ -1,5 +1,6 @@
 // The op layer when the build has no CUDA (nvcc not found): every entry point says so.
 #include "services/numerics/cuda/cuda_backend.h"
+#include "services/numerics/cuda/expert_checks.h"
 
 namespace moe::numerics::cuda {
 
@@ -9,13 +10,16 @@ absl::Status CudaDeviceStatus() {
 
 std::string CudaDeviceName() { return "built without CUDA"; }
 
+CudaDeviceInfo QueryCudaDevice() { return {CudaDeviceStatus(), "", 0, 0}; }
+
 class CudaExperts::Impl {};
 
 CudaExperts::CudaExperts(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaExperts::~CudaExperts() = default;
 
-absl::StatusOr<std::unique_ptr<CudaExperts>> CudaExperts::Create(const ModelConfig&,
-                                                                 const MoeLayerWeights&) {
+absl::StatusOr<std::unique_ptr<CudaExperts>> CudaExperts::Create(const ModelConfig& cfg,
+                                                                 const MoeLayerWeights& w) {
+  if (absl::Status s = ValidateCudaExperts(cfg, w); !s.ok()) return s;
   return CudaDeviceStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "services/numerics/cuda/kernels.h"
+#include "services/numerics/cuda/launch_plan.h"
 
 namespace moe::numerics::cuda {
 
@@ -290,14 +291,15 @@ cudaError_t LaunchRmsNorm(const uint16_t* r, int tokens, int dim, const uint16_t
 cudaError_t LaunchExpertFfn(const DeviceExpert* experts, const RowTile* tiles, int num_tiles,
                             const uint16_t* z, int latent, int intermediate, float beta,
                             float linear_beta, uint16_t* h, uint16_t* y, cudaStream_t stream) {
-  if (num_tiles <= 0 || latent % kTileCols != 0 || intermediate % kTileCols != 0) {
-    return cudaErrorInvalidValue;
-  }
-  MxfpGemmKernel<2><<<dim3(intermediate / kTileCols, num_tiles), 128, 0, stream>>>(
-      experts, tiles, z, latent, intermediate, beta, linear_beta, h);
+  // The grids from the host's launch plan (launch_plan.h, tested at the limits on the CPU).
+  const GridDims up = ExpertFfnGrid(num_tiles, intermediate, kTileCols);
+  const GridDims down = ExpertFfnGrid(num_tiles, latent, kTileCols);
+  if (!up.ok || !down.ok) return cudaErrorInvalidValue;
+  MxfpGemmKernel<2><<<dim3(static_cast<unsigned>(up.x), static_cast<unsigned>(up.y)), 128, 0,
+                      stream>>>(experts, tiles, z, latent, intermediate, beta, linear_beta, h);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  MxfpGemmKernel<1><<<dim3(latent / kTileCols, num_tiles), 128, 0, stream>>>(
-      experts, tiles, h, intermediate, latent, beta, linear_beta, y);
+  MxfpGemmKernel<1><<<dim3(static_cast<unsigned>(down.x), static_cast<unsigned>(down.y)), 128, 0,
+                      stream>>>(experts, tiles, h, intermediate, latent, beta, linear_beta, y);
   return cudaGetLastError();
 }
 
