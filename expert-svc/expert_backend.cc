@@ -122,7 +122,9 @@ absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
   }
   if (why.empty()) return BackendChoice{Backend::kCuda, ""};
   if (requested == Backend::kCuda) {
-    return absl::FailedPreconditionError(absl::StrCat("backend cuda: ", why));
+    // No usable device: its own code (UNAVAILABLE); a device too old: FAILED_PRECONDITION.
+    return absl::Status(gpu.status.ok() ? absl::StatusCode::kFailedPrecondition : gpu.status.code(),
+                        absl::StrCat("backend cuda: ", why));
   }
   return BackendChoice{Backend::kCpu, absl::StrCat("auto chose the CPU: ", why)};
 }

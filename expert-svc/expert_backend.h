@@ -51,7 +51,8 @@ absl::StatusOr<Backend> ParseBackend(const std::string& name);
 
 // Where a requested backend runs, given device 0 (a pure rule, tested by table): auto picks CUDA
 // on a usable GPU of compute capability 8.0 (Ampere) or newer, else the CPU with the reason in
-// `note`; cuda on an unusable or older GPU is an error naming it; cpu and echo run as asked.
+// `note`; cuda without a usable GPU is UNAVAILABLE, on an older one FAILED_PRECONDITION, naming
+// it; cpu and echo run as asked.
 struct BackendChoice {
   Backend backend = Backend::kCpu;  // kCpu, kCuda or kEcho
   std::string note;                 // why auto did not pick CUDA ("" otherwise)

@@ -30,7 +30,7 @@ TEST(ChooseBackend, FollowsTheDeviceTable) {
                 "Tesla T4 has compute capability 7.5"},
            Case{Backend::kCuda, hopper, absl::StatusCode::kOk, Backend::kCuda, ""},
            Case{Backend::kCuda, turing, absl::StatusCode::kFailedPrecondition, Backend::kCpu, ""},
-           Case{Backend::kCuda, none, absl::StatusCode::kFailedPrecondition, Backend::kCpu, ""},
+           Case{Backend::kCuda, none, absl::StatusCode::kUnavailable, Backend::kCpu, ""},
            Case{Backend::kCpu, hopper, absl::StatusCode::kOk, Backend::kCpu, ""},
            Case{Backend::kEcho, none, absl::StatusCode::kOk, Backend::kEcho, ""},
        }) {
