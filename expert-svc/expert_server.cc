@@ -128,7 +128,12 @@ absl::Status ExpertServer::Impl::Start() {
     }
     router_ = std::make_unique<client::RouterLink>(options_.router, client::RouterLinkTimings{},
                                                    options_.cluster_token);
-    router_->KeepRegistered(std::move(req), [this] { return core_->queued(); });
+    router_->KeepRegistered(
+        std::move(req), [this] { return core_->queued(); },
+        [this]() -> std::string {
+          std::shared_lock<std::shared_mutex> lock(ucx_mu_);
+          return ucx_ != nullptr ? ucx_->lanes() : "";
+        });
   }
   return absl::OkStatus();
 }

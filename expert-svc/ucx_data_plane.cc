@@ -82,6 +82,7 @@ void UcxDataPlane::OnHello(std::string_view hello, uint64_t ep, const std::strin
     if (it == ack_buffers_.end()) return;  // said hello twice: acknowledged already
     ack = std::move(it->second);
     ack_buffers_.erase(it);
+    lanes_ = lanes;
   }
   // The acknowledgement carries the lanes UCX selected on this side.
   const size_t n = std::min(lanes.size(), ack->capacity());
@@ -89,6 +90,11 @@ void UcxDataPlane::OnHello(std::string_view hello, uint64_t ep, const std::strin
   (void)worker_->Send(ep, c->ack_tag, ack, n, absl::Now() + kAckTimeout);
   MOE_LOG_INFO("shard {}: data-plane client {} ({}) said hello over UCX, lanes {}", options_.shard,
                c->id, c->node, lanes);
+}
+
+std::string UcxDataPlane::lanes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lanes_;
 }
 
 void UcxDataPlane::Receive(const OutOfBandHeader& h, absl::Time deadline, Received done) {

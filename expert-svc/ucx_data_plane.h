@@ -80,6 +80,8 @@ class UcxDataPlane {
                      const std::function<void(const std::string& mac)>& seal, Sent sent);
 
   int clients() const { return clients_.size(); }
+  // The lanes of the latest client's endpoint, as UCX reports them here ("" before any hello).
+  std::string lanes() const;
 
  private:
   explicit UcxDataPlane(UcxDataPlaneOptions options);
@@ -89,11 +91,12 @@ class UcxDataPlane {
 
   UcxDataPlaneOptions options_;
   DataPlaneClients clients_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   // Each client's acknowledgement buffer, registered by Open (the hello runs on the progress
   // thread, which must not wait for a registration).
   std::map<uint64_t, std::shared_ptr<dataplane::UcxBuffer>> ack_buffers_;
   std::map<std::string, absl::Time> last_logged_;
+  std::string lanes_;                             // guarded by mu_
   std::unique_ptr<dataplane::UcxWorker> worker_;  // last: stopped first
 };
 

@@ -126,7 +126,8 @@ nlohmann::json LayerStateJson(const BiasLedger& ledger, const LoadWindow& w,
                            {"hi", x.hi},
                            {"load", x.load},
                            {"healthy", x.healthy},
-                           {"data_plane", x.data_plane}});
+                           {"data_plane", x.data_plane},
+                           {"lanes", x.lanes}});
   }
   j["history"] = nlohmann::json::array();
   for (const BiasVersion& h : ledger.history()) {

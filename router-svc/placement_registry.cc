@@ -79,11 +79,29 @@ uint64_t PlacementRegistry::NewLease() const {
   }
 }
 
-absl::StatusOr<bool> PlacementRegistry::Heartbeat(uint64_t lease, Clock::time_point now) {
+absl::StatusOr<bool> PlacementRegistry::Heartbeat(uint64_t lease, Clock::time_point now,
+                                                  const std::string& lanes) {
+  if (lanes.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_plane_lanes of ", lanes.size(), " bytes (at most 128)"));
+  }
+  // What UcxLanes::Describe writes: letters, digits, spaces and ( ) , . _ - (nothing a page
+  // could take for markup).
+  for (char c : lanes) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == ' ' || c == '(' || c == ')' || c == ',' || c == '.' || c == '_' ||
+                    c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          "data_plane_lanes may hold letters, digits, spaces and ( ) , . _ - only");
+    }
+  }
   for (auto& [name, s] : shards_) {
     if (s.lease != lease) continue;
     s.last_seen = now;
-    if (s.healthy) return false;
+    const bool new_lanes = !lanes.empty() && lanes != s.lanes;
+    if (new_lanes) s.lanes = lanes;
+    if (s.healthy && !new_lanes) return false;
     s.healthy = true;
     ++version_;
     return true;
@@ -112,7 +130,7 @@ PlacementSnapshot PlacementRegistry::Snapshot(Clock::time_point now) const {
         {name, s.endpoint, s.ranges, s.lease, s.healthy,
          std::max<int64_t>(
              0, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count()),
-         s.data_plane});
+         s.data_plane, s.lanes});
   }
   return p;
 }
@@ -152,7 +170,7 @@ std::vector<ShardLoad> PlacementRegistry::ShardLoads(int32_t layer,
       if (r.layer != layer) continue;
       int64_t load = 0;
       for (int32_t e = r.lo; e < r.hi; ++e) load += loads[e];
-      out.push_back({name, r.lo, r.hi, load, s.healthy, s.data_plane});
+      out.push_back({name, r.lo, r.hi, load, s.healthy, s.data_plane, s.lanes});
     }
   }
   return out;

@@ -34,6 +34,7 @@ struct ShardEntry {
   bool healthy = true;
   int64_t last_seen_ms = 0;  // ago, at the snapshot
   std::string data_plane;    // what the shard offers: "ucx" or "grpc"
+  std::string lanes;         // the UCX lanes it reports ("shm (posix)"), "" before any
 };
 
 struct PlacementSnapshot {
@@ -48,6 +49,7 @@ struct ShardLoad {
   int64_t load = 0;
   bool healthy = false;
   std::string data_plane;
+  std::string lanes;
 };
 
 class PlacementRegistry {
@@ -69,8 +71,11 @@ class PlacementRegistry {
                        const std::string& data_plane);
   // The lease of a registered shard (0: none).
   uint64_t LeaseOf(const std::string& shard) const;
-  // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again.
-  absl::StatusOr<bool> Heartbeat(uint64_t lease, Clock::time_point now);
+  // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again, or
+  // reports other lanes than before (a new placement version). lanes: at most 128 bytes of
+  // letters, digits, spaces and ( ) , . _ -, else INVALID_ARGUMENT; "" keeps what was reported.
+  absl::StatusOr<bool> Heartbeat(uint64_t lease, Clock::time_point now,
+                                 const std::string& lanes = "");
   // Marks shards silent for longer than `stale` unhealthy; returns their names.
   std::vector<std::string> ExpireStale(Clock::time_point now, Clock::duration stale);
 
@@ -95,6 +100,7 @@ class PlacementRegistry {
     Clock::time_point last_seen;
     bool healthy = true;
     std::string data_plane;
+    std::string lanes;
   };
   const int64_t num_experts_;
   const int64_t max_shards_;

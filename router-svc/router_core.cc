@@ -174,7 +174,8 @@ absl::Status RouterCore::Register(const v1::RegisterExpertServerRequest& req,
 
 absl::Status RouterCore::Heartbeat(const v1::HeartbeatRequest& req) {
   std::lock_guard<std::mutex> lock(mu_);
-  MOE_ASSIGN_OR_RETURN(bool revived, registry_->Heartbeat(req.lease_id(), Clock::now()));
+  MOE_ASSIGN_OR_RETURN(bool revived,
+                       registry_->Heartbeat(req.lease_id(), Clock::now(), req.data_plane_lanes()));
   if (revived) PublishPlacementLocked();
   return absl::OkStatus();
 }

@@ -41,6 +41,7 @@ v1::Placement ToProto(const PlacementSnapshot& s) {
     info->set_healthy(e.healthy);
     info->set_last_seen_ms(e.last_seen_ms);
     info->set_data_plane(e.data_plane);
+    info->set_data_plane_lanes(e.lanes);
   }
   return p;
 }

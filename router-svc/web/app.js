@@ -3,6 +3,8 @@
 'use strict';
 
 const $ = (id) => document.getElementById(id);
+// Text a member reported, made safe to put inside HTML.
+const esc = (v) => String(v).replace(/[&<>"']/g, (c) => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;'}[c]));
 let layer = null;
 let busy = false;
 
@@ -108,10 +110,10 @@ function render(s) {
   drawTimeline();
   const total = s.shards.reduce((a, x) => a + x.load, 0) || 1;
   $('shards').tBodies[0].innerHTML = s.shards.map((x) =>
-    `<tr><td>${x.name}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +
-    `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.healthy ? 'healthy' : 'UNHEALTHY'}</td><td>${x.data_plane}</td></tr>`).join('');
+    `<tr><td>${esc(x.name)}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +
+    `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.healthy ? 'healthy' : 'UNHEALTHY'}</td><td class="lanes">${esc(x.data_plane)}${x.lanes ? ' · ' + esc(x.lanes) : ''}</td></tr>`).join('');
   $('history').tBodies[0].innerHTML = s.history.slice().reverse().map((h) =>
-    `<tr><td>${h.version}</td><td>${h.reason}</td><td>${new Date(h.created_unix_ms).toLocaleTimeString()}</td></tr>`).join('');
+    `<tr><td>${h.version}</td><td>${esc(h.reason)}</td><td>${new Date(h.created_unix_ms).toLocaleTimeString()}</td></tr>`).join('');
 }
 
 async function refresh() {

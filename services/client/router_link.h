@@ -52,7 +52,9 @@ class RouterLink {
 
   // Expert servers: registers `req` and heartbeats on a thread until Stop(); queued() gives the
   // queue length each heartbeat carries.
-  void KeepRegistered(v1::RegisterExpertServerRequest req, std::function<int64_t()> queued);
+  // lanes(), when given, is sent with each heartbeat (the data plane's lanes, for the page).
+  void KeepRegistered(v1::RegisterExpertServerRequest req, std::function<int64_t()> queued,
+                      std::function<std::string()> lanes = nullptr);
   // The lease of the current registration (0 while unregistered).
   uint64_t lease() const;
 

@@ -85,6 +85,31 @@ TEST(PlacementRegistry, LeasesHeartbeatsAndHealth) {
   EXPECT_EQ(reg.Snapshot(t0).shards[1].endpoint, "h:3");
 }
 
+// The data plane's lanes ride on heartbeats: a change is a new placement version shown on the
+// page; the same lanes again, or none, change nothing; anything but the lanes' own alphabet
+// (markup, control bytes) or over 128 bytes is refused.
+TEST(PlacementRegistry, HeartbeatsCarryTheLanesUcxSelected) {
+  PlacementRegistry reg(16);
+  const Clock::time_point t0;
+  auto a = reg.Register("shard-0", "h:1", {{1, 0, 16}}, t0, "ucx");
+  ASSERT_TRUE(a.ok());
+  const uint64_t v0 = reg.version();
+  EXPECT_EQ(*reg.Heartbeat(*a, t0, "shm (posix)"), true);
+  EXPECT_EQ(reg.version(), v0 + 1);
+  EXPECT_EQ(*reg.Heartbeat(*a, t0, "shm (posix)"), false);
+  EXPECT_EQ(*reg.Heartbeat(*a, t0, ""), false);
+  EXPECT_EQ(reg.version(), v0 + 1);
+  EXPECT_EQ(reg.Snapshot(t0).shards[0].lanes, "shm (posix)");
+  EXPECT_EQ(reg.ShardLoads(1, std::vector<int64_t>(16, 1))[0].lanes, "shm (posix)");
+  for (const std::string& bad :
+       {std::string("<img src=x onerror=alert(1)>"), std::string("tcp\n"), std::string(129, 'a')}) {
+    EXPECT_EQ(reg.Heartbeat(*a, t0, bad).status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_EQ(reg.Snapshot(t0).shards[0].lanes, "shm (posix)");
+  EXPECT_EQ(*reg.Heartbeat(*a, t0, "mixed (posix, tcp)"), true);
+}
+
 TEST(PlacementRegistry, ShardMapsAndLoads) {
   PlacementRegistry reg(8);
   const Clock::time_point t0;

@@ -8,6 +8,7 @@
 //
 //   node page_test.mjs --moe-cli build/bin/moe-cli --moe-tool build/services/moe-tool \
 //        --work /tmp/pagetest --artifacts build/tests/web-artifacts
+import http from 'node:http';
 import { spawn, spawnSync } from 'node:child_process';
 import fs from 'node:fs';
 import path from 'node:path';
@@ -133,6 +134,27 @@ try {
   assert(await page.$('#vio-chart polyline.vio') && await page.$('#vio-chart polyline.floor'),
          'the timeline lacks the MaxVio line or the noise floor');
   console.log(`charts: ${E} bars, y axis to ${yMax} tokens, legend ${legend.length} keys, timeline ${points} points`);
+
+  // The shard table shows the lanes UCX really selected (heartbeated by each shard, read from
+  // UCX), the same the attention node reads on its side of each endpoint (its metrics).
+  const lanesCells = await waitFor('the data plane lanes on the page', async () => {
+    const cells = await page.$$eval('#shards td.lanes', (t) => t.map((x) => x.textContent));
+    return cells.length >= 2 && cells.every((c) => / · /.test(c)) ? cells : null;
+  }, 30);
+  const metricsText = await new Promise((resolve, reject) => {
+    http.get(`http://${cluster.attention_metrics}/metrics`, (res) => {
+      let body = '';
+      res.on('data', (d) => { body += d; });
+      res.on('end', () => resolve(body));
+    }).on('error', reject);
+  });
+  for (const cell of lanesCells) {
+    const m = /^ucx · ((shm|tcp|rdma|mixed).*)$/.exec(cell);
+    assert(m, `the data plane cell "${cell}" does not name UCX and its lanes`);
+    assert(metricsText.includes(`shard_lanes="${m[1]}"`),
+           `the page's lanes "${m[1]}" are not what the attention node read from UCX`);
+  }
+  console.log(`data plane: ${lanesCells.join('; ')}`);
 
   // The mean distance of the bars from the even line, in pixels (the "queue" the toy shows).
   const spread = () => page.$eval('#bars-id', (el) => {
