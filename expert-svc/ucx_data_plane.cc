@@ -59,20 +59,24 @@ absl::StatusOr<DataPlaneClient> UcxDataPlane::Open(const std::string& node) {
   return c;
 }
 
-void UcxDataPlane::Rejected(const std::string& event, const std::string& detail) {
+void UcxDataPlane::Rejected(const std::string& event, const std::string& peer,
+                            const std::string& detail) {
   if (options_.on_event) options_.on_event(event);
   std::lock_guard<std::mutex> lock(mu_);
-  absl::Time& last = last_logged_[event];
+  // Bounded: at most one entry per client (capped) and one for hellos of unknown peers.
+  if (last_logged_.size() > static_cast<size_t>(options_.max_clients) + 8) last_logged_.clear();
+  absl::Time& last = last_logged_[absl::StrCat(event, "/", peer)];
   const absl::Time now = absl::Now();
   if (now - last < kLogEvery) return;
   last = now;
-  MOE_LOG_WARN("shard {}: data plane: {} (logged once a minute per kind)", options_.shard, detail);
+  MOE_LOG_WARN("shard {}: data plane: {} (logged once a minute per peer)", options_.shard, detail);
 }
 
 void UcxDataPlane::OnHello(std::string_view hello, uint64_t ep, const std::string& lanes) {
   absl::StatusOr<DataPlaneClient> c = clients_.Bind(hello, ep);
   if (!c.ok()) {
-    Rejected("hello_rejected", absl::StrCat("a UCX hello was refused: ", c.status().ToString()));
+    Rejected("hello_rejected", "an unbound endpoint",
+             absl::StrCat("a UCX hello was refused: ", c.status().ToString()));
     return;
   }
   std::shared_ptr<dataplane::UcxBuffer> ack;
@@ -129,6 +133,7 @@ void UcxDataPlane::Receive(const OutOfBandHeader& h, absl::Time deadline, Receiv
   worker_->Recv(
       h.tag, buf, want, deadline,
       [this, buf, want, where, mac = c->mac, seq = h.sequence, tag = h.activation_mac,
+       peer = absl::StrCat("client ", c->id, " (", c->node, ")"),
        done = std::move(done)](const absl::Status& s, size_t n) {
         if (!s.ok()) {
           const absl::StatusCode code = s.code() == absl::StatusCode::kInvalidArgument ||
@@ -138,9 +143,9 @@ void UcxDataPlane::Receive(const OutOfBandHeader& h, absl::Time deadline, Receiv
           return done(absl::Status(code, absl::StrCat(where, ": activations: ", s.message())), {});
         }
         if (n != want || !mac->Verify(dataplane::Direction::kToExpert, seq, buf->data(), n, tag)) {
-          Rejected("integrity_failed", absl::StrCat(where,
-                                                    ": an activation payload failed its "
-                                                    "integrity check"));
+          Rejected("integrity_failed", peer,
+                   absl::StrCat(where, ": an activation payload of ", peer,
+                                " failed its integrity check"));
           return done(absl::DataLossError(
                           absl::StrCat(where,
                                        ": the activation payload failed its integrity check "

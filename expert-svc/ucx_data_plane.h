@@ -86,8 +86,8 @@ class UcxDataPlane {
  private:
   explicit UcxDataPlane(UcxDataPlaneOptions options);
   void OnHello(std::string_view hello, uint64_t endpoint, const std::string& lanes);
-  // Logs a rejected peer at most once a minute per reason.
-  void Rejected(const std::string& event, const std::string& detail);
+  // Counts a rejection and logs it at most once a minute per kind and peer.
+  void Rejected(const std::string& event, const std::string& peer, const std::string& detail);
 
   UcxDataPlaneOptions options_;
   DataPlaneClients clients_;
