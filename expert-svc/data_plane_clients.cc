@@ -5,6 +5,22 @@
 
 namespace moe::expert_svc {
 
+absl::Status ValidateOutOfBand(const OutOfBandHeader& h, int64_t max_message_bytes,
+                               const std::string& where) {
+  if (h.activation_bytes < 1 || h.activation_bytes > max_message_bytes || h.reply_bytes < 0 ||
+      h.reply_bytes > max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": out-of-band sizes (activations ", h.activation_bytes, " bytes, reply ",
+        h.reply_bytes, ") must lie in [1, ", max_message_bytes, "]"));
+  }
+  if (h.activation_mac.size() != dataplane::kMacBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": activation_mac of ",
+                                                   h.activation_mac.size(), " bytes (need ",
+                                                   dataplane::kMacBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
                                                        uint64_t* replaced_endpoint) {
   *replaced_endpoint = 0;

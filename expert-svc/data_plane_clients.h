@@ -35,6 +35,24 @@ struct DataPlaneClient {
   std::shared_ptr<const dataplane::PayloadMac> mac;
 };
 
+// The out-of-band part of one batch's header (expert.proto OutOfBand), as a member sent it.
+struct OutOfBandHeader {
+  uint64_t batch_id = 0;
+  uint64_t client_id = 0;
+  uint64_t tag = 0;
+  int64_t activation_bytes = 0;
+  uint64_t reply_tag = 0;
+  int64_t reply_bytes = 0;
+  uint64_t sequence = 0;
+  std::string activation_mac;
+};
+
+// What may reach UCX from a header: both sizes in [1, max_message_bytes] (the reply in [0, ...]),
+// a 16-byte MAC. INVALID_ARGUMENT naming `where` and the field otherwise (fuzzed:
+// tests/fuzz/data_plane_fuzz.cc).
+absl::Status ValidateOutOfBand(const OutOfBandHeader& h, int64_t max_message_bytes,
+                               const std::string& where);
+
 class DataPlaneClients {
  public:
   static constexpr size_t kMaxNodeBytes = 128;

@@ -107,19 +107,8 @@ void UcxDataPlane::Receive(const OutOfBandHeader& h, absl::Time deadline, Receiv
   if (!c.ok()) {
     return done(absl::FailedPreconditionError(absl::StrCat(where, ": ", c.status().message())), {});
   }
-  if (h.activation_bytes < 1 || h.activation_bytes > options_.max_message_bytes ||
-      h.reply_bytes < 0 || h.reply_bytes > options_.max_message_bytes) {
-    return done(
-        absl::InvalidArgumentError(absl::StrCat(
-            where, ": out-of-band sizes (activations ", h.activation_bytes, " bytes, reply ",
-            h.reply_bytes, ") must lie in [1, ", options_.max_message_bytes, "]")),
-        {});
-  }
-  if (h.activation_mac.size() != dataplane::kMacBytes) {
-    return done(absl::InvalidArgumentError(absl::StrCat(where, ": activation_mac of ",
-                                                        h.activation_mac.size(), " bytes (need ",
-                                                        dataplane::kMacBytes, ")")),
-                {});
+  if (absl::Status s = ValidateOutOfBand(h, options_.max_message_bytes, where); !s.ok()) {
+    return done(s, {});
   }
   auto buffer = worker_->Buffer(static_cast<size_t>(h.activation_bytes));
   if (!buffer.ok()) {

@@ -39,18 +39,6 @@ struct UcxDataPlaneOptions {
   std::function<void(const std::string& event)> on_event;
 };
 
-// The out-of-band part of one batch's header (expert.proto OutOfBand).
-struct OutOfBandHeader {
-  uint64_t batch_id = 0;
-  uint64_t client_id = 0;
-  uint64_t tag = 0;
-  int64_t activation_bytes = 0;
-  uint64_t reply_tag = 0;
-  int64_t reply_bytes = 0;
-  uint64_t sequence = 0;
-  std::string activation_mac;
-};
-
 class UcxDataPlane {
  public:
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Start(UcxDataPlaneOptions options);

@@ -79,3 +79,33 @@ TEST(DataPlaneClients, ReconnectsReplaceTheirOldEntryWithinTheLimit) {
 
 }  // namespace
 }  // namespace moe::expert_svc
+
+namespace moe::expert_svc {
+namespace {
+
+TEST(ValidateOutOfBand, OnlySizesInRangeAndASixteenByteMacReachUcx) {
+  struct Case {
+    int64_t activation, reply;
+    size_t mac;
+    bool ok;
+  };
+  constexpr int64_t kMax = 1 << 20;
+  for (const Case& c : {Case{1, 0, 16, true}, Case{kMax, kMax, 16, true}, Case{0, 8, 16, false},
+                        Case{kMax + 1, 8, 16, false}, Case{-5, 8, 16, false},
+                        Case{8, -1, 16, false}, Case{8, kMax + 1, 16, false}, Case{8, 8, 15, false},
+                        Case{8, 8, 0, false}, Case{8, 8, 17, false}}) {
+    OutOfBandHeader h;
+    h.activation_bytes = c.activation;
+    h.reply_bytes = c.reply;
+    h.activation_mac.assign(c.mac, 'm');
+    const absl::Status s = ValidateOutOfBand(h, kMax, "shard-0, batch 3");
+    EXPECT_EQ(s.ok(), c.ok) << c.activation << " " << c.reply << " " << c.mac << ": " << s;
+    if (!s.ok()) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(s.message().find("shard-0, batch 3"), absl::string_view::npos);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe::expert_svc

@@ -1,10 +1,13 @@
 // libFuzzer target: the bytes a UCX peer controls before it is trusted (docs/data-plane.md):
 // the hello an expert server parses and binds (DataPlaneClients::Bind), and, on the same bytes,
-// the lanes parser (its input is UCX's own report, fuzzed anyway). Invariants: only the exact
+// the lanes parser (its input is UCX's own report, fuzzed anyway), and the out-of-band header's
+// sizes and MAC before they reach a UCX receive. Invariants: only the exact
 // hello of the opened client binds it, and then to the endpoint given; a bound client stays
 // bound to it; the lanes' kind is one of its five values and names no transport twice.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <set>
 #include <string>
 
@@ -38,5 +41,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (lanes.transports.empty() != (lanes.kind == "none")) __builtin_trap();
   (void)lanes.Describe();
   (void)id;
+  // The same bytes as an out-of-band header: only sizes in range and a 16-byte MAC pass, the
+  // sizes UCX would then be asked to receive.
+  if (size >= 17) {
+    moe::expert_svc::OutOfBandHeader h;
+    int64_t a = 0, r = 0;
+    std::memcpy(&a, data, 8);
+    std::memcpy(&r, data + 8, 8);
+    h.activation_bytes = a;
+    h.reply_bytes = r;
+    h.activation_mac.assign(reinterpret_cast<const char*>(data) + 16,
+                            std::min<size_t>(size - 16, data[16] % 20));
+    constexpr int64_t kMax = 256 << 20;
+    const bool ok = moe::expert_svc::ValidateOutOfBand(h, kMax, "fuzz").ok();
+    if (ok && (a < 1 || a > kMax || r < 0 || r > kMax || h.activation_mac.size() != 16)) {
+      __builtin_trap();
+    }
+  }
   return 0;
 }
