@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "moe/v1/expert.grpc.pb.h"
+#include "services/common/logging.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
@@ -170,9 +171,10 @@ UcxExpertChannel::~UcxExpertChannel() {
   if (ep_ != 0) worker_->Disconnect(ep_);
 }
 
-absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
+absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::Time deadline) {
   std::lock_guard<std::mutex> lock(open_mu_);
-  if (client_id_.load() != 0 && !broken_->load()) return absl::OkStatus();
+  if (client_id_.load() != 0 && !broken_->load())
+    return Connection{ep_, client_id_.load(), mac_, chunk_bytes_};
   if (absl::Now() < retry_after_) {
     return absl::FailedPreconditionError(
         absl::StrCat("expert shard ", shard_, " (", endpoint_, ") offers no UCX data plane"));
@@ -239,7 +241,7 @@ absl::Status UcxExpertChannel::EnsureOpen(absl::Time deadline) {
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");
   if (on_lanes_) on_lanes_(shard_, lanes_, peer_lanes_);
-  return absl::OkStatus();
+  return Connection{ep_, client_id_.load(), mac_, chunk_bytes_};
 }
 
 dataplane::UcxLanes UcxExpertChannel::lanes() const {
@@ -257,13 +259,15 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   const absl::Time deadline =
       absl::Now() +
       absl::Milliseconds(std::max<int64_t>(1, header.timeout_ms > 0 ? header.timeout_ms : 30000));
-  if (absl::Status open = EnsureOpen(deadline); !open.ok()) {
+  const absl::StatusOr<Connection> open = EnsureOpen(deadline);
+  if (!open.ok()) {
     if (mode_ == dataplane::DataPlane::kAuto) {
       if (on_event_) on_event_(shard_, "fallback");
       return inband_->Send(header, m);
     }
-    return std::make_unique<FailedCall>(absl::UnavailableError(open.message()));
+    return std::make_unique<FailedCall>(absl::UnavailableError(open.status().message()));
   }
+  const Connection& c = *open;
   const int64_t u = static_cast<int64_t>(m.tokens.size());
   const size_t bytes = static_cast<size_t>(m.activation_bytes());
   const bool f32 = header.mode == ReplyMode::kPartialSum;
@@ -283,25 +287,15 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   const uint64_t seq = sequence_.fetch_add(1);
   const uint64_t tag = dataplane::RandomU64();
   const uint64_t reply_tag = dataplane::RandomU64();
-  std::shared_ptr<const dataplane::PayloadMac> mac;
-  uint64_t ep, client;
-  size_t chunk;
-  {
-    std::lock_guard<std::mutex> lock(open_mu_);  // one connection's id, key and endpoint
-    client = client_id_.load();
-    mac = mac_;
-    ep = ep_;
-    chunk = chunk_bytes_;
-  }
   const std::string activation_mac =
-      mac->Compute(dataplane::Direction::kToExpert, seq, (*send_buffer)->data(), bytes);
+      c.mac->Compute(dataplane::Direction::kToExpert, seq, (*send_buffer)->data(), bytes);
   // The reply's receive is posted before the header leaves, so the payload always finds it.
   auto received = worker_->Recv(reply_tag, *reply_buffer, reply_bytes, deadline + kLateReplyGrace,
-                                nullptr, chunk);
-  auto sent = worker_->Send(ep, tag, *send_buffer, bytes, deadline, nullptr, chunk);
+                                nullptr, c.chunk_bytes);
+  auto sent = worker_->Send(c.ep, tag, *send_buffer, bytes, deadline, nullptr, c.chunk_bytes);
   v1::DispatchRequest dr = DispatchRequestFor(header, m, /*with_activation_bytes=*/false);
   v1::OutOfBand* oob = dr.mutable_out_of_band();
-  oob->set_client_id(client);
+  oob->set_client_id(c.client_id);
   oob->set_tag(tag);
   oob->set_activation_bytes(static_cast<int64_t>(bytes));
   oob->set_reply_tag(reply_tag);
@@ -312,15 +306,22 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   std::function<void()> failed;
   if (on_event_)
     failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
-  std::function<void()> integrity_failed;
-  if (on_event_) {
-    integrity_failed = [on_event = on_event_, shard = shard_] {
-      on_event(shard, "integrity_failed");
-    };
-  }
+  // Counted every time, logged once a minute for this shard (the peer).
+  std::function<void()> integrity_failed = [on_event = on_event_, shard = shard_,
+                                            last = last_integrity_log_] {
+    if (on_event) on_event(shard, "integrity_failed");
+    const int64_t now = absl::ToUnixSeconds(absl::Now());
+    int64_t seen = last->load();
+    if (now - seen >= 60 && last->compare_exchange_strong(seen, now)) {
+      MOE_LOG_WARN(
+          "data plane to {}: a reply payload failed its integrity check (DATA_LOSS; "
+          "logged once a minute per shard)",
+          shard);
+    }
+  };
   return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
                                    std::move(sent), std::move(received), *reply_buffer, header.mode,
-                                   m.precision(), header.latent, m.rows(), u, std::move(mac), seq,
+                                   m.precision(), header.latent, m.rows(), u, c.mac, seq,
                                    std::move(integrity_failed));
 }
 

@@ -62,8 +62,15 @@ class UcxExpertChannel final : public ExpertChannel {
   std::string peer_lanes() const;
 
  private:
-  // Opens (or reopens) the data plane; false: send in band / fail.
-  absl::Status EnsureOpen(absl::Time deadline);
+  // One open data plane: what a batch needs of it, read together.
+  struct Connection {
+    uint64_t ep = 0;
+    uint64_t client_id = 0;
+    std::shared_ptr<const dataplane::PayloadMac> mac;
+    size_t chunk_bytes = 0;
+  };
+  // Opens (or reopens) the data plane; an error: send in band / fail.
+  absl::StatusOr<Connection> EnsureOpen(absl::Time deadline);
 
   const std::string shard_, endpoint_, node_, cluster_token_;
   const int max_message_bytes_;
@@ -79,6 +86,9 @@ class UcxExpertChannel final : public ExpertChannel {
   size_t chunk_bytes_ = 0;
   std::atomic<uint64_t> client_id_{0};
   std::atomic<uint64_t> sequence_{1};  // the MAC nonce: each batch of this connection once
+  // When an integrity failure was last logged (unix seconds; shared with the calls).
+  std::shared_ptr<std::atomic<int64_t>> last_integrity_log_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   mutable std::mutex lanes_mu_;
   dataplane::UcxLanes lanes_;
   std::string peer_lanes_;

@@ -41,20 +41,6 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   c.mode = options_.data_plane;
   c.on_event = [this](const std::string& shard, const std::string& event) {
     if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
-    if (event == "integrity_failed") {
-      // Once a minute per shard (the peer), however many batches fail.
-      static std::mutex mu;
-      static std::map<std::string, absl::Time> last;
-      std::lock_guard<std::mutex> lock(mu);
-      absl::Time& t = last[shard];
-      if (absl::Now() - t >= absl::Minutes(1)) {
-        t = absl::Now();
-        MOE_LOG_WARN(
-            "data plane to {}: a reply payload failed its integrity check (DATA_LOSS; "
-            "logged once a minute per shard)",
-            shard);
-      }
-    }
   };
   c.on_lanes = [this](const std::string& shard, const dataplane::UcxLanes& lanes,
                       const std::string& shard_lanes) {

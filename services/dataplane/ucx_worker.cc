@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "services/dataplane/ucx_buffer_pool.h"
 
 namespace moe::dataplane {
 
@@ -56,97 +57,6 @@ absl::Status FromUcs(ucs_status_t s, const std::string& what) {
 }
 
 }  // namespace
-
-// Free registered buffers by size class. Mapping and unmapping run on the progress thread
-// (post_), which owns every UCX call; once the worker is gone, buffers are only freed.
-class UcxBufferPool {
- public:
-  explicit UcxBufferPool(int per_class) : per_class_(per_class) {}
-
-  UcxBuffer* Take(size_t cls) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& list = free_[cls];
-    if (list.empty()) return nullptr;
-    UcxBuffer* b = list.back();
-    list.pop_back();
-    return b;
-  }
-
-  void Release(UcxBuffer* b) {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto& list = free_[b->capacity_];
-    if (post_ && static_cast<int>(list.size()) < per_class_) {
-      list.push_back(b);
-      return;
-    }
-    if (post_) {
-      auto post = post_;
-      lock.unlock();
-      post([b] { delete b; });  // unmapped by ~UcxBuffer on the progress thread
-      return;
-    }
-    lock.unlock();
-    b->memh_ = nullptr;  // the context is gone, and with it every registration
-    delete b;
-  }
-
-  void SetPost(std::function<void(std::function<void()>)> post, ucp_context_h context) {
-    std::lock_guard<std::mutex> lock(mu_);
-    post_ = std::move(post);
-    context_ = context;
-  }
-
-  void Track(UcxBuffer* b) {
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.insert(b);
-  }
-  void Untrack(UcxBuffer* b) {
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.erase(b);
-  }
-
-  // Progress thread, at shutdown: unmaps every buffer (UCX must not be cleaned up with a
-  // registration left; a buffer still held elsewhere stays readable memory) and frees the free
-  // ones; pooling stops.
-  void Drain() {
-    std::map<size_t, std::vector<UcxBuffer*>> free;
-    std::set<UcxBuffer*> live;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      free.swap(free_);
-      live.swap(live_);
-      post_ = nullptr;
-    }
-    for (UcxBuffer* b : live) {
-      if (b->memh_ != nullptr) ucp_mem_unmap(context_, static_cast<ucp_mem_h>(b->memh_));
-      b->memh_ = nullptr;
-      registered.fetch_sub(1);
-    }
-    for (auto& [cls, list] : free) {
-      for (UcxBuffer* b : list) delete b;
-    }
-  }
-
-  ucp_context_h context() const { return context_; }
-  std::atomic<int64_t> registered{0};
-
- private:
-  const int per_class_;
-  std::mutex mu_;
-  std::map<size_t, std::vector<UcxBuffer*>> free_;
-  std::set<UcxBuffer*> live_;  // every registered buffer, pooled or in use
-  std::function<void(std::function<void()>)> post_;
-  ucp_context_h context_ = nullptr;
-};
-
-UcxBuffer::~UcxBuffer() {
-  if (pool_ != nullptr) pool_->Untrack(this);
-  if (memh_ != nullptr && pool_ != nullptr) {
-    ucp_mem_unmap(pool_->context(), static_cast<ucp_mem_h>(memh_));
-    pool_->registered.fetch_sub(1);
-  }
-  std::free(data_);
-}
 
 absl::StatusOr<size_t> UcxTransfer::Wait(absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
@@ -506,6 +416,16 @@ class UcxWorkerImpl {
     t->Complete(std::move(s), length, /*release_buffer=*/t->parts_left_ == 0);
   }
 
+  // `n` parts of a transfer that already finished will never complete (never started, or
+  // done): once none is left, UCX holds none of its buffer.
+  static void PartsGone(UcxTransfer& t, int n) {
+    t.parts_left_ -= n;
+    if (t.parts_left_ == 0) {
+      std::lock_guard<std::mutex> lock(t.mu_);
+      t.buffer_.reset();
+    }
+  }
+
   // One chunk finished (status s, length n); the transfer finishes with its last chunk.
   void PartDone(const Part& p, absl::Status s, size_t n) {
     UcxTransfer& t = *p.t;
@@ -583,11 +503,7 @@ class UcxWorkerImpl {
       Chunk c = e.waiting.front();
       if (c.t->finished_) {  // failed or abandoned meanwhile: never started
         e.waiting.pop_front();
-        --c.t->parts_left_;
-        if (c.t->parts_left_ == 0) {
-          std::lock_guard<std::mutex> lock(c.t->mu_);
-          c.t->buffer_.reset();
-        }
+        PartsGone(*c.t, 1);
         continue;
       }
       if (e.bytes_in_flight > 0 && e.bytes_in_flight + c.length > options_.max_bytes_in_flight) {
@@ -609,6 +525,22 @@ class UcxWorkerImpl {
     }
   }
 
+  // Posts one tagged receive of a transfer's part into buffer[offset, offset + room).
+  void PostRecv(const Part& part, size_t offset, size_t room, uint64_t tag) {
+    ucp_request_param_t p{};
+    // Always through the callback, which carries the received length (UCX 1.13 leaves
+    // recv_info unset on immediate completion).
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &UcxWorkerImpl::OnRecv;
+    p.user_data = this;
+    p.memh = static_cast<ucp_mem_h>(part.t->buffer_->memh_);
+    starting_ = true;
+    starting_part_ = part;
+    AdoptRequest(part, ucp_tag_recv_nbx(worker_, part.t->buffer_->data() + offset, room, tag,
+                                        ~ucp_tag_t{0}, &p));
+  }
+
   void StartRecv(const std::shared_ptr<UcxTransfer>& t, size_t bytes, size_t chunk) {
     if (stopping_) {
       Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the worker is stopping")), 0);
@@ -617,24 +549,16 @@ class UcxWorkerImpl {
     const auto chunks = Chunks(bytes, chunk);
     t->parts_left_ = static_cast<int>(chunks.size());
     for (size_t i = 0; i < chunks.size(); ++i) {
-      ucp_request_param_t p{};
-      // Always through the callback, which carries the received length (UCX 1.13 leaves
-      // recv_info unset on immediate completion).
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                       UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-      p.cb.recv = &UcxWorkerImpl::OnRecv;
-      p.user_data = this;
-      p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
-      const Part part{t, chunks[i].second, 0};
-      starting_ = true;
-      starting_part_ = part;
       // The last chunk may take one byte more than due, so a longer message shows as a
       // length error instead of being cut to fit.
       const size_t room = std::min(chunks[i].second + (i + 1 == chunks.size() ? 1 : 0),
                                    t->buffer_->capacity() - chunks[i].first);
-      AdoptRequest(part, ucp_tag_recv_nbx(worker_, t->buffer_->data() + chunks[i].first, room,
-                                          t->tag_ + static_cast<uint64_t>(i), ~ucp_tag_t{0}, &p));
-      if (t->finished_) return;  // failed at once; the rest are never posted
+      PostRecv(Part{t, chunks[i].second, 0}, chunks[i].first, room,
+               t->tag_ + static_cast<uint64_t>(i));
+      if (t->finished_) {  // failed at once: the rest are never posted, nor awaited
+        PartsGone(*t, static_cast<int>(chunks.size() - i - 1));
+        return;
+      }
     }
   }
 
@@ -643,18 +567,8 @@ class UcxWorkerImpl {
       Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the worker is stopping")), 0);
       return;
     }
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    p.cb.recv = &UcxWorkerImpl::OnRecv;
-    p.user_data = this;
-    p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
     t->parts_left_ = 1;
-    const Part part{t, capacity, 0, /*exact=*/false};
-    starting_ = true;
-    starting_part_ = part;
-    AdoptRequest(
-        part, ucp_tag_recv_nbx(worker_, t->buffer_->data(), capacity, t->tag_, ~ucp_tag_t{0}, &p));
+    PostRecv(Part{t, capacity, 0, /*exact=*/false}, 0, capacity, t->tag_);
   }
 
   void StartHello(const std::shared_ptr<UcxTransfer>& t, const std::string& hello) {
@@ -663,8 +577,8 @@ class UcxWorkerImpl {
       Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the endpoint is closed")), 0);
       return;
     }
-    auto header = std::make_shared<std::string>(hello);
-    hello_headers_.push_back(header);  // UCX may read it until the send completes
+    // UCX reads the header until the send completes: the transfer (held by its request) keeps it.
+    t->header_ = hello;
     ucp_request_param_t p{};
     p.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -675,9 +589,8 @@ class UcxWorkerImpl {
     const Part part{t, 0, 0};
     starting_ = true;
     starting_part_ = part;
-    AdoptRequest(part, ucp_am_send_nbx(it->second->ep, kHelloAmId, header->data(), header->size(),
-                                       nullptr, 0, &p));
-    if (hello_headers_.size() > 64) hello_headers_.pop_front();
+    AdoptRequest(part, ucp_am_send_nbx(it->second->ep, kHelloAmId, t->header_.data(),
+                                       t->header_.size(), nullptr, 0, &p));
   }
 
   void Completed(void* request, ucs_status_t status, size_t length) {
@@ -743,16 +656,12 @@ class UcxWorkerImpl {
     std::deque<Chunk> waiting;
     waiting.swap(e.waiting);
     for (Chunk& c : waiting) {
-      --c.t->parts_left_;
       if (!c.t->finished_) {
         CancelParts(c.t);
         Finish(c.t, absl::UnavailableError(absl::StrCat(c.t->what_, ": the endpoint is closed")),
                0);
       }
-      if (c.t->parts_left_ == 0) {
-        std::lock_guard<std::mutex> lock(c.t->mu_);
-        c.t->buffer_.reset();
-      }
+      PartsGone(*c.t, 1);
     }
     // An endpoint UCX made for a peer's hello is UCX's: forgotten here, released with the worker.
     if (e.owned) {
@@ -914,8 +823,7 @@ class UcxWorkerImpl {
   std::vector<std::unique_ptr<Endpoint>> closed_;
   std::vector<void*> closing_;
   std::unordered_map<void*, Part> inflight_;  // by request
-  std::deque<std::shared_ptr<std::string>> hello_headers_;
-  bool starting_ = false;  // a *_nbx call is running for starting_part_
+  bool starting_ = false;                     // a *_nbx call is running for starting_part_
   Part starting_part_;
 };
 

@@ -115,6 +115,7 @@ class UcxTransfer {
   size_t bytes_done_ = 0;     // of the chunks complete
   absl::Status first_error_;  // of any chunk
   bool finished_ = false;     // Complete ran (abandoned transfers finish before UCX is done)
+  std::string header_;        // a hello's bytes, read by UCX until the send completes
   std::shared_ptr<UcxBuffer> buffer_;
   std::function<void(const absl::Status&, size_t)> on_done_;
   absl::Time deadline_ = absl::InfiniteFuture();

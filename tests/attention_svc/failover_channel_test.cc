@@ -135,46 +135,42 @@ INSTANTIATE_TEST_SUITE_P(
              0}),
     [](const auto& info) { return info.param.name; });
 
+// Replicas "a" and "b" of one range, scripted; b healthy or not. Sends one message and waits
+// until `deadline`.
+struct TwoReplicas {
+  std::shared_ptr<ScriptedChannel> a, b;
+  absl::StatusOr<ExpertReply> SendAndWait(bool b_healthy, absl::Time deadline) {
+    const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b", b_healthy)});
+    ReplicaPicker picker(std::chrono::seconds(0));
+    FailoverHooks hooks;
+    hooks.channel_for = [&](const ShardRef& s) {
+      return s.shard == "a" ? std::shared_ptr<ExpertChannel>(a) : std::shared_ptr<ExpertChannel>(b);
+    };
+    FailoverChannel replicas(route, &picker, hooks);
+    DispatchMessage m;
+    m.shard = 0;
+    return replicas.Send(DispatchHeader{}, m)->Wait(deadline);
+  }
+};
+
 TEST(FailoverChannel, AnUnhealthyReplicaIsNeverChosenAndNoneLeftIsUnavailable) {
-  const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b", /*healthy=*/false)});
-  auto a = std::make_shared<ScriptedChannel>("a", std::deque<C>{C::kUnavailable, C::kUnavailable});
-  auto b = std::make_shared<ScriptedChannel>("b", std::deque<C>{});
-  ReplicaPicker picker(std::chrono::seconds(0));
-  FailoverHooks hooks;
-  hooks.channel_for = [&](const ShardRef& s) {
-    return s.shard == "a" ? std::shared_ptr<ExpertChannel>(a) : std::shared_ptr<ExpertChannel>(b);
-  };
-  FailoverChannel replicas(route, &picker, hooks);
-  DispatchMessage m;
-  m.shard = 0;
-  auto got = replicas.Send(DispatchHeader{}, m)->Wait(absl::Now() + absl::Seconds(5));
+  TwoReplicas r{
+      std::make_shared<ScriptedChannel>("a", std::deque<C>{C::kUnavailable, C::kUnavailable}),
+      std::make_shared<ScriptedChannel>("b", std::deque<C>{})};
+  auto got = r.SendAndWait(/*b_healthy=*/false, absl::Now() + absl::Seconds(5));
   EXPECT_EQ(got.status().code(), C::kUnavailable);
-  EXPECT_EQ(a->sends, 2);  // the only healthy replica, then once more
-  EXPECT_EQ(b->sends, 0);
+  EXPECT_EQ(r.a->sends, 2);  // the only healthy replica, then once more
+  EXPECT_EQ(r.b->sends, 0);
 }
 
 TEST(FailoverChannel, APassedDeadlineEndsTheFailover) {
-  const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b")});
-  auto a = std::make_shared<ScriptedChannel>("a", std::deque<C>{C::kUnavailable});
-  auto b = std::make_shared<ScriptedChannel>("b", std::deque<C>{});
-  ReplicaPicker picker(std::chrono::seconds(0));
-  FailoverHooks hooks;
-  hooks.channel_for = [&](const ShardRef& s) {
-    return s.shard == "a" ? std::shared_ptr<ExpertChannel>(a) : std::shared_ptr<ExpertChannel>(b);
-  };
-  FailoverChannel replicas(route, &picker, hooks);
-  DispatchMessage m;
-  m.shard = 0;
-  auto got = replicas.Send(DispatchHeader{}, m)->Wait(absl::Now() - absl::Seconds(1));
+  TwoReplicas r{std::make_shared<ScriptedChannel>("a", std::deque<C>{C::kUnavailable}),
+                std::make_shared<ScriptedChannel>("b", std::deque<C>{})};
+  auto got = r.SendAndWait(/*b_healthy=*/true, absl::Now() - absl::Seconds(1));
   EXPECT_EQ(got.status().code(), C::kUnavailable);
-  EXPECT_EQ(b->sends, 0);
+  EXPECT_EQ(r.a->sends, 1);
+  EXPECT_EQ(r.b->sends, 0);
 }
-
-}  // namespace
-}  // namespace moe::attention_svc
-
-namespace moe::attention_svc {
-namespace {
 
 // The one factory: in process where the experts are here, UCX where this node has a worker,
 // in-band gRPC otherwise (no connection is made by choosing).

@@ -194,22 +194,6 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
   }
 }
 
-}  // namespace
-}  // namespace moe
-
-namespace moe {
-namespace {
-
-using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::ClientFor;
-using testing::InProcessLayer;
-using testing::SameBits;
-using testing::TestCluster;
-using testing::UcxArgs;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
-
 // A hostile UCX peer that holds the shard's worker address (leaked: a stranger is not handed
 // it) but no secret: it sprays tagged payloads on random tags and on the tags the first data
 // plane made predictable (client id << 40 | sequence), and sends hellos that are malformed, of

@@ -295,11 +295,13 @@ cudaError_t LaunchExpertFfn(const DeviceExpert* experts, const RowTile* tiles, i
   const GridDims up = ExpertFfnGrid(num_tiles, intermediate, kTileCols);
   const GridDims down = ExpertFfnGrid(num_tiles, latent, kTileCols);
   if (!up.ok || !down.ok) return cudaErrorInvalidValue;
-  MxfpGemmKernel<2><<<dim3(static_cast<unsigned>(up.x), static_cast<unsigned>(up.y)), 128, 0,
-                      stream>>>(experts, tiles, z, latent, intermediate, beta, linear_beta, h);
+  MxfpGemmKernel<2>
+      <<<dim3(static_cast<unsigned>(up.x), static_cast<unsigned>(up.y)), 128, 0, stream>>>(
+          experts, tiles, z, latent, intermediate, beta, linear_beta, h);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  MxfpGemmKernel<1><<<dim3(static_cast<unsigned>(down.x), static_cast<unsigned>(down.y)), 128, 0,
-                      stream>>>(experts, tiles, h, intermediate, latent, beta, linear_beta, y);
+  MxfpGemmKernel<1>
+      <<<dim3(static_cast<unsigned>(down.x), static_cast<unsigned>(down.y)), 128, 0, stream>>>(
+          experts, tiles, h, intermediate, latent, beta, linear_beta, y);
   return cudaGetLastError();
 }
 
