@@ -118,6 +118,21 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
                      pair_bytes, " bytes) exceed this server's limit of ", limits.max_message_bytes,
                      " bytes per batch (--max_message_bytes)"));
   }
+  // Its reply must fit in one message too (per pair: the same rows x D bf16; partial sums: at
+  // most min(rows, num_tokens) distinct tokens x D f32), with room for the reply's other fields.
+  const int64_t reply_rows = b->mode == v1::REPLY_MODE_PER_PAIR
+                                 ? rows
+                                 : std::min<int64_t>(rows, std::max(req.num_tokens(), 1));
+  const int64_t reply_bytes =
+      reply_rows * limits.latent * (b->mode == v1::REPLY_MODE_PER_PAIR ? 2 : 4);
+  if (reply_bytes > limits.max_message_bytes - kReplyOverheadBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        where, ": the reply would carry ", reply_bytes, " bytes of outputs (", reply_rows,
+        " rows of ", limits.latent, b->mode == v1::REPLY_MODE_PER_PAIR ? " bf16" : " f32",
+        "), more than this server's limit of ", limits.max_message_bytes,
+        " bytes per message (--max_message_bytes) less ", kReplyOverheadBytes,
+        " for the reply's other fields: split the batch"));
+  }
   const std::string_view data = oob != nullptr ? *oob : std::string_view(req.activations().data());
   const bool mxfp8 = req.activations().dtype() == v1::DTYPE_MXFP8;
   if (mxfp8 && b->precision != numerics::Precision::kW4A8) {
@@ -177,6 +192,32 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
     if (source[r] < 0 || source[r] >= z.rows) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": row_source[", r, "] = ", source[r], " outside [0, ", z.rows, ")"));
+    }
+  }
+  // The compute a batch asks for is bounded by the activations it carries: a token is routed
+  // to an expert once and to at most k experts, so a distinct row feeds each group at most once
+  // and the batch at most k times (a 1 KB request cannot ask for 2^18 rows of one token).
+  if (gathered) {
+    std::vector<int32_t> last_group(static_cast<size_t>(z.rows), -1);
+    std::vector<int32_t> uses(static_cast<size_t>(z.rows), 0);
+    int64_t r = 0;
+    for (int32_t gi = 0; gi < req.groups_size(); ++gi) {
+      const v1::ExpertGroup& g = req.groups(gi);
+      for (int32_t i = 0; i < g.token_count(); ++i, ++r) {
+        const int32_t src = source[r];
+        if (last_group[src] == gi) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": row_source[", r, "] = ", src, " appears twice for expert ",
+                           g.expert_id(), " (a token is routed to an expert once)"));
+        }
+        last_group[src] = gi;
+        if (limits.top_k > 0 && ++uses[src] > limits.top_k) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": activations row ", src, " feeds more than ", limits.top_k,
+                           " rows (row_source[", r,
+                           "]): a token is routed to at most top-k = ", limits.top_k, " experts"));
+        }
+      }
     }
   }
   if (!mxfp8 && b->precision == numerics::Precision::kW4A8) {

@@ -1,6 +1,8 @@
 // A Dispatch batch checked against what a shard hosts, before anything the request implies is
-// allocated (its rows bounded by --max_message_bytes, row_source and partial-sum sizes by the
-// rows it carries): the codes and messages of expert.proto. Apart from the server so that the
+// allocated or computed: its rows and its reply bounded by --max_message_bytes, row_source and
+// partial-sum sizes by the rows it carries, the compute by the activations it carries (each
+// distinct row used at most once per expert and at most top-k times): the codes and messages
+// of expert.proto. Apart from the server so that the
 // fuzzer (tests/fuzz/dispatch_fuzz.cc) runs it without a server.
 //
 //   MOE_ASSIGN_OR_RETURN(std::unique_ptr<Batch> b, ValidateDispatch(req, nullptr, limits, layers));
@@ -52,7 +54,16 @@ struct DispatchLimits {
   int64_t max_message_bytes = 0;  // rows x latent bf16 of one batch, at most
   // The precision modes served, the default (for PRECISION_UNSPECIFIED) first; empty: W4A16.
   std::vector<numerics::Precision> precisions;
+  // The model's top-k: a distinct activations row may feed at most this many (token, expert)
+  // rows of a batch, as a token routes to at most k experts (0: not checked; each row still at
+  // most once per expert).
+  int64_t top_k = 0;
 };
+
+// What a reply needs beyond its tensor's bytes (ids, shard name, message, MAC, framing): a
+// batch whose reply would not fit in max_message_bytes with this much to spare is refused
+// before compute, not computed and then unsendable.
+inline constexpr int64_t kReplyOverheadBytes = 64 << 10;
 
 // "w4a16", "w4a16,w4a8", ... (messages, logs, --precision); "" for none (the flag's default:
 // every mode of the backend).

@@ -229,7 +229,7 @@ void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activati
   absl::StatusOr<std::unique_ptr<Batch>> batch =
       ValidateDispatch(req, &activations,
                        DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent,
-                                      options_.max_message_bytes, precisions_},
+                                      options_.max_message_bytes, precisions_, cfg_.top_k},
                        layers_);
   if (batch.ok()) {
     // The batch's budget runs from its header's arrival (before an out-of-band payload's).

@@ -33,12 +33,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
   // Latent 32: one MXFP8 block per row, so W4A8 batches (MXFP8 or BF16 rows) validate too.
   const moe::expert_svc::DispatchLimits limits{
-      "fuzz", 16, 32, 1 << 16, {moe::numerics::Precision::kW4A16, moe::numerics::Precision::kW4A8}};
+      "fuzz",
+      16,
+      32,
+      1 << 17,
+      {moe::numerics::Precision::kW4A16, moe::numerics::Precision::kW4A8},
+      /*top_k=*/4};
   auto b = moe::expert_svc::ValidateDispatch(req, nullptr, limits, Layers());
   if (!b.ok()) return 0;
   const moe::expert_svc::Batch& batch = **b;
-  if (batch.rows < 1 || batch.rows * limits.latent * 2 > limits.max_message_bytes) {
+  if (batch.rows < 1 || batch.rows * limits.latent * 2 >
+                            limits.max_message_bytes - moe::expert_svc::kReplyOverheadBytes) {
     __builtin_trap();
+  }
+  // The compute is bounded by the rows carried: each distinct row at most top-k times.
+  if (req.row_source_size() != 0) {
+    std::map<int32_t, int64_t> uses;
+    for (int32_t s : req.row_source()) {
+      if (++uses[s] > limits.top_k) __builtin_trap();
+    }
   }
   if (batch.precision == moe::numerics::Precision::kW4A8) {
     const moe::tensor::Mxfp8Rows& z8 = batch.z.mxfp8();

@@ -381,6 +381,31 @@ def _(ctx):
     return msg
 
 
+@case("Dispatch: one activations row fed 262,144 times (row_source amplification)")
+def _(ctx):
+    # The finding: a 1 MB batch, one row of z and 262,144 row_source entries of 0, was computed
+    # for 29 s (2.1 GB) and its reply could not be sent, taking the two good batches queued
+    # behind it on the stream down. Now refused before compute; the good batches are served.
+    bad = batch(ctx, rows=1, batch_id=1)
+    bad.groups[0].token_count = 262144
+    bad.row_source.extend([0] * 262144)
+    before = time.time()
+    replies = dispatch_stream(ctx, [bad, batch(ctx, batch_id=2), batch(ctx, batch_id=3)],
+                              metadata=ctx.member())
+    took = time.time() - before
+    replies.sort(key=lambda r: r.batch_id)
+    # Refused whole before compute: its reply (256 MiB here) cannot be sent (RESOURCE_EXHAUSTED).
+    assert [r.code for r in replies] == [8, 0, 0], [(r.code, r.message) for r in replies]
+    assert "the reply would carry" in replies[0].message, replies[0].message
+    assert took < 1.0, took
+    # Smaller, so that its reply would fit: one row cannot feed one expert twice.
+    small = batch(ctx, rows=1, batch_id=4)
+    small.groups[0].token_count = 1000
+    small.row_source.extend([0] * 1000)
+    msg = dispatch_error(ctx, small, "INVALID_ARGUMENT", "appears twice for expert")
+    return f"{1000 * took:.0f} ms: {replies[0].message[:60]}...; the next 2 served; {msg[:60]}"
+
+
 @case("Dispatch: an expert id out of range")
 def _(ctx):
     return dispatch_error(ctx, batch(ctx, expert=100000), "INVALID_ARGUMENT", "outside [0, ")
@@ -711,6 +736,7 @@ def main():
     ap.add_argument("--moe-cli", required=True)
     ap.add_argument("--moe-tool", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--only", default="", help="run only the cases whose name has this text")
     args = ap.parse_args()
     from moe_client import load_protos
     import importlib
@@ -757,6 +783,8 @@ def main():
         canary.start()
         rows = []
         for name, fn in CASES:
+            if args.only not in name:
+                continue
             t = time.time()
             try:
                 detail = fn(ctx)
