@@ -2,8 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -20,6 +22,12 @@ constexpr char kInput[] = "hidden_states";
 constexpr char kOutput[] = "output";
 constexpr char kExpertIds[] = "expert_ids";
 constexpr char kWeights[] = "routing_weights";
+
+// A caller's name or value in an error message: at most 64 bytes of it.
+std::string Shorten(std::string_view s) {
+  if (s.size() <= 64) return std::string(s);
+  return absl::StrCat(std::string(s.substr(0, 64)), "... (", s.size(), " bytes)");
+}
 
 grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* ctx, const absl::Status& s) {
   auto* reactor = ctx->DefaultReactor();
@@ -168,6 +176,23 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
                                                    "only)"));
   }
   out->set_layer(layer);
+  // Parameters: the ones below, each once; anything else is refused by name (shortened, so
+  // that a 64 MiB name does not come back in the message), as are parameters on the input and
+  // the requested outputs, where this model takes none.
+  auto refuse_unknown = [](const std::string& key, const std::string& where) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown parameter '", Shorten(key), "'", where,
+                     " (this model takes precision and reply_mode on the request, nothing else)"));
+  };
+  for (const auto& [key, value] : req.parameters()) {
+    if (key != "precision" && key != "reply_mode") return refuse_unknown(key, "");
+  }
+  for (const auto& [key, value] : in.parameters()) return refuse_unknown(key, " on the input");
+  for (const auto& o : req.outputs()) {
+    for (const auto& [key, value] : o.parameters()) {
+      return refuse_unknown(key, absl::StrCat(" on output '", Shorten(o.name()), "'"));
+    }
+  }
   for (const auto& [key, value] : req.parameters()) {
     if (key == "precision") {
       if (value.string_param() == "w4a16") {
@@ -176,17 +201,17 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
         out->mutable_options()->set_precision(v1::PRECISION_W4A8);
       } else {
         return absl::InvalidArgumentError(absl::StrCat(
-            "parameter precision '", value.string_param(), "', expected w4a16 or w4a8"));
+            "parameter precision '", Shorten(value.string_param()), "', expected w4a16 or w4a8"));
       }
       continue;
     }
-    if (key != "reply_mode") continue;  // other parameters are the caller's own
     if (value.string_param() == "per_pair") {
       out->mutable_options()->set_reply_mode(v1::REPLY_MODE_PER_PAIR);
     } else if (value.string_param() == "partial_sum") {
       out->mutable_options()->set_reply_mode(v1::REPLY_MODE_PARTIAL_SUM);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("parameter reply_mode '", value.string_param(),
+      return absl::InvalidArgumentError(absl::StrCat("parameter reply_mode '",
+                                                     Shorten(value.string_param()),
                                                      "', expected per_pair or partial_sum"));
     }
   }
@@ -195,9 +220,13 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
   } else {
     for (const auto& o : req.outputs()) {
       if (o.name() != kOutput && o.name() != kExpertIds && o.name() != kWeights) {
-        return absl::InvalidArgumentError(absl::StrCat("no output '", o.name(),
+        return absl::InvalidArgumentError(absl::StrCat("no output '", Shorten(o.name()),
                                                        "' (outputs: ", kOutput, ", ", kExpertIds,
                                                        ", ", kWeights, ")"));
+      }
+      if (std::find(outputs->begin(), outputs->end(), o.name()) != outputs->end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("output '", o.name(), "' requested twice (each output at most once)"));
       }
       outputs->push_back(o.name());
     }

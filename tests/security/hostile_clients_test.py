@@ -203,7 +203,7 @@ def _(ctx):
 
 
 # attention-svc: the Open Inference Protocol
-def model_infer(ctx, model, datatype="BF16", shape=None, raw=None):
+def model_infer(ctx, model, datatype="BF16", shape=None, raw=None, edit=None):
     inf = ctx.pb.inference
     r = inf.ModelInferRequest()
     r.model_name = model
@@ -212,6 +212,8 @@ def model_infer(ctx, model, datatype="BF16", shape=None, raw=None):
     t.datatype = datatype
     t.shape.extend(shape or [CANARY_TOKENS, ctx.hidden])
     r.raw_input_contents.append(ctx.ref["x"].tobytes() if raw is None else raw)
+    if edit is not None:
+        edit(r)
     return ctx.unary(ctx.attention, "/inference.GRPCInferenceService/ModelInfer", r,
                      inf.ModelInferResponse)
 
@@ -231,6 +233,50 @@ def _(ctx):
 def _(ctx):
     return expect(C.INVALID_ARGUMENT, "", lambda: model_infer(
         ctx, f"moe-layer-{LAYER}", shape=[CANARY_TOKENS + 3, ctx.hidden]))
+
+
+@case("ModelInfer: 10,000 requested outputs named output")
+def _(ctx):
+    # The finding: answered with 10,000 entries, 9,999 of them empty.
+    def edit(r):
+        for _ in range(10000):
+            r.outputs.add().name = "output"
+    return expect(C.INVALID_ARGUMENT, "output 'output' requested twice",
+                  lambda: model_infer(ctx, f"moe-layer-{LAYER}", edit=edit))
+
+
+@case("ModelInfer: 100,000 unknown parameters")
+def _(ctx):
+    def edit(r):
+        for i in range(100000):
+            r.parameters[f"p{i}"].string_param = "x"
+    return expect(C.INVALID_ARGUMENT, "unknown parameter 'p",
+                  lambda: model_infer(ctx, f"moe-layer-{LAYER}", edit=edit))
+
+
+@case("ModelInfer: one parameter of 48 MiB")
+def _(ctx):
+    def edit(r):
+        r.parameters["blob"].string_param = "x" * (48 << 20)
+    msg = expect(C.INVALID_ARGUMENT, "unknown parameter 'blob'",
+                 lambda: model_infer(ctx, f"moe-layer-{LAYER}", edit=edit))
+
+    def long_value(r):
+        r.parameters["precision"].string_param = "w" * (1 << 20)
+    msg2 = expect(C.INVALID_ARGUMENT, "(1048576 bytes)', expected w4a16 or w4a8",
+                  lambda: model_infer(ctx, f"moe-layer-{LAYER}", edit=long_value))
+    assert len(msg2) < 400, len(msg2)  # the value is not echoed back whole
+    return f"{msg}; {msg2}"
+
+
+@case("ModelInfer: a parameter on a requested output")
+def _(ctx):
+    def edit(r):
+        o = r.outputs.add()
+        o.name = "output"
+        o.parameters["classification"].int64_param = 3
+    return expect(C.INVALID_ARGUMENT, "unknown parameter 'classification' on output 'output'",
+                  lambda: model_infer(ctx, f"moe-layer-{LAYER}", edit=edit))
 
 
 @case("ModelInfer: random bytes")
