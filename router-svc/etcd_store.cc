@@ -230,6 +230,10 @@ absl::StatusOr<StoredState> EtcdStore::Load() {
       }
       state.layers[m.layer()].mode = *mode;
       state.layers[m.layer()].continuous_tokens = m.continuous_tokens();
+    } else if (rest == "initialized") {
+      if (!absl::SimpleAtoi(kv.value(), &state.initialized_unix_ms)) {
+        return absl::DataLossError(absl::StrCat("router state (etcd): ", kv.key(), " malformed"));
+      }
     } else if (absl::StartsWith(rest, "shard/")) {
       const size_t nl = kv.value().find('\n');
       StoredShard s;
@@ -290,6 +294,10 @@ absl::Status EtcdStore::PutShard(const StoredShard& s) {
   }
   return impl_->FencedPut(impl_->Key("shard/" + s.name),
                           absl::StrCat(s.lease, "\n", r.SerializeAsString()));
+}
+
+absl::Status EtcdStore::MarkInitialized(int64_t unix_ms) {
+  return impl_->FencedPut(impl_->Key("initialized"), absl::StrCat(unix_ms));
 }
 
 absl::StatusOr<bool> EtcdStore::Campaign(const std::string& name, int64_t ttl_seconds,

@@ -16,6 +16,9 @@ int main(int argc, char** argv) {
   flags.String("state_db", &o.state_db,
                "SQLite file of bias versions, modes and registrations, kept across restarts "
                "(empty: in memory)");
+  flags.Bool("initialize", &o.initialize,
+             "a cluster's first start: make a new state where --state_db / --etcd holds none "
+             "(without it an empty or missing state is refused: restore the backup)");
   moe::AddServingFlags(flags, &o);
   flags.Int("web_port", &o.web_port, "load-balance page port (-1: off, 0: any)");
   flags.String("web_port_file", &o.web_port_file, "write the page's port here");

@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerO
                       LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
   }
   if (!options_.state_db.empty()) {
-    MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db));
+    MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db, options_.initialize));
     MOE_RETURN_IF_ERROR(core->RestoreLocked(std::move(sqlite)));
   }
   return core;
@@ -53,6 +53,7 @@ void RouterCore::SetMetrics(metrics::RouterMetrics* metrics) {
   metrics_ = metrics;
   if (metrics_ == nullptr) return;
   for (const auto& [l, state] : layers_) UpdateLayerMetricsLocked(state);
+  metrics_->State(origin_.store, origin_.start, origin_.initialized_unix_ms);
   metrics_->Shards(0, 0);
 }
 
@@ -103,6 +104,37 @@ absl::Status RouterCore::Rebalance(int32_t layer, bool dry_run, const std::strin
 absl::Status RouterCore::RestoreLocked(std::unique_ptr<StateStore> store) {
   store_ = std::move(store);
   MOE_ASSIGN_OR_RETURN(StoredState state, store_->Load());
+  const bool etcd = !options_.etcd.empty();
+  const std::string where =
+      etcd ? absl::StrCat("etcd ", options_.etcd, " ", options_.etcd_prefix) : options_.state_db;
+  origin_.store = etcd ? "etcd" : "sqlite";
+  origin_.start = "restored";
+  origin_.initialized_unix_ms = state.initialized_unix_ms;
+  if (state.initialized_unix_ms == 0) {
+    if (!state.layers.empty() || !state.shards.empty()) {
+      // Written before stores were marked: a cluster's state all the same.
+      origin_.initialized_unix_ms = UnixMs();
+      MOE_RETURN_IF_ERROR(store_->MarkInitialized(origin_.initialized_unix_ms));
+    } else if (!options_.initialize) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the router state ", where,
+          " is empty: refusing to start a new cluster's state in its place (every layer's bias "
+          "would silently go back to the checkpoint's, version 0). Restore it from a backup "
+          "(docs/operations.md), or start router-svc once with --initialize if this is a new "
+          "cluster"));
+    } else {
+      origin_.start = "initialized";
+      origin_.initialized_unix_ms = UnixMs();
+      MOE_RETURN_IF_ERROR(store_->MarkInitialized(origin_.initialized_unix_ms));
+      MOE_LOG_WARN(
+          "--initialize: a new router state in {}: every layer starts at its checkpoint bias "
+          "(version 0), no shard registered",
+          where);
+    }
+  } else if (options_.initialize) {
+    MOE_LOG_INFO("--initialize ignored: {} holds the state made at unix ms {}", where,
+                 state.initialized_unix_ms);
+  }
   for (auto& [l, layer] : layers_) {
     auto it = state.layers.find(l);
     if (it == state.layers.end()) {  // new here: its version 0 and mode, from now on
@@ -295,6 +327,11 @@ absl::Status RouterCore::SetMode(const v1::SetBiasModeRequest& req, v1::LayerBia
   return absl::OkStatus();
 }
 
+StateOrigin RouterCore::Origin() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return origin_;
+}
+
 PageCallbacks RouterCore::PageApi() {
   PageCallbacks cb;
   cb.layers = [this] {
@@ -302,6 +339,9 @@ PageCallbacks RouterCore::PageApi() {
     nlohmann::json j;
     j["layers"] = nlohmann::json::array();
     for (const auto& [l, state] : layers_) j["layers"].push_back(l);
+    j["state"] = {{"store", origin_.store},
+                  {"start", origin_.start},
+                  {"initialized_unix_ms", origin_.initialized_unix_ms}};
     j["experts"] = cfg_.num_experts;
     j["top_k"] = cfg_.top_k;
     return j;

@@ -48,6 +48,15 @@ struct RouterCoreSinks {
   std::function<void(const v1::LayerBias&)> bias;
 };
 
+// The router's state at this start: its store ("sqlite", "etcd", "memory"), and whether it
+// was "restored", "initialized" (a new cluster's, --initialize) or is "in_memory" (lost on
+// restart); the time the state was first made (0: in memory).
+struct StateOrigin {
+  std::string store = "memory";
+  std::string start = "in_memory";
+  int64_t initialized_unix_ms = 0;
+};
+
 class RouterCore {
  public:
   // The checkpoint's config and bias per layer; with --state_db, the stored state restored.
@@ -56,6 +65,8 @@ class RouterCore {
   void SetSinks(RouterCoreSinks sinks);
   // Metrics may be null; set once, before traffic (the layers' and shards' series start).
   void SetMetrics(metrics::RouterMetrics* metrics);
+  // Where this router's state lives and how it began at this start.
+  StateOrigin Origin() const;
 
   absl::Status Register(const v1::RegisterExpertServerRequest& req,
                         v1::RegisterExpertServerResponse* resp);
@@ -103,6 +114,7 @@ class RouterCore {
   mutable std::mutex mu_;
   std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
+  StateOrigin origin_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, LayerState> layers_ ABSL_GUARDED_BY(mu_);
 };
 

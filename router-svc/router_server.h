@@ -32,6 +32,11 @@ struct RouterServerOptions {
   // The durable control plane (state_store.h): bias versions, modes and registrations in this
   // SQLite file, restored at start (empty: in memory only, lost on restart).
   std::string state_db;
+  // A store (state_db or etcd) that holds no cluster's state (a missing or empty file, an empty
+  // etcd prefix) is refused at start unless this is set: a lost state never silently becomes a
+  // new cluster at bias version 0. Set it for a cluster's first start only; with a state
+  // present it changes nothing.
+  bool initialize = false;
   // Several routers with one leader: the state in etcd (host:port of its client URL) under
   // etcd_prefix instead of state_db. A router that does not lead is a standby: NOT_SERVING and
   // every call UNAVAILABLE, until it wins the election and restores the state from etcd.

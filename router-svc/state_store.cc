@@ -1,6 +1,7 @@
 #include "router-svc/state_store.h"
 
 #include <sqlite3.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <mutex>
@@ -22,6 +23,7 @@ CREATE TABLE IF NOT EXISTS modes (
 CREATE TABLE IF NOT EXISTS shards (
   name TEXT PRIMARY KEY, endpoint TEXT NOT NULL, lease INTEGER NOT NULL,
   data_plane TEXT NOT NULL, ranges TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 )sql";
 
 // "layer:lo:hi,layer:lo:hi"
@@ -116,6 +118,9 @@ class SqliteStore final : public StateStore {
           state.shards.push_back(std::move(s));
         });
     if (!q.ok()) return q;
+    q = Query("SELECT value FROM meta WHERE key = 'initialized_unix_ms'",
+              [&](sqlite3_stmt* st) { state.initialized_unix_ms = sqlite3_column_int64(st, 0); });
+    if (!q.ok()) return q;
     for (const auto& [layer, l] : state.layers) {
       if (l.history.empty()) row_error(absl::StrCat("layer ", layer, " has a mode but no bias"));
     }
@@ -159,6 +164,12 @@ class SqliteStore final : public StateStore {
                  });
   }
 
+  absl::Status MarkInitialized(int64_t unix_ms) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return Write("INSERT OR REPLACE INTO meta VALUES ('initialized_unix_ms', ?1)",
+                 [&](sqlite3_stmt* st) { sqlite3_bind_int64(st, 1, unix_ms); });
+  }
+
  private:
   absl::Status Error(const std::string& what) const {
     return absl::InternalError(
@@ -175,7 +186,9 @@ class SqliteStore final : public StateStore {
     return absl::OkStatus();
   }
 
-  // One statement, one implicit transaction: on disk (WAL, synchronous FULL) when it returns.
+  // One statement, one implicit transaction: on disk (WAL, synchronous FULL) when it returns,
+  // then checkpointed into the main file and the WAL truncated, so that the db file alone holds
+  // every commit (a backup that copies only it, a lost -wal after a kill -9).
   template <typename Bind>
   absl::Status Write(const char* sql, Bind bind) {
     sqlite3_stmt* st = nullptr;
@@ -183,7 +196,12 @@ class SqliteStore final : public StateStore {
     bind(st);
     const int rc = sqlite3_step(st);
     sqlite3_finalize(st);
-    return rc == SQLITE_DONE ? absl::OkStatus() : Error(sql);
+    if (rc != SQLITE_DONE) return Error(sql);
+    if (sqlite3_wal_checkpoint_v2(db_, nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr, nullptr) !=
+        SQLITE_OK) {
+      return Error("checkpointing the WAL into the db file");
+    }
+    return absl::OkStatus();
   }
 
   template <typename Row>
@@ -202,10 +220,17 @@ class SqliteStore final : public StateStore {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StateStore>> OpenSqliteStore(const std::string& path) {
+absl::StatusOr<std::unique_ptr<StateStore>> OpenSqliteStore(const std::string& path, bool create) {
+  struct stat st;
+  if (!create && ::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(
+        "the router state ", path,
+        " does not exist: restore it from a backup (docs/operations.md), or start router-svc "
+        "once with --initialize to make a new cluster's state"));
+  }
   sqlite3* db = nullptr;
-  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr) !=
-      SQLITE_OK) {
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | (create ? SQLITE_OPEN_CREATE : 0),
+                      nullptr) != SQLITE_OK) {
     const std::string msg = db != nullptr ? sqlite3_errmsg(db) : "out of memory";
     sqlite3_close(db);
     return absl::UnavailableError(absl::StrCat("cannot open the router state ", path, ": ", msg));

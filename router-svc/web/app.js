@@ -156,6 +156,14 @@ $('layer').addEventListener('change', () => { layer = $('layer').value; refresh(
 (async function start() {
   try {
     const info = await api('/api/layers');
+    // How the router's state began at this start: a new (initialized) state is said loudly.
+    const st = info.state || {};
+    const since = st.initialized_unix_ms ? new Date(st.initialized_unix_ms).toISOString() : '';
+    $('state-origin').textContent = st.start === 'initialized'
+      ? `state: NEW at this start (${st.store}, --initialize, ${since}): bias history begins here`
+      : st.start === 'in_memory' ? 'state: in memory (lost when router-svc restarts)'
+        : `state: ${st.store}, restored (since ${since})`;
+    $('state-origin').className = st.start === 'restored' ? 'muted' : 'warn';
     $('layer').innerHTML = info.layers.map((l) => `<option value="${l}">${l}</option>`).join('');
     layer = String(info.layers[0]);
     await refresh();

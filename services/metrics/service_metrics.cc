@@ -397,7 +397,7 @@ void ExpertMetrics::UpdateWindowLocked(std::chrono::steady_clock::time_point now
 }
 
 RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers)
-    : common(registry, "router-svc") {
+    : common(registry, "router-svc"), registry_(registry) {
   auto& reports = BuildCounter()
                       .Name("moe_stats_reports_total")
                       .Help(
@@ -461,6 +461,27 @@ void RouterMetrics::Report(bool accepted) {
 void RouterMetrics::Shards(int64_t total, int64_t healthy) {
   shards_->Set(static_cast<double>(total));
   shards_healthy_->Set(static_cast<double>(healthy));
+}
+
+void RouterMetrics::State(const std::string& store, const std::string& start,
+                          int64_t initialized_unix_ms) {
+  BuildGauge()
+      .Name("moe_router_state_info")
+      .Help(
+          "Where the router's state lives (store: sqlite, etcd, memory) and how it began at this "
+          "start (start: restored, initialized = a new cluster's state by --initialize, "
+          "in_memory = lost on restart)")
+      .Register(registry_)
+      .Add({{"store", store}, {"start", start}})
+      .Set(1);
+  if (initialized_unix_ms > 0) {
+    BuildGauge()
+        .Name("moe_router_state_initialized_timestamp_seconds")
+        .Help("When the router's durable state was first made (--initialize), Unix seconds")
+        .Register(registry_)
+        .Add({})
+        .Set(static_cast<double>(initialized_unix_ms) / 1000.0);
+  }
 }
 
 }  // namespace moe::metrics

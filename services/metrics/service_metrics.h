@@ -195,8 +195,11 @@ class RouterMetrics {
   void Rebalanced(int64_t layer);
   void Report(bool accepted);
   void Shards(int64_t total, int64_t healthy);
+  // The router's state at this start (router_core.h StateOrigin); set once.
+  void State(const std::string& store, const std::string& start, int64_t initialized_unix_ms);
 
  private:
+  prometheus::Registry& registry_;
   struct Layer {
     prometheus::Gauge* max_vio = nullptr;
     prometheus::Gauge* window_tokens = nullptr;

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
@@ -149,7 +151,19 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   c->router_.args.push_back(member);
   c->router_.args.insert(c->router_.args.end(), tls.begin(), tls.end());
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
+  const bool own_store = std::any_of(o.router_args.begin(), o.router_args.end(), [](const auto& a) {
+    return absl::StartsWith(a, "--state_db") || absl::StartsWith(a, "--etcd");
+  });
+  bool first_start = false;
+  if (o.keep_router_state && !own_store) {
+    const std::string db = o.work_dir + "/router.db";
+    c->router_.args.push_back("--state_db=" + db);
+    first_start = ::access(db.c_str(), F_OK) != 0;
+  }
+  if (first_start) c->router_.args.push_back("--initialize");
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
+  // A restart never initializes: a lost state is an error then, not a new cluster.
+  if (first_start) c->router_.args.pop_back();
   c->router_port_ = c->router_.port;
   {
     std::ifstream w(web_file);

@@ -37,6 +37,11 @@ struct LocalClusterOptions {
   std::string admin_token;  // empty: router-svc refuses admin calls
   int threads = 0;          // per process (0: all cores)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
+  // router-svc keeps its state in <work_dir>/router.db (--state_db), made with --initialize when
+  // the file does not exist yet at Start (never on RestartRouter): a router restart, or a new
+  // `up` on the same work_dir, keeps the bias. Off: in memory. Ignored when router_args name a
+  // --state_db or --etcd of their own.
+  bool keep_router_state = true;
   // TLS for every process (all present the same certificate; --tls_* flags) and for this
   // process's own calls to the cluster (WaitReady; client_options()).
   transport::TlsOptions tls;

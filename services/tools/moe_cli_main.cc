@@ -259,6 +259,9 @@ int Up(int argc, char** argv) {
   f.String("router_args", &router_args, "extra router-svc flags, space-separated");
   f.String("expert_args", &expert_args, "extra expert-svc flags, space-separated");
   f.Double("max_seconds", &max_seconds, "stop by itself after this long");
+  f.Bool("keep_router_state", &co.keep_router_state,
+         "router-svc's state in <work_dir>/router.db, kept across router restarts and later `up`s "
+         "on the same work_dir (false: in memory)");
   AddTlsFlags(f, &co.tls);  // every process, and this one's readiness check
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   if (!admin_token_file.empty()) {
@@ -418,6 +421,7 @@ int Cluster(int argc, char** argv) {
   co.work_dir = work_dir;
   co.admin_token = "local-admin";
   co.router_args = {"--window_tokens=1000000"};
+  co.keep_router_state = false;  // one run, reported from the checkpoint's bias on
   auto hidden = HiddenOf(co.checkpoint, "");
   if (!hidden.ok()) return Fail(hidden.status());
   std::printf("starting the local cluster (%d expert shards) from %s ...\n", co.num_shards,

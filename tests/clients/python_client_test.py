@@ -349,8 +349,11 @@ def admin_token_file(work, token):
 def start_cluster(moe_cli, ckpt, cluster_dir, extra=()):
     """moe-cli up on the checkpoint; returns (process, cluster.json contents)."""
     cj = os.path.join(cluster_dir, "cluster.json")
-    if os.path.exists(cj):
-        os.remove(cj)
+    # A fresh cluster: moe-cli up keeps the router's state in the work dir across runs.
+    for stale in (cj, *(os.path.join(cluster_dir, f) for f in ("router.db", "router.db-wal",
+                                                                "router.db-shm"))):
+        if os.path.exists(stale):
+            os.remove(stale)
     up = subprocess.Popen([moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir,
                            "--threads", "1", "--max_seconds", "600", *extra],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

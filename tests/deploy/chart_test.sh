@@ -71,6 +71,20 @@ render -set router.persistence.enabled=false -out "$WORK/router-emptydir.yaml"
 node validate.mjs --manifests "$WORK/router-emptydir.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-router-emptydir
 
+echo "== --initialize on the first install only (and always for an emptyDir, lost with its pod)"
+grep -q -- '- --initialize$' "$WORK/default.yaml"
+render -upgrade -out "$WORK/upgrade.yaml"
+if grep -q -- '--initialize' "$WORK/upgrade.yaml"; then
+  echo "FAIL: helm upgrade renders router-svc --initialize (a lost state would start over)"; exit 1
+fi
+render -set router.initializeOnInstall=false -out "$WORK/no-init.yaml"
+if grep -q -- '--initialize' "$WORK/no-init.yaml"; then
+  echo "FAIL: router.initializeOnInstall=false still renders --initialize"; exit 1
+fi
+grep -q -- '- --initialize$' "$WORK/router-emptydir.yaml"
+render -upgrade -set router.persistence.enabled=false -out "$WORK/upgrade-emptydir.yaml"
+grep -q -- '- --initialize$' "$WORK/upgrade-emptydir.yaml"
+
 echo "== three routers on etcd, one leading"
 render -set router.replicas=3 -set router.etcd.endpoint=etcd.infra:2379 -out "$WORK/router-etcd.yaml"
 node validate.mjs --manifests "$WORK/router-etcd.yaml" --dashboard "$DASH" \

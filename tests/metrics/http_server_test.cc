@@ -146,7 +146,9 @@ TEST(RouterPage, ServesTheEmbeddedPageAndAnswersTheApiWithClearErrors) {
   }
   r = get("/api/layers");
   EXPECT_EQ(HttpStatusOf(r), 200);
-  EXPECT_EQ(HttpBodyOf(r), R"({"experts":16,"layers":[1],"top_k":4})");
+  EXPECT_EQ(
+      HttpBodyOf(r),
+      R"({"experts":16,"layers":[1],"state":{"initialized_unix_ms":0,"start":"in_memory","store":"memory"},"top_k":4})");
   r = get("/api/state?layer=1");
   EXPECT_EQ(HttpStatusOf(r), 200);
   EXPECT_NE(HttpBodyOf(r).find(R"("window_tokens":0)"), std::string::npos) << HttpBodyOf(r);

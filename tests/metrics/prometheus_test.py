@@ -55,8 +55,10 @@ def main():
     args = ap.parse_args()
     ckpt = synth_checkpoint(args.moe_tool, args.work, "mid", 3)
     cluster_dir = os.path.join(args.work, "cluster")
-    if os.path.exists(os.path.join(cluster_dir, "cluster.json")):
-        os.remove(os.path.join(cluster_dir, "cluster.json"))
+    # A fresh cluster: no cluster.json, no router state from an earlier run (moe-cli up keeps it).
+    for stale in ("cluster.json", "router.db", "router.db-wal", "router.db-shm"):
+        if os.path.exists(os.path.join(cluster_dir, stale)):
+            os.remove(os.path.join(cluster_dir, stale))
     procs = []
     try:
         up = subprocess.Popen([args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir,

@@ -20,6 +20,7 @@
 #include "services/common/random.h"
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
+#include "tests/common/http_client.h"
 #include "tests/common/tiny_checkpoint.h"
 
 namespace moe::router_svc {
@@ -30,6 +31,14 @@ using moe::testing::TinyCheckpoint;
 constexpr char kMember[] = "member-token";
 
 // A router-svc of its own, whose membership token every Ctx() carries (member: false, neither).
+// GET /metrics of a router started with a metrics_port_file.
+std::string ScrapeMetrics(const RouterServerOptions& o, const RouterServer&) {
+  std::ifstream f(o.metrics_port_file);
+  int port = 0;
+  f >> port;
+  return moe::testing::HttpExchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+}
+
 class Router {
  public:
   explicit Router(RouterServerOptions o, bool member = true) : member_(member) {
@@ -502,6 +511,7 @@ TEST(RouterServer, BiasHistoryModesAndLeasesSurviveARestart) {
   const std::string dir = ::mkdtemp(tmpl.data());
   RouterServerOptions o;
   o.state_db = dir + "/router.db";
+  o.initialize = true;  // the cluster's first start
   o.admin_token = "adm";
   v1::RegisterExpertServerResponse lease;
   {
@@ -577,6 +587,85 @@ TEST(RouterServer, BiasHistoryModesAndLeasesSurviveARestart) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(refused.status().message().find("written for another checkpoint"), std::string::npos)
       << refused.status();
+}
+
+// A lost state never becomes a new cluster without a word: a missing, 0-byte or table-only db
+// is refused at start unless --initialize; every commit is in the db file itself (a copy of
+// the db file alone, taken while the router runs, with no -wal beside it, holds the latest
+// version); the start says how the state began (metric, page JSON).
+TEST(RouterServer, AStateIsNeverSilentlyEmpty) {
+  std::string tmpl = ::testing::TempDir() + "/moe_state_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  RouterServerOptions o;
+  o.checkpoint = TinyCheckpoint();
+  o.cluster_token = kMember;
+  o.admin_token = "adm";
+  o.state_db = dir + "/router.db";
+  // Missing: refused, and nothing is created.
+  auto missing = RouterServer::Start(o);
+  ASSERT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_NE(missing.status().message().find("does not exist"), std::string::npos);
+  EXPECT_NE(missing.status().message().find("--initialize"), std::string::npos);
+  EXPECT_NE(::access(o.state_db.c_str(), F_OK), 0);
+  // 0 bytes (what a failed copy leaves): refused as empty, twice (opening it does not make it a
+  // state).
+  { std::ofstream(o.state_db).flush(); }
+  for (int i = 0; i < 2; ++i) {
+    auto empty = RouterServer::Start(o);
+    ASSERT_EQ(empty.status().code(), absl::StatusCode::kFailedPrecondition) << empty.status();
+    EXPECT_NE(empty.status().message().find("is empty: refusing to start a new cluster's state"),
+              std::string::npos)
+        << empty.status();
+  }
+  // --initialize: a new state, said so in the metric and the page's JSON.
+  RouterServerOptions first = o;
+  first.initialize = true;
+  first.metrics_port = 0;
+  first.metrics_port_file = dir + "/metrics.port";
+  const std::string copy = dir + "/copy.db";
+  {
+    auto r = RouterServer::Start(first);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const std::string m = ScrapeMetrics(first, **r);
+    EXPECT_NE(m.find("moe_router_state_info{start=\"initialized\",store=\"sqlite\"} 1"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("moe_router_state_initialized_timestamp_seconds"), std::string::npos);
+    // Version 1, then a copy of the db file alone while the router runs.
+    auto stub = v1::RouterService::NewStub(
+        transport::MakeChannel("127.0.0.1:" + std::to_string((*r)->port())));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-moe-admin-token", "adm");
+    v1::RollbackBiasRequest rb;
+    rb.set_layer(1);
+    rb.set_to_version(0);
+    v1::LayerBias b;
+    ASSERT_TRUE(stub->RollbackBias(&ctx, rb, &b).ok());
+    ASSERT_EQ(b.version(), 1u);
+    std::ifstream in(o.state_db, std::ios::binary);
+    std::ofstream out(copy, std::ios::binary);
+    out << in.rdbuf();
+  }
+  // The copy, without its -wal: version 1 is there; no --initialize needed, none made.
+  RouterServerOptions from_copy = o;
+  from_copy.state_db = copy;
+  from_copy.metrics_port = 0;
+  from_copy.metrics_port_file = dir + "/metrics2.port";
+  auto r = RouterServer::Start(from_copy);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(ScrapeMetrics(from_copy, **r)
+                .find("moe_router_state_info{start=\"restored\",store=\"sqlite\"} 1"),
+            std::string::npos);
+  auto stub = v1::RouterService::NewStub(
+      transport::MakeChannel("127.0.0.1:" + std::to_string((*r)->port())));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-moe-cluster-token", kMember);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b;
+  ASSERT_TRUE(stub->GetBias(&ctx, gb, &b).ok());
+  EXPECT_EQ(b.version(), 1u);
+  EXPECT_EQ(b.reason(), "rollback to 0");
 }
 
 }  // namespace

@@ -10,6 +10,7 @@ have received only bit-exact answers (the oracle: `moe-tool forward`, the in-pro
 layer). The table printed at the end is the README's "hostile clients" figures.
 """
 import argparse
+import glob
 import json
 import os
 import socket
@@ -800,8 +801,9 @@ def main():
     with os.fdopen(fd, "w") as f:
         f.write(ADMIN)
     cj = os.path.join(cluster_dir, "cluster.json")
-    if os.path.exists(cj):
-        os.remove(cj)
+    for stale in (cj, *glob.glob(os.path.join(cluster_dir, "router.db*"))):
+        if os.path.exists(stale):
+            os.remove(stale)
     up = subprocess.Popen(
         [args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir, "--threads", "1",
          "--max_seconds", "900", "--admin_token_file", token_file,

@@ -35,7 +35,7 @@ TEST(ClusterChaos, KillsAndStallsUnderLoad) {
   auto local = InProcessLayer(dir, &cfg);
   LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}, {0, 8}, {8, 16}});
   o.work_dir = moe::testing::MakeTempDir("chaos");
-  o.router_args = {"--state_db=" + o.work_dir + "/router.db", "--heartbeat_interval_ms=200"};
+  o.router_args = {"--heartbeat_interval_ms=200"};  // state in <work_dir>/router.db (default)
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   LocalCluster& c = **cluster;

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -116,13 +117,37 @@ TEST(ClusterEtcd, TheStandbyTakesOverFromAKilledLeaderWithTheState) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   }
 
-  // The cluster with router-a on etcd; router-b joins as a standby.
   const std::string& dir = CheckpointFor("tiny");
+  {  // An empty prefix is not a new cluster unless asked: the elected router exits, saying why.
+    Child lone;
+    ASSERT_TRUE(Spawn({MOE_BIN_DIR "/router-svc", "--checkpoint=" + dir, "--port=0",
+                       "--metrics_port=-1", "--web_port=-1", "--etcd=" + etcd,
+                       "--etcd_prefix=/moe/never-initialized", "--name=router-lone"},
+                      work + "/router-lone.log", &lone));
+    int status = 0;
+    pid_t done = 0;
+    for (int i = 0; i < 150 && done == 0; ++i) {  // bounded: 15 s
+      done = ::waitpid(lone.pid, &status, WNOHANG);
+      if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_EQ(done, lone.pid) << "router-svc served an empty etcd prefix";
+    lone.pid = -1;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << status;
+    std::ifstream f(work + "/router-lone.log");
+    const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_NE(log.find("/moe/never-initialized is empty: refusing to start a new cluster's state"),
+              std::string::npos)
+        << log;
+  }
+
+  // The cluster with router-a on etcd (its first start: --initialize); router-b joins as a
+  // standby.
   LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
   o.work_dir = work;
   o.admin_token = "etcd-admin";
   const std::vector<std::string> on_etcd = {"--etcd=" + etcd, "--etcd_prefix=/moe/test"};
-  o.router_args = testing::Concat(on_etcd, {"--name=router-a", "--heartbeat_interval_ms=200"});
+  o.router_args =
+      testing::Concat(on_etcd, {"--name=router-a", "--heartbeat_interval_ms=200", "--initialize"});
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   Child b;

@@ -57,7 +57,10 @@ if (!fs.existsSync(path.join(ckpt, 'config.json'))) {
   assert(r.status === 0, 'moe-tool synth failed');
 }
 const clusterDir = path.join(work, 'cluster');
-fs.rmSync(path.join(clusterDir, 'cluster.json'), { force: true });
+// A fresh cluster: moe-cli up keeps the router's state in the work dir across runs.
+for (const stale of ['cluster.json', 'router.db', 'router.db-wal', 'router.db-shm']) {
+  fs.rmSync(path.join(clusterDir, stale), { force: true });
+}
 
 const children = [];
 let browser = null;
@@ -109,6 +112,9 @@ try {
   }, 90);
   console.log(`before: MaxVio ${before.vio.toFixed(3)} over ${before.window} tokens, bias version ${before.version}`);
   assert(before.vio > THRESHOLD_BEFORE, `expected MaxVio above ${THRESHOLD_BEFORE}, read ${before.vio}`);
+  // A fresh work dir: moe-cli up made a new router state (--initialize), and the page says so.
+  const origin = (await page.textContent('#state-origin')).trim();
+  assert(/^state: NEW at this start \(sqlite, --initialize, /.test(origin), `state line: "${origin}"`);
 
   // The charts say what they show: axis labels with a scale, a legend for every mark, one bar
   // per expert, and the imbalance over time with its noise floor.

@@ -124,6 +124,7 @@ func main() {
 	namespace := flag.String("namespace", "default", "namespace")
 	out := flag.String("out", "", "rendered manifests (multi-document YAML)")
 	notes := flag.String("notes", "", "rendered NOTES.txt")
+	upgrade := flag.Bool("upgrade", false, "render as `helm upgrade` does (.Release.IsUpgrade, revision 2)")
 	var valueFiles, sets multiFlag
 	flag.Var(&valueFiles, "f", "values file (repeatable)")
 	flag.Var(&sets, "set", "key.path=value (repeatable)")
@@ -235,7 +236,8 @@ func main() {
 		data := map[string]interface{}{
 			"Values": values,
 			"Release": map[string]interface{}{"Name": *release, "Namespace": *namespace,
-				"Service": "Helm", "IsInstall": true, "IsUpgrade": false, "Revision": 1},
+				"Service": "Helm", "IsInstall": !*upgrade, "IsUpgrade": *upgrade,
+				"Revision": map[bool]int{false: 1, true: 2}[*upgrade]},
 			"Chart": chartObj,
 			"Capabilities": map[string]interface{}{
 				"KubeVersion": map[string]interface{}{"Version": "v1.29.0", "Major": "1", "Minor": "29"},
