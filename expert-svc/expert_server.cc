@@ -143,7 +143,11 @@ absl::Status ExpertServer::Impl::CheckMember(const grpc::CallbackServerContext& 
   if (options_.cluster_token.empty() ||
       transport::HasSecretMetadata(context, transport::kClusterTokenMetadata,
                                    options_.cluster_token)) {
-    return absl::OkStatus();
+    // With mutual TLS only attention nodes dispatch (another shard's certificate does not).
+    absl::Status s = transport::CheckPeerMember(context, "attention", "",
+                                                absl::StrCat(what, " to shard ", options_.shard));
+    if (!s.ok() && metrics_ != nullptr) metrics_->common.Error(what, "PERMISSION_DENIED");
+    return s;
   }
   if (metrics_ != nullptr) metrics_->common.Error(what, "UNAUTHENTICATED");
   return absl::UnauthenticatedError(absl::StrCat(what, " to shard ", options_.shard,
@@ -198,9 +202,10 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
     if (ucx_ != nullptr) {
       response->set_ucx_tls(ucx_->tls());
       // UCX authenticates nobody: its address only for members.
-      if (options_.cluster_token.empty() ||
-          transport::HasSecretMetadata(*context, transport::kClusterTokenMetadata,
-                                       options_.cluster_token)) {
+      if ((options_.cluster_token.empty() ||
+           transport::HasSecretMetadata(*context, transport::kClusterTokenMetadata,
+                                        options_.cluster_token)) &&
+          transport::CheckPeerMember(*context, "attention", "", "GetInfo").ok()) {
         response->set_ucx_address(ucx_->address());
       }
     }

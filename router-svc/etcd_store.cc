@@ -106,6 +106,28 @@ class EtcdStore::Impl {
     return absl::OkStatus();
   }
 
+  // A delete of one key that applies only while this process leads.
+  absl::Status FencedDelete(const std::string& key) {
+    const int64_t lease = lease_id_.load();
+    if (lease == 0) {
+      return absl::FailedPreconditionError("router-svc writes to etcd only while it leads");
+    }
+    epb::TxnRequest txn;
+    epb::Compare* c = txn.add_compare();
+    c->set_result(epb::Compare::EQUAL);
+    c->set_target(epb::Compare::LEASE);
+    c->set_key(Key("leader"));
+    c->set_lease(lease);
+    txn.add_success()->mutable_request_delete_range()->set_key(key);
+    epb::TxnResponse resp;
+    MOE_RETURN_IF_ERROR(Etcd(kv_->Txn(Ctx().get(), txn, &resp), "Txn delete " + key));
+    if (!resp.succeeded()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("this router no longer leads (", Key("leader"), " is not on its lease)"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<bool> Campaign(const std::string& name, int64_t ttl,
                                 const std::function<bool()>& stopping,
                                 std::function<void()> on_lost) {
@@ -294,6 +316,10 @@ absl::Status EtcdStore::PutShard(const StoredShard& s) {
   }
   return impl_->FencedPut(impl_->Key("shard/" + s.name),
                           absl::StrCat(s.lease, "\n", r.SerializeAsString()));
+}
+
+absl::Status EtcdStore::DeleteShard(const std::string& name) {
+  return impl_->FencedDelete(impl_->Key("shard/" + name));
 }
 
 absl::Status EtcdStore::MarkInitialized(int64_t unix_ms) {

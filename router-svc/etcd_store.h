@@ -37,6 +37,7 @@ class EtcdStore final : public StateStore {
   absl::Status PutBiasVersion(const BiasVersion& v) override;
   absl::Status PutMode(int32_t layer, BiasMode mode, int64_t continuous_tokens) override;
   absl::Status PutShard(const StoredShard& shard) override;
+  absl::Status DeleteShard(const std::string& name) override;
   absl::Status MarkInitialized(int64_t unix_ms) override;
 
   // Waits (polling every 200 ms) until this process is the leader, then keeps its lease

@@ -33,6 +33,14 @@ int main(int argc, char** argv) {
                "file holding the cluster token (chmod 600) that expert and attention nodes send "
                "to register, heartbeat and report; without one they are refused");
   flags.Int("max_watchers", &o.max_watchers, "open WatchPlacement/WatchBias streams at once");
+  flags.String("ranges_file", &o.ranges_file,
+               "the deployment's placement table (ranges.json, or {\"shards\": {name: [lo, hi]}}): "
+               "a shard may register only its range (empty: any range, development only)");
+  flags.Int64("max_shards", &o.max_shards, "registered expert shards at most");
+  flags.Int64("max_watch_bytes", &o.max_watch_bytes,
+              "bytes all WatchPlacement/WatchBias streams together may hold unread");
+  flags.Int64("shard_expiry_seconds", &o.shard_expiry_seconds,
+              "a registration silent this long is removed (placement, page, store)");
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;

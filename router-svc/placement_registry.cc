@@ -67,6 +67,13 @@ uint64_t PlacementRegistry::LeaseOf(const std::string& shard) const {
   return it == shards_.end() ? 0 : it->second.lease;
 }
 
+std::string PlacementRegistry::ShardOfLease(uint64_t lease) const {
+  for (const auto& [name, s] : shards_) {
+    if (s.lease == lease && lease != 0) return name;
+  }
+  return "";
+}
+
 uint64_t PlacementRegistry::NewLease() const {
   static std::mutex mu;
   static std::random_device device;  // the kernel's CSPRNG
@@ -174,6 +181,21 @@ std::vector<ShardLoad> PlacementRegistry::ShardLoads(int32_t layer,
     }
   }
   return out;
+}
+
+std::vector<std::string> PlacementRegistry::RemoveGone(Clock::time_point now,
+                                                       Clock::duration gone) {
+  std::vector<std::string> removed;
+  for (auto it = shards_.begin(); it != shards_.end();) {
+    if (now - it->second.last_seen > gone) {
+      removed.push_back(it->first);
+      it = shards_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!removed.empty()) ++version_;
+  return removed;
 }
 
 }  // namespace moe::router_svc

@@ -69,8 +69,9 @@ class PlacementRegistry {
   absl::Status Restore(const std::string& shard, const std::string& endpoint,
                        const std::vector<LayerRange>& ranges, uint64_t lease, Clock::time_point now,
                        const std::string& data_plane);
-  // The lease of a registered shard (0: none).
+  // The lease of a registered shard (0: none), and the shard of a lease ("": none).
   uint64_t LeaseOf(const std::string& shard) const;
+  std::string ShardOfLease(uint64_t lease) const;
   // NOT_FOUND for an unknown lease; true when the shard was unhealthy and is healthy again, or
   // reports other lanes than before (a new placement version). lanes: at most 128 bytes of
   // letters, digits, spaces and ( ) , . _ -, else INVALID_ARGUMENT; "" keeps what was reported.
@@ -78,6 +79,9 @@ class PlacementRegistry {
                                  const std::string& lanes = "");
   // Marks shards silent for longer than `stale` unhealthy; returns their names.
   std::vector<std::string> ExpireStale(Clock::time_point now, Clock::duration stale);
+  // Removes shards silent for longer than `gone` (their lease is then unknown: a heartbeat gets
+  // NOT_FOUND and the shard registers again); returns their names.
+  std::vector<std::string> RemoveGone(Clock::time_point now, Clock::duration gone);
 
   // Every change (registration, health) makes a new version.
   uint64_t version() const { return version_; }

@@ -1,7 +1,11 @@
 #include "router-svc/router_core.h"
 
+#include <fstream>
+#include <iterator>
 #include <limits>
+#include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "router-svc/router_proto.h"
 #include "services/common/logging.h"
@@ -11,6 +15,23 @@
 namespace moe::router_svc {
 
 namespace {
+
+// A shard's name: what a StatefulSet pod name may be (DNS label characters), at most 128 bytes.
+constexpr size_t kMaxShardNameBytes = 128;
+constexpr size_t kMaxEndpointBytes = 256;
+
+absl::Status CheckShardName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxShardNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a shard name of ", name.size(), " bytes (1 to ", kMaxShardNameBytes, ")"));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') {
+      return absl::InvalidArgumentError("a shard name has letters, digits, '-', '.' and '_' only");
+    }
+  }
+  return absl::OkStatus();
+}
 
 int64_t UnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -30,7 +51,20 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerO
   const BiasMode mode = options_.bias_mode;
   MOE_ASSIGN_OR_RETURN(auto biases, CheckpointBiases(options_.checkpoint, options_.layers, &cfg_));
   std::lock_guard<std::mutex> lock(core->mu_);
-  core->registry_ = std::make_unique<PlacementRegistry>(cfg_.num_experts);
+  core->registry_ = std::make_unique<PlacementRegistry>(cfg_.num_experts, options_.max_shards);
+  if (!options_.ranges_file.empty()) {
+    std::ifstream f(options_.ranges_file);
+    if (!f) {
+      return absl::NotFoundError(absl::StrCat("cannot read --ranges_file ", options_.ranges_file));
+    }
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    MOE_ASSIGN_OR_RETURN(placement::ShardAllowance a, placement::ParseShardAllowance(text));
+    core->allowance_ = std::make_unique<placement::ShardAllowance>(std::move(a));
+  } else {
+    MOE_LOG_WARN(
+        "no --ranges_file: any member may register any expert range (development only; the "
+        "chart and moe-cli up pass the deployment's table)");
+  }
   for (auto& [l, bias] : biases) {
     core->layers_.emplace(
         l, LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs()),
@@ -191,7 +225,31 @@ absl::Status RouterCore::Register(const v1::RegisterExpertServerRequest& req,
                                   v1::RegisterExpertServerResponse* resp) {
   const std::vector<LayerRange> ranges = FromProto(req.ranges());
   const std::string data_plane = req.data_plane().empty() ? "grpc" : req.data_plane();
+  MOE_RETURN_IF_ERROR(CheckShardName(req.shard()));
+  if (req.endpoint().size() > kMaxEndpointBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("registration of ", req.shard(),
+                                                   ": endpoint of ", req.endpoint().size(),
+                                                   " bytes (at most ", kMaxEndpointBytes, ")"));
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  // One range per managed layer at most, each within what the deployment lets this shard serve.
+  std::set<int32_t> seen;
+  for (const LayerRange& r : ranges) {
+    if (layers_.count(r.layer) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("registration of ", req.shard(), ": ",
+                                                     UnknownLayerLocked(r.layer).message()));
+    }
+    if (!seen.insert(r.layer).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("registration of ", req.shard(), ": two ranges for layer ", r.layer));
+    }
+    if (allowance_ != nullptr) {
+      absl::Status allowed = placement::CheckShardRange(*allowance_, req.shard(), {r.lo, r.hi});
+      if (!allowed.ok()) {
+        return absl::PermissionDeniedError(absl::StrCat(allowed.message(), " for layer ", r.layer));
+      }
+    }
+  }
   MOE_ASSIGN_OR_RETURN(uint64_t lease, registry_->Register(req.shard(), req.endpoint(), ranges,
                                                            Clock::now(), data_plane));
   if (store_ != nullptr) {
@@ -214,11 +272,25 @@ absl::Status RouterCore::Heartbeat(const v1::HeartbeatRequest& req) {
 
 void RouterCore::ExpireStale(std::chrono::milliseconds stale) {
   std::lock_guard<std::mutex> lock(mu_);
-  const std::vector<std::string> expired = registry_->ExpireStale(Clock::now(), stale);
+  const Clock::time_point now = Clock::now();
+  const std::vector<std::string> expired = registry_->ExpireStale(now, stale);
   for (const std::string& name : expired) {
     MOE_LOG_WARN("shard {} missed its heartbeats, unhealthy", name);
   }
-  if (!expired.empty()) PublishPlacementLocked();
+  // Long silent: gone from the placement, the page, errors and the store (a shard that comes
+  // back registers again).
+  const std::vector<std::string> gone =
+      registry_->RemoveGone(now, std::chrono::seconds(options_.shard_expiry_seconds));
+  for (const std::string& name : gone) {
+    MOE_LOG_WARN("shard {} silent for {} s, its registration removed", name,
+                 options_.shard_expiry_seconds);
+    if (store_ != nullptr) {
+      if (absl::Status s = store_->DeleteShard(name); !s.ok()) {
+        MOE_LOG_ERROR("removing shard {} from the router state: {}", name, s.ToString());
+      }
+    }
+  }
+  if (!expired.empty() || !gone.empty()) PublishPlacementLocked();
 }
 
 void RouterCore::PublishPlacementLocked() {
@@ -325,6 +397,11 @@ absl::Status RouterCore::SetMode(const v1::SetBiasModeRequest& req, v1::LayerBia
   }
   *resp = ToProto(l->ledger.current());
   return absl::OkStatus();
+}
+
+std::string RouterCore::LeaseOwner(uint64_t lease) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return registry_->ShardOfLease(lease);
 }
 
 StateOrigin RouterCore::Origin() const {

@@ -29,6 +29,7 @@
 #include "router-svc/router_server.h"
 #include "router-svc/state_store.h"
 #include "services/common/model_config.h"
+#include "services/placement/placement.h"
 
 namespace moe::metrics {
 class RouterMetrics;
@@ -65,6 +66,8 @@ class RouterCore {
   void SetSinks(RouterCoreSinks sinks);
   // Metrics may be null; set once, before traffic (the layers' and shards' series start).
   void SetMetrics(metrics::RouterMetrics* metrics);
+  // The shard holding a lease ("" for none).
+  std::string LeaseOwner(uint64_t lease) const;
   // Where this router's state lives and how it began at this start.
   StateOrigin Origin() const;
 
@@ -113,6 +116,8 @@ class RouterCore {
   RouterCoreSinks sinks_;
   mutable std::mutex mu_;
   std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);
+  // From options.ranges_file; null: any range may be registered.
+  std::unique_ptr<placement::ShardAllowance> allowance_;
   std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
   StateOrigin origin_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, LayerState> layers_ ABSL_GUARDED_BY(mu_);

@@ -57,12 +57,25 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
                                                  const v1::RegisterExpertServerRequest* req,
                                                  v1::RegisterExpertServerResponse* resp) override {
     absl::Status s = CheckMember(ctx, "RegisterExpertServer");
+    // With mutual TLS a shard registers only under the name its certificate carries.
+    if (s.ok()) {
+      s = transport::CheckPeerMember(
+          *ctx, "expert", req->shard(),
+          "RegisterExpertServer of shard " + req->shard().substr(0, 128));
+    }
     return Done(ctx, "RegisterExpertServer", s.ok() ? core_->Register(*req, resp) : s);
   }
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse*) override {
     absl::Status s = CheckMember(ctx, "Heartbeat");
+    // ... and heartbeats only its own lease.
+    if (s.ok()) {
+      const std::string owner = core_->LeaseOwner(req->lease_id());
+      if (!owner.empty()) {
+        s = transport::CheckPeerMember(*ctx, "expert", owner, "Heartbeat of shard " + owner);
+      }
+    }
     return Done(ctx, "Heartbeat", s.ok() ? core_->Heartbeat(*req) : s);
   }
   grpc::ServerUnaryReactor* GetPlacement(grpc::CallbackServerContext* ctx,
@@ -72,13 +85,14 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     *resp = core_->Placement();
     return Done(ctx, "GetPlacement", absl::OkStatus());
   }
-  grpc::ServerWriteReactor<v1::Placement>* WatchPlacement(grpc::CallbackServerContext*,
+  grpc::ServerWriteReactor<v1::Placement>* WatchPlacement(grpc::CallbackServerContext* ctx,
                                                           const v1::GetPlacementRequest*) override {
     WatchReactor<v1::Placement>* r = nullptr;
     // Under the core's mutex (then ours): no placement published in between is missed.
     core_->Subscribe([&](const v1::Placement& p, const std::vector<v1::LayerBias>&) {
       std::lock_guard<std::mutex> lock(watch_mu_);
-      r = new WatchReactor<v1::Placement>(&watch_mu_, &placement_watchers_, nullptr);
+      r = new WatchReactor<v1::Placement>(&watch_mu_, &placement_watchers_, nullptr, nullptr,
+                                          &watch_budget_, ctx);
       placement_watchers_.insert(r);
       if (absl::Status s = AdmitWatcherLocked(); !s.ok()) {
         r->Refuse(s);
@@ -95,7 +109,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     if (b.ok()) *resp = std::move(*b);
     return Done(ctx, "GetBias", b.status());
   }
-  grpc::ServerWriteReactor<v1::LayerBias>* WatchBias(grpc::CallbackServerContext*,
+  grpc::ServerWriteReactor<v1::LayerBias>* WatchBias(grpc::CallbackServerContext* ctx,
                                                      const v1::WatchBiasRequest* req) override {
     std::set<int32_t> wanted(req->layers().begin(), req->layers().end());
     WatchReactor<v1::LayerBias>* r = nullptr;
@@ -104,7 +118,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
       r = new WatchReactor<v1::LayerBias>(
           &watch_mu_, &bias_watchers_,
           [wanted](const v1::LayerBias& b) { return wanted.empty() || wanted.count(b.layer()); },
-          [](const v1::LayerBias& b) { return int64_t{b.layer()}; });
+          [](const v1::LayerBias& b) { return int64_t{b.layer()}; }, &watch_budget_, ctx);
       bias_watchers_.insert(r);
       if (absl::Status s = AdmitWatcherLocked(); !s.ok()) {
         r->Refuse(s);
@@ -118,6 +132,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
                                         const v1::ReportStatsRequest* req,
                                         v1::ReportStatsResponse* resp) override {
     absl::Status s = CheckMember(ctx, "ReportStats");
+    if (s.ok()) s = transport::CheckPeerMember(*ctx, "attention", "", "ReportStats");
     return Done(ctx, "ReportStats", s.ok() ? core_->ReportStats(*req, resp) : s);
   }
   grpc::ServerUnaryReactor* Rebalance(grpc::CallbackServerContext* ctx,
@@ -188,6 +203,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   mutable std::mutex watch_mu_;
   WatchSet<v1::Placement> placement_watchers_ ABSL_GUARDED_BY(watch_mu_);
   WatchSet<v1::LayerBias> bias_watchers_ ABSL_GUARDED_BY(watch_mu_);
+  WatchBudget watch_budget_;  // the bytes all watchers hold unread (--max_watch_bytes)
   std::mutex stop_mu_;
   bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
   std::condition_variable stop_cv_;
@@ -195,6 +211,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
 };
 
 absl::Status RouterServer::Impl::Load() {
+  watch_budget_.max_bytes = options_.max_watch_bytes;
   if (!options_.admin_token_file.empty()) {
     MOE_ASSIGN_OR_RETURN(options_.admin_token, ReadSecretFile(options_.admin_token_file));
   }

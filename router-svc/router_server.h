@@ -73,6 +73,17 @@ struct RouterServerOptions {
   // Open WatchPlacement / WatchBias streams at once; beyond: RESOURCE_EXHAUSTED. (Each watcher
   // holds at most one queued message per key: watch_reactor.h.)
   int max_watchers = 1024;
+  // Bytes all watch streams together may hold unread (queued or in flight); a push past it ends
+  // that stream RESOURCE_EXHAUSTED.
+  int64_t max_watch_bytes = int64_t{256} << 20;
+  // Which experts each shard may serve (services/placement ShardAllowance: the chart's
+  // ranges.json, or {"shards": {name: [lo, hi]}}): a registration outside it is
+  // PERMISSION_DENIED naming the range. Empty: any range (development; logged at start).
+  std::string ranges_file;
+  // Registered shards at most (RESOURCE_EXHAUSTED beyond); a registration silent for longer
+  // than shard_expiry_seconds is removed (from the placement, the page, the store).
+  int64_t max_shards = 1024;
+  int64_t shard_expiry_seconds = 60;
 };
 
 class RouterServer {

@@ -164,6 +164,13 @@ class SqliteStore final : public StateStore {
                  });
   }
 
+  absl::Status DeleteShard(const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return Write("DELETE FROM shards WHERE name = ?1", [&](sqlite3_stmt* st) {
+      sqlite3_bind_text(st, 1, name.c_str(), -1, SQLITE_TRANSIENT);
+    });
+  }
+
   absl::Status MarkInitialized(int64_t unix_ms) override {
     std::lock_guard<std::mutex> lock(mu_);
     return Write("INSERT OR REPLACE INTO meta VALUES ('initialized_unix_ms', ?1)",

@@ -51,6 +51,8 @@ class StateStore {
   virtual absl::Status PutBiasVersion(const BiasVersion& v) = 0;
   virtual absl::Status PutMode(int32_t layer, BiasMode mode, int64_t continuous_tokens) = 0;
   virtual absl::Status PutShard(const StoredShard& shard) = 0;
+  // A registration removed (its lease long expired).
+  virtual absl::Status DeleteShard(const std::string& name) = 0;
   // Marks the store as a cluster's state (see StoredState::initialized_unix_ms).
   virtual absl::Status MarkInitialized(int64_t unix_ms) = 0;
 };

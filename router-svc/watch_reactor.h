@@ -4,6 +4,9 @@
 // the watch set's mutex before deleting it. Messages are states, not events: a pushed message
 // replaces a queued one with the same key (the placement; one layer's bias), so a watcher that
 // reads slowly or not at all holds at most one message per key, and always gets the latest.
+// The bytes every watcher of a set holds unread (queued or in flight) are counted against one
+// budget (WatchBudget): a push that would pass it ends that stream RESOURCE_EXHAUSTED (and
+// cancels its call, so a peer that never reads frees what gRPC holds for it).
 //
 //   auto* r = new WatchReactor<v1::Placement>(&mu_, &placement_watchers_, nullptr);
 //   placement_watchers_.insert(r);
@@ -13,6 +16,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -23,8 +27,15 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "services/common/logging.h"
 
 namespace moe::router_svc {
+
+// Bytes held unread by all the watch streams of a router, and their bound.
+struct WatchBudget {
+  std::atomic<int64_t> held{0};
+  int64_t max_bytes = int64_t{256} << 20;
+};
 
 template <typename Msg>
 class WatchReactor;
@@ -37,21 +48,31 @@ template <typename Msg>
 class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
  public:
   WatchReactor(std::mutex* router_mu, WatchSet<Msg>* set, std::function<bool(const Msg&)> filter,
-               std::function<int64_t(const Msg&)> key = nullptr)
-      : router_mu_(router_mu), set_(set), filter_(std::move(filter)), key_(std::move(key)) {}
+               std::function<int64_t(const Msg&)> key = nullptr, WatchBudget* budget = nullptr,
+               grpc::CallbackServerContext* ctx = nullptr)
+      : router_mu_(router_mu),
+        set_(set),
+        filter_(std::move(filter)),
+        key_(std::move(key)),
+        budget_(budget),
+        ctx_(ctx) {}
 
   void Push(const Msg& m) {
     if (filter_ && !filter_(m)) return;
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
+    const int64_t bytes = static_cast<int64_t>(m.ByteSizeLong());
     // The head (if writing) is in flight; a queued message of the same key is superseded.
     for (auto it = writing_ ? std::next(outbox_.begin()) : outbox_.begin(); it != outbox_.end();
          ++it) {
       if (KeyOf(*it) == KeyOf(m)) {
+        const int64_t old = static_cast<int64_t>(it->ByteSizeLong());
+        if (!TakeLocked(bytes - old)) return;
         *it = m;
         return;
       }
     }
+    if (!TakeLocked(bytes)) return;
     outbox_.push_back(m);
     if (!writing_) {
       writing_ = true;
@@ -69,6 +90,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
 
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
+    GiveLocked(static_cast<int64_t>(outbox_.front().ByteSizeLong()));
     outbox_.pop_front();
     if (!ok) done_ = true;
     if (!done_ && !outbox_.empty()) {
@@ -90,16 +112,55 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
       std::lock_guard<std::mutex> lock(*router_mu_);
       set_->erase(this);
     }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      GiveLocked(held_);  // whatever is still queued
+    }
     delete this;
   }
 
  private:
   int64_t KeyOf(const Msg& m) const { return key_ ? key_(m) : 0; }
 
+  // Counts `delta` more bytes held unread; past the budget, ends this stream instead (its
+  // queued messages dropped, its call cancelled) and returns false.
+  bool TakeLocked(int64_t delta) {
+    if (budget_ == nullptr || delta <= 0) {
+      if (budget_ != nullptr) budget_->held += delta;
+      held_ += delta;
+      return true;
+    }
+    if (budget_->held.fetch_add(delta) + delta <= budget_->max_bytes) {
+      held_ += delta;
+      return true;
+    }
+    budget_->held -= delta;
+    done_ = true;
+    status_ = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                           "this watch stream does not read its messages, and the router's "
+                           "watchers hold the most unread bytes they may (--max_watch_bytes)");
+    // Keep only the head in flight (gRPC owns it until OnWriteDone).
+    while (outbox_.size() > (writing_ ? 1u : 0u)) {
+      GiveLocked(static_cast<int64_t>(outbox_.back().ByteSizeLong()));
+      outbox_.pop_back();
+    }
+    MOE_LOG_WARN(
+        "a watch stream that does not read was ended: the watchers hold {} bytes unread "
+        "(--max_watch_bytes {})",
+        budget_->held.load(), budget_->max_bytes);
+    if (ctx_ != nullptr) ctx_->TryCancel();
+    MaybeFinishLocked();
+    return false;
+  }
+  void GiveLocked(int64_t bytes) {
+    held_ -= bytes;
+    if (budget_ != nullptr) budget_->held -= bytes;
+  }
+
   void MaybeFinishLocked() {
     if (done_ && !writing_ && !finished_) {
       finished_ = true;
-      this->Finish(grpc::Status::OK);
+      this->Finish(status_);
     }
   }
 
@@ -107,8 +168,12 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
   WatchSet<Msg>* set_;
   std::function<bool(const Msg&)> filter_;
   std::function<int64_t(const Msg&)> key_;  // null: one key
+  WatchBudget* budget_;
+  grpc::CallbackServerContext* ctx_;
   std::mutex mu_;
   std::deque<Msg> outbox_;
+  int64_t held_ = 0;  // bytes of outbox_, counted in budget_
+  grpc::Status status_ = grpc::Status::OK;
   bool writing_ = false, done_ = false, finished_ = false;
 };
 

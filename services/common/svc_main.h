@@ -56,6 +56,8 @@ void AddTlsFlags(SvcFlags& flags, Tls* tls) {
              "servers refuse clients without a certificate from the CA (mutual TLS)");
   flags.Int("tls_refresh_seconds", &tls->refresh_seconds,
             "how often the TLS files are checked for a new version");
+  flags.String("tls_trust_domain", &tls->trust_domain,
+               "members' certificates name spiffe://<this>/<expert|attention>/<name>");
 }
 
 // Blocks SIGINT and SIGTERM in every thread (call before starting any), then waits for one.

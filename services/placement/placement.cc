@@ -124,4 +124,53 @@ bool Covered(const LayerRoute& route) {
   return true;
 }
 
+absl::StatusOr<ShardAllowance> ParseShardAllowance(const std::string& json) {
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  ShardAllowance a;
+  if (j.is_object() && j.contains("shards")) {
+    if (!j["shards"].is_object() || j["shards"].empty()) {
+      return absl::InvalidArgumentError(
+          "ranges file: \"shards\" must map each shard name to [lo, hi]");
+    }
+    for (const auto& [name, r] : j["shards"].items()) {
+      if (!r.is_array() || r.size() != 2 || !r[0].is_number_integer() ||
+          !r[1].is_number_integer() || r[0].get<int64_t>() < 0 ||
+          r[1].get<int64_t>() <= r[0].get<int64_t>()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ranges file: shard ", name, ": expected [lo, hi] with 0 <= lo < hi"));
+      }
+      a.by_name.emplace_back(name, Range{r[0].get<int64_t>(), r[1].get<int64_t>()});
+    }
+    return a;
+  }
+  absl::StatusOr<RangeTable> t = ParseRangeTable(json);
+  if (!t.ok()) return t.status();
+  a.table = *std::move(t);
+  return a;
+}
+
+absl::Status CheckShardRange(const ShardAllowance& a, const std::string& shard, Range claimed) {
+  absl::StatusOr<Range> allowed = absl::NotFoundError("");
+  if (!a.by_name.empty()) {
+    for (const auto& [name, r] : a.by_name) {
+      if (name == shard) allowed = r;
+    }
+  } else {
+    absl::StatusOr<int64_t> ordinal = OrdinalFromHostname(shard);
+    if (ordinal.ok()) allowed = RangeForOrdinal(a.table, *ordinal);
+  }
+  if (!allowed.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shard ", shard, " may serve no experts: the deployment's ranges file names no such shard",
+        a.by_name.empty() ? " (a StatefulSet pod name ending in an ordinal of the table)" : ""));
+  }
+  if (claimed.lo < allowed->lo || claimed.hi > allowed->hi) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("shard ", shard, " may serve experts [", allowed->lo, ", ", allowed->hi,
+                     ") (the deployment's ranges file), not the range [", claimed.lo, ", ",
+                     claimed.hi, ") it registered"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace moe::placement

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -52,6 +53,19 @@ absl::StatusOr<int64_t> OrdinalFromHostname(const std::string& hostname);
 // it from the host name (expert-svc and the pod's synthetic-checkpoint init container).
 absl::StatusOr<Range> PodRange(const std::string& ranges_json, int64_t ordinal,
                                const std::string& hostname);
+
+// Which experts a shard may serve, from the deployment (router-svc --ranges_file), never from
+// the shard's own claim: the range table by the StatefulSet ordinal its name ends in (the
+// chart's ranges.json, pod "<release>-expert-<o>"), or, where the file names the shards
+// ({"shards": {"shard-0": [lo, hi], ...}}, what `moe-cli up` writes), by name.
+struct ShardAllowance {
+  RangeTable table;  // used when by_name is empty
+  std::vector<std::pair<std::string, Range>> by_name;
+};
+absl::StatusOr<ShardAllowance> ParseShardAllowance(const std::string& json);
+// OK when [claimed.lo, claimed.hi) lies in what the shard may serve; PERMISSION_DENIED naming
+// the shard, the claimed range and the allowed one (or that the name has none).
+absl::Status CheckShardRange(const ShardAllowance& a, const std::string& shard, Range claimed);
 
 // One expert server's range of one layer as the control plane reports it.
 struct ShardRef {

@@ -43,6 +43,14 @@ std::string Tail(const std::string& path, size_t max_bytes = 2000) {
 
 }  // namespace
 
+transport::TlsOptions ForProcess(transport::TlsOptions tls, const std::string& name) {
+  for (std::string* path : {&tls.cert_file, &tls.key_file}) {
+    const size_t at = path->find("{name}");
+    if (at != std::string::npos) path->replace(at, 6, name);
+  }
+  return tls;
+}
+
 absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
   const std::string port_file = absl::StrCat(options_.work_dir, "/", c->name, ".port");
   const std::string metrics_file = absl::StrCat(options_.work_dir, "/", c->name, ".metrics_port");
@@ -127,14 +135,21 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     }
   }
   const std::string threads = absl::StrCat("--threads=", o.threads);
-  std::vector<std::string> tls;
-  if (o.tls.enabled()) {
-    MOE_RETURN_IF_ERROR(transport::ValidateTlsOptions(o.tls, /*server=*/true));
-    tls = {"--tls_cert_file=" + o.tls.cert_file, "--tls_key_file=" + o.tls.key_file,
-           "--tls_ca_file=" + o.tls.ca_file,
-           absl::StrCat("--tls_require_client_cert=", o.tls.require_client_cert ? "true" : "false"),
-           absl::StrCat("--tls_refresh_seconds=", o.tls.refresh_seconds)};
-  }
+  // Each process's TLS flags; "{name}" in the certificate and key paths becomes the process's
+  // name (router-svc, attention-svc, shard-<i>), so that each presents its own identity.
+  auto tls_for = [&o](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
+    if (!o.tls.enabled()) return std::vector<std::string>{};
+    const transport::TlsOptions t = ForProcess(o.tls, name);
+    MOE_RETURN_IF_ERROR(transport::ValidateTlsOptions(t, /*server=*/true));
+    return std::vector<std::string>{
+        "--tls_cert_file=" + t.cert_file,
+        "--tls_key_file=" + t.key_file,
+        "--tls_ca_file=" + t.ca_file,
+        absl::StrCat("--tls_require_client_cert=", t.require_client_cert ? "true" : "false"),
+        absl::StrCat("--tls_refresh_seconds=", t.refresh_seconds),
+        "--tls_trust_domain=" + t.trust_domain};
+  };
+  MOE_ASSIGN_OR_RETURN(const std::vector<std::string> tls, tls_for("router-svc"));
   c->router_.name = "router-svc";
   const std::string web_file = o.work_dir + "/router-svc.web_port";
   c->router_.args = {o.bin_dir + "/router-svc", "--checkpoint=" + o.checkpoint, "--web_port=0",
@@ -160,6 +175,16 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     c->router_.args.push_back("--state_db=" + db);
     first_start = ::access(db.c_str(), F_OK) != 0;
   }
+  // The deployment's placement: each shard name with the range it may register.
+  {
+    nlohmann::json shards = nlohmann::json::object();
+    for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
+      shards[absl::StrCat("shard-", i)] = {o.shard_ranges[i].first, o.shard_ranges[i].second};
+    }
+    const std::string ranges_file = o.work_dir + "/ranges.json";
+    MOE_RETURN_IF_ERROR(WritePrivateFile(ranges_file, nlohmann::json{{"shards", shards}}.dump()));
+    c->router_.args.push_back("--ranges_file=" + ranges_file);
+  }
   if (first_start) c->router_.args.push_back("--initialize");
   MOE_RETURN_IF_ERROR(c->Launch(&c->router_, o.start_timeout));
   // A restart never initializes: a lost state is an error then, not a new cluster.
@@ -181,7 +206,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
               router,
               member,
               threads};
-    s.args.insert(s.args.end(), tls.begin(), tls.end());
+    MOE_ASSIGN_OR_RETURN(const std::vector<std::string> shard_tls, tls_for(s.name));
+    s.args.insert(s.args.end(), shard_tls.begin(), shard_tls.end());
     s.args.insert(s.args.end(), o.expert_args.begin(), o.expert_args.end());
     c->shards_.push_back(std::move(s));
   }
@@ -193,7 +219,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
                         member,
                         "--reply_mode=" + o.reply_mode,
                         threads};
-  c->attention_.args.insert(c->attention_.args.end(), tls.begin(), tls.end());
+  MOE_ASSIGN_OR_RETURN(const std::vector<std::string> attention_tls, tls_for("attention-svc"));
+  c->attention_.args.insert(c->attention_.args.end(), attention_tls.begin(), attention_tls.end());
   c->attention_.args.insert(c->attention_.args.end(), o.attention_args.begin(),
                             o.attention_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->attention_, o.start_timeout));
@@ -206,7 +233,7 @@ client::ClientOptions LocalCluster::client_options() const {
   client::ClientOptions co;
   co.attention = attention_endpoint();
   co.router = router_endpoint();
-  co.tls = options_.tls;
+  co.tls = ForProcess(options_.tls, "client");
   return co;
 }
 

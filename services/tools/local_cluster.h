@@ -42,11 +42,16 @@ struct LocalClusterOptions {
   // `up` on the same work_dir, keeps the bias. Off: in memory. Ignored when router_args name a
   // --state_db or --etcd of their own.
   bool keep_router_state = true;
-  // TLS for every process (all present the same certificate; --tls_* flags) and for this
-  // process's own calls to the cluster (WaitReady; client_options()).
+  // TLS for every process (--tls_* flags) and for this process's own calls to the cluster
+  // (WaitReady; client_options()). "{name}" in cert_file and key_file becomes each process's
+  // name (router-svc, attention-svc, shard-<i>; "client" for this process), so that with
+  // mutual TLS each member presents its own identity (spiffe://<domain>/<role>/<name>).
   transport::TlsOptions tls;
   absl::Duration start_timeout = absl::Seconds(120);
 };
+
+// tls with "{name}" in its certificate and key paths replaced by name.
+transport::TlsOptions ForProcess(transport::TlsOptions tls, const std::string& name);
 
 class LocalCluster {
  public:

@@ -5,8 +5,10 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/support/server_interceptor.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
@@ -137,6 +139,42 @@ bool HasSecretMetadata(const grpc::ServerContextBase& context, const char* key,
   auto it = md.find(key);
   return it != md.end() &&
          SecretEquals(std::string(it->second.data(), it->second.size()), expected);
+}
+
+absl::Status CheckPeerMember(const grpc::ServerContextBase& context, const std::string& role,
+                             const std::string& name, const std::string& what, std::string* who) {
+  if (!ProcessBindsMemberIdentity()) return absl::OkStatus();
+  const std::string trust_domain = ProcessTrustDomain();
+  std::vector<std::string> ids;
+  if (std::shared_ptr<const grpc::AuthContext> auth = context.auth_context()) {
+    for (const char* property : {"peer_spiffe_id", "peer_uri", "x509_subject_alternative_name"}) {
+      for (const grpc::string_ref& v : auth->FindPropertyValues(property)) {
+        std::string id(v.data(), v.size());
+        if (id.rfind("spiffe://", 0) == 0 && std::find(ids.begin(), ids.end(), id) == ids.end()) {
+          ids.push_back(std::move(id));
+        }
+      }
+    }
+  }
+  const std::string want =
+      absl::StrCat("spiffe://", trust_domain, "/", role, "/", name.empty() ? "<name>" : name);
+  if (ids.size() != 1) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, " needs a member certificate naming one SPIFFE ID (", want,
+                     "); the caller's has ", ids.size()));
+  }
+  absl::StatusOr<MemberIdentity> m = ParseMemberSpiffeId(ids[0], trust_domain);
+  if (!m.ok()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, " needs ", want, ": ", m.status().message()));
+  }
+  if (m->role != role || (!name.empty() && m->name != name)) {
+    return absl::PermissionDeniedError(absl::StrCat(what, " needs the certificate of ", want,
+                                                    "; the caller's names ", ids[0],
+                                                    " (a member acts only as itself)"));
+  }
+  if (who != nullptr) *who = m->role + "/" + m->name;
+  return absl::OkStatus();
 }
 
 absl::Status WritePortFile(const std::string& path, int port) {

@@ -67,6 +67,15 @@ class GrpcServer {
 bool HasSecretMetadata(const grpc::ServerContextBase& context, const char* key,
                        const std::string& expected);
 
+// A member call's identity check. With mutual TLS (ProcessBindsMemberIdentity): OK only when
+// the caller's certificate carries the member SPIFFE ID of `role` and, unless `name` is empty,
+// of that name; else PERMISSION_DENIED saying what it carries and what `what` needs. Without
+// mutual TLS: OK (membership is the token's alone; docs/security.md says what that allows).
+// The caller's identity goes to *who when given (empty without mutual TLS).
+absl::Status CheckPeerMember(const grpc::ServerContextBase& context, const std::string& role,
+                             const std::string& name, const std::string& what,
+                             std::string* who = nullptr);
+
 // Writes the port to path atomically (tmp file + rename), for launchers that start servers on
 // port 0.
 absl::Status WritePortFile(const std::string& path, int port);

@@ -10,6 +10,7 @@
 #include <iterator>
 #include <mutex>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -49,6 +50,8 @@ struct ProcessCredentials {
   bool configured = false;
   std::shared_ptr<grpc::ChannelCredentials> channel;
   std::shared_ptr<grpc::ServerCredentials> server;
+  bool binds_identity = false;
+  std::string trust_domain = "moe";
 };
 
 ProcessCredentials& Process() {
@@ -132,8 +135,52 @@ absl::Status ConfigureProcessTls(const TlsOptions& tls, bool server_side) {
   }
   p.configured = true;
   p.channel = std::move(channel);
+  p.binds_identity = server != nullptr && tls.require_client_cert;
   p.server = std::move(server);
+  p.trust_domain = tls.trust_domain;
   return absl::OkStatus();
+}
+
+bool ProcessBindsMemberIdentity() {
+  ProcessCredentials& p = Process();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return p.binds_identity;
+}
+
+std::string ProcessTrustDomain() {
+  ProcessCredentials& p = Process();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return p.trust_domain;
+}
+
+absl::StatusOr<MemberIdentity> ParseMemberSpiffeId(const std::string& id,
+                                                   const std::string& trust_domain) {
+  const std::string prefix = "spiffe://" + trust_domain + "/";
+  if (id.compare(0, prefix.size(), prefix) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("'", id.substr(0, 160),
+                                                   "' is not a SPIFFE ID of the trust domain ",
+                                                   trust_domain, " (", prefix, "<role>/<name>)"));
+  }
+  const std::string rest = id.substr(prefix.size());
+  const size_t slash = rest.find('/');
+  MemberIdentity m;
+  if (slash != std::string::npos) {
+    m.role = rest.substr(0, slash);
+    m.name = rest.substr(slash + 1);
+  }
+  if (m.role != "expert" && m.role != "attention") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", id.substr(0, 160), "' names no member role (expert or attention)"));
+  }
+  bool ok = !m.name.empty() && m.name.size() <= 128;
+  for (char c : m.name) {
+    ok &= absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_';
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", id.substr(0, 160), "': a member name is 1 to 128 letters, digits, - . _"));
+  }
+  return m;
 }
 
 bool ProcessTlsEnabled() {

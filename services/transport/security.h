@@ -33,6 +33,9 @@ struct TlsOptions {
   // (mutual TLS). Off: any client may connect (server-authenticated TLS only).
   bool require_client_cert = true;
   int refresh_seconds = 60;  // how often the files are checked for a new version
+  // Members' certificates carry spiffe://<trust_domain>/<role>/<name> (role expert or
+  // attention): with mutual TLS a member may act only as the one its certificate names.
+  std::string trust_domain = "moe";
 
   bool enabled() const { return !ca_file.empty(); }
 };
@@ -54,6 +57,19 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 // server: the process serves (it then needs a certificate).
 absl::Status ConfigureProcessTls(const TlsOptions& tls, bool server);
 bool ProcessTlsEnabled();
+
+// A member's identity from its certificate: the SPIFFE ID spiffe://<trust domain>/<role>/<name>.
+struct MemberIdentity {
+  std::string role;  // "expert" or "attention"
+  std::string name;  // the shard or node name (letters, digits, - . _; 1 to 128 bytes)
+};
+// INVALID_ARGUMENT saying what is wrong (scheme, trust domain, role, name).
+absl::StatusOr<MemberIdentity> ParseMemberSpiffeId(const std::string& id,
+                                                   const std::string& trust_domain);
+// Whether this process's servers bind members to their certificates: TLS with client
+// certificates required (the default with --tls_ca_file). The trust domain they expect.
+bool ProcessBindsMemberIdentity();
+std::string ProcessTrustDomain();
 std::shared_ptr<grpc::ChannelCredentials> ProcessChannelCredentials();
 // FAILED_PRECONDITION in a TLS process configured without a certificate (a client only): it
 // never falls back to a plaintext server.

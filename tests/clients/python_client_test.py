@@ -383,8 +383,9 @@ def test_python_client_tls(client_dir, moe_cli, ckpt, ref, work):
                    timeout=60)
     f = {n: os.path.join(pki, n) for n in ("ca.pem", "member.pem", "member.key")}
     up, cluster = start_cluster(moe_cli, ckpt, os.path.join(work, "cluster-tls"), [
-        f"--tls_ca_file={f['ca.pem']}", f"--tls_cert_file={f['member.pem']}",
-        f"--tls_key_file={f['member.key']}"])
+        # Each process its own member identity (pki/<name>.pem: spiffe://moe/<role>/<name>).
+        f"--tls_ca_file={f['ca.pem']}", f"--tls_cert_file={os.path.join(pki, '{name}.pem')}",
+        f"--tls_key_file={os.path.join(pki, '{name}.key')}"])
     try:
         member = tls_credentials(f["ca.pem"], f["member.pem"], f["member.key"])
         with Client(cluster["attention"], credentials=member) as c:

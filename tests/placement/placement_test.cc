@@ -120,5 +120,36 @@ TEST(BuildRoute, OrdersShardsAndPrefersHealthyReplicas) {
   }
 }
 
+// What a shard may serve comes from the deployment: the chart's table by the ordinal the pod
+// name ends in, or moe-cli up's explicit names; never the shard's claim.
+TEST(ShardAllowance, TheTableOrTheNamesDecideAShardsRange) {
+  auto table = ParseShardAllowance(RangeTableJson(EvenTable(896, 2, 2)));  // 2 ranges x 2
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_TRUE(CheckShardRange(*table, "moe-expert-0", {0, 448}).ok());
+  EXPECT_TRUE(CheckShardRange(*table, "moe-expert-1", {0, 448}).ok());  // its replica
+  EXPECT_TRUE(CheckShardRange(*table, "moe-expert-3", {448, 896}).ok());
+  EXPECT_TRUE(CheckShardRange(*table, "moe-expert-2", {500, 600}).ok());  // within
+  const absl::Status wide = CheckShardRange(*table, "moe-expert-0", {0, 896});
+  EXPECT_EQ(wide.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(wide.message(),
+            "shard moe-expert-0 may serve experts [0, 448) (the deployment's ranges file), not "
+            "the range [0, 896) it registered");
+  EXPECT_EQ(CheckShardRange(*table, "a-evil", {0, 1}).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(CheckShardRange(*table, "moe-expert-4", {0, 1}).code(),
+            absl::StatusCode::kPermissionDenied);  // past the table's pods
+
+  auto named = ParseShardAllowance(R"({"shards": {"shard-0": [0, 8], "shard-1": [8, 16]}})");
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_TRUE(CheckShardRange(*named, "shard-1", {8, 16}).ok());
+  EXPECT_EQ(CheckShardRange(*named, "shard-1", {0, 16}).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(CheckShardRange(*named, "shard-2", {8, 16}).code(),
+            absl::StatusCode::kPermissionDenied);
+  for (const char* bad : {R"({"shards": {}})", R"({"shards": {"a": [5, 5]}})",
+                          R"({"shards": {"a": "x"}})", R"({"shards": []})", "[]", "not json"}) {
+    EXPECT_EQ(ParseShardAllowance(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace moe::placement

@@ -6,6 +6,8 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -36,7 +38,8 @@ std::string ScrapeMetrics(const RouterServerOptions& o, const RouterServer&) {
   std::ifstream f(o.metrics_port_file);
   int port = 0;
   f >> port;
-  return moe::testing::HttpExchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  return moe::testing::HttpExchange(
+      port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
 }
 
 class Router {
@@ -353,8 +356,9 @@ TEST(RouterServer, WatchersGetTheLatestStateAndAreBounded) {
   constexpr int kChanges = 300;
   for (int i = 0; i < kChanges; ++i) {
     v1::RegisterExpertServerRequest reg;
-    reg.set_shard("shard-" + std::to_string(i) + std::string(200, 'x'));  // big placements
-    reg.set_endpoint("127.0.0.1:1/" + std::string(1000, 'e'));            // beyond the 16 MB window
+    // Big placements (names and endpoints near their bounds): 300 of them pass the 16 MB window.
+    reg.set_shard("shard-" + std::to_string(i) + std::string(110, 'x'));
+    reg.set_endpoint("127.0.0.1:1/" + std::string(240, 'e'));
     v1::ExpertRange* range = reg.add_ranges();
     range->set_layer(1);
     range->set_expert_lo(0);
@@ -386,6 +390,52 @@ TEST(RouterServer, WatchersGetTheLatestStateAndAreBounded) {
   second_ctx.TryCancel();
   (void)slow->Finish();
   (void)second->Finish();
+}
+
+// The bytes watchers hold unread are bounded together (--max_watch_bytes): while placements
+// grow past it, a watcher that is pushed to over the budget is ended (its call cancelled, so
+// what gRPC holds for it goes too); the router serves on, and a new watcher gets the latest.
+TEST(RouterServer, WatchersArePastTheByteBudgetEnded) {
+  RouterServerOptions o;
+  o.max_watch_bytes = 256 << 10;  // 256 KiB for every watcher together
+  Router r(o);
+  grpc::ClientContext idle_ctx;
+  idle_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto idle = r->WatchPlacement(&idle_ctx, v1::GetPlacementRequest());
+  v1::Placement p;
+  ASSERT_TRUE(idle->Read(&p));  // then not again until the registrations are done
+  // 600 shards of ~400 bytes: placements of up to ~240 KB, ~70 MB over all versions.
+  for (int i = 0; i < 600; ++i) {
+    v1::RegisterExpertServerRequest reg;
+    reg.set_shard("shard-" + std::to_string(i) + std::string(110, 'x'));
+    reg.set_endpoint("127.0.0.1:1/" + std::string(240, 'e'));
+    v1::ExpertRange* range = reg.add_ranges();
+    range->set_layer(1);
+    range->set_expert_lo(0);
+    range->set_expert_hi(16);
+    v1::RegisterExpertServerResponse lease;
+    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+  }
+  // The stream was ended: what it reads now ends in an error before its deadline, at most
+  // one message per change.
+  int idle_read = 0;
+  while (idle_read < 600 && idle->Read(&p)) ++idle_read;
+  const grpc::Status s = idle->Finish();
+  EXPECT_TRUE(s.error_code() == grpc::StatusCode::CANCELLED ||
+              s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << s.error_code() << " " << s.error_message();
+  std::printf("[over the watch budget] ended after %d messages\n", idle_read);
+  // A new watcher: the latest placement.
+  v1::Placement latest;
+  ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &latest).ok());
+  ASSERT_EQ(latest.shards_size(), 600);
+  grpc::ClientContext fresh_ctx;
+  fresh_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto fresh = r->WatchPlacement(&fresh_ctx, v1::GetPlacementRequest());
+  ASSERT_TRUE(fresh->Read(&p));
+  EXPECT_EQ(p.version(), latest.version());
+  fresh_ctx.TryCancel();
+  (void)fresh->Finish();
 }
 
 // Membership is authenticated: registrations, heartbeats and reports need the cluster token,
@@ -666,6 +716,87 @@ TEST(RouterServer, AStateIsNeverSilentlyEmpty) {
   ASSERT_TRUE(stub->GetBias(&ctx, gb, &b).ok());
   EXPECT_EQ(b.version(), 1u);
   EXPECT_EQ(b.reason(), "rollback to 0");
+}
+
+// Members are bounded too: a shard registers only the range the deployment's table gives its
+// name, one range per managed layer, under a bounded name; and a registration whose lease is
+// long expired leaves the placement (and the store) by itself.
+TEST(RouterServer, RegistrationsAreBoundedByTheDeploymentAndExpire) {
+  std::string tmpl = ::testing::TempDir() + "/moe_ranges_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  {
+    std::ofstream f(dir + "/ranges.json");
+    f << R"({"shards": {"shard-a": [0, 8], "shard-b": [8, 16]}})";
+  }
+  RouterServerOptions o;
+  o.ranges_file = dir + "/ranges.json";
+  o.heartbeat_interval_ms = 100;
+  o.shard_expiry_seconds = 1;
+  o.max_shards = 2;
+  Router r(o);
+  auto reg = [&](const std::string& shard, std::vector<std::array<int, 3>> ranges) {
+    v1::RegisterExpertServerRequest req;
+    req.set_shard(shard);
+    req.set_endpoint("127.0.0.1:7");
+    for (const auto& [layer, lo, hi] : ranges) {
+      auto* x = req.add_ranges();
+      x->set_layer(layer);
+      x->set_expert_lo(lo);
+      x->set_expert_hi(hi);
+    }
+    v1::RegisterExpertServerResponse resp;
+    return r->RegisterExpertServer(r.Ctx().get(), req, &resp);
+  };
+  struct Case {
+    std::string shard;
+    std::vector<std::array<int, 3>> ranges;
+    grpc::StatusCode code;
+    const char* message;
+  };
+  for (const Case& c : {
+           Case{"a-evil",
+                {{1, 0, 16}},
+                grpc::StatusCode::PERMISSION_DENIED,
+                "shard a-evil may serve no experts"},
+           Case{"shard-a",
+                {{1, 0, 16}},
+                grpc::StatusCode::PERMISSION_DENIED,
+                "shard shard-a may serve experts [0, 8) (the deployment's ranges file), not the "
+                "range [0, 16) it registered for layer 1"},
+           Case{"shard-a",
+                {{7, 0, 8}},
+                grpc::StatusCode::INVALID_ARGUMENT,
+                "layer 7 is not managed by this router"},
+           Case{"shard-a",
+                {{1, 0, 4}, {1, 4, 8}},
+                grpc::StatusCode::INVALID_ARGUMENT,
+                "two ranges for layer 1"},
+           Case{std::string(210, 'x'),
+                {{1, 0, 8}},
+                grpc::StatusCode::INVALID_ARGUMENT,
+                "a shard name of 210 bytes"},
+           Case{"shard a",
+                {{1, 0, 8}},
+                grpc::StatusCode::INVALID_ARGUMENT,
+                "letters, digits, '-', '.' and '_' only"},
+       }) {
+    SCOPED_TRACE(c.shard.substr(0, 20));
+    const grpc::Status s = reg(c.shard, c.ranges);
+    EXPECT_EQ(s.error_code(), c.code) << s.error_message();
+    EXPECT_NE(s.error_message().find(c.message), std::string::npos) << s.error_message();
+  }
+  // Within its range: accepted (a narrower range too).
+  ASSERT_TRUE(reg("shard-a", {{1, 0, 8}}).ok());
+  ASSERT_TRUE(reg("shard-b", {{1, 8, 12}}).ok());
+  v1::Placement p;
+  ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &p).ok());
+  ASSERT_EQ(p.shards_size(), 2);
+  // Silent past shard_expiry_seconds: removed by the health loop (bounded wait: 5 s).
+  for (int i = 0; i < 50 && p.shards_size() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &p).ok());
+  }
+  EXPECT_EQ(p.shards_size(), 0) << "expired registrations stay in the placement";
 }
 
 }  // namespace

@@ -529,14 +529,15 @@ def _(ctx):
 
 
 # router-svc: membership, statistics, admin
-def register(ctx, name="a-rogue", metadata=None, endpoint="127.0.0.1:1"):
+def register(ctx, name="a-rogue", metadata=None, endpoint="127.0.0.1:1", ranges=None):
     r = ctx.pb.router.RegisterExpertServerRequest()
     r.shard = name
     r.endpoint = endpoint
-    g = r.ranges.add()
-    g.layer = LAYER
-    g.expert_lo = 0
-    g.expert_hi = 128
+    for layer, lo, hi in ranges or [(LAYER, 0, 128)]:
+        g = r.ranges.add()
+        g.layer = layer
+        g.expert_lo = lo
+        g.expert_hi = hi
     return ctx.unary(ctx.router, "/moe.v1.RouterService/RegisterExpertServer", r,
                      ctx.pb.router.RegisterExpertServerResponse, metadata=metadata)
 
@@ -559,6 +560,43 @@ def _(ctx):
 def _(ctx):
     return expect(C.INVALID_ARGUMENT, "shard name", lambda: register(
         ctx, name="s" * (1 << 20), metadata=ctx.member()))
+
+
+# Members (the cluster token) are bounded too: what a shard may serve comes from the deployment's
+# table (moe-cli up's ranges.json), not from its claim. Each case: the placement unchanged.
+@case("member: a new name claiming every expert (the zero-answer rogue)")
+def _(ctx):
+    # The finding: "a-evil" over [0, 128) with heartbeats made 101 of 101 canary answers wrong.
+    before = placement(ctx)
+    msg = expect(C.PERMISSION_DENIED, "shard a-evil may serve no experts", lambda: register(
+        ctx, name="a-evil", metadata=ctx.member()))
+    assert placement(ctx) == before, "the placement changed"
+    return msg
+
+
+@case("member: shard-0's name with a superset of its range")
+def _(ctx):
+    before = placement(ctx)
+    msg = expect(C.PERMISSION_DENIED, "may serve experts [0, 64)", lambda: register(
+        ctx, name="shard-0", metadata=ctx.member()))
+    assert placement(ctx) == before, "the placement changed"
+    return msg
+
+
+@case("member: 1,024 ranges of 210-character names, 19 times (the 3 GB finding)")
+def _(ctx):
+    before = placement(ctx)
+    msgs = []
+    for i in range(19):
+        ranges = [(LAYER + j, 0, 64) for j in range(1024)]
+        msgs.append(expect(C.INVALID_ARGUMENT, "", lambda: register(
+            ctx, name=f"evil-{i}-" + "n" * 200, metadata=ctx.member(), ranges=ranges)))
+    msgs.append(expect(C.INVALID_ARGUMENT, "is not managed by this router", lambda: register(
+        ctx, name="shard-0", metadata=ctx.member(), ranges=[(LAYER + 1, 0, 64)])))
+    msgs.append(expect(C.INVALID_ARGUMENT, "two ranges for layer", lambda: register(
+        ctx, name="shard-0", metadata=ctx.member(), ranges=[(LAYER, 0, 32), (LAYER, 32, 64)])))
+    assert placement(ctx) == before, "the placement changed"
+    return f"{msgs[0]}; {msgs[-2]}; {msgs[-1]}"
 
 
 @case("Heartbeat on guessed leases without the token")

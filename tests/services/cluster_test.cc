@@ -114,7 +114,7 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
   if (!p.tls.empty()) {
     const std::string pki = moe::testing::MakeTestPki(moe::testing::MakeTempDir("pki"));
     ASSERT_FALSE(pki.empty());
-    o.tls = moe::testing::MemberTls(pki);
+    o.tls = moe::testing::MemberTls(pki, "{name}");  // each process its own identity
     o.tls.require_client_cert = p.tls == "mtls";
   }
   auto cluster = LocalCluster::Start(o);

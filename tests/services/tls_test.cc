@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/transport/channel.h"
 #include "services/transport/security.h"
@@ -111,7 +112,8 @@ TEST(ClusterTls, RefusesPlaintextCertificateLessAndWrongCaPeers) {
   Fixture f;
   f.pki = MakeTestPki(MakeTempDir("tls"));
   ASSERT_FALSE(f.pki.empty());
-  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki)));
+  // Each process with its own identity (tests/common/make_test_pki.sh).
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "{name}")));
   auto ok = ForwardWith(f, MemberTls(f.pki));
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_TRUE(SameBits(ok->out, f.want));
@@ -176,16 +178,22 @@ TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
   Fixture f;
   f.pki = MakeTestPki(MakeTempDir("tls_rotate"));
   ASSERT_FALSE(f.pki.empty());
-  // The cluster reads "live" files that the test rotates (as cert-manager rewrites a Secret).
-  CopyFileAtomically(f.pki + "/member.pem", f.pki + "/live.pem");
-  CopyFileAtomically(f.pki + "/member.key", f.pki + "/live.key");
-  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "live")));
+  // Each process reads its own "live" files that the test rotates (as cert-manager rewrites
+  // a pod's Secret): the same identity, a new certificate (CN moe-member -> moe-member-2).
+  const char* kProcesses[] = {"router-svc", "attention-svc", "shard-0", "shard-1", "client"};
+  for (const char* p : kProcesses) {
+    CopyFileAtomically(f.pki + "/" + p + ".pem", f.pki + "/live-" + p + ".pem");
+    CopyFileAtomically(f.pki + "/" + p + ".key", f.pki + "/live-" + p + ".key");
+  }
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "live-{name}")));
   const transport::TlsOptions me = MemberTls(f.pki);
   const std::string attention = f.cluster->attention_endpoint();
   EXPECT_EQ(PresentedSubject(attention, me), "CN = moe-member");
 
-  CopyFileAtomically(f.pki + "/member2.key", f.pki + "/live.key");
-  CopyFileAtomically(f.pki + "/member2.pem", f.pki + "/live.pem");
+  for (const char* p : kProcesses) {
+    CopyFileAtomically(f.pki + "/" + p + "-2.key", f.pki + "/live-" + p + ".key");
+    CopyFileAtomically(f.pki + "/" + p + "-2.pem", f.pki + "/live-" + p + ".pem");
+  }
   std::string subject;
   for (int i = 0; i < 60 && subject != "CN = moe-member-2"; ++i) {  // refresh: 1 s
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
@@ -233,6 +241,93 @@ TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
       " --tls_key_file=", t.key_file, " --tls_ca_file=", t.ca_file, " 2>&1; echo rc=$?"));
   EXPECT_THAT(out, ::testing::HasSubstr("is readable by others"));
   EXPECT_THAT(out, ::testing::HasSubstr("rc=1"));
+}
+
+// A member acts only as itself: with mutual TLS the router takes a registration or heartbeat
+// only from the certificate naming that shard (spiffe://moe/expert/<shard>), ranges only from
+// the deployment's table, statistics only from attention identities, and a shard takes
+// Dispatch only from attention identities. The cluster token alone is not enough.
+TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
+  Fixture f;
+  f.pki = MakeTestPki(MakeTempDir("tls_identity"));
+  ASSERT_FALSE(f.pki.empty());
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "{name}")));
+  std::ifstream tf(f.cluster->work_dir() + "/cluster_token");
+  std::string token;
+  tf >> token;
+  auto call_as = [&](const std::string& cert) {
+    auto creds = transport::MakeChannelCredentials(MemberTls(f.pki, cert));
+    EXPECT_TRUE(creds.ok());
+    return transport::MakeChannel(f.cluster->router_endpoint(), transport::kDefaultMaxMessageBytes,
+                                  *creds);
+  };
+  auto reg = [&](const std::string& cert, const std::string& shard, int lo, int hi) {
+    auto router = v1::RouterService::NewStub(call_as(cert));
+    v1::RegisterExpertServerRequest r;
+    r.set_shard(shard);
+    r.set_endpoint("127.0.0.1:1");
+    auto* range = r.add_ranges();
+    range->set_layer(f.layer);
+    range->set_expert_lo(lo);
+    range->set_expert_hi(hi);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata(transport::kClusterTokenMetadata, token);
+    v1::RegisterExpertServerResponse resp;
+    return router->RegisterExpertServer(&ctx, r, &resp);
+  };
+  const int E = static_cast<int>(f.cfg.num_experts);
+  struct Case {
+    const char* what;
+    std::string cert, shard;
+    int lo, hi;
+    const char* message;
+  };
+  for (const Case& c : {
+           // shard-1's certificate (the "impostor") registering under shard-0's name.
+           Case{"another shard's name", "impostor", "shard-0", 0, 7,
+                "needs the certificate of spiffe://moe/expert/shard-0; the caller's names "
+                "spiffe://moe/expert/shard-1"},
+           Case{"a name outside the table", "impostor", "a-evil", 0, E, "needs the certificate"},
+           // Its own name, a range beyond its own (shard-1 serves [7, 16)).
+           Case{"a superset of its range", "shard-1", "shard-1", 0, E,
+                "may serve experts [7, 16) (the deployment's ranges file), not the range [0, 16)"},
+           Case{"no member identity (a user's certificate)", "member", "shard-0", 0, 7,
+                "needs a member certificate naming one SPIFFE ID"},
+           Case{"an attention identity", "attention-svc", "shard-0", 0, 7,
+                "needs the certificate of spiffe://moe/expert/shard-0"},
+       }) {
+    SCOPED_TRACE(c.what);
+    const grpc::Status s = reg(c.cert, c.shard, c.lo, c.hi);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr(c.message));
+  }
+  // (The shards' own registrations, each under its certificate's name, made the placement the
+  // Forward below uses.)
+
+  // A shard's certificate cannot dispatch to another shard (only attention identities can).
+  auto shard0 =
+      transport::MakeChannel(f.cluster->shard_endpoint(0), transport::kDefaultMaxMessageBytes,
+                             *transport::MakeChannelCredentials(MemberTls(f.pki, "shard-1")));
+  auto expert = v1::ExpertService::NewStub(shard0);
+  grpc::ClientContext dctx;
+  dctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  dctx.AddMetadata(transport::kClusterTokenMetadata, token);
+  auto stream = expert->Dispatch(&dctx);
+  stream->WritesDone();
+  v1::DispatchReply reply;
+  while (stream->Read(&reply)) {
+  }
+  const grpc::Status ds = stream->Finish();
+  EXPECT_EQ(ds.error_code(), grpc::StatusCode::PERMISSION_DENIED) << ds.error_message();
+  EXPECT_THAT(ds.error_message(), ::testing::HasSubstr("needs the certificate of "
+                                                       "spiffe://moe/attention/<name>"));
+
+  // The cluster still serves bit-exact answers: the placement is the members' own.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto got = ForwardWith(f, MemberTls(f.pki));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(SameBits(got->out, f.want));
 }
 
 }  // namespace
