@@ -1,10 +1,17 @@
 #include "services/metrics/http_server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -17,9 +24,6 @@ namespace {
 
 constexpr size_t kMaxHeaderBytes = 16 << 10;
 constexpr size_t kMaxBodyBytes = 1 << 20;
-// The whole request (headers and body) must arrive within this; a slow or silent client is cut
-// off, so a few of them cannot hold the workers.
-constexpr int kRequestTimeoutMs = 10000;
 
 const char* Reason(int status) {
   switch (status) {
@@ -97,7 +101,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   const std::string ports =
       v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
   const std::string threads = absl::StrCat(std::max(1, workers));
-  const std::string timeout = absl::StrCat(kRequestTimeoutMs);
+  const std::string timeout = absl::StrCat(kHttpRequestTimeoutMs);
   const std::string max_request = absl::StrCat(kMaxHeaderBytes);
   // No document root: nothing but the handler is served.
   const char* options[] = {"listening_ports",
@@ -131,8 +135,31 @@ HttpServer::~HttpServer() { Stop(); }
 
 void HttpServer::Stop() {
   if (ctx_ == nullptr) return;
-  mg_stop(ctx_);  // waits for the workers (bounded by the request timeout)
+  // Waits for the workers (bounded by the request timeout) and the listener (woken at once).
+  StopCivetPromptly(port_, [this] { mg_stop(ctx_); });
   ctx_ = nullptr;
+}
+
+void StopCivetPromptly(int port, const std::function<void()>& stop) {
+  std::atomic<bool> done{false};
+  std::thread stopper([&] {
+    stop();
+    done = true;
+  });
+  // Bounded: the stop itself ends by the request timeout; these pokes only wake the listener.
+  for (int i = 0; i < 500 && !done.load(); ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {
+      sockaddr_in a = {};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+      (void)::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+      ::close(fd);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  stopper.join();
 }
 
 int HttpServer::Handle(mg_connection* conn, void* self) {

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "services/metrics/http_server.h"
 #include "services/metrics/process_collector.h"
 
 namespace moe::metrics {
@@ -18,7 +19,12 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
                                   ? absl::StrCat("[", host, "]:", port)
                                   : absl::StrCat(host, ":", port);
   try {  // civetweb reports a failed bind by throwing; nothing else here throws
-    m->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
+    // Idle or slow scrapers cannot blind it: many workers, 3 s per request, no keep-alive,
+    // 16 KiB of headers (http_server.h).
+    m->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", address, "num_threads", absl::StrCat(kHttpWorkers), "request_timeout_ms",
+        absl::StrCat(kHttpRequestTimeoutMs), "enable_keep_alive", "no", "max_request_size",
+        "16384"});
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("metrics endpoint: cannot listen on ", address, ": ", e.what()));
@@ -32,6 +38,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   return m;
 }
 
-MetricsServer::~MetricsServer() = default;
+MetricsServer::~MetricsServer() {
+  if (exposer_ != nullptr) StopCivetPromptly(port_, [this] { exposer_.reset(); });
+}
 
 }  // namespace moe::metrics

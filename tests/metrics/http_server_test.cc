@@ -3,6 +3,7 @@
 
 #include <sys/time.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <string>
@@ -12,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "router-svc/router_server.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/metrics/metrics_server.h"
 #include "tests/common/http_client.h"
 
 namespace moe::metrics {
@@ -104,6 +106,62 @@ TEST(HttpServer, ManySlowConnectionsDoNotStarveOthers) {
   EXPECT_EQ(closed, 48);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(17));
   (*server)->Stop();
+}
+
+// Idle and slow clients cannot blind a service: with 300 connections that send nothing and 100
+// that trickle a header, both CivetWeb servers of a process (/metrics on prometheus-cpp's
+// Exposer, the page on HttpServer) answer every probe within 4 s (the 3 s request timeout
+// frees the workers the first wave holds); and each stops in well under a second.
+TEST(HttpServer, MetricsAndThePageAnswerUnderHundredsOfIdleConnections) {
+  auto metrics = MetricsServer::Start("127.0.0.1", 0);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto page = HttpServer::Start("127.0.0.1", 0, [](const HttpRequest&) {
+    return HttpResponse{200, "text/plain", "ok"};
+  });
+  ASSERT_TRUE(page.ok()) << page.status();
+  auto dial = [](int port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    return fd;
+  };
+  std::vector<int> held;
+  for (int port : {(*metrics)->port(), (*page)->port()}) {
+    for (int i = 0; i < 300; ++i) held.push_back(dial(port));  // idle: nothing sent
+    for (int i = 0; i < 100; ++i) {
+      const int fd = dial(port);
+      ::send(fd, "GET /metrics HTTP/1.1\r\nX-Slow: ", 31, MSG_NOSIGNAL);
+      held.push_back(fd);
+    }
+  }
+  std::chrono::steady_clock::duration worst{};
+  int answered = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+  while (std::chrono::steady_clock::now() < until) {  // bounded: 8 s of probes
+    for (int port : {(*metrics)->port(), (*page)->port()}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::string r =
+          HttpExchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+      worst = std::max(worst, std::chrono::steady_clock::now() - t0);
+      EXPECT_EQ(HttpStatusOf(r), 200);
+      answered += HttpStatusOf(r) == 200;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::printf("[800 idle/slow connections] %d probes answered, the slowest in %.2f s\n", answered,
+              std::chrono::duration<double>(worst).count());
+  EXPECT_LT(worst, std::chrono::seconds(4));
+  for (int fd : held) ::close(fd);
+  // Prompt stops: the listener's 2 s poll is woken.
+  auto t0 = std::chrono::steady_clock::now();
+  (*page)->Stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(800));
+  t0 = std::chrono::steady_clock::now();
+  metrics->reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(800));
 }
 
 TEST(RouterPage, ServesTheEmbeddedPageAndAnswersTheApiWithClearErrors) {

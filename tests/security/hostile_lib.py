@@ -231,8 +231,9 @@ def alive(pid):
 
 
 def stop_under_load(ctx, pids):
-    """SIGTERM to every server while heavy requests run: each exits within 4 s (its 2 s grace
-    for running calls, then its own teardown)."""
+    """SIGTERM to every server while heavy requests run: each exits within 3 s, the README's
+    promise (its 2 s grace for running calls, then its own teardown: the HTTP servers' stops
+    are woken at once)."""
     x = np.tile(ctx.ref["x"], (512, 1))
     stop = threading.Event()
 
@@ -255,6 +256,6 @@ def stop_under_load(ctx, pids):
             time.sleep(0.02)
         took[name] = time.time() - t
     stop.set()
-    slow = {n: s for n, s in took.items() if s > 4.0}
+    slow = {n: s for n, s in took.items() if s > 3.0}
     assert not slow, f"past the grace period: {slow}"
     return ", ".join(f"{n} {1000 * s:.0f} ms" for n, s in took.items())
