@@ -4,11 +4,22 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <mutex>
+#include <thread>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -36,13 +47,145 @@ absl::Status CheckPemFile(const std::string& what, const std::string& path, bool
   return absl::OkStatus();
 }
 
-std::shared_ptr<gx::FileWatcherCertificateProvider> Provider(const TlsOptions& tls) {
+std::string ReadAll(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// OK when the PEM texts hold a certificate and a private key that belong together.
+absl::Status CheckPair(const std::string& cert_pem, const std::string& key_pem) {
+  BIO* cb = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  BIO* kb = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+  X509* cert = cb != nullptr ? PEM_read_bio_X509(cb, nullptr, nullptr, nullptr) : nullptr;
+  EVP_PKEY* key = kb != nullptr ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
+  absl::Status s = absl::OkStatus();
+  if (cert == nullptr) {
+    s = absl::InvalidArgumentError("the certificate file holds no readable certificate");
+  } else if (key == nullptr) {
+    s = absl::InvalidArgumentError("the key file holds no readable private key");
+  } else if (X509_check_private_key(cert, key) != 1) {
+    s = absl::InvalidArgumentError("the key does not match the certificate");
+  }
+  ERR_clear_error();
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  BIO_free(cb);
+  BIO_free(kb);
+  return s;
+}
+
+// The last good certificate and key of one (cert_file, key_file), where gRPC's file watcher
+// reads them: copies in a private directory (generation g<N>, and a symlink `current` swapped
+// atomically to the newest), replaced only when the operator's files hold a new pair whose key
+// matches its certificate. gRPC's own watcher stops every new handshake when it reads a
+// mismatched pair (a half-done or broken rotation); here a broken rotation is logged once per
+// new content and the last good pair keeps serving, and a good pair later is taken as usual.
+class PairKeeper {
+ public:
+  static absl::StatusOr<std::shared_ptr<PairKeeper>> For(const TlsOptions& tls) {
+    static std::mutex mu;
+    static auto* keepers = new std::map<std::string, std::shared_ptr<PairKeeper>>();
+    std::lock_guard<std::mutex> lock(mu);
+    const std::string id = tls.cert_file + "\n" + tls.key_file;
+    auto it = keepers->find(id);
+    if (it != keepers->end()) return it->second;
+    char tmpl[] = "/tmp/moe-tls-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp for the TLS pair failed");
+    auto k = std::shared_ptr<PairKeeper>(new PairKeeper(tls, tmpl));
+    const std::string cert = ReadAll(tls.cert_file), key = ReadAll(tls.key_file);
+    if (absl::Status s = CheckPair(cert, key); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TLS ", tls.cert_file, " and ", tls.key_file, ": ", s.message()));
+    }
+    if (absl::Status s = k->Publish(cert, key); !s.ok()) return s;
+    k->thread_ = std::thread([k = k.get()] { k->Watch(); });
+    k->thread_.detach();  // process-wide, like the credentials that read it
+    (*keepers)[id] = k;
+    return k;
+  }
+  std::string cert_path() const { return dir_ + "/current/tls.crt"; }
+  std::string key_path() const { return dir_ + "/current/tls.key"; }
+
+ private:
+  PairKeeper(const TlsOptions& tls, std::string dir)
+      : cert_file_(tls.cert_file),
+        key_file_(tls.key_file),
+        refresh_(std::chrono::seconds(std::max(1, tls.refresh_seconds))),
+        dir_(std::move(dir)) {}
+
+  absl::Status Publish(const std::string& cert, const std::string& key) {
+    const std::string gen = absl::StrCat("g", ++generation_);
+    const std::string gdir = dir_ + "/" + gen;
+    if (::mkdir(gdir.c_str(), 0700) != 0) return absl::InternalError("mkdir " + gdir);
+    for (const auto& [name, text] :
+         {std::pair<const char*, const std::string&>{"tls.crt", cert}, {"tls.key", key}}) {
+      const std::string path = gdir + "/" + name;
+      std::ofstream f(path, std::ios::binary | std::ios::trunc);
+      f << text;
+      if (!f) return absl::InternalError("cannot write " + path);
+      ::chmod(path.c_str(), 0600);
+    }
+    const std::string link = dir_ + "/current.tmp";
+    ::unlink(link.c_str());
+    if (::symlink(gen.c_str(), link.c_str()) != 0 ||
+        ::rename(link.c_str(), (dir_ + "/current").c_str()) != 0) {
+      return absl::InternalError("cannot publish the TLS pair in " + dir_);
+    }
+    // Two generations back is no longer read by anyone.
+    if (generation_ > 2) {
+      const std::string old = absl::StrCat(dir_, "/g", generation_ - 2);
+      ::unlink((old + "/tls.crt").c_str());
+      ::unlink((old + "/tls.key").c_str());
+      ::rmdir(old.c_str());
+    }
+    last_cert_ = cert;
+    last_key_ = key;
+    return absl::OkStatus();
+  }
+
+  void Watch() {
+    std::string refused_cert, refused_key;
+    for (;;) {
+      std::this_thread::sleep_for(refresh_);
+      const std::string cert = ReadAll(cert_file_), key = ReadAll(key_file_);
+      if (cert == last_cert_ && key == last_key_) continue;
+      if (absl::Status s = CheckPair(cert, key); !s.ok()) {
+        if (cert != refused_cert || key != refused_key) {
+          std::fprintf(stderr,
+                       "TLS rotation refused (%s and %s: %s): serving the last good certificate "
+                       "until a matching pair appears\n",
+                       cert_file_.c_str(), key_file_.c_str(), std::string(s.message()).c_str());
+          refused_cert = cert;
+          refused_key = key;
+          refusals_.fetch_add(1);
+        }
+        continue;
+      }
+      if (absl::Status s = Publish(cert, key); !s.ok()) {
+        std::fprintf(stderr, "TLS rotation: %s\n", std::string(s.message()).c_str());
+      }
+    }
+  }
+
+  const std::string cert_file_, key_file_;
+  const std::chrono::seconds refresh_;
+  const std::string dir_;
+  int64_t generation_ = 0;
+  std::string last_cert_, last_key_;
+  std::atomic<int64_t> refusals_{0};
+  std::thread thread_;
+};
+
+absl::StatusOr<std::shared_ptr<gx::FileWatcherCertificateProvider>> Provider(
+    const TlsOptions& tls) {
   const unsigned refresh = static_cast<unsigned>(std::max(1, tls.refresh_seconds));
   if (tls.cert_file.empty()) {
     return std::make_shared<gx::FileWatcherCertificateProvider>(tls.ca_file, refresh);
   }
-  return std::make_shared<gx::FileWatcherCertificateProvider>(tls.key_file, tls.cert_file,
-                                                              tls.ca_file, refresh);
+  auto keeper = PairKeeper::For(tls);
+  if (!keeper.ok()) return keeper.status();
+  return std::make_shared<gx::FileWatcherCertificateProvider>(
+      (*keeper)->key_path(), (*keeper)->cert_path(), tls.ca_file, refresh);
 }
 
 struct ProcessCredentials {
@@ -83,15 +226,22 @@ absl::Status ValidateTlsOptions(const TlsOptions& tls, bool server) {
   if (auto s = CheckPemFile("CA", tls.ca_file, false); !s.ok()) return s;
   if (tls.cert_file.empty()) return absl::OkStatus();
   if (auto s = CheckPemFile("certificate", tls.cert_file, false); !s.ok()) return s;
-  return CheckPemFile("key", tls.key_file, true);
+  if (auto s = CheckPemFile("key", tls.key_file, true); !s.ok()) return s;
+  if (auto s = CheckPair(ReadAll(tls.cert_file), ReadAll(tls.key_file)); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS ", tls.cert_file, " and ", tls.key_file, ": ", s.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsOptions& tls) {
   if (auto s = ValidateTlsOptions(tls, /*server=*/false); !s.ok()) return s;
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
+  auto provider = Provider(tls);
+  if (!provider.ok()) return provider.status();
   gx::TlsChannelCredentialsOptions o;
-  o.set_certificate_provider(Provider(tls));
+  o.set_certificate_provider(*provider);
   o.watch_root_certs();
   if (!tls.cert_file.empty()) o.watch_identity_key_cert_pairs();
   o.set_verify_server_certs(true);  // chain to the CA, and the target host in its names
@@ -104,7 +254,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsOptions& tls) {
   if (auto s = ValidateTlsOptions(tls, /*server=*/true); !s.ok()) return s;
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
-  gx::TlsServerCredentialsOptions o(Provider(tls));
+  auto provider = Provider(tls);
+  if (!provider.ok()) return provider.status();
+  gx::TlsServerCredentialsOptions o(*provider);
   o.watch_root_certs();
   o.watch_identity_key_cert_pairs();
   o.set_cert_request_type(tls.require_client_cert

@@ -174,6 +174,8 @@ TEST(ClusterTls, RefusesPlaintextCertificateLessAndWrongCaPeers) {
   EXPECT_TRUE(SameBits(again->out, f.want));
 }
 
+// A rotated certificate is served without a restart; a broken rotation (a key that does not
+// match its certificate) keeps the last good pair serving, and a good pair after it is taken.
 TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
   Fixture f;
   f.pki = MakeTestPki(MakeTempDir("tls_rotate"));
@@ -205,6 +207,33 @@ TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
   auto got = ForwardWith(f, me);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(SameBits(got->out, f.want));
+
+  // A broken rotation (each process's first certificate with its second key: they do not
+  // match) is refused: the last good pair keeps serving new handshakes for 3 refreshes...
+  for (const char* p : kProcesses) {
+    CopyFileAtomically(f.pki + "/" + p + ".pem", f.pki + "/live-" + p + ".pem");
+  }
+  for (int i = 0; i < 12; ++i) {  // 3 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    ASSERT_EQ(PresentedSubject(attention, me), "CN = moe-member-2") << "after " << i;
+  }
+  EXPECT_EQ(PresentedSubject(f.cluster->router_endpoint(), me), "CN = moe-member-2");
+  auto during = ForwardWith(f, me);
+  ASSERT_TRUE(during.ok()) << during.status();
+  EXPECT_TRUE(SameBits(during->out, f.want));
+  // ... and a good pair after it is taken as usual.
+  for (const char* p : kProcesses) {
+    CopyFileAtomically(f.pki + "/" + p + ".key", f.pki + "/live-" + p + ".key");
+  }
+  subject.clear();
+  for (int i = 0; i < 60 && subject != "CN = moe-member"; ++i) {  // refresh: 1 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    subject = PresentedSubject(attention, me);
+  }
+  EXPECT_EQ(subject, "CN = moe-member");
+  auto after = ForwardWith(f, me);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(SameBits(after->out, f.want));
 }
 
 TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
@@ -232,6 +261,10 @@ TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
   not_pem.cert_file = pki + "/ca.srl";
   EXPECT_THAT(std::string(transport::ValidateTlsOptions(not_pem, true).message()),
               ::testing::HasSubstr("holds no PEM"));
+  transport::TlsOptions mismatched = t;
+  mismatched.key_file = pki + "/member2.key";
+  EXPECT_THAT(std::string(transport::ValidateTlsOptions(mismatched, true).message()),
+              ::testing::HasSubstr("the key does not match the certificate"));
   ASSERT_EQ(::chmod(t.key_file.c_str(), 0644), 0);
   EXPECT_EQ(transport::ValidateTlsOptions(t, true).code(), absl::StatusCode::kPermissionDenied);
 
