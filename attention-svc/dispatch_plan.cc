@@ -149,6 +149,52 @@ std::vector<int32_t> DegradeRouting(const LayerRoute& route, numerics::Routing* 
   return missing;
 }
 
+std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing* routing,
+                               int64_t* degraded_pairs, std::vector<int32_t>* missing) {
+  const int64_t k = routing->top_k;
+  std::vector<float> scale(static_cast<size_t>(routing->tokens), 1.0f);
+  std::vector<bool> seen(lost.size(), false);
+  for (int64_t t = 0; t < routing->tokens; ++t) {
+    float all = 0, kept = 0;  // fp32 sums in slot order, as DegradeRouting's
+    bool hit = false;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = routing->expert_ids[t * k + j];
+      const float w = routing->weights[t * k + j];
+      all += w;
+      const bool gone = static_cast<size_t>(e) < lost.size() && lost[e];
+      if (!gone) kept += w;
+      hit |= gone && w != 0;
+    }
+    if (!hit) continue;
+    scale[t] = kept > 0 ? all / kept : 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = routing->expert_ids[t * k + j];
+      float& w = routing->weights[t * k + j];
+      if (static_cast<size_t>(e) < lost.size() && lost[e]) {
+        if (w != 0) ++*degraded_pairs;
+        w = 0;
+        if (!seen[e]) missing->push_back(e);
+        seen[e] = true;
+      } else if (kept < all) {
+        w = kept > 0 ? w * (all / kept) : 0;
+      }
+    }
+  }
+  return scale;
+}
+
+ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t latent) {
+  ExpertReply r;
+  if (partial_sums) {
+    r.rows = static_cast<int64_t>(m.tokens.size());
+    r.f32.assign(static_cast<size_t>(r.rows * latent), 0.0f);
+  } else {
+    r.rows = m.rows();
+    r.bf16.assign(static_cast<size_t>(r.rows * latent), Bf16());
+  }
+  return r;
+}
+
 absl::StatusOr<std::vector<Bf16>> Gather(const DispatchPlan& plan, const numerics::Routing& routing,
                                          const LayerRoute& route,
                                          const std::vector<ExpertReply>& replies) {

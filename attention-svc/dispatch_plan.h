@@ -96,6 +96,18 @@ absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing,
 std::vector<int32_t> DegradeRouting(const LayerRoute& route, numerics::Routing* routing,
                                     std::vector<bool>* skip, int64_t* degraded_pairs);
 
+// DEGRADE after dispatch: the experts marked in `lost` (their shard died or stalled after the
+// messages went out, and no replica answered) are left out by the same rule, from the weights
+// as they are (a token's weights still sum to its k weights' sum). Returns each token's factor
+// (sum before) / (sum kept), 1 where nothing changed, for replies already weighted at the shard
+// (partial sums); *degraded_pairs counts the pairs newly left out, *missing gets the experts.
+std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing* routing,
+                               int64_t* degraded_pairs, std::vector<int32_t>* missing);
+
+// The reply a lost message contributes under DEGRADE: zeros of the shape it would have had.
+struct ExpertReply;
+ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t latent);
+
 // A shard's answer to one message: per-pair, `bf16` [rows, latent]; partial sums, `f32`
 // [tokens.size(), latent].
 struct ExpertReply {

@@ -195,8 +195,22 @@ class AttentionServer::Impl::ForwardPass {
   absl::Status Finish(InFlight& f) {
     std::vector<ExpertReply> replies(f.plan.messages.size());
     const bool f32 = spec_.mode == ReplyMode::kPartialSum;
+    const bool degrade = req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE;
+    std::vector<bool> lost;  // DEGRADE: experts whose shard died or stalled after dispatch
     for (size_t i = 0; i < f.calls.size(); ++i) {
-      MOE_ASSIGN_OR_RETURN(replies[i], f.calls[i]->Wait(spec_.expert_deadline));
+      absl::StatusOr<ExpertReply> reply = f.calls[i]->Wait(spec_.expert_deadline);
+      if (!reply.ok() && degrade &&
+          (reply.status().code() == absl::StatusCode::kUnavailable ||
+           reply.status().code() == absl::StatusCode::kDeadlineExceeded)) {
+        // No replica answered in time: under DEGRADE its experts are left out like missing ones
+        // (said in the response and moe_degraded_pairs_total).
+        lost.resize(static_cast<size_t>(spec_.route->owner.size()), false);
+        for (const auto& [e, rows] : f.plan.messages[i].groups) lost[e] = true;
+        replies[i] = ZeroReply(f.plan.messages[i], f32, d_);
+        continue;
+      }
+      MOE_RETURN_IF_ERROR(reply.status());
+      replies[i] = *std::move(reply);
       const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
                                 : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
       bytes_received_ += bytes;
@@ -206,6 +220,22 @@ class AttentionServer::Impl::ForwardPass {
       }
     }
     last_reply_ = Clock::now();
+    if (!lost.empty()) {
+      int64_t pairs = 0;
+      std::vector<int32_t> missing;
+      const std::vector<float> scale = DegradeLost(lost, &f.batch.routing, &pairs, &missing);
+      missing_.insert(missing.begin(), missing.end());
+      degraded_pairs_ += pairs;
+      // Partial sums were weighted at the shards with the weights before the loss.
+      for (size_t i = 0; f32 && i < replies.size(); ++i) {
+        const std::vector<int64_t>& tokens = f.plan.messages[i].tokens;
+        for (size_t j = 0; j < tokens.size(); ++j) {
+          const float c = scale[static_cast<size_t>(tokens[j])];
+          if (c == 1.0f) continue;
+          for (int64_t col = 0; col < d_; ++col) replies[i].f32[j * d_ + col] *= c;
+        }
+      }
+    }
     const auto combine_start = Clock::now();
     std::vector<Bf16> r;
     {

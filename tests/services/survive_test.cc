@@ -164,6 +164,53 @@ TEST(ClusterReplicas, KillingAReplicaUnderLoadFailsNoRequest) {
 // the shard; with DEGRADE the missing experts are skipped, the token's other weights scaled to
 // the sum all k had, and the response says which experts and how many pairs. Oracle: the
 // in-process layer's stages on a routing degraded here, by the rule of attention.proto.
+// What DEGRADE must answer when experts [gone_from, E) are left out: the same routing, those
+// slots' weights 0 and each token's others scaled by all / kept (fp32 sums in slot order), the
+// kept experts computed in process, combined and finished.
+struct DegradeWant {
+  numerics::Routing routing;
+  std::vector<int32_t> missing;
+  int64_t pairs = 0;
+  std::vector<Bf16> out;
+};
+DegradeWant DegradeOracle(numerics::cpu::CpuMoeLayer& local, const ModelConfig& cfg,
+                          const std::vector<Bf16>& x, int64_t tokens, int32_t gone_from) {
+  const int64_t d = cfg.latent, k = cfg.top_k;
+  DegradeWant w;
+  auto batch = local.RouteAndProject(x, tokens, cfg.hidden, nullptr, nullptr);
+  EXPECT_TRUE(batch.ok());
+  numerics::Routing routing = batch->routing;
+  for (int64_t t = 0; t < tokens; ++t) {
+    float all = 0, kept = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      all += routing.weights[t * k + j];
+      if (routing.expert_ids[t * k + j] < gone_from) kept += routing.weights[t * k + j];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      float& wt = routing.weights[t * k + j];
+      const int32_t e = routing.expert_ids[t * k + j];
+      if (e >= gone_from) {
+        wt = 0;
+        ++w.pairs;
+        w.missing.push_back(e);
+      } else if (kept < all) {
+        wt = kept > 0 ? wt * (all / kept) : 0.0f;
+      }
+    }
+  }
+  std::sort(w.missing.begin(), w.missing.end());
+  w.missing.erase(std::unique(w.missing.begin(), w.missing.end()), w.missing.end());
+  std::vector<Bf16> y = local.RunLocalExperts(routing, batch->z.data());
+  for (int64_t p = 0; p < tokens * k; ++p) {
+    if (routing.expert_ids[p] >= gone_from) std::fill_n(y.begin() + p * d, d, Bf16());
+  }
+  std::vector<Bf16> r(static_cast<size_t>(tokens * d));
+  numerics::ref::Combine(routing, y.data(), d, r.data());
+  w.out = local.Finish(*batch, r.data(), nullptr);
+  w.routing = std::move(routing);
+  return w;
+}
+
 TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
   const std::string& dir = CheckpointFor("tiny");
   ModelConfig cfg;
@@ -173,7 +220,7 @@ TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
   auto cluster = LocalCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  const int64_t tokens = 16, d = cfg.latent, k = cfg.top_k;
+  const int64_t tokens = 16, k = cfg.top_k;
   const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 41);
   auto client = ClientFor(**cluster);
   ASSERT_TRUE((*cluster)->SignalShard(1, SIGKILL).ok());
@@ -195,38 +242,11 @@ TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
   ASSERT_TRUE(got.ok()) << got.status();
 
   // The oracle: the same routing, experts [8, 16) left out by the rule.
-  auto batch = local->RouteAndProject(x, tokens, cfg.hidden, nullptr, nullptr);
-  ASSERT_TRUE(batch.ok());
-  numerics::Routing routing = batch->routing;
-  std::vector<int32_t> want_missing;
-  int64_t want_pairs = 0;
-  for (int64_t t = 0; t < tokens; ++t) {
-    float all = 0, kept = 0;  // fp32 sums in slot order, as the rule says
-    for (int64_t j = 0; j < k; ++j) {
-      all += routing.weights[t * k + j];
-      if (routing.expert_ids[t * k + j] < 8) kept += routing.weights[t * k + j];
-    }
-    for (int64_t j = 0; j < k; ++j) {
-      float& w = routing.weights[t * k + j];
-      const int32_t e = routing.expert_ids[t * k + j];
-      if (e >= 8) {
-        w = 0;
-        ++want_pairs;
-        want_missing.push_back(e);
-      } else if (kept < all) {
-        w = kept > 0 ? w * (all / kept) : 0.0f;
-      }
-    }
-  }
-  std::sort(want_missing.begin(), want_missing.end());
-  want_missing.erase(std::unique(want_missing.begin(), want_missing.end()), want_missing.end());
-  std::vector<Bf16> y = local->RunLocalExperts(routing, batch->z.data());
-  for (int64_t p = 0; p < tokens * k; ++p) {
-    if (routing.expert_ids[p] >= 8) std::fill_n(y.begin() + p * d, d, Bf16());
-  }
-  std::vector<Bf16> r(static_cast<size_t>(tokens * d));
-  numerics::ref::Combine(routing, y.data(), d, r.data());
-  const std::vector<Bf16> want = local->Finish(*batch, r.data(), nullptr);
+  const DegradeWant w = DegradeOracle(*local, cfg, x, tokens, /*gone_from=*/8);
+  const std::vector<int32_t>& want_missing = w.missing;
+  const int64_t want_pairs = w.pairs;
+  const numerics::Routing& routing = w.routing;
+  const std::vector<Bf16>& want = w.out;
 
   EXPECT_EQ(got->missing_experts, want_missing);
   EXPECT_EQ(got->degraded_pairs, want_pairs);
@@ -242,4 +262,70 @@ TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
 }
 
 }  // namespace
+// DEGRADE also covers a shard that stalls or dies after its messages went out (the router
+// still lists it healthy): with no replica to answer, its experts are left out by the same
+// rule when the expert deadline passes (a stall) or the stream breaks (a kill); FAIL answers
+// DEADLINE_EXCEEDED / UNAVAILABLE naming the shard.
+TEST(ClusterDegrade, AShardLostMidRequestIsLeftOutUnderDegrade) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
+  o.router_args = {"--heartbeat_interval_ms=2000"};  // the router notices only after 6 s
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const int64_t tokens = 16;
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 41);
+  const DegradeWant w = DegradeOracle(*local, cfg, x, tokens, /*gone_from=*/8);
+  client::ClientOptions co = (*cluster)->client_options();
+  co.timeout = absl::Seconds(2);
+  auto client = client::MoeClient::Create(co);
+  ASSERT_TRUE(client.ok());
+  client::ForwardOptions degrade;
+  degrade.missing_experts = v1::MISSING_EXPERTS_DEGRADE;
+  degrade.return_routing = true;
+
+  // Warm: every shard's stream is open (a stall then meets a live connection, not a new one).
+  auto warm = (*client)->Forward(layer, x, tokens, cfg.hidden, degrade);
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  ASSERT_EQ(warm->degraded_pairs, 0);
+  // A stall: shard-1 stopped just before the request; its message waits to the expert deadline.
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGSTOP).ok());
+  const absl::Time t0 = absl::Now();
+  auto stalled = (*client)->Forward(layer, x, tokens, cfg.hidden, degrade);
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(stalled.ok()) << stalled.status();
+  EXPECT_EQ(stalled->missing_experts, w.missing);
+  EXPECT_EQ(stalled->degraded_pairs, w.pairs);
+  EXPECT_EQ(stalled->weights, w.routing.weights);
+  EXPECT_TRUE(SameBits(stalled->out, w.out)) << "DEGRADE after a stall differs from the rule";
+  EXPECT_LT(took, absl::Seconds(2));  // within the caller's deadline
+  // FAIL (the default) on the same stall: DEADLINE_EXCEEDED (or UNAVAILABLE once gRPC gives
+  // the connection up) naming the shard.
+  auto failed = (*client)->Forward(layer, x, tokens, cfg.hidden);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(failed.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              failed.status().code() == absl::StatusCode::kUnavailable)
+      << failed.status();
+  EXPECT_NE(failed.status().message().find("shard-1"), absl::string_view::npos) << failed.status();
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGCONT).ok());
+
+  // A kill while a request is in flight: its stream breaks; DEGRADE answers by the rule.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE((*cluster)->SignalShard(1, SIGSTOP).ok());
+  std::thread killer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    (void)(*cluster)->SignalShard(1, SIGKILL);
+  });
+  auto killed = (*client)->Forward(layer, x, tokens, cfg.hidden, degrade);
+  killer.join();
+  ASSERT_TRUE(killed.ok()) << killed.status();
+  EXPECT_EQ(killed->missing_experts, w.missing);
+  EXPECT_TRUE(SameBits(killed->out, w.out)) << "DEGRADE after a kill differs from the rule";
+  std::printf(
+      "[degrade mid-request] stall answered in %.0f ms, kill answered, %lld pairs left out\n",
+      absl::ToDoubleMilliseconds(took), static_cast<long long>(w.pairs));
+}
+
 }  // namespace moe
