@@ -74,6 +74,10 @@ struct AttentionServerOptions {
   // A shard's dispatch is split (at expert boundaries) so that no message or reply exceeds
   // about this many payload bytes (K3 batches of thousands of tokens would pass gRPC's limit).
   int64_t max_dispatch_bytes = 64 << 20;
+  // A message whose replica has not answered after this share of the time to the expert
+  // deadline is also sent to another healthy replica of its range; the first answer wins
+  // (moe_hedges_total). 0: never. Without replicas it changes nothing.
+  double hedge_share = 0.5;
   // Split each request into this many micro-batches along its tokens, two in flight: one is
   // routed, projected and run through the shared experts here while the shards compute the
   // other (MegaScale-Infer's ping-pong). 1: the whole request at once. Same results either way.

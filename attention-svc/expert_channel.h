@@ -39,6 +39,10 @@ class ExpertCall {
   // The reply, or UNAVAILABLE (shard gone) / DEADLINE_EXCEEDED at `deadline`, naming the shard;
   // a reply whose shape does not fit the message is an error too.
   virtual absl::StatusOr<ExpertReply> Wait(absl::Time deadline) = 0;
+  // Blocks until the shard has answered (or the call failed) or `until`; true when it has (Wait
+  // then takes the reply without waiting on the shard). Consumes nothing. A call that answers
+  // at once (local, failed at Send) is always answered.
+  virtual bool Answered(absl::Time until) { return true; }
   // How this message travels: "grpc", "ucx", "local", or "" when it never left (failed at Send).
   virtual const char* transport() const = 0;
 };

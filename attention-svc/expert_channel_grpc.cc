@@ -26,6 +26,9 @@ class GrpcCall final : public ExpertCall {
         tokens_(tokens) {}
 
   const char* transport() const override { return "grpc"; }
+  bool Answered(absl::Time until) override {
+    return transport::ExpertStream::WaitAnswered(*pending_, until);
+  }
 
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     MOE_ASSIGN_OR_RETURN(v1::DispatchReply reply, stream_->Wait(*pending_, deadline));

@@ -59,6 +59,10 @@ class UcxCall final : public ExpertCall {
 
   const char* transport() const override { return "ucx"; }
 
+  // The header answers first (the payload follows it, or the shard failed the batch).
+  bool Answered(absl::Time until) override {
+    return transport::ExpertStream::WaitAnswered(*pending_, until);
+  }
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     const std::string& shard = stream_->shard();
     // The header first: a shard that died (found by its gRPC stream, not by UCX: shared-memory

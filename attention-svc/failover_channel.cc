@@ -19,6 +19,7 @@ class CountedCall final : public ExpertCall {
     picker_->Started(shard_);
   }
   ~CountedCall() override { picker_->Finished(shard_, failed_); }
+  bool Answered(absl::Time until) override { return inner_->Answered(until); }
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     absl::StatusOr<ExpertReply> r = inner_->Wait(deadline);
     failed_ = !r.ok() && r.status().code() == absl::StatusCode::kUnavailable;
@@ -39,12 +40,15 @@ class FailoverCall final : public ExpertCall {
  public:
   FailoverCall(FailoverChannel* channel, const DispatchHeader& header, const DispatchMessage& m,
                size_t target)
-      : channel_(channel), header_(header), m_(m), target_(target) {
+      : channel_(channel), header_(header), m_(m), target_(target), sent_at_(absl::Now()) {
     call_ = channel_->SendTo(target_, header_, m_);
   }
 
+  bool Answered(absl::Time until) override { return call_->Answered(until); }
+
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
     const LayerRoute& route = channel_->route_;
+    MaybeHedge(deadline);
     std::set<size_t> tried;
     bool again = false;
     for (;;) {
@@ -70,10 +74,47 @@ class FailoverCall final : public ExpertCall {
   const char* transport() const override { return call_->transport(); }
 
  private:
+  // Hedging: a replica that has not answered after hedge_share of the time to the deadline
+  // (stalled, overloaded) gets a twin: the same message to another healthy replica of the
+  // range, and the first to answer is the call (the other is dropped, its reply discarded, so
+  // nothing is counted twice). Without another replica, or with hedge_share 0, nothing.
+  void MaybeHedge(absl::Time deadline) {
+    const double share = channel_->hooks_.hedge_share;
+    if (share <= 0 || share >= 1) return;
+    const absl::Time hedge_at = sent_at_ + (deadline - sent_at_) * share;
+    if (call_->Answered(std::min(hedge_at, deadline)) || absl::Now() >= deadline) return;
+    const LayerRoute& route = channel_->route_;
+    const size_t twin = channel_->picker_->Pick(route, ReplicasOf(route, m_.shard), {target_});
+    if (twin >= route.shards.size() || twin == target_) return;
+    DispatchHeader h = header_;
+    h.timeout_ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    std::unique_ptr<ExpertCall> hedge = channel_->SendTo(twin, h, m_);
+    bool hedge_won = false;
+    // First answer wins (bounded by the deadline; 2 ms slices on each).
+    while (absl::Now() < deadline) {
+      const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(2));
+      if (call_->Answered(slice)) break;
+      if (hedge->Answered(std::min(deadline, absl::Now() + absl::Milliseconds(2)))) {
+        hedge_won = true;
+        break;
+      }
+    }
+    if (channel_->hooks_.on_hedge) {
+      channel_->hooks_.on_hedge(route.shards[target_], route.shards[twin], hedge_won);
+    }
+    if (hedge_won) {
+      std::swap(call_, hedge);
+      target_ = twin;
+      header_ = h;
+    }
+    // The loser ends here (counted off its replica); a late reply of it is discarded.
+  }
+
   FailoverChannel* const channel_;
   DispatchHeader header_;
   const DispatchMessage& m_;
   size_t target_;
+  const absl::Time sent_at_;
   std::unique_ptr<ExpertCall> call_;
 };
 

@@ -6,6 +6,8 @@
 // this call, e.g. a data-plane endpoint another request's transfer closed, is reopened by its
 // channel); any other error is the answer. Every call is counted as outstanding on its replica
 // while it lives (the picker's load), and a replica that answered UNAVAILABLE is avoided a while.
+// A replica that has not answered after hedge_share of the time to the deadline (a stall) gets
+// a twin call on another replica; the first answer wins and the other is discarded.
 //
 //   FailoverChannel replicas(route, &picker, hooks);  // per request: hooks count its bytes
 //   std::unique_ptr<ExpertCall> call = replicas.Send(header, plan.messages[i]);
@@ -32,6 +34,10 @@ struct FailoverHooks {
   // `from` answered UNAVAILABLE and the message went to `to` (possibly the same, once).
   std::function<void(const ShardRef& from, const ShardRef& to, const absl::Status& why)>
       on_failover;
+  // Hedging: a replica silent after this share of the time to the deadline gets a twin call on
+  // another healthy replica, the first answer wins (0: off). on_hedge says which won.
+  double hedge_share = 0;
+  std::function<void(const ShardRef& slow, const ShardRef& twin, bool twin_won)> on_hedge;
 };
 
 class FailoverChannel {

@@ -32,7 +32,11 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   auto& channel = channels_[key];
   if (channel != nullptr) return channel;
   // Once per shard, not per message: its failover series starts at 0.
-  if (metrics_ != nullptr) metrics_->Failover(s.shard, 0);
+  if (metrics_ != nullptr) {
+    metrics_->Failover(s.shard, 0);
+    metrics_->Hedge(s.shard, false, 0);  // the series exist at 0 from the shard's first use
+    metrics_->Hedge(s.shard, true, 0);
+  }
   ExpertChannelConfig c;
   c.max_message_bytes = options_.max_message_bytes;
   c.cluster_token = options_.cluster_token;
@@ -296,6 +300,14 @@ class AttentionServer::Impl::ForwardPass {
         impl_->metrics_->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert",
                                   m.activation_bytes(), static_cast<int64_t>(m.tokens.size()),
                                   transport);
+      }
+    };
+    hooks.hedge_share = impl_->options_.hedge_share;
+    hooks.on_hedge = [this](const ShardRef& slow, const ShardRef& twin, bool twin_won) {
+      if (impl_->metrics_ != nullptr) impl_->metrics_->Hedge(slow.shard, twin_won);
+      if (twin_won) {
+        MOE_LOG_INFO("layer {}: {} was silent, its twin {} answered first", req_.layer(),
+                     slow.shard, twin.shard);
       }
     };
     hooks.on_failover = [this](const ShardRef& from, const ShardRef& to, const absl::Status& why) {

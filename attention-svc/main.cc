@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   flags.Int64("max_dispatch_bytes", &o.max_dispatch_bytes,
               "split a shard's dispatch (at expert boundaries) above this many bytes");
+  flags.Double("hedge_share", &o.hedge_share,
+               "send a message also to another replica when its own has not answered after this "
+               "share of the time to the deadline (0: never)");
   flags.Typed("data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
               moe::dataplane::ParseDataPlane,
               "auto|grpc|ucx: expert payloads on UCX where the shard offers it (auto), never, "

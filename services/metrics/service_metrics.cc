@@ -138,7 +138,8 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                             .Name("moe_data_plane_lane_info")
                             .Help("The lanes UCX selected for the out-of-band data plane to each "
                                   "shard, read from UCX (value 1): kind shm, tcp, rdma or mixed")
-                            .Register(registry)) {
+                            .Register(registry)),
+      registry_(registry) {
   auto& forward = BuildHistogram()
                       .Name("moe_forward_duration_seconds")
                       .Help("Forward latency inside attention-svc (successful batches)")
@@ -237,6 +238,23 @@ void AttentionMetrics::DataPlaneLanes(const std::string& shard, const std::strin
   g = &data_plane_lanes_.Add(
       {{"shard", shard}, {"kind", kind}, {"lanes", lanes}, {"shard_lanes", shard_lanes}});
   g->Set(1);
+}
+
+void AttentionMetrics::Hedge(const std::string& shard, bool twin_won, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (hedges_ == nullptr) {  // exported from the first hedge on
+    hedges_ = &BuildCounter()
+                   .Name("moe_hedges_total")
+                   .Help(
+                       "Expert messages also sent to another replica because theirs had not "
+                       "answered after --hedge_share of the time to the deadline, by the slow "
+                       "replica and which answered first (winner: twin, original)")
+                   .Register(registry_);
+  }
+  prometheus::Counter*& c = hedge_counters_[{shard, twin_won}];
+  if (c == nullptr)
+    c = &hedges_->Add({{"shard", shard}, {"winner", twin_won ? "twin" : "original"}});
+  c->Increment(static_cast<double>(n));
 }
 
 void AttentionMetrics::Failover(const std::string& shard, int64_t n) {

@@ -107,6 +107,9 @@ class AttentionMetrics {
   // n messages of `shard` (which was gone) sent to another replica of its range (n = 0: the
   // series exists at 0 from the shard's first use, so a rate() has a start).
   void Failover(const std::string& shard, int64_t n = 1);
+  // A message of `shard` (silent past the hedge share) also sent to another replica; which
+  // answered first.
+  void Hedge(const std::string& shard, bool twin_won, int64_t n = 1);
 
  private:
   struct Layer {
@@ -124,6 +127,9 @@ class AttentionMetrics {
   prometheus::Family<prometheus::Counter>& failovers_;
   prometheus::Family<prometheus::Gauge>& data_plane_lanes_;
   std::map<std::string, prometheus::Counter*> failover_counters_;
+  prometheus::Family<prometheus::Counter>* hedges_ = nullptr;
+  std::map<std::pair<std::string, bool>, prometheus::Counter*> hedge_counters_;
+  prometheus::Registry& registry_;
   std::map<std::string, prometheus::Gauge*> lane_gauges_;
   std::mutex mu_;
   std::map<std::pair<int64_t, std::string>, prometheus::Counter*> shard_counters_;

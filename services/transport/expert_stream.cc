@@ -182,6 +182,11 @@ std::shared_ptr<PendingReply> ExpertStream::Send(v1::DispatchRequest request) {
   return p;
 }
 
+bool ExpertStream::WaitAnswered(PendingReply& p, absl::Time until) {
+  std::unique_lock<std::mutex> lock(p.mu);
+  return p.cv.wait_until(lock, absl::ToChronoTime(until), [&] { return p.done; });
+}
+
 absl::StatusOr<v1::DispatchReply> ExpertStream::Wait(PendingReply& p, absl::Time deadline) {
   std::unique_lock<std::mutex> lock(p.mu);
   const auto until = absl::ToChronoTime(deadline);

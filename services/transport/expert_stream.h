@@ -51,6 +51,9 @@ class ExpertStream {
   // The reply, or UNAVAILABLE (stream broken) / DEADLINE_EXCEEDED, both naming the shard. A reply
   // with a non-zero code is returned as that status, prefixed with the shard name.
   absl::StatusOr<v1::DispatchReply> Wait(PendingReply& pending, absl::Time deadline);
+  // Blocks until the batch is answered (or failed) or `until`; true when answered. Consumes
+  // nothing and forgets nothing: Wait takes the reply after.
+  static bool WaitAnswered(PendingReply& pending, absl::Time until);
   absl::StatusOr<v1::DispatchReply> Call(v1::DispatchRequest request, absl::Time deadline) {
     auto p = Send(std::move(request));
     return Wait(*p, deadline);

@@ -262,6 +262,64 @@ TEST(ClusterDegrade, MissingExpertsFailByDefaultOrAreSkippedAndSaid) {
 }
 
 }  // namespace
+// A replica that stalls past the deadline (SIGSTOP, still listed healthy by the router) does
+// not fail the requests sent to it: after --hedge_share (0.5) of the time to the deadline the
+// message goes to its twin too, the first answer wins, and nothing is counted twice (the
+// response's received bytes are one reply's). --hedge_share=0 shows what it saves.
+TEST(ClusterReplicas, AStalledReplicaIsHedgedToItsTwin) {
+  const std::string& dir = CheckpointFor("tiny");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 4, 33);
+  const std::vector<Bf16> want = local->Forward(x, 4, cfg.hidden)->out;
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  for (const char* hedge : {"0.5", "0"}) {
+    SCOPED_TRACE(hedge);
+    LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}, {0, 8}, {8, 16}});
+    o.router_args = {"--heartbeat_interval_ms=3000"};  // the router notices only after 9 s
+    o.attention_args = {std::string("--hedge_share=") + hedge};
+    auto cluster = LocalCluster::Start(o);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    auto client = ClientFor(**cluster);
+    client::ForwardOptions fo;
+    fo.timeout = absl::Seconds(1);
+    auto calm = client->Forward(layer, x, 4, cfg.hidden, fo);
+    ASSERT_TRUE(calm.ok()) << calm.status();
+    Traffic a, b;
+    a.Start(**cluster, layer, x, 4, cfg.hidden, want, absl::Seconds(1));
+    b.Start(**cluster, layer, x, 4, cfg.hidden, want, absl::Seconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ASSERT_TRUE((*cluster)->SignalShard(3, SIGSTOP).ok());  // a replica of [8, 16)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    auto during = client->Forward(layer, x, 4, cfg.hidden, fo);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+    a.Stop();
+    b.Stop();
+    ASSERT_TRUE((*cluster)->SignalShard(3, SIGCONT).ok());
+    const double twin = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_hedges_total",
+                                                {"shard=\"shard-3\"", "winner=\"twin\""});
+    const int64_t ok = a.ok + b.ok, failed = a.failed + b.failed, wrong = a.wrong + b.wrong;
+    std::printf(
+        "[replica stalled 3 s, hedge_share %s] %lld ok, %lld failed, %lld wrong, %.0f "
+        "answered by the twin\n",
+        hedge, static_cast<long long>(ok), static_cast<long long>(failed),
+        static_cast<long long>(wrong), twin);
+    EXPECT_EQ(wrong, 0);
+    if (std::string(hedge) == "0.5") {
+      EXPECT_GT(ok, 10);
+      EXPECT_EQ(failed, 0) << (a.errors.empty() ? "" : a.errors[0]);
+      EXPECT_GT(twin, 0);
+      ASSERT_TRUE(during.ok()) << during.status();
+      EXPECT_TRUE(SameBits(during->out, want));
+      EXPECT_EQ(during->dispatch_bytes_received, calm->dispatch_bytes_received)
+          << "a hedged answer counted twice";
+    } else {
+      EXPECT_GT(failed, 0) << "without hedging the stall should cost requests";
+      EXPECT_EQ(twin, 0);
+    }
+  }
+}
+
 // DEGRADE also covers a shard that stalls or dies after its messages went out (the router
 // still lists it healthy): with no replica to answer, its experts are left out by the same
 // rule when the expert deadline passes (a stall) or the stream breaks (a kill); FAIL answers
