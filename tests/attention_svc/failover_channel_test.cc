@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <string>
@@ -134,6 +135,106 @@ INSTANTIATE_TEST_SUITE_P(
              {1, 0},
              0}),
     [](const auto& info) { return info.param.name; });
+
+// A replica whose calls answer `delay` after they were sent (a stall when long).
+class DelayedChannel final : public ExpertChannel {
+ public:
+  DelayedChannel(std::string shard, absl::Duration delay)
+      : shard_(std::move(shard)), delay_(delay) {}
+  std::unique_ptr<ExpertCall> Send(const DispatchHeader&, const DispatchMessage&) override {
+    ++sends;
+    return std::make_unique<Call>(absl::Now() + delay_, shard_);
+  }
+  const std::string& shard() const override { return shard_; }
+  const char* transport() const override { return "fake"; }
+  int sends = 0;
+
+ private:
+  class Call final : public ExpertCall {
+   public:
+    Call(absl::Time ready, std::string shard) : ready_(ready), shard_(std::move(shard)) {}
+    bool Answered(absl::Time until) override {
+      absl::SleepFor(std::min(until, ready_) - absl::Now());
+      return absl::Now() >= ready_;
+    }
+    absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
+      if (!Answered(deadline)) {
+        return absl::DeadlineExceededError("expert shard " + shard_ + " did not answer");
+      }
+      ExpertReply r;
+      r.rows = 1;
+      r.bf16.assign(1, tensor::Bf16::FromFloat(shard_ == "a" ? 1.0f : 2.0f));
+      return r;
+    }
+    const char* transport() const override { return "fake"; }
+
+   private:
+    const absl::Time ready_;
+    const std::string shard_;
+  };
+  const std::string shard_;
+  const absl::Duration delay_;
+};
+
+// Hedging: a replica silent past hedge_share of the time to the deadline gets a twin call on
+// the other replica and the first answer wins; one that answers in time gets none; with
+// hedge_share 0 a stall is the caller's DEADLINE_EXCEEDED.
+TEST(FailoverChannel, ASilentReplicaIsHedgedAndTheFirstAnswerWins) {
+  const LayerRoute route = BuildRoute(1, 8, {Replica("a"), Replica("b")});
+  struct Case {
+    const char* name;
+    absl::Duration a_delay;
+    double share;
+    absl::StatusCode want;
+    float value;  // which replica's answer
+    int b_sends, hedges, twin_won;
+  };
+  for (const Case& c : {
+           Case{"stalled_hedged", absl::Seconds(10), 0.5, absl::StatusCode::kOk, 2.0f, 1, 1, 1},
+           Case{"prompt_no_hedge", absl::ZeroDuration(), 0.5, absl::StatusCode::kOk, 1.0f, 0, 0, 0},
+           Case{"stalled_hedging_off", absl::Seconds(10), 0, absl::StatusCode::kDeadlineExceeded, 0,
+                0, 0, 0},
+       }) {
+    SCOPED_TRACE(c.name);
+    auto a = std::make_shared<DelayedChannel>("a", c.a_delay);
+    auto b = std::make_shared<DelayedChannel>("b", absl::ZeroDuration());
+    ReplicaPicker picker(std::chrono::seconds(0));
+    int hedges = 0, twin_won = 0;
+    FailoverHooks hooks;
+    hooks.channel_for = [&](const ShardRef& s) -> std::shared_ptr<ExpertChannel> {
+      return s.shard == "a" ? std::static_pointer_cast<ExpertChannel>(a) : b;
+    };
+    hooks.hedge_share = c.share;
+    hooks.on_hedge = [&](const ShardRef& slow, const ShardRef& twin, bool won) {
+      EXPECT_EQ(slow.shard, "a");
+      EXPECT_EQ(twin.shard, "b");
+      ++hedges;
+      twin_won += won;
+    };
+    FailoverChannel replicas(route, &picker, hooks);
+    DispatchMessage m;
+    m.shard = 0;  // "a" is the first (least busy, lowest name) pick
+    DispatchHeader h;
+    const absl::Time start = absl::Now();
+    {
+      auto call = replicas.Send(h, m);
+      auto got = call->Wait(start + absl::Milliseconds(400));
+      ASSERT_EQ(got.status().code(), c.want) << got.status();
+      if (got.ok()) {
+        EXPECT_EQ(got->bf16[0].ToFloat(), c.value);
+      }
+    }
+    if (c.hedges > 0) {
+      EXPECT_LT(absl::Now() - start, absl::Milliseconds(380));
+    }
+    EXPECT_EQ(a->sends, 1);
+    EXPECT_EQ(b->sends, c.b_sends);
+    EXPECT_EQ(hedges, c.hedges);
+    EXPECT_EQ(twin_won, c.twin_won);
+    EXPECT_EQ(picker.outstanding(route.shards[0]), 0);
+    EXPECT_EQ(picker.outstanding(route.shards[1]), 0);
+  }
+}
 
 // Replicas "a" and "b" of one range, scripted; b healthy or not. Sends one message and waits
 // until `deadline`.
