@@ -58,6 +58,9 @@ void AddTlsFlags(SvcFlags& flags, Tls* tls) {
             "how often the TLS files are checked for a new version");
   flags.String("tls_trust_domain", &tls->trust_domain,
                "members' certificates name spiffe://<this>/<expert|attention>/<name>");
+  flags.Bool("tls_member_identity", &tls->member_identity,
+             "with mutual TLS a member acts only as the identity its certificate names (false: "
+             "one certificate shared by every member, all equal)");
 }
 
 // Blocks SIGINT and SIGTERM in every thread (call before starting any), then waits for one.

@@ -147,7 +147,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
         "--tls_ca_file=" + t.ca_file,
         absl::StrCat("--tls_require_client_cert=", t.require_client_cert ? "true" : "false"),
         absl::StrCat("--tls_refresh_seconds=", t.refresh_seconds),
-        "--tls_trust_domain=" + t.trust_domain};
+        "--tls_trust_domain=" + t.trust_domain,
+        absl::StrCat("--tls_member_identity=", t.member_identity ? "true" : "false")};
   };
   MOE_ASSIGN_OR_RETURN(const std::vector<std::string> tls, tls_for("router-svc"));
   c->router_.name = "router-svc";

@@ -287,7 +287,7 @@ absl::Status ConfigureProcessTls(const TlsOptions& tls, bool server_side) {
   }
   p.configured = true;
   p.channel = std::move(channel);
-  p.binds_identity = server != nullptr && tls.require_client_cert;
+  p.binds_identity = server != nullptr && tls.require_client_cert && tls.member_identity;
   p.server = std::move(server);
   p.trust_domain = tls.trust_domain;
   return absl::OkStatus();

@@ -36,6 +36,9 @@ struct TlsOptions {
   // Members' certificates carry spiffe://<trust_domain>/<role>/<name> (role expert or
   // attention): with mutual TLS a member may act only as the one its certificate names.
   std::string trust_domain = "moe";
+  // With mutual TLS, bind members to their certificates' identities (above). Off only where
+  // every member shares one certificate (a single Secret): members are then all equal.
+  bool member_identity = true;
 
   bool enabled() const { return !ca_file.empty(); }
 };

@@ -71,6 +71,18 @@ render -set router.persistence.enabled=false -out "$WORK/router-emptydir.yaml"
 node validate.mjs --manifests "$WORK/router-emptydir.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-router-emptydir
 
+echo "== per-pod certificates (cert-manager's CSI driver) naming each member's identity"
+render -set tls.enabled=true -set tls.perPodIssuer.name=moe-ca -out "$WORK/tls-perpod.yaml"
+node validate.mjs --manifests "$WORK/tls-perpod.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-tls
+for role in expert attention router; do
+  grep -q "csi.cert-manager.io/uri-sans: \"spiffe://moe/$role/\${POD_NAME}\"" "$WORK/tls-perpod.yaml"
+done
+test "$(grep -c -- '- --tls_member_identity=true' "$WORK/tls-perpod.yaml")" -eq 3
+if grep -q 'secretName: moe-tls' "$WORK/tls-perpod.yaml"; then echo "FAIL: a shared TLS Secret"; exit 1; fi
+render -set tls.enabled=true -set tls.existingSecret=moe-tls -out "$WORK/tls-shared.yaml"
+test "$(grep -c -- '- --tls_member_identity=false' "$WORK/tls-shared.yaml")" -eq 3
+
 echo "== --initialize on the first install only (and always for an emptyDir, lost with its pod)"
 grep -q -- '- --initialize$' "$WORK/default.yaml"
 render -upgrade -out "$WORK/upgrade.yaml"
@@ -161,7 +173,7 @@ expect_render_error "must lie in \[1, E = 16\]" -set model.preset=tiny -set expe
 expect_render_error "replicasPerRange must be at least 1" -set experts.replicasPerRange=0
 expect_render_error 'no files/config-huge.json' -set model.preset=huge
 expect_render_error 'dataPlane.mode "rdma" must be auto, grpc or ucx' -set dataPlane.mode=rdma
-expect_render_error 'tls.enabled needs tls.existingSecret' -set tls.enabled=true
+expect_render_error 'tls.enabled needs tls.perPodIssuer.name' -set tls.enabled=true
 expect_render_error 'router.replicas > 1 needs router.etcd.endpoint' -set router.replicas=2
 expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autoscaling.enabled=true \
   -set attention.autoscaling.minReplicas=5 -set attention.autoscaling.maxReplicas=2

@@ -249,7 +249,7 @@ if (arg('expect-tls-secret')) {
     }
     check(c.args.includes('--tls_require_client_cert=true'), `${w.metadata.name}: not mutual TLS`);
   }
-} else {
+} else if (!flag('expect-tls')) {
   check(!workloads.some((w) => w.spec.template.spec.containers[0].args.some((a) => a.startsWith('--tls_'))),
         'TLS flags without tls.enabled');
 }
@@ -379,7 +379,9 @@ for (const w of workloads) {
           `${name}/${c.name}: adds capabilities ${added}`);
     check(!sc.privileged, `${name}/${c.name}: privileged`);
   }
-  const allowed = ['configMap', 'secret', 'emptyDir', 'persistentVolumeClaim', 'projected', 'downwardAPI', 'name'];
+  // Pod Security "restricted" volume types (csi: cert-manager's per-pod certificates).
+  const allowed = ['configMap', 'secret', 'emptyDir', 'persistentVolumeClaim', 'projected', 'downwardAPI', 'csi',
+    'name'];
   for (const v of spec.volumes || []) {
     check(Object.keys(v).every((k) => allowed.includes(k)), `${name}: volume ${v.name} of a type "restricted" forbids`);
   }

@@ -36,17 +36,57 @@ app.kubernetes.io/component: {{ .component }}
 - --cluster_token_file=/var/run/moe/cluster/{{ .Values.membership.secretKey }}
 {{- include "moe.tlsFlags" . }}
 {{- end -}}
-{{/* TLS files from the mounted Secret (tls.enabled). */}}
+{{/* TLS files from the pod's tls volume (tls.enabled): its own certificate naming its member
+identity (tls.perPodIssuer: members act only as themselves), or the shared Secret (every
+member's certificate equal: identities not bound). */}}
 {{- define "moe.tlsFlags" -}}
 {{- if .Values.tls.enabled }}
-{{- if not .Values.tls.existingSecret }}
-{{- fail "tls.enabled needs tls.existingSecret (a Secret with tls.crt, tls.key and ca.crt)" }}
+{{- if not (or .Values.tls.existingSecret .Values.tls.perPodIssuer.name) }}
+{{- fail "tls.enabled needs tls.perPodIssuer.name (a cert-manager issuer: per-pod certificates) or tls.existingSecret (a Secret with tls.crt, tls.key and ca.crt)" }}
 {{- end }}
 - --tls_cert_file=/var/run/moe/tls/tls.crt
 - --tls_key_file=/var/run/moe/tls/tls.key
 - --tls_ca_file=/var/run/moe/tls/ca.crt
 - --tls_require_client_cert={{ .Values.tls.requireClientCert }}
 - --tls_refresh_seconds={{ .Values.tls.refreshSeconds }}
+- --tls_trust_domain={{ .Values.tls.trustDomain }}
+- --tls_member_identity={{ if .Values.tls.perPodIssuer.name }}true{{ else }}false{{ end }}
+{{- end }}
+{{- end -}}
+
+{{/* The pod's tls volume (dict "ctx" $ "role" expert|attention|router): with
+tls.perPodIssuer, a certificate of its own from cert-manager's CSI driver naming
+spiffe://<tls.trustDomain>/<role>/<pod name> and the DNS names peers dial; else the shared
+Secret. */}}
+{{- define "moe.tlsVolume" -}}
+{{- $ctx := .ctx -}}
+{{- $v := $ctx.Values -}}
+{{- if $v.tls.enabled }}
+- name: tls
+{{- if $v.tls.perPodIssuer.name }}
+  csi:
+    driver: csi.cert-manager.io
+    readOnly: true
+    volumeAttributes:
+      csi.cert-manager.io/issuer-name: {{ $v.tls.perPodIssuer.name }}
+      csi.cert-manager.io/issuer-kind: {{ $v.tls.perPodIssuer.kind }}
+      csi.cert-manager.io/issuer-group: {{ $v.tls.perPodIssuer.group }}
+      csi.cert-manager.io/uri-sans: "spiffe://{{ $v.tls.trustDomain }}/{{ .role }}/${POD_NAME}"
+      {{- if eq .role "expert" }}
+      csi.cert-manager.io/dns-names: "${POD_NAME}.{{ include "moe.expertHeadless" $ctx }}.${POD_NAMESPACE}.svc.cluster.local,localhost"
+      {{- else if eq .role "router" }}
+      csi.cert-manager.io/dns-names: "{{ include "moe.routerService" $ctx }},{{ include "moe.routerService" $ctx }}.${POD_NAMESPACE}.svc.cluster.local,localhost"
+      {{- else }}
+      csi.cert-manager.io/dns-names: "{{ include "moe.fullname" $ctx }}-attention,{{ include "moe.fullname" $ctx }}-attention.${POD_NAMESPACE}.svc.cluster.local,localhost"
+      {{- end }}
+      csi.cert-manager.io/ip-sans: "127.0.0.1"
+      csi.cert-manager.io/key-usages: "server auth,client auth,digital signature,key encipherment"
+      csi.cert-manager.io/fs-group: "10001"
+{{- else }}
+  secret:
+    secretName: {{ $v.tls.existingSecret }}
+    defaultMode: 288
+{{- end }}
 {{- end }}
 {{- end -}}
 {{- define "moe.adminSecret" -}}
@@ -104,12 +144,6 @@ app.kubernetes.io/component: {{ .component }}
   secret:
     secretName: {{ include "moe.clusterSecret" . }}
     defaultMode: 288  # 0440: the pod's group (fsGroup) reads it, nobody else
-{{- if .Values.tls.enabled }}
-- name: tls
-  secret:
-    secretName: {{ .Values.tls.existingSecret }}
-    defaultMode: 288
-{{- end }}
 - name: tmp
   emptyDir:
     sizeLimit: 256Mi
