@@ -41,9 +41,16 @@ struct ExpertServerOptions {
   // (default host:port).
   std::string router;
   std::string advertise;
-  // The cluster token router-svc asks of members (router_server.h); the file wins.
+  // This shard's member token for router-svc (the expert role's:
+  // transport::MemberRoleToken); the file wins.
   std::string cluster_token;
   std::string cluster_token_file;
+  // Dispatch, OpenDataPlane and the UCX address are the attention nodes': the caller's token
+  // must hash (SHA-256, hex) to this, so that this shard never holds a token that would let it
+  // act as an attention node. The file wins. Neither this nor a cluster token: open
+  // (development); a cluster token without it: Dispatch is closed.
+  std::string attention_token_sha256;
+  std::string attention_token_sha256_file;
 
   int threads = 0;  // compute threads (0: one per hardware thread)
   // Where the experts run: auto (CUDA when a GPU is usable, else CPU), cpu or cuda

@@ -22,6 +22,7 @@
 #include "services/metrics/service_metrics.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/precision_convert.h"
+#include "services/transport/security.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::expert_svc {
@@ -49,6 +50,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
       grpc::CallbackServerContext* context) override;
   // OK without a cluster token (no router) or when the call carries it; else UNAUTHENTICATED.
   absl::Status CheckMember(const grpc::CallbackServerContext& context, const char* what) const;
+  // The caller holds the attention nodes' token (or no token is configured at all).
+  bool FromAttention(const grpc::ServerContextBase& context) const;
   grpc::ServerUnaryReactor* GetInfo(grpc::CallbackServerContext* context,
                                     const v1::GetExpertInfoRequest* request,
                                     v1::ExpertServerInfo* response) override;
@@ -101,6 +104,10 @@ absl::Status ExpertServer::Impl::Start() {
   if (!options_.cluster_token_file.empty()) {
     MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
   }
+  if (!options_.attention_token_sha256_file.empty()) {
+    MOE_ASSIGN_OR_RETURN(options_.attention_token_sha256,
+                         ReadSecretFile(options_.attention_token_sha256_file));
+  }
   core_->Start(metrics_.get());
   transport::GrpcServerOptions so;
   so.host = options_.host;
@@ -138,11 +145,18 @@ absl::Status ExpertServer::Impl::Start() {
   return absl::OkStatus();
 }
 
+bool ExpertServer::Impl::FromAttention(const grpc::ServerContextBase& context) const {
+  if (options_.attention_token_sha256.empty()) return options_.cluster_token.empty();
+  const auto& md = context.client_metadata();
+  auto it = md.find(transport::kClusterTokenMetadata);
+  return it != md.end() && SecretEquals(transport::MemberTokenDigest(
+                                            std::string(it->second.data(), it->second.size())),
+                                        options_.attention_token_sha256);
+}
+
 absl::Status ExpertServer::Impl::CheckMember(const grpc::CallbackServerContext& context,
                                              const char* what) const {
-  if (options_.cluster_token.empty() ||
-      transport::HasSecretMetadata(context, transport::kClusterTokenMetadata,
-                                   options_.cluster_token)) {
+  if (FromAttention(context)) {
     // With mutual TLS only attention nodes dispatch (another shard's certificate does not).
     absl::Status s = transport::CheckPeerMember(context, "attention", "",
                                                 absl::StrCat(what, " to shard ", options_.shard));
@@ -150,9 +164,12 @@ absl::Status ExpertServer::Impl::CheckMember(const grpc::CallbackServerContext& 
     return s;
   }
   if (metrics_ != nullptr) metrics_->common.Error(what, "UNAUTHENTICATED");
-  return absl::UnauthenticatedError(absl::StrCat(what, " to shard ", options_.shard,
-                                                 " needs the cluster token in the ",
-                                                 transport::kClusterTokenMetadata, " metadata"));
+  return absl::UnauthenticatedError(absl::StrCat(
+      what, " to shard ", options_.shard, " needs the cluster token of an attention member in the ",
+      transport::kClusterTokenMetadata, " metadata",
+      options_.attention_token_sha256.empty()
+          ? " (this shard was started without --attention_token_sha256_file: Dispatch is closed)"
+          : ""));
 }
 
 grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* ExpertServer::Impl::Dispatch(
@@ -202,9 +219,7 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
     if (ucx_ != nullptr) {
       response->set_ucx_tls(ucx_->tls());
       // UCX authenticates nobody: its address only for members.
-      if ((options_.cluster_token.empty() ||
-           transport::HasSecretMetadata(*context, transport::kClusterTokenMetadata,
-                                        options_.cluster_token)) &&
+      if (FromAttention(*context) &&
           transport::CheckPeerMember(*context, "attention", "", "GetInfo").ok()) {
         response->set_ucx_address(ucx_->address());
       }

@@ -20,7 +20,9 @@ int main(int argc, char** argv) {
   moe::AddServingFlags(flags, &o);
   flags.String("router", &o.router, "router-svc host:port to register with (empty: none)");
   flags.String("cluster_token_file", &o.cluster_token_file,
-               "file holding the cluster token router-svc asks of its members (chmod 600)");
+               "file holding this shard's member token for router-svc (chmod 600)");
+  flags.String("attention_token_sha256_file", &o.attention_token_sha256_file,
+               "file holding the SHA-256 (hex) of the attention nodes' token: Dispatch needs it");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads, "compute threads (0: all cores)");
   flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,

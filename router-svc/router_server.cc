@@ -25,6 +25,7 @@
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/service_metrics.h"
 #include "services/transport/grpc_server.h"
+#include "services/transport/security.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::router_svc {
@@ -56,7 +57,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* RegisterExpertServer(grpc::CallbackServerContext* ctx,
                                                  const v1::RegisterExpertServerRequest* req,
                                                  v1::RegisterExpertServerResponse* resp) override {
-    absl::Status s = CheckMember(ctx, "RegisterExpertServer");
+    absl::Status s = CheckMember(ctx, "RegisterExpertServer", "expert");
     // With mutual TLS a shard registers only under the name its certificate carries.
     if (s.ok()) {
       s = transport::CheckPeerMember(
@@ -68,7 +69,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse*) override {
-    absl::Status s = CheckMember(ctx, "Heartbeat");
+    absl::Status s = CheckMember(ctx, "Heartbeat", "expert");
     // ... and heartbeats only its own lease.
     if (s.ok()) {
       const std::string owner = core_->LeaseOwner(req->lease_id());
@@ -131,7 +132,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* ReportStats(grpc::CallbackServerContext* ctx,
                                         const v1::ReportStatsRequest* req,
                                         v1::ReportStatsResponse* resp) override {
-    absl::Status s = CheckMember(ctx, "ReportStats");
+    absl::Status s = CheckMember(ctx, "ReportStats", "attention");
     if (s.ok()) s = transport::CheckPeerMember(*ctx, "attention", "", "ReportStats");
     return Done(ctx, "ReportStats", s.ok() ? core_->ReportStats(*req, resp) : s);
   }
@@ -175,7 +176,9 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   }
 
   absl::Status CheckAdmin(grpc::CallbackServerContext* ctx, const char* what) const;
-  absl::Status CheckMember(grpc::CallbackServerContext* ctx, const char* what) const;
+  // The role's member token (transport::MemberRoleToken of the cluster secret).
+  absl::Status CheckMember(grpc::CallbackServerContext* ctx, const char* what,
+                           const char* role) const;
   // etcd: campaigns until this router leads, then restores and serves; exits if it loses the
   // lease (a router that may be stale must not serve).
   void CampaignLoop();
@@ -357,8 +360,8 @@ void RouterServer::Impl::Shutdown(absl::Duration grace) {
   if (server_ != nullptr) server_->Shutdown(std::min(grace, kWatchShutdownGrace));
 }
 
-absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
-                                             const char* what) const {
+absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx, const char* what,
+                                             const char* role) const {
   MOE_RETURN_IF_ERROR(Standby());
   if (options_.cluster_token.empty()) {
     return absl::PermissionDeniedError(
@@ -367,11 +370,11 @@ absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx,
                      "(--cluster_token_file): membership is closed"));
   }
   if (transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata,
-                                   options_.cluster_token)) {
+                                   transport::MemberRoleToken(options_.cluster_token, role))) {
     return absl::OkStatus();
   }
-  return absl::UnauthenticatedError(
-      absl::StrCat(what, " needs the cluster token in the x-moe-cluster-token metadata"));
+  return absl::UnauthenticatedError(absl::StrCat(what, " needs the cluster token of an ", role,
+                                                 " member in the x-moe-cluster-token metadata"));
 }
 
 absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,

@@ -161,10 +161,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/admin_token", o.admin_token));
     c->router_.args.push_back("--admin_token_file=" + o.work_dir + "/admin_token");
   }
+  // The cluster secret goes to router-svc only; each member gets its role's token
+  // (transport::MemberRoleToken), shards the attention token's digest to check Dispatch with.
   MOE_ASSIGN_OR_RETURN(const std::string cluster_token, RandomSecret());
-  const std::string member = "--cluster_token_file=" + o.work_dir + "/cluster_token";
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/cluster_token", cluster_token));
-  c->router_.args.push_back(member);
+  const std::string attention_token = transport::MemberRoleToken(cluster_token, "attention");
+  MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/expert_token",
+                                       transport::MemberRoleToken(cluster_token, "expert")));
+  MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/attention_token", attention_token));
+  MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/attention_token.sha256",
+                                       transport::MemberTokenDigest(attention_token)));
+  c->router_.args.push_back("--cluster_token_file=" + o.work_dir + "/cluster_token");
   c->router_.args.insert(c->router_.args.end(), tls.begin(), tls.end());
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   const bool own_store = std::any_of(o.router_args.begin(), o.router_args.end(), [](const auto& a) {
@@ -205,7 +212,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
               absl::StrCat("--expert_hi=", o.shard_ranges[i].second),
               "--shard=" + s.name,
               router,
-              member,
+              "--cluster_token_file=" + o.work_dir + "/expert_token",
+              "--attention_token_sha256_file=" + o.work_dir + "/attention_token.sha256",
               threads};
     MOE_ASSIGN_OR_RETURN(const std::vector<std::string> shard_tls, tls_for(s.name));
     s.args.insert(s.args.end(), shard_tls.begin(), shard_tls.end());
@@ -217,7 +225,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   c->attention_.args = {o.bin_dir + "/attention-svc",
                         "--checkpoint=" + o.checkpoint,
                         router,
-                        member,
+                        "--cluster_token_file=" + o.work_dir + "/attention_token",
                         "--reply_mode=" + o.reply_mode,
                         threads};
   MOE_ASSIGN_OR_RETURN(const std::vector<std::string> attention_tls, tls_for("attention-svc"));

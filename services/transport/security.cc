@@ -293,6 +293,27 @@ absl::Status ConfigureProcessTls(const TlsOptions& tls, bool server_side) {
   return absl::OkStatus();
 }
 
+namespace {
+std::string Sha256Hex(const std::string& data) {
+  unsigned char md[32];
+  unsigned int n = 0;
+  EVP_Digest(data.data(), data.size(), md, &n, EVP_sha256(), nullptr);
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned int i = 0; i < n; ++i) {
+    out.push_back(kHex[md[i] >> 4]);
+    out.push_back(kHex[md[i] & 15]);
+  }
+  return out;
+}
+}  // namespace
+
+std::string MemberRoleToken(const std::string& cluster_secret, const std::string& role) {
+  return Sha256Hex(cluster_secret + ":" + role);
+}
+
+std::string MemberTokenDigest(const std::string& token) { return Sha256Hex(token); }
+
 bool ProcessBindsMemberIdentity() {
   ProcessCredentials& p = Process();
   std::lock_guard<std::mutex> lock(p.mu);

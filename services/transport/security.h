@@ -61,6 +61,16 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 absl::Status ConfigureProcessTls(const TlsOptions& tls, bool server);
 bool ProcessTlsEnabled();
 
+// Tokens per member role, for clusters without mutual TLS. router-svc holds the cluster secret;
+// each role's token is hex(SHA-256(secret ":" role)) ("expert", "attention"): an expert holds
+// the expert token only (it registers and heartbeats), an attention node the attention token
+// (it reports and dispatches), and expert-svc checks Dispatch against the attention token's
+// SHA-256 (MemberTokenDigest), so that no expert can act as an attention node, nor the other
+// way round. (Names are not bound without certificates: docs/security.md.)
+std::string MemberRoleToken(const std::string& cluster_secret, const std::string& role);
+// hex(SHA-256(token)).
+std::string MemberTokenDigest(const std::string& token);
+
 // A member's identity from its certificate: the SPIFFE ID spiffe://<trust domain>/<role>/<name>.
 struct MemberIdentity {
   std::string role;  // "expert" or "attention"

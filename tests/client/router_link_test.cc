@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "router-svc/router_server.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/transport/security.h"
 #include "tests/common/tiny_checkpoint.h"
 
 namespace moe::client {
@@ -72,7 +73,8 @@ TEST(RouterLink, RegistersWatchesReportsAndStopsPromptly) {
   auto router = StartRouter(port);
   ASSERT_NE(router, nullptr);
   const std::string endpoint = "127.0.0.1:" + std::to_string(port);
-  RouterLink expert(endpoint, {}, kMember), attention(endpoint, {}, kMember);
+  RouterLink expert(endpoint, {}, transport::MemberRoleToken(kMember, "expert")),
+      attention(endpoint, {}, transport::MemberRoleToken(kMember, "attention"));
   std::mutex mu;
   bool placed = false;
   uint64_t bias_version = 99;
@@ -115,7 +117,8 @@ TEST(RouterLink, RegistersAgainAfterARouterRestart) {
   const int port = FreePort();
   auto router = StartRouter(port);
   ASSERT_NE(router, nullptr);
-  RouterLink expert("127.0.0.1:" + std::to_string(port), {}, kMember);
+  RouterLink expert("127.0.0.1:" + std::to_string(port), {},
+                    transport::MemberRoleToken(kMember, "expert"));
   expert.KeepRegistered(Registration(), nullptr);
   ASSERT_TRUE(Eventually([&] { return expert.lease() > 0; }, std::chrono::milliseconds(5000)));
   router->Shutdown();

@@ -71,6 +71,23 @@ render -set router.persistence.enabled=false -out "$WORK/router-emptydir.yaml"
 node validate.mjs --manifests "$WORK/router-emptydir.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-router-emptydir
 
+echo "== member tokens per role: derived as the binaries derive them, each pod only its own"
+# The default render's Secret: the role tokens are hex SHA-256 of "<secret>:<role>"
+# (transport::MemberRoleToken, pinned to known values in TlsOptions.MemberRoleTokens).
+secret_key() {  # secret_key KEY: the decoded value of the cluster Secret's key
+  awk -v k="  $1:" '$0 ~ "^"k {print $2}' "$WORK/default.yaml" | tr -d '"' | base64 -d
+}
+s=$(secret_key cluster-token)
+test "${#s}" -eq 32
+test "$(secret_key expert-token)" = "$(printf '%s:expert' "$s" | sha256sum | cut -d' ' -f1)"
+test "$(secret_key attention-token)" = "$(printf '%s:attention' "$s" | sha256sum | cut -d' ' -f1)"
+test "$(secret_key attention-token-sha256)" = "$(secret_key attention-token | tr -d '\n' | sha256sum | cut -d' ' -f1)"
+# Items: the router reads the secret, experts their token and the digest, attention its token.
+test "$(grep -c -- '- key: expert-token' "$WORK/default.yaml")" -eq 1
+test "$(grep -c -- '- key: attention-token$' "$WORK/default.yaml")" -eq 1
+test "$(grep -c -- '- key: cluster-token' "$WORK/default.yaml")" -eq 1
+grep -q -- '- --attention_token_sha256_file=/var/run/moe/cluster/attention-token-sha256' "$WORK/default.yaml"
+
 echo "== per-pod certificates (cert-manager's CSI driver) naming each member's identity"
 render -set tls.enabled=true -set tls.perPodIssuer.name=moe-ca -out "$WORK/tls-perpod.yaml"
 node validate.mjs --manifests "$WORK/tls-perpod.yaml" --dashboard "$DASH" \

@@ -22,6 +22,7 @@
 #include "services/common/random.h"
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
+#include "services/transport/security.h"
 #include "tests/common/http_client.h"
 #include "tests/common/tiny_checkpoint.h"
 
@@ -54,13 +55,17 @@ class Router {
         transport::MakeChannel("127.0.0.1:" + std::to_string(server_->port())));
   }
   v1::RouterService::Stub* operator->() { return stub_.get(); }
-  std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = "") {
+  // As an expert member (its role's token: transport::MemberRoleToken of the cluster secret).
+  std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = "",
+                                           const char* role = "expert") {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (!token.empty()) c->AddMetadata("x-moe-admin-token", token);
-    if (member_) c->AddMetadata("x-moe-cluster-token", kMember);
+    if (member_) c->AddMetadata("x-moe-cluster-token", transport::MemberRoleToken(kMember, role));
     return c;
   }
+  // As an attention member (it reports statistics).
+  std::unique_ptr<grpc::ClientContext> Attention() { return Ctx("", "attention"); }
 
  private:
   const bool member_;
@@ -201,24 +206,24 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
   const numerics::QbHistogram h1 = Histogram(0, bias0, 1500, 1);
   const numerics::QbHistogram h2 = Histogram(0, bias0, 900, 2);
   v1::ReportStatsResponse ack;
-  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(h1), &ack).ok());
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), Report(h1), &ack).ok());
   EXPECT_TRUE(ack.accepted_for_window());
-  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(h2), &ack).ok());
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), Report(h2), &ack).ok());
   // Bad reports are refused and change nothing.
   v1::ReportStatsRequest bad = Report(h1);
   bad.mutable_loads()->RemoveLast();
-  EXPECT_EQ(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(),
+  EXPECT_EQ(r->ReportStats(r.Attention().get(), bad, &ack).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   bad = Report(h1);
   bad.set_tokens(h1.tokens() + 1);
-  EXPECT_EQ(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(),
+  EXPECT_EQ(r->ReportStats(r.Attention().get(), bad, &ack).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   bad = Report(h1);
   bad.set_qb_histogram("garbage");
-  EXPECT_NE(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(), grpc::StatusCode::OK);
+  EXPECT_NE(r->ReportStats(r.Attention().get(), bad, &ack).error_code(), grpc::StatusCode::OK);
   bad = Report(Histogram(0, bias0, 100, 3, /*layer=*/2));
   bad.set_layer(1);
-  EXPECT_EQ(r->ReportStats(r.Ctx().get(), bad, &ack).error_code(),
+  EXPECT_EQ(r->ReportStats(r.Attention().get(), bad, &ack).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
 
   numerics::QbHistogram pooled = h1;
@@ -254,7 +259,7 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
   EXPECT_EQ(std::vector<float>(seen.bias().begin(), seen.bias().end()), solved);
 
   // A report routed with version 0 now counts in the totals only.
-  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(h1), &ack).ok());
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), Report(h1), &ack).ok());
   EXPECT_FALSE(ack.accepted_for_window());
   EXPECT_EQ(ack.current_bias_version(), 1u);
   ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), gs, &stats).ok());
@@ -273,7 +278,8 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
   EXPECT_EQ(mode_ack.mode(), v1::BIAS_MODE_CONTINUOUS);
   ASSERT_TRUE(bias_watch->Read(&seen));  // the mode change
   EXPECT_EQ(seen.mode(), v1::BIAS_MODE_CONTINUOUS);
-  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(1, solved, 1200, 4)), &ack).ok());
+  ASSERT_TRUE(
+      r->ReportStats(r.Attention().get(), Report(Histogram(1, solved, 1200, 4)), &ack).ok());
   ASSERT_TRUE(r->GetBias(
                    r.Ctx().get(),
                    [] {
@@ -284,7 +290,8 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
                    &seen)
                   .ok());
   EXPECT_EQ(seen.version(), 1u);
-  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(1, solved, 1200, 5)), &ack).ok());
+  ASSERT_TRUE(
+      r->ReportStats(r.Attention().get(), Report(Histogram(1, solved, 1200, 5)), &ack).ok());
   ASSERT_TRUE(bias_watch->Read(&seen));
   EXPECT_EQ(seen.version(), 2u);
   EXPECT_EQ(seen.reason(), "continuous from 2400 tokens");
@@ -294,7 +301,7 @@ TEST(RouterServer, WindowsRebalanceModesRollbackAndAdminToken) {
   ASSERT_TRUE(r->SetBiasMode(r.Ctx(tok).get(), sm, &mode_ack).ok());
   EXPECT_EQ(mode_ack.version(), 3u);
   EXPECT_EQ(std::vector<float>(mode_ack.bias().begin(), mode_ack.bias().end()), bias0);
-  ASSERT_TRUE(r->ReportStats(r.Ctx().get(), Report(Histogram(3, bias0, 500, 6)), &ack).ok());
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), Report(Histogram(3, bias0, 500, 6)), &ack).ok());
   EXPECT_EQ(r->Rebalance(r.Ctx(tok).get(), rb, &rr).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
   v1::RollbackBiasRequest rbk;
@@ -487,6 +494,21 @@ TEST(RouterServer, OnlyMembersRegisterHeartbeatAndReport) {
   bare3->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   EXPECT_EQ(r->Heartbeat(bare3.get(), hb, &hr).error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_TRUE(r->Heartbeat(r.Ctx().get(), hb, &hr).ok());
+  // Each role's token for its own calls only: an attention node cannot register or heartbeat,
+  // an expert cannot report, and the cluster secret itself is no member's token.
+  EXPECT_EQ(r->RegisterExpertServer(r.Attention().get(), reg, &lease).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(r->Heartbeat(r.Attention().get(), hb, &hr).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(r->ReportStats(r.Ctx().get(), forged, &ack).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  auto secret = std::make_unique<grpc::ClientContext>();
+  secret->AddMetadata("x-moe-cluster-token", kMember);
+  s = r->RegisterExpertServer(secret.get(), reg, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_NE(s.error_message().find("needs the cluster token of an expert member"),
+            std::string::npos)
+      << s.error_message();
 
   Router closed(RouterServerOptions{}, /*member=*/false);  // no cluster token at all
   s = closed->RegisterExpertServer(closed.Ctx().get(), reg, &lease);

@@ -559,7 +559,7 @@ def _(ctx):
 @case("RegisterExpertServer: a 1 MiB shard name (as a member)")
 def _(ctx):
     return expect(C.INVALID_ARGUMENT, "shard name", lambda: register(
-        ctx, name="s" * (1 << 20), metadata=ctx.member()))
+        ctx, name="s" * (1 << 20), metadata=ctx.expert_member()))
 
 
 # Members (the cluster token) are bounded too: what a shard may serve comes from the deployment's
@@ -569,7 +569,7 @@ def _(ctx):
     # The finding: "a-evil" over [0, 128) with heartbeats made 101 of 101 canary answers wrong.
     before = placement(ctx)
     msg = expect(C.PERMISSION_DENIED, "shard a-evil may serve no experts", lambda: register(
-        ctx, name="a-evil", metadata=ctx.member()))
+        ctx, name="a-evil", metadata=ctx.expert_member()))
     assert placement(ctx) == before, "the placement changed"
     return msg
 
@@ -578,7 +578,23 @@ def _(ctx):
 def _(ctx):
     before = placement(ctx)
     msg = expect(C.PERMISSION_DENIED, "may serve experts [0, 64)", lambda: register(
-        ctx, name="shard-0", metadata=ctx.member()))
+        ctx, name="shard-0", metadata=ctx.expert_member()))
+    assert placement(ctx) == before, "the placement changed"
+    return msg
+
+
+@case("member: an expert's token dispatching (acting as an attention node)")
+def _(ctx):
+    return expect(C.UNAUTHENTICATED, "needs the cluster token of an attention member",
+                  lambda: dispatch_stream(ctx, [batch(ctx)], metadata=ctx.expert_member()))
+
+
+@case("member: an attention node's token registering a shard")
+def _(ctx):
+    before = placement(ctx)
+    msg = expect(C.UNAUTHENTICATED, "needs the cluster token of an expert member",
+                 lambda: register(ctx, name="shard-0", metadata=ctx.member(),
+                                  ranges=[(LAYER, 0, 64)]))
     assert placement(ctx) == before, "the placement changed"
     return msg
 
@@ -590,11 +606,11 @@ def _(ctx):
     for i in range(19):
         ranges = [(LAYER + j, 0, 64) for j in range(1024)]
         msgs.append(expect(C.INVALID_ARGUMENT, "", lambda: register(
-            ctx, name=f"evil-{i}-" + "n" * 200, metadata=ctx.member(), ranges=ranges)))
+            ctx, name=f"evil-{i}-" + "n" * 200, metadata=ctx.expert_member(), ranges=ranges)))
     msgs.append(expect(C.INVALID_ARGUMENT, "is not managed by this router", lambda: register(
-        ctx, name="shard-0", metadata=ctx.member(), ranges=[(LAYER + 1, 0, 64)])))
+        ctx, name="shard-0", metadata=ctx.expert_member(), ranges=[(LAYER + 1, 0, 64)])))
     msgs.append(expect(C.INVALID_ARGUMENT, "two ranges for layer", lambda: register(
-        ctx, name="shard-0", metadata=ctx.member(), ranges=[(LAYER, 0, 32), (LAYER, 32, 64)])))
+        ctx, name="shard-0", metadata=ctx.expert_member(), ranges=[(LAYER, 0, 32), (LAYER, 32, 64)])))
     assert placement(ctx) == before, "the placement changed"
     return f"{msgs[0]}; {msgs[-2]}; {msgs[-1]}"
 
@@ -853,8 +869,10 @@ def main():
     try:
         wait_for("cluster.json", lambda: os.path.exists(cj), 180)
         cluster = json.load(open(cj))
-        token = open(os.path.join(cluster_dir, "cluster_token")).read().strip()
+        # Members' tokens: an attention node's and an expert's (the router holds the secret).
+        token = open(os.path.join(cluster_dir, "attention_token")).read().strip()
         ctx = Ctx(cluster, pb, token, ref)
+        ctx.expert_token = open(os.path.join(cluster_dir, "expert_token")).read().strip()
         info = ctx.unary(ctx.shard0, "/moe.v1.ExpertService/GetInfo",
                          pb.expert.GetExpertInfoRequest(), pb.expert.ExpertServerInfo)
         ctx.latent = info.latent

@@ -38,7 +38,12 @@ class Ctx:
         return call(request, timeout=timeout, metadata=metadata, compression=compression)
 
     def member(self):
+        """An attention node's member token (Dispatch, OpenDataPlane, ReportStats)."""
         return [("x-moe-cluster-token", self.token)]
+
+    def expert_member(self):
+        """An expert's member token (RegisterExpertServer, Heartbeat)."""
+        return [("x-moe-cluster-token", self.expert_token)]
 
 
 def expect(code, substring, fn):

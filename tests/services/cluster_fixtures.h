@@ -66,9 +66,10 @@ inline std::unique_ptr<client::MoeClient> ClientFor(const LocalCluster& c,
   return std::move(*client);
 }
 
-// The cluster (membership) token LocalCluster made for its members (work_dir/cluster_token).
+// The attention nodes' member token LocalCluster made (work_dir/attention_token): what
+// Dispatch and OpenDataPlane need. (work_dir/cluster_token is the router's secret.)
 inline std::string ClusterToken(const LocalCluster& c) {
-  std::ifstream f(c.work_dir() + "/cluster_token");
+  std::ifstream f(c.work_dir() + "/attention_token");
   std::string token;
   f >> token;
   return token;

@@ -236,6 +236,17 @@ TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
   EXPECT_TRUE(SameBits(after->out, f.want));
 }
 
+// The member role tokens are hex SHA-256 of "<secret>:<role>" (values from coreutils'
+// sha256sum; the chart derives them the same way with sprig's sha256sum: tests/deploy).
+TEST(TlsOptions, MemberRoleTokens) {
+  EXPECT_EQ(transport::MemberRoleToken("s3cret", "expert"),
+            "d16c15751b202b4fd5cfb69b4cd49b1e4586ddfe53e40b5de3c730692bdd5ad6");
+  const std::string attention = transport::MemberRoleToken("s3cret", "attention");
+  EXPECT_EQ(attention, "f9067681e55b50b014e3fa02e84390d0150afd641595af1821930e4799325721");
+  EXPECT_EQ(transport::MemberTokenDigest(attention),
+            "b162ea2818122c2861e6120dfecd8cb83a713a92d88c97d7b3f90d9ca5f023fd");
+}
+
 TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
   const std::string pki = MakeTestPki(MakeTempDir("tls_files"));
   ASSERT_FALSE(pki.empty());
@@ -285,9 +296,11 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
   f.pki = MakeTestPki(MakeTempDir("tls_identity"));
   ASSERT_FALSE(f.pki.empty());
   ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "{name}")));
-  std::ifstream tf(f.cluster->work_dir() + "/cluster_token");
+  // Every call below carries its role's member token: only the certificate is wrong.
+  std::ifstream tf(f.cluster->work_dir() + "/expert_token");
   std::string token;
   tf >> token;
+  const std::string attention_token = moe::testing::ClusterToken(*f.cluster);
   auto call_as = [&](const std::string& cert) {
     auto creds = transport::MakeChannelCredentials(MemberTls(f.pki, cert));
     EXPECT_TRUE(creds.ok());
@@ -345,7 +358,7 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
   auto expert = v1::ExpertService::NewStub(shard0);
   grpc::ClientContext dctx;
   dctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  dctx.AddMetadata(transport::kClusterTokenMetadata, token);
+  dctx.AddMetadata(transport::kClusterTokenMetadata, attention_token);
   auto stream = expert->Dispatch(&dctx);
   stream->WritesDone();
   v1::DispatchReply reply;

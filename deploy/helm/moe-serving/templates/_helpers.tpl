@@ -31,10 +31,42 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "moe.clusterSecret" -}}
 {{- default (printf "%s-cluster" (include "moe.fullname" .)) .Values.membership.existingSecret -}}
 {{- end -}}
-{{/* The membership token as a file in every pod (never on a command line or in the environment). */}}
+{{/* Membership tokens as files (never on a command line or in the environment), per role
+(dict "ctx" $ "role" router|expert|attention): the router reads the cluster secret, an expert
+its role's token and the attention token's SHA-256, an attention node its role's token. */}}
 {{- define "moe.clusterTokenFlag" -}}
-- --cluster_token_file=/var/run/moe/cluster/{{ .Values.membership.secretKey }}
-{{- include "moe.tlsFlags" . }}
+{{- $ctx := .ctx -}}
+{{- if eq .role "router" }}
+- --cluster_token_file=/var/run/moe/cluster/{{ $ctx.Values.membership.secretKey }}
+{{- else if eq .role "expert" }}
+- --cluster_token_file=/var/run/moe/cluster/expert-token
+- --attention_token_sha256_file=/var/run/moe/cluster/attention-token-sha256
+{{- else }}
+- --cluster_token_file=/var/run/moe/cluster/attention-token
+{{- end }}
+{{- include "moe.tlsFlags" $ctx }}
+{{- end -}}
+
+{{/* The membership Secret's keys a role's pod may read (the volume's items). */}}
+{{- define "moe.memberVolume" -}}
+{{- $ctx := .ctx -}}
+- name: cluster-token
+  secret:
+    secretName: {{ include "moe.clusterSecret" $ctx }}
+    defaultMode: 288  # 0440: the pod's group (fsGroup) reads it, nobody else
+    items:
+      {{- if eq .role "router" }}
+      - key: {{ $ctx.Values.membership.secretKey }}
+        path: {{ $ctx.Values.membership.secretKey }}
+      {{- else if eq .role "expert" }}
+      - key: expert-token
+        path: expert-token
+      - key: attention-token-sha256
+        path: attention-token-sha256
+      {{- else }}
+      - key: attention-token
+        path: attention-token
+      {{- end }}
 {{- end -}}
 {{/* TLS files from the pod's tls volume (tls.enabled): its own certificate naming its member
 identity (tls.perPodIssuer: members act only as themselves), or the shared Secret (every
@@ -140,10 +172,6 @@ Secret. */}}
 - name: model
   configMap:
     name: {{ include "moe.fullname" . }}-model
-- name: cluster-token
-  secret:
-    secretName: {{ include "moe.clusterSecret" . }}
-    defaultMode: 288  # 0440: the pod's group (fsGroup) reads it, nobody else
 - name: tmp
   emptyDir:
     sizeLimit: 256Mi
