@@ -185,6 +185,14 @@ absl::StatusOr<ModelConfig> ParseHfConfig(absl::string_view json_text) {
   MOE_RETURN_IF_ERROR(ExpectString(*t, "moe_router_activation_func", "sigmoid"));
   MOE_RETURN_IF_ERROR(ExpectString(*t, "hidden_act", "situ"));
   MOE_RETURN_IF_ERROR(ExpectString(*t, "topk_method", "noaux_tc"));
+  // The combined latent is RMSNorm-ed before the up-projection (math.md); the variant without
+  // it is not implemented, so it is refused rather than served with the norm.
+  MOE_ASSIGN_OR_RETURN(bool use_norm, GetBool(*t, "latent_moe_use_norm", true));
+  if (!use_norm) {
+    return FieldError("latent_moe_use_norm",
+                      "false (LatentMoE without the RMSNorm of the combined latent) is not "
+                      "supported; must be true");
+  }
   for (const char* field : {"num_expert_group", "topk_group", "n_group"}) {
     MOE_ASSIGN_OR_RETURN(int64_t groups, GetInt(*t, field, false, 1));
     if (groups != 1) {
@@ -220,6 +228,7 @@ std::string ToHfConfigJson(const ModelConfig& c) {
       {"moe_router_activation_func", "sigmoid"},
       {"topk_method", "noaux_tc"},
       {"moe_renormalize", c.renormalize},
+      {"latent_moe_use_norm", true},
       {"routed_scaling_factor", c.routed_scaling_factor},
       {"num_expert_group", 1},
       {"topk_group", 1},

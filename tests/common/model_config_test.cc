@@ -104,7 +104,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{R"(, "topk_group": 4)", "topk_group"},
         BadConfig{R"(, "rms_norm_eps": 0)", "rms_norm_eps"},
         BadConfig{R"(, "first_k_dense_replace": 3)", "first_k_dense_replace"},
-        BadConfig{R"(, "moe_renormalize": 1)", "moe_renormalize"}));
+        BadConfig{R"(, "moe_renormalize": 1)", "moe_renormalize"},
+        // The LatentMoE variant without the latent's RMSNorm is not served with the norm.
+        BadConfig{R"(, "latent_moe_use_norm": false)", "latent_moe_use_norm"},
+        BadConfig{R"(, "latent_moe_use_norm": "yes")", "latent_moe_use_norm"}));
 
 TEST(ModelConfig, MissingFieldAndBadJsonAreClear) {
   auto missing = ParseHfConfig(R"({"text_config": {"hidden_size": 128}})");
