@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
@@ -66,6 +70,95 @@ absl::Status Corrupt(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("QB histogram: ", what));
 }
 
+// The QB steps' threads: every core up to 8 (router-svc's step and an attention node's report
+// are short bursts), at most one per kMinRowsPerThread rows.
+constexpr int64_t kMinRowsPerThread = 1024;
+int QbThreads(int64_t rows) {
+  const int64_t cores = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
+  return static_cast<int>(std::clamp<int64_t>(rows / kMinRowsPerThread, 1, cores));
+}
+
+// fn(part, lo, hi) on `parts` contiguous pieces of [0, count), the first on this thread. Each
+// piece writes its own outputs: the result does not depend on the split.
+template <typename Fn>
+void SplitWork(int64_t count, int parts, Fn fn) {
+  parts = static_cast<int>(std::clamp<int64_t>(parts, 1, std::max<int64_t>(1, count)));
+  std::vector<std::thread> threads;
+  for (int p = 1; p < parts; ++p) {
+    threads.emplace_back(fn, p, count * p / parts, count * (p + 1) / parts);
+  }
+  fn(0, 0, count / parts);
+  for (std::thread& t : threads) t.join();
+}
+
+// For each column j of the margins s_ij - cutoff_i ([m, n] scores, row-major), its
+// (rank+1)-th largest value, exactly (ties counted), without a transposed copy: a sample of every
+// 16th row sets a per-column threshold below which about twice the needed values lie above it,
+// one row-major pass (threads over rows, blocks of 16 columns tested branch-free) keeps the
+// margins above the threshold, and nth_element picks the value among them. A column whose
+// threshold kept too few (an unlucky sample) is done again in full.
+std::vector<float> ColumnRankValues(absl::Span<const float> scores, int64_t m, int64_t n,
+                                    const std::vector<float>& cutoffs, int64_t rank, int parts) {
+  const float* s = scores.data();
+  auto margin = [&](int64_t i, int64_t j) { return s[i * n + j] - cutoffs[i]; };
+  constexpr int64_t kStride = 16;
+  const int64_t sampled = (m + kStride - 1) / kStride;
+  // The sample's rank that leaves about twice the needed values above the threshold.
+  const int64_t want = std::min(sampled - 1, 2 * (rank + 1) / kStride + 2);
+  std::vector<float> threshold(static_cast<size_t>(n), -std::numeric_limits<float>::infinity());
+  if (want < sampled - 1) {
+    SplitWork(n, parts, [&](int, int64_t j0, int64_t j1) {
+      std::vector<float> sample(static_cast<size_t>(sampled));
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t t = 0; t < sampled; ++t) sample[t] = margin(t * kStride, j);
+        std::nth_element(sample.begin(), sample.begin() + want, sample.end(),
+                         std::greater<float>());
+        threshold[j] = sample[want];
+      }
+    });
+  }
+  // Row-major pass: per thread and column, the margins above the column's threshold.
+  std::vector<std::vector<std::vector<float>>> kept(
+      static_cast<size_t>(parts), std::vector<std::vector<float>>(static_cast<size_t>(n)));
+  SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
+    std::vector<std::vector<float>>& mine = kept[part];
+    std::vector<float> row(static_cast<size_t>(n));
+    for (int64_t i = lo; i < hi; ++i) {
+      for (int64_t j = 0; j < n; ++j) row[j] = margin(i, j);
+      int64_t j = 0;
+      constexpr int64_t kTest = 16;
+      for (; j + kTest <= n; j += kTest) {
+        int any = 0;
+        for (int64_t x = 0; x < kTest; ++x) any |= row[j + x] > threshold[j + x];
+        if (any == 0) continue;
+        for (int64_t x = j; x < j + kTest; ++x) {
+          if (row[x] > threshold[x]) mine[x].push_back(row[x]);
+        }
+      }
+      for (; j < n; ++j) {
+        if (row[j] > threshold[j]) mine[j].push_back(row[j]);
+      }
+    }
+  });
+  std::vector<float> out(static_cast<size_t>(n));
+  SplitWork(n, parts, [&](int, int64_t j0, int64_t j1) {
+    std::vector<float> column;
+    for (int64_t j = j0; j < j1; ++j) {
+      column.clear();
+      for (int p = 0; p < parts; ++p) {
+        column.insert(column.end(), kept[p][j].begin(), kept[p][j].end());
+      }
+      if (static_cast<int64_t>(column.size()) <= rank) {  // too few above: the whole column
+        column.resize(static_cast<size_t>(m));
+        for (int64_t i = 0; i < m; ++i) column[i] = margin(i, j);
+      }
+      std::nth_element(column.begin(), column.begin() + rank, column.end(), std::greater<float>());
+      out[j] = column[rank];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t n,
@@ -83,12 +176,17 @@ absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t 
     return absl::InvalidArgumentError(
         absl::StrCat("bias has ", bias.size(), " entries; there are ", n, " experts"));
   }
-  // Branch-free scan first (it vectorizes); locate the culprit only when there is one.
+  // Branch-free scan first, in 16 independent lanes (it vectorizes): x - x is 0 for a finite x
+  // and NaN for NaN or Inf, and a NaN stays in its lane's sum. Locate the culprit only then.
+  float lanes[16] = {};
+  const size_t whole = scores.size() / 16 * 16;
+  for (size_t i = 0; i < whole; i += 16) {
+    for (int x = 0; x < 16; ++x) lanes[x] += scores[i + x] - scores[i + x];
+  }
   uint32_t non_finite = 0;
-  for (float v : scores) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    non_finite |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  for (int x = 0; x < 16; ++x) non_finite |= static_cast<uint32_t>(lanes[x] != 0.0f);
+  for (size_t i = whole; i < scores.size(); ++i) {
+    non_finite |= static_cast<uint32_t>(!std::isfinite(scores[i]));
   }
   for (size_t i = 0; non_finite != 0 && i < scores.size(); ++i) {
     if (!std::isfinite(scores[i])) {
@@ -112,14 +210,23 @@ absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t 
 
 std::vector<int64_t> RouteLoads(absl::Span<const float> scores, int64_t m, int64_t n,
                                 absl::Span<const float> bias, int64_t k) {
-  std::vector<int64_t> loads(static_cast<size_t>(n), 0);
-  std::vector<float> biased(static_cast<size_t>(n));
-  std::vector<int32_t> top(static_cast<size_t>(k));
-  for (int64_t i = 0; i < m; ++i) {
-    const float* s = scores.data() + i * n;
-    for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
-    TopK(biased.data(), n, k, top.data());
-    for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
+  const int parts = QbThreads(m);
+  std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts),
+                                               std::vector<int64_t>(static_cast<size_t>(n), 0));
+  SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
+    std::vector<int64_t>& loads = part_loads[part];
+    std::vector<float> biased(static_cast<size_t>(n));
+    std::vector<int32_t> top(static_cast<size_t>(k));
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* s = scores.data() + i * n;
+      for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
+      TopK(biased.data(), n, k, top.data());
+      for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
+    }
+  });
+  std::vector<int64_t> loads = std::move(part_loads[0]);
+  for (int p = 1; p < parts; ++p) {
+    for (int64_t j = 0; j < n; ++j) loads[j] += part_loads[p][j];
   }
   return loads;
 }
@@ -145,48 +252,31 @@ absl::StatusOr<QbStep> QbExactStep(absl::Span<const float> scores, int64_t m, in
   }
   step.routes.resize(static_cast<size_t>(m * k));
   step.cutoffs.resize(static_cast<size_t>(m));
-  std::vector<float> biased(static_cast<size_t>(n));
-  std::vector<int32_t> top(static_cast<size_t>(k + 1));
-  for (int64_t i = 0; i < m; ++i) {
-    RouteToken(scores.data() + i * n, bias.data(), n, k, biased.data(), top.data());
-    for (int64_t r = 0; r < k; ++r) {
-      step.routes[i * k + r] = top[r];
-      ++step.loads[top[r]];
+  // Tokens in contiguous pieces, one per thread (routes and cutoffs per token; loads summed).
+  const int parts = QbThreads(m);
+  std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts),
+                                               std::vector<int64_t>(static_cast<size_t>(n), 0));
+  SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
+    std::vector<float> biased(static_cast<size_t>(n));
+    std::vector<int32_t> top(static_cast<size_t>(k + 1));
+    std::vector<int64_t>& loads = part_loads[part];
+    for (int64_t i = lo; i < hi; ++i) {
+      RouteToken(scores.data() + i * n, bias.data(), n, k, biased.data(), top.data());
+      for (int64_t r = 0; r < k; ++r) {
+        step.routes[i * k + r] = top[r];
+        ++loads[top[r]];
+      }
+      step.cutoffs[i] = biased[top[k]];
     }
-    step.cutoffs[i] = biased[top[k]];
+  });
+  for (int p = 0; p < parts; ++p) {
+    for (int64_t j = 0; j < n; ++j) step.loads[j] += part_loads[p][j];
   }
-  // b-hat_j = -(the (floor(q)+1)-th largest margin of column j).
+  // b-hat_j = -(the (floor(q)+1)-th largest margin of column j), margin = s_ij - cutoff_i.
   const double q = static_cast<double>(m) * k / n;
   const int64_t rank = static_cast<int64_t>(std::floor(q));  // 0-based, descending
-  // margins_t: [n, m], written in token blocks so that the reads stay row-contiguous and every
-  // column is contiguous for nth_element (a strided column walk is 3x slower at K3 shape).
-  constexpr int64_t kBlock = 64;
-  std::vector<float> margins_t(static_cast<size_t>(n * m));
-  for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
-    const int64_t i1 = std::min(m, i0 + kBlock);
-    for (int64_t j = 0; j < n; ++j) {
-      float* out = margins_t.data() + j * m;
-      for (int64_t i = i0; i < i1; ++i) out[i] = scores[i * n + j] - step.cutoffs[i];
-    }
-  }
-  // The (rank+1)-th largest of each column through a min-heap of its rank+1 largest values:
-  // with rank + 1 = q + 1 << m most values fail the first comparison, so this beats
-  // nth_element's unpredictable partitioning (bench/qb_bench: BM_QbExactStep).
-  step.raw_bias.resize(static_cast<size_t>(n));
-  std::vector<float> heap(static_cast<size_t>(rank + 1));
-  for (int64_t j = 0; j < n; ++j) {
-    const float* column = margins_t.data() + j * m;
-    std::copy(column, column + rank + 1, heap.begin());
-    std::make_heap(heap.begin(), heap.end(), std::greater<float>());
-    for (int64_t i = rank + 1; i < m; ++i) {
-      if (column[i] > heap.front()) {
-        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
-        heap.back() = column[i];
-        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
-      }
-    }
-    step.raw_bias[j] = -heap.front();
-  }
+  step.raw_bias = ColumnRankValues(scores, m, n, step.cutoffs, rank, parts);
+  for (float& b : step.raw_bias) b = -b;
   step.bias = CenterBias(step.raw_bias);
   return step;
 }

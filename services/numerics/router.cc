@@ -8,10 +8,10 @@ namespace moe::numerics {
 void TopK(const float* values, int64_t n, int64_t k, int32_t* out) {
   // out[0, filled) is sorted in rank order. Candidates come in ascending index, so a candidate
   // equal to an entry ranks below it: it enters only above strictly smaller values.
+  if (k <= 0) return;
   int64_t filled = 0;
-  for (int64_t j = 0; j < n; ++j) {
+  auto insert = [&](int64_t j) {
     const float v = values[j];
-    if (filled == k && !(v > values[out[k - 1]])) continue;
     int64_t p = filled < k ? filled : k - 1;
     while (p > 0 && values[out[p - 1]] < v) {
       out[p] = out[p - 1];
@@ -19,6 +19,26 @@ void TopK(const float* values, int64_t n, int64_t k, int32_t* out) {
     }
     out[p] = static_cast<int32_t>(j);
     if (filled < k) ++filled;
+  };
+  int64_t j = 0;
+  for (; j < n && filled < k; ++j) insert(j);
+  // Full: most values do not beat the k-th. Blocks of 16 are tested branch-free (the compiler
+  // vectorizes the fixed-length compare); only a block holding a value above the k-th as it was
+  // at the block's start is walked in order, each value against the k-th as it is then. The
+  // k-th only grows, so a value the block test passes over would fail the walk too: the result
+  // is the scalar loop's, ties included.
+  constexpr int64_t kBlock = 16;
+  for (; j + kBlock <= n; j += kBlock) {
+    const float kth = values[out[k - 1]];
+    int any = 0;
+    for (int64_t x = 0; x < kBlock; ++x) any |= values[j + x] > kth;
+    if (any == 0) continue;
+    for (int64_t x = j; x < j + kBlock; ++x) {
+      if (values[x] > values[out[k - 1]]) insert(x);
+    }
+  }
+  for (; j < n; ++j) {
+    if (values[j] > values[out[k - 1]]) insert(j);
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "gtest/gtest.h"
@@ -39,16 +40,63 @@ std::vector<float> PowerLawOffsets(int64_t n, float strength, uint64_t seed) {
 
 TEST(TopK, MatchesAFullSortWithTheTieRule) {
   Rng rng(17);
-  for (int trial = 0; trial < 300; ++trial) {
-    const int64_t n = 2 + rng.Next() % 40, k = 1 + rng.Next() % (n - 1);
+  // Small rows (every path of the insertion), then K3-like rows where the block test (16 values
+  // at a time) decides most values: with many ties, and with distinct values.
+  for (int trial = 0; trial < 900; ++trial) {
+    const bool wide = trial >= 300;
+    const int64_t n = wide ? 17 + rng.Next() % 1000 : 2 + rng.Next() % 40;
+    const int64_t k = 1 + rng.Next() % (wide ? 17 : n - 1);
     std::vector<float> v(n);
-    for (float& x : v) x = static_cast<float>(rng.Next() % 5) * 0.25f;  // many ties
+    for (float& x : v) {
+      x = trial % 2 == 0 ? static_cast<float>(rng.Next() % 5) * 0.25f  // many ties
+                         : static_cast<float>(rng.Uniform());
+    }
     std::vector<int32_t> want(n);
     std::iota(want.begin(), want.end(), 0);
     std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) { return v[a] > v[b]; });
     std::vector<int32_t> got(k);
     TopK(v.data(), n, k, got.data());
     ASSERT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + k)) << "trial " << trial;
+  }
+}
+
+// The exact step's per-column selection (a sampled threshold, a row-major filter, threads) is
+// the definition's: each b-hat_j is minus the (floor(q)+1)-th largest margin s_ij - cutoff_i of
+// its column, here by a full sort, at shapes up to K3's n and k, on skewed and on tied scores
+// (many equal margins: a threshold sample can under-count), bit for bit.
+TEST(QuantileBalancing, ExactStepSelectsAsAFullSortDoes) {
+  Rng rng(29);
+  struct Shape {
+    int64_t m, n, k;
+    bool ties;
+  };
+  for (const Shape& sh : {Shape{4096, 896, 16, false}, Shape{3000, 128, 8, false},
+                          Shape{2048, 64, 4, true}, Shape{100, 16, 3, false}}) {
+    SCOPED_TRACE(sh.m);
+    std::vector<float> s(static_cast<size_t>(sh.m * sh.n));
+    for (float& v : s) {
+      v = sh.ties ? static_cast<float>(rng.Next() % 4) * 0.25f
+                  : static_cast<float>(std::pow(rng.Uniform(), 2.0));
+    }
+    std::vector<float> b(static_cast<size_t>(sh.n));
+    for (float& v : b) v = static_cast<float>(rng.Uniform() * 0.1 - 0.05);
+    auto step = QbExactStep(s, sh.m, sh.n, b, sh.k);
+    ASSERT_TRUE(step.ok()) << step.status();
+    const int64_t rank = static_cast<int64_t>(std::floor(static_cast<double>(sh.m) * sh.k / sh.n));
+    std::vector<float> biased(static_cast<size_t>(sh.n));
+    std::vector<int32_t> top(static_cast<size_t>(sh.k + 1));
+    for (int64_t i = 0; i < sh.m; ++i) {  // cutoffs and routes: a plain TopK per token
+      for (int64_t j = 0; j < sh.n; ++j) biased[j] = s[i * sh.n + j] + b[j];
+      TopK(biased.data(), sh.n, sh.k + 1, top.data());
+      ASSERT_EQ(step->cutoffs[i], biased[top[sh.k]]) << i;
+      for (int64_t r = 0; r < sh.k; ++r) ASSERT_EQ(step->routes[i * sh.k + r], top[r]);
+    }
+    for (int64_t j = 0; j < sh.n; ++j) {
+      std::vector<float> column(static_cast<size_t>(sh.m));
+      for (int64_t i = 0; i < sh.m; ++i) column[i] = s[i * sh.n + j] - step->cutoffs[i];
+      std::sort(column.begin(), column.end(), std::greater<float>());
+      ASSERT_EQ(step->raw_bias[j], -column[rank]) << "column " << j;
+    }
   }
 }
 
