@@ -317,20 +317,39 @@ absl::StatusOr<QbHistogram> QbHistogram::Create(const QbWindow& window,
 absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) {
   const int64_t n = num_experts_, k = window_.top_k, bins = window_.bins;
   MOE_RETURN_IF_ERROR(ValidateQbInput(scores, m, n, bias_, k));
-  std::vector<float> biased(static_cast<size_t>(n));
-  std::vector<int32_t> top(static_cast<size_t>(k + 1));
   const double inv_w = bins / (hi_ - lo_);
-  for (int64_t i = 0; i < m; ++i) {
-    const float* s = scores.data() + i * n;
-    RouteToken(s, bias_.data(), n, k, biased.data(), top.data());
-    for (int64_t r = 0; r < k; ++r) ++loads_[top[r]];
-    const float alpha = biased[top[k]];
-    for (int64_t j = 0; j < n; ++j) {
-      const float r = alpha - s[j];  // required bias; exactly -(s - alpha)
-      const double pos = std::floor((static_cast<double>(r) - lo_) * inv_w);
-      const int64_t l = pos < 0 ? 0 : (pos >= bins ? bins - 1 : static_cast<int64_t>(pos));
-      ++counts_[j * bins + l];
+  // Tokens in pieces over the cores: the first piece counts into this histogram, the others
+  // into their own, added after (integer sums: the result does not depend on the split).
+  const int parts = QbThreads(m);
+  std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts - 1));
+  std::vector<std::vector<uint32_t>> part_counts(static_cast<size_t>(parts - 1));
+  SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
+    int64_t* loads = loads_.data();
+    uint32_t* counts = counts_.data();
+    if (part > 0) {
+      part_loads[part - 1].assign(static_cast<size_t>(n), 0);
+      part_counts[part - 1].assign(counts_.size(), 0);
+      loads = part_loads[part - 1].data();
+      counts = part_counts[part - 1].data();
     }
+    std::vector<float> biased(static_cast<size_t>(n));
+    std::vector<int32_t> top(static_cast<size_t>(k + 1));
+    for (int64_t i = lo; i < hi; ++i) {
+      const float* s = scores.data() + i * n;
+      RouteToken(s, bias_.data(), n, k, biased.data(), top.data());
+      for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
+      const float alpha = biased[top[k]];
+      for (int64_t j = 0; j < n; ++j) {
+        const float r = alpha - s[j];  // required bias; exactly -(s - alpha)
+        const double pos = std::floor((static_cast<double>(r) - lo_) * inv_w);
+        const int64_t l = pos < 0 ? 0 : (pos >= bins ? bins - 1 : static_cast<int64_t>(pos));
+        ++counts[j * bins + l];
+      }
+    }
+  });
+  for (int p = 0; p + 1 < parts; ++p) {
+    for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += part_counts[p][i];
+    for (int64_t j = 0; j < n; ++j) loads_[j] += part_loads[p][j];
   }
   tokens_ += m;
   return absl::OkStatus();
