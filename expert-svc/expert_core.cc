@@ -177,6 +177,7 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
     metrics_->Backend(backends_.begin()->second->name(), backends_.begin()->second->note);
   }
   if (metrics_ != nullptr && limits_.threads > 0) {
+    metrics_->LimitsProbed();
     metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
                                numerics::cpu::IsaName(limits_.isa));
   }
@@ -299,6 +300,9 @@ void ExpertCore::ComputeLoop() {
       std::unique_lock<std::mutex> lock(mu_);
       while (!cv_.wait_for(lock, kIdleTick, [&] { return stopping_ || !queue_.empty(); })) {
         if (metrics_ != nullptr) metrics_->Tick();  // the busy ratio decays while idle
+        lock.unlock();  // batches queue meanwhile; they wait at most one probe (~0.2 s)
+        RemeasureLimitsWhenIdle();
+        lock.lock();
       }
       if (queue_.empty()) return;  // stopping, nothing left
       b = std::move(queue_.front().first);
@@ -347,6 +351,40 @@ void ExpertCore::ComputeLoop() {
       }
     }
     out->Send(std::move(reply));
+    last_batch_end_ = Clock::now();
+  }
+}
+
+void ExpertCore::RemeasureLimitsWhenIdle() {
+  // After limits_idle_ms without a batch, at most every limits_every_ms, a shorter probe than at
+  // start.
+  const auto kIdle = std::chrono::milliseconds(options_.limits_idle_ms);
+  const auto kEvery = std::chrono::milliseconds(options_.limits_every_ms);
+  const auto now = Clock::now();
+  if (limits_.threads == 0 || now - last_batch_end_ < kIdle || now - limits_measured_ < kEvery) {
+    return;
+  }
+  limits_measured_ = now;
+  numerics::cpu::LimitsOptions lo;
+  lo.read_bytes = int64_t{256} << 20;
+  lo.read_passes = 2;
+  lo.fma_seconds = 0.03;
+  const numerics::cpu::MachineLimits again =
+      numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
+  if (metrics_ != nullptr) metrics_->LimitsProbed();
+  if (again.read_bytes_per_second <= limits_.read_bytes_per_second &&
+      again.fma_flops_per_second <= limits_.fma_flops_per_second) {
+    return;
+  }
+  limits_.read_bytes_per_second =
+      std::max(limits_.read_bytes_per_second, again.read_bytes_per_second);
+  limits_.fma_flops_per_second = std::max(limits_.fma_flops_per_second, again.fma_flops_per_second);
+  MOE_LOG_INFO("shard {}: measured again while idle: read {:.1f} GB/s, FMA peak {:.1f} GFLOP/s",
+               options_.shard, limits_.read_bytes_per_second / 1e9,
+               limits_.fma_flops_per_second / 1e9);
+  if (metrics_ != nullptr) {
+    metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
+                               numerics::cpu::IsaName(limits_.isa));
   }
 }
 

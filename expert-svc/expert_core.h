@@ -84,6 +84,11 @@ class ExpertCore {
   const numerics::cpu::KernelTable* kernels_ = nullptr;
   std::unique_ptr<numerics::cpu::ThreadPool> pool_;
   numerics::cpu::MachineLimits limits_;  // zero when not measured
+  // The limits again while idle (the start-up probe may have shared the machine with a busy
+  // neighbour): the best of every measurement is kept. Compute thread only.
+  void RemeasureLimitsWhenIdle();
+  std::chrono::steady_clock::time_point last_batch_end_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point limits_measured_ = std::chrono::steady_clock::now();
   std::unique_ptr<BatchVerifier> verifier_;
   metrics::ExpertMetrics* metrics_ = nullptr;
 

@@ -74,6 +74,10 @@ struct ExpertServerOptions {
   // Measure this machine's read bandwidth and FMA peak at start (about 0.4 s, CPU backend) and
   // export what the kernels achieve as fractions of them.
   bool measure_limits = true;
+  // And again while idle (no batch for limits_idle_ms, at most every limits_every_ms), keeping
+  // the best: a start-up probe that shared the machine with a busy neighbour is corrected.
+  int64_t limits_idle_ms = 10000;
+  int64_t limits_every_ms = 60000;
 };
 
 }  // namespace moe::expert_svc

@@ -290,24 +290,31 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                  .Help("Floating-point operations of the expert FFNs (2 per multiply-add)")
                  .Register(registry)
                  .Add({{"shard", shard}})),
-      bandwidth_fraction_(BuildGauge()
-                              .Name("moe_expert_weight_bandwidth_fraction")
-                              .Help("Weight bytes/s while computing, last 10 s, over this "
-                                    "machine's measured read bandwidth (NaN while idle)")
-                              .Register(registry)
-                              .Add({{"shard", shard}})),
-      fma_fraction_(BuildGauge()
-                        .Name("moe_expert_fma_peak_fraction")
-                        .Help("FLOP/s while computing, last 10 s, over this machine's measured "
-                              "fp32 FMA peak of the kernels' ISA (NaN while idle)")
-                        .Register(registry)
-                        .Add({{"shard", shard}})),
+      bandwidth_fraction_family_(
+          BuildGauge()
+              .Name("moe_expert_weight_bandwidth_fraction")
+              .Help("Weight bytes/s while computing, last 10 s with compute, "
+                    "over this machine's measured read bandwidth (absent "
+                    "before the first batch)")
+              .Register(registry)),
+      fma_fraction_family_(BuildGauge()
+                               .Name("moe_expert_fma_peak_fraction")
+                               .Help("FLOP/s while computing, last 10 s with compute, over this "
+                                     "machine's measured fp32 FMA peak of the kernels' ISA "
+                                     "(absent before the first batch)")
+                               .Register(registry)),
       read_bandwidth_(BuildGauge()
                           .Name("moe_expert_machine_read_bandwidth_bytes_per_second")
                           .Help("Streaming read bandwidth measured at start, all compute threads "
                                 "(0: not measured)")
                           .Register(registry)
                           .Add({{"shard", shard}})),
+      limit_probes_(BuildCounter()
+                        .Name("moe_expert_machine_limit_probes_total")
+                        .Help("Measurements of the machine's limits: at start, then again while "
+                              "idle (the best is kept)")
+                        .Register(registry)
+                        .Add({{"shard", shard}})),
       fma_peak_(BuildGauge()
                     .Name("moe_expert_machine_fma_peak_flops_per_second")
                     .Help("fp32 multiply-add peak of the kernels' ISA measured at start, all "
@@ -351,8 +358,6 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
   for (const char* result : {"match", "mismatch", "skipped", "error"}) {
     verified_.Add({{"shard", shard}, {"result", result}});  // all four series from the start
   }
-  bandwidth_fraction_.Set(std::nan(""));
-  fma_fraction_.Set(std::nan(""));
 }
 
 void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double compute_seconds,
@@ -409,9 +414,16 @@ void ExpertMetrics::UpdateWindowLocked(std::chrono::steady_clock::time_point now
     flops += r.flops;
   }
   busy_ratio_.Set(std::min(1.0, busy / 10.0));
-  const double nan = std::nan("");
-  bandwidth_fraction_.Set(busy > 0 && limit_bandwidth_ > 0 ? bytes / busy / limit_bandwidth_ : nan);
-  fma_fraction_.Set(busy > 0 && limit_flops_ > 0 ? flops / busy / limit_flops_ : nan);
+  // Only a window with compute and measured limits has fractions: none before (the series are
+  // absent, not NaN), the latest after (an idle window keeps them).
+  if (busy > 0 && limit_bandwidth_ > 0 && limit_flops_ > 0) {
+    if (bandwidth_fraction_ == nullptr) {
+      bandwidth_fraction_ = &bandwidth_fraction_family_.Add({{"shard", shard_}});
+      fma_fraction_ = &fma_fraction_family_.Add({{"shard", shard_}});
+    }
+    bandwidth_fraction_->Set(bytes / busy / limit_bandwidth_);
+    fma_fraction_->Set(flops / busy / limit_flops_);
+  }
 }
 
 RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<int64_t>& layers)

@@ -151,6 +151,8 @@ class ExpertMetrics {
   // weight bytes/s and FLOP/s of the last window are exported as fractions of them.
   void SetMachineLimits(double read_bytes_per_second, double fma_flops_per_second,
                         const std::string& isa);
+  // One measurement of the limits (at start, or again while idle).
+  void LimitsProbed() { limit_probes_.Increment(); }
   // A production check's result: "match", "mismatch", "skipped" or "error" (batch_verifier.h).
   void Verified(const std::string& result);
   // The backend the experts run on, and why not the one asked for ("" when it is).
@@ -179,9 +181,14 @@ class ExpertMetrics {
   prometheus::Gauge& busy_ratio_;
   prometheus::Counter& weight_bytes_;
   prometheus::Counter& flops_;
-  prometheus::Gauge& bandwidth_fraction_;
-  prometheus::Gauge& fma_fraction_;
+  // Families of the two fractions; their series exist from the first window with compute
+  // time and limits on (absent before: no NaN to divide by), then hold the latest window's.
+  prometheus::Family<prometheus::Gauge>& bandwidth_fraction_family_;
+  prometheus::Family<prometheus::Gauge>& fma_fraction_family_;
+  prometheus::Gauge* bandwidth_fraction_ = nullptr;
+  prometheus::Gauge* fma_fraction_ = nullptr;
   prometheus::Gauge& read_bandwidth_;
+  prometheus::Counter& limit_probes_;
   prometheus::Family<prometheus::Gauge>& fma_peak_;
   prometheus::Family<prometheus::Counter>& verified_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;

@@ -135,6 +135,39 @@ std::string PageWithMatches(int metrics_port, double matches) {
   return page;
 }
 
+// The limits are measured again while the shard is idle (here after 200 ms without a batch, at
+// most every 300 ms), each a counted probe whose best is kept.
+TEST(ExpertServer, MeasuresItsLimitsAgainWhileIdle) {
+  const std::string port_file = ::testing::TempDir() + "/expert_idle_metrics_port";
+  std::remove(port_file.c_str());
+  ExpertServerOptions o;
+  o.preset = "tiny";
+  o.expert_lo = 0;
+  o.expert_hi = 16;
+  o.shard = "shard-i";
+  o.threads = 2;
+  o.metrics_port = 0;
+  o.metrics_port_file = port_file;
+  o.limits_idle_ms = 200;
+  o.limits_every_ms = 300;
+  auto server = ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  ASSERT_GT(metrics_port, 0);
+  double probes = 0, bw = 0;
+  for (int i = 0; i < 100 && probes < 3; ++i) {  // bounded: 10 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const std::string page = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
+        metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+    probes = Sample(page, "moe_expert_machine_limit_probes_total", {"shard=\"shard-i\""});
+    bw = Sample(page, "moe_expert_machine_read_bandwidth_bytes_per_second", {"shard=\"shard-i\""});
+  }
+  EXPECT_GE(probes, 3) << "measured at start, then twice again while idle";
+  EXPECT_GT(bw, 1e9);
+  (*server)->Shutdown();
+}
+
 TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionChecks) {
   const std::string port_file = ::testing::TempDir() + "/expert_metrics_port";
   std::remove(port_file.c_str());
@@ -153,6 +186,14 @@ TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionCh
   int metrics_port = 0;
   std::ifstream(port_file) >> metrics_port;
   ASSERT_GT(metrics_port, 0);
+
+  // Before any batch there is nothing to divide: the fractions are absent, not NaN.
+  const std::string before = moe::testing::HttpBodyOf(moe::testing::HttpExchange(
+      metrics_port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"));
+  EXPECT_EQ(before.find("moe_expert_weight_bandwidth_fraction{"), std::string::npos) << before;
+  EXPECT_EQ(before.find("moe_expert_fma_peak_fraction{"), std::string::npos) << before;
+  EXPECT_EQ(before.find("NaN"), std::string::npos) << before;
+  EXPECT_EQ(Sample(before, "moe_expert_machine_limit_probes_total", {"shard=\"shard-m\""}), 1);
 
   const ModelConfig cfg = *PresetConfig("mid");
   ModelConfig zcfg = cfg;

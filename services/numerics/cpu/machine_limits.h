@@ -20,8 +20,8 @@ namespace moe::numerics::cpu {
 struct LimitsOptions {
   // The read probe's buffer: larger than the last-level cache, or it measures the cache.
   int64_t read_bytes = int64_t{1} << 30;
-  int read_passes = 5;       // median of these
-  double fma_seconds = 0.1;  // per FMA pass (median of 3)
+  int read_passes = 5;       // the best of these
+  double fma_seconds = 0.1;  // per FMA pass (the best of 3)
 };
 
 struct MachineLimits {
