@@ -113,6 +113,9 @@ absl::Status AttentionServer::Impl::StartServing() {
     return ServeForward(r, deadline, out, "ModelInfer");
   };
   hooks.submit = [this](std::function<void()> f) { return Submit(std::move(f)); };
+  hooks.on_error = [this](const char* method, const absl::Status& s) {
+    if (metrics_ != nullptr) metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
+  };
   hooks.layer_ready = [this](int32_t layer) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = covered_.find(layer);

@@ -240,12 +240,16 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
 grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ctx,
                                                  const inference::ModelInferRequest* req,
                                                  inference::ModelInferResponse* resp) {
+  auto refused = [&](const absl::Status& s) {
+    if (hooks_.on_error) hooks_.on_error("ModelInfer", s);
+    return Finish(ctx, s);
+  };
   absl::StatusOr<int32_t> layer = LayerOf(req->model_name(), req->model_version());
-  if (!layer.ok()) return Finish(ctx, layer.status());
+  if (!layer.ok()) return refused(layer.status());
   auto forward = std::make_shared<v1::ForwardRequest>();
   auto outputs = std::make_shared<std::vector<std::string>>();
   if (absl::Status s = ToForward(*req, *layer, forward.get(), outputs.get()); !s.ok()) {
-    return Finish(ctx, s);
+    return refused(s);
   }
   absl::Time deadline = absl::Now() + absl::Milliseconds(hooks_.default_timeout_ms);
   deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
@@ -291,8 +295,10 @@ grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ct
     reactor->Finish(grpc::Status::OK);
   });
   if (!queued) {
-    reactor->Finish(transport::ToGrpc(
-        absl::ResourceExhaustedError("attention node: too many requests waiting")));
+    const absl::Status full =
+        absl::ResourceExhaustedError("attention node: too many requests waiting");
+    if (hooks_.on_error) hooks_.on_error("ModelInfer", full);
+    reactor->Finish(transport::ToGrpc(full));
   }
   return reactor;
 }

@@ -48,6 +48,9 @@ class OipService final : public inference::GRPCInferenceService::CallbackService
     std::function<bool(std::function<void()>)> submit;
     // Whether the layer's experts all have a healthy shard.
     std::function<bool(int32_t layer)> layer_ready;
+    // A call refused before it reached forward (which counts its own): counted as an error of
+    // `method` (moe_errors_total).
+    std::function<void(const char* method, const absl::Status&)> on_error;
   };
   explicit OipService(Hooks hooks) : hooks_(std::move(hooks)) {}
 

@@ -280,6 +280,27 @@ def _(ctx):
                   lambda: model_infer(ctx, f"moe-layer-{LAYER}", edit=edit))
 
 
+@case("ModelInfer: its refusals are counted in moe_errors_total")
+def _(ctx):
+    # The finding: 14 ModelInfer errors returned, moe_errors_total{method="ModelInfer"} showed 1.
+    def errors():
+        _status, body = http(ctx.cluster["attention_metrics"], "GET", "/metrics")
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith("moe_errors_total{") and 'method="ModelInfer"' in line)
+    before = errors()
+    for bad in (lambda: model_infer(ctx, "moe-layer-7"),
+                lambda: model_infer(ctx, f"moe-layer-{LAYER}", datatype="INT8"),
+                lambda: model_infer(ctx, f"moe-layer-{LAYER}", shape=[CANARY_TOKENS + 3, ctx.hidden])):
+        try:
+            bad()
+            raise AssertionError("a bad ModelInfer succeeded")
+        except grpc.RpcError:
+            pass
+    after = errors()
+    assert after - before == 3, (before, after)
+    return f"3 refused, moe_errors_total{{method=ModelInfer}} {before:.0f} -> {after:.0f}"
+
+
 @case("ModelInfer: random bytes")
 def _(ctx):
     return expect(C.INVALID_ARGUMENT, "not a valid inference.ModelInferRequest",
