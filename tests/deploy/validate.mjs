@@ -326,8 +326,9 @@ if (arg('expect-data-plane')) {
     }
   }
 }
-// Disruptions: one PodDisruptionBudget per range, minAvailable 1, selecting exactly the pods
-// that serve that range (ordinals r*R .. r*R+R-1); expert pods spread by anti-affinity.
+// Disruptions: one PodDisruptionBudget per range, selecting exactly the pods that serve that
+// range (ordinals r*R .. r*R+R-1): minAvailable 1 with replicas, maxUnavailable 1 with one pod
+// per range (minAvailable 1 would block every node drain); expert pods spread by anti-affinity.
 {
   const sts = byKind('StatefulSet').find((d) => d.metadata.labels['app.kubernetes.io/component'] === 'expert');
   const table = JSON.parse(byKind('ConfigMap').find((c) => c.data && c.data['ranges.json']).data['ranges.json']);
@@ -340,8 +341,10 @@ if (arg('expect-data-plane')) {
       const names = p.spec.selector.matchExpressions?.find((e) => e.key === 'statefulset.kubernetes.io/pod-name')?.values || [];
       return JSON.stringify([...names].sort()) === JSON.stringify([...want].sort());
     });
-    check(pdb && pdb.spec.minAvailable === 1 && matches(pdb.spec.selector.matchLabels, sts.spec.template.metadata.labels),
-          `range ${r} [${range}]: no PodDisruptionBudget keeping one of ${want.join(', ')}`);
+    const budget = R > 1 ? pdb && pdb.spec.minAvailable === 1 && pdb.spec.maxUnavailable === undefined
+      : pdb && pdb.spec.maxUnavailable === 1 && pdb.spec.minAvailable === undefined;
+    check(pdb && budget && matches(pdb.spec.selector.matchLabels, sts.spec.template.metadata.labels),
+          `range ${r} [${range}]: no PodDisruptionBudget ${R > 1 ? 'keeping one' : 'letting a drain evict one'} of ${want.join(', ')}`);
   });
   const anti = sts.spec.template.spec.affinity?.podAntiAffinity?.preferredDuringSchedulingIgnoredDuringExecution;
   check(anti && anti.some((t) => t.podAffinityTerm.topologyKey === 'kubernetes.io/hostname'),
