@@ -29,9 +29,15 @@ while [ $# -gt 0 ]; do
     --skew) SKEW=$2; shift 2 ;;
     --reply_mode) REPLY_MODE=$2; shift 2 ;;
     --in_process) IN_PROCESS=1; shift ;;
-    *) sed -n '2,11p' "$0"; exit 2 ;;
+    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "scripts/run.sh: unknown option '$1' (--help lists them)" >&2; exit 2 ;;
   esac
 done
+# A bad reply mode is said now, not after the shards have loaded.
+case "$REPLY_MODE" in
+  per_pair|partial_sum) ;;
+  *) echo "scripts/run.sh: --reply_mode '$REPLY_MODE': expected per_pair or partial_sum" >&2; exit 2 ;;
+esac
 if [ "$PRESET" = k3 ]; then
   # One K3 layer runs ~30-100 tokens/s on two cores: smaller batches, longer phases.
   [ "$TOKENS" = 64 ] && TOKENS=16
