@@ -104,10 +104,6 @@ std::vector<int32_t> DegradeRouting(const LayerRoute& route, numerics::Routing* 
 std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing* routing,
                                int64_t* degraded_pairs, std::vector<int32_t>* missing);
 
-// The reply a lost message contributes under DEGRADE: zeros of the shape it would have had.
-struct ExpertReply;
-ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t latent);
-
 // A shard's answer to one message: per-pair, `bf16` [rows, latent]; partial sums, `f32`
 // [tokens.size(), latent].
 struct ExpertReply {
@@ -115,6 +111,9 @@ struct ExpertReply {
   std::vector<tensor::Bf16> bf16;
   std::vector<float> f32;
 };
+
+// The reply a lost message contributes under DEGRADE: zeros of the shape it would have had.
+ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t latent);
 
 // The combined latent r [T, latent] from the replies (replies[i] answers plan.messages[i]);
 // INTERNAL naming the shard when a reply has the wrong shape.

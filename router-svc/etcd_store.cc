@@ -82,8 +82,9 @@ class EtcdStore::Impl {
     return std::vector<epb::KeyValue>(resp.kvs().begin(), resp.kvs().end());
   }
 
-  // A put that applies only while this process leads (its lease on the leader key).
-  absl::Status FencedPut(const std::string& key, const std::string& value) {
+  // A put, or a delete (value null), of one key that applies only while this process leads
+  // (its lease on the leader key).
+  absl::Status FencedWrite(const std::string& key, const std::string* value) {
     const int64_t lease = lease_id_.load();
     if (lease == 0) {
       return absl::FailedPreconditionError("router-svc writes to etcd only while it leads");
@@ -94,9 +95,13 @@ class EtcdStore::Impl {
     c->set_target(epb::Compare::LEASE);
     c->set_key(Key("leader"));
     c->set_lease(lease);
-    epb::PutRequest* put = txn.add_success()->mutable_request_put();
-    put->set_key(key);
-    put->set_value(value);
+    epb::RequestOp* op = txn.add_success();
+    if (value != nullptr) {
+      op->mutable_request_put()->set_key(key);
+      op->mutable_request_put()->set_value(*value);
+    } else {
+      op->mutable_request_delete_range()->set_key(key);
+    }
     epb::TxnResponse resp;
     MOE_RETURN_IF_ERROR(Etcd(kv_->Txn(Ctx().get(), txn, &resp), "Txn " + key));
     if (!resp.succeeded()) {
@@ -105,27 +110,8 @@ class EtcdStore::Impl {
     }
     return absl::OkStatus();
   }
-
-  // A delete of one key that applies only while this process leads.
-  absl::Status FencedDelete(const std::string& key) {
-    const int64_t lease = lease_id_.load();
-    if (lease == 0) {
-      return absl::FailedPreconditionError("router-svc writes to etcd only while it leads");
-    }
-    epb::TxnRequest txn;
-    epb::Compare* c = txn.add_compare();
-    c->set_result(epb::Compare::EQUAL);
-    c->set_target(epb::Compare::LEASE);
-    c->set_key(Key("leader"));
-    c->set_lease(lease);
-    txn.add_success()->mutable_request_delete_range()->set_key(key);
-    epb::TxnResponse resp;
-    MOE_RETURN_IF_ERROR(Etcd(kv_->Txn(Ctx().get(), txn, &resp), "Txn delete " + key));
-    if (!resp.succeeded()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("this router no longer leads (", Key("leader"), " is not on its lease)"));
-    }
-    return absl::OkStatus();
+  absl::Status FencedPut(const std::string& key, const std::string& value) {
+    return FencedWrite(key, &value);
   }
 
   absl::StatusOr<bool> Campaign(const std::string& name, int64_t ttl,
@@ -319,7 +305,7 @@ absl::Status EtcdStore::PutShard(const StoredShard& s) {
 }
 
 absl::Status EtcdStore::DeleteShard(const std::string& name) {
-  return impl_->FencedDelete(impl_->Key("shard/" + name));
+  return impl_->FencedWrite(impl_->Key("shard/" + name), nullptr);
 }
 
 absl::Status EtcdStore::MarkInitialized(int64_t unix_ms) {

@@ -5,32 +5,27 @@
 #include <limits>
 #include <set>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "router-svc/router_proto.h"
 #include "services/common/logging.h"
 #include "services/common/status_macros.h"
 #include "services/metrics/service_metrics.h"
+#include "services/transport/security.h"
 
 namespace moe::router_svc {
 
 namespace {
 
-// A shard's name: what a StatefulSet pod name may be (DNS label characters), at most 128 bytes.
-constexpr size_t kMaxShardNameBytes = 128;
 constexpr size_t kMaxEndpointBytes = 256;
 
+// A shard's name: transport::IsMemberName (what a StatefulSet pod name may be).
 absl::Status CheckShardName(const std::string& name) {
-  if (name.empty() || name.size() > kMaxShardNameBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a shard name of ", name.size(), " bytes (1 to ", kMaxShardNameBytes, ")"));
+  if (transport::IsMemberName(name)) return absl::OkStatus();
+  if (name.empty() || name.size() > transport::kMaxMemberNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("a shard name of ", name.size(), " bytes (1 to ",
+                                                   transport::kMaxMemberNameBytes, ")"));
   }
-  for (char c : name) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') {
-      return absl::InvalidArgumentError("a shard name has letters, digits, '-', '.' and '_' only");
-    }
-  }
-  return absl::OkStatus();
+  return absl::InvalidArgumentError("a shard name has letters, digits, '-', '.' and '_' only");
 }
 
 int64_t UnixMs() {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -70,8 +71,8 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse*) override {
     absl::Status s = CheckMember(ctx, "Heartbeat", "expert");
-    // ... and heartbeats only its own lease.
-    if (s.ok()) {
+    // ... and heartbeats only its own lease (the owner looked up only where certificates bind).
+    if (s.ok() && transport::ProcessBindsMemberIdentity()) {
       const std::string owner = core_->LeaseOwner(req->lease_id());
       if (!owner.empty()) {
         s = transport::CheckPeerMember(*ctx, "expert", owner, "Heartbeat of shard " + owner);
@@ -190,6 +191,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   void HealthLoop();
 
   RouterServerOptions options_;
+  std::map<std::string, std::string> role_tokens_;  // role -> its member token (Load)
   std::unique_ptr<RouterCore> core_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
@@ -221,6 +223,10 @@ absl::Status RouterServer::Impl::Load() {
   if (!options_.cluster_token_file.empty()) {
     MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
   }
+  if (!options_.cluster_token.empty()) {  // the members' tokens, derived once
+    role_tokens_ = {{"expert", transport::MemberRoleToken(options_.cluster_token, "expert")},
+                    {"attention", transport::MemberRoleToken(options_.cluster_token, "attention")}};
+  }
   if (options_.cluster_token.empty()) {
     MOE_LOG_WARN(
         "no cluster token: registrations, heartbeats and reports are refused "
@@ -235,14 +241,16 @@ absl::Status RouterServer::Impl::Load() {
   }
   MOE_ASSIGN_OR_RETURN(core_, RouterCore::Load(options_));
   core_->SetSinks(RouterCoreSinks{[this](const v1::Placement& p) {
+                                    const auto bytes = static_cast<int64_t>(p.ByteSizeLong());
                                     std::lock_guard<std::mutex> lock(watch_mu_);
                                     for (WatchReactor<v1::Placement>* w : placement_watchers_)
-                                      w->Push(p);
+                                      w->Push(p, bytes);
                                   },
                                   [this](const v1::LayerBias& b) {
+                                    const auto bytes = static_cast<int64_t>(b.ByteSizeLong());
                                     std::lock_guard<std::mutex> lock(watch_mu_);
                                     for (WatchReactor<v1::LayerBias>* w : bias_watchers_)
-                                      w->Push(b);
+                                      w->Push(b, bytes);
                                   }});
   if (!options_.etcd.empty()) {
     MOE_ASSIGN_OR_RETURN(etcd_owned_, EtcdStore::Connect(options_.etcd, options_.etcd_prefix));
@@ -369,8 +377,7 @@ absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx, c
                      " needs the cluster token, and router-svc was started without one "
                      "(--cluster_token_file): membership is closed"));
   }
-  if (transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata,
-                                   transport::MemberRoleToken(options_.cluster_token, role))) {
+  if (transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata, role_tokens_.at(role))) {
     return absl::OkStatus();
   }
   return absl::UnauthenticatedError(absl::StrCat(what, " needs the cluster token of an ", role,

@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <iterator>
 #include <mutex>
 #include <set>
 #include <string>
@@ -57,23 +56,24 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
         budget_(budget),
         ctx_(ctx) {}
 
-  void Push(const Msg& m) {
+  // bytes: m.ByteSizeLong() when the caller pushes one message to many watchers (< 0: here).
+  void Push(const Msg& m, int64_t bytes = -1) {
     if (filter_ && !filter_(m)) return;
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
-    const int64_t bytes = static_cast<int64_t>(m.ByteSizeLong());
+    if (bytes < 0) bytes = static_cast<int64_t>(m.ByteSizeLong());
     // The head (if writing) is in flight; a queued message of the same key is superseded.
-    for (auto it = writing_ ? std::next(outbox_.begin()) : outbox_.begin(); it != outbox_.end();
-         ++it) {
-      if (KeyOf(*it) == KeyOf(m)) {
-        const int64_t old = static_cast<int64_t>(it->ByteSizeLong());
-        if (!TakeLocked(bytes - old)) return;
-        *it = m;
+    for (size_t i = writing_ ? 1 : 0; i < outbox_.size(); ++i) {
+      if (KeyOf(outbox_[i]) == KeyOf(m)) {
+        if (!TakeLocked(bytes - sizes_[i])) return;
+        outbox_[i] = m;
+        sizes_[i] = bytes;
         return;
       }
     }
     if (!TakeLocked(bytes)) return;
     outbox_.push_back(m);
+    sizes_.push_back(bytes);
     if (!writing_) {
       writing_ = true;
       this->StartWrite(&outbox_.front());
@@ -90,8 +90,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
 
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
-    GiveLocked(static_cast<int64_t>(outbox_.front().ByteSizeLong()));
+    GiveLocked(sizes_.front());
     outbox_.pop_front();
+    sizes_.pop_front();
     if (!ok) done_ = true;
     if (!done_ && !outbox_.empty()) {
       this->StartWrite(&outbox_.front());
@@ -141,8 +142,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
                            "watchers hold the most unread bytes they may (--max_watch_bytes)");
     // Keep only the head in flight (gRPC owns it until OnWriteDone).
     while (outbox_.size() > (writing_ ? 1u : 0u)) {
-      GiveLocked(static_cast<int64_t>(outbox_.back().ByteSizeLong()));
+      GiveLocked(sizes_.back());
       outbox_.pop_back();
+      sizes_.pop_back();
     }
     MOE_LOG_WARN(
         "a watch stream that does not read was ended: the watchers hold {} bytes unread "
@@ -172,7 +174,8 @@ class WatchReactor final : public grpc::ServerWriteReactor<Msg> {
   grpc::CallbackServerContext* ctx_;
   std::mutex mu_;
   std::deque<Msg> outbox_;
-  int64_t held_ = 0;  // bytes of outbox_, counted in budget_
+  std::deque<int64_t> sizes_;  // of outbox_'s messages, serialized
+  int64_t held_ = 0;           // their sum, counted in budget_
   grpc::Status status_ = grpc::Status::OK;
   bool writing_ = false, done_ = false, finished_ = false;
 };

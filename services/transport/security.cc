@@ -11,7 +11,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -98,8 +97,8 @@ class PairKeeper {
           absl::StrCat("TLS ", tls.cert_file, " and ", tls.key_file, ": ", s.message()));
     }
     if (absl::Status s = k->Publish(cert, key); !s.ok()) return s;
-    k->thread_ = std::thread([k = k.get()] { k->Watch(); });
-    k->thread_.detach();  // process-wide, like the credentials that read it
+    // Process-wide, like the credentials that read it: the keeper is never destroyed.
+    std::thread([k = k.get()] { k->Watch(); }).detach();
     (*keepers)[id] = k;
     return k;
   }
@@ -157,7 +156,6 @@ class PairKeeper {
                        cert_file_.c_str(), key_file_.c_str(), std::string(s.message()).c_str());
           refused_cert = cert;
           refused_key = key;
-          refusals_.fetch_add(1);
         }
         continue;
       }
@@ -172,8 +170,6 @@ class PairKeeper {
   const std::string dir_;
   int64_t generation_ = 0;
   std::string last_cert_, last_key_;
-  std::atomic<int64_t> refusals_{0};
-  std::thread thread_;
 };
 
 absl::StatusOr<std::shared_ptr<gx::FileWatcherCertificateProvider>> Provider(
@@ -326,6 +322,16 @@ std::string ProcessTrustDomain() {
   return p.trust_domain;
 }
 
+bool IsMemberName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxMemberNameBytes) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '.' && c != '_') {
+      return false;
+    }
+  }
+  return true;
+}
+
 absl::StatusOr<MemberIdentity> ParseMemberSpiffeId(const std::string& id,
                                                    const std::string& trust_domain) {
   const std::string prefix = "spiffe://" + trust_domain + "/";
@@ -345,11 +351,7 @@ absl::StatusOr<MemberIdentity> ParseMemberSpiffeId(const std::string& id,
     return absl::InvalidArgumentError(
         absl::StrCat("'", id.substr(0, 160), "' names no member role (expert or attention)"));
   }
-  bool ok = !m.name.empty() && m.name.size() <= 128;
-  for (char c : m.name) {
-    ok &= absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_';
-  }
-  if (!ok) {
+  if (!IsMemberName(m.name)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "'", id.substr(0, 160), "': a member name is 1 to 128 letters, digits, - . _"));
   }

@@ -76,6 +76,10 @@ struct MemberIdentity {
   std::string role;  // "expert" or "attention"
   std::string name;  // the shard or node name (letters, digits, - . _; 1 to 128 bytes)
 };
+// A member's name (a shard, a node; a StatefulSet pod name fits): 1 to 128 letters, digits,
+// '-', '.' and '_'. The rule of SPIFFE names here and of router-svc's registrations.
+inline constexpr size_t kMaxMemberNameBytes = 128;
+bool IsMemberName(const std::string& name);
 // INVALID_ARGUMENT saying what is wrong (scheme, trust domain, role, name).
 absl::StatusOr<MemberIdentity> ParseMemberSpiffeId(const std::string& id,
                                                    const std::string& trust_domain);

@@ -24,27 +24,23 @@ keyUsage=digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth,clientAuth
 subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1
 EXT
-# leaf_id NAME CN CA SPIFFE_ID: a member certificate that names its member identity too.
-leaf_id() {
+ca() {  # ca NAME CN
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
+    -subj "/CN=$2" -keyout "$1.key" -out "$1.pem" 2>/dev/null
+}
+leaf() {  # leaf NAME CN CA [URI]: with a URI, the certificate names that identity too
   local e
   e=$(mktemp)
-  sed "s|^subjectAltName=.*|subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1,URI:$4|" "$ext" >"$e"
+  if [ $# -ge 4 ]; then
+    sed "s|^subjectAltName=.*|&,URI:$4|" "$ext" >"$e"
+  else
+    cp "$ext" "$e"
+  fi
   openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$2" \
     -keyout "$1.key" -out "$1.csr" 2>/dev/null
   openssl x509 -req -in "$1.csr" -CA "$3.pem" -CAkey "$3.key" -CAcreateserial -days 1 \
     -extfile "$e" -out "$1.pem" 2>/dev/null
   rm -f "$1.csr" "$e"
-}
-ca() {  # ca NAME CN
-  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
-    -subj "/CN=$2" -keyout "$1.key" -out "$1.pem" 2>/dev/null
-}
-leaf() {  # leaf NAME CN CA
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$2" \
-    -keyout "$1.key" -out "$1.csr" 2>/dev/null
-  openssl x509 -req -in "$1.csr" -CA "$3.pem" -CAkey "$3.key" -CAcreateserial -days 1 \
-    -extfile "$ext" -out "$1.pem" 2>/dev/null
-  rm -f "$1.csr"
 }
 ca ca "moe test CA"
 leaf member moe-member ca
@@ -58,9 +54,9 @@ for name in router-svc attention-svc shard-0 shard-1 shard-2 shard-3 client; do
     router-*) role=router ;;
     *) role=client ;;
   esac
-  leaf_id "$name" moe-member ca "spiffe://moe/$role/$name"
-  leaf_id "$name-2" moe-member-2 ca "spiffe://moe/$role/$name"
+  leaf "$name" moe-member ca "spiffe://moe/$role/$name"
+  leaf "$name-2" moe-member-2 ca "spiffe://moe/$role/$name"
 done
 # A member certificate of the same CA that names shard-1 (an impostor for shard-0's name).
-leaf_id impostor moe-impostor ca "spiffe://moe/expert/shard-1"
+leaf impostor moe-impostor ca "spiffe://moe/expert/shard-1"
 chmod 644 ./*.pem

@@ -15,7 +15,6 @@
 
 #include "gtest/gtest.h"
 #include "moe/v1/router.grpc.pb.h"
-#include "router-svc/state_store.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -23,55 +22,13 @@
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/security.h"
-#include "tests/common/http_client.h"
 #include "tests/common/tiny_checkpoint.h"
+#include "tests/router_svc/router_fixture.h"
 
 namespace moe::router_svc {
 namespace {
 
 using moe::testing::TinyCheckpoint;
-
-constexpr char kMember[] = "member-token";
-
-// A router-svc of its own, whose membership token every Ctx() carries (member: false, neither).
-// GET /metrics of a router started with a metrics_port_file.
-std::string ScrapeMetrics(const RouterServerOptions& o, const RouterServer&) {
-  std::ifstream f(o.metrics_port_file);
-  int port = 0;
-  f >> port;
-  return moe::testing::HttpExchange(
-      port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-}
-
-class Router {
- public:
-  explicit Router(RouterServerOptions o, bool member = true) : member_(member) {
-    o.checkpoint = TinyCheckpoint();
-    if (o.cluster_token.empty() && member) o.cluster_token = kMember;
-    auto s = RouterServer::Start(o);
-    EXPECT_TRUE(s.ok()) << s.status();
-    server_ = std::move(*s);
-    stub_ = v1::RouterService::NewStub(
-        transport::MakeChannel("127.0.0.1:" + std::to_string(server_->port())));
-  }
-  v1::RouterService::Stub* operator->() { return stub_.get(); }
-  // As an expert member (its role's token: transport::MemberRoleToken of the cluster secret).
-  std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = "",
-                                           const char* role = "expert") {
-    auto c = std::make_unique<grpc::ClientContext>();
-    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    if (!token.empty()) c->AddMetadata("x-moe-admin-token", token);
-    if (member_) c->AddMetadata("x-moe-cluster-token", transport::MemberRoleToken(kMember, role));
-    return c;
-  }
-  // As an attention member (it reports statistics).
-  std::unique_ptr<grpc::ClientContext> Attention() { return Ctx("", "attention"); }
-
- private:
-  const bool member_;
-  std::unique_ptr<RouterServer> server_;
-  std::unique_ptr<v1::RouterService::Stub> stub_;
-};
 
 TEST(RouterServer, PlacementHealthFromHeartbeatsAndTheWatchStream) {
   RouterServerOptions o;
@@ -349,6 +306,22 @@ TEST(RouterServer, StartsEveryLayerInTheGivenMode) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
 }
 
+// Registers n shards over experts [0, 16) of layer 1, each with a name and an endpoint near
+// their bounds (about 400 bytes of placement each).
+void RegisterBigShards(Router& r, int n) {
+  for (int i = 0; i < n; ++i) {
+    v1::RegisterExpertServerRequest reg;
+    reg.set_shard("shard-" + std::to_string(i) + std::string(110, 'x'));
+    reg.set_endpoint("127.0.0.1:1/" + std::string(240, 'e'));
+    v1::ExpertRange* range = reg.add_ranges();
+    range->set_layer(1);
+    range->set_expert_lo(0);
+    range->set_expert_hi(16);
+    v1::RegisterExpertServerResponse lease;
+    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok()) << i;
+  }
+}
+
 // Watchers hold states, not events: one that does not read while the placement changes 300
 // times then reads the latest placement after far fewer messages; watch streams are bounded.
 TEST(RouterServer, WatchersGetTheLatestStateAndAreBounded) {
@@ -361,18 +334,8 @@ TEST(RouterServer, WatchersGetTheLatestStateAndAreBounded) {
   v1::Placement first;
   ASSERT_TRUE(slow->Read(&first));
   constexpr int kChanges = 300;
-  for (int i = 0; i < kChanges; ++i) {
-    v1::RegisterExpertServerRequest reg;
-    // Big placements (names and endpoints near their bounds): 300 of them pass the 16 MB window.
-    reg.set_shard("shard-" + std::to_string(i) + std::string(110, 'x'));
-    reg.set_endpoint("127.0.0.1:1/" + std::string(240, 'e'));
-    v1::ExpertRange* range = reg.add_ranges();
-    range->set_layer(1);
-    range->set_expert_lo(0);
-    range->set_expert_hi(16);
-    v1::RegisterExpertServerResponse lease;
-    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
-  }
+  // Big placements (names and endpoints near their bounds): 300 of them pass the 16 MB window.
+  ASSERT_NO_FATAL_FAILURE(RegisterBigShards(r, kChanges));
   v1::Placement latest;
   ASSERT_TRUE(r->GetPlacement(r.Ctx().get(), v1::GetPlacementRequest(), &latest).ok());
   ASSERT_EQ(latest.shards_size(), kChanges);
@@ -412,17 +375,7 @@ TEST(RouterServer, WatchersArePastTheByteBudgetEnded) {
   v1::Placement p;
   ASSERT_TRUE(idle->Read(&p));  // then not again until the registrations are done
   // 600 shards of ~400 bytes: placements of up to ~240 KB, ~70 MB over all versions.
-  for (int i = 0; i < 600; ++i) {
-    v1::RegisterExpertServerRequest reg;
-    reg.set_shard("shard-" + std::to_string(i) + std::string(110, 'x'));
-    reg.set_endpoint("127.0.0.1:1/" + std::string(240, 'e'));
-    v1::ExpertRange* range = reg.add_ranges();
-    range->set_layer(1);
-    range->set_expert_lo(0);
-    range->set_expert_hi(16);
-    v1::RegisterExpertServerResponse lease;
-    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(RegisterBigShards(r, 600));
   // The stream was ended: what it reads now ends in an error before its deadline, at most
   // one message per change.
   int idle_read = 0;
@@ -573,171 +526,6 @@ TEST(RouterServer, AdminCallsAreRefusedWithoutATokenAndTheTokenComesFromAFile) {
             grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(r->SetBiasMode(r.Ctx("s3cret").get(), sm, &ack).ok());
   EXPECT_EQ(ack.mode(), v1::BIAS_MODE_REBALANCE);
-}
-
-// --state_db: the bias versions with their reasons, the mode and the registrations (with
-// their leases) come back after a restart; a shard heartbeating through it keeps its place; a
-// database of another checkpoint is refused.
-TEST(RouterServer, BiasHistoryModesAndLeasesSurviveARestart) {
-  std::string tmpl = ::testing::TempDir() + "/moe_state_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl.data());
-  RouterServerOptions o;
-  o.state_db = dir + "/router.db";
-  o.initialize = true;  // the cluster's first start
-  o.admin_token = "adm";
-  v1::RegisterExpertServerResponse lease;
-  {
-    Router r(o);
-    v1::RegisterExpertServerRequest reg;
-    reg.set_shard("shard-a");
-    reg.set_endpoint("127.0.0.1:7");
-    auto* range = reg.add_ranges();
-    range->set_layer(1);
-    range->set_expert_lo(0);
-    range->set_expert_hi(16);
-    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
-    v1::RollbackBiasRequest rb;
-    rb.set_layer(1);
-    rb.set_to_version(0);
-    v1::LayerBias b;
-    ASSERT_TRUE(r->RollbackBias(r.Ctx("adm").get(), rb, &b).ok());
-    ASSERT_EQ(b.version(), 1u);
-    v1::SetBiasModeRequest sm;
-    sm.set_layer(1);
-    sm.set_mode(v1::BIAS_MODE_CONTINUOUS);
-    sm.set_continuous_tokens(5000);
-    ASSERT_TRUE(r->SetBiasMode(r.Ctx("adm").get(), sm, &b).ok());
-  }  // router-svc stops
-  Router again(o);
-  v1::GetBiasRequest gb;
-  gb.set_layer(1);
-  v1::LayerBias b;
-  ASSERT_TRUE(again->GetBias(again.Ctx().get(), gb, &b).ok());
-  EXPECT_EQ(b.version(), 1u);
-  EXPECT_EQ(b.reason(), "rollback to 0");
-  EXPECT_EQ(b.mode(), v1::BIAS_MODE_CONTINUOUS);
-  v1::GetLoadStatsRequest gs;
-  gs.set_layer(1);
-  v1::LoadStats st;
-  ASSERT_TRUE(again->GetLoadStats(again.Ctx().get(), gs, &st).ok());
-  ASSERT_EQ(st.history_size(), 2);
-  EXPECT_EQ(st.history(0).reason(), "checkpoint");
-  // The shard's old lease still heartbeats; the first placement already holds it.
-  v1::HeartbeatRequest hb;
-  hb.set_lease_id(lease.lease_id());
-  v1::HeartbeatResponse hr;
-  EXPECT_TRUE(again->Heartbeat(again.Ctx().get(), hb, &hr).ok());
-  v1::Placement p;
-  ASSERT_TRUE(again->GetPlacement(again.Ctx().get(), v1::GetPlacementRequest(), &p).ok());
-  ASSERT_EQ(p.shards_size(), 1);
-  EXPECT_EQ(p.shards(0).shard(), "shard-a");
-  EXPECT_EQ(p.shards(0).endpoint(), "127.0.0.1:7");
-  // A new version after the restart continues the numbering.
-  v1::RollbackBiasRequest rb;
-  rb.set_layer(1);
-  rb.set_to_version(1);
-  ASSERT_TRUE(again->RollbackBias(again.Ctx("adm").get(), rb, &b).ok());
-  EXPECT_EQ(b.version(), 2u);
-
-  // A database written for another checkpoint (another version 0) is refused at start.
-  const std::string other = dir + "/other.db";
-  {
-    auto store = OpenSqliteStore(other);
-    ASSERT_TRUE(store.ok()) << store.status();
-    BiasVersion v0;
-    v0.layer = 1;
-    v0.bias = std::vector<float>(16, 0.5f);
-    v0.reason = "checkpoint";
-    ASSERT_TRUE((*store)->PutBiasVersion(v0).ok());
-  }
-  RouterServerOptions bad = o;
-  bad.state_db = other;
-  bad.checkpoint = TinyCheckpoint();
-  bad.cluster_token = kMember;
-  auto refused = RouterServer::Start(bad);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(refused.status().message().find("written for another checkpoint"), std::string::npos)
-      << refused.status();
-}
-
-// A lost state never becomes a new cluster without a word: a missing, 0-byte or table-only db
-// is refused at start unless --initialize; every commit is in the db file itself (a copy of
-// the db file alone, taken while the router runs, with no -wal beside it, holds the latest
-// version); the start says how the state began (metric, page JSON).
-TEST(RouterServer, AStateIsNeverSilentlyEmpty) {
-  std::string tmpl = ::testing::TempDir() + "/moe_state_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl.data());
-  RouterServerOptions o;
-  o.checkpoint = TinyCheckpoint();
-  o.cluster_token = kMember;
-  o.admin_token = "adm";
-  o.state_db = dir + "/router.db";
-  // Missing: refused, and nothing is created.
-  auto missing = RouterServer::Start(o);
-  ASSERT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
-  EXPECT_NE(missing.status().message().find("does not exist"), std::string::npos);
-  EXPECT_NE(missing.status().message().find("--initialize"), std::string::npos);
-  EXPECT_NE(::access(o.state_db.c_str(), F_OK), 0);
-  // 0 bytes (what a failed copy leaves): refused as empty, twice (opening it does not make it a
-  // state).
-  { std::ofstream(o.state_db).flush(); }
-  for (int i = 0; i < 2; ++i) {
-    auto empty = RouterServer::Start(o);
-    ASSERT_EQ(empty.status().code(), absl::StatusCode::kFailedPrecondition) << empty.status();
-    EXPECT_NE(empty.status().message().find("is empty: refusing to start a new cluster's state"),
-              std::string::npos)
-        << empty.status();
-  }
-  // --initialize: a new state, said so in the metric and the page's JSON.
-  RouterServerOptions first = o;
-  first.initialize = true;
-  first.metrics_port = 0;
-  first.metrics_port_file = dir + "/metrics.port";
-  const std::string copy = dir + "/copy.db";
-  {
-    auto r = RouterServer::Start(first);
-    ASSERT_TRUE(r.ok()) << r.status();
-    const std::string m = ScrapeMetrics(first, **r);
-    EXPECT_NE(m.find("moe_router_state_info{start=\"initialized\",store=\"sqlite\"} 1"),
-              std::string::npos)
-        << m;
-    EXPECT_NE(m.find("moe_router_state_initialized_timestamp_seconds"), std::string::npos);
-    // Version 1, then a copy of the db file alone while the router runs.
-    auto stub = v1::RouterService::NewStub(
-        transport::MakeChannel("127.0.0.1:" + std::to_string((*r)->port())));
-    grpc::ClientContext ctx;
-    ctx.AddMetadata("x-moe-admin-token", "adm");
-    v1::RollbackBiasRequest rb;
-    rb.set_layer(1);
-    rb.set_to_version(0);
-    v1::LayerBias b;
-    ASSERT_TRUE(stub->RollbackBias(&ctx, rb, &b).ok());
-    ASSERT_EQ(b.version(), 1u);
-    std::ifstream in(o.state_db, std::ios::binary);
-    std::ofstream out(copy, std::ios::binary);
-    out << in.rdbuf();
-  }
-  // The copy, without its -wal: version 1 is there; no --initialize needed, none made.
-  RouterServerOptions from_copy = o;
-  from_copy.state_db = copy;
-  from_copy.metrics_port = 0;
-  from_copy.metrics_port_file = dir + "/metrics2.port";
-  auto r = RouterServer::Start(from_copy);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_NE(ScrapeMetrics(from_copy, **r)
-                .find("moe_router_state_info{start=\"restored\",store=\"sqlite\"} 1"),
-            std::string::npos);
-  auto stub = v1::RouterService::NewStub(
-      transport::MakeChannel("127.0.0.1:" + std::to_string((*r)->port())));
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("x-moe-cluster-token", kMember);
-  v1::GetBiasRequest gb;
-  gb.set_layer(1);
-  v1::LayerBias b;
-  ASSERT_TRUE(stub->GetBias(&ctx, gb, &b).ok());
-  EXPECT_EQ(b.version(), 1u);
-  EXPECT_EQ(b.reason(), "rollback to 0");
 }
 
 // Members are bounded too: a shard registers only the range the deployment's table gives its

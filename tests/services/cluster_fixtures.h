@@ -68,7 +68,7 @@ inline std::unique_ptr<client::MoeClient> ClientFor(const LocalCluster& c,
 
 // The attention nodes' member token LocalCluster made (work_dir/attention_token): what
 // Dispatch and OpenDataPlane need. (work_dir/cluster_token is the router's secret.)
-inline std::string ClusterToken(const LocalCluster& c) {
+inline std::string AttentionToken(const LocalCluster& c) {
   std::ifstream f(c.work_dir() + "/attention_token");
   std::string token;
   f >> token;

@@ -344,7 +344,7 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   // Straight to shard-0 (experts [0, 7)) on one Dispatch stream, as a member (the cluster
   // token); without it the stream is refused before any batch is read.
   transport::ExpertStream stream("shard-0", (*cluster)->shard_endpoint(0), 64 << 20,
-                                 moe::testing::ClusterToken(**cluster));
+                                 moe::testing::AttentionToken(**cluster));
   const int64_t d = cfg.latent;
   const std::vector<Bf16> z = checkpoint::SyntheticHiddenStates(
       [&] {
@@ -489,7 +489,7 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
+    ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(**cluster));
     ASSERT_TRUE(stub->OpenDataPlane(&ctx, open, &opened).ok());
     const uint64_t me = opened.client_id();
     ASSERT_GE(me, 1u);
@@ -574,7 +574,8 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     // Opening it again from the same node (a reconnect) replaces the old client.
     grpc::ClientContext again_ctx;
     again_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    again_ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
+    again_ctx.AddMetadata(transport::kClusterTokenMetadata,
+                          moe::testing::AttentionToken(**cluster));
     v1::OpenDataPlaneReply again;
     ASSERT_TRUE(stub->OpenDataPlane(&again_ctx, open, &again).ok());
     EXPECT_NE(again.client_id(), me);

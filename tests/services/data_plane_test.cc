@@ -218,7 +218,7 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
   auto stub = v1::ExpertService::NewStub(transport::MakeChannel((*cluster)->shard_endpoint(0)));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::ClusterToken(**cluster));
+  ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(**cluster));
   v1::ExpertServerInfo info;
   ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
   ASSERT_FALSE(info.ucx_address().empty());

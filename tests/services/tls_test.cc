@@ -307,7 +307,7 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
   std::ifstream tf(f.cluster->work_dir() + "/expert_token");
   std::string token;
   tf >> token;
-  const std::string attention_token = moe::testing::ClusterToken(*f.cluster);
+  const std::string attention_token = moe::testing::AttentionToken(*f.cluster);
   auto call_as = [&](const std::string& cert) {
     auto creds = transport::MakeChannelCredentials(MemberTls(f.pki, cert));
     EXPECT_TRUE(creds.ok());

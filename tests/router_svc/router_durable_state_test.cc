@@ -1,0 +1,189 @@
+// router-svc's durable state (--state_db): versions, modes and leases back after a restart, a
+// database of another checkpoint refused, and a state that is never silently empty.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "moe/v1/router.grpc.pb.h"
+#include "router-svc/router_server.h"
+#include "router-svc/state_store.h"
+#include "services/transport/channel.h"
+#include "tests/common/tiny_checkpoint.h"
+#include "tests/router_svc/router_fixture.h"
+
+namespace moe::router_svc {
+namespace {
+
+using moe::testing::TinyCheckpoint;
+
+// --state_db: the bias versions with their reasons, the mode and the registrations (with
+// their leases) come back after a restart; a shard heartbeating through it keeps its place; a
+// database of another checkpoint is refused.
+TEST(RouterServer, BiasHistoryModesAndLeasesSurviveARestart) {
+  std::string tmpl = ::testing::TempDir() + "/moe_state_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  RouterServerOptions o;
+  o.state_db = dir + "/router.db";
+  o.initialize = true;  // the cluster's first start
+  o.admin_token = "adm";
+  v1::RegisterExpertServerResponse lease;
+  {
+    Router r(o);
+    v1::RegisterExpertServerRequest reg;
+    reg.set_shard("shard-a");
+    reg.set_endpoint("127.0.0.1:7");
+    auto* range = reg.add_ranges();
+    range->set_layer(1);
+    range->set_expert_lo(0);
+    range->set_expert_hi(16);
+    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+    v1::RollbackBiasRequest rb;
+    rb.set_layer(1);
+    rb.set_to_version(0);
+    v1::LayerBias b;
+    ASSERT_TRUE(r->RollbackBias(r.Ctx("adm").get(), rb, &b).ok());
+    ASSERT_EQ(b.version(), 1u);
+    v1::SetBiasModeRequest sm;
+    sm.set_layer(1);
+    sm.set_mode(v1::BIAS_MODE_CONTINUOUS);
+    sm.set_continuous_tokens(5000);
+    ASSERT_TRUE(r->SetBiasMode(r.Ctx("adm").get(), sm, &b).ok());
+  }  // router-svc stops
+  Router again(o);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b;
+  ASSERT_TRUE(again->GetBias(again.Ctx().get(), gb, &b).ok());
+  EXPECT_EQ(b.version(), 1u);
+  EXPECT_EQ(b.reason(), "rollback to 0");
+  EXPECT_EQ(b.mode(), v1::BIAS_MODE_CONTINUOUS);
+  v1::GetLoadStatsRequest gs;
+  gs.set_layer(1);
+  v1::LoadStats st;
+  ASSERT_TRUE(again->GetLoadStats(again.Ctx().get(), gs, &st).ok());
+  ASSERT_EQ(st.history_size(), 2);
+  EXPECT_EQ(st.history(0).reason(), "checkpoint");
+  // The shard's old lease still heartbeats; the first placement already holds it.
+  v1::HeartbeatRequest hb;
+  hb.set_lease_id(lease.lease_id());
+  v1::HeartbeatResponse hr;
+  EXPECT_TRUE(again->Heartbeat(again.Ctx().get(), hb, &hr).ok());
+  v1::Placement p;
+  ASSERT_TRUE(again->GetPlacement(again.Ctx().get(), v1::GetPlacementRequest(), &p).ok());
+  ASSERT_EQ(p.shards_size(), 1);
+  EXPECT_EQ(p.shards(0).shard(), "shard-a");
+  EXPECT_EQ(p.shards(0).endpoint(), "127.0.0.1:7");
+  // A new version after the restart continues the numbering.
+  v1::RollbackBiasRequest rb;
+  rb.set_layer(1);
+  rb.set_to_version(1);
+  ASSERT_TRUE(again->RollbackBias(again.Ctx("adm").get(), rb, &b).ok());
+  EXPECT_EQ(b.version(), 2u);
+
+  // A database written for another checkpoint (another version 0) is refused at start.
+  const std::string other = dir + "/other.db";
+  {
+    auto store = OpenSqliteStore(other);
+    ASSERT_TRUE(store.ok()) << store.status();
+    BiasVersion v0;
+    v0.layer = 1;
+    v0.bias = std::vector<float>(16, 0.5f);
+    v0.reason = "checkpoint";
+    ASSERT_TRUE((*store)->PutBiasVersion(v0).ok());
+  }
+  RouterServerOptions bad = o;
+  bad.state_db = other;
+  bad.checkpoint = TinyCheckpoint();
+  bad.cluster_token = kMember;
+  auto refused = RouterServer::Start(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("written for another checkpoint"), std::string::npos)
+      << refused.status();
+}
+
+// A lost state never becomes a new cluster without a word: a missing, 0-byte or table-only db
+// is refused at start unless --initialize; every commit is in the db file itself (a copy of
+// the db file alone, taken while the router runs, with no -wal beside it, holds the latest
+// version); the start says how the state began (metric, page JSON).
+TEST(RouterServer, AStateIsNeverSilentlyEmpty) {
+  std::string tmpl = ::testing::TempDir() + "/moe_state_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  RouterServerOptions o;
+  o.checkpoint = TinyCheckpoint();
+  o.cluster_token = kMember;
+  o.admin_token = "adm";
+  o.state_db = dir + "/router.db";
+  // Missing: refused, and nothing is created.
+  auto missing = RouterServer::Start(o);
+  ASSERT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_NE(missing.status().message().find("does not exist"), std::string::npos);
+  EXPECT_NE(missing.status().message().find("--initialize"), std::string::npos);
+  EXPECT_NE(::access(o.state_db.c_str(), F_OK), 0);
+  // 0 bytes (what a failed copy leaves): refused as empty, twice (opening it does not make it a
+  // state).
+  { std::ofstream(o.state_db).flush(); }
+  for (int i = 0; i < 2; ++i) {
+    auto empty = RouterServer::Start(o);
+    ASSERT_EQ(empty.status().code(), absl::StatusCode::kFailedPrecondition) << empty.status();
+    EXPECT_NE(empty.status().message().find("is empty: refusing to start a new cluster's state"),
+              std::string::npos)
+        << empty.status();
+  }
+  // --initialize: a new state, said so in the metric and the page's JSON.
+  RouterServerOptions first = o;
+  first.initialize = true;
+  first.metrics_port = 0;
+  first.metrics_port_file = dir + "/metrics.port";
+  const std::string copy = dir + "/copy.db";
+  {
+    auto r = RouterServer::Start(first);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const std::string m = ScrapeMetrics(first, **r);
+    EXPECT_NE(m.find("moe_router_state_info{start=\"initialized\",store=\"sqlite\"} 1"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("moe_router_state_initialized_timestamp_seconds"), std::string::npos);
+    // Version 1, then a copy of the db file alone while the router runs.
+    auto stub = v1::RouterService::NewStub(
+        transport::MakeChannel("127.0.0.1:" + std::to_string((*r)->port())));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-moe-admin-token", "adm");
+    v1::RollbackBiasRequest rb;
+    rb.set_layer(1);
+    rb.set_to_version(0);
+    v1::LayerBias b;
+    ASSERT_TRUE(stub->RollbackBias(&ctx, rb, &b).ok());
+    ASSERT_EQ(b.version(), 1u);
+    std::ifstream in(o.state_db, std::ios::binary);
+    std::ofstream out(copy, std::ios::binary);
+    out << in.rdbuf();
+  }
+  // The copy, without its -wal: version 1 is there; no --initialize needed, none made.
+  RouterServerOptions from_copy = o;
+  from_copy.state_db = copy;
+  from_copy.metrics_port = 0;
+  from_copy.metrics_port_file = dir + "/metrics2.port";
+  auto r = RouterServer::Start(from_copy);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(ScrapeMetrics(from_copy, **r)
+                .find("moe_router_state_info{start=\"restored\",store=\"sqlite\"} 1"),
+            std::string::npos);
+  auto stub = v1::RouterService::NewStub(
+      transport::MakeChannel("127.0.0.1:" + std::to_string((*r)->port())));
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-moe-cluster-token", kMember);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b;
+  ASSERT_TRUE(stub->GetBias(&ctx, gb, &b).ok());
+  EXPECT_EQ(b.version(), 1u);
+  EXPECT_EQ(b.reason(), "rollback to 0");
+}
+
+}  // namespace
+}  // namespace moe::router_svc
