@@ -130,11 +130,12 @@ std::vector<int32_t> DegradeRouting(const LayerRoute& route, numerics::Routing* 
       const int32_t e = routing->expert_ids[t * k + j];
       const float w = routing->weights[t * k + j];
       all += w;
-      if (!(*skip)[e]) kept += w;
+      if (e < 0 || !(*skip)[e]) kept += w;  // e < 0: dropped by the budget, weight 0
     }
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = routing->expert_ids[t * k + j];
       float& w = routing->weights[t * k + j];
+      if (e < 0) continue;
       if ((*skip)[e]) {
         w = 0;
         ++*degraded_pairs;
@@ -161,7 +162,7 @@ std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing*
       const int32_t e = routing->expert_ids[t * k + j];
       const float w = routing->weights[t * k + j];
       all += w;
-      const bool gone = static_cast<size_t>(e) < lost.size() && lost[e];
+      const bool gone = e >= 0 && static_cast<size_t>(e) < lost.size() && lost[e];
       if (!gone) kept += w;
       hit |= gone && w != 0;
     }
@@ -170,6 +171,7 @@ std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing*
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = routing->expert_ids[t * k + j];
       float& w = routing->weights[t * k + j];
+      if (e < 0) continue;
       if (static_cast<size_t>(e) < lost.size() && lost[e]) {
         if (w != 0) ++*degraded_pairs;
         w = 0;

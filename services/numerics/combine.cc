@@ -16,6 +16,7 @@ void Combine(const Routing& routing, const tensor::Bf16* y, int64_t latent, tens
     std::sort(slots.begin(), slots.end(), [ids](int64_t a, int64_t b) { return ids[a] < ids[b]; });
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t slot : slots) {
+      if (ids[slot] < 0) continue;  // dropped by the budget (dynamic_k.h)
       const float w = routing.weights[t * k + slot];
       const tensor::Bf16* ys = y + (t * k + slot) * latent;
       for (int64_t d = 0; d < latent; ++d) {

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/combine.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/numerics/expert_ffn.h"
 #include "services/numerics/linear.h"
 #include "services/numerics/precision_mode.h"
@@ -184,13 +185,21 @@ std::vector<Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w, 
 absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLayerWeights& w,
                                             absl::Span<const Bf16> x, int64_t tokens, int64_t width,
                                             const float* bias, LayerTimings* timings,
-                                            Precision precision) {
+                                            Precision precision, const BudgetRule* budget) {
   MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg, x, tokens, width));
   MOE_RETURN_IF_ERROR(ValidateLayerWeights(cfg, w, /*need_dense=*/true, /*need_experts=*/true));
   LayerOutput result;
   {
     StageTimer timer(timings, &LayerTimings::router);
-    result.routing = Route(cfg, w, x.data(), tokens, bias);
+    std::vector<float> scores(static_cast<size_t>(tokens * cfg.num_experts));
+    RouterScores(x.data(), tokens, cfg.hidden, w.gate.data(), cfg.num_experts, scores.data());
+    result.routing =
+        SelectExperts(scores.data(), bias != nullptr ? bias : w.bias.data(), tokens,
+                      cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.routed_scaling_factor);
+    if (budget != nullptr) {
+      ApplyBudget(scores.data(), cfg.num_experts, *budget, cfg.renormalize,
+                  cfg.routed_scaling_factor, &result.routing);
+    }
   }
   std::vector<Bf16> z;
   {

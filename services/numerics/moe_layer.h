@@ -22,6 +22,8 @@
 
 namespace moe::numerics {
 
+struct BudgetRule;  // dynamic_k.h
+
 struct LayerOutput {
   std::vector<tensor::Bf16> out;  // [T, H]
   Routing routing;
@@ -76,11 +78,13 @@ std::vector<tensor::Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeig
                                       LayerTimings* timings);
 
 // Steps 1 to 8. Validates x and the weights first; needs the dense part and all E experts.
+// budget: dynamic k's rule (dynamic_k.h) after the top-k; null: every token keeps k.
 absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLayerWeights& w,
                                             absl::Span<const tensor::Bf16> x, int64_t tokens,
                                             int64_t width, const float* bias = nullptr,
                                             LayerTimings* timings = nullptr,
-                                            Precision precision = Precision::kW4A16);
+                                            Precision precision = Precision::kW4A16,
+                                            const BudgetRule* budget = nullptr);
 
 }  // namespace ref
 }  // namespace moe::numerics

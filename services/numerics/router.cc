@@ -71,7 +71,8 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
 std::vector<std::vector<int64_t>> PairsByExpert(const Routing& routing, int64_t num_experts) {
   std::vector<std::vector<int64_t>> pairs(static_cast<size_t>(num_experts));
   for (int64_t p = 0; p < routing.tokens * routing.top_k; ++p) {
-    pairs[routing.expert_ids[p]].push_back(p);
+    const int32_t e = routing.expert_ids[p];
+    if (e >= 0) pairs[e].push_back(p);  // a negative id: a slot the budget dropped (dynamic_k.h)
   }
   return pairs;
 }

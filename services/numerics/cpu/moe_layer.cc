@@ -6,6 +6,7 @@
 #include "services/common/status_macros.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/numerics/precision_mode.h"
 #include "services/numerics/rms_norm.h"
 #include "services/numerics/situ.h"
@@ -73,8 +74,13 @@ size_t CpuMoeLayer::packed_dense_bytes() const {
 
 absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64_t tokens,
                                                  int64_t width, const float* bias,
-                                                 LayerTimings* timings, Precision precision) {
+                                                 LayerTimings* timings, Precision precision,
+                                                 const BudgetRule* budget) {
   MOE_ASSIGN_OR_RETURN(RoutedBatch batch, RouteAndProject(x, tokens, width, bias, timings));
+  if (budget != nullptr) {
+    ApplyBudget(batch.scores.data(), cfg_.num_experts, *budget, cfg_.renormalize,
+                cfg_.routed_scaling_factor, &batch.routing);
+  }
   std::vector<Bf16> y;
   {
     StageTimer timer(timings, &LayerTimings::experts);

@@ -53,10 +53,12 @@ class CpuMoeLayer {
                                                              MoeLayerWeights weights,
                                                              const CpuLayerOptions& options);
 
+  // budget: dynamic k's rule (dynamic_k.h) after the top-k; null: every token keeps k.
   absl::StatusOr<LayerOutput> Forward(absl::Span<const tensor::Bf16> x, int64_t tokens,
                                       int64_t width, const float* bias = nullptr,
                                       LayerTimings* timings = nullptr,
-                                      Precision precision = Precision::kW4A16);
+                                      Precision precision = Precision::kW4A16,
+                                      const BudgetRule* budget = nullptr);
 
   // The stages of Forward, for the disaggregated path (the attention node runs steps 1-2,
   // sends z to the expert servers, and finishes from the combined latent r).

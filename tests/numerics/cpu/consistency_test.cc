@@ -13,10 +13,12 @@
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/cpu/packed_linear.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/numerics/expert_ffn.h"
 #include "services/numerics/linear.h"
 #include "services/numerics/moe_layer.h"
 #include "services/numerics/precision_mode.h"
+#include "services/numerics/router.h"
 #include "services/numerics/shared_expert.h"
 #include "services/numerics/situ.h"
 #include "services/numerics/tolerance.h"
@@ -260,25 +262,47 @@ TEST_P(Consistency, ExpertFfnW4A8MatchesReference) {
   }
 }
 
+// budget < k: dynamic k with thresholds solved exactly from another batch of the same layer
+// (dynamic_k.h); 0: every token keeps k.
 void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
-                Precision precision = Precision::kW4A16) {
+                Precision precision = Precision::kW4A16, int64_t budget = 0) {
   const ModelConfig cfg = *PresetConfig(preset);
   checkpoint::SyntheticOptions opt;
   opt.router_skew = 1.0;
   opt.seed = seed;
   MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
   const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, seed + 4);
-  auto want = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden, nullptr, nullptr, precision);
+  std::vector<float> table;
+  BudgetRule rule;
+  if (budget > 0) {
+    const int64_t m = 512, e = cfg.num_experts;
+    const std::vector<Bf16> calib = checkpoint::SyntheticHiddenStates(cfg, m, seed + 40);
+    std::vector<float> scores(static_cast<size_t>(m * e));
+    ref::RouterScores(calib.data(), m, cfg.hidden, w.gate.data(), e, scores.data());
+    table = *ExactBudgetThresholds(scores, m, e, w.bias, cfg.top_k, /*k_min=*/1);
+    rule.thresholds = BudgetRow(table, budget, e);
+  }
+  const BudgetRule* r = budget > 0 ? &rule : nullptr;
+  auto want = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden, nullptr, nullptr, precision, r);
   ASSERT_TRUE(want.ok());
   CpuLayerOptions o;
   o.isa = isa;
   o.threads = 2;
   auto layer = CpuMoeLayer::Create(cfg, std::move(w), o);
   ASSERT_TRUE(layer.ok()) << layer.status();
-  auto got = (*layer)->Forward(x, tokens, cfg.hidden, nullptr, nullptr, precision);
+  auto got = (*layer)->Forward(x, tokens, cfg.hidden, nullptr, nullptr, precision, r);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->routing.expert_ids, want->routing.expert_ids);
   EXPECT_EQ(got->routing.weights, want->routing.weights);
+  if (budget > 0) {  // the budget bites: about budget experts per token, not k
+    int64_t kept = 0;
+    for (int32_t id : got->routing.expert_ids) kept += id >= 0;
+    const double per_token = static_cast<double>(kept) / tokens;
+    std::printf("[ %s ] %s budget %lld of %lld: %.2f experts per token\n", IsaName(isa), preset,
+                static_cast<long long>(budget), static_cast<long long>(cfg.top_k), per_token);
+    EXPECT_GT(per_token, budget * 0.7);
+    EXPECT_LT(per_token, budget * 1.3);
+  }
   // The shared experts' part of the output, for the row scale.
   const MoeLayerWeights sw = checkpoint::SyntheticLayer(cfg, 1, opt);
   std::vector<Bf16> sh(static_cast<size_t>(tokens * cfg.hidden));
@@ -310,6 +334,13 @@ TEST_P(Consistency, MidLayerMatchesReference) {
 TEST_P(Consistency, LayerW4A8MatchesReference) {
   CheckLayer(GetParam(), "mid", 64, 1, Precision::kW4A8);
   CheckLayer(GetParam(), "tiny", 200, 2, Precision::kW4A8);
+}
+
+// Dynamic k (docs/math.md section 4.1): the same selection and the layer bound under budgets.
+TEST_P(Consistency, BudgetedLayerMatchesReference) {
+  CheckLayer(GetParam(), "tiny", 200, 3, Precision::kW4A16, 2);
+  CheckLayer(GetParam(), "mid", 96, 3, Precision::kW4A16, 3);
+  CheckLayer(GetParam(), "mid", 64, 4, Precision::kW4A8, 6);
 }
 
 TEST_P(Consistency, ResultsDoNotDependOnTheThreadCount) {

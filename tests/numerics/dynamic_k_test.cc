@@ -1,0 +1,268 @@
+// Dynamic k (docs/math.md section 4.1): the rule against SelectExperts as an oracle, the
+// quantile-balanced thresholds (exact and histogram) against counts on fresh traffic, the
+// histogram's wire form against hostile bytes.
+#include "services/numerics/dynamic_k.h"
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "gtest/gtest.h"
+#include "services/common/random.h"
+#include "services/numerics/qb.h"
+#include "services/numerics/router.h"
+
+namespace moe::numerics {
+namespace {
+
+std::vector<float> SkewedScores(int64_t m, int64_t n, uint64_t seed, float strength = 2.0f) {
+  Rng offsets_rng(1000 + n);  // the same experts are hot in every window
+  std::vector<float> offsets(static_cast<size_t>(n));
+  for (float& o : offsets) o = strength * static_cast<float>(std::pow(offsets_rng.Uniform(), 3.0));
+  Rng rng(seed);
+  std::vector<float> s(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      s[i * n + j] = 1.0f / (1.0f + std::exp(-(rng.Normal() + offsets[j])));
+    }
+  }
+  return s;
+}
+
+// The QB bias of a window, so that the full top-k loads are even before any budget.
+std::vector<float> BalancedBias(const std::vector<float>& s, int64_t m, int64_t n, int64_t k) {
+  std::vector<float> bias(static_cast<size_t>(n), 0.0f);
+  for (int step = 0; step < 2; ++step) bias = QbExactStep(s, m, n, bias, k)->bias;
+  return bias;
+}
+
+TEST(ApplyBudget, KeepingEverySelectionIsBitIdentical) {
+  const int64_t m = 300, n = 64, k = 8;
+  const std::vector<float> s = SkewedScores(m, n, 3);
+  const std::vector<float> bias(n, 0.01f);
+  const Routing want = SelectExperts(s.data(), bias.data(), m, n, k, true, 2.5f);
+  Routing got = want;
+  EXPECT_EQ(ApplyBudget(s.data(), n, {1, nullptr}, true, 2.5f, &got), m * k);
+  EXPECT_EQ(got.expert_ids, want.expert_ids);
+  const std::vector<float> zeros(n, 0.0f);  // every sigmoid score clears 0
+  EXPECT_EQ(ApplyBudget(s.data(), n, {1, zeros.data()}, true, 2.5f, &got), m * k);
+  EXPECT_EQ(got.expert_ids, want.expert_ids);
+  EXPECT_EQ(got.weights, want.weights);
+}
+
+TEST(ApplyBudget, ThresholdsAboveEveryScoreKeepTheFirstKMinAsTopKMin) {
+  // With nothing clearing its threshold a token keeps its first k_min selections: exactly the
+  // routing SelectExperts gives with top_k = k_min (ids and weights bit for bit, both
+  // renormalize modes), then -1 / 0 in the dropped slots.
+  const int64_t m = 200, n = 48, k = 6;
+  const std::vector<float> s = SkewedScores(m, n, 4);
+  const std::vector<float> inf(n, std::numeric_limits<float>::infinity());
+  for (bool renorm : {true, false}) {
+    for (int64_t k_min : {1, 2, 5}) {
+      Routing got = SelectExperts(s.data(), nullptr, m, n, k, renorm, 1.5f);
+      EXPECT_EQ(ApplyBudget(s.data(), n, {k_min, inf.data()}, renorm, 1.5f, &got), m * k_min);
+      const Routing want = SelectExperts(s.data(), nullptr, m, n, k_min, renorm, 1.5f);
+      for (int64_t t = 0; t < m; ++t) {
+        for (int64_t j = 0; j < k; ++j) {
+          if (j < k_min) {
+            ASSERT_EQ(got.expert_ids[t * k + j], want.expert_ids[t * k_min + j]);
+            ASSERT_EQ(got.weights[t * k + j], want.weights[t * k_min + j]);
+          } else {
+            ASSERT_EQ(got.expert_ids[t * k + j], kDroppedSlot);
+            ASSERT_EQ(got.weights[t * k + j], 0.0f);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ApplyBudget, KeepsExactlyTheSelectionsThatClearTheirThreshold) {
+  const int64_t m = 500, n = 32, k = 4;
+  const std::vector<float> s = SkewedScores(m, n, 5);
+  Rng rng(6);
+  std::vector<float> theta(n);
+  for (float& v : theta) v = static_cast<float>(0.3 + 0.6 * rng.Uniform());
+  const Routing full = SelectExperts(s.data(), nullptr, m, n, k, true, 1.0f);
+  Routing got = full;
+  const int64_t kept = ApplyBudget(s.data(), n, {1, theta.data()}, true, 1.0f, &got);
+  int64_t counted = 0;
+  for (int64_t t = 0; t < m; ++t) {
+    std::vector<int32_t> want;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = full.expert_ids[t * k + j];
+      if (j == 0 || s[t * n + e] >= theta[e]) want.push_back(e);
+    }
+    counted += static_cast<int64_t>(want.size());
+    float sum = 0;
+    for (int32_t e : want) sum += s[t * n + e];
+    for (int64_t j = 0; j < k; ++j) {
+      if (j < static_cast<int64_t>(want.size())) {
+        ASSERT_EQ(got.expert_ids[t * k + j], want[j]);
+        // The weights over the kept experts sum to 1 (renormalize, scale 1).
+        ASSERT_NEAR(got.weights[t * k + j], s[t * n + want[j]] / sum, 1e-6);
+      } else {
+        ASSERT_EQ(got.expert_ids[t * k + j], kDroppedSlot);
+      }
+    }
+  }
+  EXPECT_EQ(kept, counted);
+  EXPECT_GT(kept, m);  // the thresholds bite somewhere between k_min and k
+  EXPECT_LT(kept, m * k);
+  // Dropped slots belong to no expert.
+  int64_t paired = 0;
+  for (const auto& p : PairsByExpert(got, n)) paired += static_cast<int64_t>(p.size());
+  EXPECT_EQ(paired, kept);
+}
+
+// The kept loads of `routing` per expert.
+std::vector<int64_t> KeptLoads(const Routing& r, int64_t n) {
+  std::vector<int64_t> loads(static_cast<size_t>(n), 0);
+  for (int32_t e : r.expert_ids) {
+    if (e >= 0) ++loads[e];
+  }
+  return loads;
+}
+
+// Thresholds solved on one window, applied to a fresh window of the same traffic: the mean
+// experts per token is the budget, every expert keeps about budget / k of its selections, and
+// the kept loads stay within the sampling noise of even (the QB MaxVio test).
+void CheckBudgetsOnFreshTraffic(const std::vector<float>& table, const char* form) {
+  const int64_t m = 16384, n = 128, k = 8;
+  const std::vector<float> calib = SkewedScores(m, n, 11);
+  const std::vector<float> bias = BalancedBias(calib, m, n, k);
+  const std::vector<float> fresh = SkewedScores(m, n, 12);
+  const Routing full = SelectExperts(fresh.data(), bias.data(), m, n, k, true, 1.0f);
+  const BalanceMetrics full_balance = ComputeBalance(KeptLoads(full, n));
+  for (int64_t b : {1, 2, 4, 6, 7}) {
+    Routing r = full;
+    const int64_t kept = ApplyBudget(fresh.data(), n, {1, BudgetRow(table, b, n)}, true, 1.0f, &r);
+    const double per_token = static_cast<double>(kept) / m;
+    const BalanceMetrics balance = ComputeBalance(KeptLoads(r, n));
+    const double floor = NoiseFloorMaxVio(n, static_cast<double>(kept) / n);
+    std::printf(
+        "[ %s ] budget %lld of %lld: %.3f experts per token, MaxVio %.3f (full k %.3f, "
+        "noise floor %.3f), min load / mean %.3f\n",
+        form, static_cast<long long>(b), static_cast<long long>(k), per_token, balance.max_vio,
+        full_balance.max_vio, floor, balance.min_over_target);
+    EXPECT_NEAR(per_token, static_cast<double>(b), 0.03 * b) << form << " " << b;
+    if (b == 1) {
+      // b = k_min: no freedom left, every token keeps its first selection and the loads are
+      // those of the first ranks (docs/math.md section 4.1 says so).
+      EXPECT_EQ(kept, m) << form;
+      continue;
+    }
+    EXPECT_LE(balance.max_vio, full_balance.max_vio + 1.5 * floor) << form << " " << b;
+    EXPECT_EQ(balance.dead, 0) << form << " " << b;
+  }
+}
+
+TEST(BudgetThresholds, ExactKeepsTheBudgetAndEvenLoadsOnFreshTraffic) {
+  const int64_t m = 16384, n = 128, k = 8;
+  const std::vector<float> calib = SkewedScores(m, n, 11);
+  const std::vector<float> bias = BalancedBias(calib, m, n, k);
+  auto table = ExactBudgetThresholds(calib, m, n, bias, k, 1);
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->size(), static_cast<size_t>((k - 1) * n));
+  CheckBudgetsOnFreshTraffic(*table, "exact");
+}
+
+TEST(BudgetThresholds, HistogramAgreesWithTheExactForm) {
+  const int64_t m = 16384, n = 128, k = 8;
+  const std::vector<float> calib = SkewedScores(m, n, 11);
+  const std::vector<float> bias = BalancedBias(calib, m, n, k);
+  BudgetWindow w;
+  w.bias_version = 3;
+  w.layer = 1;
+  w.top_k = k;
+  w.k_min = 1;
+  w.bins = 512;
+  // Two attention nodes' halves merge into the whole window exactly.
+  auto whole = BudgetHistogram::Create(w, n);
+  auto a = BudgetHistogram::Create(w, n);
+  auto b = BudgetHistogram::Create(w, n);
+  ASSERT_TRUE(whole.ok() && a.ok() && b.ok());
+  const Routing full = SelectExperts(calib.data(), bias.data(), m, n, k, true, 1.0f);
+  ASSERT_TRUE(whole->Accumulate(full, calib.data()).ok());
+  Routing first = full, second = full;
+  first.tokens = 5000;
+  first.expert_ids.resize(5000 * k);
+  second.tokens = m - 5000;
+  second.expert_ids.erase(second.expert_ids.begin(), second.expert_ids.begin() + 5000 * k);
+  ASSERT_TRUE(a->Accumulate(first, calib.data()).ok());
+  ASSERT_TRUE(b->Accumulate(second, calib.data() + 5000 * n).ok());
+  ASSERT_TRUE(a->Merge(*b).ok());
+  EXPECT_EQ(a->counts(), whole->counts());
+  EXPECT_EQ(a->forced(), whole->forced());
+  EXPECT_EQ(a->tokens(), m);
+  // Every selection is counted once: forced + free = m * k.
+  int64_t total = std::accumulate(whole->forced().begin(), whole->forced().end(), int64_t{0});
+  for (uint32_t c : whole->counts()) total += c;
+  EXPECT_EQ(total, m * k);
+  EXPECT_EQ(std::accumulate(whole->forced().begin(), whole->forced().end(), int64_t{0}), m);
+
+  const std::vector<float> table = whole->SolveTable();
+  const std::vector<float> exact = *ExactBudgetThresholds(calib, m, n, bias, k, 1);
+  ASSERT_EQ(table.size(), exact.size());
+  // A threshold inside the scores lies within about a bin of the exact one (the exact one rounds
+  // its count, the histogram interpolates inside the bin).
+  int64_t inside = 0;
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (std::isinf(exact[i]) || exact[i] == 0.0f) continue;
+    ++inside;
+    EXPECT_NEAR(table[i], exact[i], 2.0 / w.bins) << "entry " << i;
+  }
+  EXPECT_GT(inside, static_cast<int64_t>(table.size()) / 2);
+  CheckBudgetsOnFreshTraffic(table, "histogram");
+}
+
+TEST(BudgetHistogram, RoundTripsAndRefusesHostileBytes) {
+  const int64_t m = 700, n = 64, k = 4;
+  const std::vector<float> s = SkewedScores(m, n, 21);
+  BudgetWindow w;
+  w.bias_version = 9;
+  w.layer = 2;
+  w.top_k = k;
+  w.k_min = 2;
+  w.bins = 100;
+  auto h = BudgetHistogram::Create(w, n);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE(h->Accumulate(SelectExperts(s.data(), nullptr, m, n, k, true, 1.0f), s.data()).ok());
+  const std::string bytes = h->Serialize();
+  auto back = BudgetHistogram::Deserialize(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->counts(), h->counts());
+  EXPECT_EQ(back->forced(), h->forced());
+  EXPECT_EQ(back->tokens(), m);
+  EXPECT_EQ(back->window().k_min, 2);
+  EXPECT_EQ(back->SolveTable(), h->SolveTable());
+  // Zero runs keep it small: far under one byte per bin.
+  EXPECT_LT(bytes.size(), static_cast<size_t>(n * w.bins));
+
+  for (size_t cut : {size_t{3}, size_t{20}, bytes.size() / 2, bytes.size() - 1}) {
+    EXPECT_FALSE(BudgetHistogram::Deserialize(bytes.substr(0, cut)).ok()) << "cut at " << cut;
+  }
+  EXPECT_FALSE(BudgetHistogram::Deserialize(bytes + "x").ok());
+  std::string lying = bytes;
+  lying[lying.size() - 1] ^= 1;  // the last count or run changes: sums or runs no longer add up
+  EXPECT_FALSE(BudgetHistogram::Deserialize(lying).ok());
+  // A 40-byte header claiming 2^20 experts x 4096 bins is refused before any allocation.
+  std::string huge = bytes.substr(0, 4 + 8 + 4);
+  const uint32_t big_n = 1u << 20, k4 = 4, kmin = 1, bins = 4096;
+  for (uint32_t v : {big_n, k4, kmin, bins}) huge.append(reinterpret_cast<const char*>(&v), 4);
+  huge.push_back(0);
+  auto refused = BudgetHistogram::Deserialize(huge);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("cells"), std::string::npos) << refused.status();
+  // A different window does not merge.
+  BudgetWindow other = w;
+  other.k_min = 1;
+  auto o = BudgetHistogram::Create(other, n);
+  ASSERT_TRUE(o.ok());
+  const absl::Status merged = h->Merge(*o);
+  EXPECT_FALSE(merged.ok());
+  EXPECT_NE(merged.message().find("k_min 1"), std::string::npos) << merged;
+}
+
+}  // namespace
+}  // namespace moe::numerics
