@@ -42,6 +42,7 @@
 #include "services/metrics/service_metrics.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/moe_layer.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/numerics/qb.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/precision_convert.h"
@@ -86,6 +87,17 @@ struct HostedLayer {
 struct BiasEntry {
   uint64_t version = 0;
   std::vector<float> bias;
+  // Dynamic k (docs/math.md section 4.1) as the version has it: the layer's budget, k_min and
+  // the threshold table [k - 1, E] (empty: never solved, only the full top-k is served).
+  int32_t k_avg = 0;
+  int32_t k_min = 1;
+  std::vector<float> thresholds;
+};
+
+// One layer's statistics of the current report: QB's histogram and dynamic k's.
+struct LayerStats {
+  QbHistogram qb;
+  std::optional<numerics::BudgetHistogram> budget;
 };
 
 class AttentionServer::Impl final : public v1::AttentionService::CallbackService {
@@ -117,6 +129,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
     ReplyMode mode = ReplyMode::kPerPair;
     numerics::Precision precision = numerics::Precision::kW4A16;
     std::shared_ptr<const BiasEntry> bias;
+    // The expert budget served (experts per token on average): k, or lower with bias's
+    // thresholds (the layer's budget, the request's cap, the automatic mode).
+    int32_t budget = 0;
     std::shared_ptr<const LayerRoute> route;
     absl::Time expert_deadline;  // the expert calls end here, a little before the caller's
   };
@@ -134,8 +149,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   }
   absl::Status ServeForward(const v1::ForwardRequest& req, absl::Time deadline,
                             v1::ForwardResponse* resp, const char* method);
-  void Accumulate(int32_t layer, uint64_t version, const std::vector<float>& bias,
-                  const RoutedBatch& batch);
+  void Accumulate(int32_t layer, const BiasEntry& bias, const RoutedBatch& batch);
   void ApplyPlacement(const v1::Placement& p);
   void ApplyBias(const v1::LayerBias& b);
   // The channel of one shard (made once, kept by shard@endpoint): UCX or in-band gRPC.
@@ -169,9 +183,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::condition_variable stop_cv_;
 
   std::mutex stats_mu_;
-  std::map<int32_t, std::optional<QbHistogram>> stats_ ABSL_GUARDED_BY(stats_mu_);
+  std::map<int32_t, std::optional<LayerStats>> stats_ ABSL_GUARDED_BY(stats_mu_);
   // finished windows of an older bias version
-  std::vector<QbHistogram> outgoing_ ABSL_GUARDED_BY(stats_mu_);
+  std::vector<LayerStats> outgoing_ ABSL_GUARDED_BY(stats_mu_);
 
   std::thread report_thread_;
 };

@@ -53,6 +53,7 @@ absl::Status AttentionServer::Impl::Load() {
     MOE_ASSIGN_OR_RETURN(hosted->layer, CpuMoeLayer::Create(cfg_, std::move(w), lo));
     auto entry = std::make_shared<BiasEntry>();
     entry->bias = hosted->checkpoint_bias;
+    entry->k_avg = static_cast<int32_t>(cfg_.top_k);
     bias_[static_cast<int32_t>(layer)] = std::move(entry);
     layers_[static_cast<int32_t>(layer)] = std::move(hosted);
   }
@@ -197,16 +198,25 @@ void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
   auto entry = std::make_shared<BiasEntry>();
   entry->version = b.version();
   entry->bias.assign(b.bias().begin(), b.bias().end());
+  const v1::ExpertBudget& budget = b.budget();
+  entry->k_avg = budget.k_avg() >= 1 && budget.k_avg() <= cfg_.top_k
+                     ? budget.k_avg()
+                     : static_cast<int32_t>(cfg_.top_k);
+  entry->k_min = std::clamp<int32_t>(budget.k_min(), 0, static_cast<int32_t>(cfg_.top_k));
+  if (budget.thresholds_size() == (cfg_.top_k - 1) * cfg_.num_experts) {
+    entry->thresholds.assign(budget.thresholds().begin(), budget.thresholds().end());
+  }
   std::lock_guard<std::mutex> lock(mu_);
   bias_[b.layer()] = std::move(entry);
   if (metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
 }
 
-void AttentionServer::Impl::Accumulate(int32_t layer, uint64_t version,
-                                       const std::vector<float>& bias, const RoutedBatch& batch) {
+void AttentionServer::Impl::Accumulate(int32_t layer, const BiasEntry& bias,
+                                       const RoutedBatch& batch) {
+  const uint64_t version = bias.version;
   std::lock_guard<std::mutex> lock(stats_mu_);
-  std::optional<QbHistogram>& acc = stats_[layer];
-  if (acc.has_value() && acc->window().bias_version != version) {
+  std::optional<LayerStats>& acc = stats_[layer];
+  if (acc.has_value() && acc->qb.window().bias_version != version) {
     outgoing_.push_back(std::move(*acc));
     acc.reset();
   }
@@ -217,26 +227,37 @@ void AttentionServer::Impl::Accumulate(int32_t layer, uint64_t version,
     w.layer = layer;
     w.top_k = cfg_.top_k;
     w.bins = options_.qb_bins;
-    auto h = QbHistogram::Create(w, bias);
+    auto h = QbHistogram::Create(w, bias.bias);
     if (!h.ok()) return;  // the bias was validated upstream; nothing to report otherwise
-    acc = std::move(*h);
+    acc = LayerStats{*std::move(h), std::nullopt};
+    numerics::BudgetWindow bw;
+    bw.bias_version = version;
+    bw.layer = layer;
+    bw.top_k = cfg_.top_k;
+    bw.k_min = bias.k_min;
+    bw.bins = options_.budget_bins;
+    auto b = numerics::BudgetHistogram::Create(bw, cfg_.num_experts);
+    if (b.ok()) acc->budget = *std::move(b);  // top-k 1 has no budget to report
   }
-  (void)acc->Accumulate(batch.scores, batch.tokens);
+  (void)acc->qb.Accumulate(batch.scores, batch.tokens);
+  // Dynamic k's thresholds come from the selections before any budget (the full top-k).
+  if (acc->budget.has_value()) (void)acc->budget->Accumulate(batch.routing, batch.scores.data());
 }
 
 void AttentionServer::Impl::ReportNow() {
-  std::vector<QbHistogram> out;
+  std::vector<LayerStats> out;
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     out.swap(outgoing_);
     for (auto& [layer, acc] : stats_) {
-      if (acc.has_value() && acc->tokens() > 0) out.push_back(std::move(*acc));
+      if (acc.has_value() && acc->qb.tokens() > 0) out.push_back(std::move(*acc));
       acc.reset();
     }
   }
   if (out.empty()) return;
   if (router_ == nullptr) return;
-  for (const QbHistogram& h : out) {
+  for (const LayerStats& stats : out) {
+    const QbHistogram& h = stats.qb;
     v1::ReportStatsRequest req;
     req.set_node(options_.node);
     req.set_layer(h.window().layer);
@@ -244,6 +265,7 @@ void AttentionServer::Impl::ReportNow() {
     req.set_tokens(h.tokens());
     *req.mutable_loads() = {h.loads().begin(), h.loads().end()};
     req.set_qb_histogram(h.Serialize());
+    if (stats.budget.has_value()) req.set_budget_histogram(stats.budget->Serialize());
     if (auto r = router_->ReportStats(req); !r.ok()) {
       MOE_LOG_WARN("ReportStats failed: {}", r.status().ToString());
     }

@@ -70,6 +70,7 @@ struct AttentionServerOptions {
   int64_t default_timeout_ms = 30000;
   int64_t report_interval_ms = 500;
   int qb_bins = 1000;
+  int budget_bins = 512;  // dynamic k: bins of the score histograms reported for the thresholds
   int max_message_bytes = 256 << 20;
   // A shard's dispatch is split (at expert boundaries) so that no message or reply exceeds
   // about this many payload bytes (K3 batches of thousands of tokens would pass gRPC's limit).

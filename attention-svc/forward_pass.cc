@@ -96,11 +96,24 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown missing_experts ", static_cast<int>(req.options().missing_experts())));
   }
+  const int32_t cap = req.options().expert_budget();
+  if (cap < 0 || cap > cfg_.top_k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert_budget ", cap, " outside [0, top-k = ", cfg_.top_k, "] (0: the layer's budget)"));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     spec.bias = bias_[req.layer()];
     auto r = routes_.find(req.layer());
     if (r != routes_.end()) spec.route = r->second;
+  }
+  // Dynamic k: the layer's budget, capped by the request; served only with solved thresholds
+  // (the response says which budget it got).
+  spec.budget = static_cast<int32_t>(cfg_.top_k);
+  if (!spec.bias->thresholds.empty()) {
+    int32_t b = spec.bias->k_avg;
+    if (cap > 0) b = std::min(b, cap);
+    spec.budget = std::clamp<int32_t>(b, 1, static_cast<int32_t>(cfg_.top_k));
   }
   if (spec.route == nullptr) {
     return absl::UnavailableError(
@@ -162,7 +175,17 @@ class AttentionServer::Impl::ForwardPass {
     // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
     // error, said here, not a shard's refusal of non-finite activations.
     MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
-    impl_->Accumulate(req_.layer(), spec_.bias->version, spec_.bias->bias, f.batch);
+    impl_->Accumulate(req_.layer(), *spec_.bias, f.batch);
+    if (spec_.budget < top_k_) {
+      const ModelConfig& cfg = impl_->cfg_;
+      routed_pairs_ += numerics::ApplyBudget(
+          f.batch.scores.data(), cfg.num_experts,
+          {spec_.bias->k_min,
+           numerics::BudgetRow(spec_.bias->thresholds, spec_.budget, cfg.num_experts)},
+          cfg.renormalize, cfg.routed_scaling_factor, &f.batch.routing);
+    } else {
+      routed_pairs_ += rows * top_k_;
+    }
     DispatchSpec dispatch = dispatch_;
     if (req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*spec_.route)) {
       int64_t pairs = 0;
@@ -273,6 +296,8 @@ class AttentionServer::Impl::ForwardPass {
       *rt->mutable_weights() = {weights_.begin(), weights_.end()};
     }
     resp->set_precision(transport::PrecisionToProto(spec_.precision));
+    resp->set_expert_budget(spec_.budget);
+    resp->set_routed_pairs(routed_pairs_);
     resp->set_dispatch_bytes_sent(bytes_sent_);
     resp->set_dispatch_bytes_received(bytes_received_);
     if (degraded_pairs_ > 0) {
@@ -325,6 +350,7 @@ class AttentionServer::Impl::ForwardPass {
   DispatchSpec dispatch_;
   LayerTimings t_;
   int64_t bytes_sent_ = 0, bytes_received_ = 0;
+  int64_t routed_pairs_ = 0;   // (token, expert) pairs kept by the budget
   std::set<int32_t> missing_;  // DEGRADE: experts left out, over all micro-batches
   int64_t degraded_pairs_ = 0;
   double combine_seconds_ = 0;

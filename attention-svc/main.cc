@@ -38,6 +38,8 @@ int main(int argc, char** argv) {
   flags.Int64("default_timeout_ms", &o.default_timeout_ms, "deadline when the caller has none");
   flags.Int64("report_interval_ms", &o.report_interval_ms, "statistics report period");
   flags.Int("qb_bins", &o.qb_bins, "QB histogram bins");
+  flags.Int("budget_bins", &o.budget_bins,
+            "dynamic k: bins of the per-expert score histograms reported for the thresholds");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   flags.Int64("max_dispatch_bytes", &o.max_dispatch_bytes,
               "split a shard's dispatch (at expert boundaries) above this many bytes");

@@ -182,10 +182,13 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
   auto refuse_unknown = [](const std::string& key, const std::string& where) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown parameter '", Shorten(key), "'", where,
-                     " (this model takes precision and reply_mode on the request, nothing else)"));
+                     " (this model takes precision, reply_mode and expert_budget on the request, "
+                     "nothing else)"));
   };
   for (const auto& [key, value] : req.parameters()) {
-    if (key != "precision" && key != "reply_mode") return refuse_unknown(key, "");
+    if (key != "precision" && key != "reply_mode" && key != "expert_budget") {
+      return refuse_unknown(key, "");
+    }
   }
   for (const auto& [key, value] : in.parameters()) return refuse_unknown(key, " on the input");
   for (const auto& o : req.outputs()) {
@@ -203,6 +206,16 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
         return absl::InvalidArgumentError(absl::StrCat(
             "parameter precision '", Shorten(value.string_param()), "', expected w4a16 or w4a8"));
       }
+      continue;
+    }
+    if (key == "expert_budget") {  // dynamic k: a cap on the layer's budget (docs/math.md 4.1)
+      if (value.parameter_choice_case() != inference::InferParameter::kInt64Param ||
+          value.int64_param() < 0 || value.int64_param() > hooks_.top_k) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("parameter expert_budget must be an int64 in [0, top-k = ", hooks_.top_k,
+                         "] (0: the layer's budget)"));
+      }
+      out->mutable_options()->set_expert_budget(static_cast<int32_t>(value.int64_param()));
       continue;
     }
     if (value.string_param() == "per_pair") {
@@ -267,6 +280,8 @@ grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ct
     (*resp->mutable_parameters())["bias_version"].set_uint64_param(fr.bias_version());
     (*resp->mutable_parameters())["precision"].set_string_param(
         fr.precision() == v1::PRECISION_W4A8 ? "w4a8" : "w4a16");
+    (*resp->mutable_parameters())["expert_budget"].set_int64_param(fr.expert_budget());
+    (*resp->mutable_parameters())["routed_pairs"].set_int64_param(fr.routed_pairs());
     const int64_t tokens = fr.output().shape(0);
     for (const std::string& name : *outputs) {
       auto* o = resp->add_outputs();

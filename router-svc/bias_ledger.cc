@@ -32,9 +32,10 @@ absl::StatusOr<BiasMode> ParseBiasMode(const std::string& s) {
 }
 
 BiasLedger::BiasLedger(int32_t layer, std::vector<float> checkpoint_bias, BiasMode mode,
-                       int64_t continuous_tokens, int64_t now_unix_ms)
+                       int64_t continuous_tokens, int64_t now_unix_ms, ExpertBudget budget)
     : layer_(layer), mode_(mode), continuous_tokens_(continuous_tokens) {
-  history_.push_back({layer, 0, mode, std::move(checkpoint_bias), "checkpoint", now_unix_ms});
+  history_.push_back(
+      {layer, 0, mode, std::move(checkpoint_bias), "checkpoint", now_unix_ms, std::move(budget)});
 }
 
 BiasLedger::BiasLedger(int32_t layer, std::vector<BiasVersion> history, BiasMode mode,
@@ -46,7 +47,14 @@ BiasLedger::BiasLedger(int32_t layer, std::vector<BiasVersion> history, BiasMode
 
 const BiasVersion& BiasLedger::Append(std::vector<float> bias, const std::string& reason,
                                       int64_t now_unix_ms) {
-  history_.push_back({layer_, history_.size(), mode_, std::move(bias), reason, now_unix_ms});
+  ExpertBudget budget = current().budget;
+  return Append(std::move(bias), std::move(budget), reason, now_unix_ms);
+}
+
+const BiasVersion& BiasLedger::Append(std::vector<float> bias, ExpertBudget budget,
+                                      const std::string& reason, int64_t now_unix_ms) {
+  history_.push_back(
+      {layer_, history_.size(), mode_, std::move(bias), reason, now_unix_ms, std::move(budget)});
   return history_.back();
 }
 
@@ -60,7 +68,8 @@ absl::StatusOr<const BiasVersion*> BiasLedger::Rollback(uint64_t to, int64_t now
                                             " (newest ", current().version, ")"));
   }
   std::vector<float> bias = history_[to].bias;
-  return &Append(std::move(bias), absl::StrCat("rollback to ", to), now_unix_ms);
+  ExpertBudget budget = history_[to].budget;
+  return &Append(std::move(bias), std::move(budget), absl::StrCat("rollback to ", to), now_unix_ms);
 }
 
 absl::StatusOr<bool> BiasLedger::SetMode(BiasMode mode, int64_t continuous_tokens,

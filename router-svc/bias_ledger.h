@@ -23,6 +23,15 @@ enum class BiasMode { kFrozen, kRebalance, kContinuous };
 const char* BiasModeName(BiasMode m);  // "frozen", "rebalance", "continuous"
 absl::StatusOr<BiasMode> ParseBiasMode(const std::string& s);
 
+// Dynamic k's parameters of a version (proto ExpertBudget; docs/math.md section 4.1).
+struct ExpertBudget {
+  int32_t k_avg = 0;  // 0 or k: every token keeps its top-k
+  int32_t k_min = 1;
+  std::vector<float> thresholds;  // [k - 1, E], empty: never solved
+  int64_t solved_from_tokens = 0;
+  uint64_t solved_from_version = 0;
+};
+
 struct BiasVersion {
   int32_t layer = 0;
   uint64_t version = 0;
@@ -30,12 +39,13 @@ struct BiasVersion {
   std::vector<float> bias;  // [E]
   std::string reason;
   int64_t created_unix_ms = 0;
+  ExpertBudget budget;
 };
 
 class BiasLedger {
  public:
   BiasLedger(int32_t layer, std::vector<float> checkpoint_bias, BiasMode mode,
-             int64_t continuous_tokens, int64_t now_unix_ms);
+             int64_t continuous_tokens, int64_t now_unix_ms, ExpertBudget budget = {});
   // A ledger as stored before a restart (state_store.h): its history (version == index, from
   // the checkpoint's at 0) and mode.
   BiasLedger(int32_t layer, std::vector<BiasVersion> history, BiasMode mode,
@@ -47,11 +57,14 @@ class BiasLedger {
   const BiasVersion& current() const { return history_.back(); }
   const std::vector<BiasVersion>& history() const { return history_; }  // version == index
 
-  // A new current version.
+  // A new current version with the current version's budget.
   const BiasVersion& Append(std::vector<float> bias, const std::string& reason,
                             int64_t now_unix_ms);
-  // A new version with version `to`'s bias. FAILED_PRECONDITION when frozen, NOT_FOUND for a
-  // version that does not exist.
+  // A new current version with its own budget.
+  const BiasVersion& Append(std::vector<float> bias, ExpertBudget budget, const std::string& reason,
+                            int64_t now_unix_ms);
+  // A new version with version `to`'s bias and budget. FAILED_PRECONDITION when frozen,
+  // NOT_FOUND for a version that does not exist.
   absl::StatusOr<const BiasVersion*> Rollback(uint64_t to, int64_t now_unix_ms);
   // Switching to frozen restores the checkpoint's bias as a new version when another is
   // current (returns true: a new version); otherwise only the mode (and continuous_tokens when

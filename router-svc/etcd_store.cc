@@ -227,8 +227,13 @@ absl::StatusOr<StoredState> EtcdStore::Load() {
       if (!b.ParseFromString(kv.value()) || !(mode = FromProto(b.mode())).ok()) {
         return absl::DataLossError(absl::StrCat("router state (etcd): ", kv.key(), " malformed"));
       }
-      BiasVersion v{b.layer(),  b.version(),        *mode, {b.bias().begin(), b.bias().end()},
-                    b.reason(), b.created_unix_ms()};
+      BiasVersion v{b.layer(),
+                    b.version(),
+                    *mode,
+                    {b.bias().begin(), b.bias().end()},
+                    b.reason(),
+                    b.created_unix_ms(),
+                    FromProto(b.budget())};
       state.layers[v.layer].history.push_back(std::move(v));
     } else if (absl::StartsWith(rest, "mode/")) {
       v1::SetBiasModeRequest m;

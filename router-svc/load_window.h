@@ -12,10 +12,12 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/numerics/qb.h"
 
 namespace moe::router_svc {
@@ -29,8 +31,9 @@ struct StatsReport {
   int32_t layer = 0;
   uint64_t bias_version = 0;
   int64_t tokens = 0;
-  std::vector<int64_t> loads;  // [E] routed (token, expert) pairs
-  std::string qb_histogram;    // QbHistogram::Serialize
+  std::vector<int64_t> loads;    // [E] routed (token, expert) pairs
+  std::string qb_histogram;      // QbHistogram::Serialize
+  std::string budget_histogram;  // BudgetHistogram::Serialize, empty: none
 };
 
 enum class ReportResult {
@@ -43,8 +46,10 @@ class LoadWindow {
   LoadWindow(int32_t layer, int64_t experts, int64_t top_k, int64_t window_tokens);
 
   // Checks everything before it counts anything: a refused report (INVALID_ARGUMENT saying
-  // why) changes nothing.
-  absl::StatusOr<ReportResult> Add(const StatsReport& r, uint64_t current_version);
+  // why) changes nothing. k_min: the current version's (a budget histogram of another k_min,
+  // from before a change, is left out of the window; the rest of the report counts).
+  absl::StatusOr<ReportResult> Add(const StatsReport& r, uint64_t current_version,
+                                   int64_t k_min = 1);
   // A new bias version: the next window starts empty (the totals stay).
   void Clear();
 
@@ -59,12 +64,16 @@ class LoadWindow {
   int64_t top_k() const { return top_k_; }
   // The window's reports merged (FAILED_PRECONDITION when empty).
   absl::StatusOr<numerics::QbHistogram> Pooled() const;
+  // The window's budget histograms merged (dynamic k; FAILED_PRECONDITION when none): reports
+  // whose budget histogram has the k_min given to Add.
+  absl::StatusOr<numerics::BudgetHistogram> PooledBudget() const;
 
  private:
   struct Report {
     numerics::QbHistogram hist;
     std::vector<int64_t> loads;
     int64_t tokens = 0;
+    std::optional<numerics::BudgetHistogram> budget;
   };
   const int32_t layer_;
   const int64_t experts_, top_k_, limit_tokens_;

@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
   flags.Int64("continuous_tokens", &o.continuous_tokens, "continuous mode period in tokens");
   flags.Int64("window_tokens", &o.window_tokens, "load/QB window in tokens");
   flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");
+  flags.Int64("budget_k_min", &o.budget_k_min,
+              "dynamic k: experts every token keeps under any expert budget (1..top-k)");
   flags.String("admin_token_file", &o.admin_token_file,
                "file holding the admin token (chmod 600); without a token admin calls are refused");
   flags.String("cluster_token_file", &o.cluster_token_file,

@@ -60,10 +60,18 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerO
         "no --ranges_file: any member may register any expert range (development only; the "
         "chart and moe-cli up pass the deployment's table)");
   }
+  if (options_.budget_k_min < 1 || options_.budget_k_min > cfg_.top_k) {
+    return absl::InvalidArgumentError(absl::StrCat("--budget_k_min ", options_.budget_k_min,
+                                                   " outside [1, top-k = ", cfg_.top_k, "]"));
+  }
+  ExpertBudget full;  // no budget: every token keeps its top-k
+  full.k_avg = static_cast<int32_t>(cfg_.top_k);
+  full.k_min = static_cast<int32_t>(options_.budget_k_min);
   for (auto& [l, bias] : biases) {
     core->layers_.emplace(
-        l, LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs()),
-                      LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
+        l,
+        LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs(), full),
+                   LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
   }
   if (!options_.state_db.empty()) {
     MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db, options_.initialize));
@@ -179,6 +187,13 @@ absl::Status RouterCore::RestoreLocked(std::unique_ptr<StateStore> store) {
     }
     MOE_LOG_INFO("layer {}: restored {} bias versions (current {}), mode {}", l,
                  stored.history.size(), stored.history.size() - 1, BiasModeName(stored.mode));
+    // Versions stored before dynamic k have no budget: the full top-k, this router's k_min.
+    for (BiasVersion& v : stored.history) {
+      if (v.budget.k_avg == 0 && v.budget.thresholds.empty()) {
+        v.budget.k_avg = static_cast<int32_t>(cfg_.top_k);
+        v.budget.k_min = static_cast<int32_t>(options_.budget_k_min);
+      }
+    }
     layer.ledger = BiasLedger(l, std::move(stored.history), stored.mode, stored.continuous_tokens);
   }
   // A shard's channel to the new router reconnects with backoff (up to 1 s): its restored
@@ -298,7 +313,8 @@ absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
   const StatsReport r = FromProto(req);
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));
-  MOE_ASSIGN_OR_RETURN(ReportResult result, l->window.Add(r, l->ledger.current().version));
+  MOE_ASSIGN_OR_RETURN(ReportResult result, l->window.Add(r, l->ledger.current().version,
+                                                          l->ledger.current().budget.k_min));
   resp->set_current_bias_version(l->ledger.current().version);
   resp->set_accepted_for_window(result == ReportResult::kCurrent);
   if (metrics_ != nullptr) metrics_->Report(result == ReportResult::kCurrent);
@@ -331,6 +347,7 @@ void RouterCore::UpdateLayerMetricsLocked(const LayerState& l) {
                              : std::numeric_limits<double>::quiet_NaN();
   metrics_->Window(l.window.layer(), max_vio, l.window.window_tokens());
   metrics_->BiasVersion(l.window.layer(), l.ledger.current().version);
+  metrics_->ExpertBudget(l.window.layer(), l.ledger.current().budget.k_avg);
 }
 
 absl::Status RouterCore::RebalanceLocked(LayerState& l, bool dry_run, const std::string& reason,
@@ -353,13 +370,17 @@ absl::Status RouterCore::RebalanceLocked(LayerState& l, bool dry_run, const std:
   FillBalance(plan.predicted_after, resp->mutable_predicted_after());
   resp->set_noise_floor_max_vio(plan.noise_floor_max_vio);
   if (dry_run) {
+    bool solved = false;
     BiasVersion next{
-        layer, l.ledger.history().size(), l.ledger.mode(), std::move(plan.bias), "dry run", 0};
+        layer, l.ledger.history().size(),    l.ledger.mode(), std::move(plan.bias), "dry run",
+        0,     SolveBudgetLocked(l, &solved)};
     *resp->mutable_new_bias() = ToProto(next);
     resp->set_applied(false);
     return absl::OkStatus();
   }
-  l.ledger.Append(std::move(plan.bias),
+  bool solved = false;
+  ExpertBudget budget = SolveBudgetLocked(l, &solved);
+  l.ledger.Append(std::move(plan.bias), std::move(budget),
                   absl::StrCat(reason, " from ", plan.window_tokens, " tokens"), UnixMs());
   ++l.rebalances;
   if (metrics_ != nullptr) metrics_->Rebalanced(layer);
@@ -390,6 +411,46 @@ absl::Status RouterCore::SetMode(const v1::SetBiasModeRequest& req, v1::LayerBia
     MOE_RETURN_IF_ERROR(PersistLocked(*l));
     if (sinks_.bias) sinks_.bias(ToProto(l->ledger.current()));
   }
+  *resp = ToProto(l->ledger.current());
+  return absl::OkStatus();
+}
+
+ExpertBudget RouterCore::SolveBudgetLocked(const LayerState& l, bool* solved) const {
+  ExpertBudget budget = l.ledger.current().budget;
+  *solved = false;
+  absl::StatusOr<numerics::BudgetHistogram> pooled = l.window.PooledBudget();
+  if (!pooled.ok() || pooled->tokens() == 0) return budget;
+  budget.thresholds = pooled->SolveTable();
+  budget.solved_from_tokens = pooled->tokens();
+  budget.solved_from_version = l.ledger.current().version;
+  *solved = true;
+  return budget;
+}
+
+absl::Status RouterCore::SetBudget(int32_t layer, int32_t k_avg, const std::string& reason,
+                                   v1::LayerBias* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
+  if (k_avg < 1 || k_avg > cfg_.top_k) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": expert budget ", k_avg,
+                                                   " outside [1, top-k = ", cfg_.top_k, "]"));
+  }
+  bool solved = false;
+  ExpertBudget budget = SolveBudgetLocked(*l, &solved);
+  if (k_avg < cfg_.top_k && budget.thresholds.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, ": no traffic reported with bias version ", l->ledger.current().version,
+        " to solve the budget's thresholds from yet; send traffic, then set the budget"));
+  }
+  budget.k_avg = k_avg;
+  std::vector<float> bias = l->ledger.current().bias;
+  const std::string why =
+      solved ? absl::StrCat(reason, " ", k_avg, " of ", cfg_.top_k, " (thresholds from ",
+                            budget.solved_from_tokens, " tokens)")
+             : absl::StrCat(reason, " ", k_avg, " of ", cfg_.top_k, " (thresholds of version ",
+                            budget.solved_from_version, ")");
+  l->ledger.Append(std::move(bias), std::move(budget), why, UnixMs());
+  MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
   *resp = ToProto(l->ledger.current());
   return absl::OkStatus();
 }

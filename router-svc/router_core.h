@@ -79,6 +79,11 @@ class RouterCore {
                          v1::RebalanceResponse* resp);
   absl::Status Rollback(int32_t layer, uint64_t to, v1::LayerBias* resp);
   absl::Status SetMode(const v1::SetBiasModeRequest& req, v1::LayerBias* resp);
+  // Dynamic k: the layer's budget k_avg (1..k) as a new version with the current bias and
+  // thresholds solved from the window's budget histograms (or the current version's, when the
+  // window has none). FAILED_PRECONDITION for k_avg < k with neither.
+  absl::Status SetBudget(int32_t layer, int32_t k_avg, const std::string& reason,
+                         v1::LayerBias* resp);
   v1::Placement Placement() const;
   absl::StatusOr<v1::LayerBias> Bias(int32_t layer) const;
   absl::Status LoadStats(int32_t layer, v1::LoadStats* resp) const;
@@ -103,6 +108,10 @@ class RouterCore {
                                v1::RebalanceResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new current bias version: stored, the window restarts, watchers and metrics hear of it.
   absl::Status PublishBiasLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The current budget with thresholds solved from the window, when it holds budget histograms
+  // (*solved: whether it did).
+  ExpertBudget SolveBudgetLocked(const LayerState& l, bool* solved) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens the store's state and restores ledgers and registrations from it.
   absl::Status RestoreLocked(std::unique_ptr<StateStore> store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

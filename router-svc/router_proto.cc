@@ -22,7 +22,28 @@ v1::LayerBias ToProto(const BiasVersion& v) {
   *b.mutable_bias() = {v.bias.begin(), v.bias.end()};
   b.set_reason(v.reason);
   b.set_created_unix_ms(v.created_unix_ms);
+  *b.mutable_budget() = ToProto(v.budget);
   return b;
+}
+
+v1::ExpertBudget ToProto(const ExpertBudget& x) {
+  v1::ExpertBudget b;
+  b.set_k_avg(x.k_avg);
+  b.set_k_min(x.k_min);
+  *b.mutable_thresholds() = {x.thresholds.begin(), x.thresholds.end()};
+  b.set_solved_from_tokens(x.solved_from_tokens);
+  b.set_solved_from_version(x.solved_from_version);
+  return b;
+}
+
+ExpertBudget FromProto(const v1::ExpertBudget& b) {
+  ExpertBudget x;
+  x.k_avg = b.k_avg();
+  x.k_min = b.k_min();
+  x.thresholds.assign(b.thresholds().begin(), b.thresholds().end());
+  x.solved_from_tokens = b.solved_from_tokens();
+  x.solved_from_version = b.solved_from_version();
+  return x;
 }
 
 v1::Placement ToProto(const PlacementSnapshot& s) {
@@ -76,6 +97,7 @@ StatsReport FromProto(const v1::ReportStatsRequest& req) {
   r.tokens = req.tokens();
   r.loads.assign(req.loads().begin(), req.loads().end());
   r.qb_histogram = req.qb_histogram();
+  r.budget_histogram = req.budget_histogram();
   return r;
 }
 
@@ -107,6 +129,7 @@ void FillLoadStats(const BiasLedger& ledger, const LoadWindow& w, const Placemen
     v1::LayerBias* h = s->add_history();
     *h = ToProto(b);
     h->clear_bias();
+    h->mutable_budget()->clear_thresholds();
   }
 }
 

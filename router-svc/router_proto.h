@@ -21,6 +21,8 @@ v1::BiasMode ToProto(BiasMode m);
 // INVALID_ARGUMENT for UNSPECIFIED or an unknown value.
 absl::StatusOr<BiasMode> FromProto(v1::BiasMode m);
 v1::LayerBias ToProto(const BiasVersion& v);
+v1::ExpertBudget ToProto(const ExpertBudget& b);
+ExpertBudget FromProto(const v1::ExpertBudget& b);
 v1::Placement ToProto(const PlacementSnapshot& s);
 void FillBalance(const numerics::BalanceMetrics& m, v1::Balance* b);
 StatsReport FromProto(const v1::ReportStatsRequest& req);

@@ -158,6 +158,13 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     if (s.ok()) s = core_->SetMode(*req, resp);
     return Done(ctx, "SetBiasMode", s);
   }
+  grpc::ServerUnaryReactor* SetExpertBudget(grpc::CallbackServerContext* ctx,
+                                            const v1::SetExpertBudgetRequest* req,
+                                            v1::LayerBias* resp) override {
+    absl::Status s = CheckAdmin(ctx, "SetExpertBudget");
+    if (s.ok()) s = core_->SetBudget(req->layer(), req->k_avg(), "budget", resp);
+    return Done(ctx, "SetExpertBudget", s);
+  }
   grpc::ServerUnaryReactor* GetLoadStats(grpc::CallbackServerContext* ctx,
                                          const v1::GetLoadStatsRequest* req,
                                          v1::LoadStats* resp) override {

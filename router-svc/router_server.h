@@ -58,6 +58,9 @@ struct RouterServerOptions {
   int64_t continuous_tokens = 16384;  // continuous mode: rebalance after this many tokens
   int64_t window_tokens = 65536;      // the QB / imbalance window keeps the newest reports
   int64_t heartbeat_interval_ms = 500;
+  // Dynamic k (docs/math.md section 4.1): every token keeps at least its first budget_k_min
+  // selections under any budget. For layers whose stored state has no budget yet.
+  int64_t budget_k_min = 1;
   // Admin calls (Rebalance, RollbackBias, SetBiasMode, the page's buttons) need the metadata
   // x-moe-admin-token equal to this token. Without one they are refused: nothing that changes
   // the bias is open to an unauthenticated caller. admin_token_file (chmod 600, or a Secret

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "router-svc/router_proto.h"
 
 namespace moe::router_svc {
 namespace {
@@ -57,6 +58,16 @@ class SqliteStore final : public StateStore {
     for (const char* sql : {"PRAGMA journal_mode=WAL;", "PRAGMA synchronous=FULL;", kSchema}) {
       if (absl::Status s = Exec(sql); !s.ok()) return s;
     }
+    // A state made before dynamic k has no budget column: its versions have no budget (empty).
+    bool has_budget = false;
+    absl::Status q = Query("PRAGMA table_info(bias_versions)", [&](sqlite3_stmt* st) {
+      has_budget |=
+          std::strcmp(reinterpret_cast<const char*>(sqlite3_column_text(st, 1)), "budget") == 0;
+    });
+    if (!q.ok()) return q;
+    if (!has_budget) {
+      return Exec("ALTER TABLE bias_versions ADD COLUMN budget BLOB NOT NULL DEFAULT x'';");
+    }
     return absl::OkStatus();
   }
 
@@ -68,7 +79,7 @@ class SqliteStore final : public StateStore {
       if (bad.ok()) bad = absl::DataLossError(absl::StrCat("router state: ", what));
     };
     absl::Status q = Query(
-        "SELECT layer, version, mode, reason, created_unix_ms, bias FROM bias_versions "
+        "SELECT layer, version, mode, reason, created_unix_ms, bias, budget FROM bias_versions "
         "ORDER BY layer, version",
         [&](sqlite3_stmt* st) {
           BiasVersion v;
@@ -86,6 +97,14 @@ class SqliteStore final : public StateStore {
           v.mode = *mode;
           v.bias.resize(static_cast<size_t>(bytes / 4));
           if (bytes > 0) std::memcpy(v.bias.data(), sqlite3_column_blob(st, 5), bytes);
+          v1::ExpertBudget budget;
+          const int budget_bytes = sqlite3_column_bytes(st, 6);
+          if (budget_bytes > 0 &&
+              !budget.ParseFromArray(sqlite3_column_blob(st, 6), budget_bytes)) {
+            row_error(absl::StrCat("layer ", v.layer, " version ", v.version, ": a bad budget"));
+            return;
+          }
+          v.budget = FromProto(budget);
           std::vector<BiasVersion>& h = state.layers[v.layer].history;
           if (v.version != h.size()) {
             row_error(absl::StrCat("layer ", v.layer, " has version ", v.version, " after ",
@@ -130,7 +149,8 @@ class SqliteStore final : public StateStore {
 
   absl::Status PutBiasVersion(const BiasVersion& v) override {
     std::lock_guard<std::mutex> lock(mu_);
-    return Write("INSERT OR REPLACE INTO bias_versions VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    const std::string budget = ToProto(v.budget).SerializeAsString();
+    return Write("INSERT OR REPLACE INTO bias_versions VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                  [&](sqlite3_stmt* st) {
                    sqlite3_bind_int(st, 1, v.layer);
                    sqlite3_bind_int64(st, 2, static_cast<sqlite3_int64>(v.version));
@@ -138,6 +158,8 @@ class SqliteStore final : public StateStore {
                    sqlite3_bind_text(st, 4, v.reason.c_str(), -1, SQLITE_TRANSIENT);
                    sqlite3_bind_int64(st, 5, v.created_unix_ms);
                    sqlite3_bind_blob(st, 6, v.bias.data(), static_cast<int>(v.bias.size() * 4),
+                                     SQLITE_TRANSIENT);
+                   sqlite3_bind_blob(st, 7, budget.data(), static_cast<int>(budget.size()),
                                      SQLITE_TRANSIENT);
                  });
   }

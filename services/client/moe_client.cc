@@ -31,6 +31,8 @@ absl::StatusOr<ForwardResult> ToResult(const v1::ForwardResponse& r) {
   out.weights.assign(r.routing().weights().begin(), r.routing().weights().end());
   out.bias_version = r.bias_version();
   out.precision = r.precision();
+  out.expert_budget = r.expert_budget();
+  out.routed_pairs = r.routed_pairs();
   out.seconds = r.seconds();
   out.dispatch_bytes_sent = r.dispatch_bytes_sent();
   out.dispatch_bytes_received = r.dispatch_bytes_received();
@@ -45,6 +47,7 @@ void FillRequest(int32_t layer, const ForwardOptions& o, v1::ForwardRequest* req
   req->mutable_options()->set_reply_mode(o.reply_mode);
   req->mutable_options()->set_missing_experts(o.missing_experts);
   req->mutable_options()->set_precision(o.precision);
+  req->mutable_options()->set_expert_budget(o.expert_budget);
 }
 
 class GrpcForwardStream final : public ForwardStream {
@@ -162,6 +165,13 @@ class GrpcMoeClient final : public MoeClient {
     req.set_mode(mode);
     req.set_continuous_tokens(continuous_tokens);
     return RouterCall<v1::LayerBias>(&v1::RouterService::Stub::SetBiasMode, req, true);
+  }
+
+  absl::StatusOr<v1::LayerBias> SetExpertBudget(int32_t layer, int32_t k_avg) override {
+    v1::SetExpertBudgetRequest req;
+    req.set_layer(layer);
+    req.set_k_avg(k_avg);
+    return RouterCall<v1::LayerBias>(&v1::RouterService::Stub::SetExpertBudget, req, true);
   }
 
   absl::StatusOr<v1::LayerBias> GetBias(int32_t layer) override {

@@ -43,6 +43,8 @@ struct ForwardOptions {
   v1::MissingExperts missing_experts = v1::MISSING_EXPERTS_UNSPECIFIED;
   // W4A16 or W4A8 (MXFP8 expert inputs); UNSPECIFIED: the server's --precision.
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
+  // Dynamic k: at most this expert budget (experts per token on average); 0: the layer's.
+  int32_t expert_budget = 0;
 };
 
 struct ForwardResult {
@@ -58,6 +60,8 @@ struct ForwardResult {
   std::vector<int32_t> missing_experts;  // DEGRADE: the skipped experts
   int64_t degraded_pairs = 0;
   v1::Precision precision = v1::PRECISION_W4A16;  // the precision that produced out
+  int32_t expert_budget = 0;                      // the budget that produced out (top-k: none)
+  int64_t routed_pairs = 0;                       // (token, expert) pairs computed
 };
 
 // Many Forward batches on one stream; responses may come back in any order.
@@ -96,6 +100,8 @@ class MoeClient {
   virtual absl::StatusOr<v1::LayerBias> RollbackBias(int32_t layer, uint64_t to_version) = 0;
   virtual absl::StatusOr<v1::LayerBias> SetBiasMode(int32_t layer, v1::BiasMode mode,
                                                     int64_t continuous_tokens = 0) = 0;
+  // Dynamic k: the layer's expert budget (1..k; k: none) as a new version (admin).
+  virtual absl::StatusOr<v1::LayerBias> SetExpertBudget(int32_t layer, int32_t k_avg) = 0;
   virtual absl::StatusOr<v1::LayerBias> GetBias(int32_t layer) = 0;
   virtual absl::StatusOr<v1::Placement> GetPlacement() = 0;
   // grpc.health.v1 status of the attention node ("" service): true when SERVING.

@@ -454,6 +454,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
                       .Name("moe_bias_version")
                       .Help("Current routing-bias version (0: the checkpoint's)")
                       .Register(registry);
+  auto& budget = BuildGauge()
+                     .Name("moe_expert_budget")
+                     .Help(
+                         "The layer's expert budget in its current version: experts per token "
+                         "on average (top-k: every token keeps its top-k; docs/math.md 4.1)")
+                     .Register(registry);
   auto& rebalances = BuildCounter()
                          .Name("moe_rebalances_total")
                          .Help("Quantile Balancing steps applied (button, RPC or continuous)")
@@ -463,6 +469,7 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
     l.max_vio = &max_vio.Add({{"layer", L(layer)}});
     l.window_tokens = &window.Add({{"layer", L(layer)}});
     l.bias_version = &version.Add({{"layer", L(layer)}});
+    l.expert_budget = &budget.Add({{"layer", L(layer)}});
     l.rebalances = &rebalances.Add({{"layer", L(layer)}});
   }
 }
@@ -477,6 +484,11 @@ void RouterMetrics::Window(int64_t layer, double max_vio, int64_t window_tokens)
 void RouterMetrics::BiasVersion(int64_t layer, uint64_t version) {
   auto it = layers_.find(layer);
   if (it != layers_.end()) it->second.bias_version->Set(static_cast<double>(version));
+}
+
+void RouterMetrics::ExpertBudget(int64_t layer, int64_t k_avg) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) it->second.expert_budget->Set(static_cast<double>(k_avg));
 }
 
 void RouterMetrics::Rebalanced(int64_t layer) {

@@ -205,6 +205,8 @@ class RouterMetrics {
   CommonMetrics common;
   void Window(int64_t layer, double max_vio, int64_t window_tokens);
   void BiasVersion(int64_t layer, uint64_t version);
+  // Dynamic k: the layer's expert budget (experts per token on average; top-k: none).
+  void ExpertBudget(int64_t layer, int64_t k_avg);
   void Rebalanced(int64_t layer);
   void Report(bool accepted);
   void Shards(int64_t total, int64_t healthy);
@@ -217,6 +219,7 @@ class RouterMetrics {
     prometheus::Gauge* max_vio = nullptr;
     prometheus::Gauge* window_tokens = nullptr;
     prometheus::Gauge* bias_version = nullptr;
+    prometheus::Gauge* expert_budget = nullptr;
     prometheus::Counter* rebalances = nullptr;
   };
   std::map<int64_t, Layer> layers_;

@@ -152,6 +152,8 @@ int Forward(int argc, char** argv) {
   client::ForwardOptions fo;
   f.Typed("precision", &fo.precision, PrecisionFlagName, ParsePrecisionFlag,
           "w4a16|w4a8 (default: the server's)");
+  f.Int("expert_budget", &fo.expert_budget,
+        "dynamic k: at most this many experts per token on average (0: the layer's budget)");
   f.Bool("routing", &routing, "print the experts of the first tokens");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   auto x = ReadMatrix(input, tensor_name);
@@ -164,11 +166,12 @@ int Forward(int argc, char** argv) {
   if (!y.ok()) return Fail(y.status());
   const v1::StageSeconds& s = y->seconds;
   std::printf(
-      "output [%lld, %lld], %s, bias version %llu; ms: router %.2f down %.2f dispatch %.2f "
-      "combine+norm %.2f up %.2f shared %.2f\n",
+      "output [%lld, %lld], %s, bias version %llu, expert budget %d (%lld routed pairs); ms: "
+      "router %.2f down %.2f dispatch %.2f combine+norm %.2f up %.2f shared %.2f\n",
       static_cast<long long>(y->tokens), static_cast<long long>(y->width),
       y->precision == v1::PRECISION_W4A8 ? "w4a8" : "w4a16",
-      static_cast<unsigned long long>(y->bias_version), 1e3 * s.router(), 1e3 * s.down_proj(),
+      static_cast<unsigned long long>(y->bias_version), y->expert_budget,
+      static_cast<long long>(y->routed_pairs), 1e3 * s.router(), 1e3 * s.down_proj(),
       1e3 * s.dispatch(), 1e3 * s.combine_norm(), 1e3 * s.up_proj(), 1e3 * s.shared());
   if (routing) {
     for (int64_t t = 0; t < std::min<int64_t>(4, y->tokens); ++t) {
@@ -322,6 +325,25 @@ int Rollback(int argc, char** argv) {
   return 0;
 }
 
+int Budget(int argc, char** argv) {
+  Common c;
+  int k_avg = 0;
+  SvcFlags f("moe-cli budget",
+             "Set a layer's expert budget (dynamic k, docs/math.md section 4.1): experts per "
+             "token on average, 1..top-k (top-k: none). Needs the admin token.");
+  c.Register(f);
+  f.Int("k_avg", &k_avg, "the budget");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto r = (*client)->SetExpertBudget(static_cast<int32_t>(c.layer), k_avg);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("layer %d: expert budget %d, bias version %llu (%s)\n", r->layer(),
+              r->budget().k_avg(), static_cast<unsigned long long>(r->version()),
+              r->reason().c_str());
+  return 0;
+}
+
 int Mode(int argc, char** argv) {
   Common c;
   std::string mode;
@@ -352,7 +374,10 @@ struct LoadFlags {
   int batches = 16;
   std::string reply_mode;
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
+  int expert_budget = 0;
   void Register(SvcFlags& f) {
+    f.Int("expert_budget", &expert_budget,
+          "dynamic k: at most this many experts per token on average (0: the layer's budget)");
     f.Int("batches", &batches, "distinct synthetic input batches to cycle through");
     f.Int("concurrency", &concurrency, "requests in flight");
     f.Int64("tokens", &tokens, "tokens per request");
@@ -373,6 +398,7 @@ struct LoadFlags {
     o.distinct_batches = batches;
     o.forward.reply_mode = ParseReplyMode(reply_mode);
     o.forward.precision = precision;
+    o.forward.expert_budget = expert_budget;
     o.stop = &g_stop;
     return o;
   }
@@ -483,8 +509,8 @@ int Cluster(int argc, char** argv) {
 int Usage() {
   std::fprintf(
       stderr,
-      "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up|health [flags] "
-      "(--help on each)\n");
+      "usage: moe-cli forward|stats|rebalance|rollback|mode|budget|loadgen|cluster|up|health "
+      "[flags] (--help on each)\n");
   return 2;
 }
 
@@ -501,8 +527,8 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "--help" || cmd == "-h") {
     std::printf(
-        "usage: moe-cli forward|stats|rebalance|rollback|mode|loadgen|cluster|up|health [flags] "
-        "(--help on each)\n");
+        "usage: moe-cli forward|stats|rebalance|rollback|mode|budget|loadgen|cluster|up|health "
+        "[flags] (--help on each)\n");
     return 0;
   }
   if (cmd == "forward") return Forward(argc, argv);
@@ -510,6 +536,7 @@ int main(int argc, char** argv) {
   if (cmd == "rebalance") return Rebalance(argc, argv);
   if (cmd == "rollback") return Rollback(argc, argv);
   if (cmd == "mode") return Mode(argc, argv);
+  if (cmd == "budget") return Budget(argc, argv);
   if (cmd == "loadgen") return Loadgen(argc, argv);
   if (cmd == "cluster") return Cluster(argc, argv);
   if (cmd == "up") return Up(argc, argv);
