@@ -11,7 +11,9 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/cpu/moe_layer.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/numerics/precision.h"
+#include "services/numerics/router.h"
 #include "services/tools/tensor_file.h"
 
 namespace moe::tools {
@@ -81,14 +83,39 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   } else {
     rep.backend = "ref (scalar reference, 1 thread)";
   }
+  // Dynamic k: thresholds from a calibration batch, the layer's checkpoint bias.
+  std::vector<Bf16> calibration;
+  std::vector<float> thresholds;
+  numerics::BudgetRule rule;
+  const int64_t k = rep.config.top_k, e = rep.config.num_experts;
+  if (req.budget != 0) {
+    if (req.budget < 1 || req.budget >= k) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--budget ", req.budget, " outside [1, top-k - 1 = ", k - 1, "]"));
+    }
+    const int64_t m = std::max<int64_t>(1, req.budget_calibration_tokens);
+    calibration = checkpoint::SyntheticHiddenStates(rep.config, m, req.input_seed + 1000);
+    checkpoint::LoadOptions dense_only;  // the gate and bias (the layer's own may be moved)
+    dense_only.expert_hi = 0;
+    MOE_ASSIGN_OR_RETURN(numerics::MoeLayerWeights dense,
+                         checkpoint::LoadMoeLayer(*ckpt, rep.config, rep.layer, dense_only));
+    std::vector<float> scores(static_cast<size_t>(m * e));
+    numerics::ref::RouterScores(calibration.data(), m, rep.config.hidden, dense.gate.data(), e,
+                                scores.data());
+    MOE_ASSIGN_OR_RETURN(thresholds,
+                         numerics::ExactBudgetThresholds(scores, m, e, dense.bias, k, 1));
+    rule.k_min = 1;
+    rule.thresholds = numerics::BudgetRow(thresholds, req.budget, e);
+  }
+  const numerics::BudgetRule* budget = req.budget != 0 ? &rule : nullptr;
   numerics::LayerOutput best;
   for (int r = 0; r < std::max(1, req.repeat); ++r) {
     numerics::LayerTimings t;
     MOE_ASSIGN_OR_RETURN(
         numerics::LayerOutput y,
-        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t, precision)
+        cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t, precision, budget)
             : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens, rep.config.hidden,
-                                             nullptr, &t, precision));
+                                             nullptr, &t, precision, budget));
     if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;
     best = std::move(y);
   }
@@ -96,14 +123,22 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   for (const Bf16& v : best.out) rep.output_abs_sum += std::fabs(v.ToFloat());
 
   if (!req.output.empty()) {
-    const int64_t t = rep.tokens, h = rep.config.hidden, k = rep.config.top_k;
-    MOE_RETURN_IF_ERROR(checkpoint::WriteSafetensors(
-        req.output,
-        {{{"x", DType::kBF16, {t, h}}, Bytes(x)},
-         {{"out", DType::kBF16, {t, h}}, Bytes(best.out)},
-         {{"expert_ids", DType::kI32, {t, k}}, Bytes(best.routing.expert_ids)},
-         {{"weights", DType::kF32, {t, k}}, Bytes(best.routing.weights)}},
-        {{"layer", std::to_string(rep.layer)}, {"checkpoint", req.checkpoint}}));
+    const int64_t t = rep.tokens, h = rep.config.hidden;
+    std::vector<std::pair<checkpoint::TensorSpec, std::vector<uint8_t>>> tensors = {
+        {{"x", DType::kBF16, {t, h}}, Bytes(x)},
+        {{"out", DType::kBF16, {t, h}}, Bytes(best.out)},
+        {{"expert_ids", DType::kI32, {t, k}}, Bytes(best.routing.expert_ids)},
+        {{"weights", DType::kF32, {t, k}}, Bytes(best.routing.weights)}};
+    if (req.budget != 0) {
+      const int64_t m = static_cast<int64_t>(calibration.size()) / h;
+      tensors.push_back({{"thresholds", DType::kF32, {k - 1, e}}, Bytes(thresholds)});
+      tensors.push_back({{"calibration_x", DType::kBF16, {m, h}}, Bytes(calibration)});
+    }
+    MOE_RETURN_IF_ERROR(checkpoint::WriteSafetensors(req.output, tensors,
+                                                     {{"layer", std::to_string(rep.layer)},
+                                                      {"checkpoint", req.checkpoint},
+                                                      {"budget", std::to_string(req.budget)},
+                                                      {"k_min", "1"}}));
   }
   return rep;
 }

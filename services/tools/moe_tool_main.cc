@@ -121,6 +121,9 @@ int Forward(int argc, char** argv) {
   f.String("backend", &req.backend, "cpu (optimized) or ref (scalar reference)");
   f.String("precision", &req.precision,
            "w4a16 or w4a8 (MXFP8 expert inputs, docs/math.md section 6)");
+  f.Int64("budget", &req.budget,
+          "dynamic k: serve this expert budget (1..top-k - 1) with thresholds solved from a "
+          "calibration batch (0: the full top-k)");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   if (req.checkpoint.empty()) return Missing("forward", "checkpoint");
   auto rep = moe::tools::RunLayerForward(req);

@@ -9,7 +9,10 @@ weights; moe_reference.py recomputes the layer from the files alone. Asserts:
   * outputs bit-identical except for at most MAX_DIFFERING_FRACTION of them, which may differ by
     at most MAX_ULP bf16 ulp;
 both in W4A16 and in W4A8 (z and h through MXFP8, docs/math.md section 6), whose outputs must
-differ from W4A16's (relative RMS in (0, 0.2)).
+differ from W4A16's (relative RMS in (0, 0.2)). And under dynamic k's budgets (docs/math.md
+section 4.1): NumPy solves the thresholds from moe-tool's calibration batch itself (they must
+equal the C++ ones), then applies the rule: the same kept experts (-1 for dropped slots), weights
+and outputs within the same bounds.
 """
 import argparse
 import os
@@ -50,25 +53,45 @@ def run(cmd):
     return res.stdout
 
 
-def check(tool, work, preset, synth_flags, precision):
+# Dynamic k: (preset, budget) of the full top-k (tiny k = 4, mid k = 8).
+BUDGET_CASES = [("tiny", 2), ("mid", 3), ("mid", 6)]
+
+
+def check(tool, work, preset, synth_flags, precision, budget=0):
     ckpt = os.path.join(work, preset)
     os.makedirs(work, exist_ok=True)
     if not os.path.exists(os.path.join(ckpt, "config.json")):
         run([tool, "synth", "--config", preset, "--out", ckpt, "--seed", "21", "--skew", "1.0"]
             + synth_flags)
-    out_path = os.path.join(ckpt, f"forward-{precision}.safetensors")
+    tag = f"{precision}-budget{budget}" if budget else precision
+    out_path = os.path.join(ckpt, f"forward-{tag}.safetensors")
     run([tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS), "--seed", "5",
-         "--backend", "ref", "--precision", precision, "--output", out_path])
+         "--backend", "ref", "--precision", precision, "--output", out_path,
+         "--budget", str(budget)])
     cpp, _ = ref.read_safetensors(out_path)
+    ck = ref.Checkpoint(ckpt)
+    failures = []
+    rule = None
+    if budget:
+        s, bias = ref.router_scores(ck, 1, cpp["calibration_x"])
+        k = cpp["expert_ids"].shape[1]
+        table = ref.exact_budget_thresholds(s, bias, k, 1)
+        same = table == cpp["thresholds"]
+        if not same.all():
+            bad = np.argwhere(~same)[:5].tolist()
+            failures.append(f"thresholds differ at {int((~same).sum())} entries, e.g. {bad}")
+        rule = (1, cpp["thresholds"][budget - 1])
     t0 = time.time()
-    out, ids, weights = ref.layer_forward(ref.Checkpoint(ckpt), 1, cpp["x"], precision)
+    out, ids, weights = ref.layer_forward(ck, 1, cpp["x"], precision, rule)
     seconds = time.time() - t0
 
-    failures = []
     if not np.array_equal(ids, cpp["expert_ids"]):
         bad = np.nonzero(np.any(ids != cpp["expert_ids"], axis=1))[0]
         failures.append(f"expert selection differs for tokens {bad[:10].tolist()}")
-    wrel = np.max(np.abs(weights - cpp["weights"]) / np.abs(cpp["weights"]))
+    live = cpp["expert_ids"] >= 0
+    wrel = np.max(np.abs(weights - cpp["weights"])[live] / np.abs(cpp["weights"][live]))
+    if np.any(weights[~live] != 0) or np.any(cpp["weights"][~live] != 0):
+        failures.append("a dropped slot has a weight")
     if wrel > MAX_WEIGHT_REL_DIFF:
         failures.append(f"routing weights differ by {wrel:.3g} relative (> {MAX_WEIGHT_REL_DIFF:.3g})")
     dist = ref.bf16_ulp_distance(out, cpp["out"])
@@ -80,7 +103,8 @@ def check(tool, work, preset, synth_flags, precision):
     if frac > MAX_DIFFERING_FRACTION:
         failures.append(f"{differing} of {dist.size} outputs differ ({frac:.2e} > "
                         f"{MAX_DIFFERING_FRACTION:.0e})")
-    print(f"{preset} {precision}: {TOKENS} tokens, experts identical: {np.array_equal(ids, cpp['expert_ids'])}, "
+    kept = f", budget {budget}: {live.sum() / TOKENS:.2f} experts per token" if budget else ""
+    print(f"{preset} {precision}{kept}: {TOKENS} tokens, experts identical: {np.array_equal(ids, cpp['expert_ids'])}, "
           f"weights max rel diff {wrel:.2e}, outputs differing {differing}/{dist.size} "
           f"({frac:.2e}), max {max_ulp} ulp; numpy took {seconds:.1f} s")
     return failures
@@ -110,6 +134,13 @@ def main():
         if not 0 < rel < 0.2:  # a different mode, but the same layer
             failed += 1
             print(f"FAIL {preset}: W4A8 vs W4A16 relative RMS {rel:.3g} outside (0, 0.2)")
+    for preset, budget in BUDGET_CASES:
+        flags = dict(CASES)[preset]
+        failures = check(args.moe_tool, args.work, preset, flags, "w4a16", budget)
+        for f in failures:
+            print(f"FAIL {preset} budget {budget}: {f}")
+        failed += 1 if failures else 0
+        passed += 0 if failures else 1
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -161,8 +161,62 @@ def situ(g, u, b1, b2):
     return (gate * up).astype(F32)
 
 
-def layer_forward(ck, layer, x_bits, precision="w4a16"):
-    """precision: w4a16, or w4a8 (z and h through MXFP8 before the expert FCs that read them)."""
+def budget_needs(b, k, tokens, selections, forced):
+    """Dynamic k (docs/math.md 4.1): free selections each expert keeps for budget b. Every expert
+    keeps max(f_j, lam * n_j); lam = b / k unless the forced selections alone pass that share,
+    then the bisection value that makes the kept total b * tokens."""
+    def kept(lam):
+        total = 0.0
+        for n, f in zip(selections.tolist(), forced.tolist()):
+            total += min(max(lam * n, f), max(f, n))
+        return total
+    target = float(b) * float(tokens)
+    lo, hi = 0.0, float(b) / float(k)
+    if kept(hi) > target:
+        for _ in range(64):
+            mid = 0.5 * (lo + hi)
+            if kept(mid) > target:
+                hi = mid
+            else:
+                lo = mid
+    return hi * selections.astype(np.float64) - forced.astype(np.float64)
+
+
+def exact_budget_thresholds(s, bias, k, k_min):
+    """The thresholds [k - 1, E] of one window of sigmoid scores s [m, E] routed with bias:
+    for budget b, expert j's theta is the c-th largest score of its selections at ranks >= k_min,
+    c = floor(need + 0.5); +inf for c <= 0, 0 for c >= their count."""
+    m, E = s.shape
+    ids = np.argsort(-(s + bias.astype(F32)), axis=1, kind="stable")[:, :k]
+    rank = np.broadcast_to(np.arange(k), ids.shape)
+    forced = np.bincount(ids[rank < k_min], minlength=E)
+    free = [np.sort(s[np.nonzero((ids == j) & (rank >= k_min))[0], j])[::-1] for j in range(E)]
+    selections = forced + np.array([len(f) for f in free])
+    table = np.zeros((k - 1, E), dtype=F32)
+    for b in range(1, k):
+        need = budget_needs(b, k, m, selections, forced)
+        for j in range(E):
+            c = int(np.floor(need[j] + 0.5))
+            if c <= 0:
+                table[b - 1, j] = np.inf
+            elif c >= len(free[j]):
+                table[b - 1, j] = 0.0
+            else:
+                table[b - 1, j] = free[j][c - 1]
+    return table
+
+
+def router_scores(ck, layer, x_bits):
+    p = f"language_model.model.layers.{layer}.block_sparse_moe."
+    x = bf16_to_f32(x_bits)
+    return sigmoid(matmul_seq(x, bf16_to_f32(ck.get(p + "gate.weight")))), \
+        ck.get(p + "gate.e_score_correction_bias").astype(F32)
+
+
+def layer_forward(ck, layer, x_bits, precision="w4a16", budget=None):
+    """precision: w4a16, or w4a8 (z and h through MXFP8 before the expert FCs that read them).
+    budget: None, or (k_min, theta [E]) for dynamic k: a token keeps its first k_min selections
+    and those with s >= theta of their expert, in rank order; the rest are id -1, weight 0."""
     a8 = mxfp8_roundtrip if precision == "w4a8" else (lambda v: v)
     c = ck.cfg
     H, D, I = c["hidden_size"], c["routed_expert_hidden_size"], c["moe_intermediate_size"]
@@ -181,20 +235,32 @@ def layer_forward(ck, layer, x_bits, precision="w4a16"):
     cbias = s + ck.get(p + "gate.e_score_correction_bias").astype(F32)
     ids = np.argsort(-cbias, axis=1, kind="stable")[:, :k]  # ties: lower id first
     sel = np.take_along_axis(s, ids, axis=1)
+    keep = np.ones_like(ids, dtype=bool)
+    if budget is not None:
+        k_min, theta = budget
+        keep = (np.arange(k)[None, :] < k_min) | (sel >= theta[ids])
+        # kept slots first, in rank order (a stable sort of "not kept")
+        order = np.argsort(~keep, axis=1, kind="stable")
+        ids = np.take_along_axis(ids, order, axis=1)
+        sel = np.take_along_axis(sel, order, axis=1)
+        keep = np.take_along_axis(keep, order, axis=1)
+        ids = np.where(keep, ids, -1)
+        sel = np.where(keep, sel, F32(0))
     total = np.zeros(T, dtype=F32)
     for j in range(k):
-        total = (total + sel[:, j]).astype(F32)
+        total = np.where(keep[:, j], (total + sel[:, j]).astype(F32), total)
     if c.get("moe_renormalize", True):
         weights = (sel / (total + F32(1e-20))[:, None]).astype(F32) * scale
     else:
         weights = sel * scale
+    weights = np.where(keep, weights, F32(0)).astype(F32)
 
     # 2. latent down-projection
     z = round_bf16(matmul_seq(x, W("routed_expert_down_proj.weight")))
 
     # 3. experts, tokens grouped by expert
     y = np.zeros((T, k, D), dtype=F32)
-    for e in np.unique(ids):
+    for e in np.unique(ids[ids >= 0]):
         rows, slots = np.nonzero(ids == e)
         pe = p + f"experts.{e}."
         w1 = dequant_mxfp4(ck.get(pe + "w1.weight_packed"), ck.get(pe + "w1.weight_scale"))
@@ -206,14 +272,15 @@ def layer_forward(ck, layer, x_bits, precision="w4a16"):
         h = a8(round_bf16(situ(g, u, b1, b2)))
         y[rows, slots] = round_bf16(matmul_seq(h, w2))
 
-    # 4. combine in ascending expert id
-    order = np.argsort(ids, axis=1, kind="stable")
+    # 4. combine in ascending expert id (dropped slots add nothing)
+    order = np.argsort(np.where(ids >= 0, ids, E), axis=1, kind="stable")
     acc = np.zeros((T, D), dtype=F32)
     for j in range(k):
         slot = order[:, j]
         ys = y[np.arange(T), slot]
         ws = weights[np.arange(T), slot][:, None]
-        acc = (acc + (ys * ws).astype(F32)).astype(F32)
+        live = (ids[np.arange(T), slot] >= 0)[:, None]
+        acc = np.where(live, (acc + (ys * ws).astype(F32)).astype(F32), acc)
     r = round_bf16(acc)
 
     # 5. latent RMSNorm
