@@ -21,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "attention-svc/attention_server.h"
+#include "attention-svc/budget_governor.h"
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
@@ -132,18 +133,27 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
     // The expert budget served (experts per token on average): k, or lower with bias's
     // thresholds (the layer's budget, the request's cap, the automatic mode).
     int32_t budget = 0;
+    bool check = false;  // a full-k check: no statistics, no per-expert counts
     std::shared_ptr<const LayerRoute> route;
     absl::Time expert_deadline;  // the expert calls end here, a little before the caller's
   };
   class ForwardPass;  // forward_pass.cc
-  absl::StatusOr<ForwardSpec> PrepareForward(const v1::ForwardRequest& req, absl::Time deadline);
+  // check: dynamic k's full-k recomputation of a sampled request (the full top-k whatever the
+  // budgets; it adds nothing to the load statistics).
+  absl::StatusOr<ForwardSpec> PrepareForward(const v1::ForwardRequest& req, absl::Time deadline,
+                                             bool check = false);
   // The conductor: PrepareForward, then each micro-batch started and finished by a ForwardPass.
   absl::Status RunForward(const v1::ForwardRequest& req, absl::Time deadline,
-                          v1::ForwardResponse* resp);
+                          v1::ForwardResponse* resp, bool check = false);
+  // Dynamic k: the automatic mode's decisions, and the sampled full-k checks.
+  void GovernorLoop();
+  void CheckLoop();
+  void MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardResponse& resp);
   // RunForward plus its metrics (latency, errors by code, bytes from and to the client).
   // Queues work for the workers (false: the queue is full); the queue depth gauge follows.
   bool Submit(std::function<void()> work) {
     const bool queued = workers_->Submit(std::move(work));
+    if (governor_ != nullptr) governor_->ObserveQueue(static_cast<int64_t>(workers_->queued()));
     if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
     return queued;
   }
@@ -188,6 +198,21 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::vector<LayerStats> outgoing_ ABSL_GUARDED_BY(stats_mu_);
 
   std::thread report_thread_;
+
+  // Dynamic k (docs/math.md 4.1).
+  std::unique_ptr<BudgetGovernor> governor_;
+  std::thread governor_thread_;
+  struct BudgetCheck {
+    v1::ForwardRequest req;
+    std::string output;  // the budgeted answer's bf16 bytes
+    uint64_t bias_version = 0;
+  };
+  std::mutex check_mu_;
+  std::condition_variable check_cv_;
+  std::deque<BudgetCheck> checks_ ABSL_GUARDED_BY(check_mu_);
+  bool checks_stopping_ ABSL_GUARDED_BY(check_mu_) = false;
+  uint64_t budgeted_ ABSL_GUARDED_BY(check_mu_) = 0;
+  std::thread check_thread_;
 };
 
 }  // namespace moe::attention_svc

@@ -130,6 +130,19 @@ absl::Status AttentionServer::Impl::StartServing() {
   for (const auto& [l, h] : layers_) hosted.push_back(l);
   router_->WatchBias(hosted, [this](const v1::LayerBias& b) { ApplyBias(b); });
   report_thread_ = std::thread([this] { ReportLoop(); });
+  BudgetGovernorOptions g;
+  g.floor = options_.budget_auto_floor;
+  g.queue_bound = options_.budget_auto_queue;
+  g.p99_ms = options_.budget_auto_p99_ms;
+  g.interval_ms = std::max<int64_t>(10, options_.budget_auto_interval_ms);
+  governor_ = std::make_unique<BudgetGovernor>(g, static_cast<int32_t>(cfg_.top_k));
+  if (metrics_ != nullptr) metrics_->AutoBudget(cfg_.top_k);
+  if (governor_->enabled()) {
+    MOE_LOG_INFO("dynamic k: automatic budget on, floor {}, queue bound {}, p99 bound {} ms",
+                 g.floor, g.queue_bound, g.p99_ms);
+    governor_thread_ = std::thread([this] { GovernorLoop(); });
+  }
+  if (options_.budget_check_every > 0) check_thread_ = std::thread([this] { CheckLoop(); });
   if (!options_.port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
   }
@@ -147,6 +160,14 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
   if (server_ != nullptr) server_->Shutdown(grace);
   workers_.reset();  // runs what is queued (bounded by deadlines), then joins
   if (report_thread_.joinable()) report_thread_.join();
+  if (governor_thread_.joinable()) governor_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(check_mu_);
+    checks_stopping_ = true;
+    checks_.clear();
+  }
+  check_cv_.notify_all();
+  if (check_thread_.joinable()) check_thread_.join();
   {
     std::lock_guard<std::mutex> lock(mu_);
     channels_.clear();  // before the UCX worker they use
@@ -272,6 +293,88 @@ void AttentionServer::Impl::ReportNow() {
   }
 }
 
+void AttentionServer::Impl::GovernorLoop() {
+  const auto interval =
+      std::chrono::milliseconds(std::max<int64_t>(10, options_.budget_auto_interval_ms));
+  while (SleepUnlessStopping(interval)) {
+    int32_t ceiling = 1;  // the highest budget a hosted layer serves
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [layer, b] : bias_) {
+        ceiling =
+            std::max(ceiling, b->thresholds.empty() ? static_cast<int32_t>(cfg_.top_k) : b->k_avg);
+      }
+    }
+    const int32_t before = governor_->cap();
+    std::string why;
+    const int step = governor_->Tick(ceiling, &why);
+    if (step == 0) continue;
+    MOE_LOG_INFO("dynamic k: automatic budget cap {} -> {} ({})", before, governor_->cap(), why);
+    if (metrics_ != nullptr) {
+      metrics_->BudgetStep(step < 0);
+      metrics_->AutoBudget(governor_->cap());
+    }
+  }
+}
+
+void AttentionServer::Impl::MaybeCheck(const v1::ForwardRequest& req,
+                                       const v1::ForwardResponse& resp) {
+  if (options_.budget_check_every <= 0 || resp.expert_budget() >= cfg_.top_k) return;
+  std::lock_guard<std::mutex> lock(check_mu_);
+  if (checks_stopping_ || budgeted_++ % static_cast<uint64_t>(options_.budget_check_every) != 0) {
+    return;
+  }
+  if (static_cast<int>(checks_.size()) >= options_.budget_check_queue) {
+    if (metrics_ != nullptr) metrics_->BudgetCheck(req.layer(), "dropped");
+    return;
+  }
+  checks_.push_back({req, resp.output().data(), resp.bias_version()});
+  check_cv_.notify_one();
+}
+
+void AttentionServer::Impl::CheckLoop() {
+  for (;;) {
+    BudgetCheck c;
+    {
+      std::unique_lock<std::mutex> lock(check_mu_);
+      check_cv_.wait(lock, [&] { return checks_stopping_ || !checks_.empty(); });
+      if (checks_stopping_) return;
+      c = std::move(checks_.front());
+      checks_.pop_front();
+    }
+    // The same request at full k, through the same expert servers, after the answer went out.
+    v1::ForwardResponse full;
+    c.req.mutable_options()->set_return_routing(false);
+    const absl::Status s =
+        RunForward(c.req, absl::Now() + absl::Milliseconds(options_.default_timeout_ms), &full,
+                   /*check=*/true);
+    const int32_t layer = c.req.layer();
+    if (!s.ok()) {
+      MOE_LOG_WARN("dynamic k: the full-k check of a layer {} request failed: {}", layer,
+                   s.ToString());
+      if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "failed");
+      continue;
+    }
+    if (full.bias_version() != c.bias_version || full.output().data().size() != c.output.size()) {
+      if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "skipped");
+      continue;
+    }
+    // Relative L2 difference of the bf16 outputs, in double.
+    const size_t n = c.output.size() / sizeof(Bf16);
+    std::vector<Bf16> a(n), b(n);
+    std::memcpy(a.data(), c.output.data(), c.output.size());
+    std::memcpy(b.data(), full.output().data().data(), c.output.size());
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const double x = a[i].ToFloat(), y = b[i].ToFloat();
+      diff += (x - y) * (x - y);
+      norm += y * y;
+    }
+    const double rel = norm > 0 ? std::sqrt(diff / norm) : 0.0;
+    if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "measured", rel);
+  }
+}
+
 void AttentionServer::Impl::ReportLoop() {
   while (SleepUnlessStopping(std::chrono::milliseconds(options_.report_interval_ms))) ReportNow();
 }
@@ -284,6 +387,10 @@ absl::Status AttentionServer::Impl::ServeForward(const v1::ForwardRequest& req, 
     metrics_->common.Started(method);
   }
   const absl::Status s = RunForward(req, deadline, resp);
+  if (s.ok()) {
+    if (governor_ != nullptr) governor_->Observe(Seconds(Clock::now() - start));
+    MaybeCheck(req, *resp);
+  }
   if (metrics_ == nullptr) return s;
   metrics_->common.Finished(method, s.ok());
   const v1::Tensor& x = req.hidden_states();
@@ -296,6 +403,7 @@ absl::Status AttentionServer::Impl::ServeForward(const v1::ForwardRequest& req, 
   const int64_t tokens = resp->output().shape(0);
   metrics_->wire.Add("sent", "bf16", "client", static_cast<int64_t>(resp->output().data().size()),
                      tokens);
+  metrics_->Budgeted(req.layer(), tokens, resp->routed_pairs());
   metrics_->ForwardDone(req.layer(), Seconds(Clock::now() - start), resp->seconds().dispatch(),
                         resp->seconds().combine(), tokens);
   return s;

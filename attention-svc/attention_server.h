@@ -71,6 +71,19 @@ struct AttentionServerOptions {
   int64_t report_interval_ms = 500;
   int qb_bins = 1000;
   int budget_bins = 512;  // dynamic k: bins of the score histograms reported for the thresholds
+  // Dynamic k's automatic mode (budget_governor.h): while more than budget_auto_queue requests
+  // wait for a worker (or the p99 forward latency of an interval passes budget_auto_p99_ms,
+  // when > 0) the node's cap on the budget steps down one expert per budget_auto_interval_ms
+  // toward budget_auto_floor, and back up after a few clear intervals. floor 0: off.
+  int budget_auto_floor = 0;
+  int64_t budget_auto_queue = 8;
+  double budget_auto_p99_ms = 0;
+  int64_t budget_auto_interval_ms = 250;
+  // One in this many forwards served below the full top-k is recomputed at full k off the hot
+  // path (at most budget_check_queue waiting; more are dropped and counted) and the output's
+  // relative difference exported (moe_budget_output_rel_diff). 0: never.
+  int64_t budget_check_every = 64;
+  int budget_check_queue = 2;
   int max_message_bytes = 256 << 20;
   // A shard's dispatch is split (at expert boundaries) so that no message or reply exceeds
   // about this many payload bytes (K3 batches of thousands of tokens would pass gRPC's limit).

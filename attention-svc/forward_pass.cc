@@ -59,8 +59,9 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
 }
 
 absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::PrepareForward(
-    const v1::ForwardRequest& req, absl::Time deadline) {
+    const v1::ForwardRequest& req, absl::Time deadline, bool check) {
   ForwardSpec spec;
+  spec.check = check;
   auto it = layers_.find(req.layer());
   if (it == layers_.end()) {
     std::string hosted;
@@ -107,12 +108,13 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
     auto r = routes_.find(req.layer());
     if (r != routes_.end()) spec.route = r->second;
   }
-  // Dynamic k: the layer's budget, capped by the request; served only with solved thresholds
-  // (the response says which budget it got).
+  // Dynamic k: the layer's budget, capped by the request and the automatic mode; served only
+  // with solved thresholds (the response says which budget it got).
   spec.budget = static_cast<int32_t>(cfg_.top_k);
-  if (!spec.bias->thresholds.empty()) {
+  if (!spec.bias->thresholds.empty() && !check) {
     int32_t b = spec.bias->k_avg;
     if (cap > 0) b = std::min(b, cap);
+    if (governor_ != nullptr && governor_->enabled()) b = std::min(b, governor_->cap());
     spec.budget = std::clamp<int32_t>(b, 1, static_cast<int32_t>(cfg_.top_k));
   }
   if (spec.route == nullptr) {
@@ -175,7 +177,7 @@ class AttentionServer::Impl::ForwardPass {
     // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
     // error, said here, not a shard's refusal of non-finite activations.
     MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
-    impl_->Accumulate(req_.layer(), *spec_.bias, f.batch);
+    if (!spec_.check) impl_->Accumulate(req_.layer(), *spec_.bias, f.batch);
     if (spec_.budget < top_k_) {
       const ModelConfig& cfg = impl_->cfg_;
       routed_pairs_ += numerics::ApplyBudget(
@@ -200,7 +202,7 @@ class AttentionServer::Impl::ForwardPass {
                                             numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d_))
                                       : tensor::Activations::FromBf16(f.batch.z, rows, d_);
     MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *spec_.route, dispatch));
-    if (impl_->metrics_ != nullptr) {  // counted where the router's loads are (routing time)
+    if (impl_->metrics_ != nullptr && !spec_.check) {  // where the router's loads are counted
       impl_->metrics_->Routed(req_.layer(), f.plan.per_expert, f.plan.shard_rows);
     }
     if (!first_send_.has_value()) first_send_ = Clock::now();
@@ -364,8 +366,8 @@ class AttentionServer::Impl::ForwardPass {
 };
 
 absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, absl::Time deadline,
-                                               v1::ForwardResponse* resp) {
-  MOE_ASSIGN_OR_RETURN(const ForwardSpec spec, PrepareForward(req, deadline));
+                                               v1::ForwardResponse* resp, bool check) {
+  MOE_ASSIGN_OR_RETURN(const ForwardSpec spec, PrepareForward(req, deadline, check));
   ForwardPass pass(this, req, spec);
   // Micro-batches (--micro_batches): at most two in flight, so one is routed, projected and
   // run through the shared experts here while the expert servers compute the other.

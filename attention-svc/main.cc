@@ -40,6 +40,19 @@ int main(int argc, char** argv) {
   flags.Int("qb_bins", &o.qb_bins, "QB histogram bins");
   flags.Int("budget_bins", &o.budget_bins,
             "dynamic k: bins of the per-expert score histograms reported for the thresholds");
+  flags.Int("budget_auto_floor", &o.budget_auto_floor,
+            "dynamic k: the automatic mode's lowest budget (0: off)");
+  flags.Int64("budget_auto_queue", &o.budget_auto_queue,
+              "dynamic k: overloaded when more requests than this wait for a worker");
+  flags.Double(
+      "budget_auto_p99_ms", &o.budget_auto_p99_ms,
+      "dynamic k: overloaded when an interval's p99 forward latency passes this (0: unused)");
+  flags.Int64("budget_auto_interval_ms", &o.budget_auto_interval_ms,
+              "dynamic k: one automatic step decision per this many ms");
+  flags.Int64("budget_check_every", &o.budget_check_every,
+              "dynamic k: recompute one in this many budgeted forwards at full k (0: never)");
+  flags.Int("budget_check_queue", &o.budget_check_queue,
+            "dynamic k: sampled checks waiting at most (more are dropped)");
   flags.Int("max_message_bytes", &o.max_message_bytes, "gRPC message limit");
   flags.Int64("max_dispatch_bytes", &o.max_dispatch_bytes,
               "split a shard's dispatch (at expert boundaries) above this many bytes");

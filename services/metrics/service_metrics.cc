@@ -172,8 +172,49 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                           "Routed token-expert pairs per expert (E series per layer; "
                           "--per_expert_metrics=false turns them off)")
                       .Register(registry);
+  auto& budgeted = BuildCounter()
+                       .Name("moe_budget_tokens_total")
+                       .Help(
+                           "Dynamic k: tokens served and (token, expert) pairs computed, by "
+                           "layer (kind tokens|pairs; pairs / tokens is the mean experts per "
+                           "token, top-k without a budget)")
+                       .Register(registry);
+  auto& diff = BuildHistogram()
+                   .Name("moe_budget_output_rel_diff")
+                   .Help(
+                       "Dynamic k: relative L2 difference of a sampled budgeted forward's "
+                       "output from the same request recomputed at full k")
+                   .Register(registry);
+  auto& checks = BuildCounter()
+                     .Name("moe_budget_checks_total")
+                     .Help(
+                         "Dynamic k: sampled budgeted forwards recomputed at full k, by "
+                         "outcome (measured, dropped: queue full, skipped: bias changed, "
+                         "failed)")
+                     .Register(registry);
+  auto_budget_ = &BuildGauge()
+                      .Name("moe_auto_expert_budget")
+                      .Help(
+                          "Dynamic k: the automatic mode's cap on this node's expert budgets "
+                          "(top-k: not limiting)")
+                      .Register(registry)
+                      .Add({});
+  auto& steps = BuildCounter()
+                    .Name("moe_budget_steps_total")
+                    .Help("Dynamic k: steps of the automatic mode's cap, by direction")
+                    .Register(registry);
+  steps_down_ = &steps.Add({{"direction", "down"}});
+  steps_up_ = &steps.Add({{"direction", "up"}});
   for (int64_t layer : layers) {
     Layer& l = layers_[layer];
+    l.budgeted_tokens = &budgeted.Add({{"layer", L(layer)}, {"kind", "tokens"}});
+    l.budgeted_pairs = &budgeted.Add({{"layer", L(layer)}, {"kind", "pairs"}});
+    l.budget_diff = &diff.Add(
+        {{"layer", L(layer)}},
+        prometheus::Histogram::BucketBoundaries{1e-3, 3e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0});
+    for (const char* outcome : {"measured", "dropped", "skipped", "failed"}) {
+      l.budget_checks[outcome] = &checks.Add({{"layer", L(layer)}, {"outcome", outcome}});
+    }
     l.forward = &forward.Add({{"layer", L(layer)}}, LatencyBuckets());
     l.dispatch = &dispatch.Add({{"layer", L(layer)}}, LatencyBuckets());
     l.combine = &combine.Add({{"layer", L(layer)}}, LatencyBuckets());
@@ -186,6 +227,25 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
       }
     }
   }
+}
+
+void AttentionMetrics::Budgeted(int64_t layer, int64_t tokens, int64_t pairs) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.budgeted_tokens->Increment(static_cast<double>(tokens));
+  it->second.budgeted_pairs->Increment(static_cast<double>(pairs));
+}
+
+void AttentionMetrics::AutoBudget(int64_t cap) { auto_budget_->Set(static_cast<double>(cap)); }
+
+void AttentionMetrics::BudgetStep(bool down) { (down ? steps_down_ : steps_up_)->Increment(); }
+
+void AttentionMetrics::BudgetCheck(int64_t layer, const std::string& outcome, double rel_diff) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  auto c = it->second.budget_checks.find(outcome);
+  if (c != it->second.budget_checks.end()) c->second->Increment();
+  if (outcome == "measured") it->second.budget_diff->Observe(rel_diff);
 }
 
 void AttentionMetrics::Degraded(int64_t layer, int64_t pairs) {

@@ -110,10 +110,23 @@ class AttentionMetrics {
   // A message of `shard` (silent past the hedge share) also sent to another replica; which
   // answered first.
   void Hedge(const std::string& shard, bool twin_won, int64_t n = 1);
+  // Dynamic k (docs/math.md 4.1). A forward of `tokens` tokens computing `pairs` pairs.
+  void Budgeted(int64_t layer, int64_t tokens, int64_t pairs);
+  // The automatic mode's cap on this node's budgets (top-k: not limiting) and its steps.
+  void AutoBudget(int64_t cap);
+  void BudgetStep(bool down);
+  // A sampled budgeted forward recomputed at full k: outcome "measured" (with the output's
+  // relative difference), "dropped" (the check queue was full), "skipped" (the bias changed in
+  // between) or "failed".
+  void BudgetCheck(int64_t layer, const std::string& outcome, double rel_diff = 0);
 
  private:
   struct Layer {
     prometheus::Histogram* forward = nullptr;
+    prometheus::Counter* budgeted_tokens = nullptr;
+    prometheus::Counter* budgeted_pairs = nullptr;
+    prometheus::Histogram* budget_diff = nullptr;
+    std::map<std::string, prometheus::Counter*> budget_checks;
     prometheus::Histogram* dispatch = nullptr;
     prometheus::Histogram* combine = nullptr;
     prometheus::Counter* tokens = nullptr;
@@ -122,6 +135,9 @@ class AttentionMetrics {
     std::vector<prometheus::Counter*> experts;  // empty when per-expert series are off
   };
   std::map<int64_t, Layer> layers_;
+  prometheus::Gauge* auto_budget_ = nullptr;
+  prometheus::Counter* steps_down_ = nullptr;
+  prometheus::Counter* steps_up_ = nullptr;
   prometheus::Family<prometheus::Counter>& shard_tokens_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
   prometheus::Family<prometheus::Counter>& failovers_;

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
+#include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
@@ -158,6 +159,92 @@ TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
   EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->router_metrics(), "moe_expert_budget",
                                     {absl::StrCat("layer=\"", layer, "\"")}),
             static_cast<double>(k));
+}
+
+// The automatic mode: one worker, eight requests in flight overload the node; its cap steps down
+// toward the floor (responses say the lower budget), and back to the full top-k once the load
+// stops; no request fails. The sampled full-k checks measure what the budget cost.
+TEST(ClusterDynamicK, TheAutomaticModeStepsDownUnderOverloadAndBackUp) {
+  const std::string& dir = CheckpointFor("mid");
+  ModelConfig cfg = *PresetConfig("mid");
+  const int64_t k = cfg.top_k;
+  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
+  o.admin_token = "s3cret";
+  o.attention_args = {"--report_interval_ms=100",      "--workers=1",
+                      "--budget_auto_floor=3",         "--budget_auto_queue=2",
+                      "--budget_auto_interval_ms=100", "--budget_check_every=2"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto admin = ClientFor(**cluster, "s3cret");
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 128, 700 + i);
+    ASSERT_TRUE(admin->Forward(layer, x, 128, cfg.hidden).ok());
+  }
+  // Thresholds solved, the layer's own budget the full top-k: only the automatic mode limits.
+  absl::StatusOr<v1::LayerBias> set = absl::UnknownError("not set");
+  for (int i = 0; i < 100 && !set.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    set = admin->SetExpertBudget(layer, static_cast<int32_t>(k));
+  }
+  ASSERT_TRUE(set.ok()) << set.status();
+  ASSERT_EQ(set->budget().thresholds_size(), (k - 1) * cfg.num_experts);
+  auto gauge = [&] {
+    return moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_auto_expert_budget", {});
+  };
+  EXPECT_EQ(gauge(), static_cast<double>(k));
+
+  tools::LoadOptions lo;
+  lo.layer = layer;
+  lo.hidden = cfg.hidden;
+  lo.concurrency = 8;
+  lo.tokens = 32;
+  lo.duration = absl::Seconds(4);
+  lo.max_requests = 2000;
+  auto load = tools::RunLoad(*admin, lo);
+  ASSERT_TRUE(load.ok()) << load.status();
+  std::printf("[dynamic k auto] overload: %s\n", load->Format().c_str());
+  EXPECT_GT(load->ok, 0);
+  EXPECT_EQ(load->ok, load->requests) << "no request fails while the budget steps";
+  const std::string during = (*cluster)->attention_metrics();
+  const double down =
+      moe::testing::ScrapeSum(during, "moe_budget_steps_total", {"direction=\"down\""});
+  EXPECT_GE(down, 1) << "the overload stepped the cap down";
+  // Pairs per token over the run fell below k.
+  const double tokens =
+      moe::testing::ScrapeSum(during, "moe_budget_tokens_total", {"kind=\"tokens\""});
+  const double pairs =
+      moe::testing::ScrapeSum(during, "moe_budget_tokens_total", {"kind=\"pairs\""});
+  std::printf("[dynamic k auto] %.0f steps down, %.2f experts per token over the run\n", down,
+              pairs / tokens);
+  EXPECT_LT(pairs / tokens, static_cast<double>(k));
+
+  // Quiet again: back up to the full top-k within a bounded wait.
+  double cap = gauge();
+  for (int i = 0; i < 100 && cap < k; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    cap = gauge();
+  }
+  EXPECT_EQ(cap, static_cast<double>(k));
+  const std::string after = (*cluster)->attention_metrics();
+  EXPECT_GE(moe::testing::ScrapeSum(after, "moe_budget_steps_total", {"direction=\"up\""}), 1);
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 8, 3);
+  auto quiet = admin->Forward(layer, x, 8, cfg.hidden);
+  ASSERT_TRUE(quiet.ok()) << quiet.status();
+  EXPECT_EQ(quiet->expert_budget, k);
+
+  // The sampled checks: measured, with a nonzero difference (a budget changes the output).
+  const double measured =
+      moe::testing::ScrapeSum(after, "moe_budget_checks_total",
+                              {absl::StrCat("layer=\"", layer, "\""), "outcome=\"measured\""});
+  const double diff_sum = moe::testing::ScrapeSum(after, "moe_budget_output_rel_diff_sum", {});
+  const double diff_count = moe::testing::ScrapeSum(after, "moe_budget_output_rel_diff_count", {});
+  std::printf("[dynamic k auto] %.0f full-k checks measured, mean relative difference %.4f\n",
+              measured, diff_count > 0 ? diff_sum / diff_count : 0.0);
+  EXPECT_GE(measured, 1);
+  EXPECT_EQ(diff_count, measured);
+  EXPECT_GT(diff_sum, 0);
+  EXPECT_LT(diff_sum / diff_count, 1.0);
 }
 
 }  // namespace
