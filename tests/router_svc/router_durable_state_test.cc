@@ -1,8 +1,10 @@
 // router-svc's durable state (--state_db): versions, modes and leases back after a restart, a
 // database of another checkpoint refused, and a state that is never silently empty.
+#include <sqlite3.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -11,6 +13,10 @@
 #include "moe/v1/router.grpc.pb.h"
 #include "router-svc/router_server.h"
 #include "router-svc/state_store.h"
+#include "services/common/random.h"
+#include "services/numerics/dynamic_k.h"
+#include "services/numerics/qb.h"
+#include "services/numerics/router.h"
 #include "services/transport/channel.h"
 #include "tests/common/tiny_checkpoint.h"
 #include "tests/router_svc/router_fixture.h"
@@ -183,6 +189,184 @@ TEST(RouterServer, AStateIsNeverSilentlyEmpty) {
   ASSERT_TRUE(stub->GetBias(&ctx, gb, &b).ok());
   EXPECT_EQ(b.version(), 1u);
   EXPECT_EQ(b.reason(), "rollback to 0");
+}
+
+// One attention node's report of m tokens of skewed scores routed with `bias` (tiny: E 16, k 4),
+// with its budget histogram (k_min 1).
+v1::ReportStatsRequest BudgetReport(const std::vector<float>& bias, uint64_t version, int64_t m,
+                                    numerics::BudgetHistogram* budget_out = nullptr) {
+  const int64_t n = 16, k = 4;
+  Rng rng(5);
+  std::vector<float> s(static_cast<size_t>(m * n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      s[i * n + j] = 1.0f / (1.0f + std::exp(-(rng.Normal() + 0.1f * static_cast<float>(j % 5))));
+    }
+  }
+  numerics::QbWindow w;
+  w.window_id = w.bias_version = version;
+  w.layer = 1;
+  w.top_k = k;
+  auto qb = numerics::QbHistogram::Create(w, bias);
+  EXPECT_TRUE(qb.ok() && qb->Accumulate(s, m).ok());
+  numerics::BudgetWindow bw;
+  bw.bias_version = version;
+  bw.layer = 1;
+  bw.top_k = k;
+  bw.k_min = 1;
+  auto budget = numerics::BudgetHistogram::Create(bw, n);
+  EXPECT_TRUE(budget.ok());
+  EXPECT_TRUE(
+      budget->Accumulate(numerics::SelectExperts(s.data(), bias.data(), m, n, k, true, 1), s.data())
+          .ok());
+  v1::ReportStatsRequest req;
+  req.set_node("attention-0");
+  req.set_layer(1);
+  req.set_bias_version(version);
+  req.set_tokens(m);
+  *req.mutable_loads() = {qb->loads().begin(), qb->loads().end()};
+  req.set_qb_histogram(qb->Serialize());
+  req.set_budget_histogram(budget->Serialize());
+  if (budget_out != nullptr) *budget_out = *budget;
+  return req;
+}
+
+// Dynamic k's thresholds: refused before any traffic, solved from the window's budget
+// histograms (equal to the histogram's own solve), published with the bias as a version, kept
+// across a restart, restored by a rollback. A lying budget histogram is refused whole.
+TEST(RouterServer, ExpertBudgetsAreSolvedStoredAndRolledBack) {
+  std::string tmpl = ::testing::TempDir() + "/moe_budget_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  RouterServerOptions o;
+  o.state_db = dir + "/router.db";
+  o.initialize = true;
+  o.admin_token = "adm";
+  std::vector<float> table;
+  uint64_t budget_version = 0;
+  {
+    Router r(o);
+    v1::GetBiasRequest gb;
+    gb.set_layer(1);
+    v1::LayerBias v0;
+    ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &v0).ok());
+    EXPECT_EQ(v0.budget().k_avg(), 4);  // no budget: the full top-k
+    EXPECT_EQ(v0.budget().k_min(), 1);
+    EXPECT_EQ(v0.budget().thresholds_size(), 0);
+    v1::SetExpertBudgetRequest sb;
+    sb.set_layer(1);
+    sb.set_k_avg(2);
+    v1::LayerBias b;
+    grpc::Status st = r->SetExpertBudget(r.Ctx("adm").get(), sb, &b);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    st = r->SetExpertBudget(r.Ctx().get(), sb, &b);  // a member is not an admin
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+    const std::vector<float> bias(v0.bias().begin(), v0.bias().end());
+    numerics::BudgetHistogram sent = *numerics::BudgetHistogram::Create({0, 1, 4, 1, 512}, 16);
+    v1::ReportStatsRequest report = BudgetReport(bias, 0, 3000, &sent);
+    // Hostile: a budget histogram that does not add up to the loads, and bytes that are none.
+    v1::ReportStatsResponse rr;
+    v1::ReportStatsRequest lying = report;
+    v1::ReportStatsRequest other = BudgetReport(bias, 0, 2999);
+    lying.set_budget_histogram(other.budget_histogram());
+    st = r->ReportStats(r.Attention().get(), lying, &rr);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    lying.set_budget_histogram(std::string(100, 'x'));
+    st = r->ReportStats(r.Attention().get(), lying, &rr);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    v1::GetLoadStatsRequest gs;
+    gs.set_layer(1);
+    v1::LoadStats ls;
+    ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), gs, &ls).ok());
+    EXPECT_EQ(ls.window_tokens(), 0) << "a refused report counts nothing";
+
+    st = r->ReportStats(r.Attention().get(), report, &rr);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    st = r->SetExpertBudget(r.Ctx("adm").get(), sb, &b);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(b.version(), 1u);
+    EXPECT_EQ(b.budget().k_avg(), 2);
+    EXPECT_EQ(b.budget().solved_from_tokens(), 3000);
+    EXPECT_EQ(b.budget().solved_from_version(), 0u);
+    EXPECT_EQ(std::vector<float>(b.bias().begin(), b.bias().end()), bias);  // the same bias
+    table.assign(b.budget().thresholds().begin(), b.budget().thresholds().end());
+    EXPECT_EQ(table, sent.SolveTable());
+    budget_version = b.version();
+    // The window restarted with the version: a new budget keeps the solved table.
+    sb.set_k_avg(3);
+    ASSERT_TRUE(r->SetExpertBudget(r.Ctx("adm").get(), sb, &b).ok());
+    EXPECT_EQ(b.budget().k_avg(), 3);
+    EXPECT_EQ(std::vector<float>(b.budget().thresholds().begin(), b.budget().thresholds().end()),
+              table);
+    EXPECT_NE(b.reason().find("thresholds of version 0"), std::string::npos) << b.reason();
+  }
+  Router again(o);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b;
+  ASSERT_TRUE(again->GetBias(again.Ctx().get(), gb, &b).ok());
+  EXPECT_EQ(b.version(), 2u);
+  EXPECT_EQ(b.budget().k_avg(), 3);
+  EXPECT_EQ(std::vector<float>(b.budget().thresholds().begin(), b.budget().thresholds().end()),
+            table);
+  v1::RollbackBiasRequest rb;
+  rb.set_layer(1);
+  rb.set_to_version(0);
+  ASSERT_TRUE(again->RollbackBias(again.Ctx("adm").get(), rb, &b).ok());
+  EXPECT_EQ(b.budget().k_avg(), 4);
+  EXPECT_EQ(b.budget().thresholds_size(), 0);
+  rb.set_to_version(budget_version);
+  ASSERT_TRUE(again->RollbackBias(again.Ctx("adm").get(), rb, &b).ok());
+  EXPECT_EQ(b.budget().k_avg(), 2);
+  EXPECT_EQ(b.budget().thresholds_size(), 3 * 16);
+}
+
+// A state written before dynamic k (bias_versions without the budget column) opens: its
+// versions have no budget (the full top-k), and new ones store theirs.
+TEST(RouterServer, AStateFromBeforeDynamicKOpens) {
+  std::string tmpl = ::testing::TempDir() + "/moe_oldstate_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl.data());
+  RouterServerOptions o;
+  o.state_db = dir + "/router.db";
+  o.initialize = true;
+  o.admin_token = "adm";
+  std::vector<float> bias;
+  {
+    Router r(o);  // makes the state, then the old schema is put back by hand
+    v1::GetBiasRequest gb;
+    gb.set_layer(1);
+    v1::LayerBias v0;
+    ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &v0).ok());
+    bias.assign(v0.bias().begin(), v0.bias().end());
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(o.state_db.c_str(), &db), SQLITE_OK);
+  for (const char* sql :
+       {"CREATE TABLE old (layer INTEGER NOT NULL, version INTEGER NOT NULL, mode TEXT NOT NULL, "
+        "reason TEXT NOT NULL, created_unix_ms INTEGER NOT NULL, bias BLOB NOT NULL, "
+        "PRIMARY KEY (layer, version));",
+        "INSERT INTO old SELECT layer, version, mode, reason, created_unix_ms, bias FROM "
+        "bias_versions;",
+        "DROP TABLE bias_versions;", "ALTER TABLE old RENAME TO bias_versions;"}) {
+    ASSERT_EQ(sqlite3_exec(db, sql, nullptr, nullptr, nullptr), SQLITE_OK) << sql;
+  }
+  sqlite3_close(db);
+  o.initialize = false;
+  Router again(o);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias b;
+  ASSERT_TRUE(again->GetBias(again.Ctx().get(), gb, &b).ok());
+  EXPECT_EQ(b.version(), 0u);
+  EXPECT_EQ(b.budget().k_avg(), 4);
+  v1::ReportStatsResponse rr;
+  ASSERT_TRUE(again->ReportStats(again.Attention().get(), BudgetReport(bias, 0, 500), &rr).ok());
+  v1::SetExpertBudgetRequest sb;
+  sb.set_layer(1);
+  sb.set_k_avg(2);
+  ASSERT_TRUE(again->SetExpertBudget(again.Ctx("adm").get(), sb, &b).ok());
+  EXPECT_EQ(b.version(), 1u);
+  EXPECT_EQ(b.budget().thresholds_size(), 3 * 16);
 }
 
 }  // namespace
