@@ -196,6 +196,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::map<int32_t, std::optional<LayerStats>> stats_ ABSL_GUARDED_BY(stats_mu_);
   // finished windows of an older bias version
   std::vector<LayerStats> outgoing_ ABSL_GUARDED_BY(stats_mu_);
+  // Dynamic k's full-k checks measured since the last report, per layer: count and summed
+  // relative difference (ReportStatsRequest.budget_checks, budget_rel_diff_sum).
+  std::map<int32_t, std::pair<int64_t, double>> check_costs_ ABSL_GUARDED_BY(stats_mu_);
 
   std::thread report_thread_;
 

@@ -267,9 +267,11 @@ void AttentionServer::Impl::Accumulate(int32_t layer, const BiasEntry& bias,
 
 void AttentionServer::Impl::ReportNow() {
   std::vector<LayerStats> out;
+  std::map<int32_t, std::pair<int64_t, double>> costs;
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     out.swap(outgoing_);
+    costs.swap(check_costs_);
     for (auto& [layer, acc] : stats_) {
       if (acc.has_value() && acc->qb.tokens() > 0) out.push_back(std::move(*acc));
       acc.reset();
@@ -287,6 +289,18 @@ void AttentionServer::Impl::ReportNow() {
     *req.mutable_loads() = {h.loads().begin(), h.loads().end()};
     req.set_qb_histogram(h.Serialize());
     if (stats.budget.has_value()) req.set_budget_histogram(stats.budget->Serialize());
+    req.set_auto_budget(governor_ != nullptr && governor_->enabled() ? governor_->cap() : 0);
+    // The checks go with the layer's newest report (the last of its in `out`), which the
+    // router counts for the current version.
+    bool newest = true;
+    for (const LayerStats& later : out) {
+      if (&later > &stats && later.qb.window().layer == h.window().layer) newest = false;
+    }
+    auto cost = costs.find(h.window().layer);
+    if (newest && cost != costs.end()) {
+      req.set_budget_checks(cost->second.first);
+      req.set_budget_rel_diff_sum(cost->second.second);
+    }
     if (auto r = router_->ReportStats(req); !r.ok()) {
       MOE_LOG_WARN("ReportStats failed: {}", r.status().ToString());
     }
@@ -372,6 +386,9 @@ void AttentionServer::Impl::CheckLoop() {
     }
     const double rel = norm > 0 ? std::sqrt(diff / norm) : 0.0;
     if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "measured", rel);
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    check_costs_[layer].first += 1;
+    check_costs_[layer].second += rel;
   }
 }
 

@@ -74,7 +74,7 @@ metrics::HttpResponse LoadBalancePage::Handle(const metrics::HttpRequest& req) c
     return {404, "text/plain; charset=utf-8", "not found\n"};
   }
   if (req.method == "GET" && req.path == "/api/state") return JsonOr(cb_.state(layer));
-  if (req.path == "/api/rebalance" || req.path == "/api/rollback") {
+  if (req.path == "/api/rebalance" || req.path == "/api/rollback" || req.path == "/api/budget") {
     if (req.method != "POST") return {405, "text/plain; charset=utf-8", "POST only\n"};
     // The page changes the bias only when router-svc has a token and the request carries it.
     auto token = req.headers.find("x-moe-admin-token");
@@ -89,6 +89,14 @@ metrics::HttpResponse LoadBalancePage::Handle(const metrics::HttpRequest& req) c
                                                    : "the admin token is wrong"));
     }
     if (req.path == "/api/rebalance") return JsonOr(cb_.rebalance(layer));
+    if (req.path == "/api/budget") {
+      int32_t k_avg = 0;
+      auto v = req.query.find("k_avg");
+      if (v == req.query.end() || !absl::SimpleAtoi(v->second, &k_avg)) {
+        return Error(absl::InvalidArgumentError("budget needs ?k_avg=<experts per token>"));
+      }
+      return JsonOr(cb_.budget(layer, k_avg));
+    }
     uint64_t to = 0;
     auto v = req.query.find("to");
     if (v == req.query.end() || !absl::SimpleAtoi(v->second, &to)) {
@@ -99,9 +107,22 @@ metrics::HttpResponse LoadBalancePage::Handle(const metrics::HttpRequest& req) c
   return {404, "text/plain; charset=utf-8", "not found\n"};
 }
 
+void BudgetActivity::Cap(const std::string& node, int32_t cap, int64_t unix_ms) {
+  auto it = node_cap.find(node);
+  if (it == node_cap.end()) {
+    if (node_cap.size() >= kMaxNodes) return;
+    it = node_cap.emplace(node, 0).first;
+  }
+  if (it->second == cap) return;
+  it->second = cap;
+  events.push_back({unix_ms, node, cap});
+  if (events.size() > kMaxEvents) events.pop_front();
+}
+
 nlohmann::json LayerStateJson(const BiasLedger& ledger, const LoadWindow& w,
                               const std::vector<ShardLoad>& shard_loads,
-                              const std::vector<int32_t>& shard_of, int64_t rebalances) {
+                              const std::vector<int32_t>& shard_of, int64_t rebalances,
+                              const BudgetActivity& budget) {
   const numerics::BalanceMetrics b = numerics::ComputeBalance(w.window_loads(), shard_of);
   const bool any = w.window_tokens() > 0;
   const double target = static_cast<double>(w.window_tokens()) * w.top_k() / w.experts();
@@ -129,6 +150,24 @@ nlohmann::json LayerStateJson(const BiasLedger& ledger, const LoadWindow& w,
                            {"data_plane", x.data_plane},
                            {"lanes", x.lanes}});
   }
+  const ExpertBudget& eb = ledger.current().budget;
+  int32_t served = eb.thresholds.empty() ? static_cast<int32_t>(w.top_k()) : eb.k_avg;
+  for (const auto& [node, cap] : budget.node_cap) {
+    if (cap > 0 && !eb.thresholds.empty()) served = std::min(served, cap);
+  }
+  nlohmann::json events = nlohmann::json::array();
+  for (const BudgetActivity::Event& e : budget.events) {
+    events.push_back({{"unix_ms", e.unix_ms}, {"node", e.node}, {"cap", e.cap}});
+  }
+  j["budget"] = {{"k_avg", eb.k_avg},
+                 {"k", w.top_k()},
+                 {"k_min", eb.k_min},
+                 {"solved", !eb.thresholds.empty()},
+                 {"solved_from_tokens", eb.solved_from_tokens},
+                 {"served", served},
+                 {"checks", budget.checks},
+                 {"mean_rel_diff", budget.checks > 0 ? budget.rel_diff_sum / budget.checks : 0.0},
+                 {"events", events}};
   j["history"] = nlohmann::json::array();
   for (const BiasVersion& h : ledger.history()) {
     j["history"].push_back(

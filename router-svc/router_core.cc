@@ -1,5 +1,6 @@
 #include "router-svc/router_core.h"
 
+#include <cmath>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -71,7 +72,8 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerO
     core->layers_.emplace(
         l,
         LayerState{BiasLedger(l, std::move(bias), mode, options_.continuous_tokens, UnixMs(), full),
-                   LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0});
+                   LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0,
+                   BudgetActivity{}});
   }
   if (!options_.state_db.empty()) {
     MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db, options_.initialize));
@@ -311,12 +313,26 @@ void RouterCore::PublishPlacementLocked() {
 absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
                                      v1::ReportStatsResponse* resp) {
   const StatsReport r = FromProto(req);
+  if (req.auto_budget() < 0 || req.auto_budget() > cfg_.top_k || req.budget_checks() < 0 ||
+      req.budget_checks() > (int64_t{1} << 40) || !std::isfinite(req.budget_rel_diff_sum()) ||
+      req.budget_rel_diff_sum() < 0 ||
+      req.budget_rel_diff_sum() > 1e3 * static_cast<double>(req.budget_checks())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("report from ", r.node, ": auto_budget ", req.auto_budget(), " (0..",
+                     cfg_.top_k, "), budget_checks ", req.budget_checks(), ", budget_rel_diff_sum ",
+                     req.budget_rel_diff_sum(), " out of range"));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));
   MOE_ASSIGN_OR_RETURN(ReportResult result, l->window.Add(r, l->ledger.current().version,
                                                           l->ledger.current().budget.k_min));
   resp->set_current_bias_version(l->ledger.current().version);
   resp->set_accepted_for_window(result == ReportResult::kCurrent);
+  l->budget.Cap(r.node, req.auto_budget(), UnixMs());
+  if (result == ReportResult::kCurrent) {
+    l->budget.checks += req.budget_checks();
+    l->budget.rel_diff_sum += req.budget_rel_diff_sum();
+  }
   if (metrics_ != nullptr) metrics_->Report(result == ReportResult::kCurrent);
   if (result == ReportResult::kStale) return absl::OkStatus();
   if (l->ledger.mode() == BiasMode::kContinuous &&
@@ -332,6 +348,8 @@ absl::Status RouterCore::PublishBiasLocked(LayerState& l) {
   // Stored before anyone routes with it: a version that was served is never lost.
   MOE_RETURN_IF_ERROR(PersistLocked(l));
   l.window.Clear();
+  l.budget.checks = 0;  // what a budget costs is measured per version
+  l.budget.rel_diff_sum = 0;
   const BiasVersion& cur = l.ledger.current();
   MOE_LOG_INFO("layer {} bias version {} ({})", cur.layer, cur.version, cur.reason);
   if (sinks_.bias) sinks_.bias(ToProto(cur));
@@ -484,7 +502,7 @@ PageCallbacks RouterCore::PageApi() {
     MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
     return LayerStateJson(l->ledger, l->window,
                           registry_->ShardLoads(layer, l->window.window_loads()),
-                          registry_->ShardOfExpert(layer), l->rebalances);
+                          registry_->ShardOfExpert(layer), l->rebalances, l->budget);
   };
   cb.rebalance = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
     std::lock_guard<std::mutex> lock(mu_);
@@ -496,6 +514,12 @@ PageCallbacks RouterCore::PageApi() {
                           {"window_tokens", r.window_tokens()},
                           {"before_max_vio", r.before().max_vio()},
                           {"predicted_max_vio", r.predicted_after().max_vio()}};
+  };
+  cb.budget = [this](int32_t layer, int32_t k_avg) -> absl::StatusOr<nlohmann::json> {
+    v1::LayerBias out;
+    MOE_RETURN_IF_ERROR(SetBudget(layer, k_avg, "budget (page)", &out));
+    return nlohmann::json{
+        {"version", out.version()}, {"k_avg", out.budget().k_avg()}, {"reason", out.reason()}};
   };
   cb.rollback = [this](int32_t layer, uint64_t to) -> absl::StatusOr<nlohmann::json> {
     v1::LayerBias out;

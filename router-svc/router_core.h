@@ -41,6 +41,7 @@ struct LayerState {
   BiasLedger ledger;
   LoadWindow window;
   int64_t rebalances = 0;
+  BudgetActivity budget;  // dynamic k as the attention nodes report it
 };
 
 // Where changes go; each runs with the core's mutex held (it must not call back into the core).

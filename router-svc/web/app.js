@@ -80,6 +80,23 @@ function drawTimeline() {
   $('vio-since').textContent = timeline.length ? new Date(timeline[0].t).toLocaleTimeString() : '';
 }
 
+function drawBudget() {
+  const svg = $('budget-chart');
+  const pts = timeline.filter((p) => p.k);
+  const max = pts.length ? pts[pts.length - 1].k : 1;
+  const x = (i) => (pts.length < 2 ? 0 : (1000 * i) / (pts.length - 1)).toFixed(1);
+  const y = (v) => (160 - (150 * v) / max).toFixed(1);
+  const served = pts.map((p, i) => `${x(i)},${y(p.served)}`).join(' ');
+  const kavg = pts.map((p, i) => `${x(i)},${y(p.kavg)}`).join(' ');
+  const steps = pts.map((p, i) => (i > 0 && p.served !== pts[i - 1].served
+    ? `<line class="version" x1="${x(i)}" x2="${x(i)}" y1="0" y2="160"><title>served ${p.served}</title></line>` : ''));
+  svg.innerHTML = `<polyline class="kavg" points="${kavg}"></polyline>` +
+                  `<polyline class="served" points="${served}"></polyline>` + steps.join('');
+  svg.dataset.points = String(pts.length);
+  $('y-max-budget').textContent = String(max);
+  $('budget-since').textContent = pts.length ? new Date(pts[0].t).toLocaleTimeString() : '';
+}
+
 function render(s) {
   const vio = s.window_tokens > 0 ? s.max_vio : null;
   const mv = $('maxvio');
@@ -94,13 +111,25 @@ function render(s) {
   $('shard-ratio').textContent = s.shard_max_over_mean ? s.shard_max_over_mean.toFixed(3) : '–';
   $('cv').textContent = s.cv.toFixed(3);
   $('dead').textContent = s.dead;
+  const b = s.budget;
+  $('expert-budget').textContent = `${b.k_avg} of ${b.k}`;
+  $('expert-budget').dataset.value = String(b.k_avg);
+  $('budget-served').textContent = b.solved ? `${b.served} per token (k_min ${b.k_min}; thresholds from ${b.solved_from_tokens.toLocaleString()} tokens)`
+    : `${b.k} per token (no thresholds solved yet: set a budget after traffic)`;
+  $('budget-served').dataset.value = String(b.served);
+  $('budget-cost').textContent = b.checks > 0
+    ? `${b.mean_rel_diff.toFixed(3)} relative output difference vs full k (mean of ${b.checks} sampled checks, this version)`
+    : 'no full-k checks yet in this version';
+  $('budget-cost').dataset.value = b.checks > 0 ? String(b.mean_rel_diff) : '';
+  $('budget-k').max = String(b.k);
   if (lastVersion !== null && s.bias_version !== lastVersion && lastLoads !== null) {
     ghost = lastLoads;  // a new bias: remember where the bars were
   }
   if (s.window_tokens > 0) {
     lastVersion = s.bias_version;
     lastLoads = s.loads;
-    timeline.push({ t: Date.now(), vio: s.max_vio, floor: s.noise_floor, version: s.bias_version });
+    timeline.push({ t: Date.now(), vio: s.max_vio, floor: s.noise_floor, version: s.bias_version,
+                    served: s.budget.served, kavg: s.budget.k_avg, k: s.budget.k });
     if (timeline.length > TIMELINE_POINTS) timeline.shift();
   }
   const g = ghost && ghost.length === s.loads.length ? ghost : null;
@@ -108,6 +137,7 @@ function render(s) {
   drawBars($('bars-sorted'), s.loads, s.target, true, 'y-max-sorted', g);
   $('x-max-id').textContent = `expert ${s.loads.length - 1}`;
   drawTimeline();
+  drawBudget();
   const total = s.shards.reduce((a, x) => a + x.load, 0) || 1;
   $('shards').tBodies[0].innerHTML = s.shards.map((x) =>
     `<tr><td>${esc(x.name)}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +
@@ -132,6 +162,7 @@ async function admin(path, what) {
   busy = true;
   $('rebalance').disabled = true;
   $('rollback').disabled = true;
+  $('set-budget').disabled = true;
   try {
     const r = await api(path, { method: 'POST', headers: { 'X-Moe-Admin-Token': $('token').value } });
     showMessage(what(r), 'ok');
@@ -142,6 +173,7 @@ async function admin(path, what) {
     busy = false;
     $('rebalance').disabled = false;
     $('rollback').disabled = false;
+    $('set-budget').disabled = false;
   }
 }
 
@@ -151,6 +183,9 @@ $('rebalance').addEventListener('click', () => admin(`/api/rebalance?layer=${lay
 $('rollback').addEventListener('click', () => admin(
   `/api/rollback?layer=${layer}&to=${encodeURIComponent($('rollback-version').value)}`,
   (r) => `Bias version ${r.version} now serves version ${$('rollback-version').value}'s bias.`));
+$('set-budget').addEventListener('click', () => admin(
+  `/api/budget?layer=${layer}&k_avg=${encodeURIComponent($('budget-k').value)}`,
+  (r) => `Expert budget ${r.k_avg} per token as bias version ${r.version} (${r.reason}).`));
 $('layer').addEventListener('change', () => { layer = $('layer').value; refresh(); });
 
 (async function start() {

@@ -200,6 +200,29 @@ try {
   assert(ghosts === 128, `expected the pre-Rebalance loads as 128 marks, found ${ghosts}`);
   assert(await page.$('#vio-chart line.version'), 'the timeline does not mark the new bias version');
   await page.screenshot({ path: path.join(artifacts, 'after.png'), fullPage: true });
+
+  // Dynamic k: the layer serves the full top-k; the button sets a budget of 4 (thresholds from
+  // the traffic in the window), the figure and the served budget follow, the sampled full-k
+  // checks report what it costs, the budget's time line draws it.
+  const budgetText = (await page.textContent('#expert-budget')).trim();
+  assert(budgetText === '8 of 8', `expected the full top-k "8 of 8", read "${budgetText}"`);
+  await page.fill('#budget-k', '4');
+  await page.click('#set-budget');
+  await waitFor('the budget message', async () =>
+    /Expert budget 4 per token/.test(await page.textContent('#message')), 20);
+  console.log(`budget: "${await page.textContent('#message')}"`);
+  await waitFor('the budget served', async () =>
+    (await page.getAttribute('#expert-budget', 'data-value')) === '4' &&
+    (await page.getAttribute('#budget-served', 'data-value')) === '4', 20);
+  const cost = await waitFor('a measured cost of the budget', async () => {
+    const v = await page.getAttribute('#budget-cost', 'data-value');
+    return v ? parseFloat(v) : null;
+  }, 90);
+  console.log(`budget cost: "${await page.textContent('#budget-cost')}"`);
+  assert(cost > 0 && cost < 2, `the measured relative difference ${cost} is not a difference`);
+  assert(await page.$('#budget-chart polyline.served') && await page.$('#budget-chart polyline.kavg'),
+         'the budget time line is not drawn');
+  await page.screenshot({ path: path.join(artifacts, 'budget.png'), fullPage: true });
   assert(consoleErrors.length === 0, `page errors: ${consoleErrors.join('; ')}`);
   console.log(`screenshots: ${path.join(artifacts, 'before.png')}, ${path.join(artifacts, 'after.png')}`);
   console.log('PASS');
