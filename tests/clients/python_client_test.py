@@ -117,8 +117,8 @@ def infer_request(model, x, datatype="BF16", raw=True, outputs=None, params=None
     # InferInputTensor: name 1, datatype 2, shape 3, contents 5 (fp32_contents 6, packed floats)
     tensor = field(1, "hidden_states") + field(2, datatype) + field(3, list(x.shape))
     req = field(1, model) + field(3, "req-7")
-    for k, v in (params or {}).items():  # map<string, InferParameter>: string_param = 3
-        req += field(4, field(1, k) + field(2, field(3, v)))
+    for k, v in (params or {}).items():  # map<string, InferParameter>: int64 2, string 3
+        req += field(4, field(1, k) + field(2, field(2 if isinstance(v, int) else 3, v)))
     if raw:
         payload = x.astype("<u2" if datatype == "BF16" else "<f4").tobytes()
         req += field(5, tensor)
@@ -229,6 +229,18 @@ def test_open_inference_protocol(endpoint, ref):
     assert "precision" in expect_code(
         grpc.StatusCode.INVALID_ARGUMENT,
         lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], params={"precision": "w4a4"})))
+    # Dynamic k's cap as an int64 parameter; the response says the budget served and the pairs
+    # computed (the layer has no budget solved here: the full top-k, 5 x 8 pairs).
+    r = oip(ch, "ModelInfer", infer_request(model, x[:5], params={"expert_budget": 2}))
+    rp = dict((parse(e)[1][0].decode(), parse(parse(e)[2][0])) for e in r.get(4, []))
+    assert rp["expert_budget"][2] == [8] and rp["routed_pairs"][2] == [40], rp
+    assert np.array_equal(decode_infer(r)["output"][2], out[:5])
+    assert "expert_budget" in expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], params={"expert_budget": "2"})))
+    assert "expert_budget" in expect_code(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], params={"expert_budget": 9})))
     # The large batch (5.3 MB in, 5.3 MB out).
     big = decode_infer(oip(ch, "ModelInfer", infer_request(model, x, outputs=["output"])))
     assert np.array_equal(big["output"][2], out), "large ModelInfer differs"
@@ -327,6 +339,29 @@ def test_python_client(client_dir, attention, router, ref, work):
         before = c.stats().bias_version
         c.rebalance()  # with the token: applied, a new bias version
         assert c.stats().bias_version == before + 1
+        # Dynamic k: the full top-k until a budget is set (thresholds solved from the traffic
+        # reported since the new version), then a cap of 2 of 8 per request.
+        assert c.forward(x[:4]).expert_budget == 8
+        for i in range(20):
+            c.forward(x[(8 * i) % 56:(8 * i) % 56 + 8])
+        def try_budget():  # refused (FAILED_PRECONDITION) until the reports arrive
+            try:
+                return c.set_expert_budget(4)
+            except MoeError:
+                return None
+        bias = wait_for("a budget", try_budget, 30)
+        assert bias.budget.k_avg == 4 and len(bias.budget.thresholds) == 7 * 128, bias.budget
+        r = wait_for("the budget served", lambda: (lambda res: res if res.bias_version ==
+                                                   bias.version else None)(c.forward(
+                                                       x[:16], return_routing=True,
+                                                       expert_budget=2)), 30)
+        assert r.expert_budget == 2 and r.routed_pairs == int((r.expert_ids >= 0).sum()), r
+        assert r.routed_pairs < 16 * 8 and np.all(r.weights[r.expert_ids < 0] == 0)
+        try:
+            c.forward(x[:2], expert_budget=-1)
+            raise AssertionError("a negative budget was accepted")
+        except ValueError:
+            pass
     with Client(attention, router=router) as anonymous:
         try:
             anonymous.rebalance()
@@ -334,7 +369,7 @@ def test_python_client(client_dir, attention, router, ref, work):
         except MoeError as e:
             assert e.code in ("PERMISSION_DENIED", "UNAUTHENTICATED"), e
     print("python client: model info, health, forward (f32, bf16, routing, large), stream, "
-          "errors, stats, rebalance: ok")
+          "errors, stats, rebalance, expert budget: ok")
 
 
 def admin_token_file(work, token):

@@ -91,6 +91,8 @@ class Result:
     request_id: int = 0
     precision: str = "w4a16"  # the routed experts' precision that produced out
     dispatch_bytes_sent: int = 0  # activation payload bytes sent to the expert servers
+    expert_budget: int = 0  # dynamic k: the budget that produced out (top-k: none)
+    routed_pairs: int = 0  # (token, expert) pairs computed; expert_ids has -1 for dropped slots
 
     @property
     def out(self):
@@ -231,7 +233,8 @@ class Client:
         return {"live": live, "ready": ready}
 
     # Forward.
-    def _forward_request(self, x, layer, return_routing, reply_mode, precision=None):
+    def _forward_request(self, x, layer, return_routing, reply_mode, precision=None,
+                         expert_budget=None):
         pb = self._pb
         if layer is None:
             layer = (self._info or self.model_info()).layers[0]
@@ -253,6 +256,10 @@ class Client:
             if precision not in modes:
                 raise ValueError(f"precision must be w4a16 or w4a8, got {precision!r}")
             req.options.precision = modes[precision]
+        if expert_budget is not None:
+            if not isinstance(expert_budget, int) or expert_budget < 0:
+                raise ValueError(f"expert_budget must be an int >= 0, got {expert_budget!r}")
+            req.options.expert_budget = expert_budget
         return req
 
     def _result(self, r):
@@ -261,7 +268,8 @@ class Client:
         res = Result(out_bf16=out, bias_version=r.bias_version, request_id=r.request_id,
                      seconds={f.name: v for f, v in r.seconds.ListFields()},
                      precision="w4a8" if r.precision == self._pb.tensor.PRECISION_W4A8 else "w4a16",
-                     dispatch_bytes_sent=r.dispatch_bytes_sent)
+                     dispatch_bytes_sent=r.dispatch_bytes_sent,
+                     expert_budget=r.expert_budget, routed_pairs=r.routed_pairs)
         if r.routing.top_k:
             k = r.routing.top_k
             res.expert_ids = np.array(r.routing.expert_ids, dtype=np.int32).reshape(-1, k)
@@ -269,11 +277,14 @@ class Client:
         return res
 
     def forward(self, x, layer=None, return_routing=False, reply_mode=None, timeout=None,
-                precision=None):
+                precision=None, expert_budget=None):
         """x: float32 [T, H] (rounded to bf16 here, RNE) or uint16 bf16 bits -> Result.
 
-        precision: None (the server's default), "w4a16" or "w4a8" (MXFP8 expert inputs)."""
-        req = self._forward_request(x, layer, return_routing, reply_mode, precision)
+        precision: None (the server's default), "w4a16" or "w4a8" (MXFP8 expert inputs).
+        expert_budget: dynamic k, at most this many experts per token on average (None or 0:
+        the layer's budget); Result.expert_budget says what was served."""
+        req = self._forward_request(x, layer, return_routing, reply_mode, precision,
+                                    expert_budget)
         r = _unary(self._attention, "/moe.v1.AttentionService/Forward", req,
                    self._pb.attention.ForwardResponse, timeout or self._timeout)
         return self._result(r)
@@ -295,6 +306,15 @@ class Client:
         return _unary(self._router, "/moe.v1.RouterService/GetLoadStats",
                       self._pb.router.GetLoadStatsRequest(layer=layer), self._pb.router.LoadStats,
                       self._timeout)
+
+    def set_expert_budget(self, k_avg, layer=None):
+        """Dynamic k: the layer's expert budget, 1..top-k (needs admin_token); moe.v1.LayerBias."""
+        self._need_router()
+        if layer is None:
+            layer = (self._info or self.model_info()).layers[0]
+        return _unary(self._router, "/moe.v1.RouterService/SetExpertBudget",
+                      self._pb.router.SetExpertBudgetRequest(layer=layer, k_avg=k_avg),
+                      self._pb.router.LayerBias, self._timeout, metadata=self._admin)
 
     def rebalance(self, layer=None, dry_run=False):
         """One Quantile Balancing step (needs admin_token); moe.v1.RebalanceResponse."""
