@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan + UBSan) and runs each for a bounded time from a
 # seed corpus: the safetensors parser, expert-svc's DispatchRequest validation, attention-svc's
-# ForwardRequest input decoding, the QB histogram wire form, the page's query parser, the data
-# plane's UCX hello and lanes parsers.
+# ForwardRequest input decoding, the QB and dynamic k histogram wire forms, the page's query
+# parser, the data plane's UCX hello and lanes parsers.
 # Allocations past 512 MiB count as findings (a small input must not claim a large buffer).
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] (default 20: the test command; a campaign: 600)
 set -euo pipefail
@@ -13,7 +13,8 @@ if ! command -v clang++ >/dev/null; then
   exit 0
 fi
 BUILD=${MOE_FUZZ_BUILD_DIR:-build-fuzz}
-TARGETS=(safetensors_fuzz dispatch_fuzz forward_fuzz qb_histogram_fuzz http_query_fuzz data_plane_fuzz)
+TARGETS=(safetensors_fuzz dispatch_fuzz forward_fuzz qb_histogram_fuzz budget_histogram_fuzz
+  http_query_fuzz data_plane_fuzz)
 CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DMOE_BUILD_FUZZERS=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD" --target "${TARGETS[@]}"

@@ -88,6 +88,12 @@ def main():
     h = b"QBH1" + struct.pack("<QQiIII", 1, 0, 1, 2, 1, 2) + struct.pack("<ff", 0.0, 0.0)
     h += varint(2) + varint(1) + varint(1) + varint(1) + varint(1) + varint(2) + varint(0)
     write(out, "qb_histogram", [h])
+    # A budget histogram (numerics/dynamic_k.cc Serialize): n = 2, k = 2, k_min 1, 4 bins,
+    # 1 token: expert 0 forced, expert 1 free in bin 3 (then a run of zeros in expert 0's bins).
+    b = b"BKH1" + struct.pack("<QiIIII", 0, 1, 2, 2, 1, 4)
+    b += varint(1) + varint(1) + varint(0)  # tokens, forced[0], forced[1]
+    b += varint(0) + varint(7) + varint(1)  # 7 zero bins, then expert 1's last bin
+    write(out, "budget_histogram", [b])
     write(out, "http_query", [b"layer=1&to=3", b"a=%20b&flag&x=%zz", b""])
 
 

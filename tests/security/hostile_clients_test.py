@@ -125,6 +125,16 @@ def _(ctx):
                   lambda: forward(ctx, forward_request(ctx, x)))
 
 
+@case("Forward: an expert budget outside [0, k] (dynamic k)")
+def _(ctx):
+    msgs = []
+    for budget in (-1, 9, (1 << 31) - 1):
+        r = forward_request(ctx)
+        r.options.expert_budget = budget
+        msgs.append(expect(C.INVALID_ARGUMENT, "expert_budget", lambda: forward(ctx, r)))
+    return msgs[0]
+
+
 @case("Forward: finite input whose latent overflows")
 def _(ctx):
     x = bf16(np.full((2, ctx.hidden), 3.0e38))
