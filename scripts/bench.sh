@@ -12,6 +12,10 @@
 #        mid preset); about 3 min)
 #        scripts/bench.sh --w4a8 [w4a8_bench flags]  (W4A8 vs W4A16 on one cluster: quality,
 #        tokens/s, dispatch bytes; mid preset by default, about 30 s)
+#        scripts/bench.sh --budget [budget_bench flags]  (dynamic k: tokens/s, latency, dispatch
+#        bytes and output difference per expert budget, then the automatic mode under an
+#        overload; mid preset by default, about 1 min; --preset k3 --overload=false for the k3
+#        shape)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF_TOKENS=1
@@ -30,6 +34,12 @@ if [ "${1:-}" = "--w4a8" ]; then
   shift
   cmake --build "$BUILD" --target w4a8_bench router-svc expert-svc attention-svc
   exec "$BUILD/tests/w4a8_bench" "$@"
+fi
+if [ "${1:-}" = "--budget" ]; then
+  shift
+  cmake --build "$BUILD" --target budget_bench router-svc expert-svc attention-svc
+  lscpu | grep -E "^Model name|^CPU\(s\)"
+  exec "$BUILD/tests/budget_bench" "$@"
 fi
 if [ "${1:-}" = "--reference_tokens" ]; then REF_TOKENS=$2; fi
 cmake --build "$BUILD" --target moe-tool cpu_layer_bench qb_bench

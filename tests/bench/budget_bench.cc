@@ -1,0 +1,250 @@
+// Dynamic k (issue 30, docs/math.md section 4.1) on a local cluster: what each expert budget
+// buys and costs, then the automatic mode under an overload.
+//
+//   scripts/bench.sh --budget [--preset mid | --preset k3 | --checkpoint DIR] [--budgets 8,6,4,2]
+//                             [--tokens 64] [--seconds 4] [--calibration_tokens 4096]
+//
+// Budgets: one cluster (automatic mode off). Calibration traffic fills router-svc's window, then
+// SetExpertBudget(k) solves the threshold table with the layer serving the full top-k; each
+// budget is then a per-request cap (ForwardOptions.expert_budget) on the same table. Per budget:
+// tokens/s and p50/p99 latency of --concurrency closed-loop clients for --seconds; on probe
+// batches (other tokens than the calibration's) the (token, expert) pairs per token, the dispatch
+// bytes per token (activations out plus replies in), and the relative L2 difference of the layer
+// output from the same batch at full k.
+//
+// Overload: a second cluster with one attention worker and the automatic mode on (floor k/4,
+// bound 2 queued, 250 ms steps). Phases of 1, then 8, then 1 requests in flight; every 0.5 s a
+// line: offered load, the node's cap (moe_auto_expert_budget), experts per token served, p99 and
+// errors of that half second.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/client/moe_client.h"
+#include "services/common/flags.h"
+#include "services/tools/load_generator.h"
+#include "services/tools/local_cluster.h"
+#include "tests/bench/bench_checkpoint.h"
+#include "tests/common/metrics_text.h"
+
+namespace moe::bench {
+namespace {
+
+using tensor::Bf16;
+
+double RelDiff(const std::vector<Bf16>& a, const std::vector<Bf16>& b) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i].ToFloat(), y = b[i].ToFloat();
+    d += (x - y) * (x - y);
+    n += y * y;
+  }
+  return n > 0 ? std::sqrt(d / n) : 0.0;
+}
+
+int Main(int argc, char** argv) {
+  std::string checkpoint, preset = "mid";
+  std::vector<int64_t> budgets;
+  int64_t tokens = 64, calibration_tokens = 4096;
+  double seconds = 4;
+  int concurrency = 2, shards = 2;
+  bool overload = true;
+  SvcFlags f("budget_bench", "Dynamic k on a local cluster: budgets, then an overload.");
+  f.String("checkpoint", &checkpoint, "checkpoint directory (empty: synthetic --preset)");
+  f.String("preset", &preset, "synthetic preset when no checkpoint");
+  f.IntList("budgets", &budgets, "budgets to measure (default: k, 3k/4, k/2, k/4)");
+  f.Int64("tokens", &tokens, "tokens per request");
+  f.Int64("calibration_tokens", &calibration_tokens, "tokens sent before the thresholds");
+  f.Double("seconds", &seconds, "seconds of traffic per budget");
+  f.Int("concurrency", &concurrency, "requests in flight per budget");
+  f.Int("shards", &shards, "expert shards");
+  f.Bool("overload", &overload, "run the overload experiment too");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  absl::StatusOr<std::string> dir = BenchCheckpoint(checkpoint, preset, "moe_budget_bench_");
+  if (!dir.ok()) {
+    std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
+    return 1;
+  }
+  auto ckpt = checkpoint::Checkpoint::Open(*dir);
+  if (!ckpt.ok()) return 1;
+  const ModelConfig cfg = *(*ckpt)->LoadConfig();
+  const int64_t k = cfg.top_k;
+  if (budgets.empty()) budgets = {k, 3 * k / 4, k / 2, k / 4};
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+
+  tools::LocalClusterOptions co;
+  co.checkpoint = *dir;
+  co.num_shards = shards;
+  co.admin_token = "bench";
+  co.attention_args = {"--report_interval_ms=200", "--budget_check_every=0"};
+  auto cluster = tools::LocalCluster::Start(co);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "%s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  client::ClientOptions clo = (*cluster)->client_options();
+  clo.admin_token = "bench";
+  clo.timeout = absl::Seconds(600);
+  auto client = client::MoeClient::Create(clo);
+  if (!client.ok()) return 1;
+  // Calibration, then the table (the layer keeps the full top-k; requests cap it).
+  for (int64_t sent = 0, i = 0; sent < calibration_tokens; sent += tokens, ++i) {
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 50000 + i);
+    if (auto r = (*client)->Forward(layer, x, tokens, cfg.hidden); !r.ok()) {
+      std::fprintf(stderr, "calibration: %s\n", r.status().ToString().c_str());
+      return 1;
+    }
+  }
+  absl::StatusOr<v1::LayerBias> set = absl::UnknownError("no budget");
+  for (int i = 0; i < 100 && !set.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    set = (*client)->SetExpertBudget(layer, static_cast<int32_t>(k));
+  }
+  if (!set.ok()) {
+    std::fprintf(stderr, "SetExpertBudget: %s\n", set.status().ToString().c_str());
+    return 1;
+  }
+  // Wait until the attention node routes with the new version.
+  const std::vector<Bf16> probe0 = checkpoint::SyntheticHiddenStates(cfg, 1, 7);
+  for (int i = 0; i < 100; ++i) {
+    auto r = (*client)->Forward(layer, probe0, 1, cfg.hidden);
+    if (r.ok() && r->bias_version == set->version()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::printf(
+      "checkpoint %s (H %lld, D %lld, E %lld, k %lld), %d shards; thresholds solved from "
+      "%lld tokens (bias version %llu)\n",
+      dir->c_str(), static_cast<long long>(cfg.hidden), static_cast<long long>(cfg.latent),
+      static_cast<long long>(cfg.num_experts), static_cast<long long>(k), shards,
+      static_cast<long long>(set->budget().solved_from_tokens()),
+      static_cast<unsigned long long>(set->version()));
+  std::printf(
+      "\n| budget | experts/token | tokens/s | vs full k | p50 ms | p99 ms | dispatch "
+      "KB/token | rel. output diff vs full k |\n|---|---|---|---|---|---|---|---|\n");
+  double full_tps = 0;
+  constexpr int kProbes = 4;
+  for (int64_t b : budgets) {
+    client::ForwardOptions fo;
+    fo.expert_budget = static_cast<int32_t>(b);
+    double pairs = 0, bytes = 0, diff = 0, served_tokens = 0;
+    for (int p = 0; p < kProbes; ++p) {
+      const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 90000 + p);
+      auto got = (*client)->Forward(layer, x, tokens, cfg.hidden, fo);
+      client::ForwardOptions full;
+      full.expert_budget = static_cast<int32_t>(k);
+      auto want = (*client)->Forward(layer, x, tokens, cfg.hidden, full);
+      if (!got.ok() || !want.ok()) return 1;
+      pairs += static_cast<double>(got->routed_pairs);
+      bytes += static_cast<double>(got->dispatch_bytes_sent + got->dispatch_bytes_received);
+      served_tokens += static_cast<double>(tokens);
+      diff += RelDiff(got->out, want->out);
+    }
+    tools::LoadOptions lo;
+    lo.layer = layer;
+    lo.hidden = cfg.hidden;
+    lo.concurrency = concurrency;
+    lo.tokens = tokens;
+    lo.duration = absl::Seconds(seconds);
+    lo.distinct_batches = 8;
+    lo.seed = 123;
+    lo.forward = fo;
+    auto load = tools::RunLoad(**client, lo);
+    if (!load.ok()) return 1;
+    if (b == k) full_tps = load->tokens_per_second;
+    std::printf(
+        "| %lld | %.2f | %.0f | %s | %.1f | %.1f | %.1f | %.4f |\n", static_cast<long long>(b),
+        pairs / served_tokens, load->tokens_per_second,
+        full_tps > 0 ? absl::StrFormat("%.2fx", load->tokens_per_second / full_tps).c_str() : "-",
+        load->p50_ms, load->p99_ms, bytes / served_tokens / 1024.0, diff / kProbes);
+    std::fflush(stdout);
+  }
+  (*cluster)->Stop();
+  if (!overload) return 0;
+
+  // The automatic mode under an overload.
+  tools::LocalClusterOptions oo = co;
+  const int64_t floor = std::max<int64_t>(1, k / 4);
+  oo.attention_args = {"--report_interval_ms=200",
+                       "--workers=1",
+                       absl::StrCat("--budget_auto_floor=", floor),
+                       "--budget_auto_queue=2",
+                       "--budget_auto_interval_ms=250",
+                       "--budget_check_every=16"};
+  auto ocluster = tools::LocalCluster::Start(oo);
+  if (!ocluster.ok()) return 1;
+  clo = (*ocluster)->client_options();
+  clo.admin_token = "bench";
+  clo.timeout = absl::Seconds(600);
+  auto oclient = client::MoeClient::Create(clo);
+  for (int64_t sent = 0, i = 0; sent < calibration_tokens; sent += tokens, ++i) {
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 50000 + i);
+    (void)(*oclient)->Forward(layer, x, tokens, cfg.hidden);
+  }
+  set = absl::UnknownError("no budget");
+  for (int i = 0; i < 100 && !set.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    set = (*oclient)->SetExpertBudget(layer, static_cast<int32_t>(k));
+  }
+  if (!set.ok()) return 1;
+  std::printf(
+      "\nOverload: one attention worker, automatic mode floor %lld, bound 2 queued, "
+      "250 ms steps; %lld tokens per request\n\n| t s | in flight | cap | experts/token "
+      "| tokens/s | p99 ms | errors |\n|---|---|---|---|---|---|---|\n",
+      static_cast<long long>(floor), static_cast<long long>(tokens));
+  const std::string metrics = (*ocluster)->attention_metrics();
+  double t = 0;
+  for (const auto& [in_flight, phase_s] :
+       std::vector<std::pair<int, double>>{{1, 3}, {8, 6}, {1, 6}}) {
+    for (double s = 0; s < phase_s; s += 0.5, t += 0.5) {
+      const double tok0 =
+          testing::ScrapeSum(metrics, "moe_budget_tokens_total", {"kind=\"tokens\""});
+      const double pair0 =
+          testing::ScrapeSum(metrics, "moe_budget_tokens_total", {"kind=\"pairs\""});
+      tools::LoadOptions lo;
+      lo.layer = layer;
+      lo.hidden = cfg.hidden;
+      lo.concurrency = in_flight;
+      lo.tokens = tokens;
+      lo.duration = absl::Milliseconds(500);
+      lo.distinct_batches = 8;
+      lo.seed = 7 + static_cast<uint64_t>(t * 2);
+      auto r = tools::RunLoad(**oclient, lo);
+      if (!r.ok()) return 1;
+      const double tok1 =
+          testing::ScrapeSum(metrics, "moe_budget_tokens_total", {"kind=\"tokens\""});
+      const double pair1 =
+          testing::ScrapeSum(metrics, "moe_budget_tokens_total", {"kind=\"pairs\""});
+      int64_t errors = 0;
+      for (const auto& [code, n] : r->errors) errors += n;
+      std::printf("| %.1f | %d | %.0f | %.2f | %.0f | %.1f | %lld |\n", t + 0.5, in_flight,
+                  testing::ScrapeSum(metrics, "moe_auto_expert_budget", {}),
+                  tok1 > tok0 ? (pair1 - pair0) / (tok1 - tok0) : 0.0, r->tokens_per_second,
+                  r->p99_ms, static_cast<long long>(errors));
+      std::fflush(stdout);
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the last report
+  const double checks =
+      testing::ScrapeSum(metrics, "moe_budget_checks_total", {"outcome=\"measured\""});
+  const double sum = testing::ScrapeSum(metrics, "moe_budget_output_rel_diff_sum", {});
+  std::printf(
+      "\nsteps down %.0f, up %.0f; the node's sampled full-k checks: %.0f measured, mean "
+      "relative output difference %.4f\n",
+      testing::ScrapeSum(metrics, "moe_budget_steps_total", {"direction=\"down\""}),
+      testing::ScrapeSum(metrics, "moe_budget_steps_total", {"direction=\"up\""}), checks,
+      checks > 0 ? sum / checks : 0.0);
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe::bench
+
+int main(int argc, char** argv) { return moe::bench::Main(argc, argv); }
