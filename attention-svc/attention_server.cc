@@ -124,19 +124,20 @@ absl::Status AttentionServer::Impl::StartServing() {
   };
   oip_ = std::make_unique<OipService>(std::move(hooks));
   so.services = {this, oip_.get()};
+  // Dynamic k's automatic mode exists before the first request can arrive.
+  BudgetGovernorOptions g;
+  g.floor = std::clamp<int32_t>(options_.budget_auto_floor, 0, static_cast<int32_t>(cfg_.top_k));
+  g.queue_bound = options_.budget_auto_queue;
+  g.p99_ms = options_.budget_auto_p99_ms;
+  g.interval_ms = std::max<int64_t>(10, options_.budget_auto_interval_ms);
+  governor_ = std::make_unique<BudgetGovernor>(g, static_cast<int32_t>(cfg_.top_k));
+  if (metrics_ != nullptr) metrics_->AutoBudget(cfg_.top_k);
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
   router_->WatchPlacement([this](const v1::Placement& p) { ApplyPlacement(p); });
   std::vector<int32_t> hosted;
   for (const auto& [l, h] : layers_) hosted.push_back(l);
   router_->WatchBias(hosted, [this](const v1::LayerBias& b) { ApplyBias(b); });
   report_thread_ = std::thread([this] { ReportLoop(); });
-  BudgetGovernorOptions g;
-  g.floor = options_.budget_auto_floor;
-  g.queue_bound = options_.budget_auto_queue;
-  g.p99_ms = options_.budget_auto_p99_ms;
-  g.interval_ms = std::max<int64_t>(10, options_.budget_auto_interval_ms);
-  governor_ = std::make_unique<BudgetGovernor>(g, static_cast<int32_t>(cfg_.top_k));
-  if (metrics_ != nullptr) metrics_->AutoBudget(cfg_.top_k);
   if (governor_->enabled()) {
     MOE_LOG_INFO("dynamic k: automatic budget on, floor {}, queue bound {}, p99 bound {} ms",
                  g.floor, g.queue_bound, g.p99_ms);
@@ -333,7 +334,12 @@ void AttentionServer::Impl::GovernorLoop() {
 
 void AttentionServer::Impl::MaybeCheck(const v1::ForwardRequest& req,
                                        const v1::ForwardResponse& resp) {
-  if (options_.budget_check_every <= 0 || resp.expert_budget() >= cfg_.top_k) return;
+  // Requests past kMaxCheckTokens are not sampled: a copy of each waits in the queue.
+  constexpr int64_t kMaxCheckTokens = 2048;
+  if (options_.budget_check_every <= 0 || resp.expert_budget() >= cfg_.top_k ||
+      resp.output().shape_size() < 1 || resp.output().shape(0) > kMaxCheckTokens) {
+    return;
+  }
   std::lock_guard<std::mutex> lock(check_mu_);
   if (checks_stopping_ || budgeted_++ % static_cast<uint64_t>(options_.budget_check_every) != 0) {
     return;
@@ -359,9 +365,11 @@ void AttentionServer::Impl::CheckLoop() {
     // The same request at full k, through the same expert servers, after the answer went out.
     v1::ForwardResponse full;
     c.req.mutable_options()->set_return_routing(false);
-    const absl::Status s =
-        RunForward(c.req, absl::Now() + absl::Milliseconds(options_.default_timeout_ms), &full,
-                   /*check=*/true);
+    // A short deadline: a check never holds a shutdown for long.
+    const absl::Status s = RunForward(
+        c.req,
+        absl::Now() + absl::Milliseconds(std::min<int64_t>(options_.default_timeout_ms, 5000)),
+        &full, /*check=*/true);
     const int32_t layer = c.req.layer();
     if (!s.ok()) {
       MOE_LOG_WARN("dynamic k: the full-k check of a layer {} request failed: {}", layer,

@@ -79,9 +79,10 @@ struct AttentionServerOptions {
   int64_t budget_auto_queue = 8;
   double budget_auto_p99_ms = 0;
   int64_t budget_auto_interval_ms = 250;
-  // One in this many forwards served below the full top-k is recomputed at full k off the hot
-  // path (at most budget_check_queue waiting; more are dropped and counted) and the output's
-  // relative difference exported (moe_budget_output_rel_diff). 0: never.
+  // One in this many forwards served below the full top-k (of at most 2048 tokens) is
+  // recomputed at full k off the hot path (at most budget_check_queue waiting; more are dropped
+  // and counted) and the output's relative difference exported (moe_budget_output_rel_diff).
+  // 0: never.
   int64_t budget_check_every = 64;
   int budget_check_queue = 2;
   int max_message_bytes = 256 << 20;
