@@ -41,8 +41,8 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
                       int64_t top_k, bool renormalize, float scaling_factor);
 
 // The (token, slot) pairs of each expert: result[e] holds token * top_k + slot for every slot
-// routed to e, ascending (so tokens ascending); slots a budget dropped (id -1) belong to none. Grouping by expert lets an expert's weights
-// stream once per batch.
+// routed to e, ascending (so tokens ascending); slots a budget dropped (id -1) belong to none.
+// Grouping by expert lets an expert's weights stream once per batch.
 std::vector<std::vector<int64_t>> PairsByExpert(const Routing& routing, int64_t num_experts);
 
 namespace ref {
