@@ -127,7 +127,8 @@ void BatchVerifier::Check(const Sample& s) {
   std::vector<Bf16> want(s.y.size());
   const bool w4a8 = s.z.format() == tensor::ActivationFormat::kMxfp8;
   if (w4a8) {
-    numerics::ref::ExpertFfn(*ew, s.z.mxfp8(), cfg_.situ_beta, cfg_.situ_linear_beta, want.data());
+    numerics::ref::ExpertFfn(*ew, s.z.mxfp8(), cfg_.situ_beta, cfg_.situ_linear_beta, want.data(),
+                             options_.w4a8_h);
   } else {
     numerics::ref::ExpertFfn(*ew, s.z.bf16().data(), s.rows, cfg_.situ_beta, cfg_.situ_linear_beta,
                              want.data());

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "services/common/model_config.h"
 #include "services/numerics/layer_weights.h"
+#include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
 #include "services/tensor/activations.h"
 #include "services/tensor/bf16.h"
@@ -43,6 +44,7 @@ struct BatchVerifierOptions {
   double fraction = 1e-3;  // of the batches; 0 off, 1 every batch
   int64_t max_rows = 16;   // rows of the chosen expert recomputed per sample
   int max_pending = 2;     // samples waiting for the background thread
+  numerics::W4A8H w4a8_h = numerics::W4A8H::kFromFp32;  // as the shard's backend computes W4A8
 };
 
 class BatchVerifier {

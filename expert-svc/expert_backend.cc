@@ -16,14 +16,15 @@ namespace {
 class CpuBackend final : public ExpertBackend {
  public:
   CpuBackend(const ModelConfig& cfg, const numerics::MoeLayerWeights& w,
-             const numerics::cpu::KernelTable& k, numerics::cpu::ThreadPool* pool)
-      : cfg_(cfg), w_(w), k_(k), pool_(pool) {}
+             const numerics::cpu::KernelTable& k, numerics::cpu::ThreadPool* pool,
+             numerics::W4A8H w4a8_h)
+      : cfg_(cfg), w_(w), k_(k), pool_(pool), w4a8_h_(w4a8_h) {}
   std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::IsaName(k_.isa)); }
   absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
                                                 const tensor::Activations& z) override {
     switch (z.format()) {
       case tensor::ActivationFormat::kMxfp8:
-        return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8());
+        return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8(), w4a8_h_);
       case tensor::ActivationFormat::kBf16:
         return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data());
     }
@@ -38,6 +39,7 @@ class CpuBackend final : public ExpertBackend {
   const numerics::MoeLayerWeights& w_;
   const numerics::cpu::KernelTable& k_;
   numerics::cpu::ThreadPool* pool_;
+  const numerics::W4A8H w4a8_h_;
 };
 
 class CudaBackend final : public ExpertBackend {
@@ -131,7 +133,8 @@ absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
-    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool) {
+    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool,
+    numerics::W4A8H w4a8_h) {
   const numerics::cuda::CudaDeviceInfo gpu = backend == Backend::kCuda || backend == Backend::kAuto
                                                  ? numerics::cuda::QueryCudaDevice()
                                                  : numerics::cuda::CudaDeviceInfo{};
@@ -147,7 +150,7 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     }
     note = absl::StrCat("auto chose the CPU: CUDA experts: ", experts.status().message());
   }
-  auto cpu = std::unique_ptr<ExpertBackend>(new CpuBackend(cfg, weights, kernels, pool));
+  auto cpu = std::unique_ptr<ExpertBackend>(new CpuBackend(cfg, weights, kernels, pool, w4a8_h));
   cpu->note = note;
   return cpu;
 }

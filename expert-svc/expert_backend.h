@@ -63,9 +63,11 @@ absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
 // weights, kernels and pool must outlive the backend. auto falls back to the CPU (with the
 // reason in the backend's note()) when the GPU is unusable, too old, or CudaExperts::Create
 // fails; cuda does not fall back.
+// w4a8_h: where the CPU backend's W4A8 quantizes h (precision_mode.h).
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
-    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool);
+    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool,
+    numerics::W4A8H w4a8_h = numerics::W4A8H::kFromFp32);
 
 }  // namespace moe::expert_svc
 

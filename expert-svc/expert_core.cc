@@ -134,8 +134,8 @@ absl::Status ExpertCore::LoadWeights() {
   kernels_ = &numerics::cpu::KernelsFor(numerics::cpu::CapIsa(options_.isa));
   pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
   for (const auto& [layer, w] : layers_) {
-    MOE_ASSIGN_OR_RETURN(backends_[layer],
-                         MakeExpertBackend(options_.backend, cfg_, w, *kernels_, pool_.get()));
+    MOE_ASSIGN_OR_RETURN(backends_[layer], MakeExpertBackend(options_.backend, cfg_, w, *kernels_,
+                                                             pool_.get(), options_.w4a8_h));
   }
   {
     const std::vector<numerics::Precision> can = backends_.begin()->second->precisions();
@@ -185,6 +185,7 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
   if (options_.verify_fraction > 0 && options_.backend != Backend::kEcho) {
     BatchVerifierOptions vo;
     vo.fraction = options_.verify_fraction;
+    vo.w4a8_h = options_.w4a8_h;
     verifier_ = std::make_unique<BatchVerifier>(
         cfg_, vo, ReferenceWeightsFor(options_, cfg_),
         [this](VerifyResult r, const std::string& detail) {

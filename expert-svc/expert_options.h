@@ -60,6 +60,9 @@ struct ExpertServerOptions {
   // The precision modes served, the first the default of batches that name none (empty:
   // every mode of the backend, W4A16 first). A mode the backend cannot compute fails the start.
   std::vector<numerics::Precision> precisions;
+  // W4A8's h quantized to MXFP8 from the fp32 SiTU output (as deployed K3 stacks do), or via a
+  // bf16 rounding first (--w4a8_h_via_bf16: this project's order before; docs/math.md 6).
+  numerics::W4A8H w4a8_h = numerics::W4A8H::kFromFp32;
   int max_queued_batches = 256;       // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;  // also the largest out-of-band payload
   // The out-of-band data plane (docs/data-plane.md): auto offers UCX when this build has it

@@ -34,6 +34,10 @@ int main(int argc, char** argv) {
               moe::expert_svc::ParsePrecisionList,
               "precision modes served, comma-separated, the first the default of batches that "
               "name none: w4a16, w4a8, w4a16,w4a8 (default: every mode of the backend)");
+  bool w4a8_h_via_bf16 = false;
+  flags.Bool("w4a8_h_via_bf16", &w4a8_h_via_bf16,
+             "W4A8: round h to bf16 before MXFP8 (this project's order before; the default "
+             "quantizes the fp32 SiTU output as deployed K3 stacks do, docs/math.md section 6)");
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
   flags.Int("max_message_bytes", &o.max_message_bytes,
             "gRPC message limit, and the largest out-of-band payload");
@@ -51,6 +55,7 @@ int main(int argc, char** argv) {
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
+  if (w4a8_h_via_bf16) o.w4a8_h = moe::numerics::W4A8H::kViaBf16;
   return moe::RunServer(
       "expert-svc", [&]() -> absl::StatusOr<std::unique_ptr<moe::expert_svc::ExpertServer>> {
         MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));

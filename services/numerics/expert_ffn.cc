@@ -28,7 +28,7 @@ void Mxfp4Linear(const Mxfp4Matrix& w, const float* xt, int64_t tokens, float* o
 
 // The FFN from z as fp32 [tokens, D] (W4A8: already through MXFP8).
 void FfnFromFloat(const ExpertWeights& w, const std::vector<float>& zf, int64_t tokens, float beta,
-                  float linear_beta, Bf16* y, Precision precision) {
+                  float linear_beta, Bf16* y, Precision precision, W4A8H h_order) {
   const int64_t latent = w.w1.cols;
   const int64_t inter = w.w1.rows;
   std::vector<float> zt(zf.size());
@@ -41,8 +41,11 @@ void FfnFromFloat(const ExpertWeights& w, const std::vector<float>& zf, int64_t 
   Mxfp4Linear(w.w3, zt.data(), tokens, u.data());
   // h: [tokens, inter], then [inter, tokens] (transposed for the down projection).
   std::vector<float> h(static_cast<size_t>(tokens * inter));
+  // W4A8 (as deployed): MXFP8 from the fp32 SiTU output; W4A16, or W4A8 via bf16: bf16 first.
+  const bool fp32_h = precision == Precision::kW4A8 && h_order == W4A8H::kFromFp32;
   for (int64_t k = 0; k < tokens * inter; ++k) {
-    h[k] = tensor::RoundBf16(Situ(g[k], u[k], beta, linear_beta));
+    const float s = Situ(g[k], u[k], beta, linear_beta);
+    h[k] = fp32_h ? s : tensor::RoundBf16(s);
   }
   if (precision == Precision::kW4A8) RoundTripMxfp8Rows(h.data(), tokens, inter);
   std::vector<float> ht(static_cast<size_t>(inter * tokens));
@@ -57,18 +60,19 @@ void FfnFromFloat(const ExpertWeights& w, const std::vector<float>& zf, int64_t 
 }  // namespace
 
 void ExpertFfn(const ExpertWeights& w, const Bf16* z, int64_t tokens, float beta, float linear_beta,
-               Bf16* y, Precision precision) {
+               Bf16* y, Precision precision, W4A8H h_order) {
   const int64_t latent = w.w1.cols;
   std::vector<float> zf(static_cast<size_t>(tokens * latent));
   for (int64_t i = 0; i < tokens * latent; ++i) zf[i] = z[i].ToFloat();
   if (precision == Precision::kW4A8) RoundTripMxfp8Rows(zf.data(), tokens, latent);
-  FfnFromFloat(w, zf, tokens, beta, linear_beta, y, precision);
+  FfnFromFloat(w, zf, tokens, beta, linear_beta, y, precision, h_order);
 }
 
-void ExpertFfn(const ExpertWeights& w, const Mxfp8Rows& z, float beta, float linear_beta, Bf16* y) {
+void ExpertFfn(const ExpertWeights& w, const Mxfp8Rows& z, float beta, float linear_beta, Bf16* y,
+               W4A8H h_order) {
   std::vector<float> zf(static_cast<size_t>(z.rows * z.cols));
   for (int64_t r = 0; r < z.rows; ++r) DequantizeMxfp8Row(z, r, zf.data() + r * z.cols);
-  FfnFromFloat(w, zf, z.rows, beta, linear_beta, y, Precision::kW4A8);
+  FfnFromFloat(w, zf, z.rows, beta, linear_beta, y, Precision::kW4A8, h_order);
 }
 
 }  // namespace moe::numerics::ref

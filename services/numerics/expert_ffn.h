@@ -1,7 +1,7 @@
 // One routed expert's FFN on MXFP4 weights with SiTU-GLU (docs/math.md section 4 step 3), scalar
 // reference:
 //   g = bf16(z . W1^T), u = bf16(z . W3^T)   [tokens, I]  (w1 = gate, w3 = up, as checkpointed)
-//   h = bf16(SiTU(g, u))
+//   h = bf16(SiTU(g, u))                     (W4A8: MXFP8(SiTU(g, u)), docs/math.md section 6)
 //   y = bf16(h . W2^T)                       [tokens, D]
 // Weights are dequantized exactly to fp32 one row at a time; sums run in ascending order over
 // the reduction axis as in linear.h.
@@ -28,12 +28,14 @@ struct ExpertWeights {
 
 namespace ref {
 // z: [tokens, D] -> y: [tokens, D]. W4A8: z and h are rounded through MXFP8 (per token, blocks
-// of 32) before FC1 and FC2 read them; everything else as in W4A16.
+// of 32) before FC1 and FC2 read them, h from the fp32 SiTU output unless h_order says via bf16;
+// everything else as in W4A16.
 void ExpertFfn(const ExpertWeights& w, const tensor::Bf16* z, int64_t tokens, float beta,
-               float linear_beta, tensor::Bf16* y, Precision precision = Precision::kW4A16);
+               float linear_beta, tensor::Bf16* y, Precision precision = Precision::kW4A16,
+               W4A8H h_order = W4A8H::kFromFp32);
 // W4A8 on z already in MXFP8 (z.rows tokens, as an expert server receives it).
 void ExpertFfn(const ExpertWeights& w, const Mxfp8Rows& z, float beta, float linear_beta,
-               tensor::Bf16* y);
+               tensor::Bf16* y, W4A8H h_order = W4A8H::kFromFp32);
 }  // namespace ref
 
 }  // namespace moe::numerics

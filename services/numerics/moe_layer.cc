@@ -133,7 +133,8 @@ std::vector<Bf16> LatentDown(const ModelConfig& cfg, const MoeLayerWeights& w, c
 }
 
 std::vector<Bf16> RunExperts(const ModelConfig& cfg, const MoeLayerWeights& w,
-                             const Routing& routing, const Bf16* z, Precision precision) {
+                             const Routing& routing, const Bf16* z, Precision precision,
+                             W4A8H h_order) {
   const int64_t d = cfg.latent, k = routing.top_k;
   std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
   const std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
@@ -149,7 +150,7 @@ std::vector<Bf16> RunExperts(const ModelConfig& cfg, const MoeLayerWeights& w,
       std::copy(z + token * d, z + (token + 1) * d, zin.begin() + i * d);
     }
     ExpertFfn(*w.Expert(e), zin.data(), n, cfg.situ_beta, cfg.situ_linear_beta, yout.data(),
-              precision);
+              precision, h_order);
     for (int64_t i = 0; i < n; ++i) {
       std::copy(yout.begin() + i * d, yout.begin() + (i + 1) * d, y.begin() + list[i] * d);
     }
@@ -185,7 +186,8 @@ std::vector<Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w, 
 absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLayerWeights& w,
                                             absl::Span<const Bf16> x, int64_t tokens, int64_t width,
                                             const float* bias, LayerTimings* timings,
-                                            Precision precision, const BudgetRule* budget) {
+                                            Precision precision, const BudgetRule* budget,
+                                            W4A8H h_order) {
   MOE_RETURN_IF_ERROR(ValidateHiddenStates(cfg, x, tokens, width));
   MOE_RETURN_IF_ERROR(ValidateLayerWeights(cfg, w, /*need_dense=*/true, /*need_experts=*/true));
   LayerOutput result;
@@ -209,7 +211,7 @@ absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLay
   std::vector<Bf16> y;
   {
     StageTimer timer(timings, &LayerTimings::experts);
-    y = RunExperts(cfg, w, result.routing, z.data(), precision);
+    y = RunExperts(cfg, w, result.routing, z.data(), precision, h_order);
   }
   std::vector<Bf16> r(static_cast<size_t>(tokens * cfg.latent));
   {

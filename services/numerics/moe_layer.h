@@ -71,7 +71,8 @@ std::vector<tensor::Bf16> LatentDown(const ModelConfig& cfg, const MoeLayerWeigh
 // hosted by w.
 std::vector<tensor::Bf16> RunExperts(const ModelConfig& cfg, const MoeLayerWeights& w,
                                      const Routing& routing, const tensor::Bf16* z,
-                                     Precision precision = Precision::kW4A16);
+                                     Precision precision = Precision::kW4A16,
+                                     W4A8H h_order = W4A8H::kFromFp32);
 // Steps 5 to 8 from the combined latent r: [T, D] -> out: [T, H].
 std::vector<tensor::Bf16> FinishLayer(const ModelConfig& cfg, const MoeLayerWeights& w,
                                       const tensor::Bf16* x, int64_t tokens, const tensor::Bf16* r,
@@ -84,7 +85,8 @@ absl::StatusOr<LayerOutput> MoeLayerForward(const ModelConfig& cfg, const MoeLay
                                             int64_t width, const float* bias = nullptr,
                                             LayerTimings* timings = nullptr,
                                             Precision precision = Precision::kW4A16,
-                                            const BudgetRule* budget = nullptr);
+                                            const BudgetRule* budget = nullptr,
+                                            W4A8H h_order = W4A8H::kFromFp32);
 
 }  // namespace ref
 }  // namespace moe::numerics

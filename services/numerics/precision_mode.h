@@ -13,6 +13,12 @@ namespace moe::numerics {
 enum class Precision { kW4A16, kW4A8 };
 inline const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" : "w4a16"; }
 
+// Where W4A8 quantizes h (docs/math.md section 6): from the fp32 SiTU output, as the deployed
+// K3 stacks do (FlashInfer's MXFP8 reference, the fused SiTU + MXFP8 epilogues), the default; or
+// after rounding it to bf16 first, this project's order before (expert-svc
+// --w4a8_h_via_bf16). W4A16 always rounds h to bf16.
+enum class W4A8H { kFromFp32, kViaBf16 };
+
 }  // namespace moe::numerics
 
 #endif  // MOE_SERVICES_NUMERICS_PRECISION_MODE_H_

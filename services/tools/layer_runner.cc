@@ -74,10 +74,14 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   }
   MOE_ASSIGN_OR_RETURN(const numerics::Precision precision,
                        numerics::ParsePrecision(req.precision));
+  const numerics::W4A8H h_order =
+      req.w4a8_h_via_bf16 ? numerics::W4A8H::kViaBf16 : numerics::W4A8H::kFromFp32;
   std::unique_ptr<numerics::cpu::CpuMoeLayer> cpu;
   if (req.backend == "cpu") {
+    numerics::cpu::CpuLayerOptions lo;
+    lo.w4a8_h = h_order;
     MOE_ASSIGN_OR_RETURN(cpu,
-                         numerics::cpu::CpuMoeLayer::Create(rep.config, std::move(weights), {}));
+                         numerics::cpu::CpuMoeLayer::Create(rep.config, std::move(weights), lo));
     rep.backend =
         absl::StrCat("cpu/", numerics::cpu::IsaName(cpu->isa()), ", ", cpu->threads(), " threads");
   } else {
@@ -115,7 +119,7 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
         numerics::LayerOutput y,
         cpu ? cpu->Forward(x, rep.tokens, rep.config.hidden, nullptr, &t, precision, budget)
             : numerics::ref::MoeLayerForward(rep.config, weights, x, rep.tokens, rep.config.hidden,
-                                             nullptr, &t, precision, budget));
+                                             nullptr, &t, precision, budget, h_order));
     if (r == 0 || t.Total() < rep.timings.Total()) rep.timings = t;
     best = std::move(y);
   }

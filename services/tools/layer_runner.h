@@ -24,6 +24,7 @@ struct ForwardRequest {
   int repeat = 1;               // forwards to time; the report keeps the fastest
   std::string backend = "cpu";  // "cpu" (optimized, numerics/cpu) or "ref" (scalar reference)
   std::string precision = "w4a16";  // or "w4a8"
+  bool w4a8_h_via_bf16 = false;     // W4A8's h rounded to bf16 before MXFP8 (precision_mode.h)
   // Dynamic k (docs/math.md section 4.1): 1..k-1 serves this budget with thresholds solved
   // exactly (k_min 1) from budget_calibration_tokens synthetic tokens of seed input_seed + 1000,
   // written to the output as "thresholds" [k - 1, E] and "calibration_x"; 0: the full top-k.

@@ -121,6 +121,8 @@ int Forward(int argc, char** argv) {
   f.String("backend", &req.backend, "cpu (optimized) or ref (scalar reference)");
   f.String("precision", &req.precision,
            "w4a16 or w4a8 (MXFP8 expert inputs, docs/math.md section 6)");
+  f.Bool("w4a8_h_via_bf16", &req.w4a8_h_via_bf16,
+         "W4A8: round h to bf16 before MXFP8 (the project's order before; default: from fp32)");
   f.Int64("budget", &req.budget,
           "dynamic k: serve this expert budget (1..top-k - 1) with thresholds solved from a "
           "calibration batch (0: the full top-k)");

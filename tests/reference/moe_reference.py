@@ -213,8 +213,10 @@ def router_scores(ck, layer, x_bits):
         ck.get(p + "gate.e_score_correction_bias").astype(F32)
 
 
-def layer_forward(ck, layer, x_bits, precision="w4a16", budget=None):
-    """precision: w4a16, or w4a8 (z and h through MXFP8 before the expert FCs that read them).
+def layer_forward(ck, layer, x_bits, precision="w4a16", budget=None, h_via_bf16=False):
+    """precision: w4a16, or w4a8 (z and h through MXFP8 before the expert FCs that read them; h
+    from the fp32 SiTU output as deployed stacks quantize it, or rounded to bf16 first when
+    h_via_bf16: the project's order before, expert-svc --w4a8_h_via_bf16).
     budget: None, or (k_min, theta [E]) for dynamic k: a token keeps its first k_min selections
     and those with s >= theta of their expert, in rank order; the rest are id -1, weight 0."""
     a8 = mxfp8_roundtrip if precision == "w4a8" else (lambda v: v)
@@ -269,7 +271,8 @@ def layer_forward(ck, layer, x_bits, precision="w4a16", budget=None):
         ze = a8(z[rows])
         g = round_bf16(matmul_seq(ze, w1))
         u = round_bf16(matmul_seq(ze, w3))
-        h = a8(round_bf16(situ(g, u, b1, b2)))
+        s_h = situ(g, u, b1, b2)
+        h = a8(s_h) if precision == "w4a8" and not h_via_bf16 else a8(round_bf16(s_h))
         y[rows, slots] = round_bf16(matmul_seq(h, w2))
 
     # 4. combine in ascending expert id (dropped slots add nothing)

@@ -30,7 +30,7 @@ struct ActiveExpert {
 
 // FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
 void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, float beta,
-              float linear_beta, Precision precision) {
+              float linear_beta, Precision precision, W4A8H h_order) {
   const int64_t n = static_cast<int64_t>(e.pairs.size());
   const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
   const int64_t ld_z = ActivationSlots(k, d), ld_h = ActivationSlots(k, inter);
@@ -46,9 +46,11 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
     k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.get(), rows);
     k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.get(), rows);
   }
-  k.situ(g.get(), u.get(), n * rows, beta, linear_beta, h.get());
-  // W4A8: h through MXFP8 before FC2 reads it. A work item's rows start at a multiple of
-  // kExpertRowBlock (of 32), so its blocks of 32 are the reference's blocks of each token's h.
+  // W4A8: h through MXFP8 before FC2 reads it, from the fp32 SiTU output unless asked via bf16.
+  // A work item's rows start at a multiple of kExpertRowBlock (of 32), so its blocks of 32 are
+  // the reference's blocks of each token's h.
+  const bool fp32_h = precision == Precision::kW4A8 && h_order == W4A8H::kFromFp32;
+  (fp32_h ? k.situ_f32 : k.situ)(g.get(), u.get(), n * rows, beta, linear_beta, h.get());
   if (precision == Precision::kW4A8) k.mxfp8_roundtrip(h.get(), n * rows);
   // h into the FC2 activations: the slot of each row once, not once per element.
   for (int64_t r = r0; r < r1; ++r) {
@@ -86,7 +88,7 @@ void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r
 }
 
 void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>& active,
-               float beta, float linear_beta, Precision precision, Bf16* y) {
+               float beta, float linear_beta, Precision precision, W4A8H h_order, Bf16* y) {
   if (active.empty()) return;
   const int64_t inter = active[0].w->w1.rows, d = active[0].w->w1.cols;
   const int64_t fc1_blocks = (inter + kExpertRowBlock - 1) / kExpertRowBlock;
@@ -95,7 +97,7 @@ void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>
   pool->ParallelFor(experts * fc1_blocks, [&](int64_t item) {
     const int64_t b = item % fc1_blocks;
     Fc1Block(k, active[item / fc1_blocks], b * kExpertRowBlock,
-             std::min(inter, (b + 1) * kExpertRowBlock), beta, linear_beta, precision);
+             std::min(inter, (b + 1) * kExpertRowBlock), beta, linear_beta, precision, h_order);
   });
   pool->ParallelFor(experts * fc2_blocks, [&](int64_t item) {
     const int64_t b = item % fc2_blocks;
@@ -139,7 +141,7 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
 
 std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                       const MoeLayerWeights& w, const Routing& routing, const ExpertInput& z,
-                      Precision precision) {
+                      Precision precision, W4A8H h_order) {
   const int64_t d = cfg.latent, k = routing.top_k;
   std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
   std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
@@ -153,7 +155,8 @@ std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelC
   }
   pool->ParallelFor(static_cast<int64_t>(active.size()),
                     [&](int64_t i) { Prepare(kernels, active[i], z, k, d, cfg.intermediate); });
-  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, precision, y.data());
+  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, precision, h_order,
+            y.data());
   return y;
 }
 
@@ -161,21 +164,22 @@ std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelC
 
 std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                              const MoeLayerWeights& w, const Routing& routing, const Bf16* z,
-                             Precision precision) {
+                             Precision precision, W4A8H h_order) {
   if (precision == Precision::kW4A8) {
     const Mxfp8Rows z8 = QuantizeMxfp8Rows(z, routing.tokens, cfg.latent);
-    return RunExperts(kernels, pool, cfg, w, routing, z8);
+    return RunExperts(kernels, pool, cfg, w, routing, z8, h_order);
   }
-  return Run(kernels, pool, cfg, w, routing, {z, nullptr}, Precision::kW4A16);
+  return Run(kernels, pool, cfg, w, routing, {z, nullptr}, Precision::kW4A16, h_order);
 }
 
 std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
-                             const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z) {
-  return Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8);
+                             const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z,
+                             W4A8H h_order) {
+  return Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8, h_order);
 }
 
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const Bf16* z, int64_t tokens,
-               float beta, float linear_beta, Bf16* y, Precision precision) {
+               float beta, float linear_beta, Bf16* y, Precision precision, W4A8H h_order) {
   ThreadPool single(1);
   std::vector<ActiveExpert> active(1);
   active[0].w = &w;
@@ -185,7 +189,7 @@ void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const Bf16* z
   const ExpertInput in =
       precision == Precision::kW4A8 ? ExpertInput{nullptr, &z8} : ExpertInput{z, nullptr};
   Prepare(kernels, active[0], in, 1, w.w1.cols, w.w1.rows);
-  RunPhases(kernels, &single, active, beta, linear_beta, precision, y);
+  RunPhases(kernels, &single, active, beta, linear_beta, precision, h_order, y);
 }
 
 }  // namespace moe::numerics::cpu

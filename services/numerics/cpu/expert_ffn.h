@@ -35,17 +35,20 @@ inline constexpr int64_t kExpertRowBlock = 128;
 std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool,
                                      const ModelConfig& cfg, const MoeLayerWeights& w,
                                      const Routing& routing, const tensor::Bf16* z,
-                                     Precision precision = Precision::kW4A16);
+                                     Precision precision = Precision::kW4A16,
+                                     W4A8H h_order = W4A8H::kFromFp32);
 // W4A8 on z already in MXFP8 ([T, D], as it arrives at an expert server): each FC reads
-// MXFP8 activations (z here, h quantized after SiTU), as ref::ExpertFfn in kW4A8.
+// MXFP8 activations (z here, h quantized after SiTU: from fp32 unless h_order says via bf16),
+// as ref::ExpertFfn in kW4A8.
 std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool,
                                      const ModelConfig& cfg, const MoeLayerWeights& w,
-                                     const Routing& routing, const Mxfp8Rows& z);
+                                     const Routing& routing, const Mxfp8Rows& z,
+                                     W4A8H h_order = W4A8H::kFromFp32);
 
 // One expert for `tokens` rows of z [tokens, D] -> y [tokens, D] (single-threaded; tests).
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const tensor::Bf16* z,
                int64_t tokens, float beta, float linear_beta, tensor::Bf16* y,
-               Precision precision = Precision::kW4A16);
+               Precision precision = Precision::kW4A16, W4A8H h_order = W4A8H::kFromFp32);
 
 }  // namespace moe::numerics::cpu
 

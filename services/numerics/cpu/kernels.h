@@ -18,7 +18,9 @@
 //    block's amax by its exponent bits, the E4M3 rounding as integer rounding of the fp32
 //    mantissa (vroundps below 2^-6), no codes materialized.
 //  * situ: h = bf16(SiTU(bf16(g), bf16(u))) elementwise, fp32 in and out, with vectorized exp
-//    and tanh (a few fp32 ulp from the reference's correctly rounded ones).
+//    and tanh (a few fp32 ulp from the reference's correctly rounded ones); situ_f32 the same
+//    without the final bf16 rounding (W4A8's h, quantized to MXFP8 from fp32 as deployed
+//    stacks do: docs/math.md section 6).
 #ifndef MOE_SERVICES_NUMERICS_CPU_KERNELS_H_
 #define MOE_SERVICES_NUMERICS_CPU_KERNELS_H_
 
@@ -71,6 +73,8 @@ struct KernelTable {
   // MXFP8 in place, bit for bit numerics::RoundTripMxfp8Rows (the scalar table calls it). Finite
   // input only.
   void (*mxfp8_roundtrip)(float* values, int64_t n);
+  void (*situ_f32)(const float* g, const float* u, int64_t n, float beta, float linear_beta,
+                   float* h);
 };
 
 // Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).

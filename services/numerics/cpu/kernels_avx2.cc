@@ -544,7 +544,9 @@ inline __m256 Tanh(__m256 y) {
   return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.3f), _CMP_LT_OQ));
 }
 
-void Situ(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h) {
+// kRound: the result rounded to bf16 (situ), else left in fp32 (situ_f32).
+template <bool kRound>
+void SituT(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h) {
   const __m256 b1 = _mm256_set1_ps(beta), b2 = _mm256_set1_ps(linear_beta);
   const __m256 one = _mm256_set1_ps(1.0f);
   float gb[8], ub[8], hb[8];
@@ -560,7 +562,8 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
         _mm256_div_ps(one, _mm256_add_ps(one, Exp(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
     const __m256 gate = _mm256_mul_ps(_mm256_mul_ps(b1, Tanh(_mm256_div_ps(gv, b1))), sig);
     const __m256 up = _mm256_mul_ps(b2, Tanh(_mm256_div_ps(uv, b2)));
-    _mm256_storeu_ps(hb, RoundBf16(_mm256_mul_ps(gate, up)));
+    const __m256 hv = _mm256_mul_ps(gate, up);
+    _mm256_storeu_ps(hb, kRound ? RoundBf16(hv) : hv);
     for (int j = 0; j < m; ++j) h[i + j] = hb[j];
   }
 }
@@ -650,8 +653,9 @@ void RoundTripMxfp8(float* v, int64_t n) {
 
 const KernelTable& Avx2Kernels() {
   static const KernelTable table = {
-      Isa::kAvx2, "avx2",  MxLayout::kByteLut, 64, Gemm,     Mxfp4Rows,
-      Situ,       MxPanel, MxLayout::kByteLut, 64, FmaProbe, RoundTripMxfp8};
+      Isa::kAvx2,  "avx2",  MxLayout::kByteLut, 64, Gemm,     Mxfp4Rows,
+      SituT<true>, MxPanel, MxLayout::kByteLut, 64, FmaProbe, RoundTripMxfp8,
+      SituT<false>};
   return table;
 }
 

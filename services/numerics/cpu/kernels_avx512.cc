@@ -586,7 +586,9 @@ inline __m512 Tanh(__m512 y) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.3f), _CMP_LT_OQ), big, small);
 }
 
-void Situ(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h) {
+// kRound: the result rounded to bf16 (situ), else left in fp32 (situ_f32).
+template <bool kRound>
+void SituT(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h) {
   const __m512 b1 = _mm512_set1_ps(beta), b2 = _mm512_set1_ps(linear_beta);
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
@@ -597,7 +599,8 @@ void Situ(const float* g, const float* u, int64_t n, float beta, float linear_be
         _mm512_div_ps(one, _mm512_add_ps(one, Exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     const __m512 gate = _mm512_mul_ps(_mm512_mul_ps(b1, Tanh(_mm512_div_ps(gv, b1))), sig);
     const __m512 up = _mm512_mul_ps(b2, Tanh(_mm512_div_ps(uv, b2)));
-    _mm512_mask_storeu_ps(h + i, m, RoundBf16(_mm512_mul_ps(gate, up)));
+    const __m512 hv = _mm512_mul_ps(gate, up);
+    _mm512_mask_storeu_ps(h + i, m, kRound ? RoundBf16(hv) : hv);
   }
 }
 
@@ -672,23 +675,16 @@ void RoundTripMxfp8(float* v, int64_t n) {
 const KernelTable& Avx512Kernels() {
   static const KernelTable table = {
       Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,     Mxfp4Rows,
-      Situ,         MxPanel,  MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8};
+      SituT<true>,  MxPanel,  MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8,
+      SituT<false>};
   return table;
 }
 
 const KernelTable& Avx512Bf16Kernels() {
-  static const KernelTable table = {Isa::kAvx512Bf16,
-                                    "avx512bf16",
-                                    MxLayout::kBf16Pairs,
-                                    128,
-                                    Gemm,
-                                    Mxfp4RowsBf16,
-                                    Situ,
-                                    MxPanel,
-                                    MxLayout::kFloat,
-                                    128,
-                                    FmaProbe,
-                                    RoundTripMxfp8};
+  static const KernelTable table = {
+      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm,     Mxfp4RowsBf16,
+      SituT<true>,      MxPanel,      MxLayout::kFloat,     128, FmaProbe, RoundTripMxfp8,
+      SituT<false>};
   return table;
 }
 

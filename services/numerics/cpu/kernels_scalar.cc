@@ -54,6 +54,13 @@ void SituScalar(const float* g, const float* u, int64_t n, float beta, float lin
   }
 }
 
+void SituScalarF32(const float* g, const float* u, int64_t n, float beta, float linear_beta,
+                   float* h) {
+  for (int64_t i = 0; i < n; ++i) {
+    h[i] = Situ(tensor::RoundBf16(g[i]), tensor::RoundBf16(u[i]), beta, linear_beta);
+  }
+}
+
 // Scalar multiply + add (the build does not contract them into FMA) on 8 independent chains.
 void RoundTripScalar(float* values, int64_t n) { RoundTripMxfp8Rows(values, 1, n); }
 
@@ -77,7 +84,8 @@ double FmaProbeScalar(int64_t iters) {
 const KernelTable& ScalarKernels() {
   static const KernelTable table = {
       Isa::kScalar, "scalar", MxLayout::kFloat, 8,   GemmScalar,     Mxfp4RowsScalar,
-      SituScalar,   nullptr,  MxLayout::kFloat, 128, FmaProbeScalar, RoundTripScalar};
+      SituScalar,   nullptr,  MxLayout::kFloat, 128, FmaProbeScalar, RoundTripScalar,
+      SituScalarF32};
   return table;
 }
 

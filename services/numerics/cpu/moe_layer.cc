@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConf
   std::unique_ptr<CpuMoeLayer> l(new CpuMoeLayer());
   l->cfg_ = cfg;
   l->has_experts_ = options.experts;
+  l->w4a8_h_ = options.w4a8_h;
   l->kernels_ = &KernelsFor(CapIsa(options.isa));
   l->pool_ = std::make_unique<ThreadPool>(options.threads);
   const int64_t h = cfg.hidden, d = cfg.latent, e = cfg.num_experts, s = cfg.shared_intermediate();
@@ -135,7 +136,7 @@ std::vector<Bf16> CpuMoeLayer::RunLocalExperts(const Routing& routing, const Bf1
     std::fprintf(stderr, "CpuMoeLayer::RunLocalExperts on a layer created without experts\n");
     std::abort();
   }
-  return RunExperts(*kernels_, pool_.get(), cfg_, weights_, routing, z, precision);
+  return RunExperts(*kernels_, pool_.get(), cfg_, weights_, routing, z, precision, w4a8_h_);
 }
 
 std::vector<float> CpuMoeLayer::SharedExperts(const RoutedBatch& batch, LayerTimings* timings) {

@@ -36,6 +36,7 @@ struct CpuLayerOptions {
   int threads = 0;        // 0: one per hardware thread
   Isa isa = ActiveIsa();  // capped at what the CPU supports
   bool experts = true;    // false: dense part only (an attention node; experts are remote)
+  W4A8H w4a8_h = W4A8H::kFromFp32;  // where W4A8 quantizes h (precision_mode.h)
 };
 
 // Steps 1 and 2 of one batch, kept for the rest of the layer.
@@ -88,6 +89,7 @@ class CpuMoeLayer {
 
   ModelConfig cfg_;
   bool has_experts_ = true;
+  W4A8H w4a8_h_ = W4A8H::kFromFp32;
   MoeLayerWeights weights_;  // bias, norm and experts; the dense matrices live packed below
   const KernelTable* kernels_ = nullptr;
   std::unique_ptr<ThreadPool> pool_;

@@ -171,6 +171,24 @@ TEST_P(Consistency, SituWithinOneUlp) {
   EXPECT_LE(stats.max_ulp, kSituTolerance.max_ulp) << stats.Str();
   EXPECT_LE(double(stats.differing) / n, kSituTolerance.differing_fraction) << stats.Str();
   EXPECT_TRUE(stats.Within(kSituTolerance)) << stats.Str();
+  // situ_f32 (W4A8's h before MXFP8): the same values before the bf16 rounding, within a few
+  // fp32 ulp of the reference's fp32 SiTU (relative 2^-20), and rounding them gives situ's bits.
+  std::vector<float> hf(n);
+  k().situ_f32(g.data(), u.data(), n, 4.0f, 25.0f, hf.data());
+  double worst = 0;
+  int64_t unrounded = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float want_f = Situ(tensor::RoundBf16(g[i]), tensor::RoundBf16(u[i]), 4.0f, 25.0f);
+    const double scale = std::max(std::fabs(static_cast<double>(want_f)), 1e-30);
+    worst = std::max(worst, std::fabs(static_cast<double>(hf[i]) - want_f) / scale);
+    unrounded += tensor::RoundBf16(hf[i]) != hf[i];
+    ASSERT_EQ(tensor::RoundBf16(hf[i]), h[i]) << i;
+  }
+  std::printf("[ %s ] situ_f32: max relative difference %.3g, %lld of %lld not bf16 values\n",
+              IsaName(GetParam()), worst, static_cast<long long>(unrounded),
+              static_cast<long long>(n));
+  EXPECT_LE(worst, 0x1p-20);
+  EXPECT_GT(unrounded, n / 2);  // fp32 indeed, not bf16
 }
 
 TEST_P(Consistency, ExpertFfnMatchesReference) {
@@ -238,27 +256,43 @@ TEST_P(Consistency, Mxfp8RoundTripIsBitExact) {
 // W4A8: each ISA's kernels on MXFP8 activations (z decoded from codes, h quantized after
 // SiTU) against ref::ExpertFfn in kW4A8. A one-ulp difference in a bf16 h can move its MXFP8
 // code, so the bound is kExpertFfnW4A8Tolerance, not the W4A16 one.
+// Both orders of h (from fp32, the default; via bf16, --w4a8_h_via_bf16), each against the
+// reference in the same order; the two orders are different computations.
 TEST_P(Consistency, ExpertFfnW4A8MatchesReference) {
   const ModelConfig cfg = *PresetConfig("mid");
   checkpoint::SyntheticOptions opt;
   const MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
-  for (int64_t tokens : {int64_t{12}, int64_t{40}}) {
-    const std::vector<Bf16> z = RandomBf16(tokens * cfg.latent, 1.0f, 5);
-    UlpStats stats, w4a16;
-    for (int64_t e : {0, 17, 99}) {
-      std::vector<Bf16> want(tokens * cfg.latent), got(want.size()), a16(want.size());
-      ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, want.data(), Precision::kW4A8);
-      ExpertFfn(k(), *w.Expert(e), z.data(), tokens, 4.0f, 25.0f, got.data(), Precision::kW4A8);
-      ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, a16.data());
-      stats.AddRows(got.data(), want.data(), tokens, cfg.latent);
-      w4a16.AddRows(a16.data(), want.data(), tokens, cfg.latent);
+  for (W4A8H order : {W4A8H::kFromFp32, W4A8H::kViaBf16}) {
+    const char* name = order == W4A8H::kFromFp32 ? "h from fp32" : "h via bf16";
+    for (int64_t tokens : {int64_t{12}, int64_t{40}}) {
+      const std::vector<Bf16> z = RandomBf16(tokens * cfg.latent, 1.0f, 5);
+      UlpStats stats, w4a16, other;
+      for (int64_t e : {0, 17, 99}) {
+        std::vector<Bf16> want(tokens * cfg.latent), got(want.size()), a16(want.size());
+        std::vector<Bf16> flip(want.size());
+        const W4A8H flipped = order == W4A8H::kFromFp32 ? W4A8H::kViaBf16 : W4A8H::kFromFp32;
+        ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, want.data(), Precision::kW4A8,
+                       order);
+        ExpertFfn(k(), *w.Expert(e), z.data(), tokens, 4.0f, 25.0f, got.data(), Precision::kW4A8,
+                  order);
+        ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, a16.data());
+        ref::ExpertFfn(*w.Expert(e), z.data(), tokens, 4.0f, 25.0f, flip.data(), Precision::kW4A8,
+                       flipped);
+        stats.AddRows(got.data(), want.data(), tokens, cfg.latent);
+        w4a16.AddRows(a16.data(), want.data(), tokens, cfg.latent);
+        other.AddRows(flip.data(), want.data(), tokens, cfg.latent);
+      }
+      std::printf(
+          "[ %s ] expert ffn w4a8 (%s), %lld tokens: %s (w4a16 vs w4a8: %s; the other h "
+          "order: %s)\n",
+          IsaName(GetParam()), name, static_cast<long long>(tokens), stats.Str().c_str(),
+          w4a16.Str().c_str(), other.Str().c_str());
+      EXPECT_TRUE(stats.Within(kExpertFfnW4A8Tolerance)) << name << " " << stats.Str();
+      // The mode is not a no-op: W4A16 is far outside the W4A8 bound.
+      EXPECT_FALSE(w4a16.Within(kExpertFfnW4A8Tolerance)) << w4a16.Str();
+      // Nor is the order of h: a share of the outputs differ.
+      EXPECT_GT(other.differing, other.total / 20) << other.Str();
     }
-    std::printf("[ %s ] expert ffn w4a8, %lld tokens: %s (w4a16 vs w4a8: %s)\n",
-                IsaName(GetParam()), static_cast<long long>(tokens), stats.Str().c_str(),
-                w4a16.Str().c_str());
-    EXPECT_TRUE(stats.Within(kExpertFfnW4A8Tolerance)) << stats.Str();
-    // The mode is not a no-op: W4A16 is far outside the W4A8 bound.
-    EXPECT_FALSE(w4a16.Within(kExpertFfnW4A8Tolerance)) << w4a16.Str();
   }
 }
 
