@@ -176,6 +176,40 @@ render -set tls.enabled=true -set tls.existingSecret=moe-tls -out "$WORK/tls.yam
 node validate.mjs --manifests "$WORK/tls.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-tls --expect-tls-secret moe-tls
 
+echo "== pod extras per component, and fullnameOverride"
+cat >"$WORK/pod-extras.yaml" <<'YAML'
+fullnameOverride: serve
+router:
+  podLabels: {team: ml-router}
+  podAnnotations: {k8s.v1.cni.cncf.io/networks: rdma-net-router}
+  runtimeClassName: rc-router
+  priorityClassName: pc-router
+  extraArgs: [--log_level=debug]
+  extraEnv: [{name: EXTRA_ENV, value: router}]
+attention:
+  podLabels: {team: ml-attention}
+  podAnnotations: {k8s.v1.cni.cncf.io/networks: rdma-net-attention}
+  runtimeClassName: rc-attention
+  priorityClassName: pc-attention
+  extraArgs: [--log_level=debug]
+  extraEnv: [{name: EXTRA_ENV, value: attention}]
+experts:
+  podLabels: {team: ml-expert}
+  podAnnotations: {k8s.v1.cni.cncf.io/networks: rdma-net-expert}
+  runtimeClassName: rc-expert
+  priorityClassName: pc-expert
+  extraArgs: [--log_level=debug]
+  extraEnv: [{name: EXTRA_ENV, value: expert}]
+YAML
+schema --values "$WORK/pod-extras.yaml"
+render -f "$WORK/pod-extras.yaml" -out "$WORK/pod-extras-rendered.yaml"
+node validate.mjs --manifests "$WORK/pod-extras-rendered.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-pod-extras --expect-name-prefix serve
+grep -q -- "--router=serve-router:" "$WORK/pod-extras-rendered.yaml"
+schema --set 'attention.podLabels={"app.kubernetes.io/component": "x"}' \
+  --expect-invalid "/attention/podLabels"
+schema --set 'experts.extraArgs=["log_level=debug"]' --expect-invalid "/experts/extraArgs/0"
+
 echo "== bad values fail to render, with the reason"
 expect_render_error() {
   local want=$1; shift
@@ -197,7 +231,7 @@ expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autosc
 
 echo "== every invariant can fail"
 for m in sts-replicas range-gap no-resources probe-port service-selector port-type root writable-root \
-  no-checksum router-state-lost pdb-range; do
+  no-checksum router-state-lost pdb-range extras-leak; do
   if node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" --mutate "$m" \
       >"$WORK/mutate.out" 2>&1; then
     echo "FAIL: mutation $m went unnoticed"; exit 1

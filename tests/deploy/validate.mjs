@@ -68,6 +68,7 @@ const mutations = {
     p.spec.selector.matchExpressions[0].values.pop();
     p.spec.selector.matchExpressions[0].values.push('nobody-7');
   },
+  'extras-leak': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.runtimeClassName = 'x'; },
   'no-checksum': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.metadata.annotations['checksum/config']; },
 };
 const mutation = arg('mutate');
@@ -417,6 +418,40 @@ if (flag('expect-gpu')) {
   check(Object.keys(spec.containers[0].resources.limits).some((k) => k.endsWith('/gpu')), 'expert pods ask for no GPU');
   check(spec.nodeSelector && Object.keys(spec.nodeSelector).length > 0, 'expert pods have no node selector for GPU nodes');
   check(spec.tolerations && spec.tolerations.length > 0, 'expert pods tolerate no GPU taint');
+}
+
+// --expect-pod-extras: every component's pods carry what tests/deploy/pod-extras.yaml asks for
+// (labels and annotations beside the chart's, runtime and priority classes, extra flags last and
+// extra environment), and the chart's own labels and checksum are still there.
+if (flag('expect-pod-extras')) {
+  for (const w of workloads) {
+    const c = w.metadata.labels['app.kubernetes.io/component'];
+    const t = w.spec.template;
+    const box = t.spec.containers[0];
+    check(t.metadata.labels.team === `ml-${c}`, `${c}: pod label team is ${t.metadata.labels.team}`);
+    check(t.metadata.labels['app.kubernetes.io/component'] === c, `${c}: the chart's labels are gone`);
+    check(t.metadata.annotations['k8s.v1.cni.cncf.io/networks'] === `rdma-net-${c}`,
+          `${c}: no network annotation (${JSON.stringify(t.metadata.annotations)})`);
+    check(t.metadata.annotations['checksum/config'], `${c}: no checksum/config next to the extras`);
+    check(t.spec.runtimeClassName === `rc-${c}`, `${c}: runtimeClassName ${t.spec.runtimeClassName}`);
+    check(t.spec.priorityClassName === `pc-${c}`, `${c}: priorityClassName ${t.spec.priorityClassName}`);
+    check(box.args[box.args.length - 1] === `--log_level=debug`, `${c}: extra flag not last: ${box.args.slice(-2)}`);
+    check((box.env || []).some((e) => e.name === 'EXTRA_ENV' && e.value === c),
+          `${c}: no EXTRA_ENV=${c} in ${JSON.stringify(box.env)}`);
+  }
+} else {
+  for (const w of workloads) {
+    const t = w.spec.template;
+    check(!t.spec.runtimeClassName && !t.spec.priorityClassName && !t.metadata.labels.team,
+          `${w.metadata.name}: pod extras without values`);
+  }
+}
+// --expect-name-prefix: every object's name (fullnameOverride).
+if (arg('expect-name-prefix')) {
+  for (const d of docs) {
+    check(d.metadata.name.startsWith(arg('expect-name-prefix')),
+          `${d.kind} ${d.metadata.name} does not start with ${arg('expect-name-prefix')}`);
+  }
 }
 
 if (failures.length) {

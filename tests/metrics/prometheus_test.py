@@ -197,6 +197,17 @@ def main():
         missing = sorted(n for n in names if n not in exported_names)
         assert not missing, f"dashboard uses metrics no service exports: {missing}"
         print(f"Grafana dashboard: {len(exprs)} queries, {len(names)} metric names, all exported")
+        # The process panels show this release's services only, each named: the dashboard's
+        # queries (variables at "All") joined on moe_build_info give one series per service.
+        def panel(title):
+            return next(p for p in dash["panels"] if p["title"] == title)
+        for t in panel("Process memory and descriptors")["targets"]:
+            q = t["expr"].replace("$job", ".*").replace("$namespace", ".*")
+            rows = promql(prom, q)
+            assert len(rows) == len(targets), (q, len(rows))
+            services_seen = sorted(r["metric"].get("service", "") for r in rows)
+            assert all(services_seen), (q, services_seen)
+        print(f"Grafana process panels: one series per service ({', '.join(services_seen)})")
 
         # The README's metrics table lists exactly the moe_ metrics the services export.
         readme = open(os.path.join(os.path.dirname(args.dashboard), "..", "..", "README.md")).read()

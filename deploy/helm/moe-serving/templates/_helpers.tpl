@@ -1,14 +1,55 @@
-{{/* Names: <release>-<chart> unless the release name already contains the chart name. */}}
+{{/* Names: fullnameOverride when set, else <release>-<name> unless the release name already
+contains the name (name: nameOverride or the chart's). 40 characters at most: pod names add
+suffixes. */}}
+{{- define "moe.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
 {{- define "moe.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- $name := include "moe.name" . -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 40 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
+{{/* A component's own pod extras, (dict "c" .Values.<component>): labels and annotations
+(podLabels, podAnnotations) under the chart's, and its runtime and priority classes. */}}
+{{- define "moe.podExtraLabels" -}}
+{{- with .c.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+{{- define "moe.podExtraAnnotations" -}}
+{{- with .c.podAnnotations }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+{{- define "moe.podClasses" -}}
+{{- with .c.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .c.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
+{{/* The container's extra arguments (extraArgs, appended: a flag given twice takes the last
+value) and environment (extraEnv, EnvVar objects). */}}
+{{- define "moe.extraArgs" -}}
+{{- range .c.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+{{- define "moe.extraEnv" -}}
+{{- with .c.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{- define "moe.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ include "moe.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
@@ -17,7 +58,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Selector labels of one component: (dict "ctx" $ "component" "router") */}}
 {{- define "moe.selectorLabels" -}}
-app.kubernetes.io/name: {{ .ctx.Chart.Name }}
+app.kubernetes.io/name: {{ include "moe.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
