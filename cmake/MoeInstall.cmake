@@ -1,7 +1,9 @@
 # `cmake --install` puts the services and the C++ client SDK under the prefix: bin/ (the three
-# services and moe-cli), include/ (the SDK's headers and the generated wire contract), lib/ (the
-# SDK's static libraries) and lib/cmake/MoeClient (an exported package), so that a C++ user
-# writes
+# services and moe-cli, which runs the services next to it), include/moe-serving/ (the SDK's
+# headers and the generated wire contract: moe/, inference/ and etcd/ under the project's own
+# folder, not at the top of the user's include tree), lib/ (the SDK's static libraries) and
+# lib/cmake/MoeClient (an exported package whose include directory is include/moe-serving), so
+# that a C++ user writes
 #
 #   find_package(MoeClient REQUIRED)
 #   target_link_libraries(app PRIVATE moe::moe_client)
@@ -15,17 +17,17 @@ include(CMakePackageConfigHelpers)
 install(TARGETS router-svc attention-svc expert-svc moe-cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS moe_client moe_transport_client moe_proto moe_tensor EXPORT MoeClientTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/moe-serving)
 install(FILES services/client/moe_client.h services/client/router_link.h
-        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/services/client)
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/moe-serving/services/client)
 install(FILES services/tensor/bf16.h services/tensor/dtype.h
-        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/services/tensor)
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/moe-serving/services/tensor)
 install(FILES services/transport/channel.h services/transport/security.h
               services/transport/status_convert.h
               services/transport/tensor_codec.h services/transport/health_check.h
               services/transport/expert_stream.h
-        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/services/transport)
-install(DIRECTORY ${PROJECT_BINARY_DIR}/proto_gen/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/moe-serving/services/transport)
+install(DIRECTORY ${PROJECT_BINARY_DIR}/proto_gen/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/moe-serving
         FILES_MATCHING PATTERN "*.pb.h")
 install(EXPORT MoeClientTargets NAMESPACE moe:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/MoeClient)
 configure_package_config_file(cmake/MoeClientConfig.cmake.in

@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "services/common/logging.h"
+#include "services/common/version.h"
 
 namespace moe {
 
@@ -95,6 +96,10 @@ int SvcFlags::Parse(int argc, char** argv, int first) {
     std::string arg = argv[i];
     if (!flags_done && (arg == "--help" || arg == "-h")) {
       PrintUsage(stdout);
+      return 0;
+    }
+    if (!flags_done && arg == "--version") {
+      std::printf("%s %s\n", program_.c_str(), BuildVersion());
       return 0;
     }
     if (!flags_done && arg == "--") {

@@ -1,6 +1,7 @@
 // The one command-line flag library of every binary of the project (the three services,
 // moe-cli and its subcommands, moe-tool, qb-sim): --name=value or --name value, boolean flags
-// as --name, --name=true|false; --help prints the usage and exits 0; an unknown or misspelled
+// as --name, --name=true|false; --help prints the usage and exits 0, --version the program and
+// the build's version (version.h) and exits 0; an unknown or misspelled
 // flag is an error that names the nearest known flag. Flag names are snake_case. Each flag
 // writes straight into a field of an Options struct, whose in-struct default is the flag's
 // default (one source of defaults).

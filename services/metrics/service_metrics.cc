@@ -3,13 +3,11 @@
 #include <cmath>
 #include <string>
 
-#ifndef MOE_VERSION
-#define MOE_VERSION "dev"
-#endif
+#include "services/common/version.h"
 
 namespace moe::metrics {
 
-const char* BuildVersion() { return MOE_VERSION; }
+const char* BuildVersion() { return moe::BuildVersion(); }
 
 using prometheus::BuildCounter;
 using prometheus::BuildGauge;
@@ -51,7 +49,7 @@ CommonMetrics::CommonMetrics(prometheus::Registry& registry, const std::string& 
       .Name("moe_build_info")
       .Help("Always 1; the labels say which build and service this is")
       .Register(registry)
-      .Add({{"service", service}, {"version", MOE_VERSION}})
+      .Add({{"service", service}, {"version", moe::BuildVersion()}})
       .Set(1);
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -32,6 +33,22 @@
 namespace moe::tools {
 
 namespace {
+
+// The services next to the running binary when they are there (an installed moe-cli runs its
+// own prefix's), else the build tree's (MOE_BIN_DIR: the tests, which live elsewhere).
+std::string DefaultBinDir() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::filesystem::path dir = self.parent_path();
+    bool all = true;
+    for (const char* b : {"router-svc", "expert-svc", "attention-svc"}) {
+      all = all && std::filesystem::exists(dir / b, ec);
+    }
+    if (all) return dir.string();
+  }
+  return MOE_BIN_DIR;
+}
 
 std::string Tail(const std::string& path, size_t max_bytes = 2000) {
   std::ifstream f(path);
@@ -116,7 +133,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   std::unique_ptr<LocalCluster> c(new LocalCluster());
   c->options_ = options;
   LocalClusterOptions& o = c->options_;
-  if (o.bin_dir.empty()) o.bin_dir = MOE_BIN_DIR;
+  if (o.bin_dir.empty()) o.bin_dir = DefaultBinDir();
   if (o.work_dir.empty()) {
     char tmpl[] = "/tmp/moe-cluster-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");

@@ -27,7 +27,9 @@
 namespace moe::tools {
 
 struct LocalClusterOptions {
-  std::string bin_dir;     // holds router-svc, expert-svc, attention-svc (default: MOE_BIN_DIR)
+  // holds router-svc, expert-svc, attention-svc (default: the running binary's directory when
+  // it holds them, e.g. an installed moe-cli's prefix, else the build tree's MOE_BIN_DIR)
+  std::string bin_dir;
   std::string checkpoint;  // a checkpoint directory (config.json + weights)
   // Expert ranges [lo, hi) of the shards; empty: num_shards equal ranges over all experts.
   std::vector<std::pair<int64_t, int64_t>> shard_ranges;

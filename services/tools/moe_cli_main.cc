@@ -26,6 +26,7 @@
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/common/svc_main.h"
+#include "services/common/version.h"
 #include "services/numerics/precision_mode.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
@@ -439,7 +440,8 @@ int Cluster(int argc, char** argv) {
   f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
   f.String("cluster_reply_mode", &co.reply_mode, "attention-svc default reply mode");
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
-  f.String("bin_dir", &co.bin_dir, "where the service binaries are (default: the build's)");
+  f.String("bin_dir", &co.bin_dir,
+           "where the service binaries are (default: next to moe-cli, else the build's)");
   f.String("work_dir", &work_dir, "logs and port files (default: a temp dir)");
   f.Int64("layer", &layer, "MoE layer to drive");
   f.Double("settle", &settle_s, "seconds to wait for the last statistics report");
@@ -529,6 +531,10 @@ int main(int argc, char** argv) {
     std::printf(
         "usage: moe-cli forward|stats|rebalance|rollback|mode|budget|loadgen|cluster|up|health "
         "[flags] (--help on each)\n");
+    return 0;
+  }
+  if (cmd == "--version") {
+    std::printf("moe-cli %s\n", moe::BuildVersion());
     return 0;
   }
   if (cmd == "forward") return Forward(argc, argv);

@@ -20,6 +20,7 @@
 #include "services/common/flags.h"
 #include "services/common/logging.h"
 #include "services/common/progress.h"
+#include "services/common/version.h"
 #include "services/placement/placement.h"
 #include "services/tools/layer_runner.h"
 
@@ -203,6 +204,10 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "--help" || cmd == "-h") {
     std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (cmd == "--version") {
+    std::printf("moe-tool %s\n", moe::BuildVersion());
     return 0;
   }
   if (cmd == "synth") return Synth(argc, argv);

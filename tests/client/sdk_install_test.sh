@@ -13,6 +13,10 @@ WORK=$3
 rm -rf "$WORK" && mkdir -p "$WORK"
 cmake --install "$BUILD" --prefix "$WORK/prefix" >"$WORK/install.log"
 test -f "$WORK/prefix/lib/cmake/MoeClient/MoeClientConfig.cmake"
+# Headers under the project's own folder only (generated etcd/, inference/, moe/ included).
+test "$(ls "$WORK/prefix/include")" = "moe-serving"
+test -f "$WORK/prefix/include/moe-serving/inference/grpc_inference.pb.h"
+test -f "$WORK/prefix/include/moe-serving/services/client/moe_client.h"
 cmake -S "$HERE/sdk_consumer" -B "$WORK/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$WORK/prefix" \
   >"$WORK/consumer-configure.log"
 cmake --build "$WORK/consumer" >"$WORK/consumer-build.log"
@@ -27,6 +31,10 @@ trap 'kill $UP 2>/dev/null || true; echo "FAIL: line $LINENO: $BASH_COMMAND"' ER
 for _ in $(seq 1 240); do  # bounded: 60 s
   [ -f "$WORK/cluster/cluster.json" ] && break
   sleep 0.25
+done
+# The installed moe-cli runs the installed services (its own prefix), not the build tree's.
+for b in router-svc expert-svc attention-svc; do
+  pgrep -f "^$WORK/prefix/bin/$b " >/dev/null || { echo "FAIL: $b not run from the prefix"; exit 1; }
 done
 ATTENTION=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['attention'])" \
   "$WORK/cluster/cluster.json")
