@@ -82,6 +82,8 @@ absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  // A work dir kept across runs (moe-cli up's) gets each process's log afresh, not appended.
+  const int log_flags = O_WRONLY | O_CREAT | (c->launches++ == 0 ? O_TRUNC : O_APPEND);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) return absl::InternalError("fork failed");
@@ -91,7 +93,7 @@ absl::Status LocalCluster::Launch(Child* c, absl::Duration timeout) {
     // the children in order (attention first, router last).
     ::setpgid(0, 0);
     if (::getppid() != parent) ::_exit(1);
-    const int fd = ::open(log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    const int fd = ::open(log_file.c_str(), log_flags, 0644);
     if (fd >= 0) {
       ::dup2(fd, 1);
       ::dup2(fd, 2);

@@ -100,6 +100,7 @@ class LocalCluster {
     int port = 0;
     int metrics_port = 0;
     std::vector<std::string> args;
+    int launches = 0;  // its log starts empty at the first, restarts append
   };
   LocalCluster() = default;
   static std::string Endpoint(int port) { return "127.0.0.1:" + std::to_string(port); }

@@ -105,8 +105,8 @@ void PrintStats(const v1::LoadStats& s) {
               static_cast<long long>(s.window_tokens()), static_cast<long long>(s.total_tokens()));
   PrintBalance("window balance", s.window_balance());
   for (int i = 0; i < s.shard_names_size(); ++i) {
-    std::printf("  %-10s %lld routed tokens in the window\n", s.shard_names(i).c_str(),
-                static_cast<long long>(s.shard_loads(i)));
+    std::printf("  %-10s %lld routed (token, expert) pairs in the window\n",
+                s.shard_names(i).c_str(), static_cast<long long>(s.shard_loads(i)));
   }
   std::vector<std::pair<int64_t, int>> hot;
   for (int j = 0; j < s.window_loads_size(); ++j) hot.emplace_back(s.window_loads(j), j);
@@ -124,7 +124,13 @@ void PrintRebalance(const v1::RebalanceResponse& r) {
               static_cast<unsigned long long>(r.new_bias().version()));
   PrintBalance("before", r.before());
   PrintBalance("predicted after", r.predicted_after());
-  std::printf("  noise floor MaxVio %.3f\n", r.noise_floor_max_vio());
+  // The prediction holds each token's cutoff fixed on the same window, where QB's bias meets
+  // every quantile (about 0); new traffic adds sampling noise of about the floor.
+  std::printf(
+      "  noise floor MaxVio %.3f (the prediction is on this window at fixed per-token cutoffs, "
+      "where the new bias hits every expert's quantile; on new traffic expect MaxVio near the "
+      "floor)\n",
+      r.noise_floor_max_vio());
 }
 
 absl::StatusOr<int64_t> HiddenOf(const std::string& checkpoint, const std::string& preset) {
