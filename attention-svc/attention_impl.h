@@ -26,6 +26,7 @@
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/oip_rest.h"
 #include "attention-svc/oip_service.h"
 #include "attention-svc/replica_picker.h"
 #include "moe/v1/attention.grpc.pb.h"
@@ -180,7 +181,9 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   // The UCX worker of the out-of-band data plane (null: in band only). Declared before the
   // channels so that it outlives them.
   std::unique_ptr<dataplane::UcxWorker> ucx_;
-  std::unique_ptr<OipService> oip_;  // the Open Inference Protocol front
+  std::unique_ptr<OipService> oip_;    // the Open Inference Protocol front
+  std::unique_ptr<OipRest> oip_rest_;  // its REST/JSON form (--http_port)
+  std::unique_ptr<metrics::HttpServer> http_;
 
   std::mutex mu_;
   std::map<int32_t, std::shared_ptr<const BiasEntry>> bias_ ABSL_GUARDED_BY(mu_);

@@ -123,6 +123,18 @@ absl::Status AttentionServer::Impl::StartServing() {
     return it != covered_.end() && it->second;
   };
   oip_ = std::make_unique<OipService>(std::move(hooks));
+  if (options_.http_port >= 0) {
+    oip_rest_ = std::make_unique<OipRest>(oip_.get(), options_.default_timeout_ms);
+    MOE_ASSIGN_OR_RETURN(
+        http_, metrics::HttpServer::Start(
+                   options_.host, options_.http_port,
+                   [this](const metrics::HttpRequest& r) { return oip_rest_->Handle(r); }, 64,
+                   static_cast<size_t>(std::max<int64_t>(options_.max_http_body_bytes, 1))));
+    MOE_LOG_INFO("Open Inference Protocol REST front on port {}", http_->port());
+    if (!options_.http_port_file.empty()) {
+      MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.http_port_file, http_->port()));
+    }
+  }
   so.services = {this, oip_.get()};
   // Dynamic k's automatic mode exists before the first request can arrive.
   BudgetGovernorOptions g;
@@ -159,7 +171,8 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
   }
   if (router_ != nullptr) router_->Stop();  // ends the watches; reports still go out
   if (server_ != nullptr) server_->Shutdown(grace);
-  workers_.reset();  // runs what is queued (bounded by deadlines), then joins
+  if (http_ != nullptr) http_->Stop();  // its inferences wait on the workers: before them
+  workers_.reset();                     // runs what is queued (bounded by deadlines), then joins
   if (report_thread_.joinable()) report_thread_.join();
   if (governor_thread_.joinable()) governor_thread_.join();
   {

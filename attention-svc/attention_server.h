@@ -44,6 +44,10 @@ struct AttentionServerOptions {
   std::string port_file;  // written after the metrics port file
   int metrics_port = -1;  // Prometheus /metrics: -1 off, 0 any free port
   std::string metrics_port_file;
+  // The Open Inference Protocol's REST/JSON front (oip_rest.h): -1 off, 0 any free port.
+  int http_port = -1;
+  std::string http_port_file;
+  int64_t max_http_body_bytes = int64_t{256} << 20;
   bool per_expert_metrics = true;  // E series per layer of moe_expert_tokens_total
   std::string router;              // router-svc host:port (required)
   // The cluster token router-svc asks of members (router_server.h); the file wins.

@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
   flags.Int64("default_timeout_ms", &o.default_timeout_ms, "deadline when the caller has none");
   flags.Int64("report_interval_ms", &o.report_interval_ms, "statistics report period");
   flags.Int("qb_bins", &o.qb_bins, "QB histogram bins");
+  flags.Int("http_port", &o.http_port,
+            "the Open Inference Protocol's REST/JSON front (KServe v2 HTTP): -1 off, 0 any");
+  flags.String("http_port_file", &o.http_port_file, "write the REST port here");
+  flags.Int64("max_http_body_bytes", &o.max_http_body_bytes, "largest REST request body");
   flags.Int("budget_bins", &o.budget_bins,
             "dynamic k: bins of the per-expert score histograms reported for the thresholds");
   flags.Int("budget_auto_floor", &o.budget_auto_floor,

@@ -11,6 +11,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+#include "services/common/status_macros.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::attention_svc {
@@ -72,48 +74,45 @@ grpc::ServerUnaryReactor* OipService::ServerLive(grpc::CallbackServerContext* ct
   return Finish(ctx, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* OipService::ServerReady(grpc::CallbackServerContext* ctx,
-                                                  const inference::ServerReadyRequest*,
-                                                  inference::ServerReadyResponse* resp) {
+bool OipService::Ready() const {
   bool ready = !hooks_.layers.empty();
   for (int32_t l : hooks_.layers) ready &= hooks_.layer_ready(l);
-  resp->set_ready(ready);
-  return Finish(ctx, absl::OkStatus());
+  return ready;
 }
 
-grpc::ServerUnaryReactor* OipService::ModelReady(grpc::CallbackServerContext* ctx,
-                                                 const inference::ModelReadyRequest* req,
-                                                 inference::ModelReadyResponse* resp) {
-  absl::StatusOr<int32_t> layer = LayerOf(req->name(), req->version());
-  if (!layer.ok()) return Finish(ctx, layer.status());
-  resp->set_ready(hooks_.layer_ready(*layer));
-  return Finish(ctx, absl::OkStatus());
+absl::StatusOr<bool> OipService::ModelIsReady(const std::string& name,
+                                              const std::string& version) const {
+  MOE_ASSIGN_OR_RETURN(int32_t layer, LayerOf(name, version));
+  return hooks_.layer_ready(layer);
 }
 
-grpc::ServerUnaryReactor* OipService::ServerMetadata(grpc::CallbackServerContext* ctx,
-                                                     const inference::ServerMetadataRequest*,
-                                                     inference::ServerMetadataResponse* resp) {
-  resp->set_name(hooks_.server_name);
-  resp->set_version(hooks_.version);
-  return Finish(ctx, absl::OkStatus());
+std::vector<std::string> OipService::Extensions() {
+  return {"binary_tensor_data", "parameters", "statistics", "model_repository"};
 }
 
-grpc::ServerUnaryReactor* OipService::ModelMetadata(grpc::CallbackServerContext* ctx,
-                                                    const inference::ModelMetadataRequest* req,
-                                                    inference::ModelMetadataResponse* resp) {
-  absl::StatusOr<int32_t> layer = LayerOf(req->name(), req->version());
-  if (!layer.ok()) return Finish(ctx, layer.status());
-  resp->set_name(req->name());
-  resp->add_versions("1");
-  resp->set_platform("stable-latentmoe");
+inference::ServerMetadataResponse OipService::Metadata() const {
+  inference::ServerMetadataResponse resp;
+  resp.set_name(hooks_.server_name);
+  resp.set_version(hooks_.version);
+  for (const std::string& e : Extensions()) resp.add_extensions(e);
+  return resp;
+}
+
+absl::StatusOr<inference::ModelMetadataResponse> OipService::ModelMeta(
+    const std::string& name, const std::string& version) const {
+  MOE_ASSIGN_OR_RETURN(int32_t layer, LayerOf(name, version));
+  inference::ModelMetadataResponse m;
+  m.set_name(name);
+  m.add_versions("1");
+  m.set_platform("stable-latentmoe");
   // Inputs may be BF16 or FP32; the metadata names the preferred one.
-  AddTensorMetadata(kInput, "BF16", {-1, hooks_.hidden}, resp->mutable_inputs());
-  AddTensorMetadata(kOutput, "BF16", {-1, hooks_.hidden}, resp->mutable_outputs());
-  AddTensorMetadata(kExpertIds, "INT32", {-1, hooks_.top_k}, resp->mutable_outputs());
-  AddTensorMetadata(kWeights, "FP32", {-1, hooks_.top_k}, resp->mutable_outputs());
-  auto& p = *resp->mutable_properties();
+  AddTensorMetadata(kInput, "BF16", {-1, hooks_.hidden}, m.mutable_inputs());
+  AddTensorMetadata(kOutput, "BF16", {-1, hooks_.hidden}, m.mutable_outputs());
+  AddTensorMetadata(kExpertIds, "INT32", {-1, hooks_.top_k}, m.mutable_outputs());
+  AddTensorMetadata(kWeights, "FP32", {-1, hooks_.top_k}, m.mutable_outputs());
+  auto& p = *m.mutable_properties();
   p["model"] = hooks_.model;
-  p["layer"] = absl::StrCat(*layer);
+  p["layer"] = absl::StrCat(layer);
   p["hidden_size"] = absl::StrCat(hooks_.hidden);
   p["latent_size"] = absl::StrCat(hooks_.latent);
   p["num_experts"] = absl::StrCat(hooks_.num_experts);
@@ -122,6 +121,38 @@ grpc::ServerUnaryReactor* OipService::ModelMetadata(grpc::CallbackServerContext*
   p["precision"] = "w4a16,w4a8";  // parameter "precision" of a request; the server's default
                                   // otherwise (GetModelInfo.default_precision)
   p["reply_modes"] = "per_pair,partial_sum";
+  return m;
+}
+
+grpc::ServerUnaryReactor* OipService::ServerReady(grpc::CallbackServerContext* ctx,
+                                                  const inference::ServerReadyRequest*,
+                                                  inference::ServerReadyResponse* resp) {
+  resp->set_ready(Ready());
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ModelReady(grpc::CallbackServerContext* ctx,
+                                                 const inference::ModelReadyRequest* req,
+                                                 inference::ModelReadyResponse* resp) {
+  absl::StatusOr<bool> ready = ModelIsReady(req->name(), req->version());
+  if (!ready.ok()) return Finish(ctx, ready.status());
+  resp->set_ready(*ready);
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ServerMetadata(grpc::CallbackServerContext* ctx,
+                                                     const inference::ServerMetadataRequest*,
+                                                     inference::ServerMetadataResponse* resp) {
+  *resp = Metadata();
+  return Finish(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* OipService::ModelMetadata(grpc::CallbackServerContext* ctx,
+                                                    const inference::ModelMetadataRequest* req,
+                                                    inference::ModelMetadataResponse* resp) {
+  absl::StatusOr<inference::ModelMetadataResponse> m = ModelMeta(req->name(), req->version());
+  if (!m.ok()) return Finish(ctx, m.status());
+  *resp = *std::move(m);
   return Finish(ctx, absl::OkStatus());
 }
 
@@ -250,72 +281,158 @@ absl::Status OipService::ToForward(const inference::ModelInferRequest& req, int3
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ctx,
-                                                 const inference::ModelInferRequest* req,
-                                                 inference::ModelInferResponse* resp) {
-  auto refused = [&](const absl::Status& s) {
-    if (hooks_.on_error) hooks_.on_error("ModelInfer", s);
-    return Finish(ctx, s);
+void OipService::Record(int32_t layer, bool ok, int64_t total_ns, int64_t queue_ns,
+                        int64_t input_ns, int64_t infer_ns, int64_t output_ns) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  ModelStats& m = stats_[layer];
+  Duration& d = ok ? m.success : m.fail;
+  ++d.count;
+  d.ns += total_ns;
+  if (ok) {
+    for (auto [dur, ns] : {std::pair<Duration*, int64_t>{&m.queue, queue_ns},
+                           {&m.compute_input, input_ns},
+                           {&m.compute_infer, infer_ns},
+                           {&m.compute_output, output_ns}}) {
+      ++dur->count;
+      dur->ns += ns;
+    }
+  }
+  m.last_inference_ms = absl::ToUnixMillis(absl::Now());
+}
+
+void OipService::Infer(
+    std::shared_ptr<const inference::ModelInferRequest> req, absl::Time deadline,
+    const char* method,
+    std::function<void(const absl::Status&, inference::ModelInferResponse*)> done) {
+  const absl::Time start = absl::Now();
+  auto refused = [&](int32_t layer, const absl::Status& s) {
+    if (hooks_.on_error) hooks_.on_error(method, s);
+    if (layer >= 0) Record(layer, false, absl::ToInt64Nanoseconds(absl::Now() - start), 0, 0, 0, 0);
+    done(s, nullptr);
   };
   absl::StatusOr<int32_t> layer = LayerOf(req->model_name(), req->model_version());
-  if (!layer.ok()) return refused(layer.status());
+  if (!layer.ok()) return refused(-1, layer.status());
   auto forward = std::make_shared<v1::ForwardRequest>();
   auto outputs = std::make_shared<std::vector<std::string>>();
   if (absl::Status s = ToForward(*req, *layer, forward.get(), outputs.get()); !s.ok()) {
-    return refused(s);
+    return refused(*layer, s);
   }
-  absl::Time deadline = absl::Now() + absl::Milliseconds(hooks_.default_timeout_ms);
-  deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
-  auto* reactor = ctx->DefaultReactor();
-  const bool queued = hooks_.submit([this, reactor, req, resp, forward, outputs, deadline] {
+  const absl::Time decoded = absl::Now();
+  const int32_t l = *layer;
+  auto work = [this, req, forward, outputs, deadline, done, start, decoded, l] {
+    const absl::Time begun = absl::Now();
     v1::ForwardResponse fr;
     const absl::Status s = hooks_.forward(*forward, deadline, &fr);
+    const absl::Time computed = absl::Now();
     if (!s.ok()) {
-      reactor->Finish(transport::ToGrpc(s));
+      Record(l, false, absl::ToInt64Nanoseconds(computed - start), 0, 0, 0, 0);
+      done(s, nullptr);
       return;
     }
-    resp->set_model_name(req->model_name());
-    resp->set_model_version("1");
-    resp->set_id(req->id());
-    (*resp->mutable_parameters())["bias_version"].set_uint64_param(fr.bias_version());
-    (*resp->mutable_parameters())["precision"].set_string_param(
+    inference::ModelInferResponse resp;
+    resp.set_model_name(req->model_name());
+    resp.set_model_version("1");
+    resp.set_id(req->id());
+    (*resp.mutable_parameters())["bias_version"].set_uint64_param(fr.bias_version());
+    (*resp.mutable_parameters())["precision"].set_string_param(
         fr.precision() == v1::PRECISION_W4A8 ? "w4a8" : "w4a16");
-    (*resp->mutable_parameters())["expert_budget"].set_int64_param(fr.expert_budget());
-    (*resp->mutable_parameters())["routed_pairs"].set_int64_param(fr.routed_pairs());
+    (*resp.mutable_parameters())["expert_budget"].set_int64_param(fr.expert_budget());
+    (*resp.mutable_parameters())["routed_pairs"].set_int64_param(fr.routed_pairs());
     const int64_t tokens = fr.output().shape(0);
     for (const std::string& name : *outputs) {
-      auto* o = resp->add_outputs();
+      auto* o = resp.add_outputs();
       o->set_name(name);
       if (name == kOutput) {
         o->set_datatype("BF16");
         o->add_shape(tokens);
         o->add_shape(hooks_.hidden);
-        resp->add_raw_output_contents(std::move(*fr.mutable_output()->mutable_data()));
+        resp.add_raw_output_contents(std::move(*fr.mutable_output()->mutable_data()));
       } else if (name == kExpertIds) {
         o->set_datatype("INT32");
         o->add_shape(tokens);
         o->add_shape(fr.routing().top_k());
         const auto& ids = fr.routing().expert_ids();
-        resp->add_raw_output_contents(
+        resp.add_raw_output_contents(
             std::string(reinterpret_cast<const char*>(ids.data()), ids.size() * sizeof(int32_t)));
       } else {
         o->set_datatype("FP32");
         o->add_shape(tokens);
         o->add_shape(fr.routing().top_k());
         const auto& w = fr.routing().weights();
-        resp->add_raw_output_contents(
+        resp.add_raw_output_contents(
             std::string(reinterpret_cast<const char*>(w.data()), w.size() * sizeof(float)));
       }
     }
-    reactor->Finish(grpc::Status::OK);
-  });
-  if (!queued) {
-    const absl::Status full =
-        absl::ResourceExhaustedError("attention node: too many requests waiting");
-    if (hooks_.on_error) hooks_.on_error("ModelInfer", full);
-    reactor->Finish(transport::ToGrpc(full));
+    const absl::Time encoded = absl::Now();
+    Record(l, true, absl::ToInt64Nanoseconds(encoded - start),
+           absl::ToInt64Nanoseconds(begun - decoded), absl::ToInt64Nanoseconds(decoded - start),
+           absl::ToInt64Nanoseconds(computed - begun),
+           absl::ToInt64Nanoseconds(encoded - computed));
+    done(absl::OkStatus(), &resp);
+  };
+  if (!hooks_.submit(work)) {
+    refused(l, absl::ResourceExhaustedError("attention node: too many requests waiting"));
   }
+}
+
+grpc::ServerUnaryReactor* OipService::ModelInfer(grpc::CallbackServerContext* ctx,
+                                                 const inference::ModelInferRequest* req,
+                                                 inference::ModelInferResponse* resp) {
+  absl::Time deadline = absl::Now() + absl::Milliseconds(hooks_.default_timeout_ms);
+  deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  auto* reactor = ctx->DefaultReactor();
+  // The request outlives this call on the reactor's context: borrowed, not copied.
+  std::shared_ptr<const inference::ModelInferRequest> borrowed(req, [](auto*) {});
+  Infer(borrowed, deadline, "ModelInfer",
+        [reactor, resp](const absl::Status& s, inference::ModelInferResponse* r) {
+          if (s.ok()) *resp = std::move(*r);
+          reactor->Finish(transport::ToGrpc(s));
+        });
   return reactor;
+}
+
+absl::StatusOr<std::string> OipService::StatisticsJson(const std::string& name,
+                                                       const std::string& version) const {
+  std::vector<int32_t> layers;
+  if (name.empty()) {
+    layers = hooks_.layers;
+  } else {
+    MOE_ASSIGN_OR_RETURN(int32_t l, LayerOf(name, version));
+    layers.push_back(l);
+  }
+  nlohmann::json models = nlohmann::json::array();
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  for (int32_t l : layers) {
+    const auto it = stats_.find(l);
+    const ModelStats m = it != stats_.end() ? it->second : ModelStats{};
+    auto d = [](const Duration& x) { return nlohmann::json{{"count", x.count}, {"ns", x.ns}}; };
+    models.push_back({{"name", OipModelName(l)},
+                      {"version", "1"},
+                      {"last_inference", m.last_inference_ms},
+                      {"inference_count", m.success.count},
+                      {"execution_count", m.success.count},
+                      {"inference_stats",
+                       {{"success", d(m.success)},
+                        {"fail", d(m.fail)},
+                        {"queue", d(m.queue)},
+                        {"compute_input", d(m.compute_input)},
+                        {"compute_infer", d(m.compute_infer)},
+                        {"compute_output", d(m.compute_output)}}},
+                      {"batch_stats", nlohmann::json::array()}});
+  }
+  return nlohmann::json{{"model_stats", models}}.dump();
+}
+
+std::string OipService::RepositoryIndexJson() const {
+  nlohmann::json index = nlohmann::json::array();
+  for (int32_t l : hooks_.layers) {
+    const bool ready = hooks_.layer_ready(l);
+    nlohmann::json m = {
+        {"name", OipModelName(l)}, {"version", "1"}, {"state", ready ? "READY" : "UNAVAILABLE"}};
+    if (!ready) m["reason"] = "not every expert of the layer has a healthy shard";
+    index.push_back(m);
+  }
+  return index.dump();
 }
 
 }  // namespace moe::attention_svc

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -54,6 +56,31 @@ class OipService final : public inference::GRPCInferenceService::CallbackService
   };
   explicit OipService(Hooks hooks) : hooks_(std::move(hooks)) {}
 
+  // The protocol's operations, shared by the gRPC service below and the REST front
+  // (oip_rest.h).
+  bool Ready() const;
+  absl::StatusOr<bool> ModelIsReady(const std::string& name, const std::string& version) const;
+  inference::ServerMetadataResponse Metadata() const;
+  absl::StatusOr<inference::ModelMetadataResponse> ModelMeta(const std::string& name,
+                                                             const std::string& version) const;
+  // One inference on the node's workers: `done` runs on a worker with the status and the
+  // response (refusals before the queue run it at once). `method` names the caller's front in
+  // moe_errors_total ("ModelInfer", "http:infer").
+  void Infer(std::shared_ptr<const inference::ModelInferRequest> req, absl::Time deadline,
+             const char* method,
+             std::function<void(const absl::Status&, inference::ModelInferResponse*)> done);
+  // The statistics extension (Triton's model statistics): per hosted model, or one ("" all).
+  absl::StatusOr<std::string> StatisticsJson(const std::string& name,
+                                             const std::string& version) const;
+  // The repository extension's index: every hosted model with its state (READY/UNAVAILABLE).
+  std::string RepositoryIndexJson() const;
+  // The extensions ServerMetadata announces.
+  static std::vector<std::string> Extensions();
+  // A request refused before Infer (the REST front's parse errors): counted in moe_errors_total.
+  void CountRefusal(const char* method, const absl::Status& s) const {
+    if (hooks_.on_error) hooks_.on_error(method, s);
+  }
+
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
                                        const inference::ServerLiveRequest* req,
                                        inference::ServerLiveResponse* resp) override;
@@ -80,7 +107,20 @@ class OipService final : public inference::GRPCInferenceService::CallbackService
   absl::Status ToForward(const inference::ModelInferRequest& req, int32_t layer,
                          v1::ForwardRequest* out, std::vector<std::string>* outputs) const;
 
+  // Per model (layer): the statistics extension's counters, durations in ns.
+  struct Duration {
+    int64_t count = 0, ns = 0;
+  };
+  struct ModelStats {
+    Duration success, fail, queue, compute_input, compute_infer, compute_output;
+    int64_t last_inference_ms = 0;
+  };
+  void Record(int32_t layer, bool ok, int64_t total_ns, int64_t queue_ns, int64_t input_ns,
+              int64_t infer_ns, int64_t output_ns);
+
   const Hooks hooks_;
+  mutable std::mutex stats_mu_;
+  std::map<int32_t, ModelStats> stats_;  // guarded by stats_mu_
 };
 
 }  // namespace moe::attention_svc

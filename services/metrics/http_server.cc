@@ -23,7 +23,6 @@ namespace moe::metrics {
 namespace {
 
 constexpr size_t kMaxHeaderBytes = 16 << 10;
-constexpr size_t kMaxBodyBytes = 1 << 20;
 
 const char* Reason(int status) {
   switch (status) {
@@ -55,8 +54,11 @@ void Respond(mg_connection* conn, const HttpResponse& r) {
   const std::string head =
       absl::StrCat("HTTP/1.1 ", r.status, " ", Reason(r.status),
                    "\r\nContent-Type: ", r.content_type, "\r\nContent-Length: ", r.body.size(),
-                   "\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n");
-  mg_write(conn, head.data(), head.size());
+                   "\r\nCache-Control: no-store\r\nConnection: close\r\n");
+  std::string extra;
+  for (const auto& [name, value] : r.headers) absl::StrAppend(&extra, name, ": ", value, "\r\n");
+  const std::string all = absl::StrCat(head, extra, "\r\n");
+  mg_write(conn, all.data(), all.size());
   if (!r.body.empty()) mg_write(conn, r.body.data(), r.body.size());
 }
 
@@ -92,11 +94,13 @@ std::map<std::string, std::string> HttpServer::ParseQuery(const std::string& q) 
 }
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& host, int port,
-                                                              Handler handler, int workers) {
+                                                              Handler handler, int workers,
+                                                              size_t max_body_bytes) {
   static std::once_flag init;
   std::call_once(init, [] { mg_init_library(0); });
   std::unique_ptr<HttpServer> s(new HttpServer());
   s->handler_ = std::move(handler);
+  s->max_body_bytes_ = max_body_bytes;
   const bool v6 = host.find(':') != std::string::npos;
   const std::string ports =
       v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
@@ -172,7 +176,8 @@ int HttpServer::Handle(mg_connection* conn, void* self) {
     req.headers[absl::AsciiStrToLower(ri->http_headers[i].name)] =
         std::string(absl::StripAsciiWhitespace(ri->http_headers[i].value));
   }
-  if (ri->content_length > static_cast<long long>(kMaxBodyBytes)) {
+  const size_t max_body = static_cast<HttpServer*>(self)->max_body_bytes_;
+  if (ri->content_length > static_cast<long long>(max_body)) {
     Respond(conn, {413, "text/plain; charset=utf-8", "body too large\n"});
     return 413;
   }
@@ -181,7 +186,7 @@ int HttpServer::Handle(mg_connection* conn, void* self) {
     const int n = mg_read(conn, buf, sizeof(buf));
     if (n <= 0) break;
     req.body.append(buf, static_cast<size_t>(n));
-    if (req.body.size() > kMaxBodyBytes) {
+    if (req.body.size() > max_body) {
       Respond(conn, {413, "text/plain; charset=utf-8", "body too large\n"});
       return 413;
     }

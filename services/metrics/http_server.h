@@ -1,8 +1,8 @@
 // The HTTP/1.1 server of the load-balance page and its JSON API (router-svc), on CivetWeb (the
 // server prometheus-cpp already links): a pool of workers, one request per connection
-// (Connection: close), at most 16 KiB of headers and 1 MiB of body, and 3 s for the whole
-// request, so that slow or silent clients cannot hold the pool. No files are served: only what
-// the handler returns.
+// (Connection: close), at most 16 KiB of headers and 1 MiB of body (or what the server is
+// started with), and 3 s per read or write, so that slow or silent clients cannot hold the pool. No
+// files are served: only what the handler returns.
 //
 //   HttpServer::Start("127.0.0.1", 0, [](const HttpRequest& r) { return HttpResponse{...}; });
 #ifndef MOE_SERVICES_METRICS_HTTP_SERVER_H_
@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -30,9 +31,13 @@ struct HttpRequest {
 };
 
 struct HttpResponse {
-  int status = 200;
-  std::string content_type = "text/plain; charset=utf-8";
+  HttpResponse(int s = 200, std::string type = "text/plain; charset=utf-8", std::string b = "",
+               std::vector<std::pair<std::string, std::string>> h = {})
+      : status(s), content_type(std::move(type)), body(std::move(b)), headers(std::move(h)) {}
+  int status;
+  std::string content_type;
   std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // beyond the standard ones
 };
 
 // What both CivetWeb servers of a process (the page, /metrics) hold against idle and slow
@@ -50,9 +55,11 @@ class HttpServer {
  public:
   using Handler = std::function<HttpResponse(const HttpRequest&)>;
 
+  // max_body_bytes: a larger request body is answered 413 before it is read.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const std::string& host, int port,
                                                            Handler handler,
-                                                           int workers = kHttpWorkers);
+                                                           int workers = kHttpWorkers,
+                                                           size_t max_body_bytes = 1 << 20);
   ~HttpServer();
   int port() const { return port_; }
   void Stop();
@@ -65,6 +72,7 @@ class HttpServer {
   static int Handle(mg_connection* conn, void* self);
 
   Handler handler_;
+  size_t max_body_bytes_ = 1 << 20;
   mg_context* ctx_ = nullptr;
   int port_ = 0;
 };

@@ -241,9 +241,13 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   }
   for (Child& s : c->shards_) MOE_RETURN_IF_ERROR(c->Launch(&s, o.start_timeout));
   c->attention_.name = "attention-svc";
+  const std::string http_file = o.work_dir + "/attention-svc.http_port";
+  ::unlink(http_file.c_str());
   c->attention_.args = {o.bin_dir + "/attention-svc",
                         "--checkpoint=" + o.checkpoint,
                         router,
+                        "--http_port=0",
+                        "--http_port_file=" + http_file,
                         "--cluster_token_file=" + o.work_dir + "/attention_token",
                         "--reply_mode=" + o.reply_mode,
                         threads};
@@ -253,6 +257,10 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
                             o.attention_args.end());
   MOE_RETURN_IF_ERROR(c->Launch(&c->attention_, o.start_timeout));
   c->attention_port_ = c->attention_.port;
+  {  // written before the gRPC port file, which Launch waited for
+    std::ifstream h(http_file);
+    if (!(h >> c->attention_http_port_)) c->attention_http_port_ = 0;
+  }
   MOE_RETURN_IF_ERROR(c->WaitReady(o.start_timeout));
   return c;
 }
@@ -401,6 +409,7 @@ std::string LocalCluster::DescribeJson() const {
   j["web"] = web_endpoint();
   j["attention"] = attention_endpoint();
   j["attention_metrics"] = attention_metrics();
+  j["attention_http"] = attention_http_endpoint();
   j["router_pid"] = router_.pid;
   j["attention_pid"] = attention_.pid;
   j["admin_token"] = options_.admin_token;

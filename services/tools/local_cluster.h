@@ -69,6 +69,8 @@ class LocalCluster {
   // The whole cluster as JSON (endpoints, metrics endpoints, page, work dir).
   std::string DescribeJson() const;
   std::string attention_endpoint() const { return Endpoint(attention_port_); }
+  // The Open Inference Protocol's REST front of attention-svc (--http_port).
+  std::string attention_http_endpoint() const { return Endpoint(attention_http_port_); }
   std::string shard_endpoint(int i) const { return Endpoint(shards_[i].port); }
   std::string shard_name(int i) const { return shards_[i].name; }
   int num_shards() const { return static_cast<int>(shards_.size()); }
@@ -112,7 +114,7 @@ class LocalCluster {
   Child router_;
   std::vector<Child> shards_;
   Child attention_;
-  int router_port_ = 0, attention_port_ = 0, web_port_ = 0;
+  int router_port_ = 0, attention_port_ = 0, web_port_ = 0, attention_http_port_ = 0;
   bool stopped_ = false;
 };
 

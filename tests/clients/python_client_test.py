@@ -280,6 +280,101 @@ def test_open_inference_protocol(endpoint, ref):
           f"{TOKENS} tokens, refusals: ok")
 
 
+def http(endpoint, method, path, body=None, headers=None):
+    """One request with Python's http.client: (status, headers dict, body bytes)."""
+    import http.client
+    host, port = endpoint.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(method, path, body=body, headers=headers or {})
+    r = conn.getresponse()
+    out = (r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    conn.close()
+    return out
+
+
+def test_rest(endpoint, attention_metrics, ref):
+    """The Open Inference Protocol's REST/JSON front (KServe v2 HTTP) with plain http.client:
+    health, metadata, JSON and binary-data inference equal to the in-process layer, the
+    statistics and repository extensions, errors with their codes and counted in /metrics."""
+    model = f"moe-layer-{LAYER}"
+    status, _, body = http(endpoint, "GET", "/v2")
+    meta = json.loads(body)
+    assert status == 200 and meta["name"] == "stable-latentmoe", meta
+    assert {"binary_tensor_data", "statistics", "model_repository"} <= set(meta["extensions"]), meta
+    assert http(endpoint, "GET", "/v2/health/live")[0] == 200
+    wait_for("REST ready", lambda: http(endpoint, "GET", "/v2/health/ready")[0] == 200, 60)
+    assert http(endpoint, "GET", f"/v2/models/{model}/ready")[0] == 200
+    status, _, body = http(endpoint, "GET", f"/v2/models/{model}")
+    m = json.loads(body)
+    assert status == 200 and m["inputs"][0] == {"name": "hidden_states", "datatype": "BF16",
+                                                "shape": [-1, 1024]}, m
+    assert [o["name"] for o in m["outputs"]] == ["output", "expert_ids", "routing_weights"], m
+
+    x, out, ids, w = ref["x"], ref["out"], ref["expert_ids"], ref["weights"]
+    as_f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)
+    # JSON in (FP32 values of the bf16 inputs), JSON out, every output.
+    req = {"id": "r1", "inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [4, 1024],
+                                   "data": as_f32(x[:4]).tolist()}]}
+    status, headers, body = http(endpoint, "POST", f"/v2/models/{model}/infer",
+                                 json.dumps(req), {"Content-Type": "application/json"})
+    assert status == 200, body[:300]
+    r = json.loads(body)
+    assert r["model_name"] == model and r["id"] == "r1" and r["parameters"]["expert_budget"] == 8
+    got = {o["name"]: o for o in r["outputs"]}
+    assert got["output"]["datatype"] == "BF16" and got["output"]["shape"] == [4, 1024]
+    assert np.array_equal(np.array(got["output"]["data"], np.float32), as_f32(out[:4]).ravel()), \
+        "REST JSON output != in-process layer"
+    assert np.array_equal(np.array(got["expert_ids"]["data"], np.int32), ids[:4].ravel())
+    assert np.array_equal(np.array(got["routing_weights"]["data"], np.float32), w[:4].ravel())
+    # The binary tensor data extension: raw BF16 in, the output binary out.
+    header = json.dumps({"inputs": [{"name": "hidden_states", "datatype": "BF16",
+                                     "shape": [16, 1024],
+                                     "parameters": {"binary_data_size": 16 * 1024 * 2}}],
+                         "outputs": [{"name": "output", "parameters": {"binary_data": True}}]})
+    status, headers, body = http(endpoint, "POST", f"/v2/models/{model}/infer",
+                                 header.encode() + x[:16].astype("<u2").tobytes(),
+                                 {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 200, body[:300]
+    n = int(headers["inference-header-content-length"])
+    r = json.loads(body[:n])
+    assert r["outputs"][0]["parameters"]["binary_data_size"] == 16 * 1024 * 2, r
+    assert np.array_equal(np.frombuffer(body[n:], "<u2").reshape(16, 1024), out[:16]), \
+        "REST binary output != in-process layer"
+    # Errors, with their codes; each counted by the node.
+    before = metric_sum(attention_metrics, "moe_errors_total", 'method="ModelInfer"')
+    bad = [(404, "/v2/models/moe-layer-99/infer", json.dumps(req), "moe-layer-1"),
+           (400, f"/v2/models/{model}/infer", "{not json", "not a JSON object"),
+           (400, f"/v2/models/{model}/infer",
+            json.dumps({**req, "parameters": {"temperature": 1}}), "unknown parameter 'temperature'"),
+           (400, f"/v2/models/{model}/infer",
+            json.dumps({"inputs": [{**req["inputs"][0], "shape": [4, 512]}]}), "hidden_states")]
+    for code, path, payload, text in bad:
+        status, _, body = http(endpoint, "POST", path, payload)
+        assert status == code and text in json.loads(body)["error"], (code, status, body[:200])
+    assert http(endpoint, "GET", "/v1/models")[0] == 404
+    after = metric_sum(attention_metrics, "moe_errors_total", 'method="ModelInfer"')
+    assert after - before == len(bad), (before, after)
+    # The statistics and repository extensions.
+    status, _, body = http(endpoint, "GET", f"/v2/models/{model}/stats")
+    st = json.loads(body)["model_stats"][0]
+    assert status == 200 and st["name"] == model and st["inference_stats"]["success"]["count"] >= 2
+    assert st["inference_stats"]["fail"]["count"] >= 2 and st["inference_stats"]["compute_infer"]["ns"] > 0
+    status, _, body = http(endpoint, "POST", "/v2/repository/index")
+    assert status == 200 and json.loads(body) == [{"name": model, "version": "1", "state": "READY"}]
+    print("REST front: metadata, health, JSON and binary inference equal to the in-process layer, "
+          f"{len(bad)} errors with their codes (counted), statistics "
+          f"({st['inference_stats']['success']['count']} ok), repository index: ok")
+
+
+def metric_sum(endpoint, name, label):
+    _, _, body = http(endpoint, "GET", "/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name + "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_python_client(client_dir, attention, router, ref, work):
     sys.path.insert(0, client_dir)
     os.environ["MOE_CLIENT_PROTO_OUT"] = os.path.join(work, "proto-py")
@@ -468,6 +563,7 @@ def main():
     try:
         attention, router = cluster["attention"], cluster["router"]
         test_open_inference_protocol(attention, ref)
+        test_rest(cluster["attention_http"], cluster["attention_metrics"], ref)
         test_python_client(args.client_dir, attention, router, ref, args.work)
     finally:
         stop(up)
