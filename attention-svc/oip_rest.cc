@@ -3,6 +3,7 @@
 #include <cstring>
 #include <future>
 #include <memory>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -51,17 +52,44 @@ HttpResponse Error(const absl::Status& s) {
 
 absl::Status Bad(const std::string& what) { return absl::InvalidArgumentError(what); }
 
-// Appends every number of a (possibly nested) JSON array, row-major.
-absl::Status Flatten(const Json& j, std::vector<double>* out) {
+// Appends every number of a (possibly nested) JSON array, row-major. Nesting deeper than a
+// tensor's rank could be is refused (the recursion is bounded).
+constexpr int kMaxDataDepth = 8;
+absl::Status Flatten(const Json& j, std::vector<double>* out, int depth = 0) {
   if (j.is_array()) {
+    if (depth >= kMaxDataDepth) return Bad("data nested deeper than 8 levels");
     for (const Json& x : j) {
-      if (absl::Status s = Flatten(x, out); !s.ok()) return s;
+      if (absl::Status s = Flatten(x, out, depth + 1); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
   if (!j.is_number()) return Bad("data: a value that is not a number");
   out->push_back(j.get<double>());
   return absl::OkStatus();
+}
+
+// Whether JSON text nests arrays and objects deeper than `limit` (strings skipped): checked
+// before parsing, so that a body of brackets never becomes millions of nested values.
+bool NestsDeeperThan(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
 }
 
 // A JSON parameter value -> InferParameter (bool, integer, string, or a double).
@@ -136,6 +164,9 @@ absl::StatusOr<inference::ModelInferRequest> OipRest::ParseInfer(
       return Bad(absl::StrCat("Inference-Header-Content-Length ", header_length.substr(0, 32),
                               " for a body of ", body.size(), " bytes"));
     }
+  }
+  if (NestsDeeperThan(std::string_view(body).substr(0, json_size), 3 + kMaxDataDepth)) {
+    return Bad("the request's JSON is nested deeper than a tensor's data could be");
   }
   const Json j = Json::parse(body.begin(), body.begin() + static_cast<ptrdiff_t>(json_size),
                              nullptr, /*allow_exceptions=*/false);

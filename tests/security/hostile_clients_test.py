@@ -797,6 +797,73 @@ def _(ctx):
     return f"{status}"
 
 
+# attention-svc's REST front (the Open Inference Protocol over HTTP, --http_port)
+def rest_infer(ctx, body, headers=None):
+    return http(ctx.cluster["attention_http"], "POST", f"/v2/models/moe-layer-{LAYER}/infer",
+                headers=headers, body=body)
+
+
+@case("REST: 5 MB of nested brackets as data")
+def _(ctx):
+    body = (b'{"inputs": [{"name": "hidden_states", "datatype": "FP32", "shape": [1, 1024], '
+            b'"data": ' + b"[" * (5 << 20) + b"]" * (5 << 20) + b"}]}")
+    status, text = rest_infer(ctx, body)
+    assert status == 400 and "nested deeper" in text, (status, text[:200])
+    return f"{status}: {text.strip()[:80]}"
+
+
+@case("REST: a shape of 2^31 x 1024 with four values")
+def _(ctx):
+    body = json.dumps({"inputs": [{"name": "hidden_states", "datatype": "FP32",
+                                   "shape": [1 << 31, 1024], "data": [1, 2, 3, 4]}]}).encode()
+    status, text = rest_infer(ctx, body)
+    assert status in (400, 429), (status, text[:200])
+    return f"{status}: {text.strip()[:80]}"
+
+
+@case("REST: a header length past the body, and binary sizes that lie")
+def _(ctx):
+    msgs = []
+    status, text = rest_infer(ctx, b"{}", {"Inference-Header-Content-Length": "999999"})
+    assert status == 400, (status, text)
+    msgs.append(text.strip()[:60])
+    head = json.dumps({"inputs": [{"name": "hidden_states", "datatype": "BF16", "shape": [4, 1024],
+                                   "parameters": {"binary_data_size": 1 << 40}}]}).encode()
+    status, text = rest_infer(ctx, head + b"\0" * 64,
+                              {"Inference-Header-Content-Length": str(len(head))})
+    assert status == 400 and "past the end" in text, (status, text)
+    msgs.append(text.strip()[:60])
+    return "; ".join(msgs)
+
+
+@case("REST: a 300 MB body announced (headers only)")
+def _(ctx):
+    host, port = ctx.cluster["attention_http"].rsplit(":", 1)
+    out = raw_exchange(ctx.cluster["attention_http"],
+                       f"POST /v2/models/moe-layer-{LAYER}/infer HTTP/1.1\r\nHost: x\r\n"
+                       f"Content-Length: {300 << 20}\r\n\r\n".encode(), wait=10)
+    assert out[9:12] == b"413", out[:60]
+    return "413 before any of it is read"
+
+
+@case("REST: 48 slowloris connections")
+def _(ctx):
+    host, port = ctx.cluster["attention_http"].rsplit(":", 1)
+    slow = []
+    try:
+        for _i in range(48):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nX-Slow: ")
+            slow.append(s)
+        t = time.time()
+        status, _body = http(ctx.cluster["attention_http"], "GET", "/v2/health/live")
+        assert status == 200 and time.time() - t < 2, (status, time.time() - t)
+        return "200 within 2 s while 48 slow connections are open"
+    finally:
+        for s in slow:
+            s.close()
+
+
 # raw sockets
 @case("300 idle TCP connections to attention-svc")
 def _(ctx):
