@@ -43,6 +43,7 @@ render -out "$WORK/default.yaml" -notes "$WORK/default-notes.txt"
 node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --print-checksum "$WORK/checksum-default"
 grep -q "svc/moe-moe-serving-attention" "$WORK/default-notes.txt"
+grep -q -- "- --http_port=8000" "$WORK/default.yaml"  # the REST front, a Service port too
 
 echo "== values.schema.json and kubeVersion"
 schema() { node values_schema.mjs --schema "$CHART/values.schema.json" --values "$CHART/values.yaml" "$@"; }
