@@ -100,7 +100,7 @@ inference::ServerMetadataResponse OipService::Metadata() const {
 
 absl::StatusOr<inference::ModelMetadataResponse> OipService::ModelMeta(
     const std::string& name, const std::string& version) const {
-  MOE_ASSIGN_OR_RETURN(int32_t layer, LayerOf(name, version));
+  MOE_RETURN_IF_ERROR(LayerOf(name, version).status());
   inference::ModelMetadataResponse m;
   m.set_name(name);
   m.add_versions("1");
@@ -110,17 +110,6 @@ absl::StatusOr<inference::ModelMetadataResponse> OipService::ModelMeta(
   AddTensorMetadata(kOutput, "BF16", {-1, hooks_.hidden}, m.mutable_outputs());
   AddTensorMetadata(kExpertIds, "INT32", {-1, hooks_.top_k}, m.mutable_outputs());
   AddTensorMetadata(kWeights, "FP32", {-1, hooks_.top_k}, m.mutable_outputs());
-  auto& p = *m.mutable_properties();
-  p["model"] = hooks_.model;
-  p["layer"] = absl::StrCat(layer);
-  p["hidden_size"] = absl::StrCat(hooks_.hidden);
-  p["latent_size"] = absl::StrCat(hooks_.latent);
-  p["num_experts"] = absl::StrCat(hooks_.num_experts);
-  p["top_k"] = absl::StrCat(hooks_.top_k);
-  p["input_datatypes"] = "BF16,FP32";
-  p["precision"] = "w4a16,w4a8";  // parameter "precision" of a request; the server's default
-                                  // otherwise (GetModelInfo.default_precision)
-  p["reply_modes"] = "per_pair,partial_sum";
   return m;
 }
 
@@ -333,7 +322,8 @@ void OipService::Infer(
     resp.set_model_name(req->model_name());
     resp.set_model_version("1");
     resp.set_id(req->id());
-    (*resp.mutable_parameters())["bias_version"].set_uint64_param(fr.bias_version());
+    (*resp.mutable_parameters())["bias_version"].set_int64_param(
+        static_cast<int64_t>(fr.bias_version()));
     (*resp.mutable_parameters())["precision"].set_string_param(
         fr.precision() == v1::PRECISION_W4A8 ? "w4a8" : "w4a16");
     (*resp.mutable_parameters())["expert_budget"].set_int64_param(fr.expert_budget());

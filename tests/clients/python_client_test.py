@@ -201,8 +201,10 @@ def test_open_inference_protocol(endpoint, ref):
     assert inputs[0][1][0] == b"hidden_states" and inputs[0][2][0] == b"BF16"
     assert shape_of(inputs[0]) == [-1, 1024], shape_of(inputs[0])
     assert set(outputs) == {"output", "expert_ids", "routing_weights"}, outputs.keys()
-    props = dict((parse(p)[1][0].decode(), parse(p)[2][0].decode()) for p in m.get(6, []))
-    assert props["hidden_size"] == "1024" and props["top_k"] == "8", props
+    assert shape_of(outputs["expert_ids"]) == [-1, 8], outputs["expert_ids"]  # k
+    # Only the published fields of ModelMetadataResponse (1-5): a client that knows only the
+    # protocol sees no unknown field.
+    assert set(m) <= {1, 2, 3, 4, 5}, sorted(m)
 
     x, out, ids, w = ref["x"], ref["out"], ref["expert_ids"], ref["weights"]
     # Raw BF16, all outputs (none named).
@@ -213,6 +215,10 @@ def test_open_inference_protocol(endpoint, ref):
     assert np.array_equal(got["output"][2], out[:5]), "ModelInfer output != in-process layer"
     assert np.array_equal(got["expert_ids"][2], ids[:5])
     assert np.array_equal(got["routing_weights"][2], w[:5])
+    # Response parameters use the protocol's bool, int64 and string fields only (1-3).
+    for entry in r.get(4, []):
+        value = parse(parse(entry)[2][0])
+        assert set(value) <= {1, 2, 3}, (parse(entry)[1], sorted(value))
     # FP32 raw and fp32_contents, output only: the server rounds to bf16 (RNE) first.
     xf = (x[:3].astype(np.uint32) << 16).view(np.float32)
     for raw in (True, False):
