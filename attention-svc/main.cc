@@ -76,6 +76,14 @@ int main(int argc, char** argv) {
   return moe::RunServer(
       "attention-svc",
       [&]() -> absl::StatusOr<std::unique_ptr<moe::attention_svc::AttentionServer>> {
+        // The REST front is plain HTTP: on a cluster that asked for TLS it would be the one
+        // unencrypted door, so the two are refused together (terminate TLS in front of it).
+        if (o.http_port >= 0 && tls.enabled()) {
+          return absl::FailedPreconditionError(
+              "--http_port (the REST front, plain HTTP) with TLS: the REST front has no TLS of "
+              "its own; use the gRPC front, or terminate TLS in front of the REST port and "
+              "start without the TLS flags");
+        }
         MOE_RETURN_IF_ERROR(moe::transport::ConfigureProcessTls(tls, /*server=*/true));
         return moe::attention_svc::AttentionServer::Start(o);
       });

@@ -246,11 +246,13 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   c->attention_.args = {o.bin_dir + "/attention-svc",
                         "--checkpoint=" + o.checkpoint,
                         router,
-                        "--http_port=0",
-                        "--http_port_file=" + http_file,
                         "--cluster_token_file=" + o.work_dir + "/attention_token",
                         "--reply_mode=" + o.reply_mode,
                         threads};
+  if (!o.tls.enabled()) {  // the REST front is plain HTTP: not on a TLS cluster
+    c->attention_.args.push_back("--http_port=0");
+    c->attention_.args.push_back("--http_port_file=" + http_file);
+  }
   MOE_ASSIGN_OR_RETURN(const std::vector<std::string> attention_tls, tls_for("attention-svc"));
   c->attention_.args.insert(c->attention_.args.end(), attention_tls.begin(), attention_tls.end());
   c->attention_.args.insert(c->attention_.args.end(), o.attention_args.begin(),

@@ -463,14 +463,37 @@ def test_python_client(client_dir, attention, router, ref, work):
             raise AssertionError("a negative budget was accepted")
         except ValueError:
             pass
+        # Back to the full top-k (what the in-process reference computed) for what follows.
+        full = c.set_expert_budget(8)
+        wait_for("the full top-k again", lambda: c.forward(x[:1]).bias_version == full.version, 30)
     with Client(attention, router=router) as anonymous:
         try:
             anonymous.rebalance()
             raise AssertionError("Rebalance without the admin token went through")
         except MoeError as e:
             assert e.code in ("PERMISSION_DENIED", "UNAUTHENTICATED"), e
+    # asyncio: 8 forwards in flight on one AsyncClient, each equal to the synchronous client's
+    # answer (the bias is the rebalanced one now, not the in-process reference's).
+    import asyncio
+    with Client(attention) as c:
+        want = [c.forward(x[8 * i:8 * i + 8]).out_bf16 for i in range(8)]
+    from moe_client import AsyncClient
+
+    async def many():
+        async with AsyncClient(attention, timeout=60) as ac:
+            got = await asyncio.gather(*(ac.forward(x[8 * i:8 * i + 8], expert_budget=0)
+                                         for i in range(8)))
+            try:
+                await ac.forward(x[:2, :100])
+                raise AssertionError("a bad width went through asyncio")
+            except MoeError as e:
+                assert e.code == "INVALID_ARGUMENT", e
+            return got
+    results = asyncio.run(many())
+    for i, res in enumerate(results):
+        assert np.array_equal(res.out_bf16, want[i]), f"asyncio batch {i}"
     print("python client: model info, health, forward (f32, bf16, routing, large), stream, "
-          "errors, stats, rebalance, expert budget: ok")
+          "errors, stats, rebalance, expert budget, asyncio (8 in flight): ok")
 
 
 def admin_token_file(work, token):

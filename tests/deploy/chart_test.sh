@@ -100,6 +100,9 @@ test "$(grep -c -- '- --tls_member_identity=true' "$WORK/tls-perpod.yaml")" -eq 
 if grep -q 'secretName: moe-tls' "$WORK/tls-perpod.yaml"; then echo "FAIL: a shared TLS Secret"; exit 1; fi
 render -set tls.enabled=true -set tls.existingSecret=moe-tls -out "$WORK/tls-shared.yaml"
 test "$(grep -c -- '- --tls_member_identity=false' "$WORK/tls-shared.yaml")" -eq 3
+if grep -q -- "--http_port" "$WORK/tls-shared.yaml"; then
+  echo "FAIL: the plain-HTTP REST front is rendered on a TLS cluster"; exit 1
+fi
 
 echo "== --initialize on the first install only (and always for an emptyDir, lost with its pod)"
 grep -q -- '- --initialize$' "$WORK/default.yaml"

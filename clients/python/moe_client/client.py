@@ -324,3 +324,83 @@ class Client:
         return _unary(self._router, "/moe.v1.RouterService/Rebalance",
                       self._pb.router.RebalanceRequest(layer=layer, dry_run=dry_run),
                       self._pb.router.RebalanceResponse, self._timeout, metadata=self._admin)
+
+
+class AsyncClient:
+    """The asyncio form of Client (grpc.aio): the same arguments and the same numpy in and out,
+    for an attention engine whose scheduler is a coroutine loop. Many forwards may be in flight
+    on one client (asyncio.gather).
+
+        async with AsyncClient("127.0.0.1:50051") as c:
+            results = await asyncio.gather(*(c.forward(x) for x in batches))
+    """
+
+    def __init__(self, attention, router=None, admin_token=None, timeout=30.0,
+                 max_message_bytes=_MAX_MESSAGE, credentials=None):
+        import grpc.aio
+        # Requests and results are built and read by a synchronous Client's code (no channel
+        # of its own is used: the aio channels below carry the calls).
+        self._sync = Client.__new__(Client)
+        self._sync._pb = load_protos()
+        self._sync._info = None
+        self._sync._timeout = timeout
+        self._pb = self._sync._pb
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+
+        def channel(target):
+            if credentials is None:
+                return grpc.aio.insecure_channel(target, options=options)
+            return grpc.aio.secure_channel(target, credentials, options=options)
+        self._attention = channel(attention)
+        self._router = channel(router) if router else None
+        self._admin = [("x-moe-admin-token", admin_token)] if admin_token else None
+        self._timeout = timeout
+
+    async def close(self):
+        await self._attention.close()
+        if self._router is not None:
+            await self._router.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def _unary(self, channel, method, request, response_cls, timeout=None, metadata=None):
+        import grpc
+        call = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=response_cls.FromString)
+        try:
+            return await call(request, timeout=timeout or self._timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            raise MoeError(e.code().name, e.details()) from None
+
+    async def model_info(self):
+        """moe.v1.ModelInfo (as Client.model_info)."""
+        self._sync._info = await self._unary(
+            self._attention, "/moe.v1.AttentionService/GetModelInfo",
+            self._pb.attention.GetModelInfoRequest(), self._pb.attention.ModelInfo)
+        return self._sync._info
+
+    async def forward(self, x, layer=None, return_routing=False, reply_mode=None, timeout=None,
+                      precision=None, expert_budget=None):
+        """As Client.forward: x float32 [T, H] or uint16 bf16 bits -> Result."""
+        if layer is None and self._sync._info is None:
+            await self.model_info()
+        req = self._sync._forward_request(x, layer, return_routing, reply_mode, precision,
+                                          expert_budget)
+        r = await self._unary(self._attention, "/moe.v1.AttentionService/Forward", req,
+                              self._pb.attention.ForwardResponse, timeout)
+        return self._sync._result(r)
+
+    async def set_expert_budget(self, k_avg, layer=None):
+        """As Client.set_expert_budget (needs router= and admin_token=)."""
+        if self._router is None:
+            raise ValueError("this call needs router=host:port")
+        if layer is None:
+            layer = (self._sync._info or await self.model_info()).layers[0]
+        return await self._unary(self._router, "/moe.v1.RouterService/SetExpertBudget",
+                                 self._pb.router.SetExpertBudgetRequest(layer=layer, k_avg=k_avg),
+                                 self._pb.router.LayerBias, metadata=self._admin)
