@@ -38,6 +38,11 @@ def load_protos(proto_dir=None, out_dir=None):
     with _lock:
         if _pb is not None:
             return _pb
+        # An installed package (pip install ./clients/python) carries the classes protoc made
+        # at build time: nothing is generated at run time.
+        bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_proto")
+        if proto_dir is None and out_dir is None and os.path.isdir(os.path.join(bundled, "moe")):
+            return _import_protos(bundled)
         proto_dir = proto_dir or os.environ.get("MOE_CLIENT_PROTO_DIR", _DEFAULT_PROTO_DIR)
         files = sorted(glob.glob(os.path.join(proto_dir, "moe", "v1", "*.proto")) +
                        glob.glob(os.path.join(proto_dir, "inference", "*.proto")))
@@ -52,15 +57,23 @@ def load_protos(proto_dir=None, out_dir=None):
             subprocess.run(["protoc", f"-I{proto_dir}", f"--python_out={out_dir}"] + files,
                            check=True, timeout=120)
             open(marker, "w").close()
-        if out_dir not in sys.path:
-            sys.path.insert(0, out_dir)
-        ns = type("Protos", (), {})()
-        ns.tensor = importlib.import_module("moe.v1.tensor_pb2")
-        ns.attention = importlib.import_module("moe.v1.attention_pb2")
-        ns.router = importlib.import_module("moe.v1.router_pb2")
-        ns.inference = importlib.import_module("inference.grpc_inference_pb2")
-        _pb = ns
-        return ns
+        return _import_protos(out_dir)
+
+
+def _import_protos(out_dir):
+    """Imports the generated modules under out_dir (their own imports name moe.v1.* and
+    inference.*, so out_dir goes on sys.path). Called with _lock held."""
+    global _pb
+    if out_dir not in sys.path:
+        sys.path.insert(0, out_dir)
+    ns = type("Protos", (), {})()
+    ns.tensor = importlib.import_module("moe.v1.tensor_pb2")
+    ns.attention = importlib.import_module("moe.v1.attention_pb2")
+    ns.router = importlib.import_module("moe.v1.router_pb2")
+    ns.inference = importlib.import_module("inference.grpc_inference_pb2")
+    ns.source = out_dir
+    _pb = ns
+    return ns
 
 
 def f32_to_bf16(x):

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# `pip install ./clients/python` as a user does it, into a fresh virtual environment that sees
+# Debian's grpcio, protobuf and numpy (--system-site-packages; no network: --no-index): the
+# package installs, its message classes come from the build (moe_client/_proto, no protoc when
+# it runs: PATH without protoc, no proto/ next to it), and it answers from a directory outside
+# the checkout against a local cluster, bit for bit the in-process layer.
+# Usage: python_package_test.sh SOURCE_DIR MOE_CLI MOE_TOOL WORK_DIR
+set -euo pipefail
+trap 'echo "FAIL: line $LINENO: $BASH_COMMAND"' ERR
+SRC=$1
+MOE_CLI=$2
+MOE_TOOL=$3
+WORK=$4
+rm -rf "$WORK" && mkdir -p "$WORK"
+/usr/bin/python3 -m venv --system-site-packages "$WORK/venv"
+# A copy of the package and the contract it is built from (pip builds in the tree it is given).
+mkdir -p "$WORK/src/clients"
+cp -r "$SRC/clients/python" "$WORK/src/clients/python"
+cp -r "$SRC/proto" "$WORK/src/proto"
+"$WORK/venv/bin/pip" install --quiet --no-index --no-build-isolation "$WORK/src/clients/python" \
+  >"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }
+"$WORK/venv/bin/pip" show moe-client >"$WORK/show.txt"
+grep -q "^Version: 0.1.0" "$WORK/show.txt"
+"$MOE_TOOL" synth --config tiny --out "$WORK/ckpt" --single_file >/dev/null
+"$MOE_TOOL" forward --checkpoint "$WORK/ckpt" --tokens 8 --seed 3 --output "$WORK/ref.safetensors" \
+  >/dev/null
+"$MOE_CLI" up --checkpoint "$WORK/ckpt" --work_dir "$WORK/cluster" --threads 1 --max_seconds 120 \
+  >"$WORK/up.log" 2>&1 &
+UP=$!
+trap 'kill $UP 2>/dev/null || true; echo "FAIL: line $LINENO: $BASH_COMMAND"' ERR
+for _ in $(seq 1 240); do  # bounded: 60 s
+  [ -f "$WORK/cluster/cluster.json" ] && break
+  sleep 0.25
+done
+mkdir -p "$WORK/elsewhere"
+cd "$WORK/elsewhere"
+# No protoc on PATH, no proto/ to generate from: the bundled classes must do.
+env -i HOME="$WORK" PATH="$WORK/venv/bin" MOE_CLIENT_PROTO_DIR=/nonexistent \
+  "$WORK/venv/bin/python" - "$WORK/cluster/cluster.json" "$WORK/ref.safetensors" \
+  "$SRC/tests/reference" <<'PY'
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[3])  # the test's safetensors reader only
+from moe_reference import read_safetensors
+import moe_client
+from moe_client import Client
+pb = moe_client.load_protos()
+assert "/site-packages/moe_client/_proto" in pb.source, pb.source
+cluster = json.load(open(sys.argv[1]))
+ref, _ = read_safetensors(sys.argv[2])
+with Client(cluster["attention"]) as c:
+    r = c.forward(ref["x"])
+assert np.array_equal(r.out_bf16, ref["out"]), "the installed client's answer differs"
+print(f"installed moe_client {moe_client.__file__}: classes from {pb.source}; forward bit-exact")
+PY
+kill "$UP"; wait "$UP" 2>/dev/null || true
+echo PASS
