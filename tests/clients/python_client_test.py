@@ -381,10 +381,11 @@ def metric_sum(endpoint, name, label):
     return total
 
 
-def test_python_client(client_dir, attention, router, ref, work):
+def test_python_client(client_dir, attention, router, ref, work, rest=None):
     sys.path.insert(0, client_dir)
     os.environ["MOE_CLIENT_PROTO_OUT"] = os.path.join(work, "proto-py")
-    from moe_client import Client, MoeError, bf16_to_f32, f32_to_bf16 as to_bf16
+    from moe_client import (Client, InvalidArgument, MoeError, NotFound, RestClient, bf16_to_f32,
+                            f32_to_bf16 as to_bf16)
     x_bits, out = ref["x"], ref["out"]
     x = bf16_to_f32(x_bits)
     # The client's bf16 helpers against the test's own (RNE) and back.
@@ -432,6 +433,7 @@ def test_python_client(client_dir, attention, router, ref, work):
             raise AssertionError("a bad width went through")
         except MoeError as e:
             assert e.code == "INVALID_ARGUMENT" and "1024" in e.details, e
+            assert isinstance(e, InvalidArgument), type(e)  # a typed error of its code
         stats = wait_for("stats", lambda: (lambda st: st if st.total_tokens > 0 else None)(
             c.stats()), 30)
         assert len(stats.total_loads) == 128
@@ -492,8 +494,23 @@ def test_python_client(client_dir, attention, router, ref, work):
     results = asyncio.run(many())
     for i, res in enumerate(results):
         assert np.array_equal(res.out_bf16, want[i]), f"asyncio batch {i}"
+    # The REST form in the package (binary BF16 both ways): the gRPC client's bits and routing.
+    rc = RestClient(rest)
+    assert rc.ready() and rc.models()[0]["state"] == "READY"
+    with Client(attention) as c:
+        g = c.forward(x[:8], return_routing=True)
+    r = rc.infer(x[:8], routing=True)
+    assert np.array_equal(r.out_bf16, g.out_bf16) and np.array_equal(r.expert_ids, g.expert_ids)
+    assert np.array_equal(r.weights, g.weights) and r.bias_version == g.bias_version
+    for call, cls in ((lambda: rc.infer(x[:2, :100]), InvalidArgument),
+                      (lambda: rc.infer(x[:2], model="moe-layer-99"), NotFound)):
+        try:
+            call()
+            raise AssertionError(f"expected {cls.__name__}")
+        except cls:
+            pass
     print("python client: model info, health, forward (f32, bf16, routing, large), stream, "
-          "errors, stats, rebalance, expert budget, asyncio (8 in flight): ok")
+          "errors (typed), stats, rebalance, expert budget, asyncio (8 in flight), REST: ok")
 
 
 def admin_token_file(work, token):
@@ -593,7 +610,8 @@ def main():
         attention, router = cluster["attention"], cluster["router"]
         test_open_inference_protocol(attention, ref)
         test_rest(cluster["attention_http"], cluster["attention_metrics"], ref)
-        test_python_client(args.client_dir, attention, router, ref, args.work)
+        test_python_client(args.client_dir, attention, router, ref, args.work,
+                           cluster["attention_http"])
     finally:
         stop(up)
     test_python_client_tls(args.client_dir, args.moe_cli, ckpt, ref, args.work)

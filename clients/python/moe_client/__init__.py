@@ -12,8 +12,12 @@ Needs grpcio and protobuf (Debian: python3-grpcio, python3-protobuf) and numpy. 
 classes are generated from the repository's .proto files by protoc at first use (or from a
 directory given in MOE_CLIENT_PROTO_OUT), so no generated code is checked in.
 """
-from .client import (AsyncClient, Client, ForwardStream, MoeError, Result, bf16_to_f32,
-                     f32_to_bf16, load_protos, tls_credentials)
+from .client import (AsyncClient, Client, DeadlineExceeded, ForwardStream, InvalidArgument,
+                     MoeError, NotFound, PermissionDenied, ResourceExhausted, RestClient, Result,
+                     Unauthenticated, Unavailable, bf16_to_f32, f32_to_bf16, load_protos,
+                     tls_credentials)
 
-__all__ = ["AsyncClient", "Client", "ForwardStream", "MoeError", "Result", "bf16_to_f32",
-           "f32_to_bf16", "load_protos", "tls_credentials"]
+__all__ = ["AsyncClient", "Client", "DeadlineExceeded", "ForwardStream", "InvalidArgument",
+           "MoeError", "NotFound", "PermissionDenied", "ResourceExhausted", "RestClient", "Result",
+           "Unauthenticated", "Unavailable", "bf16_to_f32", "f32_to_bf16", "load_protos",
+           "tls_credentials"]

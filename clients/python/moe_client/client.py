@@ -19,12 +19,52 @@ _lock = threading.Lock()
 
 
 class MoeError(RuntimeError):
-    """A failed call: .code is the gRPC status name (e.g. "UNAVAILABLE"), .details its message."""
+    """A failed call: .code is the gRPC status name (e.g. "UNAVAILABLE"), .details its message.
+    Raised as the subclass of its code (InvalidArgument, NotFound, ...), so callers can catch
+    what they handle: `except Unavailable:` retries, `except InvalidArgument:` fixes the input."""
 
     def __init__(self, code, details):
         super().__init__(f"{code}: {details}")
         self.code = code
         self.details = details
+
+
+class InvalidArgument(MoeError):
+    """The request is wrong (shape, dtype, NaN, an unknown parameter): retrying will not help."""
+
+
+class NotFound(MoeError):
+    """No such layer or model here."""
+
+
+class ResourceExhausted(MoeError):
+    """Over a bound (tokens, message size, the queue): smaller or later."""
+
+
+class Unavailable(MoeError):
+    """An expert shard or the node is down or not ready: retry."""
+
+
+class DeadlineExceeded(MoeError):
+    """The call ran past its deadline (the message names the shard that was late)."""
+
+
+class PermissionDenied(MoeError):
+    """An admin call without the right token, or a member acting as another."""
+
+
+class Unauthenticated(MoeError):
+    """No or a wrong member token."""
+
+
+_ERRORS = {c.__name__: c for c in (InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+                                   DeadlineExceeded, PermissionDenied, Unauthenticated)}
+
+
+def _error(code, details):
+    """The MoeError subclass of a gRPC status name ("INVALID_ARGUMENT" -> InvalidArgument)."""
+    cls = _ERRORS.get("".join(w.capitalize() for w in code.split("_")), MoeError)
+    return cls(code, details)
 
 
 def load_protos(proto_dir=None, out_dir=None):
@@ -120,7 +160,7 @@ def _unary(channel, method, request, response_cls, timeout, metadata=None):
     try:
         return call(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as e:
-        raise MoeError(e.code().name, e.details()) from None
+        raise _error(e.code().name, e.details()) from None
 
 
 class ForwardStream:
@@ -164,11 +204,11 @@ class ForwardStream:
         try:
             for r in self._responses:
                 if r.code != 0:
-                    yield r.request_id, MoeError(_code_name(r.code), r.message)
+                    yield r.request_id, _error(_code_name(r.code), r.message)
                 else:
                     yield r.request_id, self._client._result(r)
         except self._grpc.RpcError as e:
-            raise MoeError(e.code().name, e.details()) from None
+            raise _error(e.code().name, e.details()) from None
 
 
 def _code_name(code):
@@ -388,7 +428,7 @@ class AsyncClient:
         try:
             return await call(request, timeout=timeout or self._timeout, metadata=metadata)
         except grpc.aio.AioRpcError as e:
-            raise MoeError(e.code().name, e.details()) from None
+            raise _error(e.code().name, e.details()) from None
 
     async def model_info(self):
         """moe.v1.ModelInfo (as Client.model_info)."""
@@ -417,3 +457,93 @@ class AsyncClient:
         return await self._unary(self._router, "/moe.v1.RouterService/SetExpertBudget",
                                  self._pb.router.SetExpertBudgetRequest(layer=layer, k_avg=k_avg),
                                  self._pb.router.LayerBias, metadata=self._admin)
+
+
+class RestClient:
+    """The Open Inference Protocol over REST (attention-svc --http_port; cluster.json's
+    attention_http), standard library only: inputs go as binary BF16 (the exact bits), the
+    output comes back as binary BF16. Errors raise the MoeError subclass of the HTTP status.
+
+        r = RestClient("127.0.0.1:8000").infer(x)   # Result: .out, .out_bf16, .expert_budget
+    """
+
+    _BY_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+                  503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+    def __init__(self, endpoint, timeout=30.0):
+        host, port = endpoint.rsplit(":", 1)
+        self._host, self._port, self._timeout = host, int(port), timeout
+
+    def _call(self, method, path, body=None, headers=None):
+        import http.client
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def _json(self, method, path):
+        import json
+        status, _, body = self._call(method, path)
+        if status != 200:
+            raise _error(self._BY_STATUS.get(status, "UNKNOWN"), body.decode(errors="replace"))
+        return json.loads(body)
+
+    def ready(self):
+        return self._call("GET", "/v2/health/ready")[0] == 200
+
+    def metadata(self, model=None):
+        return self._json("GET", f"/v2/models/{model}" if model else "/v2")
+
+    def models(self):
+        """The repository index: [{"name", "version", "state"}]."""
+        return self._json("POST", "/v2/repository/index")
+
+    def statistics(self, model=None):
+        return self._json("GET", f"/v2/models/{model}/stats" if model else "/v2/models/stats")
+
+    def infer(self, x, model=None, parameters=None, routing=False):
+        """x: float32 [T, H] (rounded to bf16 here, RNE) or uint16 bf16 bits -> Result (with the
+        routing when asked)."""
+        import json
+        if model is None:
+            model = self.models()[0]["name"]
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"x must be [T, H], got shape {x.shape}")
+        bits = x if x.dtype == np.uint16 else f32_to_bf16(x.astype(np.float32, copy=False))
+        raw = np.ascontiguousarray(bits, dtype="<u2").tobytes()
+        outputs = [{"name": "output", "parameters": {"binary_data": True}}]
+        if routing:
+            outputs += [{"name": n, "parameters": {"binary_data": True}}
+                        for n in ("expert_ids", "routing_weights")]
+        header = json.dumps({"inputs": [{"name": "hidden_states", "datatype": "BF16",
+                                         "shape": list(x.shape),
+                                         "parameters": {"binary_data_size": len(raw)}}],
+                             "outputs": outputs, "parameters": parameters or {}}).encode()
+        status, headers, body = self._call(
+            "POST", f"/v2/models/{model}/infer", header + raw,
+            {"Inference-Header-Content-Length": str(len(header))})
+        if status != 200:
+            raise _error(self._BY_STATUS.get(status, "UNKNOWN"), body.decode(errors="replace"))
+        n = int(headers["inference-header-content-length"])
+        meta = json.loads(body[:n])
+        blobs, offset = {}, n
+        for o in meta["outputs"]:
+            size = o["parameters"]["binary_data_size"]
+            blobs[o["name"]] = (o, body[offset:offset + size])
+            offset += size
+        o, data = blobs["output"]
+        res = Result(out_bf16=np.frombuffer(data, "<u2").reshape(o["shape"]).copy(),
+                     bias_version=meta["parameters"].get("bias_version", 0),
+                     precision=meta["parameters"].get("precision", "w4a16"),
+                     expert_budget=meta["parameters"].get("expert_budget", 0),
+                     routed_pairs=meta["parameters"].get("routed_pairs", 0))
+        if routing:
+            o, data = blobs["expert_ids"]
+            res.expert_ids = np.frombuffer(data, "<i4").reshape(o["shape"]).copy()
+            o, data = blobs["routing_weights"]
+            res.weights = np.frombuffer(data, "<f4").reshape(o["shape"]).copy()
+        return res
