@@ -19,7 +19,7 @@ TEST_PACKAGES=(
   clang libclang-rt-14-dev clang-format
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy python3-grpcio python3-protobuf python3-venv python3-pip python3-setuptools
-  python3-wheel gnuplot-nox libopenblas-dev ucx-utils
+  python3-wheel python3-torch gnuplot-nox libopenblas-dev ucx-utils
   prometheus chromium etcd-server
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )

@@ -372,6 +372,39 @@ def test_rest(endpoint, attention_metrics, ref):
           f"({st['inference_stats']['success']['count']} ok), repository index: ok")
 
 
+def test_torch(client_dir, attention, ckpt, ref):
+    """The PyTorch stand-in for the K3 MoE block (moe_client.torch_module, Debian's
+    python3-torch): [batch, seq, H] bf16 and fp32 tensors through the service equal the NumPy
+    reference computed from the checkpoint's files (the compare test's bounds: at most 1 bf16 ulp
+    on at most 1e-3 of the outputs)."""
+    import torch
+    sys.path.insert(0, client_dir)
+    import moe_reference
+    from moe_client.torch_module import RemoteMoeBlock
+    x_bits = ref["x"][:16]
+    want, _, _ = moe_reference.layer_forward(moe_reference.Checkpoint(ckpt), LAYER, x_bits)
+    block = RemoteMoeBlock(attention, layer=LAYER)
+    assert isinstance(block, torch.nn.Module) and block.hidden_size == 1024
+    xt = torch.from_numpy(x_bits.view(np.int16).copy()).view(torch.bfloat16).reshape(2, 8, 1024)
+    with torch.no_grad():
+        y = block(xt)
+        y32 = block(xt.to(torch.float32))
+    assert y.shape == (2, 8, 1024) and y.dtype == torch.bfloat16, (y.shape, y.dtype)
+    assert y32.dtype == torch.float32 and torch.equal(y32, y.to(torch.float32))
+    got = y.reshape(16, 1024).view(torch.int16).numpy().view(np.uint16)
+    dist = moe_reference.bf16_ulp_distance(got, want)
+    assert dist.max() <= 1 and np.count_nonzero(dist) <= 1e-3 * dist.size, (dist.max(),
+                                                                            np.count_nonzero(dist))
+    try:
+        block(xt.to(torch.float32).requires_grad_())
+        raise AssertionError("a tensor that requires grad went through")
+    except RuntimeError:
+        pass
+    block.close()
+    print(f"torch: RemoteMoeBlock [2, 8, 1024] bf16 and fp32 equal the NumPy reference "
+          f"({np.count_nonzero(dist)} of {dist.size} outputs 1 ulp apart)")
+
+
 def metric_sum(endpoint, name, label):
     _, _, body = http(endpoint, "GET", "/metrics")
     total = 0.0
@@ -502,6 +535,11 @@ def test_python_client(client_dir, attention, router, ref, work, rest=None):
     r = rc.infer(x[:8], routing=True)
     assert np.array_equal(r.out_bf16, g.out_bf16) and np.array_equal(r.expert_ids, g.expert_ids)
     assert np.array_equal(r.weights, g.weights) and r.bias_version == g.bias_version
+    # And over the Open Inference Protocol's gRPC form, from the same package.
+    with Client(attention) as c:
+        o = c.infer(x[:8], routing=True, parameters={"reply_mode": "per_pair"})
+    assert np.array_equal(o.out_bf16, g.out_bf16) and np.array_equal(o.expert_ids, g.expert_ids)
+    assert np.array_equal(o.weights, g.weights) and o.bias_version == g.bias_version
     for call, cls in ((lambda: rc.infer(x[:2, :100]), InvalidArgument),
                       (lambda: rc.infer(x[:2], model="moe-layer-99"), NotFound)):
         try:
@@ -610,6 +648,7 @@ def main():
         attention, router = cluster["attention"], cluster["router"]
         test_open_inference_protocol(attention, ref)
         test_rest(cluster["attention_http"], cluster["attention_metrics"], ref)
+        test_torch(args.client_dir, attention, ckpt, ref)
         test_python_client(args.client_dir, attention, router, ref, args.work,
                            cluster["attention_http"])
     finally:

@@ -342,6 +342,49 @@ class Client:
                    self._pb.attention.ForwardResponse, timeout or self._timeout)
         return self._result(r)
 
+    def infer(self, x, model=None, parameters=None, routing=False, timeout=None):
+        """The same call over the Open Inference Protocol (KServe v2 ModelInfer on the same port):
+        x float32 [T, H] or uint16 bf16 bits, sent as raw BF16; parameters: the model's
+        (precision, reply_mode, expert_budget) -> Result."""
+        inf = self._pb.inference
+        info = self._info or self.model_info()
+        model = model or info.oip_models[0]
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"x must be [T, H], got shape {x.shape}")
+        bits = x if x.dtype == np.uint16 else f32_to_bf16(x.astype(np.float32, copy=False))
+        req = inf.ModelInferRequest(model_name=model)
+        t = req.inputs.add(name="hidden_states", datatype="BF16")
+        t.shape.extend(x.shape)
+        req.raw_input_contents.append(np.ascontiguousarray(bits, dtype="<u2").tobytes())
+        names = ["output"] + (["expert_ids", "routing_weights"] if routing else [])
+        for n in names:
+            req.outputs.add(name=n)
+        for k, v in (parameters or {}).items():
+            p = req.parameters[k]
+            if isinstance(v, bool):
+                p.bool_param = v
+            elif isinstance(v, int):
+                p.int64_param = v
+            else:
+                p.string_param = str(v)
+        r = _unary(self._attention, "/inference.GRPCInferenceService/ModelInfer", req,
+                   inf.ModelInferResponse, timeout or self._timeout)
+        raw = dict(zip([o.name for o in r.outputs], r.raw_output_contents))
+        shape = {o.name: tuple(o.shape) for o in r.outputs}
+        params = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in r.parameters.items()}
+        res = Result(out_bf16=np.frombuffer(raw["output"], "<u2").reshape(shape["output"]).copy(),
+                     bias_version=params.get("bias_version", 0),
+                     precision=params.get("precision", "w4a16"),
+                     expert_budget=params.get("expert_budget", 0),
+                     routed_pairs=params.get("routed_pairs", 0))
+        if routing:
+            res.expert_ids = np.frombuffer(raw["expert_ids"], "<i4").reshape(
+                shape["expert_ids"]).copy()
+            res.weights = np.frombuffer(raw["routing_weights"], "<f4").reshape(
+                shape["routing_weights"]).copy()
+        return res
+
     def stream(self, timeout=None):
         """A ForwardStream (send(), close(), results())."""
         return ForwardStream(self, timeout or self._timeout)
