@@ -1,6 +1,7 @@
 #include "attention-svc/attention_server.h"
 
 #include "attention-svc/attention_impl.h"
+#include "services/common/version.h"
 
 namespace moe::attention_svc {
 
@@ -101,7 +102,7 @@ absl::Status AttentionServer::Impl::StartServing() {
   so.max_receive_message_bytes = options_.max_message_bytes;
   so.max_send_message_bytes = options_.max_message_bytes;
   OipService::Hooks hooks;
-  hooks.version = metrics::BuildVersion();
+  hooks.version = BuildVersion();
   hooks.hidden = cfg_.hidden;
   hooks.latent = cfg_.latent;
   hooks.top_k = cfg_.top_k;
@@ -322,9 +323,7 @@ void AttentionServer::Impl::ReportNow() {
 }
 
 void AttentionServer::Impl::GovernorLoop() {
-  const auto interval =
-      std::chrono::milliseconds(std::max<int64_t>(10, options_.budget_auto_interval_ms));
-  while (SleepUnlessStopping(interval)) {
+  while (SleepUnlessStopping(governor_->interval())) {
     int32_t ceiling = 1;  // the highest budget a hosted layer serves
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -11,6 +11,7 @@
 #ifndef MOE_ATTENTION_SVC_BUDGET_GOVERNOR_H_
 #define MOE_ATTENTION_SVC_BUDGET_GOVERNOR_H_
 
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -31,6 +32,9 @@ class BudgetGovernor {
   BudgetGovernor(const BudgetGovernorOptions& options, int32_t top_k);
 
   bool enabled() const { return options_.floor > 0; }
+  std::chrono::milliseconds interval() const {
+    return std::chrono::milliseconds(options_.interval_ms);
+  }
   int32_t cap() const;
   void Observe(double latency_seconds);
   void ObserveQueue(int64_t queued);

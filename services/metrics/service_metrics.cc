@@ -7,8 +7,6 @@
 
 namespace moe::metrics {
 
-const char* BuildVersion() { return moe::BuildVersion(); }
-
 using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;

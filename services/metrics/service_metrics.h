@@ -60,10 +60,6 @@ class CommonMetrics {
   std::map<std::string, PerMethod> methods_;
 };
 
-// The build's version (git describe of the configured tree; "dev" outside git): the
-// moe_build_info label, and what the servers report as their version.
-const char* BuildVersion();
-
 // Bytes and rows crossing a service's boundary: direction "sent"/"received", dtype "bf16"/"f32",
 // peer "client" (callers of this service) or "expert" (expert servers, from an attention node)
 // or "attention" (attention nodes, from an expert server); transport "grpc" (in band) or "ucx"

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/qb.h"
+#include "services/numerics/wire_codec.h"
 
 namespace moe::numerics {
 namespace {
@@ -17,48 +18,6 @@ constexpr char kMagic[4] = {'B', 'K', 'H', '1'};
 constexpr int64_t kMaxBins = 4096;
 constexpr int64_t kMaxCells = int64_t{1} << 22;  // experts * bins: 16 MiB of counts at most
 constexpr uint64_t kMaxTokens = uint64_t{1} << 40;
-
-void PutVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
-
-template <typename T>
-void PutFixed(T v, std::string* out) {
-  char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
-  out->append(b, sizeof(T));
-}
-
-class Reader {
- public:
-  explicit Reader(absl::string_view b) : b_(b) {}
-  bool Varint(uint64_t* v) {
-    *v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      if (pos_ >= b_.size()) return false;
-      const uint8_t c = static_cast<uint8_t>(b_[pos_++]);
-      *v |= static_cast<uint64_t>(c & 0x7f) << shift;
-      if ((c & 0x80) == 0) return true;
-    }
-    return false;
-  }
-  template <typename T>
-  bool Fixed(T* v) {
-    if (b_.size() - pos_ < sizeof(T)) return false;
-    std::memcpy(v, b_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-  bool AtEnd() const { return pos_ == b_.size(); }
-
- private:
-  absl::string_view b_;
-  size_t pos_ = 0;
-};
 
 absl::Status Corrupt(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("budget histogram: ", what));
@@ -107,12 +66,11 @@ int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& 
     // The weights as SelectExperts computes them, over the kept slots in rank order.
     float sum = 0.0f;
     for (int64_t j = 0; j < n; ++j) sum += s[kept[j]];
-    const float denom = sum + kRouterWeightEpsilon;
     for (int64_t j = 0; j < k; ++j) {
       if (j < n) {
         const int32_t e = kept[j];
         ids[j] = e;
-        w[j] = renormalize ? (s[e] / denom) * scaling_factor : s[e] * scaling_factor;
+        w[j] = RouterWeight(s[e], sum, renormalize, scaling_factor);
       } else {
         ids[j] = kDroppedSlot;
         w[j] = 0.0f;
@@ -326,7 +284,7 @@ absl::StatusOr<BudgetHistogram> BudgetHistogram::Deserialize(absl::string_view b
   if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return Corrupt("bad magic (not a serialized budget histogram)");
   }
-  Reader r(bytes.substr(sizeof(kMagic)));
+  WireReader r(bytes.substr(sizeof(kMagic)));
   BudgetWindow w;
   uint32_t n = 0, k = 0, k_min = 0, bins = 0;
   if (!r.Fixed(&w.bias_version) || !r.Fixed(&w.layer) || !r.Fixed(&n) || !r.Fixed(&k) ||

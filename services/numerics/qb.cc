@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/router.h"
+#include "services/numerics/wire_codec.h"
 
 namespace moe::numerics {
 namespace {
@@ -23,48 +24,6 @@ void RouteToken(const float* s, const float* bias, int64_t n, int64_t k, float* 
   for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
   TopK(biased, n, k + 1, top);
 }
-
-void PutVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
-}
-
-template <typename T>
-void PutFixed(T v, std::string* out) {
-  char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
-  out->append(b, sizeof(T));
-}
-
-class Reader {
- public:
-  explicit Reader(absl::string_view b) : b_(b) {}
-  bool Varint(uint64_t* v) {
-    *v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      if (pos_ >= b_.size()) return false;
-      const uint8_t c = static_cast<uint8_t>(b_[pos_++]);
-      *v |= static_cast<uint64_t>(c & 0x7f) << shift;
-      if ((c & 0x80) == 0) return true;
-    }
-    return false;
-  }
-  template <typename T>
-  bool Fixed(T* v) {
-    if (b_.size() - pos_ < sizeof(T)) return false;
-    std::memcpy(v, b_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-  bool AtEnd() const { return pos_ == b_.size(); }
-
- private:
-  absl::string_view b_;
-  size_t pos_ = 0;
-};
 
 absl::Status Corrupt(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("QB histogram: ", what));
@@ -458,7 +417,7 @@ absl::StatusOr<QbHistogram> QbHistogram::Deserialize(absl::string_view bytes) {
   if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return Corrupt("bad magic (not a serialized QB histogram)");
   }
-  Reader r(bytes.substr(sizeof(kMagic)));
+  WireReader r(bytes.substr(sizeof(kMagic)));
   QbWindow w;
   uint32_t n = 0, k = 0, bins = 0;
   if (!r.Fixed(&w.window_id) || !r.Fixed(&w.bias_version) || !r.Fixed(&w.layer) || !r.Fixed(&n) ||

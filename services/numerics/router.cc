@@ -57,12 +57,10 @@ Routing SelectExperts(const float* scores, const float* bias, int64_t tokens, in
     TopK(biased.data(), num_experts, top_k, order.data());
     float sum = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) sum += s[order[j]];
-    const float denom = sum + kRouterWeightEpsilon;
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = order[j];
       r.expert_ids[t * top_k + j] = e;
-      r.weights[t * top_k + j] =
-          renormalize ? (s[e] / denom) * scaling_factor : s[e] * scaling_factor;
+      r.weights[t * top_k + j] = RouterWeight(s[e], sum, renormalize, scaling_factor);
     }
   }
   return r;

@@ -31,6 +31,13 @@ struct Routing {
 
 inline constexpr float kRouterWeightEpsilon = 1e-20f;
 
+// The mixture weight of a chosen expert with unbiased score s, where sum is the fp32 sum of the
+// chosen experts' scores in rank order (the one formula of SelectExperts and dynamic k's
+// ApplyBudget, so both round alike).
+inline float RouterWeight(float s, float sum, bool renormalize, float scaling_factor) {
+  return renormalize ? (s / (sum + kRouterWeightEpsilon)) * scaling_factor : s * scaling_factor;
+}
+
 // The k largest of values[0, n) in rank order (value descending, then index ascending), written
 // to out[0, k). k <= n; values must not be NaN. O(n) for small k (insertion into a sorted list).
 void TopK(const float* values, int64_t n, int64_t k, int32_t* out);

@@ -211,6 +211,23 @@ class ForwardStream:
             raise _error(e.code().name, e.details()) from None
 
 
+def _oip_result(blobs, params, routing):
+    """A Result from an Open Inference Protocol answer (gRPC or REST): blobs maps each output's
+    name to (shape, raw little-endian bytes); params the answer's parameters."""
+    shape, raw = blobs["output"]
+    res = Result(out_bf16=np.frombuffer(raw, "<u2").reshape(shape).copy(),
+                 bias_version=params.get("bias_version", 0),
+                 precision=params.get("precision", "w4a16"),
+                 expert_budget=params.get("expert_budget", 0),
+                 routed_pairs=params.get("routed_pairs", 0))
+    if routing:
+        shape, raw = blobs["expert_ids"]
+        res.expert_ids = np.frombuffer(raw, "<i4").reshape(shape).copy()
+        shape, raw = blobs["routing_weights"]
+        res.weights = np.frombuffer(raw, "<f4").reshape(shape).copy()
+    return res
+
+
 def _code_name(code):
     import grpc
     for c in grpc.StatusCode:
@@ -370,20 +387,9 @@ class Client:
                 p.string_param = str(v)
         r = _unary(self._attention, "/inference.GRPCInferenceService/ModelInfer", req,
                    inf.ModelInferResponse, timeout or self._timeout)
-        raw = dict(zip([o.name for o in r.outputs], r.raw_output_contents))
-        shape = {o.name: tuple(o.shape) for o in r.outputs}
+        blobs = {o.name: (tuple(o.shape), raw) for o, raw in zip(r.outputs, r.raw_output_contents)}
         params = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in r.parameters.items()}
-        res = Result(out_bf16=np.frombuffer(raw["output"], "<u2").reshape(shape["output"]).copy(),
-                     bias_version=params.get("bias_version", 0),
-                     precision=params.get("precision", "w4a16"),
-                     expert_budget=params.get("expert_budget", 0),
-                     routed_pairs=params.get("routed_pairs", 0))
-        if routing:
-            res.expert_ids = np.frombuffer(raw["expert_ids"], "<i4").reshape(
-                shape["expert_ids"]).copy()
-            res.weights = np.frombuffer(raw["routing_weights"], "<f4").reshape(
-                shape["routing_weights"]).copy()
-        return res
+        return _oip_result(blobs, params, routing)
 
     def stream(self, timeout=None):
         """A ForwardStream (send(), close(), results())."""
@@ -576,17 +582,6 @@ class RestClient:
         blobs, offset = {}, n
         for o in meta["outputs"]:
             size = o["parameters"]["binary_data_size"]
-            blobs[o["name"]] = (o, body[offset:offset + size])
+            blobs[o["name"]] = (tuple(o["shape"]), body[offset:offset + size])
             offset += size
-        o, data = blobs["output"]
-        res = Result(out_bf16=np.frombuffer(data, "<u2").reshape(o["shape"]).copy(),
-                     bias_version=meta["parameters"].get("bias_version", 0),
-                     precision=meta["parameters"].get("precision", "w4a16"),
-                     expert_budget=meta["parameters"].get("expert_budget", 0),
-                     routed_pairs=meta["parameters"].get("routed_pairs", 0))
-        if routing:
-            o, data = blobs["expert_ids"]
-            res.expert_ids = np.frombuffer(data, "<i4").reshape(o["shape"]).copy()
-            o, data = blobs["routing_weights"]
-            res.weights = np.frombuffer(data, "<f4").reshape(o["shape"]).copy()
-        return res
+        return _oip_result(blobs, meta["parameters"], routing)
