@@ -27,6 +27,7 @@
 #include "attention-svc/dispatch_plan.h"
 #include "services/dataplane/data_plane.h"
 #include "services/numerics/cpu/cpu_isa.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/mxfp8.h"
 #include "services/numerics/precision_mode.h"
 
@@ -60,7 +61,7 @@ struct AttentionServerOptions {
   // The routed experts' precision of requests that do not name one (W4A8: z goes out in MXFP8).
   numerics::Precision precision = numerics::Precision::kW4A16;
   int threads = 0;  // dense compute threads (0: all cores)
-  numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
+  numerics::cpu::KernelSets isa = numerics::cpu::DefaultKernelSets();
   int workers = 4;       // requests in progress at once (dense compute is serialized)
   int max_queued = 256;  // waiting requests beyond: RESOURCE_EXHAUSTED
   // Requests of one ForwardStream in progress or waiting at once; beyond: RESOURCE_EXHAUSTED for

@@ -26,8 +26,10 @@ int main(int argc, char** argv) {
       "w4a16|w4a8: the routed experts' precision of requests that name none (w4a8 "
       "sends z in MXFP8)");
   flags.Int("threads", &o.threads, "dense compute threads (0: all cores)");
-  flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
-              "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
+  flags.Typed("isa", &o.isa, moe::numerics::cpu::KernelSetsName,
+              moe::numerics::cpu::ParseKernelSets,
+              "CPU kernel sets: auto (the fastest measured on this CPU, cached per CPU model: "
+              "MOE_KERNEL_CACHE) or one of scalar|avx2|avx512|avx512bf16");
   flags.Int("workers", &o.workers, "requests in progress at once");
   flags.Int("max_queued", &o.max_queued, "waiting requests beyond: RESOURCE_EXHAUSTED");
   flags.Int("max_stream_in_flight", &o.max_stream_in_flight,

@@ -4,6 +4,7 @@
 #include "services/common/status_macros.h"
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cuda/cuda_backend.h"
 #include "services/numerics/cuda/launch_plan.h"
 #include "services/numerics/mxfp8.h"
@@ -19,7 +20,7 @@ class CpuBackend final : public ExpertBackend {
              const numerics::cpu::KernelTable& k, numerics::cpu::ThreadPool* pool,
              numerics::W4A8H w4a8_h)
       : cfg_(cfg), w_(w), k_(k), pool_(pool), w4a8_h_(w4a8_h) {}
-  std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::IsaName(k_.isa)); }
+  std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::KernelsName(k_)); }
   absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
                                                 const tensor::Activations& z) override {
     switch (z.format()) {

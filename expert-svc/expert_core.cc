@@ -131,8 +131,19 @@ absl::Status ExpertCore::LoadWeights() {
                                                        /*need_experts=*/false));
     layers_[layer] = std::move(w);
   }
-  kernels_ = &numerics::cpu::KernelsFor(numerics::cpu::CapIsa(options_.isa));
   pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
+  if (options_.backend != Backend::kEcho) {
+    // The kernel sets of this CPU timed at the served shape (or read from this machine's cache).
+    numerics::cpu::KernelChoiceOptions ko;
+    ko.sets = options_.isa;
+    ko.latent = cfg_.latent;
+    ko.intermediate = cfg_.intermediate;
+    ko.pool = pool_.get();
+    kernel_choice_ = &numerics::cpu::ChooseKernels(ko);
+    kernels_ = &kernel_choice_->table;
+  } else {
+    kernels_ = &numerics::cpu::KernelsFor(numerics::cpu::Isa::kScalar);
+  }
   for (const auto& [layer, w] : layers_) {
     MOE_ASSIGN_OR_RETURN(backends_[layer], MakeExpertBackend(options_.backend, cfg_, w, *kernels_,
                                                              pool_.get(), options_.w4a8_h));
@@ -175,6 +186,19 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
   metrics_ = metrics;
   if (metrics_ != nullptr) {
     metrics_->Backend(backends_.begin()->second->name(), backends_.begin()->second->note);
+  }
+  if (metrics_ != nullptr && kernel_choice_ != nullptr &&
+      backends_.begin()->second->name().rfind("cpu", 0) == 0) {
+    std::vector<metrics::ExpertMetrics::KernelProbe> probes;
+    for (const numerics::cpu::KernelTiming& t : kernel_choice_->timings) {
+      probes.push_back({numerics::cpu::IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens,
+                        t.flops_per_second});
+    }
+    const auto& c = *kernel_choice_;
+    metrics_->KernelChoice(
+        numerics::cpu::IsaName(c.decode), numerics::cpu::IsaName(c.prefill),
+        c.panel_from >= numerics::cpu::kNoPanel ? "never" : std::to_string(c.panel_from), c.source,
+        probes);
   }
   if (metrics_ != nullptr && limits_.threads > 0) {
     metrics_->LimitsProbed();

@@ -82,6 +82,7 @@ class ExpertCore {
   std::map<int64_t, std::unique_ptr<ExpertBackend>> backends_;  // per hosted layer
   std::vector<numerics::Precision> precisions_;                 // served, the default first
   const numerics::cpu::KernelTable* kernels_ = nullptr;
+  const numerics::cpu::KernelChoice* kernel_choice_ = nullptr;  // null: echo backend
   std::unique_ptr<numerics::cpu::ThreadPool> pool_;
   numerics::cpu::MachineLimits limits_;  // zero when not measured
   // The limits again while idle (the start-up probe may have shared the machine with a busy

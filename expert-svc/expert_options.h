@@ -11,6 +11,7 @@
 #include "expert-svc/expert_backend.h"
 #include "services/dataplane/data_plane.h"
 #include "services/numerics/cpu/cpu_isa.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/precision_mode.h"
 
 namespace moe::expert_svc {
@@ -56,7 +57,8 @@ struct ExpertServerOptions {
   // Where the experts run: auto (CUDA when a GPU is usable, else CPU), cpu or cuda
   // (expert_backend.h).
   Backend backend = Backend::kAuto;
-  numerics::cpu::Isa isa = numerics::cpu::ActiveIsa();
+  // The CPU kernel sets: auto (measured, kernel_choice.h) or one (MOE_CPU_ISA's default).
+  numerics::cpu::KernelSets isa = numerics::cpu::DefaultKernelSets();
   // The precision modes served, the first the default of batches that name none (empty:
   // every mode of the backend, W4A16 first). A mode the backend cannot compute fails the start.
   std::vector<numerics::Precision> precisions;

@@ -28,8 +28,10 @@ int main(int argc, char** argv) {
   flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,
               "auto|cpu|cuda|echo: where the experts run (echo: no compute, each row answered "
               "with its activations, to measure the data plane alone)");
-  flags.Typed("isa", &o.isa, moe::numerics::cpu::IsaName, moe::numerics::cpu::ParseIsa,
-              "cap the CPU kernels: scalar|avx2|avx512|avx512bf16");
+  flags.Typed("isa", &o.isa, moe::numerics::cpu::KernelSetsName,
+              moe::numerics::cpu::ParseKernelSets,
+              "CPU kernel sets: auto (the fastest measured on this CPU, cached per CPU model: "
+              "MOE_KERNEL_CACHE) or one of scalar|avx2|avx512|avx512bf16");
   flags.Typed("precision", &o.precisions, moe::expert_svc::PrecisionList,
               moe::expert_svc::ParsePrecisionList,
               "precision modes served, comma-separated, the first the default of batches that "

@@ -22,4 +22,12 @@ fi
 if [ ! -d tests/deploy/node_modules/kubernetes-models ]; then
   npm ci --prefix tests/deploy --no-audit --no-fund --loglevel=error
 fi
+# The CPU kernel choice (services/numerics/cpu/kernel_choice.h) of this run, measured afresh by
+# its first process and read by all the others: tests that compare a service with an
+# in-process layer bit for bit need every process on the same kernels.
+case "$BUILD" in
+  /*) export MOE_KERNEL_CACHE="$BUILD/kernel-cache" ;;
+  *) export MOE_KERNEL_CACHE="$PWD/$BUILD/kernel-cache" ;;
+esac
+rm -rf "$MOE_KERNEL_CACHE"
 ctest --test-dir "$BUILD" --output-on-failure -j2 --timeout 900

@@ -392,6 +392,17 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                         .Name("moe_expert_backend_info")
                         .Help("The backend this server's experts run on (value 1), and why not "
                               "the one asked for: auto's fallback to the CPU (empty otherwise)")
+                        .Register(registry)),
+      kernel_info_(BuildGauge()
+                       .Name("moe_expert_kernel_info")
+                       .Help("The CPU kernel sets chosen by measurement (value 1): decode (row "
+                             "kernels), prefill (panel kernel) from panel_from tokens per "
+                             "expert, source: measured, cache or pinned")
+                       .Register(registry)),
+      kernel_probe_(BuildGauge()
+                        .Name("moe_expert_kernel_probe_flops_per_second")
+                        .Help("What each CPU kernel set did in the choice's probe at the served "
+                              "shape, by set, kernel (rows, panel) and tokens per expert")
                         .Register(registry)) {
   auto& compute = BuildHistogram()
                       .Name("moe_expert_compute_duration_seconds")
@@ -449,6 +460,26 @@ void ExpertMetrics::Verified(const std::string& result) {
 
 void ExpertMetrics::Backend(const std::string& backend, const std::string& fallback) {
   backend_info_.Add({{"shard", shard_}, {"backend", backend}, {"fallback", fallback}}).Set(1);
+}
+
+void ExpertMetrics::KernelChoice(const std::string& decode, const std::string& prefill,
+                                 const std::string& panel_from, const std::string& source,
+                                 const std::vector<KernelProbe>& probes) {
+  kernel_info_
+      .Add({{"shard", shard_},
+            {"decode", decode},
+            {"prefill", prefill},
+            {"panel_from", panel_from},
+            {"source", source}})
+      .Set(1);
+  for (const KernelProbe& p : probes) {
+    kernel_probe_
+        .Add({{"shard", shard_},
+              {"set", p.set},
+              {"kernel", p.kernel},
+              {"tokens", std::to_string(p.tokens)}})
+        .Set(p.flops_per_second);
+  }
 }
 
 void ExpertMetrics::DataPlaneEvent(const std::string& event) {

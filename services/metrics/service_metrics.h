@@ -169,6 +169,17 @@ class ExpertMetrics {
   void Verified(const std::string& result);
   // The backend the experts run on, and why not the one asked for ("" when it is).
   void Backend(const std::string& backend, const std::string& fallback);
+  // The CPU kernels chosen (numerics/cpu/kernel_choice.h): the decode and prefill sets, the
+  // tokens per expert from which the panel kernel runs ("never"), where the choice came from
+  // (measured, cache, pinned), and each probe's FLOP/s.
+  struct KernelProbe {
+    std::string set, kernel;
+    int64_t tokens;
+    double flops_per_second;
+  };
+  void KernelChoice(const std::string& decode, const std::string& prefill,
+                    const std::string& panel_from, const std::string& source,
+                    const std::vector<KernelProbe>& probes);
   // The out-of-band data plane: "hello_rejected" (a UCX hello with a wrong secret, an unknown
   // client or a malformed form), "integrity_failed" (a payload whose MAC did not match).
   void DataPlaneEvent(const std::string& event);
@@ -205,6 +216,8 @@ class ExpertMetrics {
   prometheus::Family<prometheus::Counter>& verified_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
   prometheus::Family<prometheus::Gauge>& backend_info_;
+  prometheus::Family<prometheus::Gauge>& kernel_info_;
+  prometheus::Family<prometheus::Gauge>& kernel_probe_;
   std::mutex mu_;
   std::deque<Recent> recent_;
   double limit_bandwidth_ = 0, limit_flops_ = 0;

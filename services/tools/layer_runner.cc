@@ -82,8 +82,8 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
     lo.w4a8_h = h_order;
     MOE_ASSIGN_OR_RETURN(cpu,
                          numerics::cpu::CpuMoeLayer::Create(rep.config, std::move(weights), lo));
-    rep.backend =
-        absl::StrCat("cpu/", numerics::cpu::IsaName(cpu->isa()), ", ", cpu->threads(), " threads");
+    rep.backend = absl::StrCat("cpu/", numerics::cpu::KernelsName(cpu->kernels()), ", ",
+                               cpu->threads(), " threads");
   } else {
     rep.backend = "ref (scalar reference, 1 thread)";
   }

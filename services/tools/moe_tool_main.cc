@@ -8,6 +8,7 @@
 //   moe-tool forward --checkpoint /tmp/ckpt [--layer 1] [--tokens 64] [--seed 7]
 //                    [--input x.safetensors] [--output y.safetensors] [--repeat 1]
 //                    [--backend cpu|ref]
+//   moe-tool kernels --config k3 [--isa auto] [--measure] [--pin]
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "services/common/logging.h"
 #include "services/common/progress.h"
 #include "services/common/version.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/placement/placement.h"
 #include "services/tools/layer_runner.h"
 
@@ -32,6 +34,7 @@ constexpr char kUsage[] =
     "  config   print or write a preset's config.json\n"
     "  ranges   print the placement table of even expert ranges\n"
     "  forward  run one layer forward from a checkpoint and time it\n"
+    "  kernels  the CPU kernels chosen for a shape on this CPU, with the probe's timings\n"
     "presets: k3, mid, tiny\n";
 
 int Usage() {
@@ -197,6 +200,76 @@ int Ranges(int argc, char** argv) {
   return 0;
 }
 
+// The kernel choice of this CPU for a shape (numerics/cpu/kernel_choice.h): from this machine's
+// cache (or measured and cached), or measured now (--measure); --pin writes it pinned.
+int Kernels(int argc, char** argv) {
+  namespace cpu = moe::numerics::cpu;
+  std::string config;
+  cpu::KernelSets sets = cpu::DefaultKernelSets();
+  bool measure = false, pin = false;
+  moe::SvcFlags f("moe-tool kernels",
+                  "The CPU kernels every process of this machine runs for a shape: the cached "
+                  "choice (measured first when there is none), or a new measurement.");
+  f.String("config", &config, "preset (k3, mid, tiny) or a config.json");
+  f.Typed("isa", &sets, cpu::KernelSetsName, cpu::ParseKernelSets,
+          "auto (every set of this CPU) or one set");
+  f.Bool("measure", &measure, "measure now and print, without reading or writing the cache");
+  f.Bool("pin", &pin, "write the choice to the cache file with pinned = true");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (config.empty()) return Missing("kernels", "config");
+  auto cfg = Config(config);
+  if (!cfg.ok()) return 1;
+  cpu::KernelChoiceOptions o;
+  o.sets = sets;
+  o.latent = cfg->latent;
+  o.intermediate = cfg->intermediate;
+  if (measure) o.cache_dir.clear();
+  const cpu::KernelChoice& c = cpu::ChooseKernels(o);
+  std::printf("cpu: %s\nchoice: %s\n", cpu::CpuModel().c_str(), c.Summary().c_str());
+  if (!c.timings.empty()) {
+    std::printf("%-11s %-6s", "set", "kernel");
+    for (int64_t t : {1, 2, 4, 8, 16, 32, 64, 128})
+      std::printf(" %7lld", static_cast<long long>(t));
+    std::printf("   (GFLOP/s at tokens per expert)\n");
+    for (cpu::Isa isa :
+         {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512, cpu::Isa::kAvx512Bf16}) {
+      for (bool panel : {false, true}) {
+        std::string line;
+        for (int64_t t : {1, 2, 4, 8, 16, 32, 64, 128}) {
+          std::string cell = "      -";
+          for (const cpu::KernelTiming& k : c.timings) {
+            if (k.isa == isa && k.panel == panel && k.tokens == t) {
+              char b[32];
+              std::snprintf(b, sizeof(b), " %7.1f", k.flops_per_second / 1e9);
+              cell = b;
+            }
+          }
+          line += cell;
+        }
+        if (line.find_first_not_of(" -") == std::string::npos) continue;
+        std::printf("%-11s %-6s%s\n", cpu::IsaName(isa), panel ? "panel" : "rows", line.c_str());
+      }
+    }
+  }
+  if (pin) {
+    const std::string dir = cpu::DefaultKernelCacheDir();
+    if (dir.empty()) {
+      std::fprintf(stderr, "error: no cache directory (MOE_KERNEL_CACHE=off or no HOME)\n");
+      return 1;
+    }
+    const std::string path = cpu::KernelChoicePath(dir, c.sets, o.latent, o.intermediate);
+    std::ofstream out(path, std::ios::trunc);
+    out << cpu::FormatKernelChoice(c, o.latent, o.intermediate, /*pinned=*/true);
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "error: cannot write %s\n", path.c_str());
+      return 1;
+    }
+    std::printf("pinned: %s\n", path.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -214,6 +287,7 @@ int main(int argc, char** argv) {
   if (cmd == "config") return ConfigCommand(argc, argv);
   if (cmd == "ranges") return Ranges(argc, argv);
   if (cmd == "forward") return Forward(argc, argv);
+  if (cmd == "kernels") return Kernels(argc, argv);
   std::fprintf(stderr, "moe-tool: unknown command '%s'\n", cmd.c_str());
   return Usage();
 }

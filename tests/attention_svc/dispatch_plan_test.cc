@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/combine.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/tolerance.h"
 
@@ -188,7 +189,7 @@ TEST(DispatchRoundTrip, EqualsTheInProcessCombine) {
   const numerics::MoeLayerWeights lo = checkpoint::SyntheticExperts(cfg, 1, 0, 40, so);
   const numerics::MoeLayerWeights hi =
       checkpoint::SyntheticExperts(cfg, 1, 40, cfg.num_experts, so);
-  const auto& kernels = numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa());
+  const auto& kernels = numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate);
   numerics::cpu::ThreadPool pool(2);
   LocalExpertChannel ch0("shard-0", cfg, &lo, kernels, &pool);
   LocalExpertChannel ch1("shard-1", cfg, &hi, kernels, &pool);

@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 
 namespace moe::expert_svc {
 namespace {
@@ -54,8 +55,8 @@ struct Fixture {
     ModelConfig zc = cfg;
     zc.hidden = cfg.latent;
     b.z = checkpoint::SyntheticHiddenStates(zc, b.routing.tokens, 9);
-    b.y = numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool,
-                                    cfg, serving, b.routing, b.z.data());
+    b.y = numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate),
+                                    &pool, cfg, serving, b.routing, b.z.data());
     return b;
   }
 };

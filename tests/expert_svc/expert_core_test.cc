@@ -12,6 +12,7 @@
 
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/transport/tensor_codec.h"
 
@@ -93,7 +94,7 @@ TEST(ExpertCore, AnswersThroughTheLocalEndpointLikeTheKernels) {
   so.seed = 5;
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 3, 9, so);
   const std::vector<Bf16> want = numerics::cpu::RunExperts(
-      numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg, w, routing, z.data());
+      numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate), &pool, cfg, w, routing, z.data());
   ASSERT_EQ(out->values.size(), want.size());
   EXPECT_EQ(std::memcmp(out->values.data(), want.data(), want.size() * sizeof(Bf16)), 0);
 

@@ -15,6 +15,7 @@
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cuda/cuda_backend.h"
 #include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
@@ -87,8 +88,8 @@ TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
     rows.insert(rows.end(), z.begin() + r * cfg.latent, z.begin() + (r + 1) * cfg.latent);
   numerics::cpu::ThreadPool pool(1);
   const std::vector<Bf16> want =
-      numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg,
-                                full, routing, rows.data());
+      numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate), &pool,
+                                cfg, full, routing, rows.data());
   ASSERT_EQ(want.size(), out->values.size());
   EXPECT_EQ(std::memcmp(want.data(), out->values.data(), want.size() * 2), 0);
 
@@ -226,8 +227,8 @@ TEST(ExpertServer, ExportsAchievedFractionsOfItsMeasuredLimitsAndItsProductionCh
   EXPECT_EQ(Sample(page, "moe_expert_flops_total", shard), flops);
   // The limits were measured (any machine reads over 1 GB/s and multiplies-adds over 1 GFLOP/s).
   const double bw = Sample(page, "moe_expert_machine_read_bandwidth_bytes_per_second", shard);
-  const std::string isa =
-      std::string("isa=\"") + numerics::cpu::IsaName(numerics::cpu::CapIsa(o.isa)) + "\"";
+  const std::string isa = std::string("isa=\"") +
+                          numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate).name + "\"";
   const double peak = Sample(page, "moe_expert_machine_fma_peak_flops_per_second", {isa});
   EXPECT_GT(bw, 1e9) << page;
   EXPECT_GT(peak, 1e9) << page;
@@ -305,7 +306,7 @@ TEST(ExpertServer, ServesW4A8FromMxfp8OrBf16AndRefusesBadMxfp8) {
   routing.weights.assign(4, 1.0f);
   std::vector<int32_t> src(source.begin(), source.end());
   numerics::cpu::ThreadPool pool(1);
-  const auto& kernels = numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa());
+  const auto& kernels = numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate);
   const std::vector<Bf16> want =
       numerics::cpu::RunExperts(kernels, &pool, cfg, full, routing, z8.Gather(src.data(), 4));
 

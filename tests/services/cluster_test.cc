@@ -30,6 +30,7 @@
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
@@ -411,8 +412,8 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
   routing.weights = {1, 1, 1};
   numerics::cpu::ThreadPool pool(1);
   const std::vector<Bf16> want =
-      numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg,
-                                local->weights(), routing, z.data());
+      numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate), &pool,
+                                cfg, local->weights(), routing, z.data());
   EXPECT_TRUE(SameBits(out->values, want));
 
   // Partial sums: rows (token 0, expert 1), (token 2, expert 1), (token 0, expert 6) with
@@ -568,8 +569,8 @@ TEST(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
     r3.expert_ids = {1, 1, 1};
     r3.weights = {1, 1, 1};
     const std::vector<Bf16> want3 =
-        numerics::cpu::RunExperts(numerics::cpu::KernelsFor(numerics::cpu::ActiveIsa()), &pool, cfg,
-                                  local->weights(), r3, z.data());
+        numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate), &pool,
+                                  cfg, local->weights(), r3, z.data());
     EXPECT_EQ(std::memcmp((*reply_buffer)->data(), want3.data(), 3 * d * 2), 0);
     // Opening it again from the same node (a reconnect) replaces the old client.
     grpc::ClientContext again_ctx;

@@ -1,7 +1,5 @@
 #include "services/numerics/cpu/cpu_isa.h"
 
-#include <cstdlib>
-
 #include "absl/strings/str_cat.h"
 
 namespace moe::numerics::cpu {
@@ -44,18 +42,6 @@ Isa DetectIsa() {
 Isa CapIsa(Isa wanted) {
   const Isa best = DetectIsa();
   return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
-}
-
-Isa ActiveIsa() {
-  static const Isa isa = [] {
-    Isa wanted = Isa::kAvx512;
-    if (const char* env = std::getenv("MOE_CPU_ISA"); env != nullptr) {
-      auto parsed = ParseIsa(env);
-      if (parsed.ok()) wanted = *parsed;
-    }
-    return CapIsa(wanted);
-  }();
-  return isa;
 }
 
 }  // namespace moe::numerics::cpu

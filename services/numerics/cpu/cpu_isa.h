@@ -1,9 +1,9 @@
-// Runtime CPU dispatch: which instruction set the optimized CPU kernels use. Detected once from
-// CPUID; MOE_CPU_ISA in the environment picks another (tests run every path on one machine). The
-// shipped binary is built for baseline x86-64; only the kernel files are compiled for AVX2 /
-// AVX-512 and they run only after this check.
+// Runtime CPU dispatch: which instruction sets the CPU has (CPUID). Which of them the kernels
+// use is measured (kernel_choice.h); MOE_CPU_ISA restricts that to one. The shipped binary is
+// built for baseline x86-64; only the kernel files are compiled for AVX2 / AVX-512 and they run
+// only after this check.
 //
-//   const cpu::Isa isa = cpu::ActiveIsa();  // kAvx512 on this project's machines
+//   const cpu::Isa best = cpu::DetectIsa();  // kAvx512Bf16 on this project's Xeon
 #ifndef MOE_SERVICES_NUMERICS_CPU_CPU_ISA_H_
 #define MOE_SERVICES_NUMERICS_CPU_CPU_ISA_H_
 
@@ -21,10 +21,6 @@ absl::StatusOr<Isa> ParseIsa(absl::string_view name);
 Isa DetectIsa();
 // `wanted`, lowered to DetectIsa() when the CPU lacks it.
 Isa CapIsa(Isa wanted);
-// The kernels to use: MOE_CPU_ISA (scalar, avx2, avx512, avx512bf16) when set, else the
-// fastest measured here, which is kAvx512 even where AVX512_BF16 exists (vdpbf16ps issues at
-// half the multiply-add rate of two FMA units: cpu_layer_bench); never above DetectIsa().
-Isa ActiveIsa();
 
 }  // namespace moe::numerics::cpu
 

@@ -123,7 +123,7 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
     const Bf16* src = z.bf16 + row * d;
     for (int64_t i = 0; i < d; ++i) zf[t * d + i] = src[i].ToFloat();
   }
-  e.token_major = k.mxfp4_rows_tm != nullptr && n >= kPrefillTokens;
+  e.token_major = k.mxfp4_rows_tm != nullptr && n >= k.panel_from;
   if (e.token_major) {
     e.ld_t = (n + 15) / 16 * 16;
     e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);

@@ -2,7 +2,8 @@
 // with SiTU-GLU, weights read in their packed checkpoint layout.
 //
 // Tokens are grouped by expert, so each expert's weights stream once per batch; an expert with
-// kPrefillTokens or more tokens runs the panel (prefill) kernel where the ISA has one. Two phases,
+// the table's panel_from or more tokens runs the panel (prefill) kernel where the table has one
+// (kernel_choice.h measures where that pays). Two phases,
 // each a ParallelFor over (active expert x block of 64 rows): FC1 (w1 and w3 rows together,
 // SiTU fused right after, into the permuted h of that expert), then FC2. Each output element
 // is produced by one work item in a fixed order: results do not depend on the thread count.

@@ -31,6 +31,8 @@
 namespace moe::numerics::cpu {
 
 inline constexpr int64_t kGemmColumnTile = 128;
+// The per-ISA tables' switch to the panel kernel (tokens per expert); services use a measured one.
+inline constexpr int64_t kPrefillTokens = 16;
 
 // How mxfp4_rows wants its activations (one token = a run of 32-bit slots):
 //  kFloat:     fp32, column i of chunk c at slot c * chunk + (i % 8) * (chunk / 8) + (i % chunk) /
@@ -75,10 +77,10 @@ struct KernelTable {
   void (*mxfp8_roundtrip)(float* values, int64_t n);
   void (*situ_f32)(const float* g, const float* u, int64_t n, float beta, float linear_beta,
                    float* h);
+  // Tokens per expert from which expert_ffn runs mxfp4_rows_tm (where the table has one): the
+  // per-ISA tables say kPrefillTokens, a measured choice (kernel_choice.h) its own crossover.
+  int64_t panel_from = kPrefillTokens;
 };
-
-// Tokens per expert from which expert_ffn uses mxfp4_rows_tm (where the table has it).
-inline constexpr int64_t kPrefillTokens = 16;
 
 const KernelTable& KernelsFor(Isa isa);
 

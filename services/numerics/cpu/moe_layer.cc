@@ -49,8 +49,19 @@ absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConf
   l->cfg_ = cfg;
   l->has_experts_ = options.experts;
   l->w4a8_h_ = options.w4a8_h;
-  l->kernels_ = &KernelsFor(CapIsa(options.isa));
   l->pool_ = std::make_unique<ThreadPool>(options.threads);
+  if (options.kernels != nullptr) {
+    l->kernels_ = options.kernels;
+  } else if (options.experts) {
+    KernelChoiceOptions ko;
+    ko.sets = options.isa;
+    ko.latent = cfg.latent;
+    ko.intermediate = cfg.intermediate;
+    ko.pool = l->pool_.get();
+    l->kernels_ = &ChooseKernels(ko).table;
+  } else {
+    l->kernels_ = &KernelsFor(CapIsa(options.isa.automatic ? Isa::kAvx512 : options.isa.only));
+  }
   const int64_t h = cfg.hidden, d = cfg.latent, e = cfg.num_experts, s = cfg.shared_intermediate();
   l->gate_ = PackedLinear::Pack(weights.gate.data(), e, h);
   l->down_ = PackedLinear::Pack(weights.down_proj.data(), d, h);

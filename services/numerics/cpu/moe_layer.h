@@ -22,6 +22,7 @@
 #include "absl/types/span.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/cpu_isa.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/packed_linear.h"
 #include "services/numerics/cpu/thread_pool.h"
@@ -33,9 +34,15 @@
 namespace moe::numerics::cpu {
 
 struct CpuLayerOptions {
-  int threads = 0;        // 0: one per hardware thread
-  Isa isa = ActiveIsa();  // capped at what the CPU supports
-  bool experts = true;    // false: dense part only (an attention node; experts are remote)
+  int threads = 0;  // 0: one per hardware thread
+  // The expert kernels: measured per CPU (kernel_choice.h) or one set, capped at what the CPU
+  // supports. A dense-only layer runs that set's (or auto: the AVX-512 or best) dense GEMM,
+  // bit-exact on every set.
+  KernelSets isa = DefaultKernelSets();
+  // A table to run instead of choosing one (tests pin the per-set tables, KernelsFor(isa), whose
+  // panel kernel starts at kPrefillTokens). Must outlive the layer.
+  const KernelTable* kernels = nullptr;
+  bool experts = true;  // false: dense part only (an attention node; experts are remote)
   W4A8H w4a8_h = W4A8H::kFromFp32;  // where W4A8 quantizes h (precision_mode.h)
 };
 
@@ -80,6 +87,7 @@ class CpuMoeLayer {
                                    const std::vector<float>* shared = nullptr);
 
   Isa isa() const { return kernels_->isa; }
+  const KernelTable& kernels() const { return *kernels_; }
   int threads() const { return pool_->size(); }
   size_t packed_dense_bytes() const;
   const MoeLayerWeights& weights() const { return weights_; }

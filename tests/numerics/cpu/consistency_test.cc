@@ -3,14 +3,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <ostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/common/random.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/cpu/packed_linear.h"
 #include "services/numerics/dynamic_k.h"
@@ -298,8 +301,9 @@ TEST_P(Consistency, ExpertFfnW4A8MatchesReference) {
 
 // budget < k: dynamic k with thresholds solved exactly from another batch of the same layer
 // (dynamic_k.h); 0: every token keeps k.
-void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
-                Precision precision = Precision::kW4A16, int64_t budget = 0) {
+void CheckLayerOn(const KernelTable& kernels, const std::string& label, const char* preset,
+                  int64_t tokens, uint64_t seed, Precision precision = Precision::kW4A16,
+                  int64_t budget = 0) {
   const ModelConfig cfg = *PresetConfig(preset);
   checkpoint::SyntheticOptions opt;
   opt.router_skew = 1.0;
@@ -317,10 +321,18 @@ void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
     rule.thresholds = BudgetRow(table, budget, e);
   }
   const BudgetRule* r = budget > 0 ? &rule : nullptr;
-  auto want = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden, nullptr, nullptr, precision, r);
-  ASSERT_TRUE(want.ok());
+  // The scalar reference once per case (several tables are checked against the same one).
+  static std::map<std::tuple<std::string, int64_t, uint64_t, int, int64_t>, LayerOutput> refs;
+  const auto key =
+      std::make_tuple(std::string(preset), tokens, seed, static_cast<int>(precision), budget);
+  if (refs.count(key) == 0) {
+    auto ref = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden, nullptr, nullptr, precision, r);
+    ASSERT_TRUE(ref.ok());
+    refs[key] = std::move(*ref);
+  }
+  const LayerOutput* want = &refs[key];
   CpuLayerOptions o;
-  o.isa = isa;
+  o.kernels = &kernels;
   o.threads = 2;
   auto layer = CpuMoeLayer::Create(cfg, std::move(w), o);
   ASSERT_TRUE(layer.ok()) << layer.status();
@@ -332,7 +344,7 @@ void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
     int64_t kept = 0;
     for (int32_t id : got->routing.expert_ids) kept += id >= 0;
     const double per_token = static_cast<double>(kept) / tokens;
-    std::printf("[ %s ] %s budget %lld of %lld: %.2f experts per token\n", IsaName(isa), preset,
+    std::printf("[ %s ] %s budget %lld of %lld: %.2f experts per token\n", label.c_str(), preset,
                 static_cast<long long>(budget), static_cast<long long>(cfg.top_k), per_token);
     EXPECT_GT(per_token, budget * 0.7);
     EXPECT_LT(per_token, budget * 1.3);
@@ -345,13 +357,19 @@ void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
                     cfg.situ_linear_beta, sh.data());
   UlpStats stats;
   stats.AddRows(got->out.data(), want->out.data(), tokens, cfg.hidden, sh.data());
-  std::printf("[ %s ] %s layer %s, %lld tokens, seed %llu: %s\n", IsaName(isa), preset,
+  std::printf("[ %s ] %s layer %s, %lld tokens, seed %llu: %s\n", label.c_str(), preset,
               PrecisionName(precision), static_cast<long long>(tokens),
               static_cast<unsigned long long>(seed), stats.Str().c_str());
   EXPECT_LE(double(stats.over1) / stats.total, kLayerTolerance.over1_fraction) << stats.Str();
   EXPECT_LE(double(stats.differing) / stats.total, kLayerTolerance.differing_fraction)
       << stats.Str();
   EXPECT_LE(stats.max_row_ulps, kLayerTolerance.max_row_ulps) << stats.Str();
+}
+
+// The set's own table: its panel kernel from kPrefillTokens tokens per expert.
+void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
+                Precision precision = Precision::kW4A16, int64_t budget = 0) {
+  CheckLayerOn(KernelsFor(isa), IsaName(isa), preset, tokens, seed, precision, budget);
 }
 
 TEST_P(Consistency, TinyLayerMatchesReference) {
@@ -387,7 +405,7 @@ TEST_P(Consistency, ResultsDoNotDependOnTheThreadCount) {
     std::vector<Bf16> first;
     for (int threads : {1, 2, 3}) {
       CpuLayerOptions o;
-      o.isa = GetParam();
+      o.kernels = &KernelsFor(GetParam());
       o.threads = threads;
       auto layer = CpuMoeLayer::Create(cfg, checkpoint::SyntheticLayer(cfg, 1, opt), o);
       ASSERT_TRUE(layer.ok());
@@ -466,6 +484,41 @@ TEST(PrefillKernel, Mxfp4PanelRowsWithinTheSummationBound) {
     ++tested;
   }
   if (tested == 0) GTEST_SKIP() << "no ISA with a prefill kernel on this CPU";
+}
+
+// What a measured choice runs (kernel_choice.h): one set's row kernels with another set's panel
+// kernel, switching at any token count. Every pair of two sets this CPU has (one set's own
+// pairing is the Consistency suite's), through the whole layer, within the layer tolerance, on
+// both paths (the switch at 4 tokens puts the hot experts of 96 tokens on the panel kernel and
+// the cold ones on the rows).
+TEST(ComposedKernels, EveryPairOfSetsMatchesReference) {
+  int tested = 0;
+  for (Isa decode : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    for (Isa prefill : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+      if (!CpuHas(decode) || !CpuHas(prefill) || decode == prefill) continue;
+      const KernelTable k = ComposeKernels(decode, prefill, 4);
+      ASSERT_EQ(k.mxfp4_rows, KernelsFor(decode).mxfp4_rows);
+      ASSERT_EQ(k.mxfp4_rows_tm, KernelsFor(prefill).mxfp4_rows_tm);
+      ASSERT_EQ(k.panel_from, 4);
+      const std::string label = KernelsName(k);
+      CheckLayerOn(k, label, "mid", 96, 5);
+      CheckLayerOn(k, label, "mid", 64, 6, Precision::kW4A8);
+      ++tested;
+    }
+  }
+  if (tested == 0) {
+    GTEST_SKIP() << "fewer than two SIMD kernel sets on this CPU (" << IsaName(DetectIsa()) << ")";
+  }
+  std::printf("%d pairs of kernel sets run\n", tested);
+}
+
+// A table whose switch is never reached runs the rows at every size, and agrees too.
+TEST(ComposedKernels, NoPanelRunsRowsEverywhere) {
+  const Isa best = DetectIsa();
+  if (best == Isa::kScalar) GTEST_SKIP() << "scalar only: no panel kernel to leave out";
+  const KernelTable k = ComposeKernels(best, best, kNoPanel);
+  EXPECT_EQ(KernelsName(k), IsaName(best));
+  CheckLayerOn(k, std::string(IsaName(best)) + " rows only", "mid", 160, 7);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, Consistency, ::testing::ValuesIn(AllIsas()),

@@ -1,0 +1,338 @@
+// The kernel choice by measurement (services/numerics/cpu/kernel_choice.h): the decision rule on
+// known timings, the cache file's form and its parser against hostile files, and real processes
+// racing to measure on one machine agreeing on one file.
+#include "services/numerics/cpu/kernel_choice.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace moe::numerics::cpu {
+namespace {
+
+bool CpuHas(Isa isa) { return CapIsa(isa) == isa; }
+
+// Timings with `rows` GFLOP/s for the row kernels at every count and the panel at `panel`.
+std::vector<KernelTiming> Timings(Isa isa, double rows, const std::map<int64_t, double>& panel) {
+  std::vector<KernelTiming> t;
+  for (int64_t n : {1, 2, 4, 8, 16, 32, 64, 128}) t.push_back({isa, false, n, rows * 1e9});
+  for (const auto& [n, f] : panel) t.push_back({isa, true, n, f * 1e9});
+  return t;
+}
+
+std::string TempDir(const std::string& name) {
+  std::string dir = ::testing::TempDir() + "kernel_choice_" + name + "_" + std::to_string(getpid());
+  std::system(("rm -rf '" + dir + "'").c_str());
+  return dir;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void WriteAll(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+}
+
+// tiny's expert shape: a probe of a few milliseconds.
+constexpr int64_t kLatent = 128, kInter = 96;
+
+TEST(KernelChoice, PanelFromIsWhereThePanelWinsForGood) {
+  if (!CpuHas(Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU: the set is not run";
+  const KernelSets avx2{false, Isa::kAvx2};
+  // Rows at 10 GFLOP/s everywhere; the panel passes them at 8, falls back at 16, wins from 32.
+  KernelChoice c = DecideKernels(
+      avx2,
+      Timings(Isa::kAvx2, 10, {{2, 1}, {4, 2}, {8, 12}, {16, 9}, {32, 12}, {64, 20}, {128, 30}}));
+  EXPECT_EQ(c.decode, Isa::kAvx2);
+  EXPECT_EQ(c.prefill, Isa::kAvx2);
+  EXPECT_EQ(c.panel_from, 32);
+  EXPECT_EQ(c.table.panel_from, 32);
+  EXPECT_EQ(c.table.mxfp4_rows_tm, KernelsFor(Isa::kAvx2).mxfp4_rows_tm);
+  // A panel that never catches up is never used.
+  c = DecideKernels(avx2, Timings(Isa::kAvx2, 50, {{2, 1}, {64, 20}, {128, 49}}));
+  EXPECT_EQ(c.panel_from, kNoPanel);
+  EXPECT_EQ(KernelsName(c.table), "avx2");
+  // The scalar set has no panel kernel.
+  c = DecideKernels({false, Isa::kScalar}, {});
+  EXPECT_EQ(c.decode, Isa::kScalar);
+  EXPECT_EQ(c.panel_from, kNoPanel);
+}
+
+TEST(KernelChoice, DecodeAndPrefillSetsAreChosenSeparately) {
+  if (!CpuHas(Isa::kAvx512Bf16)) {
+    GTEST_SKIP() << "needs AVX2, AVX-512 and AVX512-BF16 (this CPU's best: " << IsaName(DetectIsa())
+                 << ")";
+  }
+  // BF16 rows fastest at 1-8 tokens (as on AMD Zen 4), the AVX2 panel fastest at 64-128.
+  std::vector<KernelTiming> t = Timings(Isa::kAvx512Bf16, 30, {{2, 1}, {64, 50}, {128, 60}});
+  for (const KernelTiming& x : Timings(Isa::kAvx512, 20, {{2, 1}, {64, 55}, {128, 60}}))
+    t.push_back(x);
+  for (const KernelTiming& x :
+       Timings(Isa::kAvx2, 10, {{2, 1}, {16, 31}, {32, 40}, {64, 70}, {128, 80}})) {
+    t.push_back(x);
+  }
+  const KernelChoice c = DecideKernels(KernelSets{}, t);
+  EXPECT_EQ(c.decode, Isa::kAvx512Bf16);
+  EXPECT_EQ(c.prefill, Isa::kAvx2);
+  // AVX2's panel beats BF16's rows (30) from 16 tokens on (no timing at 8: not a win there).
+  EXPECT_EQ(c.panel_from, 16);
+  EXPECT_EQ(c.table.mxfp4_rows, KernelsFor(Isa::kAvx512Bf16).mxfp4_rows);
+  EXPECT_EQ(c.table.mx_layout, MxLayout::kBf16Pairs);
+  EXPECT_EQ(c.table.mxfp4_rows_tm, KernelsFor(Isa::kAvx2).mxfp4_rows_tm);
+  EXPECT_EQ(c.table.tm_layout, MxLayout::kByteLut);
+  EXPECT_EQ(KernelsName(c.table), "avx512bf16+avx2");
+}
+
+TEST(KernelChoice, MeasuresEverySetAtEveryCount) {
+  ThreadPool pool(2);
+  const std::vector<KernelTiming> t = MeasureKernels(KernelSets{}, kLatent, kInter, &pool);
+  int sets = 0;
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (!CpuHas(isa)) continue;
+    ++sets;
+    for (int64_t n : {1, 2, 4, 8, 16, 32, 64, 128}) {
+      for (bool panel : {false, true}) {
+        if (panel && n == 1) continue;
+        int found = 0;
+        for (const KernelTiming& x : t) {
+          if (x.isa == isa && x.panel == panel && x.tokens == n) {
+            ++found;
+            EXPECT_GT(x.flops_per_second, 1e6) << IsaName(isa) << " " << n;
+          }
+        }
+        EXPECT_EQ(found, 1) << IsaName(isa) << (panel ? " panel " : " rows ") << n;
+      }
+    }
+  }
+  if (sets == 0) {
+    EXPECT_EQ(t.size(), 8u);  // scalar only: its rows at 8 counts, no panel
+  }
+}
+
+TEST(KernelChoice, FileRoundTrips) {
+  KernelChoice c =
+      DecideKernels(KernelSets{}, MeasureKernels(KernelSets{}, kLatent, kInter, nullptr));
+  c.seconds = 0.25;
+  const std::string text = FormatKernelChoice(c, kLatent, kInter, /*pinned=*/false);
+  auto back = ParseKernelChoice(text, KernelSets{}, kLatent, kInter);
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << text;
+  EXPECT_EQ(back->decode, c.decode);
+  EXPECT_EQ(back->prefill, c.prefill);
+  EXPECT_EQ(back->panel_from, c.panel_from);
+  EXPECT_EQ(back->cpu, CpuModel());
+  EXPECT_FALSE(back->pinned);
+  ASSERT_EQ(back->timings.size(), c.timings.size());
+  EXPECT_EQ(back->table.mxfp4_rows, c.table.mxfp4_rows);
+  EXPECT_EQ(back->table.mxfp4_rows_tm, c.table.mxfp4_rows_tm);
+  // Another shape or another set is another file's business.
+  EXPECT_FALSE(ParseKernelChoice(text, KernelSets{}, kLatent, kInter + 32).ok());
+  EXPECT_FALSE(ParseKernelChoice(text, KernelSets{false, Isa::kAvx2}, kLatent, kInter).ok());
+}
+
+// One line of a good file replaced by `line` ("" deletes the key).
+std::string WithLine(const std::string& good, const std::string& key, const std::string& line) {
+  std::stringstream in(good);
+  std::string out, l;
+  while (std::getline(in, l)) {
+    if (l.rfind(key + " =", 0) == 0) {
+      if (!line.empty()) out += line + "\n";
+      continue;
+    }
+    out += l + "\n";
+  }
+  return out;
+}
+
+TEST(KernelChoice, HostileFilesAreRefusedByName) {
+  if (DetectIsa() == Isa::kScalar) GTEST_SKIP() << "scalar only: nothing is chosen or cached";
+  const KernelChoice c =
+      DecideKernels(KernelSets{}, MeasureKernels(KernelSets{}, kLatent, kInter, nullptr));
+  const std::string good = FormatKernelChoice(c, kLatent, kInter, false);
+  struct Case {
+    std::string text, error;
+  };
+  const std::vector<Case> cases = {
+      {"\x01\x02garbage\xff", "not key = value"},
+      {good + "colour = blue\n", "unknown key \"colour\""},
+      {good + "decode = avx2\n", "decode twice"},
+      {WithLine(good, "decode", "decode = avx1024"), "unknown set"},
+      {WithLine(good, "decode", ""), "no decode"},
+      {WithLine(WithLine(good, "prefill", "prefill = scalar"), "panel_from", "panel_from = 16"),
+       "has no panel kernel"},
+      {WithLine(good, "panel_from", "panel_from = 0"), "panel_from is 1..4096 or never"},
+      {WithLine(good, "panel_from", "panel_from = -5"), "panel_from is 1..4096 or never"},
+      {WithLine(good, "panel_from", "panel_from = 99999999999999999999"), "panel_from is"},
+      {good + "timing = avx2 rows 1 nan\n", "timing is"},
+      {good + "timing = avx2 rows 1 inf\n", "timing is"},
+      {good + "timing = avx2 rows 0 5\n", "timing is"},
+      {good + "timing = avx2 sideways 4 5\n", "timing is"},
+      {WithLine(good, "cpu", "cpu = AMD EPYC 9R14 (family 25 model 17)"), "measured on AMD"},
+      {WithLine(good, "version", "version = 999"), "kernel version 999"},
+      {WithLine(good, "pinned", "pinned = maybe"), "pinned is true or false"},
+  };
+  for (const Case& k : cases) {
+    auto parsed = ParseKernelChoice(k.text, KernelSets{}, kLatent, kInter);
+    ASSERT_FALSE(parsed.ok()) << k.text;
+    EXPECT_NE(std::string(parsed.status().message()).find(k.error), std::string::npos)
+        << parsed.status() << " for: " << k.error;
+  }
+  // Pinned: another CPU's or another version's file is used as it is.
+  auto pinned = ParseKernelChoice(
+      WithLine(WithLine(WithLine(good, "pinned", "pinned = true"), "cpu", "cpu = elsewhere"),
+               "version", "version = 999"),
+      KernelSets{}, kLatent, kInter);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_TRUE(pinned->pinned);
+  EXPECT_EQ(pinned->cpu, "elsewhere");
+}
+
+// ChooseKernels over a file in each state: what it runs, what it leaves on disk.
+TEST(KernelChoice, CacheIsReadReplacedOrKept) {
+  if (DetectIsa() == Isa::kScalar) GTEST_SKIP() << "scalar only: nothing is chosen or cached";
+  auto choose = [](const std::string& dir) -> const KernelChoice& {
+    KernelChoiceOptions o;
+    o.sets = KernelSets{};
+    o.latent = kLatent;
+    o.intermediate = kInter;
+    o.cache_dir = dir;
+    return ChooseKernels(o);
+  };
+  // Empty directory (created, nested): measured and written.
+  const std::string fresh = TempDir("fresh") + "/a/b";
+  const KernelChoice& first = choose(fresh);
+  EXPECT_EQ(first.source, "measured");
+  EXPECT_TRUE(first.note.empty()) << first.note;
+  const std::string path = KernelChoicePath(fresh, KernelSets{}, kLatent, kInter);
+  EXPECT_EQ(first.path, path);
+  auto on_disk = ParseKernelChoice(ReadAll(path), KernelSets{}, kLatent, kInter);
+  ASSERT_TRUE(on_disk.ok()) << on_disk.status();
+  EXPECT_EQ(on_disk->decode, first.decode);
+  EXPECT_EQ(on_disk->panel_from, first.panel_from);
+  // The same process asks again: the same object, no second measurement.
+  EXPECT_EQ(&choose(fresh), &first);
+
+  // A cached file (written by hand: a choice no measurement would make) is read, not measured.
+  const Isa best = DetectIsa();
+  KernelChoice hand = DecideKernels(KernelSets{}, {});
+  hand.decode = Isa::kAvx2;
+  hand.prefill = best;
+  hand.panel_from = 7;
+  const std::string cached = TempDir("cached");
+  mkdir(cached.c_str(), 0755);
+  WriteAll(KernelChoicePath(cached, KernelSets{}, kLatent, kInter),
+           FormatKernelChoice(hand, kLatent, kInter, false));
+  const KernelChoice& read = choose(cached);
+  EXPECT_EQ(read.source, "cache");
+  EXPECT_EQ(read.decode, Isa::kAvx2);
+  EXPECT_EQ(read.prefill, best);
+  EXPECT_EQ(read.table.panel_from, 7);
+  EXPECT_EQ(read.table.mxfp4_rows, KernelsFor(Isa::kAvx2).mxfp4_rows);
+  EXPECT_EQ(read.seconds, 0);
+
+  // A malformed file is measured again and replaced by a valid one; the note says why.
+  const std::string bad = TempDir("bad");
+  mkdir(bad.c_str(), 0755);
+  const std::string bad_path = KernelChoicePath(bad, KernelSets{}, kLatent, kInter);
+  WriteAll(bad_path, "decode = avx1024\n");
+  const KernelChoice& redone = choose(bad);
+  EXPECT_EQ(redone.source, "measured");
+  EXPECT_NE(redone.note.find("replaced a file"), std::string::npos) << redone.note;
+  EXPECT_TRUE(ParseKernelChoice(ReadAll(bad_path), KernelSets{}, kLatent, kInter).ok());
+
+  // A pinned file that cannot be used (a key this build does not know) is kept as it is.
+  const std::string kept = TempDir("kept");
+  mkdir(kept.c_str(), 0755);
+  const std::string kept_path = KernelChoicePath(kept, KernelSets{}, kLatent, kInter);
+  const std::string pinned_text =
+      FormatKernelChoice(hand, kLatent, kInter, /*pinned=*/true) + "future_key = 1\n";
+  WriteAll(kept_path, pinned_text);
+  const KernelChoice& around = choose(kept);
+  EXPECT_EQ(around.source, "measured");
+  EXPECT_NE(around.note.find("pinned file not usable, kept"), std::string::npos) << around.note;
+  EXPECT_EQ(ReadAll(kept_path), pinned_text);
+
+  // The file is a symlink to someone else's file: not followed, not written through.
+  const std::string link = TempDir("link");
+  mkdir(link.c_str(), 0755);
+  const std::string victim = link + "/victim";
+  WriteAll(victim, "precious\n");
+  ASSERT_EQ(symlink(victim.c_str(), KernelChoicePath(link, KernelSets{}, kLatent, kInter).c_str()),
+            0);
+  const KernelChoice& linked = choose(link);
+  EXPECT_EQ(linked.source, "measured");
+  EXPECT_EQ(ReadAll(victim), "precious\n");
+
+  // Larger than 1 MiB: refused before parsing.
+  const std::string big = TempDir("big");
+  mkdir(big.c_str(), 0755);
+  WriteAll(KernelChoicePath(big, KernelSets{}, kLatent, kInter), std::string(2 << 20, '#'));
+  const KernelChoice& huge = choose(big);
+  EXPECT_EQ(huge.source, "measured");
+  EXPECT_NE(huge.note.find("larger than 1 MiB"), std::string::npos) << huge.note;
+
+  // A directory that cannot be written (a read-only mount): measured, used, said.
+  if (geteuid() != 0) {
+    const std::string ro = TempDir("ro");
+    mkdir(ro.c_str(), 0555);
+    const KernelChoice& unwritten = choose(ro);
+    EXPECT_EQ(unwritten.source, "measured");
+    EXPECT_NE(unwritten.note.find("not cached"), std::string::npos) << unwritten.note;
+  }
+}
+
+// Processes started together on an empty cache: one measures, the others wait for its file and
+// read it, so every process runs the same kernels.
+TEST(KernelChoice, ConcurrentProcessesAgreeOnOneFile) {
+  if (DetectIsa() == Isa::kScalar) GTEST_SKIP() << "scalar only: nothing is chosen or cached";
+  const std::string dir = TempDir("race");
+  const std::string out = dir + ".out";
+  std::system(("rm -f '" + out + "'.*").c_str());
+  std::string cmd = "set -e; ";
+  for (int i = 0; i < 4; ++i) {
+    cmd += "MOE_KERNEL_CACHE='" + dir + "' '" MOE_TOOL "' kernels --config tiny > '" + out + "." +
+           std::to_string(i) + "' 2>/dev/null & ";
+  }
+  cmd += "wait";
+  ASSERT_EQ(std::system(("bash -c \"" + cmd + "\"").c_str()), 0);
+  int measured = 0, cached = 0;
+  std::string choice;
+  for (int i = 0; i < 4; ++i) {
+    const std::string text = ReadAll(out + "." + std::to_string(i));
+    const size_t at = text.find("choice: ");
+    ASSERT_NE(at, std::string::npos) << text;
+    const std::string line = text.substr(at, text.find('(', at) - at);
+    if (choice.empty()) choice = line;
+    EXPECT_EQ(line, choice) << "process " << i;
+    measured += text.find("; measured ") != std::string::npos;
+    cached += text.find("; cache ") != std::string::npos;
+  }
+  EXPECT_EQ(measured, 1);
+  EXPECT_EQ(cached, 3);
+  std::printf("4 processes: %s\n", choice.c_str());
+}
+
+TEST(KernelChoice, SetsParse) {
+  EXPECT_TRUE(ParseKernelSets("auto")->automatic);
+  EXPECT_EQ(ParseKernelSets("avx2")->only, Isa::kAvx2);
+  EXPECT_FALSE(ParseKernelSets("avx2")->automatic);
+  EXPECT_FALSE(ParseKernelSets("fastest").ok());
+  EXPECT_EQ(KernelSetsName(KernelSets{}), "auto");
+  EXPECT_EQ(KernelSetsName({false, Isa::kAvx512}), "avx512");
+}
+
+}  // namespace
+}  // namespace moe::numerics::cpu
