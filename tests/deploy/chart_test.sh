@@ -214,6 +214,16 @@ schema --set 'attention.podLabels={"app.kubernetes.io/component": "x"}' \
   --expect-invalid "/attention/podLabels"
 schema --set 'experts.extraArgs=["log_level=debug"]' --expect-invalid "/experts/extraArgs/0"
 
+echo "== the CPU kernel choice: measured once per pod in /tmp, or a pinned ConfigMap"
+grep -A1 "name: MOE_KERNEL_CACHE" "$WORK/default.yaml" | grep -q "value: /tmp/moe-kernels"
+render -set experts.kernelsConfigMap=k3-kernels -out "$WORK/kernels.yaml"
+node validate.mjs --manifests "$WORK/kernels.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json"
+grep -A1 "name: MOE_KERNEL_CACHE" "$WORK/kernels.yaml" | grep -q "value: /etc/moe-kernels"
+grep -B1 -A1 "mountPath: /etc/moe-kernels" "$WORK/kernels.yaml" | grep -q "readOnly: true"
+grep -A2 "name: kernels" "$WORK/kernels.yaml" | grep -q "name: k3-kernels"
+schema --set 'experts.kernelsConfigMap="../etc"' --expect-invalid "/experts/kernelsConfigMap"
+
 echo "== bad values fail to render, with the reason"
 expect_render_error() {
   local want=$1; shift
