@@ -50,4 +50,7 @@ if [ ! -f "$CKPT/config.json" ]; then
   "$BUILD/services/moe-tool" synth --config k3 --out "$CKPT.tmp" --seed 1 --skew 1.0
   mv "$CKPT.tmp" "$CKPT"
 fi
+lscpu | grep -E "^Model name|^CPU\(s\)|^CPU family|^Model:"
+"$BUILD/services/moe-tool" kernels --config k3
 "$BUILD/tests/cpu_layer_bench" --checkpoint "$CKPT" --reference_tokens "$REF_TOKENS"
+"$BUILD/tests/qb_bench" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true

@@ -8,17 +8,20 @@
 // 1. Limits, measured here: streaming read of 1 GiB with all threads; the fp32 FMA peak of each
 //    ISA (services/numerics/cpu/machine_limits.h) with 1 and all threads; the AVX-512 BF16
 //    dot-product peak where the CPU has it.
-// 2. Per ISA (default: every one the CPU has above scalar) and thread count, the routed experts
-//    at the K3 shape (D 3584, I 3072) on the threaded expert path, weights streamed from DRAM
-//    (64 experts = 1.1 GB, more than any cache): 1 and 4 tokens per expert as weight bytes/s
-//    over the read bandwidth and over the roof min(bandwidth, FMA peak / (4 flops per byte x
-//    tokens)); 64 and 256 tokens per expert as FLOP/s over the FMA peak. Each also in W4A8
-//    (MXFP8 activations, docs/math.md section 6): its time next to W4A16's.
+// 2. The machine's chosen kernels (kernel_choice.h: read from the cache or measured), then each
+//    ISA (default: every one the CPU has above scalar) on its own table, per thread count: the
+//    routed experts at the K3 shape (D 3584, I 3072) on the threaded expert path, weights
+//    streamed from DRAM (64 experts = 1.1 GB, more than any cache): 1-8 tokens per expert as
+//    weight bytes/s over the read bandwidth and over the roof min(bandwidth, FMA peak / (4 flops
+//    per byte x tokens)); 16-256 tokens per expert as FLOP/s over the FMA peak; a CLIFF row
+//    where FLOP/s falls as tokens grow. At 1, 4, 64, 256 also in W4A8 (MXFP8 activations,
+//    docs/math.md section 6): its time next to W4A16's.
 // 3. Dense bf16 projections: T = 1 over a 1.06 GB weight (K3 shared-expert gate rows x 12, so it
 //    streams from DRAM) as bytes/s, T = 256 on [6144 x 7168] as FLOP/s; OpenBLAS sgemm on fp32
 //    copies for comparison (Debian's OpenBLAS has no bf16 GEMM).
-// 4. A whole k3 layer from the checkpoint, per --layer_isa: tokens/s at T = 1, 16, 64, 256, 1024
-//    with the share of each stage, the reference path at --reference_tokens, peak memory.
+// 4. A whole k3 layer from the checkpoint, on the chosen kernels and per --layer_isa: tokens/s
+//    at T = 1, 16, 64, 256, 1024, 4096 (--layer_tokens) with the share of each stage and whether
+//    tokens/s ever falls as T grows, the reference path at --reference_tokens, peak memory.
 // One table at the end. Timing is wall clock, median of the repetitions.
 #include <immintrin.h>
 #include <sys/resource.h>
@@ -41,6 +44,7 @@
 #include "services/common/flags.h"
 #include "services/common/random.h"
 #include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/moe_layer.h"
@@ -174,16 +178,19 @@ struct Limits {
 // Routed experts at the K3 shape on the threaded expert path (RunExperts), for one ISA and
 // thread count. Decode rows are judged against min(bandwidth, FMA peak / intensity): with t
 // tokens per expert every packed byte (2 weights) carries 4 t flops.
-void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet& set8, Isa isa,
-                 int threads, const Limits& lim) {
+// `k` is a set's own table (panel kernel from kPrefillTokens) or the machine's chosen one.
+void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet& set8,
+                 const numerics::cpu::KernelTable& k, const std::string& name, int threads,
+                 const Limits& lim) {
   const ModelConfig cfg = *PresetConfig("k3");
-  const numerics::cpu::KernelTable& k = KernelsFor(isa);
+  const Isa isa = k.isa;
   ThreadPool pool(threads);
   const double fma = lim.fma[static_cast<int>(isa)][threads > 1 ? 1 : 0];
   const double bandwidth = threads > 1 ? lim.bandwidth : lim.bandwidth_one;
-  const std::string tag = std::string(IsaName(isa)) + ", " + std::to_string(threads) + "t: ";
-  for (int64_t per_expert : {1, 4, 64, 256}) {
-    const ExpertSet& set = per_expert >= 256 ? set8 : (per_expert >= 64 ? set16 : set64);
+  const std::string tag = name + ", " + std::to_string(threads) + "t: ";
+  double previous = 0;  // FLOP/s at the previous count: a fall is a cliff
+  for (int64_t per_expert : {1, 2, 4, 8, 16, 32, 64, 256}) {
+    const ExpertSet& set = per_expert >= 256 ? set8 : (per_expert >= 16 ? set16 : set64);
     const int64_t experts = set.w.expert_hi;
     ModelConfig c = cfg;
     c.num_experts = experts;
@@ -207,26 +214,36 @@ void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet
     });
     // W4A8: the same experts on MXFP8 activations as they arrive at a shard (z quantized by the
     // attention node: not timed), h quantized after SiTU inside (timed).
-    const numerics::Mxfp8Rows z8 = numerics::QuantizeMxfp8Rows(z.data(), per_expert, c.latent);
-    const double s8 = Median(per_expert >= 64 ? 2 : 4, [&] {
-      auto y = numerics::cpu::RunExperts(k, &pool, c, set.w, r, z8);
-      volatile uint16_t sink = y[0].bits;
-      (void)sink;
-    });
-    Add(tag + std::to_string(per_expert) + " tok/expert, W4A8 vs W4A16",
-        F("%.2f vs ", 1e3 * s8) + F("%.2f ms", 1e3 * s), F("W4A8 takes %.2fx", s8 / s));
+    if (per_expert == 1 || per_expert == 4 || per_expert == 64 || per_expert == 256) {
+      const numerics::Mxfp8Rows z8 = numerics::QuantizeMxfp8Rows(z.data(), per_expert, c.latent);
+      const double s8 = Median(per_expert >= 64 ? 2 : 4, [&] {
+        auto y = numerics::cpu::RunExperts(k, &pool, c, set.w, r, z8);
+        volatile uint16_t sink = y[0].bits;
+        (void)sink;
+      });
+      Add(tag + std::to_string(per_expert) + " tok/expert, W4A8 vs W4A16",
+          F("%.2f vs ", 1e3 * s8) + F("%.2f ms", 1e3 * s), F("W4A8 takes %.2fx", s8 / s));
+    }
     const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
     const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * per_expert * experts;
-    if (per_expert <= 4) {
+    const std::string path =
+        per_expert >= k.panel_from && k.mxfp4_rows_tm != nullptr ? " [panel]" : " [rows]";
+    if (per_expert > 1 && flops / s < 0.95 * previous) {
+      Add(tag + std::to_string(per_expert) + " tok/expert: CLIFF",
+          F("%.1f GFLOP/s", flops / s / 1e9) + F(" < %.1f", previous / 1e9), "", "",
+          "FLOP/s never falls as T grows");
+    }
+    previous = std::max(previous, flops / s);
+    if (per_expert <= 8) {
       const double roof = std::min(bandwidth, fma / (4.0 * per_expert));
-      const double target = per_expert == 1 ? 0.8 : 0.6;
+      const double target = per_expert == 1 ? 0.85 : 0.6;
       const double frac = weight_bytes / s / (per_expert == 1 ? bandwidth : roof);
-      Add(tag + std::to_string(per_expert) + " tok/expert, weights",
+      Add(tag + std::to_string(per_expert) + " tok/expert, weights" + path,
           F("%.1f GB/s", weight_bytes / s / 1e9) + F(" %.0f GF/s", flops / s / 1e9),
           F("bw %.1f", bandwidth / 1e9) + F(" roof %.1f GB/s", roof / 1e9), Judge(frac, target),
-          per_expert == 1 ? ">= 0.8 of bw" : ">= 0.6 of roof");
+          per_expert == 1 ? ">= 0.85 of bw" : ">= 0.6 of roof");
     } else {
-      Add(tag + std::to_string(per_expert) + " tok/expert, FLOP/s",
+      Add(tag + std::to_string(per_expert) + " tok/expert, FLOP/s" + path,
           F("%.1f GFLOP/s", flops / s / 1e9), F("fma %.1f GFLOP/s", fma / 1e9),
           Judge(flops / s / fma, 0.7), ">= 0.7 of fma");
     }
@@ -308,7 +325,7 @@ void DenseBench(Isa isa, const Limits& lim) {
 }
 
 void LayerBench(const std::string& ckpt_dir, const std::vector<Isa>& isas,
-                const std::vector<int64_t>& ref_tokens) {
+                const std::vector<int64_t>& ref_tokens, const std::vector<int64_t>& layer_tokens) {
   auto ckpt = checkpoint::Checkpoint::Open(ckpt_dir);
   if (!ckpt.ok()) {
     std::printf("whole layer: skipped (%s)\n", std::string(ckpt.status().message()).c_str());
@@ -324,6 +341,7 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<Isa>& isas,
     return;
   }
   const double expert_bytes = static_cast<double>(cfg->num_experts) * cfg->ExpertBytes();
+  double last_rate = 0;
   auto run = [&](const std::string& name, int64_t tokens, int reps,
                  const std::function<absl::StatusOr<numerics::LayerOutput>(
                      const std::vector<Bf16>&, numerics::LayerTimings*)>& forward) {
@@ -350,6 +368,7 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<Isa>& isas,
                   100 * best.combine_norm / sum, 100 * best.up_proj / sum, 100 * best.shared / sum);
     Add(name + " layer T=" + std::to_string(tokens),
         F("%.2f tok/s", tokens / best_total) + F(" (%.3f s)", best_total), shares);
+    last_rate = tokens / best_total;
   };
   // The reference first, on its own copy of the dense weights (a CPU layer takes ownership).
   for (int64_t t : ref_tokens) {
@@ -359,24 +378,40 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<Isa>& isas,
     });
   }
   double packed = 0;
-  for (size_t i = 0; i < isas.size(); ++i) {
+  // The machine's chosen kernels first (the auto choice, as a service runs them), then each set
+  // on its own table (panel kernel from kPrefillTokens).
+  for (size_t i = 0; i <= isas.size(); ++i) {
     numerics::cpu::CpuLayerOptions o;
-    o.isa = isas[i];
+    std::string name = "chosen";
+    if (i > 0) {
+      o.kernels = &KernelsFor(isas[i - 1]);
+      name = IsaName(isas[i - 1]);
+    }
     // The last ISA takes the loaded weights; earlier ones a copy of the dense part (experts
     // are borrowed views of the mapped checkpoint either way).
-    auto layer_or =
-        CpuMoeLayer::Create(*cfg, i + 1 == isas.size() ? std::move(*weights) : *weights, o);
+    auto layer_or = CpuMoeLayer::Create(*cfg, i == isas.size() ? std::move(*weights) : *weights, o);
     if (!layer_or.ok()) return;
     CpuMoeLayer& cpu = **layer_or;
-    if (i == 0) Add("k3 layer load + pack", F("%.1f s", Seconds(t0)));
+    if (i == 0) {
+      Add("k3 layer load + pack", F("%.1f s", Seconds(t0)));
+      name += " (" + numerics::cpu::KernelsName(cpu.kernels()) + ")";
+    }
     packed = expert_bytes + static_cast<double>(cpu.packed_dense_bytes()) + cfg->num_experts * 4.0 +
              cfg->latent * 2.0;
-    for (int64_t t : {1, 16, 64, 256, 1024}) {
-      run(IsaName(isas[i]), t, t >= 256 ? 3 : 5,
+    double best_rate = 0;
+    int64_t fell_at = 0;
+    for (int64_t t : layer_tokens) {
+      run(name, t, t >= 4096 ? 1 : (t >= 256 ? 3 : 5),
           [&](const std::vector<Bf16>& x, numerics::LayerTimings* timings) {
             return cpu.Forward(x, x.size() / cfg->hidden, cfg->hidden, nullptr, timings);
           });
+      // A fall of more than the machine's noise (5%) as T grows is a cliff.
+      if (last_rate < 0.95 * best_rate && fell_at == 0) fell_at = t;
+      best_rate = std::max(best_rate, last_rate);
     }
+    Add(name + " layer: tok/s as T grows",
+        fell_at == 0 ? std::string("never falls") : "falls at T=" + std::to_string(fell_at), "", "",
+        "never falls");
   }
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
@@ -411,6 +446,7 @@ int main(int argc, char** argv) {
   std::string ckpt;
   std::vector<int64_t> ref_tokens = {1};
   std::vector<int64_t> thread_counts = {1, kThreads};
+  std::vector<int64_t> layer_tokens = {1, 16, 64, 256, 1024, 4096};
   std::vector<Isa> isas;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) <= static_cast<int>(DetectIsa())) isas.push_back(isa);
@@ -421,6 +457,7 @@ int main(int argc, char** argv) {
   f.String("checkpoint", &ckpt, "k3 checkpoint for the whole-layer rows (empty: skipped)");
   f.IntList("reference_tokens", &ref_tokens, "batch sizes for the scalar reference layer");
   f.IntList("threads", &thread_counts, "thread counts of the expert rows");
+  f.IntList("layer_tokens", &layer_tokens, "batch sizes T of the whole-layer rows");
   f.String("isa", &isa_list, "ISAs of the expert and dense rows (default: all the CPU has)");
   f.String("layer_isa", &layer_isa_list, "ISAs of the whole-layer rows (default: as --isa)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
@@ -457,12 +494,28 @@ int main(int argc, char** argv) {
     const moe::ModelConfig cfg = *moe::PresetConfig("k3");
     const ExpertSet set64 = RandomExperts(cfg, 64), set16 = RandomExperts(cfg, 16),
                     set8 = RandomExperts(cfg, 8);
+    // The machine's choice at the K3 shape (read from this machine's cache, or measured now).
+    moe::numerics::cpu::KernelChoiceOptions ko;
+    ko.latent = cfg.latent;
+    ko.intermediate = cfg.intermediate;
+    const moe::numerics::cpu::KernelChoice& chosen = moe::numerics::cpu::ChooseKernels(ko);
+    Add("chosen kernels (" + chosen.source + ")", std::string("decode ") + IsaName(chosen.decode),
+        std::string("prefill ") + IsaName(chosen.prefill) + " from " +
+            (chosen.panel_from >= moe::numerics::cpu::kNoPanel ? std::string("never")
+                                                               : std::to_string(chosen.panel_from)),
+        "", chosen.seconds > 0 ? F("probe %.2f s", chosen.seconds) : "from cache");
+    for (int threads : thread_counts) {
+      ExpertBench(set64, set16, set8, chosen.table,
+                  "chosen " + moe::numerics::cpu::KernelsName(chosen.table), threads, lim);
+    }
     for (Isa isa : isas) {
-      for (int threads : thread_counts) ExpertBench(set64, set16, set8, isa, threads, lim);
+      for (int threads : thread_counts) {
+        ExpertBench(set64, set16, set8, KernelsFor(isa), IsaName(isa), threads, lim);
+      }
     }
   }
   for (Isa isa : isas) DenseBench(isa, lim);
-  if (!ckpt.empty()) LayerBench(ckpt, layer_isas, ref_tokens);
+  if (!ckpt.empty()) LayerBench(ckpt, layer_isas, ref_tokens, layer_tokens);
   std::printf("\n| %-46s | %-24s | %-30s | %-12s | %-16s |\n|%s|%s|%s|%s|%s|\n", "measure", "value",
               "limit / shares", "fraction", "target", std::string(48, '-').c_str(),
               std::string(26, '-').c_str(), std::string(32, '-').c_str(),
