@@ -1,16 +1,27 @@
 #include "services/numerics/qb.h"
 
+// GCC 12 flags its own AVX-512 headers (_mm512_undefined_*: "may be used uninitialized").
+#if defined(__x86_64__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/router.h"
+#include "services/numerics/simd_clones.h"
 #include "services/numerics/wire_codec.h"
 
 namespace moe::numerics {
@@ -18,11 +29,264 @@ namespace {
 
 constexpr char kMagic[4] = {'Q', 'B', 'H', '1'};
 
-// Top-(k+1) of the biased scores of one token: routes (first k) and the cutoff alpha.
-void RouteToken(const float* s, const float* bias, int64_t n, int64_t k, float* biased,
+constexpr int64_t kBlock = 16;
+
+// Margins kept by the exact step's filter, as (column, value) pairs in token order: one flat
+// buffer per thread (no allocation per column), grouped by column at the end.
+struct KeptMargins {
+  std::unique_ptr<int32_t[]> column;
+  std::unique_ptr<float[]> value;
+  int64_t size = 0, capacity = 0;
+  // Room for `more` pairs past size.
+  void Reserve(int64_t more) {
+    if (size + more <= capacity) return;
+    const int64_t cap = std::max(2 * capacity, size + more + 4096);
+    std::unique_ptr<int32_t[]> c(new int32_t[static_cast<size_t>(cap)]);
+    std::unique_ptr<float[]> v(new float[static_cast<size_t>(cap)]);
+    if (size > 0) {
+      std::memcpy(c.get(), column.get(), sizeof(int32_t) * size);
+      std::memcpy(v.get(), value.get(), sizeof(float) * size);
+    }
+    column = std::move(c);
+    value = std::move(v);
+    capacity = cap;
+  }
+};
+
+// The portable forms (compiled for AVX-512, AVX2 and baseline; MOE_SIMD_CLONES).
+
+// out = a + b, elementwise.
+MOE_SIMD_CLONES void AddRowPortable(const float* a, const float* b, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    for (int64_t x = 0; x < kBlock; ++x) out[j + x] = a[j + x] + b[j + x];
+  }
+  for (; j < n; ++j) out[j] = a[j] + b[j];
+}
+
+// out = a + b, and whether every a is finite (a NaN or Inf in a lane's sum of a - a).
+MOE_SIMD_CLONES bool AddRowCheckedPortable(const float* a, const float* b, int64_t n, float* out) {
+  float lanes[kBlock] = {};
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    for (int64_t x = 0; x < kBlock; ++x) {
+      out[j + x] = a[j + x] + b[j + x];
+      lanes[x] += a[j + x] - a[j + x];
+    }
+  }
+  uint32_t bad = 0;
+  for (int64_t x = 0; x < kBlock; ++x) bad |= static_cast<uint32_t>(lanes[x] != 0.0f);
+  for (; j < n; ++j) {
+    out[j] = a[j] + b[j];
+    bad |= static_cast<uint32_t>(!std::isfinite(a[j]));
+  }
+  return bad == 0;
+}
+
+// Whether all of p[0, count) is finite: x - x is 0 for a finite x and NaN for NaN or Inf, and
+// a NaN stays in its lane's sum (16 independent lanes: it vectorizes).
+MOE_SIMD_CLONES bool FinitePortable(const float* p, int64_t count) {
+  float lanes[kBlock] = {};
+  int64_t i = 0;
+  for (; i + kBlock <= count; i += kBlock) {
+    for (int64_t x = 0; x < kBlock; ++x) lanes[x] += p[i + x] - p[i + x];
+  }
+  uint32_t bad = 0;
+  for (int64_t x = 0; x < kBlock; ++x) bad |= static_cast<uint32_t>(lanes[x] != 0.0f);
+  for (; i < count; ++i) bad |= static_cast<uint32_t>(!std::isfinite(p[i]));
+  return bad == 0;
+}
+
+// The margins s_j - cutoff of one token above their column's threshold, appended to kept;
+// blocks of 16 tested branch-free first (few pass).
+MOE_SIMD_CLONES void KeepAbovePortable(const float* s, float cutoff, const float* threshold,
+                                       int64_t n, KeptMargins* kept) {
+  kept->Reserve(n);
+  int32_t* col = kept->column.get();
+  float* val = kept->value.get();
+  int64_t size = kept->size, j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    float margin[kBlock];
+    int any = 0;
+    for (int64_t x = 0; x < kBlock; ++x) {
+      margin[x] = s[j + x] - cutoff;
+      any |= margin[x] > threshold[j + x];
+    }
+    if (any == 0) continue;
+    for (int64_t x = 0; x < kBlock; ++x) {
+      col[size] = static_cast<int32_t>(j + x);
+      val[size] = margin[x];
+      size += margin[x] > threshold[j + x];
+    }
+  }
+  for (; j < n; ++j) {
+    const float v = s[j] - cutoff;
+    col[size] = static_cast<int32_t>(j);
+    val[size] = v;
+    size += v > threshold[j];
+  }
+  kept->size = size;
+}
+
+// The histogram bin of each expert's required bias alpha - s_j of one token:
+// floor((r - lo) * inv_w) in double, clamped to [0, bins - 1].
+MOE_SIMD_CLONES void BinRowPortable(const float* s, float alpha, double lo, double inv_w,
+                                    int64_t bins, int64_t n, int32_t* out) {
+  const double top = static_cast<double>(bins - 1);
+  auto bin = [&](float v) {
+    const float r = alpha - v;  // required bias; exactly -(s - alpha)
+    double pos = std::floor((static_cast<double>(r) - lo) * inv_w);
+    pos = pos < 0.0 ? 0.0 : pos;
+    pos = pos > top ? top : pos;
+    return static_cast<int32_t>(pos);
+  };
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    for (int64_t x = 0; x < kBlock; ++x) out[j + x] = bin(s[j + x]);
+  }
+  for (; j < n; ++j) out[j] = bin(s[j]);
+}
+
+#if defined(__x86_64__)
+// The AVX-512 forms: the same operations in the same precision (separate subtract and multiply,
+// no contraction), so the same results; mask registers and compress stores where the portable
+// forms walk a block.
+#define MOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+MOE_AVX512 void AddRowAvx512(const float* a, const float* b, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    _mm512_storeu_ps(out + j, _mm512_add_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j)));
+  }
+  for (; j < n; ++j) out[j] = a[j] + b[j];
+}
+
+MOE_AVX512 bool AddRowCheckedAvx512(const float* a, const float* b, int64_t n, float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(a + j);
+    _mm512_storeu_ps(out + j, _mm512_add_ps(v, _mm512_loadu_ps(b + j)));
+    acc = _mm512_add_ps(acc, _mm512_sub_ps(v, v));
+  }
+  bool ok = _mm512_cmp_ps_mask(acc, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0;
+  for (; j < n; ++j) {
+    out[j] = a[j] + b[j];
+    ok &= std::isfinite(a[j]);
+  }
+  return ok;
+}
+
+MOE_AVX512 bool FiniteAvx512(const float* p, int64_t count) {
+  __m512 acc[4];
+  for (int x = 0; x < 4; ++x) acc[x] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= count; i += 64) {
+    for (int x = 0; x < 4; ++x) {
+      const __m512 v = _mm512_loadu_ps(p + i + 16 * x);
+      acc[x] = _mm512_add_ps(acc[x], _mm512_sub_ps(v, v));
+    }
+  }
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+  bool ok = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0;
+  for (; i < count; ++i) ok &= std::isfinite(p[i]);
+  return ok;
+}
+
+MOE_AVX512 void KeepAboveAvx512(const float* s, float cutoff, const float* threshold, int64_t n,
+                                KeptMargins* kept) {
+  kept->Reserve(n);
+  int32_t* col = kept->column.get();
+  float* val = kept->value.get();
+  int64_t size = kept->size, j = 0;
+  const __m512 c = _mm512_set1_ps(cutoff);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= n; j += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __m512 margin = _mm512_sub_ps(_mm512_loadu_ps(s + j), c);
+    const __mmask16 mask = _mm512_cmp_ps_mask(margin, _mm512_loadu_ps(threshold + j), _CMP_GT_OQ);
+    if (mask == 0) continue;
+    _mm512_mask_compressstoreu_epi32(col + size, mask, idx);
+    _mm512_mask_compressstoreu_ps(val + size, mask, margin);
+    size += __builtin_popcount(mask);
+  }
+  for (; j < n; ++j) {
+    const float v = s[j] - cutoff;
+    col[size] = static_cast<int32_t>(j);
+    val[size] = v;
+    size += v > threshold[j];
+  }
+  kept->size = size;
+}
+
+// 8 bins from 8 required biases r (as in BinRowPortable).
+MOE_AVX512 inline void Bin8Avx512(__m256 r, __m512d lo, __m512d inv_w, __m512d top, int32_t* out) {
+  __m512d pos = _mm512_mul_pd(_mm512_sub_pd(_mm512_cvtps_pd(r), lo), inv_w);
+  pos = _mm512_roundscale_pd(pos, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  pos = _mm512_min_pd(_mm512_max_pd(pos, _mm512_setzero_pd()), top);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvttpd_epi32(pos));
+}
+
+MOE_AVX512 void BinRowAvx512(const float* s, float alpha, double lo, double inv_w, int64_t bins,
+                             int64_t n, int32_t* out) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  const __m512d l = _mm512_set1_pd(lo), w = _mm512_set1_pd(inv_w);
+  const __m512d top = _mm512_set1_pd(static_cast<double>(bins - 1));
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 r = _mm512_sub_ps(a, _mm512_loadu_ps(s + j));
+    Bin8Avx512(_mm512_castps512_ps256(r), l, w, top, out + j);
+    Bin8Avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)), l, w, top,
+               out + j + 8);
+  }
+  if (j < n) BinRowPortable(s + j, alpha, lo, inv_w, bins, n - j, out + j);
+}
+#endif
+
+void AddRow(const float* a, const float* b, int64_t n, float* out) {
+#if defined(__x86_64__)
+  if (SimdAvx512()) return AddRowAvx512(a, b, n, out);
+#endif
+  AddRowPortable(a, b, n, out);
+}
+
+bool AddRowChecked(const float* a, const float* b, int64_t n, float* out) {
+#if defined(__x86_64__)
+  if (SimdAvx512()) return AddRowCheckedAvx512(a, b, n, out);
+#endif
+  return AddRowCheckedPortable(a, b, n, out);
+}
+
+bool Finite(const float* p, int64_t count) {
+#if defined(__x86_64__)
+  if (SimdAvx512()) return FiniteAvx512(p, count);
+#endif
+  return FinitePortable(p, count);
+}
+
+void KeepAbove(const float* s, float cutoff, const float* threshold, int64_t n, KeptMargins* kept) {
+#if defined(__x86_64__)
+  if (SimdAvx512()) return KeepAboveAvx512(s, cutoff, threshold, n, kept);
+#endif
+  KeepAbovePortable(s, cutoff, threshold, n, kept);
+}
+
+void BinRow(const float* s, float alpha, double lo, double inv_w, int64_t bins, int64_t n,
+            int32_t* out) {
+#if defined(__x86_64__)
+  if (SimdAvx512()) return BinRowAvx512(s, alpha, lo, inv_w, bins, n, out);
+#endif
+  BinRowPortable(s, alpha, lo, inv_w, bins, n, out);
+}
+
+// Top-(k+1) of the biased scores of one token: routes (first k) and the cutoff alpha. False
+// (nothing routed) when a score is not finite: the steps check the scores as they route them
+// (one pass over memory, not two) and report the culprit after (ValidateQbInput).
+bool RouteToken(const float* s, const float* bias, int64_t n, int64_t k, float* biased,
                 int32_t* top) {
-  for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
+  if (!AddRowChecked(s, bias, n, biased)) return false;
   TopK(biased, n, k + 1, top);
+  return true;
 }
 
 absl::Status Corrupt(absl::string_view what) {
@@ -50,108 +314,25 @@ void SplitWork(int64_t count, int parts, Fn fn) {
   for (std::thread& t : threads) t.join();
 }
 
-// For each column j of the margins s_ij - cutoff_i ([m, n] scores, row-major), its
-// (rank+1)-th largest value, exactly (ties counted), without a transposed copy: a sample of every
-// 16th row sets a per-column threshold below which about twice the needed values lie above it,
-// one row-major pass (threads over rows, blocks of 16 columns tested branch-free) keeps the
-// margins above the threshold, and nth_element picks the value among them. A column whose
-// threshold kept too few (an unlucky sample) is done again in full.
-std::vector<float> ColumnRankValues(absl::Span<const float> scores, int64_t m, int64_t n,
-                                    const std::vector<float>& cutoffs, int64_t rank, int parts) {
-  const float* s = scores.data();
-  auto margin = [&](int64_t i, int64_t j) { return s[i * n + j] - cutoffs[i]; };
-  constexpr int64_t kStride = 16;
-  const int64_t sampled = (m + kStride - 1) / kStride;
-  // The sample's rank that leaves about twice the needed values above the threshold.
-  const int64_t want = std::min(sampled - 1, 2 * (rank + 1) / kStride + 2);
-  std::vector<float> threshold(static_cast<size_t>(n), -std::numeric_limits<float>::infinity());
-  if (want < sampled - 1) {
-    SplitWork(n, parts, [&](int, int64_t j0, int64_t j1) {
-      std::vector<float> sample(static_cast<size_t>(sampled));
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t t = 0; t < sampled; ++t) sample[t] = margin(t * kStride, j);
-        std::nth_element(sample.begin(), sample.begin() + want, sample.end(),
-                         std::greater<float>());
-        threshold[j] = sample[want];
-      }
-    });
-  }
-  // Row-major pass: per thread and column, the margins above the column's threshold.
-  std::vector<std::vector<std::vector<float>>> kept(
-      static_cast<size_t>(parts), std::vector<std::vector<float>>(static_cast<size_t>(n)));
-  SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
-    std::vector<std::vector<float>>& mine = kept[part];
-    std::vector<float> row(static_cast<size_t>(n));
-    for (int64_t i = lo; i < hi; ++i) {
-      for (int64_t j = 0; j < n; ++j) row[j] = margin(i, j);
-      int64_t j = 0;
-      constexpr int64_t kTest = 16;
-      for (; j + kTest <= n; j += kTest) {
-        int any = 0;
-        for (int64_t x = 0; x < kTest; ++x) any |= row[j + x] > threshold[j + x];
-        if (any == 0) continue;
-        for (int64_t x = j; x < j + kTest; ++x) {
-          if (row[x] > threshold[x]) mine[x].push_back(row[x]);
-        }
-      }
-      for (; j < n; ++j) {
-        if (row[j] > threshold[j]) mine[j].push_back(row[j]);
-      }
-    }
-  });
-  std::vector<float> out(static_cast<size_t>(n));
-  SplitWork(n, parts, [&](int, int64_t j0, int64_t j1) {
-    std::vector<float> column;
-    for (int64_t j = j0; j < j1; ++j) {
-      column.clear();
-      for (int p = 0; p < parts; ++p) {
-        column.insert(column.end(), kept[p][j].begin(), kept[p][j].end());
-      }
-      if (static_cast<int64_t>(column.size()) <= rank) {  // too few above: the whole column
-        column.resize(static_cast<size_t>(m));
-        for (int64_t i = 0; i < m; ++i) column[i] = margin(i, j);
-      }
-      std::nth_element(column.begin(), column.begin() + rank, column.end(), std::greater<float>());
-      out[j] = column[rank];
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
-absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t n,
-                             absl::Span<const float> bias, int64_t k) {
+namespace {
+
+// Everything ValidateQbInput checks but the scores' values.
+absl::Status ValidateQbShapes(size_t count, int64_t m, int64_t n, absl::Span<const float> bias,
+                              int64_t k) {
   if (n < 2) return absl::InvalidArgumentError(absl::StrCat("QB needs n >= 2 experts, got ", n));
   if (k < 1 || k >= n) {
     return absl::InvalidArgumentError(absl::StrCat(
         "QB needs 1 <= k < n (the (k+1)-th score is the cutoff); got k = ", k, ", n = ", n));
   }
-  if (m < 0 || static_cast<int64_t>(scores.size()) != m * n) {
+  if (m < 0 || static_cast<int64_t>(count) != m * n) {
     return absl::InvalidArgumentError(
-        absl::StrCat("scores hold ", scores.size(), " values; [", m, ", ", n, "] needs ", m * n));
+        absl::StrCat("scores hold ", count, " values; [", m, ", ", n, "] needs ", m * n));
   }
   if (static_cast<int64_t>(bias.size()) != n) {
     return absl::InvalidArgumentError(
         absl::StrCat("bias has ", bias.size(), " entries; there are ", n, " experts"));
-  }
-  // Branch-free scan first, in 16 independent lanes (it vectorizes): x - x is 0 for a finite x
-  // and NaN for NaN or Inf, and a NaN stays in its lane's sum. Locate the culprit only then.
-  float lanes[16] = {};
-  const size_t whole = scores.size() / 16 * 16;
-  for (size_t i = 0; i < whole; i += 16) {
-    for (int x = 0; x < 16; ++x) lanes[x] += scores[i + x] - scores[i + x];
-  }
-  uint32_t non_finite = 0;
-  for (int x = 0; x < 16; ++x) non_finite |= static_cast<uint32_t>(lanes[x] != 0.0f);
-  for (size_t i = whole; i < scores.size(); ++i) {
-    non_finite |= static_cast<uint32_t>(!std::isfinite(scores[i]));
-  }
-  for (size_t i = 0; non_finite != 0 && i < scores.size(); ++i) {
-    if (!std::isfinite(scores[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("score of token ", i / n, ", expert ", i % n, " is not finite"));
-    }
   }
   for (int64_t j = 0; j < n; ++j) {
     if (!std::isfinite(bias[j])) {
@@ -162,6 +343,35 @@ absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t 
     if (std::fabs(bias[j]) > kMaxQbBias) {
       return absl::InvalidArgumentError(absl::StrCat("bias of expert ", j, " is ", bias[j],
                                                      ": |bias| must be at most ", kMaxQbBias));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The error of scores a step found not finite while routing them (ValidateQbInput names the
+// first culprit).
+absl::Status NonFinite(absl::Span<const float> scores, int64_t m, int64_t n,
+                       absl::Span<const float> bias, int64_t k) {
+  absl::Status s = ValidateQbInput(scores, m, n, bias, k);
+  return s.ok() ? absl::InternalError("QB: a score was not finite, then was") : s;
+}
+
+}  // namespace
+
+absl::Status ValidateQbInput(absl::Span<const float> scores, int64_t m, int64_t n,
+                             absl::Span<const float> bias, int64_t k) {
+  MOE_RETURN_IF_ERROR(ValidateQbShapes(scores.size(), m, n, bias, k));
+  // A branch-free scan first (vectorized, over the QB threads); locate the culprit only then.
+  const int parts = QbThreads(m);
+  std::vector<char> finite(static_cast<size_t>(parts), 1);
+  SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
+    finite[part] = Finite(scores.data() + lo * n, (hi - lo) * n);
+  });
+  const bool non_finite = std::find(finite.begin(), finite.end(), 0) != finite.end();
+  for (size_t i = 0; non_finite && i < scores.size(); ++i) {
+    if (!std::isfinite(scores[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("score of token ", i / n, ", expert ", i % n, " is not finite"));
     }
   }
   return absl::OkStatus();
@@ -178,7 +388,7 @@ std::vector<int64_t> RouteLoads(absl::Span<const float> scores, int64_t m, int64
     std::vector<int32_t> top(static_cast<size_t>(k));
     for (int64_t i = lo; i < hi; ++i) {
       const float* s = scores.data() + i * n;
-      for (int64_t j = 0; j < n; ++j) biased[j] = s[j] + bias[j];
+      AddRow(s, bias.data(), n, biased.data());
       TopK(biased.data(), n, k, top.data());
       for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
     }
@@ -201,7 +411,8 @@ std::vector<float> CenterBias(absl::Span<const float> bias) {
 
 absl::StatusOr<QbStep> QbExactStep(absl::Span<const float> scores, int64_t m, int64_t n,
                                    absl::Span<const float> bias, int64_t k) {
-  MOE_RETURN_IF_ERROR(ValidateQbInput(scores, m, n, bias, k));
+  // The scores' values are checked as they are routed (below).
+  MOE_RETURN_IF_ERROR(ValidateQbShapes(scores.size(), m, n, bias, k));
   QbStep step;
   step.loads.assign(static_cast<size_t>(n), 0);
   if (m == 0) {
@@ -211,31 +422,106 @@ absl::StatusOr<QbStep> QbExactStep(absl::Span<const float> scores, int64_t m, in
   }
   step.routes.resize(static_cast<size_t>(m * k));
   step.cutoffs.resize(static_cast<size_t>(m));
-  // Tokens in contiguous pieces, one per thread (routes and cutoffs per token; loads summed).
   const int parts = QbThreads(m);
+  // b-hat_j = -(the (floor(q)+1)-th largest margin of column j), margin = s_ij - cutoff_i,
+  // exactly (ties counted) and without a transposed copy of the scores: a sample of every 16th
+  // token (routed first, for its cutoff) sets a per-column threshold above which about twice the
+  // needed margins lie; one pass over the tokens routes each and keeps its margins above the
+  // thresholds (most columns of a row are passed over in blocks of 16); nth_element picks the
+  // value among the kept ones. A column whose threshold kept too few (an unlucky sample) is
+  // done again in full.
+  const double q = static_cast<double>(m) * k / n;
+  const int64_t rank = static_cast<int64_t>(std::floor(q));  // 0-based, descending
+  constexpr int64_t kStride = 16;
+  const int64_t sampled = (m + kStride - 1) / kStride;
+  const int64_t want = std::min(sampled - 1, 2 * (rank + 1) / kStride + 2);
+  std::vector<float> threshold(static_cast<size_t>(n), -std::numeric_limits<float>::infinity());
+  if (want < sampled - 1) {
+    std::vector<float> sample(static_cast<size_t>(n * sampled));  // [n, sampled]
+    // Tiles of 16 sampled tokens, written column by column as whole cache lines.
+    constexpr int64_t kTile = 16;
+    SplitWork((sampled + kTile - 1) / kTile, parts, [&](int, int64_t b0, int64_t b1) {
+      std::vector<float> biased(static_cast<size_t>(n)), tile(static_cast<size_t>(kTile * n));
+      std::vector<int32_t> top(static_cast<size_t>(k + 1));
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t t0 = b * kTile, rows = std::min(kTile, sampled - t0);
+        for (int64_t t = 0; t < rows; ++t) {
+          const float* s = scores.data() + (t0 + t) * kStride * n;
+          // A token that is not finite samples as never kept (the main pass refuses the input).
+          const float cutoff = RouteToken(s, bias.data(), n, k, biased.data(), top.data())
+                                   ? biased[top[k]]
+                                   : std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < n; ++j) tile[j * kTile + t] = s[j] - cutoff;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          std::copy(tile.begin() + j * kTile, tile.begin() + j * kTile + rows,
+                    sample.begin() + j * sampled + t0);
+        }
+      }
+    });
+    SplitWork(n, parts, [&](int, int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        float* col = sample.data() + j * sampled;
+        std::nth_element(col, col + want, col + sampled, std::greater<float>());
+        threshold[j] = col[want];
+      }
+    });
+  }
+  // Tokens in contiguous pieces, one per thread: routes and cutoffs per token, loads and the
+  // kept margins per piece.
   std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts),
                                                std::vector<int64_t>(static_cast<size_t>(n), 0));
+  std::vector<KeptMargins> kept(static_cast<size_t>(parts));
+  std::vector<char> bad(static_cast<size_t>(parts), 0);
   SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
     std::vector<float> biased(static_cast<size_t>(n));
     std::vector<int32_t> top(static_cast<size_t>(k + 1));
     std::vector<int64_t>& loads = part_loads[part];
     for (int64_t i = lo; i < hi; ++i) {
-      RouteToken(scores.data() + i * n, bias.data(), n, k, biased.data(), top.data());
+      const float* s = scores.data() + i * n;
+      if (!RouteToken(s, bias.data(), n, k, biased.data(), top.data())) {
+        bad[part] = 1;
+        return;
+      }
       for (int64_t r = 0; r < k; ++r) {
         step.routes[i * k + r] = top[r];
         ++loads[top[r]];
       }
-      step.cutoffs[i] = biased[top[k]];
+      const float cutoff = biased[top[k]];
+      step.cutoffs[i] = cutoff;
+      KeepAbove(s, cutoff, threshold.data(), n, &kept[part]);
     }
   });
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) return NonFinite(scores, m, n, bias, k);
   for (int p = 0; p < parts; ++p) {
     for (int64_t j = 0; j < n; ++j) step.loads[j] += part_loads[p][j];
   }
-  // b-hat_j = -(the (floor(q)+1)-th largest margin of column j), margin = s_ij - cutoff_i.
-  const double q = static_cast<double>(m) * k / n;
-  const int64_t rank = static_cast<int64_t>(std::floor(q));  // 0-based, descending
-  step.raw_bias = ColumnRankValues(scores, m, n, step.cutoffs, rank, parts);
-  for (float& b : step.raw_bias) b = -b;
+  // The kept margins grouped by column (a counting sort of the pairs).
+  std::vector<int64_t> start(static_cast<size_t>(n + 1), 0);
+  for (const KeptMargins& kp : kept) {
+    for (int64_t x = 0; x < kp.size; ++x) ++start[kp.column[x] + 1];
+  }
+  for (int64_t j = 0; j < n; ++j) start[j + 1] += start[j];
+  std::vector<float> grouped(static_cast<size_t>(start[n]));
+  {
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (const KeptMargins& kp : kept) {
+      for (int64_t x = 0; x < kp.size; ++x) grouped[at[kp.column[x]]++] = kp.value[x];
+    }
+  }
+  step.raw_bias.resize(static_cast<size_t>(n));
+  SplitWork(n, parts, [&](int, int64_t j0, int64_t j1) {
+    std::vector<float> column;
+    for (int64_t j = j0; j < j1; ++j) {
+      column.assign(grouped.begin() + start[j], grouped.begin() + start[j + 1]);
+      if (static_cast<int64_t>(column.size()) <= rank) {  // too few above: the whole column
+        column.resize(static_cast<size_t>(m));
+        for (int64_t i = 0; i < m; ++i) column[i] = scores[i * n + j] - step.cutoffs[i];
+      }
+      std::nth_element(column.begin(), column.begin() + rank, column.end(), std::greater<float>());
+      step.raw_bias[j] = -column[rank];
+    }
+  });
   step.bias = CenterBias(step.raw_bias);
   return step;
 }
@@ -275,38 +561,49 @@ absl::StatusOr<QbHistogram> QbHistogram::Create(const QbWindow& window,
 
 absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) {
   const int64_t n = num_experts_, k = window_.top_k, bins = window_.bins;
-  MOE_RETURN_IF_ERROR(ValidateQbInput(scores, m, n, bias_, k));
+  // The scores' values are checked as they are routed (below).
+  MOE_RETURN_IF_ERROR(ValidateQbShapes(scores.size(), m, n, bias_, k));
   const double inv_w = bins / (hi_ - lo_);
-  // Tokens in pieces over the cores: the first piece counts into this histogram, the others
-  // into their own, added after (integer sums: the result does not depend on the split).
+  // Tokens in pieces over the cores, each counted into its own histogram, added to this one
+  // only when every token was finite (integer sums: the result does not depend on the split;
+  // refused input changes nothing).
   const int parts = QbThreads(m);
-  std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts - 1));
-  std::vector<std::vector<uint32_t>> part_counts(static_cast<size_t>(parts - 1));
+  std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts));
+  std::vector<std::vector<uint32_t>> part_counts(static_cast<size_t>(parts));
+  std::vector<char> bad(static_cast<size_t>(parts), 0);
   SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
-    int64_t* loads = loads_.data();
-    uint32_t* counts = counts_.data();
-    if (part > 0) {
-      part_loads[part - 1].assign(static_cast<size_t>(n), 0);
-      part_counts[part - 1].assign(counts_.size(), 0);
-      loads = part_loads[part - 1].data();
-      counts = part_counts[part - 1].data();
-    }
+    part_loads[part].assign(static_cast<size_t>(n), 0);
+    part_counts[part].assign(counts_.size(), 0);
+    int64_t* loads = part_loads[part].data();
+    uint32_t* counts = part_counts[part].data();
     std::vector<float> biased(static_cast<size_t>(n));
     std::vector<int32_t> top(static_cast<size_t>(k + 1));
-    for (int64_t i = lo; i < hi; ++i) {
-      const float* s = scores.data() + i * n;
-      RouteToken(s, bias_.data(), n, k, biased.data(), top.data());
-      for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
-      const float alpha = biased[top[k]];
+    // Bins of a tile of tokens first (vectorized), then the counts expert by expert: a tile's
+    // increments of one expert fall in that expert's row of bins (4 KB at 1000 bins), not all
+    // over the n x bins table (3.6 MB at K3, past L2) as token by token.
+    constexpr int64_t kTile = 32;
+    std::vector<int32_t> bin(static_cast<size_t>(kTile * n));
+    for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+      const int64_t rows = std::min(kTile, hi - t0);
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* s = scores.data() + (t0 + t) * n;
+        if (!RouteToken(s, bias_.data(), n, k, biased.data(), top.data())) {
+          bad[part] = 1;
+          return;
+        }
+        for (int64_t r = 0; r < k; ++r) ++loads[top[r]];
+        BinRow(s, biased[top[k]], lo_, inv_w, bins, n, bin.data() + t * n);
+      }
       for (int64_t j = 0; j < n; ++j) {
-        const float r = alpha - s[j];  // required bias; exactly -(s - alpha)
-        const double pos = std::floor((static_cast<double>(r) - lo_) * inv_w);
-        const int64_t l = pos < 0 ? 0 : (pos >= bins ? bins - 1 : static_cast<int64_t>(pos));
-        ++counts[j * bins + l];
+        uint32_t* row = counts + j * bins;
+        for (int64_t t = 0; t < rows; ++t) ++row[bin[t * n + j]];
       }
     }
   });
-  for (int p = 0; p + 1 < parts; ++p) {
+  if (std::find(bad.begin(), bad.end(), 1) != bad.end()) {
+    return NonFinite(scores, m, n, bias_, k);
+  }
+  for (int p = 0; p < parts; ++p) {
     for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += part_counts[p][i];
     for (int64_t j = 0; j < n; ++j) loads_[j] += part_loads[p][j];
   }

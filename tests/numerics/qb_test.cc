@@ -42,14 +42,24 @@ TEST(TopK, MatchesAFullSortWithTheTieRule) {
   Rng rng(17);
   // Small rows (every path of the insertion), then K3-like rows where the block test (16 values
   // at a time) decides most values: with many ties, and with distinct values.
-  for (int trial = 0; trial < 900; ++trial) {
+  // Wide rows take the floor form (the k-th of 64 group maxima, k <= 32); k up to 40 there
+  // crosses into the insertion form. Signed zeros are equal values (index order decides).
+  for (int trial = 0; trial < 1500; ++trial) {
     const bool wide = trial >= 300;
     const int64_t n = wide ? 17 + rng.Next() % 1000 : 2 + rng.Next() % 40;
-    const int64_t k = 1 + rng.Next() % (wide ? 17 : n - 1);
+    const int64_t k = 1 + rng.Next() % (wide ? std::min<int64_t>(40, n - 1) : n - 1);
     std::vector<float> v(n);
     for (float& x : v) {
-      x = trial % 2 == 0 ? static_cast<float>(rng.Next() % 5) * 0.25f  // many ties
-                         : static_cast<float>(rng.Uniform());
+      switch (trial % 3) {
+        case 0:  // many ties
+          x = static_cast<float>(rng.Next() % 5) * 0.25f;
+          break;
+        case 1:
+          x = static_cast<float>(rng.Uniform());
+          break;
+        default:  // signed zeros, negatives, ties at the top
+          x = (rng.Next() % 2 == 0 ? -0.0f : 0.0f) + static_cast<float>(rng.Next() % 3) * -0.5f;
+      }
     }
     std::vector<int32_t> want(n);
     std::iota(want.begin(), want.end(), 0);
