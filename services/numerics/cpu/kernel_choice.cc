@@ -378,6 +378,11 @@ KernelChoice DecideKernels(KernelSets sets, std::vector<KernelTiming> timings) {
       c.prefill = isa;
     }
   }
+  // Sets that share one panel kernel (AVX-512 and AVX512-BF16 do) are one candidate: the decode
+  // set's name is kept, whichever of them measured faster by noise.
+  if (KernelsFor(c.prefill).mxfp4_rows_tm == KernelsFor(c.decode).mxfp4_rows_tm) {
+    c.prefill = c.decode;
+  }
   // The switch: the fewest tokens from which the panel beats the decode rows at every count.
   c.panel_from = kNoPanel;
   if (HasPanel(c.prefill)) {
