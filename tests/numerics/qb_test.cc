@@ -4,8 +4,12 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numeric>
+#include <string>
+#include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "services/common/random.h"
 #include "services/numerics/router.h"
@@ -426,6 +430,41 @@ TEST(QuantileBalancing, EdgeCases) {
   QbWindow k_eq_n;
   k_eq_n.top_k = 2;
   EXPECT_FALSE(QbHistogram::Create(k_eq_n, b).ok());
+}
+
+// The steps check the scores as they route them (one pass over memory): a NaN or an infinity
+// anywhere (a sampled token, another, the row's tail past the last block of 16) is refused by
+// name, and a refused window leaves a histogram as it was.
+TEST(QuantileBalancing, NonFiniteScoresAnywhereAreRefusedAndChangeNothing) {
+  const int64_t m = 4096, n = 900, k = 16;
+  Rng rng(41);
+  std::vector<float> good(static_cast<size_t>(m * n));
+  for (float& v : good) v = static_cast<float>(rng.Uniform());
+  const std::vector<float> bias(static_cast<size_t>(n), 0.0f);
+  for (auto [token, expert] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 0}, {32, 5}, {1000, 17}, {4095, 899}, {2049, 897}}) {
+    for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()}) {
+      std::vector<float> s = good;
+      s[token * n + expert] = bad;
+      const std::string want = absl::StrCat("token ", token, ", expert ", expert);
+      const auto step = QbExactStep(s, m, n, bias, k);
+      ASSERT_FALSE(step.ok());
+      EXPECT_NE(std::string(step.status().message()).find(want), std::string::npos)
+          << step.status();
+      QbWindow w;
+      w.top_k = static_cast<int32_t>(k);
+      w.bins = 100;
+      auto h = QbHistogram::Create(w, bias);
+      ASSERT_TRUE(h.ok());
+      ASSERT_TRUE(h->Accumulate(good, m).ok());
+      const std::string before = h->Serialize();
+      const absl::Status refused = h->Accumulate(s, m);
+      ASSERT_FALSE(refused.ok());
+      EXPECT_NE(std::string(refused.message()).find(want), std::string::npos) << refused;
+      EXPECT_EQ(h->Serialize(), before) << "a refused window changed the histogram";
+    }
+  }
 }
 
 TEST(BalanceMetrics, KnownValues) {
