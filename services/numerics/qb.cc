@@ -567,15 +567,20 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
   // Tokens in pieces over the cores, each counted into its own histogram, added to this one
   // only when every token was finite (integer sums: the result does not depend on the split;
   // refused input changes nothing).
+  // A piece counts in 16 bits (half the cache footprint of the n x bins table: 1.8 MB at K3
+  // with 1000 bins, within a core's L2) and moves its counts into 32 bits before one could
+  // overflow (every 65535 tokens).
   const int parts = QbThreads(m);
   std::vector<std::vector<int64_t>> part_loads(static_cast<size_t>(parts));
-  std::vector<std::vector<uint32_t>> part_counts(static_cast<size_t>(parts));
+  std::vector<std::vector<uint16_t>> part_counts(static_cast<size_t>(parts));
+  std::vector<std::vector<uint32_t>> part_wide(static_cast<size_t>(parts));
   std::vector<char> bad(static_cast<size_t>(parts), 0);
   SplitWork(m, parts, [&](int part, int64_t lo, int64_t hi) {
     part_loads[part].assign(static_cast<size_t>(n), 0);
     part_counts[part].assign(counts_.size(), 0);
     int64_t* loads = part_loads[part].data();
-    uint32_t* counts = part_counts[part].data();
+    uint16_t* counts = part_counts[part].data();
+    int64_t since_flush = 0;
     std::vector<float> biased(static_cast<size_t>(n));
     std::vector<int32_t> top(static_cast<size_t>(k + 1));
     // Bins of a tile of tokens first (vectorized), then the counts expert by expert: a tile's
@@ -585,6 +590,14 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
     std::vector<int32_t> bin(static_cast<size_t>(kTile * n));
     for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
       const int64_t rows = std::min(kTile, hi - t0);
+      if (since_flush + rows > 65535) {
+        std::vector<uint32_t>& wide = part_wide[part];
+        if (wide.empty()) wide.assign(counts_.size(), 0);
+        for (size_t i = 0; i < wide.size(); ++i) wide[i] += counts[i];
+        std::fill(part_counts[part].begin(), part_counts[part].end(), 0);
+        since_flush = 0;
+      }
+      since_flush += rows;
       for (int64_t t = 0; t < rows; ++t) {
         const float* s = scores.data() + (t0 + t) * n;
         if (!RouteToken(s, bias_.data(), n, k, biased.data(), top.data())) {
@@ -595,7 +608,7 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
         BinRow(s, biased[top[k]], lo_, inv_w, bins, n, bin.data() + t * n);
       }
       for (int64_t j = 0; j < n; ++j) {
-        uint32_t* row = counts + j * bins;
+        uint16_t* row = counts + j * bins;
         for (int64_t t = 0; t < rows; ++t) ++row[bin[t * n + j]];
       }
     }
@@ -605,6 +618,7 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
   }
   for (int p = 0; p < parts; ++p) {
     for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += part_counts[p][i];
+    for (size_t i = 0; i < part_wide[p].size(); ++i) counts_[i] += part_wide[p][i];
     for (int64_t j = 0; j < n; ++j) loads_[j] += part_loads[p][j];
   }
   tokens_ += m;

@@ -263,6 +263,30 @@ QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins, u
   return *QbHistogram::Create(w, bias);
 }
 
+// A piece of a window counts in 16 bits and moves its counts to 32 bits every 65535 tokens: a
+// window of 200,000 tokens in one call (pieces past 65535 on any machine) counts exactly what the
+// same tokens in calls of 1000 do, with one bin holding every token (200,000 > 2^16) and with
+// 64 bins.
+TEST(QbHistogram, LargeWindowsCountPastSixteenBits) {
+  const int64_t m = 200000, n = 8, k = 2;
+  Rng rng(43);
+  std::vector<float> s(static_cast<size_t>(m * n));
+  for (float& v : s) v = static_cast<float>(rng.Uniform());
+  const std::vector<float> b(static_cast<size_t>(n), 0.0f);
+  for (int bins : {1, 64}) {
+    QbHistogram whole = MakeHistogram(b, k, bins), chunked = MakeHistogram(b, k, bins);
+    ASSERT_TRUE(whole.Accumulate(s, m).ok());
+    for (int64_t t0 = 0; t0 < m; t0 += 1000) {
+      ASSERT_TRUE(chunked.Accumulate(absl::MakeConstSpan(s.data() + t0 * n, 1000 * n), 1000).ok());
+    }
+    EXPECT_EQ(whole.tokens(), m);
+    EXPECT_EQ(whole.Serialize(), chunked.Serialize()) << bins << " bins";
+    if (bins == 1) {
+      for (int64_t j = 0; j < n; ++j) EXPECT_EQ(whole.counts()[j], static_cast<uint32_t>(m));
+    }
+  }
+}
+
 TEST(QbHistogram, RowsSumToTokensAndMergeIsExactForAnySharding) {
   Rng rng(9);
   const int64_t m = 3000, n = 96, k = 6;
