@@ -107,7 +107,9 @@ __attribute__((target("avx512f"))) int64_t AtLeastAvx512(const float* values, in
   for (; j + 16 <= n; j += 16, idx = _mm512_add_epi32(idx, step)) {
     const __mmask16 mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(values + j), f, _CMP_GE_OQ);
     if (mask == 0) continue;
-    _mm512_mask_compressstoreu_epi32(out + count, mask, idx);
+    // Compressed in registers and stored whole (a compress to memory is microcoded on Intel):
+    // out has room for n + 16 (TopK's buffer).
+    _mm512_storeu_si512(out + count, _mm512_maskz_compress_epi32(mask, idx));
     count += __builtin_popcount(mask);
   }
   for (; j < n; ++j) {
