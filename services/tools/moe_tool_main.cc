@@ -231,8 +231,8 @@ int Kernels(int argc, char** argv) {
     for (int64_t t : {1, 2, 4, 8, 16, 32, 64, 128})
       std::printf(" %7lld", static_cast<long long>(t));
     std::printf("   (GFLOP/s at tokens per expert)\n");
-    for (cpu::Isa isa :
-         {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512, cpu::Isa::kAvx512Bf16}) {
+    for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512,
+                         cpu::Isa::kAvx512Bf16, cpu::Isa::kAvx512Amx}) {
       for (bool panel : {false, true}) {
         std::string line;
         for (int64_t t : {1, 2, 4, 8, 16, 32, 64, 128}) {

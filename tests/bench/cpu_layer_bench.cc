@@ -100,6 +100,54 @@ __attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
   (void)sink;
 }
 
+// TDPBF16PS peak (the AMX set's panel instruction): four independent 16 x 16 fp32 accumulators
+// over register-resident A and B tiles, all threads.
+struct AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+__attribute__((target("amx-tile,amx-bf16"))) void AmxLoop(int64_t iters) {
+  alignas(64) AmxConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+  alignas(64) uint16_t a[16 * 32];
+  for (uint16_t& v : a) v = 0x3c00;  // bf16 2^-7
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, a, 64);
+  _tile_loadd(7, a, 64);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float out[256];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  volatile float sink = out[0];
+  (void)sink;
+}
+
+double AmxPeak() {
+  constexpr int64_t kIters = 2000000;
+  const double s = Median(3, [] {
+    std::vector<std::thread> t;
+    for (int i = 1; i < kThreads; ++i) t.emplace_back([] { AmxLoop(kIters); });
+    AmxLoop(kIters);
+    for (auto& x : t) x.join();
+  });
+  return 2.0 * 16 * 16 * 32 * 4 * kIters * kThreads / s;
+}
+
 double Bf16DotPeak() {
   constexpr int64_t kIters = 20000000;
   const double s = Median(3, [] {
@@ -171,8 +219,9 @@ std::string Judge(double fraction, double target) {
 struct Limits {
   double bandwidth = 0;      // all threads
   double bandwidth_one = 0;  // one thread (what a 1-thread row can read at most)
-  double fma[4][2] = {};     // [isa][0: one thread, 1: all threads]
+  double fma[5][2] = {};     // [isa][0: one thread, 1: all threads]
   double bf16 = 0;
+  double amx = 0;  // TDPBF16PS peak, all threads
 };
 
 // Routed experts at the K3 shape on the threaded expert path (RunExperts), for one ISA and
@@ -242,6 +291,13 @@ void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet
           F("%.1f GB/s", weight_bytes / s / 1e9) + F(" %.0f GF/s", flops / s / 1e9),
           F("bw %.1f", bandwidth / 1e9) + F(" roof %.1f GB/s", roof / 1e9), Judge(frac, target),
           per_expert == 1 ? ">= 0.85 of bw" : ">= 0.6 of roof");
+    } else if (k.mxfp4_rows_tm != nullptr &&
+               k.mxfp4_rows_tm == numerics::cpu::AmxKernels().mxfp4_rows_tm &&
+               per_expert >= k.panel_from) {
+      // The AMX panel: against 1 TFLOP/s on 2 cores (the target) and the unit's peak.
+      Add(tag + std::to_string(per_expert) + " tok/expert, FLOP/s" + path,
+          F("%.1f GFLOP/s", flops / s / 1e9), F("amx peak %.1f GFLOP/s", lim.amx / 1e9),
+          F("%.2f", flops / s / lim.amx) + (flops / s >= 1e12 ? " ok" : " SHORT"), ">= 1 TFLOP/s");
     } else {
       Add(tag + std::to_string(per_expert) + " tok/expert, FLOP/s" + path,
           F("%.1f GFLOP/s", flops / s / 1e9), F("fma %.1f GFLOP/s", fma / 1e9),
@@ -448,7 +504,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> thread_counts = {1, kThreads};
   std::vector<int64_t> layer_tokens = {1, 16, 64, 256, 1024, 4096};
   std::vector<Isa> isas;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : moe::numerics::cpu::kSimdIsas) {
     if (static_cast<int>(isa) <= static_cast<int>(DetectIsa())) isas.push_back(isa);
   }
   std::vector<Isa> layer_isas;
@@ -463,7 +519,7 @@ int main(int argc, char** argv) {
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   if (!isa_list.empty()) isas = ParseIsas(isa_list.c_str());
   layer_isas = layer_isa_list.empty() ? isas : ParseIsas(layer_isa_list.c_str());
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : moe::numerics::cpu::kSimdIsas) {
     if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) {
       std::printf("ISA %s: not on this CPU, its kernels are not measured\n", IsaName(isa));
     }
@@ -477,7 +533,9 @@ int main(int argc, char** argv) {
     lim.bandwidth_one = moe::numerics::cpu::MeasureReadBandwidth(&one, int64_t{1} << 30, 3);
     Add("limit: streaming read, 1 GiB, all threads", F("%.1f GB/s", lim.bandwidth / 1e9),
         F("1 thread %.1f", lim.bandwidth_one / 1e9));
-    for (Isa isa : isas) {
+    // Every set the CPU has (the chosen kernels' rows are judged by their decode set's peak).
+    for (Isa isa : moe::numerics::cpu::kSimdIsas) {
+      if (moe::numerics::cpu::CapIsa(isa) != isa) continue;
       const auto& k = KernelsFor(isa);
       lim.fma[static_cast<int>(isa)][0] = moe::numerics::cpu::MeasureFmaPeak(k, &one, 0.2);
       lim.fma[static_cast<int>(isa)][1] = moe::numerics::cpu::MeasureFmaPeak(k, &all, 0.2);
@@ -488,6 +546,12 @@ int main(int argc, char** argv) {
     if (__builtin_cpu_supports("avx512bf16")) {
       lim.bf16 = Bf16DotPeak();
       Add("limit: bf16 dot peak (vdpbf16ps)", F("%.1f GFLOP/s", lim.bf16 / 1e9));
+    }
+    if (moe::numerics::cpu::DetectIsa() == Isa::kAvx512Amx) {
+      lim.amx = AmxPeak();
+      Add("limit: AMX bf16 peak (tdpbf16ps)", F("%.1f GFLOP/s", lim.amx / 1e9));
+    } else {
+      std::printf("AMX: not on this CPU (or not granted by the OS): the AMX panel is not run\n");
     }
   }
   if (!isas.empty()) {

@@ -12,12 +12,17 @@
 
 namespace moe::numerics::cpu {
 
-// Ordered: each level includes the ones below it. kAvx512Bf16 adds vdpbf16ps (AVX512_BF16).
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+// Ordered: each level includes the ones below it. kAvx512Bf16 adds vdpbf16ps (AVX512_BF16),
+// kAvx512Amx the AMX tile unit with bf16 (AMX-TILE, AMX-BF16: Intel Sapphire Rapids and later).
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Amx = 4 };
+
+// The SIMD sets, lowest first (every set above scalar; DetectIsa() says which this CPU has).
+inline constexpr Isa kSimdIsas[] = {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAvx512Amx};
 
 const char* IsaName(Isa isa);
 absl::StatusOr<Isa> ParseIsa(absl::string_view name);
-// The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL).
+// The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL; AMX needs the
+// OS to keep the tile state and to grant this process its use, which DetectIsa asks for once).
 Isa DetectIsa();
 // `wanted`, lowered to DetectIsa() when the CPU lacks it.
 Isa CapIsa(Isa wanted);

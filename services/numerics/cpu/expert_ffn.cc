@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "services/numerics/precision_mode.h"
+#include "services/tensor/bf16.h"
 
 namespace moe::numerics::cpu {
 
@@ -55,7 +56,17 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   // h into the FC2 activations: the slot of each row once, not once per element.
   for (int64_t r = r0; r < r1; ++r) {
     const float* hr = h.get() + (r - r0);
-    if (e.token_major) {
+    if (e.token_major && k.tm_layout == MxLayout::kBf16PairsTm) {
+      // Rows in pairs (a work item starts at an even row): both halves of a slot at once.
+      if ((r - r0) % 2 == 1) continue;
+      const float* hn = r + 1 < r1 ? hr + 1 : nullptr;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(e.hp.data()) + TokenMajorSlot(k, r) * e.ld_t;
+      for (int64_t t = 0; t < n; ++t) {
+        const uint32_t lo = tensor::FloatBits(hr[t * rows]) >> 16;
+        const uint32_t hi = hn != nullptr ? tensor::FloatBits(hn[t * rows]) & 0xFFFF0000u : 0;
+        dst[t] = hi | lo;
+      }
+    } else if (e.token_major) {
       float* dst = e.hp.data() + TokenMajorSlot(k, r) * e.ld_t;
       for (int64_t t = 0; t < n; ++t) dst[t] = hr[t * rows];
     } else if (k.mx_layout != MxLayout::kBf16Pairs) {
@@ -128,6 +139,16 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
     e.ld_t = (n + 15) / 16 * 16;
     e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);
     for (int64_t i = 0; i < d; ++i) {
+      if (k.tm_layout == MxLayout::kBf16PairsTm) {  // columns in pairs: whole slots
+        if (i % 2 == 1) continue;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(e.zp.data()) + TokenMajorSlot(k, i) * e.ld_t;
+        for (int64_t t = 0; t < n; ++t) {
+          const uint32_t lo = tensor::FloatBits(zf[t * d + i]) >> 16;
+          const uint32_t hi = i + 1 < d ? tensor::FloatBits(zf[t * d + i + 1]) & 0xFFFF0000u : 0;
+          dst[t] = hi | lo;
+        }
+        continue;
+      }
       const int64_t slot = TokenMajorSlot(k, i);
       for (int64_t t = 0; t < n; ++t) e.zp[slot * e.ld_t + t] = zf[t * d + i];
     }

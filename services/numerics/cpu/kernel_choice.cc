@@ -75,7 +75,7 @@ ProbeMatrix RandomMatrix(int64_t rows, int64_t cols, uint64_t seed) {
 std::vector<Isa> Candidates(KernelSets sets) {
   if (!sets.automatic) return {CapIsa(sets.only)};
   std::vector<Isa> v;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kSimdIsas) {
     if (CapIsa(isa) == isa) v.push_back(isa);
   }
   if (v.empty()) v.push_back(Isa::kScalar);
@@ -210,8 +210,9 @@ absl::StatusOr<KernelSets> ParseKernelSets(absl::string_view text) {
   if (text == "auto") return KernelSets{};
   auto isa = ParseIsa(text);
   if (!isa.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown CPU kernel set \"", text, "\"; use auto, scalar, avx2, avx512 or avx512bf16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown CPU kernel set \"", text,
+                     "\"; use auto, scalar, avx2, avx512, avx512bf16 or avx512amx"));
   }
   return KernelSets{false, *isa};
 }
@@ -273,7 +274,7 @@ KernelTable ComposeKernels(Isa decode, Isa prefill, int64_t panel_from) {
 
 std::string KernelsName(const KernelTable& k) {
   if (k.mxfp4_rows_tm == nullptr || k.panel_from >= kNoPanel) return k.name;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kSimdIsas) {
     const KernelTable& p = KernelsFor(isa);
     if (p.mxfp4_rows_tm == k.mxfp4_rows_tm && p.tm_layout == k.tm_layout &&
         p.tm_chunk == k.tm_chunk && p.mxfp4_rows_tm != KernelsFor(k.isa).mxfp4_rows_tm) {

@@ -45,13 +45,13 @@ struct KernelSets {
   }
 };
 std::string KernelSetsName(KernelSets sets);
-// auto | scalar | avx2 | avx512 | avx512bf16
+// auto | scalar | avx2 | avx512 | avx512bf16 | avx512amx
 absl::StatusOr<KernelSets> ParseKernelSets(absl::string_view text);
 // MOE_CPU_ISA when set (one set), else auto.
 KernelSets DefaultKernelSets();
 
 // Bumped whenever a kernel changes speed or results: files of another version are measured again.
-inline constexpr int kKernelChoiceVersion = 1;
+inline constexpr int kKernelChoiceVersion = 2;  // 2: the AMX set
 inline constexpr int64_t kNoPanel = int64_t{1} << 40;  // panel_from when no panel kernel runs
 
 // One probe: a kernel of one set at `tokens` tokens per expert on the served shape.

@@ -44,7 +44,10 @@ inline constexpr int64_t kPrefillTokens = 16;
 //              packed bytes, one ymm load): column i = 32 L + 2 j + h of a chunk (L: 128-bit
 //              half, j: byte in that half, h: high nibble) in slot 8 n + 4 L + q, with
 //              n = 4 h + 2 (j / 8) + j % 2 and q = (j % 8) / 2 (kernels_avx2.cc).
-enum class MxLayout { kFloat, kBf16Pairs, kByteLut };
+//  kBf16PairsTm (token-major only, mxfp4_rows_tm of the AMX set): columns 2p and 2p + 1 of a
+//              token as bf16 in slot p (low half the even column), so that 16 slots x 16 tokens
+//              are one AMX B tile in place; 32-column chunks.
+enum class MxLayout { kFloat, kBf16Pairs, kByteLut, kBf16PairsTm };
 
 struct KernelTable {
   Isa isa;
@@ -89,6 +92,7 @@ const KernelTable& ScalarKernels();
 const KernelTable& Avx2Kernels();
 const KernelTable& Avx512Kernels();
 const KernelTable& Avx512Bf16Kernels();
+const KernelTable& AmxKernels();
 
 // 32-bit slots per token for `cols` columns (padding included).
 int64_t ActivationSlots(const KernelTable& k, int64_t cols);
@@ -103,6 +107,9 @@ void PrepareActivations(const KernelTable& k, const float* x, int64_t tokens, in
 // of column i.
 int64_t TokenMajorSlots(const KernelTable& k, int64_t cols);
 int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
+// Column i of token t into token-major activations (xt[slot * ld_t + t]; v must be a bf16 value
+// for kBf16PairsTm, which stores its half of a pair).
+void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v);
 
 }  // namespace moe::numerics::cpu
 

@@ -91,6 +91,8 @@ const KernelTable& ScalarKernels() {
 
 const KernelTable& KernelsFor(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Amx:
+      return AmxKernels();
     case Isa::kAvx512Bf16:
       return Avx512Bf16Kernels();
     case Isa::kAvx512:
@@ -130,6 +132,7 @@ int64_t ActivationSlots(const KernelTable& k, int64_t cols) {
 }
 
 int64_t TokenMajorSlots(const KernelTable& k, int64_t cols) {
+  if (k.tm_layout == MxLayout::kBf16PairsTm) return (cols + 31) / 32 * 16;
   const int64_t chunk = FloatChunk(k.tm_layout, k.tm_chunk);
   return (cols + chunk - 1) / chunk * chunk;
 }
@@ -139,7 +142,19 @@ int64_t ActivationSlot(const KernelTable& k, int64_t i) {
 }
 
 int64_t TokenMajorSlot(const KernelTable& k, int64_t i) {
+  if (k.tm_layout == MxLayout::kBf16PairsTm) return i / 2;
   return FloatSlot(k.tm_layout, k.tm_chunk, i);
+}
+
+void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v) {
+  float* slot = xt + TokenMajorSlot(k, i) * ld_t + t;
+  if (k.tm_layout != MxLayout::kBf16PairsTm) {
+    *slot = v;
+    return;
+  }
+  const uint16_t bits = static_cast<uint16_t>(tensor::FloatBits(v) >> 16);
+  // Little-endian: the low half of a slot is its first two bytes.
+  std::memcpy(reinterpret_cast<char*>(slot) + 2 * (i % 2), &bits, sizeof(bits));
 }
 
 void StoreActivation(const KernelTable& k, float* slots, int64_t i, float v) {

@@ -101,7 +101,7 @@ TEST(KernelChoice, MeasuresEverySetAtEveryCount) {
   ThreadPool pool(2);
   const std::vector<KernelTiming> t = MeasureKernels(KernelSets{}, kLatent, kInter, &pool);
   int sets = 0;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kSimdIsas) {
     if (!CpuHas(isa)) continue;
     ++sets;
     for (int64_t n : {1, 2, 4, 8, 16, 32, 64, 128}) {
