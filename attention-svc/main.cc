@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   flags.Typed("isa", &o.isa, moe::numerics::cpu::KernelSetsName,
               moe::numerics::cpu::ParseKernelSets,
               "CPU kernel sets: auto (the fastest measured on this CPU, cached per CPU model: "
-              "MOE_KERNEL_CACHE) or one of scalar|avx2|avx512|avx512bf16");
+              "MOE_KERNEL_CACHE) or one of scalar|avx2|avx512|avx512bf16|avx512amx");
   flags.Int("workers", &o.workers, "requests in progress at once");
   flags.Int("max_queued", &o.max_queued, "waiting requests beyond: RESOURCE_EXHAUSTED");
   flags.Int("max_stream_in_flight", &o.max_stream_in_flight,

@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   flags.Typed("isa", &o.isa, moe::numerics::cpu::KernelSetsName,
               moe::numerics::cpu::ParseKernelSets,
               "CPU kernel sets: auto (the fastest measured on this CPU, cached per CPU model: "
-              "MOE_KERNEL_CACHE) or one of scalar|avx2|avx512|avx512bf16");
+              "MOE_KERNEL_CACHE) or one of scalar|avx2|avx512|avx512bf16|avx512amx");
   flags.Typed("precision", &o.precisions, moe::expert_svc::PrecisionList,
               moe::expert_svc::ParsePrecisionList,
               "precision modes served, comma-separated, the first the default of batches that "
