@@ -51,7 +51,7 @@ absl::StatusOr<KernelSets> ParseKernelSets(absl::string_view text);
 KernelSets DefaultKernelSets();
 
 // Bumped whenever a kernel changes speed or results: files of another version are measured again.
-inline constexpr int kKernelChoiceVersion = 2;  // 2: the AMX set
+inline constexpr int kKernelChoiceVersion = 2;         // 2: the AMX set
 inline constexpr int64_t kNoPanel = int64_t{1} << 40;  // panel_from when no panel kernel runs
 
 // One probe: a kernel of one set at `tokens` tokens per expert on the served shape.
