@@ -4,7 +4,6 @@
 #include <memory>
 
 #include "services/numerics/precision_mode.h"
-#include "services/tensor/bf16.h"
 
 namespace moe::numerics::cpu {
 
@@ -59,12 +58,10 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
     if (e.token_major && k.tm_layout == MxLayout::kBf16PairsTm) {
       // Rows in pairs (a work item starts at an even row): both halves of a slot at once.
       if ((r - r0) % 2 == 1) continue;
-      const float* hn = r + 1 < r1 ? hr + 1 : nullptr;
+      const bool odd = r + 1 < r1;
       uint32_t* dst = reinterpret_cast<uint32_t*>(e.hp.data()) + TokenMajorSlot(k, r) * e.ld_t;
       for (int64_t t = 0; t < n; ++t) {
-        const uint32_t lo = tensor::FloatBits(hr[t * rows]) >> 16;
-        const uint32_t hi = hn != nullptr ? tensor::FloatBits(hn[t * rows]) & 0xFFFF0000u : 0;
-        dst[t] = hi | lo;
+        dst[t] = Bf16PairBits(hr[t * rows], odd ? hr[t * rows + 1] : 0.0f);
       }
     } else if (e.token_major) {
       float* dst = e.hp.data() + TokenMajorSlot(k, r) * e.ld_t;
@@ -143,9 +140,7 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
         if (i % 2 == 1) continue;
         uint32_t* dst = reinterpret_cast<uint32_t*>(e.zp.data()) + TokenMajorSlot(k, i) * e.ld_t;
         for (int64_t t = 0; t < n; ++t) {
-          const uint32_t lo = tensor::FloatBits(zf[t * d + i]) >> 16;
-          const uint32_t hi = i + 1 < d ? tensor::FloatBits(zf[t * d + i + 1]) & 0xFFFF0000u : 0;
-          dst[t] = hi | lo;
+          dst[t] = Bf16PairBits(zf[t * d + i], i + 1 < d ? zf[t * d + i + 1] : 0.0f);
         }
         continue;
       }

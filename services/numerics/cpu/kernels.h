@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "services/numerics/cpu/cpu_isa.h"
+#include "services/tensor/bf16.h"
 
 namespace moe::numerics::cpu {
 
@@ -110,6 +111,10 @@ int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
 // Column i of token t into token-major activations (xt[slot * ld_t + t]; v must be a bf16 value
 // for kBf16PairsTm, which stores its half of a pair).
 void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v);
+// A kBf16PairsTm slot from its two bf16 values (the even column's in the low half).
+inline uint32_t Bf16PairBits(float even, float odd) {
+  return (tensor::FloatBits(odd) & 0xFFFF0000u) | (tensor::FloatBits(even) >> 16);
+}
 
 }  // namespace moe::numerics::cpu
 
