@@ -137,26 +137,24 @@ __attribute__((target("amx-tile,amx-bf16"))) void AmxLoop(int64_t iters) {
   (void)sink;
 }
 
-double AmxPeak() {
-  constexpr int64_t kIters = 2000000;
-  const double s = Median(3, [] {
+// Median seconds of loop(iters) run on every hardware thread at once.
+double OnAllThreads(void (*loop)(int64_t), int64_t iters) {
+  return Median(3, [&] {
     std::vector<std::thread> t;
-    for (int i = 1; i < kThreads; ++i) t.emplace_back([] { AmxLoop(kIters); });
-    AmxLoop(kIters);
+    for (int i = 1; i < kThreads; ++i) t.emplace_back(loop, iters);
+    loop(iters);
     for (auto& x : t) x.join();
   });
-  return 2.0 * 16 * 16 * 32 * 4 * kIters * kThreads / s;
+}
+
+double AmxPeak() {
+  constexpr int64_t kIters = 2000000;
+  return 2.0 * 16 * 16 * 32 * 4 * kIters * kThreads / OnAllThreads(AmxLoop, kIters);
 }
 
 double Bf16DotPeak() {
   constexpr int64_t kIters = 20000000;
-  const double s = Median(3, [] {
-    std::vector<std::thread> t;
-    for (int i = 1; i < kThreads; ++i) t.emplace_back([] { DotLoop(kIters); });
-    DotLoop(kIters);
-    for (auto& x : t) x.join();
-  });
-  return 2.0 * 32 * 12 * kIters * kThreads / s;
+  return 2.0 * 32 * 12 * kIters * kThreads / OnAllThreads(DotLoop, kIters);
 }
 
 // `experts` K3-shape experts with random MXFP4 bytes (scales near 2^-5, like trained weights).
