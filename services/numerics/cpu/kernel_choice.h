@@ -51,7 +51,8 @@ absl::StatusOr<KernelSets> ParseKernelSets(absl::string_view text);
 KernelSets DefaultKernelSets();
 
 // Bumped whenever a kernel changes speed or results: files of another version are measured again.
-inline constexpr int kKernelChoiceVersion = 2;         // 2: the AMX set
+// 2: the AMX set; 3: the AVX512-BF16 set's prefill on vdpbf16ps (the bf16 pair panel).
+inline constexpr int kKernelChoiceVersion = 3;
 inline constexpr int64_t kNoPanel = int64_t{1} << 40;  // panel_from when no panel kernel runs
 
 // One probe: a kernel of one set at `tokens` tokens per expert on the served shape.

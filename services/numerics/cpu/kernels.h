@@ -45,9 +45,10 @@ inline constexpr int64_t kPrefillTokens = 16;
 //              packed bytes, one ymm load): column i = 32 L + 2 j + h of a chunk (L: 128-bit
 //              half, j: byte in that half, h: high nibble) in slot 8 n + 4 L + q, with
 //              n = 4 h + 2 (j / 8) + j % 2 and q = (j % 8) / 2 (kernels_avx2.cc).
-//  kBf16PairsTm (token-major only, mxfp4_rows_tm of the AMX set): columns 2p and 2p + 1 of a
-//              token as bf16 in slot p (low half the even column), so that 16 slots x 16 tokens
-//              are one AMX B tile in place; 32-column chunks.
+//  kBf16PairsTm (token-major only, mxfp4_rows_tm of the AVX512-BF16 and AMX sets): columns 2p
+//              and 2p + 1 of a token as bf16 in slot p (low half the even column), so that one
+//              slot of 16 tokens is a vdpbf16ps operand and 16 slots x 16 tokens one AMX B tile,
+//              in place; 32-column chunks.
 enum class MxLayout { kFloat, kBf16Pairs, kByteLut, kBf16PairsTm };
 
 struct KernelTable {
@@ -63,13 +64,14 @@ struct KernelTable {
   void (*situ)(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h);
   // Prefill variant of mxfp4_rows (null where the ISA has none): activations token-major,
   // xt[slot * ld_t + token] in the slot order of tm_layout (TokenMajorSlot) and ld_t a
-  // multiple of 16 (padding tokens zero). Dequantizes a panel of rows to fp32 once and runs an FMA
-  // microkernel over it, so the decode cost is shared by all tokens.
+  // multiple of 16 (padding tokens zero). Dequantizes a panel of rows once (to fp32, or to bf16
+  // with the block scales in the exponents) and runs an FMA, vdpbf16ps or AMX tile microkernel
+  // over it, so the decode cost is shared by all tokens.
   void (*mxfp4_rows_tm)(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
                         int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
                         int64_t ld_out);
-  // The slot order of mxfp4_rows_tm's token-major activations (a float layout: kFloat with
-  // tm_chunk columns per chunk, or kByteLut).
+  // The slot order of mxfp4_rows_tm's token-major activations (kFloat with tm_chunk columns per
+  // chunk, kByteLut, or kBf16PairsTm).
   MxLayout tm_layout;
   int64_t tm_chunk;
   // The fp32 multiply-add peak probe of this ISA: `iters` iterations of independent
@@ -111,6 +113,23 @@ int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
 // Column i of token t into token-major activations (xt[slot * ld_t + t]; v must be a bf16 value
 // for kBf16PairsTm, which stores its half of a pair).
 void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v);
+// The bf16 pair panels (mxfp4_rows_tm of the AVX512-BF16 set on vdpbf16ps and of the AMX set on
+// tiles), defined in kernels_avx512.cc and called only from the BF16 and AMX kernels:
+// 32-column chunks [k0, k1) of one MXFP4 row (packed bytes `row`, E8M0 scales `srow`) as bf16 in
+// column order, chunk k at dst + (k - k0) * stride: each E2M1 value with its block scale added
+// to the exponent (exact where PairScalesFit: an E2M1 value times a power of two is a bf16).
+void DecodeBf16Pairs(const uint8_t* row, const uint8_t* srow, int64_t k0, int64_t k1, uint16_t* dst,
+                     int64_t stride);
+// Whether every block scale of rows [r0, r1) lies in [2^-63, 2^63]: each E2M1 value times it is
+// a normal bf16, and products with activations stay far from fp32's subnormals and overflow
+// (trained scales lie near 2^-10 .. 2^0).
+bool PairScalesFit(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1);
+// The exact path for scales the exponent add cannot take (and columns not a multiple of 32):
+// each weight e2m1 * 2^(s - 127) in fp32 as the fp32 kernels form it (s = 0 reads as 0), on
+// kBf16PairsTm activations; mxfp4_rows_tm's signature.
+void PairPanelExact(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
+                    int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
+                    int64_t ld_out);
 // A kBf16PairsTm slot from its two bf16 values (the even column's in the low half).
 inline uint32_t Bf16PairBits(float even, float odd) {
   return (tensor::FloatBits(odd) & 0xFFFF0000u) | (tensor::FloatBits(even) >> 16);

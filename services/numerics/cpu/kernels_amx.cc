@@ -22,15 +22,6 @@
 namespace moe::numerics::cpu {
 namespace {
 
-// The 16 E2M1 values as bf16 bits, twice (vpermw reads 5 index bits).
-alignas(64) constexpr uint16_t kE2M1Bf16x2[32] = {
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80,
-    0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0, 0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040,
-    0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
-
-constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
 struct TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -53,42 +44,11 @@ void ConfigureTiles() {
   configured = true;
 }
 
-// The value of activation column i of token t (a bf16 half of a pair slot).
-float PairValue(const float* xt, int64_t ld_t, int64_t i, int64_t t) {
-  uint32_t slot;
-  std::memcpy(&slot, xt + (i / 2) * ld_t + t, 4);
-  const uint32_t bits = (i % 2 == 0 ? slot << 16 : slot & 0xFFFF0000u);
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
-
-// The exact path for scales the exponent add cannot take (and columns not a multiple of 32):
-// each weight e2m1 * 2^(s - 127) in fp32 as the fp32 kernels form it (s = 0 reads as 0).
-void PanelFp32(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
-               const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint8_t byte = packed[r * (cols / 2) + c / 2];
-        const uint32_t sbits = static_cast<uint32_t>(scales[r * (cols / 32) + c / 32]) << 23;
-        float scale;
-        std::memcpy(&scale, &sbits, 4);
-        sum += kE2M1[c % 2 == 0 ? byte & 0xF : byte >> 4] * scale * PairValue(xt, ld_t, c, t);
-      }
-      out[t * ld_out + (r - r0)] = sum;
-    }
-  }
-}
-
 // Rows [r, r + 16) of the block (rows past `valid` zero) decoded to bf16 A tiles, one per
 // 32-column chunk: a[(kc * 16 + row) * 32 + column].
 void DecodeTiles(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
                  int64_t valid, uint16_t* a) {
   const int64_t chunks = cols / 32;
-  const __m512i lut = _mm512_load_si512(kE2M1Bf16x2);
-  const __m512i lo = _mm512_set1_epi32(0xF), hi = _mm512_set1_epi32(0xF0000);
   for (int64_t i = 0; i < 16; ++i) {
     if (i >= valid) {
       for (int64_t kc = 0; kc < chunks; ++kc) {
@@ -96,42 +56,15 @@ void DecodeTiles(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
       }
       continue;
     }
-    const uint8_t* row = packed + (r + i) * (cols / 2);
-    const uint8_t* srow = scales + (r + i) * (cols / 32);
-    for (int64_t kc = 0; kc < chunks; ++kc) {
-      // 16 bytes = 32 columns; byte j holds column 2j (low nibble) and 2j + 1 (high nibble).
-      const __m512i d =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kc * 16)));
-      const __m512i idx =
-          _mm512_or_si512(_mm512_and_si512(d, lo), _mm512_and_si512(_mm512_slli_epi32(d, 12), hi));
-      __m512i v = _mm512_permutexvar_epi16(idx, lut);
-      // Times 2^(s - 127): add to the exponent of every nonzero value (zeros stay zeros).
-      const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
-      v = _mm512_mask_add_epi16(v, nonzero, v,
-                                _mm512_set1_epi16(static_cast<int16_t>((srow[kc] - 127) << 7)));
-      _mm512_store_si512(a + (kc * 16 + i) * 32, v);
-    }
+    DecodeBf16Pairs(packed + (r + i) * (cols / 2), scales + (r + i) * (cols / 32), 0, chunks,
+                    a + i * 32, 16 * 32);
   }
-}
-
-// Whether every block scale of rows [r0, r1) lies in [2^-63, 2^63]: each E2M1 value times it is
-// a normal bf16, and products with activations stay far from fp32's subnormals and overflow
-// (trained scales lie near 2^-10 .. 2^0).
-bool ScalesFit(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1) {
-  const uint8_t* s = scales + r0 * (cols / 32);
-  const int64_t n = (r1 - r0) * (cols / 32);
-  uint8_t lo = 255, hi = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    lo = s[i] < lo ? s[i] : lo;
-    hi = s[i] > hi ? s[i] : hi;
-  }
-  return lo >= 64 && hi <= 190;
 }
 
 void AmxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
               const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
-  if (cols % 32 != 0 || !ScalesFit(scales, cols, r0, r1)) {
-    PanelFp32(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
+  if (cols % 32 != 0 || !PairScalesFit(scales, cols, r0, r1)) {
+    PairPanelExact(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
     return;
   }
   ConfigureTiles();

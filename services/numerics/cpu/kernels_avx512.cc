@@ -1,6 +1,7 @@
 // AVX-512 kernels (F, BW, DQ, VL; the BF16 table also AVX512_BF16). This file alone is compiled
 // with -mavx512*; it holds no inline code shared with other files (everything here has internal
-// linkage), so no AVX-512 instruction can leak into code that runs before the CPUID check.
+// linkage but the tables and the pair panels' helpers, which only the BF16 and AMX kernels
+// call), so no AVX-512 instruction can leak into code that runs before the CPUID check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -307,8 +308,9 @@ void DecodeChunks(const uint8_t* packed, const uint8_t* scales, int64_t cols, in
 
 // RB rows x TV vectors of 16 tokens over kn slots: acc[r][j] += panel[r][k] * xt[k][16 j ...],
 // accumulating into acc_buf[r][token] (row stride ld_t). RB broadcasts + TV loads feed
-// RB x TV FMAs per k.
-template <int RB, int TV>
+// RB x TV FMAs per k. kPairs: every slot holds two bf16 (a column pair: kBf16PairsTm, and the
+// pair panel's weights), and one vdpbf16ps adds both products per token.
+template <int RB, int TV, bool kPairs>
 void PanelTile(const float* panel, int64_t kn, const float* xt, int64_t ld_t, int64_t t0,
                float* acc_buf) {
   __m512 acc[RB][TV];
@@ -325,7 +327,14 @@ void PanelTile(const float* panel, int64_t kn, const float* xt, int64_t ld_t, in
     for (int i = 0; i < RB; ++i) {
       const __m512 w = _mm512_set1_ps(panel[i * kn + k]);
 #pragma GCC unroll 16
-      for (int j = 0; j < TV; ++j) acc[i][j] = _mm512_fmadd_ps(w, xv[j], acc[i][j]);
+      for (int j = 0; j < TV; ++j) {
+        if constexpr (kPairs) {
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_castps_si512(w),
+                                       (__m512bh)_mm512_castps_si512(xv[j]));
+        } else {
+          acc[i][j] = _mm512_fmadd_ps(w, xv[j], acc[i][j]);
+        }
+      }
     }
   }
 #pragma GCC unroll 16
@@ -339,7 +348,7 @@ void PanelTile(const float* panel, int64_t kn, const float* xt, int64_t ld_t, in
 // becomes two tiles of two): a 1-vector tile loads a broadcast per FMA and ran at half the
 // speed (35% of the panel's time at 256 tokens, all of it at 16-32, in perf). Each (row, token)
 // sums over k in the same order whatever its tile: the results are the same.
-template <int RB>
+template <int RB, bool kPairs>
 void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, float* acc_buf) {
   const int64_t vectors = ld_t / 16;
   int64_t threes = vectors / 3, rest = vectors % 3;
@@ -349,41 +358,52 @@ void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, fl
   }
   int64_t t0 = 0;
   for (int64_t i = 0; i < threes; ++i, t0 += 48) {
-    PanelTile<RB, 3>(panel, kn, xt, ld_t, t0, acc_buf);
+    PanelTile<RB, 3, kPairs>(panel, kn, xt, ld_t, t0, acc_buf);
   }
-  for (; rest >= 2; rest -= 2, t0 += 32) PanelTile<RB, 2>(panel, kn, xt, ld_t, t0, acc_buf);
-  if (rest == 1) PanelTile<RB, 1>(panel, kn, xt, ld_t, t0, acc_buf);
+  for (; rest >= 2; rest -= 2, t0 += 32) {
+    PanelTile<RB, 2, kPairs>(panel, kn, xt, ld_t, t0, acc_buf);
+  }
+  if (rest == 1) PanelTile<RB, 1, kPairs>(panel, kn, xt, ld_t, t0, acc_buf);
 }
 
-// Prefill. Slots are walked in blocks of kKBlock so the token-major activations of a block
-// (kKBlock x ld_t floats) stay in L2 while every panel of 8 rows (decoded to fp32 once per
-// block) runs over them; sums accumulate per (row, token) in k order in acc_buf.
+// Prefill. Slots are walked in blocks of 512 so the token-major activations of a block
+// (512 x ld_t slots) stay in L2 while every panel of 8 rows (decoded once per block: to fp32,
+// or to bf16 pairs with kPairs) runs over them; sums accumulate per (row, token) in k order in
+// acc_buf. kPairs needs cols % 32 == 0 (PairPanel checks).
+template <bool kPairs>
 void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
              const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
   constexpr int kRows = 8;
-  constexpr int64_t kChunksPerBlock = 4;  // 512 slots
+  constexpr int64_t kSlotsPerChunk = kPairs ? 64 : 128;  // per 128 columns
+  constexpr int64_t kChunksPerBlock = 512 / kSlotsPerChunk;
   const int64_t rows = r1 - r0, chunks = (cols + 127) / 128;
   // malloc, not std::vector (see the top of the file).
   float* acc_buf =
       static_cast<float*>(std::calloc(static_cast<size_t>(rows * ld_t), sizeof(float)));
-  float* panel = static_cast<float*>(
-      std::malloc(sizeof(float) * static_cast<size_t>(kRows * kChunksPerBlock * 128)));
+  float* panel = static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(kRows * 512)));
   for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerBlock) {
     const int64_t c1 = c0 + kChunksPerBlock < chunks ? c0 + kChunksPerBlock : chunks;
-    const int64_t kn = (c1 - c0) * 128;
-    const float* xb = xt + c0 * 128 * ld_t;
+    // kPairs: 32-column chunks [k0, k1), 16 pair slots each.
+    const int64_t k0 = c0 * 4, k1 = c1 * 4 < cols / 32 ? c1 * 4 : cols / 32;
+    const int64_t kn = kPairs ? (k1 - k0) * 16 : (c1 - c0) * 128;
+    const float* xb = xt + c0 * kSlotsPerChunk * ld_t;
+    auto decode = [&](int64_t row, float* dst) {
+      const uint8_t* p = packed + (r0 + row) * (cols / 2);
+      const uint8_t* s = scales + (r0 + row) * (cols / 32);
+      if constexpr (kPairs) {
+        DecodeBf16Pairs(p, s, k0, k1, reinterpret_cast<uint16_t*>(dst), 32);
+      } else {
+        DecodeChunks(p, s, cols, c0, c1, dst);
+      }
+    };
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows) {
-      for (int i = 0; i < kRows; ++i) {
-        DecodeChunks(packed + (r0 + r + i) * (cols / 2), scales + (r0 + r + i) * (cols / 32), cols,
-                     c0, c1, panel + i * kn);
-      }
-      PanelRows<kRows>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+      for (int i = 0; i < kRows; ++i) decode(r + i, panel + i * kn);
+      PanelRows<kRows, kPairs>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
     }
     for (; r < rows; ++r) {
-      DecodeChunks(packed + (r0 + r) * (cols / 2), scales + (r0 + r) * (cols / 32), cols, c0, c1,
-                   panel);
-      PanelRows<1>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+      decode(r, panel);
+      PanelRows<1, kPairs>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -549,6 +569,84 @@ void Mxfp4RowsBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, i
   }
 }
 
+}  // namespace
+
+// ---------------------------------------------------------------- bf16 pair panels
+
+void DecodeBf16Pairs(const uint8_t* row, const uint8_t* srow, int64_t k0, int64_t k1, uint16_t* dst,
+                     int64_t stride) {
+  const __m512i lut = _mm512_loadu_si512(kE2M1Bf16x2);
+  const __m512i lo = _mm512_set1_epi32(0xF), hi = _mm512_set1_epi32(0xF0000);
+  for (int64_t k = k0; k < k1; ++k) {
+    // 16 bytes = 32 columns; byte j holds column 2j (low nibble) and 2j + 1 (high nibble).
+    const __m512i d =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k * 16)));
+    const __m512i idx =
+        _mm512_or_si512(_mm512_and_si512(d, lo), _mm512_and_si512(_mm512_slli_epi32(d, 12), hi));
+    __m512i v = _mm512_permutexvar_epi16(idx, lut);
+    // Times 2^(s - 127): add to the exponent of every nonzero value (zeros stay zeros).
+    const __mmask32 nonzero = _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
+    v = _mm512_mask_add_epi16(v, nonzero, v,
+                              _mm512_set1_epi16(static_cast<int16_t>((srow[k] - 127) << 7)));
+    _mm512_storeu_si512(dst + (k - k0) * stride, v);
+  }
+}
+
+bool PairScalesFit(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1) {
+  const uint8_t* s = scales + r0 * (cols / 32);
+  const int64_t n = (r1 - r0) * (cols / 32);
+  uint8_t lo = 255, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = s[i] < lo ? s[i] : lo;
+    hi = s[i] > hi ? s[i] : hi;
+  }
+  return lo >= 64 && hi <= 190;
+}
+
+void PairPanelExact(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
+                    int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
+                    int64_t ld_out) {
+  static constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  // The value of activation column i of token t (a bf16 half of a pair slot).
+  auto pair_value = [&](int64_t i, int64_t t) {
+    uint32_t slot;
+    std::memcpy(&slot, xt + (i / 2) * ld_t + t, 4);
+    const uint32_t bits = (i % 2 == 0 ? slot << 16 : slot & 0xFFFF0000u);
+    float v;
+    std::memcpy(&v, &bits, 4);
+    return v;
+  };
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = packed[r * (cols / 2) + c / 2];
+        const uint32_t sbits = static_cast<uint32_t>(scales[r * (cols / 32) + c / 32]) << 23;
+        float scale;
+        std::memcpy(&scale, &sbits, 4);
+        sum += kE2M1[c % 2 == 0 ? byte & 0xF : byte >> 4] * scale * pair_value(c, t);
+      }
+      out[t * ld_out + (r - r0)] = sum;
+    }
+  }
+}
+
+namespace {
+
+// Prefill of the AVX512-BF16 set: MxPanel on bf16 pairs (kBf16PairsTm activations, the AMX
+// set's layout), weights decoded once per block of 8 rows x 1024 columns with the block scales
+// in their exponents, so one broadcast pair feeds a vdpbf16ps per 16 tokens and no per-block
+// scale multiply is left (the row kernels spend one FMA per 128 columns and token on it).
+void PairPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
+               const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
+  if (cols % 32 != 0 || !PairScalesFit(scales, cols, r0, r1)) {
+    PairPanelExact(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
+    return;
+  }
+  MxPanel<true>(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
+}
+
 // ---------------------------------------------------------------- SiTU
 
 inline __m512 RoundBf16(__m512 v) {
@@ -687,16 +785,16 @@ void RoundTripMxfp8(float* v, int64_t n) {
 
 const KernelTable& Avx512Kernels() {
   static const KernelTable table = {
-      Isa::kAvx512, "avx512", MxLayout::kFloat, 128, Gemm,     Mxfp4Rows,
-      SituT<true>,  MxPanel,  MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8,
+      Isa::kAvx512, "avx512",       MxLayout::kFloat, 128, Gemm,     Mxfp4Rows,
+      SituT<true>,  MxPanel<false>, MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8,
       SituT<false>};
   return table;
 }
 
 const KernelTable& Avx512Bf16Kernels() {
   static const KernelTable table = {
-      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs, 128, Gemm,     Mxfp4RowsBf16,
-      SituT<true>,      MxPanel,      MxLayout::kFloat,     128, FmaProbe, RoundTripMxfp8,
+      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs,   128, Gemm,     Mxfp4RowsBf16,
+      SituT<true>,      PairPanel,    MxLayout::kBf16PairsTm, 32,  FmaProbe, RoundTripMxfp8,
       SituT<false>};
   return table;
 }

@@ -454,19 +454,23 @@ TEST_P(Consistency, BadInputIsRejected) {
   EXPECT_FALSE(CpuMoeLayer::Create(cfg, std::move(partial), {}).ok());
 }
 
-// The prefill kernel (token-major activations: fp32 panels, or bf16 tiles on AMX) where the ISA
-// has one, on row and column counts that are no multiple of a tile (29 rows from row 5; 37
-// tokens).
-// A plain test over the ISAs that have one (no skipped instances in the ctest summary).
+// The prefill kernel (token-major activations: fp32 panels, bf16 pair panels on AVX512-BF16, or
+// bf16 tiles on AMX) where the ISA has one, on row and column counts that are no multiple of a
+// tile (29 rows from row 5; 37 tokens; 1216 columns: more than one block of each panel, the last
+// one partial). A plain test over the ISAs that have one (no skipped instances in the ctest
+// summary).
 void CheckPanelRows(const KernelTable& k) {
   Rng rng(17);
-  for (int64_t cols : {64, 448, 640, 448 + 1000}) {
-    const int64_t rows = 29, tokens = 37, ld_t = 48, slots = TokenMajorSlots(k, cols % 1000);
-    RandomMxfp4 w(rows, cols % 1000, rng);
-    if (cols >= 1000) {  // block scales far from trained ones (2^-97): the AMX set's fp32 path
+  for (int64_t cols : {64, 448, 640, 1216, -448}) {
+    // -448: 448 columns with block scales far from trained ones (2^-97): the pair panels' fp32
+    // path.
+    const bool tiny_scales = cols < 0;
+    cols = tiny_scales ? -cols : cols;
+    const int64_t rows = 29, tokens = 37, ld_t = 48, slots = TokenMajorSlots(k, cols);
+    RandomMxfp4 w(rows, cols, rng);
+    if (tiny_scales) {
       for (uint8_t& s : w.scales) s = 30;
     }
-    cols %= 1000;
     const std::vector<float> x = RandomBf16Values(tokens * cols, rng);
     std::vector<float> xt(slots * ld_t, 0.0f);  // token-major, in the table's slot order
     for (int64_t t = 0; t < tokens; ++t) {
