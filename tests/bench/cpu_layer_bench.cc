@@ -463,7 +463,7 @@ void LayerBench(const std::string& ckpt_dir, const std::vector<Isa>& isas,
     double best_rate = 0;
     int64_t fell_at = 0;
     for (int64_t t : layer_tokens) {
-      run(name, t, t >= 4096 ? 1 : (t >= 256 ? 3 : 5),
+      run(name, t, t >= 256 ? 3 : 5,
           [&](const std::vector<Bf16>& x, numerics::LayerTimings* timings) {
             return cpu.Forward(x, x.size() / cfg->hidden, cfg->hidden, nullptr, timings);
           });
