@@ -3,7 +3,7 @@
 # ISA), the K3 expert shape in decode and prefill and the dense projections for every ISA the
 # CPU has with 1 and all threads, and a whole k3 layer per ISA (and the reference at T = 1),
 # printed as one table with the targets. Writes a synthetic k3 checkpoint (one layer, 16.1 GB)
-# first if it is missing; about 2.5 min to generate, 3.5 min to run on two cores.
+# first if it is missing; about 2.5 min to generate, 8-9 min to run on two cores.
 # Usage: scripts/bench.sh [--reference_tokens 1,16]   (MOE_CKPT_DIR overrides the path)
 #        scripts/bench.sh --cluster [cluster_bench flags]  (data plane issues: in one run, the
 #        raw UCX transport (ucx_perftest) and the data plane's dispatch round trip per lane with
