@@ -114,19 +114,20 @@ int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
 // for kBf16PairsTm, which stores its half of a pair).
 void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v);
 // The bf16 pair panels (mxfp4_rows_tm of the AVX512-BF16 set on vdpbf16ps and of the AMX set on
-// tiles), defined in kernels_avx512.cc and called only from the BF16 and AMX kernels:
+// tiles), called only from the BF16 and AMX kernels.
 // 32-column chunks [k0, k1) of one MXFP4 row (packed bytes `row`, E8M0 scales `srow`) as bf16 in
 // column order, chunk k at dst + (k - k0) * stride: each E2M1 value with its block scale added
-// to the exponent (exact where PairScalesFit: an E2M1 value times a power of two is a bf16).
+// to the exponent (exact where PairPanelFits: an E2M1 value times a power of two is a bf16).
+// Defined in kernels_avx512.cc.
 void DecodeBf16Pairs(const uint8_t* row, const uint8_t* srow, int64_t k0, int64_t k1, uint16_t* dst,
                      int64_t stride);
-// Whether every block scale of rows [r0, r1) lies in [2^-63, 2^63]: each E2M1 value times it is
-// a normal bf16, and products with activations stay far from fp32's subnormals and overflow
-// (trained scales lie near 2^-10 .. 2^0).
-bool PairScalesFit(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1);
-// The exact path for scales the exponent add cannot take (and columns not a multiple of 32):
-// each weight e2m1 * 2^(s - 127) in fp32 as the fp32 kernels form it (s = 0 reads as 0), on
-// kBf16PairsTm activations; mxfp4_rows_tm's signature.
+// Whether a pair panel can take rows [r0, r1): cols a multiple of 32 and every block scale in
+// [2^-63, 2^63], so each E2M1 value times it is a normal bf16 and products with activations stay
+// far from fp32's subnormals and overflow (trained scales lie near 2^-10 .. 2^0).
+bool PairPanelFits(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1);
+// The exact path where a pair panel does not fit: each row dequantized as the reference does
+// (DequantizeMxfp4Row) and summed in column order over kBf16PairsTm activations;
+// mxfp4_rows_tm's signature.
 void PairPanelExact(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
                     int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
                     int64_t ld_out);

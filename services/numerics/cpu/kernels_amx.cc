@@ -63,7 +63,7 @@ void DecodeTiles(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
 
 void AmxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
               const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
-  if (cols % 32 != 0 || !PairScalesFit(scales, cols, r0, r1)) {
+  if (!PairPanelFits(scales, cols, r0, r1)) {
     PairPanelExact(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
     return;
   }

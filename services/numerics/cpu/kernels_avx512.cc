@@ -369,7 +369,7 @@ void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, fl
 // Prefill. Slots are walked in blocks of 512 so the token-major activations of a block
 // (512 x ld_t slots) stay in L2 while every panel of 8 rows (decoded once per block: to fp32,
 // or to bf16 pairs with kPairs) runs over them; sums accumulate per (row, token) in k order in
-// acc_buf. kPairs needs cols % 32 == 0 (PairPanel checks).
+// acc_buf. kPairs needs PairPanelFits (PairPanel checks).
 template <bool kPairs>
 void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
              const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
@@ -592,46 +592,6 @@ void DecodeBf16Pairs(const uint8_t* row, const uint8_t* srow, int64_t k0, int64_
   }
 }
 
-bool PairScalesFit(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1) {
-  const uint8_t* s = scales + r0 * (cols / 32);
-  const int64_t n = (r1 - r0) * (cols / 32);
-  uint8_t lo = 255, hi = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    lo = s[i] < lo ? s[i] : lo;
-    hi = s[i] > hi ? s[i] : hi;
-  }
-  return lo >= 64 && hi <= 190;
-}
-
-void PairPanelExact(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
-                    int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
-                    int64_t ld_out) {
-  static constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-  // The value of activation column i of token t (a bf16 half of a pair slot).
-  auto pair_value = [&](int64_t i, int64_t t) {
-    uint32_t slot;
-    std::memcpy(&slot, xt + (i / 2) * ld_t + t, 4);
-    const uint32_t bits = (i % 2 == 0 ? slot << 16 : slot & 0xFFFF0000u);
-    float v;
-    std::memcpy(&v, &bits, 4);
-    return v;
-  };
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < cols; ++c) {
-        const uint8_t byte = packed[r * (cols / 2) + c / 2];
-        const uint32_t sbits = static_cast<uint32_t>(scales[r * (cols / 32) + c / 32]) << 23;
-        float scale;
-        std::memcpy(&scale, &sbits, 4);
-        sum += kE2M1[c % 2 == 0 ? byte & 0xF : byte >> 4] * scale * pair_value(c, t);
-      }
-      out[t * ld_out + (r - r0)] = sum;
-    }
-  }
-}
-
 namespace {
 
 // Prefill of the AVX512-BF16 set: MxPanel on bf16 pairs (kBf16PairsTm activations, the AMX
@@ -640,7 +600,7 @@ namespace {
 // scale multiply is left (the row kernels spend one FMA per 128 columns and token on it).
 void PairPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
                const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
-  if (cols % 32 != 0 || !PairScalesFit(scales, cols, r0, r1)) {
+  if (!PairPanelFits(scales, cols, r0, r1)) {
     PairPanelExact(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
     return;
   }

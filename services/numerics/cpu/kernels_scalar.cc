@@ -1,6 +1,8 @@
 // Portable kernels (the dispatch floor) and the dispatcher. Same summation orders as the
 // reference: the gemm is bit-exact; mxfp4_rows sums each row in column order.
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/mxfp4.h"
@@ -80,6 +82,38 @@ double FmaProbeScalar(int64_t iters) {
 }
 
 }  // namespace
+
+bool PairPanelFits(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1) {
+  if (cols % kMxfp4BlockSize != 0) return false;
+  const uint8_t* s = scales + r0 * (cols / kMxfp4BlockSize);
+  const int64_t n = (r1 - r0) * (cols / kMxfp4BlockSize);
+  uint8_t lo = 255, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = s[i] < lo ? s[i] : lo;
+    hi = s[i] > hi ? s[i] : hi;
+  }
+  return lo >= 64 && hi <= 190;
+}
+
+void PairPanelExact(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
+                    int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
+                    int64_t ld_out) {
+  std::vector<float> row(static_cast<size_t>(cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    DequantizeMxfp4Row(packed + r * (cols / 2), scales + r * (cols / kMxfp4BlockSize), cols,
+                       row.data());
+    for (int64_t t = 0; t < tokens; ++t) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < cols; c += 2) {  // one pair slot: columns c (low half), c + 1
+        uint32_t slot;
+        std::memcpy(&slot, xt + (c / 2) * ld_t + t, 4);
+        sum += row[c] * tensor::Bf16BitsToFloat(static_cast<uint16_t>(slot));
+        sum += row[c + 1] * tensor::Bf16BitsToFloat(static_cast<uint16_t>(slot >> 16));
+      }
+      out[t * ld_out + (r - r0)] = sum;
+    }
+  }
+}
 
 const KernelTable& ScalarKernels() {
   static const KernelTable table = {

@@ -507,8 +507,7 @@ TEST(PrefillKernel, Mxfp4PanelRowsWithinTheSummationBound) {
 // the cold ones on the rows).
 TEST(ComposedKernels, EveryPairOfSetsMatchesReference) {
   int tested = 0;
-  // Distinct kernels only: AVX512-BF16 and AMX share their row kernels, AVX-512 and AVX512-BF16
-  // their panel kernel.
+  // Distinct kernels only (AVX512-BF16 and AMX share their row kernels).
   std::set<std::pair<const void*, const void*>> seen;
   for (Isa isa : kSimdIsas) {  // each set's own table: the Consistency suite's
     seen.insert({reinterpret_cast<const void*>(KernelsFor(isa).mxfp4_rows),
