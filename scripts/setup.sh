@@ -11,7 +11,7 @@ BUILD_PACKAGES=(
   libabsl-dev nlohmann-json3-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
   libcivetweb-dev libspdlog-dev libsqlite3-dev
-  libucx-dev libssl-dev pkg-config
+  libucx-dev libssl-dev pkg-config libgoogle-perftools-dev
 )
 # What the tests and benchmarks need on top: the fuzzer and formatter, test frameworks, the
 # NumPy reference, real peers (Prometheus, Chromium), the chart renderer (Go + sprig + yaml).

@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "services/common/allocator.h"
 #include "services/common/logging.h"
 #include "services/common/version.h"
 
@@ -99,7 +100,7 @@ int SvcFlags::Parse(int argc, char** argv, int first) {
       return 0;
     }
     if (!flags_done && arg == "--version") {
-      std::printf("%s %s\n", program_.c_str(), BuildVersion());
+      std::printf("%s %s\nallocator: %s\n", program_.c_str(), BuildVersion(), AllocatorName());
       return 0;
     }
     if (!flags_done && arg == "--") {

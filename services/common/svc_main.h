@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/common/allocator.h"
 #include "services/common/flags.h"
 #include "services/common/logging.h"
 
@@ -77,7 +78,7 @@ int RunServer(const char* name, StartFn start) {
     MOE_LOG_ERROR("cannot start: {}", server.status().ToString());
     return 1;
   }
-  MOE_LOG_INFO("ready: serving on port {}", (*server)->port());
+  MOE_LOG_INFO("ready: serving on port {} (allocator: {})", (*server)->port(), AllocatorName());
   const int sig = WaitForTerminationSignal();
   MOE_LOG_INFO("signal {}, shutting down", sig);
   (*server)->Shutdown();

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <string>
 
+#include "services/common/allocator.h"
 #include "services/common/version.h"
 
 namespace moe::metrics {
@@ -47,7 +48,7 @@ CommonMetrics::CommonMetrics(prometheus::Registry& registry, const std::string& 
       .Name("moe_build_info")
       .Help("Always 1; the labels say which build and service this is")
       .Register(registry)
-      .Add({{"service", service}, {"version", moe::BuildVersion()}})
+      .Add({{"service", service}, {"version", moe::BuildVersion()}, {"allocator", AllocatorName()}})
       .Set(1);
 }
 
