@@ -325,6 +325,11 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
     range->set_expert_hi(hi);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    // A TLS handshake slower than the channel's connect timeout (MakeChannel's 100 ms minimum
+    // reconnect backoff, which gRPC also takes as the minimum connect timeout) on a loaded
+    // machine is a transient failure: wait for the channel within the deadline instead of
+    // failing the call UNAVAILABLE, so what is asserted is the server's answer.
+    ctx.set_wait_for_ready(true);
     ctx.AddMetadata(transport::kClusterTokenMetadata, token);
     v1::RegisterExpertServerResponse resp;
     return router->RegisterExpertServer(&ctx, r, &resp);
@@ -365,6 +370,7 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
   auto expert = v1::ExpertService::NewStub(shard0);
   grpc::ClientContext dctx;
   dctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  dctx.set_wait_for_ready(true);  // as above: a slow handshake is retried, not the answer
   dctx.AddMetadata(transport::kClusterTokenMetadata, attention_token);
   auto stream = expert->Dispatch(&dctx);
   stream->WritesDone();
