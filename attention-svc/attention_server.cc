@@ -82,7 +82,13 @@ absl::Status AttentionServer::Impl::StartServing() {
     auto w = dataplane::UcxWorker::Create(uo);
     if (w.ok()) {
       ucx_ = std::move(*w);
-      MOE_LOG_INFO("UCX data plane up (UCX_TLS {})", ucx_->tls());
+      MOE_LOG_INFO("UCX data plane up (UCX {}, UCX_TLS {})", dataplane::UcxVersion(), ucx_->tls());
+      if (!dataplane::UcxVersionTested()) {
+        MOE_LOG_WARN(
+            "UCX {} is not the version this project tested (1.13): how it treats "
+            "hostile active messages is unchecked (docs/security.md)",
+            dataplane::UcxVersion());
+      }
     } else if (options_.data_plane == dataplane::DataPlane::kUcx) {
       return absl::FailedPreconditionError(
           absl::StrCat("--data_plane=ucx: ", w.status().message()));

@@ -25,6 +25,18 @@ namespace moe::dataplane {
 
 bool UcxBuilt() { return true; }
 
+std::string UcxVersion() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return absl::StrCat(major, ".", minor, ".", release);
+}
+
+bool UcxVersionTested() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return major == 1 && minor == 13;
+}
+
 namespace {
 
 constexpr size_t kMinBufferClass = 4096;
@@ -163,6 +175,16 @@ class UcxWorkerImpl {
     ucp_am_handler_param_t hp{};
     hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                     UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    // Every id gets a handler (ucx_worker.h, stray_messages_dropped): highest first, so UCX
+    // sizes its table once.
+    hp.cb = &UcxWorkerImpl::OnStrayAm;
+    hp.arg = this;
+    for (int id = kAmIds - 1; id >= 0; --id) {
+      hp.id = static_cast<unsigned>(id);
+      if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK) {
+        return FromUcs(s, absl::StrCat("ucp_worker_set_am_recv_handler (id ", id, ")"));
+      }
+    }
     hp.id = kHelloAmId;
     hp.cb = &UcxWorkerImpl::OnAm;
     hp.arg = this;
@@ -327,9 +349,11 @@ class UcxWorkerImpl {
   int64_t in_flight() const { return in_flight_.load(); }
   int64_t registered() const { return pool_ != nullptr ? pool_->registered.load() : 0; }
   int64_t hellos_dropped() const { return hellos_dropped_.load(); }
+  int64_t stray_messages_dropped() const { return stray_dropped_.load(); }
 
  private:
   static constexpr uint16_t kHelloAmId = 1;
+  static constexpr int kAmIds = 65536;  // the wire's AM id is 16 bits
   static constexpr size_t kMaxHelloBytes = 256;
 
   // Progress thread from here on.
@@ -385,6 +409,14 @@ class UcxWorkerImpl {
     by_handle_[h] = id;
     eps_[id] = std::move(e);
     return id;
+  }
+
+  // Any id but the hello's: dropped (data, eager or rendezvous, is released by UCX when we
+  // return UCS_OK), counted, never adopted as an endpoint.
+  static ucs_status_t OnStrayAm(void* arg, const void*, size_t, void*, size_t,
+                                const ucp_am_recv_param_t*) {
+    static_cast<UcxWorkerImpl*>(arg)->stray_dropped_.fetch_add(1);
+    return UCS_OK;
   }
 
   static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* /*data*/,
@@ -814,6 +846,7 @@ class UcxWorkerImpl {
   std::shared_ptr<UcxBufferPool> pool_;
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> hellos_dropped_{0};
+  std::atomic<int64_t> stray_dropped_{0};
   // Progress thread only.
   bool stopping_ = false;
   uint64_t next_ep_ = 1;
@@ -854,6 +887,7 @@ std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t ep, std::string hello
                       std::move(hello));
 }
 int64_t UcxWorker::hellos_dropped() const { return impl_->hellos_dropped(); }
+int64_t UcxWorker::stray_messages_dropped() const { return impl_->stray_messages_dropped(); }
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t bytes) {
   return impl_->Buffer(bytes);
 }

@@ -51,6 +51,10 @@ namespace moe::dataplane {
 
 // True when this build has UCX (libucx-dev was found).
 bool UcxBuilt();
+// The UCX library this process loaded ("1.13.1"; empty without UCX), and whether it is a
+// version this project has tested (1.13): the services log both at start.
+std::string UcxVersion();
+bool UcxVersionTested();
 
 struct UcxOptions {
   std::string name = "moe";
@@ -165,6 +169,12 @@ class UcxWorker {
   std::shared_ptr<UcxTransfer> SendHello(uint64_t ep, std::string hello, absl::Time deadline);
   // Active messages dropped as malformed (hostile or confused peers).
   int64_t hellos_dropped() const;
+  // Active messages on any id but the hello's, dropped. UCX 1.13.1 reads its handler table
+  // without a bounds check: a message on an id past the table's end (65535, or anything above
+  // about 17,000) makes the progress thread read unmapped memory (SIGSEGV) or call whatever the
+  // memory past the table holds. So every worker registers a handler on each of the 65,536 ids
+  // (1.5 MB, 1.5 ms once): every slot UCX reads is ours, and the message is dropped and counted.
+  int64_t stray_messages_dropped() const;
 
   // A registered buffer of at least `bytes`, from the pool (registration only when the pool has
   // none of that size class yet).

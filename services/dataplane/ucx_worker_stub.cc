@@ -4,6 +4,8 @@
 namespace moe::dataplane {
 
 bool UcxBuilt() { return false; }
+std::string UcxVersion() { return ""; }
+bool UcxVersionTested() { return false; }
 
 class UcxWorkerImpl {};
 class UcxBufferPool {};
@@ -33,6 +35,7 @@ std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t, std::string, absl::T
   return std::make_shared<UcxTransfer>();
 }
 int64_t UcxWorker::hellos_dropped() const { return 0; }
+int64_t UcxWorker::stray_messages_dropped() const { return 0; }
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t) {
   return absl::UnimplementedError("built without UCX");
 }

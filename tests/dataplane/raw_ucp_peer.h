@@ -1,0 +1,94 @@
+// A hostile UCX peer for tests: its own UCP context and worker (no project code), an endpoint to
+// a victim's worker address, and raw active messages on any id, with or without the reply flag,
+// header and data as given. What a stranger with a UCX library can send, with none of the
+// checks the project's UcxWorker makes on its own messages.
+//
+//   RawUcpPeer peer("tcp");
+//   ASSERT_TRUE(peer.Connect(victim_address));
+//   for (int id = 0; id < 65536; ++id) peer.SendAm(id, /*reply=*/true, "hdr", "");
+#ifndef MOE_TESTS_DATAPLANE_RAW_UCP_PEER_H_
+#define MOE_TESTS_DATAPLANE_RAW_UCP_PEER_H_
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <string>
+
+namespace moe::testing {
+
+class RawUcpPeer {
+ public:
+  explicit RawUcpPeer(const std::string& tls) {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return;
+    ucp_config_modify(config, "TLS", tls.c_str());
+    ucp_params_t p{};
+    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.features = UCP_FEATURE_AM | UCP_FEATURE_TAG;
+    const ucs_status_t s = ucp_init(&p, config, &context_);
+    ucp_config_release(config);
+    if (s != UCS_OK) return;
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    if (ucp_worker_create(context_, &wp, &worker_) != UCS_OK) worker_ = nullptr;
+  }
+  ~RawUcpPeer() {
+    if (ep_ != nullptr) {
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      Wait(ucp_ep_close_nbx(ep_, &rp));
+    }
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+  RawUcpPeer(const RawUcpPeer&) = delete;
+  RawUcpPeer& operator=(const RawUcpPeer&) = delete;
+
+  bool Connect(const std::string& address) {
+    if (worker_ == nullptr) return false;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    return ucp_ep_create(worker_, &ep, &ep_) == UCS_OK;
+  }
+
+  // One active message on `id`; true when UCX completed the send within a second.
+  bool SendAm(unsigned id, bool reply, const std::string& header, const std::string& data) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+    return Wait(
+        ucp_am_send_nbx(ep_, id, header.data(), header.size(), data.data(), data.size(), &rp));
+  }
+
+  void Progress() {
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+  }
+
+ private:
+  // Completes a request by progressing this worker, for at most a second.
+  bool Wait(ucs_status_ptr_t r) {
+    if (r == nullptr) return true;
+    if (UCS_PTR_IS_ERR(r)) return false;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    ucs_status_t s = UCS_INPROGRESS;
+    while ((s = ucp_request_check_status(r)) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < until) {
+      ucp_worker_progress(worker_);
+    }
+    if (s == UCS_INPROGRESS) ucp_request_cancel(worker_, r);
+    ucp_request_free(r);
+    return s == UCS_OK;
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+};
+
+}  // namespace moe::testing
+
+#endif  // MOE_TESTS_DATAPLANE_RAW_UCP_PEER_H_
