@@ -79,6 +79,7 @@ absl::Status AttentionServer::Impl::StartServing() {
     dataplane::UcxOptions uo;
     uo.name = options_.node;
     uo.tls = options_.ucx_tls;
+    uo.bind_host = options_.host;
     auto w = dataplane::UcxWorker::Create(uo);
     if (w.ok()) {
       ucx_ = std::move(*w);

@@ -271,6 +271,7 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   UcxDataPlaneOptions uo;
   uo.shard = options_.shard;
   uo.tls = options_.ucx_tls;
+  uo.bind_host = options_.host;
   uo.max_clients = options_.max_data_plane_clients;
   uo.max_message_bytes = options_.max_message_bytes;
   uo.on_event = [this](const std::string& event) {
@@ -288,7 +289,8 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   }
   std::unique_lock<std::shared_mutex> lock(ucx_mu_);
   ucx_ = std::move(*w);
-  MOE_LOG_INFO("shard {}: UCX data plane up (UCX_TLS {})", options_.shard, ucx_->tls());
+  MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", options_.shard,
+               dataplane::UcxVersion(), ucx_->tls());
   return absl::OkStatus();
 }
 

@@ -24,11 +24,10 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOp
   dataplane::UcxOptions uo;
   uo.name = dp->options_.shard;
   uo.tls = dp->options_.tls;
+  uo.bind_host = dp->options_.bind_host;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   dp->worker_ = std::move(*w);
-  MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", dp->options_.shard,
-               dataplane::UcxVersion(), dp->worker_->tls());
   if (!dataplane::UcxVersionTested()) {
     MOE_LOG_WARN(
         "shard {}: UCX {} is not the version this project tested (1.13): how it treats "

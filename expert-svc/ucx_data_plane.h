@@ -33,6 +33,7 @@ namespace moe::expert_svc {
 struct UcxDataPlaneOptions {
   std::string shard;                      // for messages
   std::string tls;                        // UCX_TLS syntax; empty: the environment's
+  std::string bind_host;                  // UcxOptions::bind_host: the server's --host
   int max_clients = 256;                  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   int64_t max_message_bytes = 256 << 20;  // the largest payload either way
   // Counted events (metrics): "hello_rejected", "integrity_failed".

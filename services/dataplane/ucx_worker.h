@@ -55,12 +55,21 @@ bool UcxBuilt();
 // version this project has tested (1.13): the services log both at start.
 std::string UcxVersion();
 bool UcxVersionTested();
+// The network interface that holds `host` (an IP address or a name resolving to one): "lo" for
+// 127.0.0.1. Empty for a wildcard or an empty host; INVALID_ARGUMENT when no interface does.
+absl::StatusOr<std::string> InterfaceOf(const std::string& host);
 
 struct UcxOptions {
   std::string name = "moe";
   // UCX transports (the UCX_TLS syntax: "posix,self", "tcp", "rc,ud", "all"); empty: UCX_TLS from
   // the environment, else UCX's own choice.
   std::string tls;
+  // The address the service was given (its --host): UCX's TCP transport then listens only on
+  // the interface that holds it (UCX_NET_DEVICES), not on every interface as it does by default.
+  // Empty or a wildcard (0.0.0.0, ::): UCX's own choice. Not applied when `tls` names RDMA
+  // verbs transports (their devices are not IP interfaces): set UCX_NET_DEVICES there. An
+  // address no interface of this machine holds fails Create with INVALID_ARGUMENT.
+  std::string bind_host;
   // Free registered buffers kept per size class for reuse (more are unmapped when released).
   int pooled_buffers_per_class = 16;
   // A payload moves in chunks of at most this many bytes (the receiver is told the size).

@@ -6,6 +6,9 @@ namespace moe::dataplane {
 bool UcxBuilt() { return false; }
 std::string UcxVersion() { return ""; }
 bool UcxVersionTested() { return false; }
+absl::StatusOr<std::string> InterfaceOf(const std::string&) {
+  return absl::UnimplementedError("built without UCX");
+}
 
 class UcxWorkerImpl {};
 class UcxBufferPool {};

@@ -7,6 +7,10 @@
 // services run (expert-svc's shard end and attention-svc's client end are this class); the
 // worker must count every one as dropped and still carry a tagged message bit for bit after.
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -14,6 +18,7 @@
 #include <thread>
 
 #include "services/dataplane/ucx_worker.h"
+#include "tests/common/listening_sockets.h"
 #include "tests/dataplane/raw_ucp_peer.h"
 
 namespace moe::dataplane {
@@ -75,6 +80,57 @@ TEST_P(StrayActiveMessages, EveryIdWithAndWithoutReplyIsDroppedAndCounted) {
 
 INSTANTIATE_TEST_SUITE_P(Tls, StrayActiveMessages, ::testing::Values("tcp", "posix"),
                          [](const auto& info) { return info.param; });
+
+// UCX's TCP transport listens on every interface unless told otherwise; a worker given the
+// service's address listens only on the interface that holds it (read from the kernel).
+TEST(UcxBinding, TcpListensOnlyOnTheInterfaceOfTheServicesAddress) {
+  const auto before = moe::testing::ListeningSockets(getpid());
+  UcxOptions o;
+  o.tls = "tcp";
+  o.bind_host = "127.0.0.1";
+  auto bound = UcxWorker::Create(o);
+  ASSERT_TRUE(bound.ok()) << bound.status();
+  const auto after = moe::testing::ListeningSockets(getpid());
+  ASSERT_GT(after.size(), before.size()) << "UCX's TCP transport opened no listening socket";
+  for (const auto& s : after) EXPECT_TRUE(s.loopback) << s.address << " is not loopback";
+  bound->reset();
+
+  // Without the address UCX listens on every interface: where this machine has one besides
+  // loopback, a socket on it shows that the check above can fail.
+  bool other_interface = false;
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+      other_interface |= i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET &&
+                         (i->ifa_flags & IFF_LOOPBACK) == 0 && (i->ifa_flags & IFF_UP) != 0;
+    }
+    freeifaddrs(ifs);
+  }
+  if (!other_interface) GTEST_SKIP() << "no interface but loopback: the unbound case shows nothing";
+  o.bind_host = "";
+  auto unbound = UcxWorker::Create(o);
+  ASSERT_TRUE(unbound.ok()) << unbound.status();
+  int elsewhere = 0;
+  for (const auto& s : moe::testing::ListeningSockets(getpid())) elsewhere += !s.loopback;
+  EXPECT_GT(elsewhere, 0) << "UCX's default no longer listens beyond loopback here";
+}
+
+TEST(UcxBinding, TheInterfaceOfAnAddress) {
+  EXPECT_EQ(*InterfaceOf("127.0.0.1"), "lo");
+  EXPECT_EQ(*InterfaceOf("127.0.0.2"), "lo");  // inside lo's 127.0.0.0/8
+  EXPECT_EQ(*InterfaceOf("localhost"), "lo");
+  for (const char* wildcard : {"", "0.0.0.0", "::", "[::]"}) {
+    EXPECT_EQ(*InterfaceOf(wildcard), "") << wildcard;
+  }
+  // TEST-NET-3 (RFC 5737): held by no interface; nothing is sent, the name is only compared.
+  const auto none = InterfaceOf("203.0.113.7");
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().message().find("not an address of any interface"), std::string::npos);
+  UcxOptions o;
+  o.tls = "tcp";
+  o.bind_host = "203.0.113.7";
+  EXPECT_EQ(UcxWorker::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
 
 TEST(UcxVersion, IsTheOneThisProjectTested) {
   // Debian 12's libucx0; another version may mis-dispatch differently (the services log a

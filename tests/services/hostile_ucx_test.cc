@@ -26,6 +26,7 @@
 #include "services/client/moe_client.h"
 #include "services/tools/local_cluster.h"
 #include "services/transport/channel.h"
+#include "tests/common/listening_sockets.h"
 #include "tests/dataplane/raw_ucp_peer.h"
 #include "tests/services/cluster_fixtures.h"
 
@@ -97,6 +98,14 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
   EXPECT_GT(ok.load(), 3);
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(failed.load(), 0);
+  // Every process was given 127.0.0.1: each listens there and nowhere else (UCX's TCP
+  // transport included; by default it listened on every interface).
+  for (const auto& [name, pid] : (*cluster)->Processes()) {
+    const auto sockets = testing::ListeningSockets(pid);
+    EXPECT_FALSE(sockets.empty()) << name;
+    for (const auto& socket : sockets)
+      EXPECT_TRUE(socket.loopback) << name << " listens on " << socket.address;
+  }
   auto after = testing::ClientFor(**cluster)->Forward(layer, x, kTokens, cfg.hidden);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_TRUE(SameBits(after->out, want));
