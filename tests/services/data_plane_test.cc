@@ -28,6 +28,7 @@
 #include "services/transport/tensor_codec.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/hostile_fixtures.h"
 
 namespace moe {
 namespace {
@@ -201,51 +202,21 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
 // every process stays up, and the shard counts the hellos it refused.
 TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
-  const std::string& dir = CheckpointFor("tiny");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
-  o.expert_args = UcxArgs("posix");
-  o.attention_args = UcxArgs("posix");
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  constexpr int64_t kTokens = 16;
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, kTokens, 77);
-  const std::vector<Bf16> want = local->Forward(x, kTokens, cfg.hidden)->out;
+  testing::AttackedCluster a = testing::StartAttackedCluster("posix", 77);
+  ASSERT_NE(a.cluster, nullptr);
 
   // The leak: the address, read with the token (what a stranger does not get).
-  auto stub = v1::ExpertService::NewStub(transport::MakeChannel((*cluster)->shard_endpoint(0)));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(**cluster));
-  v1::ExpertServerInfo info;
-  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
-  ASSERT_FALSE(info.ucx_address().empty());
-
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0}, wrong{0}, failed{0};
-  std::thread canary([&] {
-    auto client = ClientFor(**cluster);
-    client::ForwardOptions fo;
-    fo.timeout = absl::Seconds(5);
-    for (int i = 0; i < 2000 && !stop.load(); ++i) {  // bounded in count and (below) time
-      auto r = client->Forward(layer, x, kTokens, cfg.hidden, fo);
-      if (!r.ok()) {
-        failed.fetch_add(1);
-      } else {
-        (SameBits(r->out, want) ? ok : wrong).fetch_add(1);
-      }
-    }
-  });
+  const std::string address = testing::ShardUcxAddress(*a.cluster, 0);
+  ASSERT_FALSE(address.empty());
+  testing::Canary canary(*a.cluster, a.layer, a.x, a.kTokens, a.cfg.hidden, a.want, 2000);
 
   dataplane::UcxOptions uo;
   uo.tls = "posix";
   auto hostile = dataplane::UcxWorker::Create(uo);
   ASSERT_TRUE(hostile.ok()) << hostile.status();
-  auto ep = (*hostile)->Connect(info.ucx_address(), nullptr);
+  auto ep = (*hostile)->Connect(address, nullptr);
   ASSERT_TRUE(ep.ok()) << ep.status();
-  const int d = static_cast<int>(cfg.latent);
+  const int d = static_cast<int>(a.cfg.latent);
   std::vector<std::shared_ptr<dataplane::UcxBuffer>> payloads;
   for (int64_t rows : {1, 3, 16, 48}) {  // sizes a batch of the canary can have
     auto b = (*hostile)->Buffer(static_cast<size_t>(rows * d * 2));
@@ -288,24 +259,23 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
   }
   for (auto& t : pending) (void)t->Wait(absl::Now() + absl::Seconds(1));
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  stop.store(true);
-  canary.join();
+  canary.Stop();
   std::printf(
       "[hostile ucx peer] %d payloads and %d hellos sprayed; canary %d bit-exact, %d "
       "wrong, %d failed\n",
-      sprayed, hellos, ok.load(), wrong.load(), failed.load());
-  EXPECT_GT(ok.load(), 10);
-  EXPECT_EQ(wrong.load(), 0) << "an injected payload changed an answer";
-  EXPECT_EQ(failed.load(), 0);
+      sprayed, hellos, canary.ok(), canary.wrong(), canary.failed());
+  EXPECT_GT(canary.ok(), 10);
+  EXPECT_EQ(canary.wrong(), 0) << "an injected payload changed an answer";
+  EXPECT_EQ(canary.failed(), 0);
   // Every process is still there and serving.
-  for (const auto& [name, pid] : (*cluster)->Processes()) {
+  for (const auto& [name, pid] : a.cluster->Processes()) {
     EXPECT_EQ(kill(pid, 0), 0) << name << " died";
   }
-  auto after = ClientFor(**cluster)->Forward(layer, x, kTokens, cfg.hidden);
+  auto after = ClientFor(*a.cluster)->Forward(a.layer, a.x, a.kTokens, a.cfg.hidden);
   ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_TRUE(SameBits(after->out, want));
+  EXPECT_TRUE(SameBits(after->out, a.want));
   EXPECT_GT(
-      moe::testing::ScrapeSum((*cluster)->shard_metrics(0), "moe_expert_data_plane_events_total",
+      moe::testing::ScrapeSum(a.cluster->shard_metrics(0), "moe_expert_data_plane_events_total",
                               {"event=\"hello_rejected\""}),
       0);
 }

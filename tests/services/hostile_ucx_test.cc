@@ -29,6 +29,7 @@
 #include "tests/common/listening_sockets.h"
 #include "tests/dataplane/raw_ucp_peer.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/hostile_fixtures.h"
 
 namespace moe {
 namespace {
@@ -37,45 +38,15 @@ using tensor::Bf16;
 using testing::SameBits;
 
 TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
-  const std::string& dir = testing::CheckpointFor("tiny");
-  ModelConfig cfg;
-  auto local = testing::InProcessLayer(dir, &cfg);
-  tools::LocalClusterOptions o = testing::TestCluster(dir, {{0, 8}, {8, 16}});
-  o.expert_args = testing::UcxArgs("tcp");
-  o.attention_args = testing::UcxArgs("tcp");
-  auto cluster = tools::LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  constexpr int64_t kTokens = 16;
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, kTokens, 78);
-  const std::vector<Bf16> want = local->Forward(x, kTokens, cfg.hidden)->out;
+  testing::AttackedCluster a = testing::StartAttackedCluster("tcp", 78);
+  ASSERT_NE(a.cluster, nullptr);
 
-  auto stub = v1::ExpertService::NewStub(transport::MakeChannel((*cluster)->shard_endpoint(0)));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  ctx.AddMetadata(transport::kClusterTokenMetadata, testing::AttentionToken(**cluster));
-  v1::ExpertServerInfo info;
-  ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
-  ASSERT_FALSE(info.ucx_address().empty());
-
-  std::atomic<bool> stop{false};
-  std::atomic<int> ok{0}, wrong{0}, failed{0};
-  std::thread canary([&] {
-    auto client = testing::ClientFor(**cluster);
-    client::ForwardOptions fo;
-    fo.timeout = absl::Seconds(5);
-    for (int i = 0; i < 5000 && !stop.load(); ++i) {  // bounded in count and (below) time
-      auto r = client->Forward(layer, x, kTokens, cfg.hidden, fo);
-      if (!r.ok()) {
-        failed.fetch_add(1);
-      } else {
-        (SameBits(r->out, want) ? ok : wrong).fetch_add(1);
-      }
-    }
-  });
+  const std::string address = testing::ShardUcxAddress(*a.cluster, 0);
+  ASSERT_FALSE(address.empty());
+  testing::Canary canary(*a.cluster, a.layer, a.x, a.kTokens, a.cfg.hidden, a.want);
 
   moe::testing::RawUcpPeer peer("tcp");
-  ASSERT_TRUE(peer.Connect(info.ucx_address()));
+  ASSERT_TRUE(peer.Connect(address));
   const std::string header(16, 'x'), data(70000, 'y');
   int sent = 0;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(90);
@@ -87,28 +58,27 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
   }
   peer.Progress();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  stop.store(true);
-  canary.join();
+  canary.Stop();
   std::printf("[stray active messages] %d of %d sent; canary %d bit-exact, %d wrong, %d failed\n",
-              sent, 2 * 65536, ok.load(), wrong.load(), failed.load());
+              sent, 2 * 65536, canary.ok(), canary.wrong(), canary.failed());
   EXPECT_EQ(sent, 2 * 65536) << "the shard stopped taking messages";
-  for (const auto& [name, pid] : (*cluster)->Processes()) {
+  for (const auto& [name, pid] : a.cluster->Processes()) {
     EXPECT_EQ(kill(pid, 0), 0) << name << " died";
   }
-  EXPECT_GT(ok.load(), 3);
-  EXPECT_EQ(wrong.load(), 0);
-  EXPECT_EQ(failed.load(), 0);
+  EXPECT_GT(canary.ok(), 3);
+  EXPECT_EQ(canary.wrong(), 0);
+  EXPECT_EQ(canary.failed(), 0);
   // Every process was given 127.0.0.1: each listens there and nowhere else (UCX's TCP
   // transport included; by default it listened on every interface).
-  for (const auto& [name, pid] : (*cluster)->Processes()) {
+  for (const auto& [name, pid] : a.cluster->Processes()) {
     const auto sockets = testing::ListeningSockets(pid);
     EXPECT_FALSE(sockets.empty()) << name;
     for (const auto& socket : sockets)
       EXPECT_TRUE(socket.loopback) << name << " listens on " << socket.address;
   }
-  auto after = testing::ClientFor(**cluster)->Forward(layer, x, kTokens, cfg.hidden);
+  auto after = testing::ClientFor(*a.cluster)->Forward(a.layer, a.x, a.kTokens, a.cfg.hidden);
   ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_TRUE(SameBits(after->out, want));
+  EXPECT_TRUE(SameBits(after->out, a.want));
 }
 
 }  // namespace
