@@ -84,12 +84,8 @@ absl::Status AttentionServer::Impl::StartServing() {
     if (w.ok()) {
       ucx_ = std::move(*w);
       MOE_LOG_INFO("UCX data plane up (UCX {}, UCX_TLS {})", dataplane::UcxVersion(), ucx_->tls());
-      if (!dataplane::UcxVersionTested()) {
-        MOE_LOG_WARN(
-            "UCX {} is not the version this project tested (1.13): how it treats "
-            "hostile active messages is unchecked (docs/security.md)",
-            dataplane::UcxVersion());
-      }
+      if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok())
+        MOE_LOG_WARN("{}", std::string(v.message()));
     } else if (options_.data_plane == dataplane::DataPlane::kUcx) {
       return absl::FailedPreconditionError(
           absl::StrCat("--data_plane=ucx: ", w.status().message()));

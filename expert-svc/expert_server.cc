@@ -291,6 +291,9 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   ucx_ = std::move(*w);
   MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", options_.shard,
                dataplane::UcxVersion(), ucx_->tls());
+  if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok()) {
+    MOE_LOG_WARN("shard {}: {}", options_.shard, std::string(v.message()));
+  }
   return absl::OkStatus();
 }
 

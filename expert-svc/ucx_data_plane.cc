@@ -28,12 +28,6 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOp
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   dp->worker_ = std::move(*w);
-  if (!dataplane::UcxVersionTested()) {
-    MOE_LOG_WARN(
-        "shard {}: UCX {} is not the version this project tested (1.13): how it treats "
-        "hostile active messages is unchecked (docs/security.md)",
-        dp->options_.shard, dataplane::UcxVersion());
-  }
   UcxDataPlane* self = dp.get();
   dp->worker_->OnHello([self](std::string_view hello, uint64_t ep, const dataplane::UcxLanes& l) {
     self->OnHello(hello, ep, l.Describe());

@@ -9,9 +9,9 @@
 // replies took 5-30x longer per doubling (docs/data-plane.md, "Large batches"). The services,
 // tools, benchmarks and tests therefore link gperftools' tcmalloc (Debian
 // libgoogle-perftools-dev), which keeps freed spans for reuse and releases them gradually:
-// measured with tests/bench/dispatch_bench.cc, 0-8 page faults per round trip from 64 KiB to
-// 64 MiB of payload, against 1,700 at 2 MiB and 80,000 at 64 MiB with glibc (whose knobs stop at
-// 32 MiB). A sanitizer build (-DMOE_ALLOCATOR=system) keeps glibc's.
+// measured with tests/bench/dispatch_bench.cc, 0-117 page faults per round trip up to 16 MiB of
+// replies and a time per byte flat to 64 MiB, against 1,616 at 2 MiB and 81,926 at 64 MiB with
+// glibc (whose knobs stop at 32 MiB). A sanitizer build (-DMOE_ALLOCATOR=system) keeps glibc's.
 //
 //   MOE_LOG_INFO("allocator: {}", moe::AllocatorName());  // "tcmalloc 2.10" or "glibc malloc"
 #ifndef MOE_SERVICES_COMMON_ALLOCATOR_H_

@@ -52,12 +52,10 @@ namespace moe::dataplane {
 // True when this build has UCX (libucx-dev was found).
 bool UcxBuilt();
 // The UCX library this process loaded ("1.13.1"; empty without UCX), and whether it is a
-// version this project has tested (1.13): the services log both at start.
+// version this project has tested (1.13; FAILED_PRECONDITION saying why it matters otherwise,
+// OK without UCX): the services log both at start.
 std::string UcxVersion();
-bool UcxVersionTested();
-// The network interface that holds `host` (an IP address or a name resolving to one): "lo" for
-// 127.0.0.1. Empty for a wildcard or an empty host; INVALID_ARGUMENT when no interface does.
-absl::StatusOr<std::string> InterfaceOf(const std::string& host);
+absl::Status CheckUcxVersion();
 
 struct UcxOptions {
   std::string name = "moe";
