@@ -20,20 +20,18 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "attention-svc/expert_channel_grpc.h"
-#include "attention-svc/expert_channel_ucx.h"
-#include "expert-svc/expert_server.h"
 #include "services/common/flags.h"
 #include "services/common/model_config.h"
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 #include "tests/bench/memcpy_bandwidth.h"
+#include "tests/common/echo_shard.h"
 
 namespace moe {
 namespace {
@@ -175,43 +173,13 @@ int Main(int argc, char** argv) {
     const std::string plane(plane_view);
     const bool ucx = plane != "grpc";
     const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
-    expert_svc::ExpertServerOptions o;
-    o.preset = preset;
-    o.expert_lo = 0;
-    o.expert_hi = k;  // every token's k experts on this server
-    o.shard = "echo-0";
-    o.threads = 1;
-    o.backend = expert_svc::Backend::kEcho;
-    o.measure_limits = false;
-    o.verify_fraction = 0;
-    o.data_plane = ucx ? dataplane::DataPlane::kUcx : dataplane::DataPlane::kGrpc;
-    o.ucx_tls = tls;
-    auto server = expert_svc::ExpertServer::Start(o);
-    if (!server.ok()) {
-      std::fprintf(stderr, "expert server: %s\n", server.status().ToString().c_str());
+    auto shard = testing::EchoShard::Start(preset, ucx ? tls : "");
+    if (!shard.ok()) {
+      std::fprintf(stderr, "echo shard: %s\n", shard.status().ToString().c_str());
       return 1;
     }
-    const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
-    std::unique_ptr<dataplane::UcxWorker> worker;
-    std::unique_ptr<attention_svc::ExpertChannel> channel;
-    std::string lanes = "gRPC";
-    if (ucx) {
-      dataplane::UcxOptions uo;
-      uo.tls = tls;
-      auto w = dataplane::UcxWorker::Create(uo);
-      if (!w.ok()) {
-        std::fprintf(stderr, "UCX: %s\n", w.status().ToString().c_str());
-        return 1;
-      }
-      worker = std::move(*w);
-      channel = std::make_unique<attention_svc::UcxExpertChannel>(
-          "echo-0", endpoint, 1 << 30, worker.get(), dataplane::DataPlane::kUcx, "bench", nullptr,
-          "", [&](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
-            lanes = l.Describe();
-          });
-    } else {
-      channel = std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", endpoint, 1 << 30, "");
-    }
+    const std::string& endpoint = (*shard)->endpoint();
+    attention_svc::ExpertChannel* channel = &(*shard)->channel();
     // The header alone: a batch the server refuses at once (a layer it does not host) travels
     // the Dispatch stream both ways with no payload and no compute.
     double header_us = -1;
@@ -235,27 +203,10 @@ int Main(int argc, char** argv) {
       }
       header_us = Percentile(us, 0.5);
     }
-    std::mt19937 rng(7);
     for (int64_t t : ts) {
-      attention_svc::DispatchMessage m;
-      m.shard = 0;
-      std::vector<tensor::Bf16> z(static_cast<size_t>(t * d));
-      for (auto& v : z) v = tensor::Bf16::FromFloat(static_cast<float>(rng() % 1000) / 1000.0f);
-      m.z = tensor::Activations::FromBf16(std::move(z), t, d);
-      for (int64_t i = 0; i < t; ++i) m.tokens.push_back(i);
-      for (int64_t e = 0; e < k; ++e) {
-        m.groups.emplace_back(static_cast<int32_t>(e), static_cast<int32_t>(t));
-        for (int64_t i = 0; i < t; ++i) {
-          m.pairs.push_back(i * k + e);
-          m.row_source.push_back(static_cast<int32_t>(i));
-        }
-      }
-      attention_svc::DispatchHeader h;
-      h.layer = static_cast<int32_t>(cfg->first_moe_layer);
-      h.mode = attention_svc::ReplyMode::kPerPair;
-      h.num_tokens = t;
-      h.latent = d;
-      h.timeout_ms = 20000;
+      const testing::EchoBatch batch = testing::MakeEchoBatch(*cfg, t);
+      const attention_svc::DispatchHeader& h = batch.header;
+      const attention_svc::DispatchMessage& m = batch.message;
       std::vector<double> us;
       bool failed = false;
       Usage before;
@@ -293,16 +244,14 @@ int Main(int argc, char** argv) {
           "| %s | %s | %lld | %zu | %zu | %zu | %.1f | %.1f | %s | %s | %s | %s | %.2f | %s | %.0f "
           "| "
           "%.1f | %.0f |\n",
-          plane.c_str(), lanes.c_str(), static_cast<long long>(t), zb, yb, us.size(), p50, p99,
-          num(raw_rtt).c_str(), num(worker_us).c_str(), num(header_us).c_str(),
+          plane.c_str(), (*shard)->lanes().c_str(), static_cast<long long>(t), zb, yb, us.size(),
+          p50, p99, num(raw_rtt).c_str(), num(worker_us).c_str(), num(header_us).c_str(),
           raw_rtt > 0 ? absl::StrFormat("%.1f", p50 - raw_rtt).c_str() : "-",
           (zb + yb) / (p50 * 1e-6) / 1e9,
           raw_bw > 0 ? absl::StrFormat("%.2f", raw_bw).c_str() : "-", per_rt.minor_faults,
           per_rt.switches, per_rt.cpu_us);
       std::fflush(stdout);
     }
-    channel.reset();
-    (*server)->Shutdown(absl::Seconds(1));
   }
   return 0;
 }

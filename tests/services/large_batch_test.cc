@@ -19,11 +19,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "attention-svc/expert_channel_grpc.h"
-#include "attention-svc/expert_channel_ucx.h"
-#include "expert-svc/expert_server.h"
 #include "services/common/model_config.h"
 #include "services/dataplane/ucx_worker.h"
+#include "tests/common/echo_shard.h"
 
 namespace moe {
 namespace {
@@ -36,38 +34,6 @@ int64_t MinorFaults() {
   return r.ru_minflt;
 }
 
-// One message of T tokens, each routed to all k experts of the echo shard: T x D bf16 out,
-// T x k x D bf16 back (mid: 8 KiB of reply per token).
-struct Batch {
-  attention_svc::DispatchHeader header;
-  attention_svc::DispatchMessage message;
-  size_t reply_bytes = 0;
-};
-
-Batch MakeBatch(const ModelConfig& cfg, int64_t t) {
-  const int64_t d = cfg.latent, k = cfg.top_k;
-  Batch b;
-  std::vector<tensor::Bf16> z(static_cast<size_t>(t * d));
-  for (size_t i = 0; i < z.size(); ++i) z[i] = tensor::Bf16::FromFloat((i % 997) / 997.0f);
-  b.message.shard = 0;
-  b.message.z = tensor::Activations::FromBf16(std::move(z), t, d);
-  for (int64_t i = 0; i < t; ++i) b.message.tokens.push_back(i);
-  for (int64_t e = 0; e < k; ++e) {
-    b.message.groups.emplace_back(static_cast<int32_t>(e), static_cast<int32_t>(t));
-    for (int64_t i = 0; i < t; ++i) {
-      b.message.pairs.push_back(i * k + e);
-      b.message.row_source.push_back(static_cast<int32_t>(i));
-    }
-  }
-  b.header.layer = static_cast<int32_t>(cfg.first_moe_layer);
-  b.header.mode = attention_svc::ReplyMode::kPerPair;
-  b.header.num_tokens = t;
-  b.header.latent = d;
-  b.header.timeout_ms = 30000;
-  b.reply_bytes = static_cast<size_t>(t * k * d * 2);
-  return b;
-}
-
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -75,55 +41,30 @@ double Median(std::vector<double> v) {
 
 struct Lane {
   std::string name;
-  bool ucx;
-  std::string tls;
+  std::string tls;  // UCX_TLS; empty: gRPC in band
 };
 
 class LargeBatch : public ::testing::TestWithParam<Lane> {};
 
 TEST_P(LargeBatch, AFourMiBRoundTripCostsItsBytesNotACliff) {
   const Lane lane = GetParam();
-  if (lane.ucx && !dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  if (!lane.tls.empty() && !dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const ModelConfig cfg = *PresetConfig("mid");
-  expert_svc::ExpertServerOptions o;
-  o.host = "127.0.0.1";
-  o.preset = "mid";
-  o.expert_lo = 0;
-  o.expert_hi = cfg.top_k;
-  o.shard = "echo-0";
-  o.threads = 1;
-  o.backend = expert_svc::Backend::kEcho;
-  o.measure_limits = false;
-  o.verify_fraction = 0;
-  o.data_plane = lane.ucx ? dataplane::DataPlane::kUcx : dataplane::DataPlane::kGrpc;
-  o.ucx_tls = lane.tls;
-  auto server = expert_svc::ExpertServer::Start(o);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
-  std::unique_ptr<dataplane::UcxWorker> worker;
-  std::unique_ptr<attention_svc::ExpertChannel> channel;
-  if (lane.ucx) {
-    dataplane::UcxOptions uo;
-    uo.tls = lane.tls;
-    auto w = dataplane::UcxWorker::Create(uo);
-    ASSERT_TRUE(w.ok()) << w.status();
-    worker = std::move(*w);
-    channel = std::make_unique<attention_svc::UcxExpertChannel>(
-        "echo-0", endpoint, 1 << 30, worker.get(), dataplane::DataPlane::kUcx, "test", nullptr, "");
-  } else {
-    channel = std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", endpoint, 1 << 30, "");
-  }
-  const Batch small = MakeBatch(cfg, 64), big = MakeBatch(cfg, 512);
+  auto shard = testing::EchoShard::Start("mid", lane.tls);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  attention_svc::ExpertChannel& channel = (*shard)->channel();
+  const testing::EchoBatch small = testing::MakeEchoBatch(cfg, 64),
+                           big = testing::MakeEchoBatch(cfg, 512);
   ASSERT_EQ(small.reply_bytes, size_t{512} << 10);
   ASSERT_EQ(big.reply_bytes, size_t{4} << 20);
   // The echo answers every pair with its token's row: the reply is checked whole each time.
-  auto round_trip = [&](const Batch& b) -> double {
+  auto round_trip = [&](const testing::EchoBatch& b) -> double {
     const auto start = Clock::now();
-    auto call = channel->Send(b.header, b.message);
+    auto call = channel.Send(b.header, b.message);
     auto reply = call->Wait(absl::Now() + absl::Seconds(30));
     const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
     // The lane the batch really took (an unopened UCX data plane would fall back in band).
-    EXPECT_STREQ(call->transport(), lane.ucx ? "ucx" : "grpc");
+    EXPECT_STREQ(call->transport(), !lane.tls.empty() ? "ucx" : "grpc");
     EXPECT_TRUE(reply.ok()) << reply.status();
     if (!reply.ok()) return -1;
     EXPECT_EQ(reply->bf16.size() * 2, b.reply_bytes);
@@ -157,13 +98,11 @@ TEST_P(LargeBatch, AFourMiBRoundTripCostsItsBytesNotACliff) {
       static_cast<long long>(faults_per_trip));
   EXPECT_LT(ratio, 3 * 8.0) << lane.name;
   EXPECT_LT(faults_per_trip, static_cast<int64_t>(big.reply_bytes / 4096 / 2)) << lane.name;
-  channel.reset();
-  (*server)->Shutdown(absl::Seconds(1));
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryLane, LargeBatch,
-                         ::testing::Values(Lane{"grpc", false, ""}, Lane{"ucx_shm", true, "posix"},
-                                           Lane{"ucx_tcp", true, "tcp"}),
+                         ::testing::Values(Lane{"grpc", ""}, Lane{"ucx_shm", "posix"},
+                                           Lane{"ucx_tcp", "tcp"}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -1,0 +1,123 @@
+// An expert server with the echo backend (each row answered with its activations: the data
+// plane without expert compute) in this process, the attention side's channel to it, and the
+// message that sends it T tokens each routed to every one of its k experts: T x D activations
+// out, T x k x D bf16 rows back, as one shard of a layer sees. Shared by the data plane's
+// benchmark (tests/bench/dispatch_bench.cc) and its scaling test
+// (tests/services/large_batch_test.cc).
+//
+//   auto shard = EchoShard::Start("mid", /*ucx_tls=*/"posix");   // "" : gRPC in band
+//   EchoBatch b = MakeEchoBatch(cfg, /*tokens=*/64);
+//   auto reply = (*shard)->channel().Send(b.header, b.message)->Wait(deadline);
+#ifndef MOE_TESTS_COMMON_ECHO_SHARD_H_
+#define MOE_TESTS_COMMON_ECHO_SHARD_H_
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "attention-svc/expert_channel_ucx.h"
+#include "expert-svc/expert_server.h"
+#include "services/common/model_config.h"
+#include "services/dataplane/ucx_worker.h"
+
+namespace moe::testing {
+
+struct EchoBatch {
+  attention_svc::DispatchHeader header;
+  attention_svc::DispatchMessage message;
+  size_t reply_bytes = 0;
+};
+
+// T tokens, each routed to experts 0..k-1 (per-pair replies); z deterministic.
+inline EchoBatch MakeEchoBatch(const ModelConfig& cfg, int64_t t) {
+  const int64_t d = cfg.latent, k = cfg.top_k;
+  EchoBatch b;
+  std::vector<tensor::Bf16> z(static_cast<size_t>(t * d));
+  for (size_t i = 0; i < z.size(); ++i) z[i] = tensor::Bf16::FromFloat((i % 997) / 997.0f);
+  b.message.shard = 0;
+  b.message.z = tensor::Activations::FromBf16(std::move(z), t, d);
+  for (int64_t i = 0; i < t; ++i) b.message.tokens.push_back(i);
+  for (int64_t e = 0; e < k; ++e) {
+    b.message.groups.emplace_back(static_cast<int32_t>(e), static_cast<int32_t>(t));
+    for (int64_t i = 0; i < t; ++i) {
+      b.message.pairs.push_back(i * k + e);
+      b.message.row_source.push_back(static_cast<int32_t>(i));
+    }
+  }
+  b.header.layer = static_cast<int32_t>(cfg.first_moe_layer);
+  b.header.mode = attention_svc::ReplyMode::kPerPair;
+  b.header.num_tokens = t;
+  b.header.latent = d;
+  b.header.timeout_ms = 30000;
+  b.reply_bytes = static_cast<size_t>(t * k * d * 2);
+  return b;
+}
+
+class EchoShard {
+ public:
+  // ucx_tls empty: the gRPC in-band lane; else UCX with that UCX_TLS on both ends.
+  static absl::StatusOr<std::unique_ptr<EchoShard>> Start(const std::string& preset,
+                                                          const std::string& ucx_tls) {
+    auto cfg = PresetConfig(preset);
+    if (!cfg.ok()) return cfg.status();
+    auto s = std::unique_ptr<EchoShard>(new EchoShard);
+    const bool ucx = !ucx_tls.empty();
+    expert_svc::ExpertServerOptions o;
+    o.host = "127.0.0.1";
+    o.preset = preset;
+    o.expert_lo = 0;
+    o.expert_hi = cfg->top_k;  // every token's k experts on this server
+    o.shard = "echo-0";
+    o.threads = 1;
+    o.backend = expert_svc::Backend::kEcho;
+    o.measure_limits = false;
+    o.verify_fraction = 0;
+    o.data_plane = ucx ? dataplane::DataPlane::kUcx : dataplane::DataPlane::kGrpc;
+    o.ucx_tls = ucx_tls;
+    auto server = expert_svc::ExpertServer::Start(o);
+    if (!server.ok()) return server.status();
+    s->server_ = std::move(*server);
+    s->endpoint_ = absl::StrCat("127.0.0.1:", s->server_->port());
+    if (!ucx) {
+      s->channel_ =
+          std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", s->endpoint_, 1 << 30, "");
+      return s;
+    }
+    dataplane::UcxOptions uo;
+    uo.tls = ucx_tls;
+    auto w = dataplane::UcxWorker::Create(uo);
+    if (!w.ok()) return w.status();
+    s->worker_ = std::move(*w);
+    EchoShard* self = s.get();
+    s->channel_ = std::make_unique<attention_svc::UcxExpertChannel>(
+        "echo-0", s->endpoint_, 1 << 30, s->worker_.get(), dataplane::DataPlane::kUcx, "echo",
+        nullptr, "", [self](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
+          self->lanes_ = l.Describe();
+        });
+    return s;
+  }
+  ~EchoShard() {
+    channel_.reset();
+    server_->Shutdown(absl::Seconds(1));
+  }
+
+  attention_svc::ExpertChannel& channel() { return *channel_; }
+  const std::string& endpoint() const { return endpoint_; }
+  // The lanes UCX selected for the channel (read from UCX once the data plane opened).
+  const std::string& lanes() const { return lanes_; }
+
+ private:
+  EchoShard() = default;
+  std::unique_ptr<expert_svc::ExpertServer> server_;
+  std::string endpoint_;
+  std::unique_ptr<dataplane::UcxWorker> worker_;
+  std::unique_ptr<attention_svc::ExpertChannel> channel_;
+  std::string lanes_ = "gRPC";
+};
+
+}  // namespace moe::testing
+
+#endif  // MOE_TESTS_COMMON_ECHO_SHARD_H_
