@@ -60,6 +60,69 @@ absl::StatusOr<Hello> ParseHello(std::string_view bytes) {
   return h;
 }
 
+namespace {
+constexpr char kBatchMagic[4] = {'M', 'O', 'E', 'B'};
+constexpr uint8_t kBatchVersion = 1;
+
+void PutLe(std::string& out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(std::string_view b, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
+  return v;
+}
+}  // namespace
+
+std::string EncodeBatchFrame(const BatchFrame& f) {
+  std::string out;
+  out.reserve(kBatchFrameBytes);
+  PutLe(out, f.token, 8);
+  out.append(kBatchMagic, 4);
+  out.push_back(static_cast<char>(kBatchVersion));
+  out.push_back(static_cast<char>(f.kind));
+  PutLe(out, 0, 2);
+  PutLe(out, f.client_id, 8);
+  PutLe(out, f.sequence, 8);
+  PutLe(out, f.header_bytes, 4);
+  PutLe(out, 0, 4);
+  std::string mac = f.mac;
+  mac.resize(kBatchFrameBytes - kBatchFrameMacOffset, '\0');
+  out += mac;
+  return out;
+}
+
+absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view b, BatchKind kind,
+                                           size_t payload_bytes) {
+  if (b.size() != kBatchFrameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("batch frame of ", b.size(),
+                                                   " bytes (a frame has ", kBatchFrameBytes, ")"));
+  }
+  if (std::memcmp(b.data() + 8, kBatchMagic, 4) != 0 ||
+      static_cast<uint8_t>(b[12]) != kBatchVersion) {
+    return absl::InvalidArgumentError("batch frame without the MOEB v1 magic");
+  }
+  if (static_cast<uint8_t>(b[13]) != static_cast<uint8_t>(kind) || GetLe(b, 14, 2) != 0 ||
+      GetLe(b, 36, 4) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch frame of kind ", static_cast<int>(static_cast<uint8_t>(b[13])),
+                     " (expected ", static_cast<int>(kind), ") or with reserved bytes set"));
+  }
+  BatchFrame f;
+  f.token = GetLe(b, 0, 8);
+  f.kind = kind;
+  f.client_id = GetLe(b, 16, 8);
+  f.sequence = GetLe(b, 24, 8);
+  f.header_bytes = static_cast<uint32_t>(GetLe(b, 32, 4));
+  if (f.header_bytes > payload_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("batch frame with a ", f.header_bytes,
+                                                   "-byte header in a ", payload_bytes,
+                                                   "-byte payload"));
+  }
+  f.mac.assign(b.data() + kBatchFrameMacOffset, kBatchFrameBytes - kBatchFrameMacOffset);
+  return f;
+}
+
 const char* TransportClass(std::string_view t) {
   static constexpr const char* kShm[] = {"posix", "sysv", "cma", "xpmem", "knem", "self"};
   for (const char* s : kShm) {

@@ -41,6 +41,36 @@ std::string EncodeHello(const Hello& h);
 // INVALID_ARGUMENT for anything but a well-formed hello.
 absl::StatusOr<Hello> ParseHello(std::string_view bytes);
 
+// A batch as one UCX active message (the data plane's third version): this frame is the active
+// message's header; the payload is the request's (or reply's) protobuf header (header_bytes of
+// it) followed by the tensor bytes. The MAC is the connection's AES-256-GMAC (payload_mac.h)
+// over the frame's first kBatchFrameMacOffset bytes and the whole payload, nonce (direction,
+// sequence). A request's token is random per batch; its reply carries the same token (an
+// attention node matches replies by it), the same client id and sequence. Layout, little-endian:
+// token (8), "MOEB", version 1, kind (1: request, 2: reply), 2 zero bytes, client id (8),
+// sequence (8), header_bytes (4), 4 zero bytes, MAC (16): 56 bytes exactly.
+constexpr size_t kBatchFrameBytes = 56;
+constexpr size_t kBatchFrameMacOffset = 40;
+enum class BatchKind : uint8_t { kRequest = 1, kReply = 2 };
+struct BatchFrame {
+  uint64_t token = 0;
+  BatchKind kind = BatchKind::kRequest;
+  uint64_t client_id = 0;
+  uint64_t sequence = 0;
+  uint32_t header_bytes = 0;
+  std::string mac;  // kMacBytes (16); empty while the frame is being sealed
+};
+// The frame's bytes; the MAC's 16 bytes are zero when `mac` is empty (MacPrefix is what the MAC
+// covers, so a frame is encoded once, sealed, then encoded again with its MAC).
+std::string EncodeBatchFrame(const BatchFrame& f);
+inline std::string_view MacPrefix(std::string_view frame) {
+  return frame.substr(0, kBatchFrameMacOffset);
+}
+// INVALID_ARGUMENT for anything but a well-formed frame of `kind`, or one whose header_bytes
+// exceed the payload's `payload_bytes`.
+absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view bytes, BatchKind kind,
+                                           size_t payload_bytes);
+
 // The lanes UCX selected for an endpoint, read from ucp_ep_print_info's text (UCX 1.13 has no
 // query for them). kind: "shm" when every lane is a shared-memory transport (posix, sysv, cma,
 // xpmem, knem, self), "tcp" when every lane is tcp, "rdma" when every lane is verbs (rc, ud, dc,

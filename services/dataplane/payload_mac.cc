@@ -35,7 +35,7 @@ absl::StatusOr<PayloadMac> PayloadMac::Create(const std::string& key) {
 }
 
 std::string PayloadMac::Compute(Direction direction, uint64_t sequence, const uint8_t* data,
-                                size_t n) const {
+                                size_t n, std::string_view prefix) const {
   // nonce: direction, 3 zero bytes, the sequence big-endian.
   unsigned char iv[12] = {static_cast<unsigned char>(direction), 0, 0, 0};
   for (int i = 0; i < 8; ++i) iv[4 + i] = static_cast<unsigned char>(sequence >> (56 - 8 * i));
@@ -46,6 +46,12 @@ std::string PayloadMac::Compute(Direction direction, uint64_t sequence, const ui
     Die("EVP_EncryptInit_ex");
   }
   int outl = 0;
+  if (!prefix.empty() &&
+      EVP_EncryptUpdate(ctx.get(), nullptr, &outl,
+                        reinterpret_cast<const unsigned char*>(prefix.data()),
+                        static_cast<int>(prefix.size())) != 1) {
+    Die("EVP_EncryptUpdate");
+  }
   // The payload as additional authenticated data, fed in pieces below INT_MAX.
   constexpr size_t kPiece = size_t{1} << 30;
   for (size_t off = 0; off < n; off += kPiece) {
@@ -65,9 +71,9 @@ std::string PayloadMac::Compute(Direction direction, uint64_t sequence, const ui
 }
 
 bool PayloadMac::Verify(Direction direction, uint64_t sequence, const uint8_t* data, size_t n,
-                        const std::string& tag) const {
+                        const std::string& tag, std::string_view prefix) const {
   if (tag.size() != kMacBytes) return false;
-  const std::string want = Compute(direction, sequence, data, n);
+  const std::string want = Compute(direction, sequence, data, n, prefix);
   return CRYPTO_memcmp(want.data(), tag.data(), kMacBytes) == 0;
 }
 

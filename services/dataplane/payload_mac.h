@@ -35,11 +35,13 @@ class PayloadMac {
   // INVALID_ARGUMENT unless the key has kMacKeyBytes.
   static absl::StatusOr<PayloadMac> Create(const std::string& key);
 
-  // The 16-byte tag of data[0, n) (n may be 0).
-  std::string Compute(Direction direction, uint64_t sequence, const uint8_t* data, size_t n) const;
-  // Constant-time comparison of the tag computed over data with `tag`.
+  // The 16-byte tag of prefix || data[0, n) (either may be empty). A batch message's frame is
+  // the prefix (data_plane.h, MacPrefix): fixed-size, so the concatenation is unambiguous.
+  std::string Compute(Direction direction, uint64_t sequence, const uint8_t* data, size_t n,
+                      std::string_view prefix = {}) const;
+  // Constant-time comparison of the tag computed over prefix || data with `tag`.
   bool Verify(Direction direction, uint64_t sequence, const uint8_t* data, size_t n,
-              const std::string& tag) const;
+              const std::string& tag, std::string_view prefix = {}) const;
 
  private:
   explicit PayloadMac(std::string key) : key_(std::move(key)) {}

@@ -58,6 +58,8 @@ constexpr size_t kMinBufferClass = 4096;
 constexpr absl::Duration kCancelGrace = absl::Seconds(1);
 // How long shutdown waits for cancelled transfers and closing endpoints.
 constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
+// A request message's rendezvous payload not received by then fails (its handler is told).
+constexpr absl::Duration kMessageReceiveTimeout = absl::Seconds(30);
 
 size_t SizeClass(size_t bytes) {
   size_t c = kMinBufferClass;
@@ -101,6 +103,11 @@ bool UcxTransfer::done() const {
   return done_;
 }
 
+std::string UcxTransfer::header() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_ ? header_ : std::string();
+}
+
 void UcxTransfer::Complete(absl::Status status, size_t length, bool release_buffer) {
   if (on_done_) on_done_(status, length);
   on_done_ = nullptr;
@@ -114,6 +121,11 @@ void UcxTransfer::Complete(absl::Status status, size_t length, bool release_buff
   }
   cv_.notify_all();
 }
+
+class UcxWorkerImpl;
+// The worker this thread holds (its lock), if any: a callback that runs while a thread
+// progresses the worker must not take the lock again.
+thread_local UcxWorkerImpl* t_holder = nullptr;
 
 class UcxWorkerImpl {
  public:
@@ -194,7 +206,8 @@ class UcxWorkerImpl {
     if (s != UCS_OK) return FromUcs(s, absl::StrCat("ucp_init (UCX_TLS ", *tls, ")"));
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+    // One thread at a time, behind progress_mu_ (the progress thread or a polling waiter).
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     if (s = ucp_worker_create(context_, &wp, &worker_); s != UCS_OK) {
       return FromUcs(s, "ucp_worker_create");
     }
@@ -216,6 +229,16 @@ class UcxWorkerImpl {
     hp.id = kHelloAmId;
     hp.cb = &UcxWorkerImpl::OnAm;
     hp.arg = this;
+    if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK) {
+      return FromUcs(s, "ucp_worker_set_am_recv_handler");
+    }
+    hp.id = kRequestAmId;
+    hp.cb = &UcxWorkerImpl::OnRequestAm;
+    if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK) {
+      return FromUcs(s, "ucp_worker_set_am_recv_handler");
+    }
+    hp.id = kReplyAmId;
+    hp.cb = &UcxWorkerImpl::OnReplyAm;
     if (s = ucp_worker_set_am_recv_handler(worker_, &hp); s != UCS_OK) {
       return FromUcs(s, "ucp_worker_set_am_recv_handler");
     }
@@ -248,18 +271,99 @@ class UcxWorkerImpl {
     (void)!write(wake_fd_, &one, sizeof(one));
   }
 
+  // Runs f with the worker held, on this thread (after the commands posted before it).
   template <typename T>
   T Run(std::function<T()> f) {
-    std::promise<T> p;
-    auto fut = p.get_future();
-    Post([&] { p.set_value(f()); });
-    return fut.get();
+    if (t_holder == this) return f();
+    Hold hold(this);
+    RunCommands();
+    return f();
   }
+
+  // The worker's lock, held by this thread while in scope; on release, a thread that is not
+  // the progress thread wakes it when UCX still has requests to progress (an inline send that
+  // did not complete at once): nobody else may be polling.
+  class Hold {
+   public:
+    explicit Hold(UcxWorkerImpl* w, bool locked = false) : w_(w) {
+      if (!locked) w_->progress_mu_.lock();
+      t_holder = w_;
+    }
+    ~Hold() {
+      const bool wake = !w_->inflight_.empty() && std::this_thread::get_id() != w_->loop_thread_;
+      t_holder = nullptr;
+      w_->progress_mu_.unlock();
+      if (wake) w_->Wake();
+    }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    UcxWorkerImpl* w_;
+  };
+
+  void Wake() {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+
+  // Progresses the worker from this thread if nobody holds it; whether it did.
+  bool TryProgress() {
+    if (t_holder == this || !progress_mu_.try_lock()) return false;
+    Hold hold(this, /*locked=*/true);
+    RunCommands();
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    RunCommands();  // what the callbacks queued (a hello's acknowledgement)
+    return true;
+  }
+
+  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline,
+                               std::chrono::microseconds spin,
+                               const std::function<bool()>& stop_polling) {
+    if (spin.count() > 0 && t_holder != this) {
+      const auto until = std::chrono::steady_clock::now() + spin;
+      while (!t.done() && std::chrono::steady_clock::now() < until) {
+        if (stop_polling && stop_polling()) break;
+        if (!TryProgress()) std::this_thread::yield();
+      }
+    }
+    return t.Wait(deadline);
+  }
+
+  void SetMessageHandler(UcxWorker::MessageFn fn) {
+    Run<bool>([&] {
+      on_message_ = std::move(fn);
+      return true;
+    });
+  }
+
+  std::shared_ptr<UcxTransfer> Expect(uint64_t token, std::shared_ptr<UcxBuffer> buffer,
+                                      absl::Time deadline) {
+    auto t = std::make_shared<UcxTransfer>();
+    t->buffer_ = std::move(buffer);
+    t->deadline_ = deadline;
+    t->tag_ = token;
+    t->what_ = "UCX reply message";
+    in_flight_.fetch_add(1);
+    Run<bool>([&] {
+      if (stopping_) {
+        Finish(t, absl::UnavailableError("UCX reply message: the worker is stopping"), 0);
+      } else if (t->buffer_ == nullptr || !expected_.emplace(token, t).second) {
+        Finish(t, absl::InvalidArgumentError("UCX reply message: no buffer, or a token in use"), 0);
+      }
+      return true;
+    });
+    return t;
+  }
+
+  int64_t messages_dropped() const { return messages_dropped_.load(); }
 
   void Stop() {
     if (!thread_.joinable()) return;
     Post([this] { stopping_ = true; });
     thread_.join();
+    Hold hold(this);
     RunCommands();  // buffer releases posted while the loop wound down
   }
 
@@ -331,7 +435,7 @@ class UcxWorkerImpl {
     return std::shared_ptr<UcxBuffer>(b, [pool](UcxBuffer* x) { pool->Release(x); });
   }
 
-  enum class Kind { kSend, kRecv, kRecvAny, kHello };
+  enum class Kind { kSend, kRecv, kRecvAny, kHello, kRequest, kReply };
 
   std::shared_ptr<UcxTransfer> Start(Kind kind, uint64_t ep, uint64_t tag,
                                      std::shared_ptr<UcxBuffer> buffer, size_t bytes,
@@ -343,10 +447,21 @@ class UcxWorkerImpl {
     t->deadline_ = deadline;
     t->ep_ = ep;
     t->tag_ = tag;
-    t->what_ = kind == Kind::kHello ? std::string("UCX hello")
-                                    : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive",
-                                                   " of tag ", tag);
+    t->what_ = kind == Kind::kHello     ? std::string("UCX hello")
+               : kind == Kind::kRequest ? std::string("UCX request message")
+               : kind == Kind::kReply   ? std::string("UCX reply message")
+                                        : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive",
+                                                     " of tag ", tag);
     if (chunk == 0) chunk = options_.chunk_bytes;
+    if ((kind == Kind::kRequest || kind == Kind::kReply) &&
+        hello.size() > UcxWorker::kMaxMessageHeader) {
+      t->finished_ = true;
+      t->Complete(absl::InvalidArgumentError(absl::StrCat(t->what_, ": a header of ", hello.size(),
+                                                          " bytes (at most ",
+                                                          UcxWorker::kMaxMessageHeader, ")")),
+                  0);
+      return t;
+    }
     if (kind != Kind::kHello && (t->buffer_ == nullptr || bytes > t->buffer_->capacity())) {
       t->finished_ = true;
       t->Complete(absl::InvalidArgumentError(
@@ -355,7 +470,7 @@ class UcxWorkerImpl {
       return t;
     }
     in_flight_.fetch_add(1);
-    Post([this, t, kind, bytes, chunk, hello = std::move(hello)] {
+    auto op = [this, t, kind, bytes, chunk, hello = std::move(hello)] {
       switch (kind) {
         case Kind::kSend:
           StartSend(t, bytes, chunk);
@@ -369,8 +484,21 @@ class UcxWorkerImpl {
         case Kind::kHello:
           StartHello(t, hello);
           break;
+        case Kind::kRequest:
+        case Kind::kReply:
+          StartMessage(t, kind == Kind::kRequest ? kRequestAmId : kReplyAmId, hello, bytes);
+          break;
       }
-    });
+    };
+    // On this thread when nobody holds the worker (no wake-up of the progress thread), after
+    // what was posted before; else queued for the holder.
+    if (t_holder != this && progress_mu_.try_lock()) {
+      Hold hold(this, /*locked=*/true);
+      RunCommands();
+      op();
+    } else {
+      Post(std::move(op));
+    }
     return t;
   }
 
@@ -381,6 +509,8 @@ class UcxWorkerImpl {
 
  private:
   static constexpr uint16_t kHelloAmId = 1;
+  static constexpr uint16_t kRequestAmId = 2;  // batch messages (SendMessage)
+  static constexpr uint16_t kReplyAmId = 3;
   static constexpr int kAmIds = 65536;  // the wire's AM id is 16 bits
   static constexpr size_t kMaxHelloBytes = 256;
 
@@ -463,6 +593,111 @@ class UcxWorkerImpl {
     self->hello_(std::string_view(static_cast<const char*>(header), header_length), ep,
                  self->LanesOf(ep));
     return UCS_OK;
+  }
+
+  // A request (batch message): where the handler says it lands, or dropped.
+  static ucs_status_t OnRequestAm(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxWorkerImpl*>(arg);
+    if (!self->on_message_ || self->stopping_ || header_length > UcxWorker::kMaxMessageHeader) {
+      self->messages_dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    UcxWorker::MessageSink sink = self->on_message_(
+        std::string_view(static_cast<const char*>(header), header_length), length);
+    if (sink.buffer == nullptr) {
+      self->messages_dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    auto t = std::make_shared<UcxTransfer>();
+    t->buffer_ = std::move(sink.buffer);
+    t->on_done_ = std::move(sink.done);
+    t->deadline_ = absl::Now() + kMessageReceiveTimeout;
+    t->what_ = "UCX request message";
+    self->in_flight_.fetch_add(1);
+    self->Land(t, data, length, param);
+    return UCS_OK;
+  }
+
+  // A reply: into the buffer of the ExpectMessage its token names, or dropped.
+  static ucs_status_t OnReplyAm(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxWorkerImpl*>(arg);
+    uint64_t token = 0;
+    if (header_length >= 8 && header_length <= UcxWorker::kMaxMessageHeader) {
+      for (int i = 0; i < 8; ++i) {
+        token |= static_cast<uint64_t>(static_cast<const uint8_t*>(header)[i]) << (8 * i);
+      }
+    }
+    auto it = header_length >= 8 && header_length <= UcxWorker::kMaxMessageHeader
+                  ? self->expected_.find(token)
+                  : self->expected_.end();
+    if (it == self->expected_.end() || self->stopping_) {
+      self->messages_dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    std::shared_ptr<UcxTransfer> t = std::move(it->second);
+    self->expected_.erase(it);
+    t->header_.assign(static_cast<const char*>(header), header_length);
+    self->Land(t, data, length, param);
+    return UCS_OK;
+  }
+
+  // A message's payload into its transfer's buffer: copied from an eager message, received
+  // straight into the registered buffer for a rendezvous one.
+  void Land(const std::shared_ptr<UcxTransfer>& t, void* data, size_t length,
+            const ucp_am_recv_param_t* param) {
+    if (length > t->buffer_->capacity()) {
+      Finish(t,
+             absl::InternalError(absl::StrCat(t->what_, ": ", length, " bytes do not fit the ",
+                                              t->buffer_->capacity(), "-byte buffer")),
+             0);
+      return;  // UCX releases the data (a rendezvous one unread)
+    }
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+      if (length > 0) std::memcpy(t->buffer_->data(), data, length);
+      Finish(t, absl::OkStatus(), length);
+      return;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv_am = &UcxWorkerImpl::OnAmData;
+    p.user_data = this;
+    p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
+    t->parts_left_ = 1;
+    const Part part{t, length, 0};
+    starting_ = true;
+    starting_part_ = part;
+    AdoptRequest(part, ucp_am_recv_data_nbx(worker_, data, t->buffer_->data(), length, &p));
+  }
+
+  static void OnAmData(void* request, ucs_status_t status, size_t length, void* user_data) {
+    static_cast<UcxWorkerImpl*>(user_data)->Completed(request, status,
+                                                      status == UCS_OK ? length : 0);
+  }
+
+  void StartMessage(const std::shared_ptr<UcxTransfer>& t, uint16_t id, const std::string& header,
+                    size_t bytes) {
+    auto it = eps_.find(t->ep_);
+    if (stopping_ || it == eps_.end() || it->second->failed) {
+      Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the endpoint is closed")), 0);
+      return;
+    }
+    t->header_ = header;  // UCX reads it until the send completes
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+    p.cb.send = &UcxWorkerImpl::OnSend;
+    p.user_data = this;
+    p.memh = static_cast<ucp_mem_h>(t->buffer_->memh_);
+    t->parts_left_ = 1;
+    it->second->bytes_in_flight += bytes;
+    const Part part{t, bytes, it->second->id};
+    starting_ = true;
+    starting_part_ = part;
+    AdoptRequest(part, ucp_am_send_nbx(it->second->ep, id, t->header_.data(), t->header_.size(),
+                                       t->buffer_->data(), bytes, &p));
   }
 
   void Finish(const std::shared_ptr<UcxTransfer>& t, absl::Status s, size_t length) {
@@ -776,6 +1011,16 @@ class UcxWorkerImpl {
         next = std::min(next, t.deadline_ - now);
       }
     }
+    // Replies expected past their deadline.
+    for (auto it = expected_.begin(); it != expected_.end();) {
+      if (now >= it->second->deadline_) {
+        to_abandon.push_back(std::move(it->second));
+        it = expected_.erase(it);
+      } else {
+        next = std::min(next, it->second->deadline_ - now);
+        ++it;
+      }
+    }
     // Chunks still waiting for their window past the deadline.
     for (auto& [id, e] : eps_) {
       for (Chunk& c : e->waiting) {
@@ -820,7 +1065,11 @@ class UcxWorkerImpl {
     // machine whose cores the experts need (2 here) spinning measured slower
     // (tests/bench/dispatch_bench.cc); bounded, so an idle data plane costs no CPU.
     auto last_activity = std::chrono::steady_clock::now();
+    loop_thread_ = std::this_thread::get_id();
+    std::unique_lock<std::mutex> lock(progress_mu_, std::defer_lock);
     for (;;) {
+      if (!lock.owns_lock()) lock.lock();
+      t_holder = this;
       bool active = RunCommands();
       while (ucp_worker_progress(worker_) != 0) active = true;
       const auto now = std::chrono::steady_clock::now();
@@ -842,6 +1091,10 @@ class UcxWorkerImpl {
           std::vector<uint64_t> ids;
           for (auto& [id, e] : eps_) ids.push_back(id);
           for (uint64_t id : ids) CloseEp(id);
+          for (auto& [token, t] : expected_) {
+            Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the worker stopped")), 0);
+          }
+          expected_.clear();
           pool_->Drain();
           continue;
         }
@@ -849,9 +1102,13 @@ class UcxWorkerImpl {
       }
       if (now - last_activity < options_.spin) continue;
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+      // Asleep without the worker: a waiter may poll it meanwhile.
+      t_holder = nullptr;
+      lock.unlock();
       pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
       (void)poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(next)) + 1);
     }
+    t_holder = nullptr;
     // Whatever UCX did not give back in time: failed here, never left waiting.
     for (auto& [key, p] : inflight_) {
       if (!p.t->finished_) {
@@ -869,13 +1126,20 @@ class UcxWorkerImpl {
   int efd_ = -1;
   int wake_fd_ = -1;
   std::thread thread_;
+  std::thread::id loop_thread_;
+  // Held by whoever drives the worker (the progress thread or a polling waiter): every UCX call
+  // and every field below "Worker-held" happen under it.
+  std::mutex progress_mu_;
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;
   std::shared_ptr<UcxBufferPool> pool_;
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> hellos_dropped_{0};
   std::atomic<int64_t> stray_dropped_{0};
-  // Progress thread only.
+  std::atomic<int64_t> messages_dropped_{0};
+  // Worker-held (progress_mu_).
+  UcxWorker::MessageFn on_message_;
+  std::unordered_map<uint64_t, std::shared_ptr<UcxTransfer>> expected_;  // replies, by token
   bool stopping_ = false;
   uint64_t next_ep_ = 1;
   UcxWorker::HelloFn hello_;
@@ -936,6 +1200,26 @@ std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t tag, std::shared_ptr<Uc
   const size_t bytes = buffer != nullptr ? buffer->capacity() : 0;
   return impl_->Start(UcxWorkerImpl::Kind::kRecvAny, 0, tag, std::move(buffer), bytes, deadline,
                       std::move(done), 0);
+}
+std::shared_ptr<UcxTransfer> UcxWorker::SendMessage(uint64_t ep, Message kind, std::string header,
+                                                    std::shared_ptr<UcxBuffer> buffer,
+                                                    size_t bytes, absl::Time deadline, Done done) {
+  return impl_->Start(kind == Message::kRequest ? UcxWorkerImpl::Kind::kRequest
+                                                : UcxWorkerImpl::Kind::kReply,
+                      ep, 0, std::move(buffer), bytes, deadline, std::move(done), 0,
+                      std::move(header));
+}
+void UcxWorker::OnMessage(MessageFn fn) { impl_->SetMessageHandler(std::move(fn)); }
+std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t token,
+                                                      std::shared_ptr<UcxBuffer> buffer,
+                                                      absl::Time deadline) {
+  return impl_->Expect(token, std::move(buffer), deadline);
+}
+int64_t UcxWorker::messages_dropped() const { return impl_->messages_dropped(); }
+absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline,
+                                        std::chrono::microseconds spin,
+                                        const std::function<bool()>& stop_polling) {
+  return impl_->Await(t, deadline, spin, stop_polling);
 }
 int64_t UcxWorker::transfers_in_flight() const { return impl_->in_flight(); }
 int64_t UcxWorker::buffers_registered() const { return impl_->registered(); }

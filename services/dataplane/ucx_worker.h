@@ -17,8 +17,18 @@
 // Flow control: a payload moves in chunks of at most chunk_bytes (tags tag, tag + 1, ...), and
 // an endpoint has at most max_bytes_in_flight of sends started; the rest wait their turn.
 //
-// Active messages: the only one is the hello (data_plane.h): OnHello's callback gets its bytes
-// and the endpoint it came on (UCX's reply endpoint), so a server never parses a peer's address.
+// Active messages: the hello (data_plane.h): OnHello's callback gets its bytes and the endpoint it
+// came on (UCX's reply endpoint), so a server never parses a peer's address. Batches: one active
+// message each way (SendMessage): a small header and the payload, which lands in a registered
+// buffer (copied out of an eager message; a rendezvous one is received straight into it). A
+// request goes to OnMessage's handler, which says where it lands; a reply lands in the buffer
+// of the ExpectMessage whose 8-byte token opens its header.
+//
+// Threads: the worker is UCS_THREAD_MODE_SERIALIZED behind one lock. The progress thread holds
+// it while it works and sleeps on the worker's event fd without it; a thread that waits for a
+// transfer (Await) polls the worker itself for a bounded spin first, and a send or receive
+// started while the lock is free runs on the caller's thread: a batch's round trip needs no
+// wake-up of the progress thread when the waiter polls.
 //
 //   MOE_ASSIGN_OR_RETURN(auto w, UcxWorker::Create({.name = "attention-0"}));
 //   MOE_ASSIGN_OR_RETURN(uint64_t ep, w->Connect(peer_address, on_peer_error));
@@ -110,6 +120,8 @@ class UcxTransfer {
   // transfer itself runs on until its own deadline).
   absl::StatusOr<size_t> Wait(absl::Time deadline);
   bool done() const;
+  // A received message's header (ExpectMessage), once done.
+  std::string header() const;
 
  private:
   friend class UcxWorkerImpl;
@@ -126,7 +138,7 @@ class UcxTransfer {
   size_t bytes_done_ = 0;     // of the chunks complete
   absl::Status first_error_;  // of any chunk
   bool finished_ = false;     // Complete ran (abandoned transfers finish before UCX is done)
-  std::string header_;        // a hello's bytes, read by UCX until the send completes
+  std::string header_;  // a hello's or message's header (read by UCX until a send completes)
   std::shared_ptr<UcxBuffer> buffer_;
   std::function<void(const absl::Status&, size_t)> on_done_;
   absl::Time deadline_ = absl::InfiniteFuture();
@@ -182,6 +194,43 @@ class UcxWorker {
   // memory past the table holds. So every worker registers a handler on each of the 65,536 ids
   // (1.5 MB, 1.5 ms once): every slot UCX reads is ours, and the message is dropped and counted.
   int64_t stray_messages_dropped() const;
+
+  // Batch messages. SendMessage sends header (at most kMaxMessageHeader bytes) and
+  // buffer[0, bytes) as one active message: kRequest to OnMessage's handler at the peer, kReply
+  // to the peer's ExpectMessage of the token that opens the header. UCX picks eager or
+  // rendezvous by size; the transfer holds the buffer until UCX is done.
+  static constexpr size_t kMaxMessageHeader = 256;
+  enum class Message { kRequest, kReply };
+  std::shared_ptr<UcxTransfer> SendMessage(uint64_t ep, Message kind, std::string header,
+                                           std::shared_ptr<UcxBuffer> buffer, size_t bytes,
+                                           absl::Time deadline, Done done = nullptr);
+  // Where a request's payload lands and what runs once it did (done: OK with its length, or the
+  // failure). A sink without a buffer drops the message (counted in messages_dropped).
+  struct MessageSink {
+    std::shared_ptr<UcxBuffer> buffer;
+    Done done;
+  };
+  // The request handler (runs with the worker held, on whichever thread progresses it: must not
+  // block nor wait for this worker; Buffer may be called). Set it before the address is handed
+  // out; without one every request is dropped.
+  using MessageFn = std::function<MessageSink(std::string_view header, size_t length)>;
+  void OnMessage(MessageFn fn);
+  // The reply whose header opens with `token` (8 bytes, little-endian) lands in `buffer` (a
+  // longer one fails the transfer INTERNAL); the transfer's header() is the reply's header.
+  // Registered before this returns, so a request sent after it always finds it. Not arrived by
+  // `deadline`: DEADLINE_EXCEEDED (a later one is dropped and counted).
+  std::shared_ptr<UcxTransfer> ExpectMessage(uint64_t token, std::shared_ptr<UcxBuffer> buffer,
+                                             absl::Time deadline);
+  // Batch messages dropped: requests the handler refused or with no handler, replies whose
+  // token nobody expects, headers over kMaxMessageHeader.
+  int64_t messages_dropped() const;
+
+  // Waits for `t` like t.Wait, but first polls the worker from this thread for up to `spin`
+  // (or until `stop_polling` says so): the completion runs here without waking the progress
+  // thread. A spin of 0 is t.Wait. The progress thread takes over when the spin ends.
+  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline,
+                               std::chrono::microseconds spin,
+                               const std::function<bool()>& stop_polling = nullptr);
 
   // A registered buffer of at least `bytes`, from the pool (registration only when the pool has
   // none of that size class yet).

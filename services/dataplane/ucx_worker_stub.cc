@@ -16,6 +16,7 @@ absl::StatusOr<size_t> UcxTransfer::Wait(absl::Time) {
   return absl::UnimplementedError("built without UCX");
 }
 bool UcxTransfer::done() const { return true; }
+std::string UcxTransfer::header() const { return ""; }
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions&) {
   return absl::UnimplementedError("this build has no UCX data plane (libucx-dev was not found)");
@@ -50,6 +51,21 @@ std::shared_ptr<UcxTransfer> UcxWorker::Recv(uint64_t, std::shared_ptr<UcxBuffer
 std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t, std::shared_ptr<UcxBuffer>, absl::Time,
                                                 Done) {
   return std::make_shared<UcxTransfer>();
+}
+std::shared_ptr<UcxTransfer> UcxWorker::SendMessage(uint64_t, Message, std::string,
+                                                    std::shared_ptr<UcxBuffer>, size_t, absl::Time,
+                                                    Done) {
+  return std::make_shared<UcxTransfer>();
+}
+void UcxWorker::OnMessage(MessageFn) {}
+std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t, std::shared_ptr<UcxBuffer>,
+                                                      absl::Time) {
+  return std::make_shared<UcxTransfer>();
+}
+int64_t UcxWorker::messages_dropped() const { return 0; }
+absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer&, absl::Time, std::chrono::microseconds,
+                                        const std::function<bool()>&) {
+  return absl::UnimplementedError("built without UCX");
 }
 int64_t UcxWorker::transfers_in_flight() const { return 0; }
 int64_t UcxWorker::buffers_registered() const { return 0; }

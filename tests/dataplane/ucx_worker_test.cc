@@ -145,6 +145,131 @@ TEST_P(UcxTransports, BuffersAreRegisteredOnceAndReused) {
   EXPECT_LE(b->buffers_registered(), 2);
 }
 
+// A batch as one active message each way: the request lands where the server's handler says, the
+// reply in the buffer the client expected it in (by token), each with its header; eager and
+// rendezvous sizes; the client waits by polling the worker itself (Await), and the round trip
+// comes back bit-exact.
+TEST_P(UcxTransports, ABatchIsOneMessageEachWayAndItsReplyFindsItsToken) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  auto client = MakeWorker(GetParam().tls, "client");
+  auto server = MakeWorker(GetParam().tls, "server");
+  ASSERT_NE(client, nullptr);
+  ASSERT_NE(server, nullptr);
+  // The server echoes each request's payload plus one to the client's endpoint, with the
+  // request's header (whose first 8 bytes are the token) as the reply's header.
+  auto back = server->Connect(client->address(), nullptr);
+  ASSERT_TRUE(back.ok()) << back.status();
+  std::atomic<int> requests{0};
+  UcxWorker* srv = server.get();
+  const uint64_t back_ep = *back;
+  server->OnMessage([&, srv, back_ep](std::string_view header, size_t length) {
+    UcxWorker::MessageSink sink;
+    auto buf = srv->Buffer(length);
+    if (!buf.ok()) return sink;
+    sink.buffer = *buf;
+    sink.done = [srv, back_ep, &requests, buf = *buf, h = std::string(header)](
+                    const absl::Status& s, size_t n) {
+      if (!s.ok()) return;
+      requests.fetch_add(1);
+      for (size_t i = 0; i < n; ++i) buf->data()[i] = static_cast<uint8_t>(buf->data()[i] + 1);
+      (void)srv->SendMessage(back_ep, UcxWorker::Message::kReply, h, buf, n,
+                             absl::Now() + absl::Seconds(10));
+    };
+    return sink;
+  });
+  auto ep = client->Connect(server->address(), nullptr);
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::vector<size_t> sizes = {0, 1, 7168, 200000, (3 << 20) + 5};
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    const size_t n = sizes[k];
+    auto reply_buf = client->Buffer(std::max<size_t>(n, 1));
+    ASSERT_TRUE(reply_buf.ok());
+    const uint64_t token = 0x1234567890abcdefULL + k;
+    std::string header(16, 'x');
+    for (int i = 0; i < 8; ++i) header[i] = static_cast<char>((token >> (8 * i)) & 0xff);
+    auto got = client->ExpectMessage(token, *reply_buf, deadline);
+    auto sent = client->SendMessage(*ep, UcxWorker::Message::kRequest, header,
+                                    Filled(*client, std::max<size_t>(n, 1), static_cast<uint8_t>(k)),
+                                    n, deadline);
+    auto len = client->Await(*got, deadline, std::chrono::microseconds(200));
+    ASSERT_TRUE(len.ok()) << "size " << n << ": " << len.status();
+    EXPECT_EQ(*len, n);
+    EXPECT_EQ(got->header(), header);
+    size_t wrong = 0;
+    for (size_t i = 0; i < n; ++i) {
+      wrong += (*reply_buf)->data()[i] != static_cast<uint8_t>(k + i * 7 + 1);
+    }
+    EXPECT_EQ(wrong, 0u) << "size " << n;
+    EXPECT_TRUE(client->Await(*sent, deadline, std::chrono::microseconds(0)).ok());
+  }
+  EXPECT_EQ(requests.load(), static_cast<int>(sizes.size()));
+  EXPECT_EQ(client->messages_dropped(), 0);
+  EXPECT_EQ(server->messages_dropped(), 0);
+}
+
+// What the batch ids refuse: a reply whose token nobody expects (or that came after its
+// deadline) is dropped and counted; one longer than the expected buffer fails that transfer
+// INTERNAL without an overrun; a request without a handler is dropped; a header over the limit
+// never leaves.
+TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  auto a = MakeWorker(GetParam().tls, "a");
+  auto b = MakeWorker(GetParam().tls, "b");
+  ASSERT_NE(b, nullptr);
+  auto ep = a->Connect(b->address(), nullptr);
+  ASSERT_TRUE(ep.ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto token_header = [](uint64_t t) {
+    std::string h(8, '\0');
+    for (int i = 0; i < 8; ++i) h[i] = static_cast<char>((t >> (8 * i)) & 0xff);
+    return h;
+  };
+  auto payload = Filled(*a, 200000, 3);
+  // Unknown token, and a request to a worker without a handler.
+  EXPECT_TRUE(a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(77), payload, 100,
+                             deadline)
+                  ->Wait(deadline)
+                  .ok());
+  EXPECT_TRUE(a->SendMessage(*ep, UcxWorker::Message::kRequest, token_header(78), payload, 100000,
+                             deadline)
+                  ->Wait(deadline)
+                  .ok());
+  // Longer than the buffer it was expected in (eager and rendezvous); the guard past the
+  // buffer's capacity stays untouched.
+  for (size_t n : {size_t{5000}, size_t{150000}}) {
+    auto small = b->Buffer(4096);
+    ASSERT_TRUE(small.ok());
+    std::memset((*small)->data(), 0xee, (*small)->capacity());
+    auto got = b->ExpectMessage(1000 + n, *small, deadline);
+    (void)a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(1000 + n), payload, n,
+                         deadline);
+    auto r = got->Wait(deadline);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  }
+  // A reply expected until a deadline that passed: DEADLINE_EXCEEDED, and the late one dropped.
+  auto late_buf = b->Buffer(4096);
+  auto late = b->ExpectMessage(5, *late_buf, absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(late->Wait(deadline).status().code(), absl::StatusCode::kDeadlineExceeded);
+  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(5), payload, 10, deadline)
+      ->Wait(deadline);
+  auto big = a->SendMessage(*ep, UcxWorker::Message::kRequest, std::string(257, 'h'), payload, 1,
+                            deadline);
+  EXPECT_EQ(big->Wait(deadline).status().code(), absl::StatusCode::kInvalidArgument);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (b->messages_dropped() < 3 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(b->messages_dropped(), 3);  // unknown token, no handler, late
+  // The worker still delivers an honest reply.
+  auto ok_buf = b->Buffer(4096);
+  auto ok = b->ExpectMessage(9, *ok_buf, deadline);
+  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(9), payload, 4000, deadline);
+  auto n = b->Await(*ok, deadline, std::chrono::microseconds(100));
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(std::memcmp((*ok_buf)->data(), payload->data(), 4000), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxTransports,
                          ::testing::Values(Lane{"posix", "shm"}, Lane{"sysv", "shm"},
                                            Lane{"posix,tcp", "tcp"}, Lane{"tcp", "tcp"}),
