@@ -50,6 +50,8 @@ absl::StatusOr<Hello> ParseHello(std::string_view bytes);
 // token (8), "MOEB", version 1, kind (1: request, 2: reply), 2 zero bytes, client id (8),
 // sequence (8), header_bytes (4), 4 zero bytes, MAC (16): 56 bytes exactly.
 constexpr size_t kBatchFrameBytes = 56;
+// A reply's protobuf header fits this (the attention node's reply buffer has this room).
+constexpr size_t kMaxReplyHeaderBytes = 16384;
 constexpr size_t kBatchFrameMacOffset = 40;
 enum class BatchKind : uint8_t { kRequest = 1, kReply = 2 };
 struct BatchFrame {

@@ -266,9 +266,9 @@ class UcxWorkerImpl {
     {
       std::lock_guard<std::mutex> lock(mu_);
       commands_.push_back(std::move(f));
+      has_commands_.store(true, std::memory_order_release);
     }
-    const uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof(one));
+    Wake();
   }
 
   // Runs f with the worker held, on this thread (after the commands posted before it).
@@ -289,8 +289,12 @@ class UcxWorkerImpl {
       if (!locked) w_->progress_mu_.lock();
       t_holder = w_;
     }
+    // Off for batch messages: their sender polls next (Await, PollUntil); the progress
+    // thread's short sleep while requests are in flight covers one that does not.
+    bool wake_if_pending = true;
     ~Hold() {
-      const bool wake = !w_->inflight_.empty() && std::this_thread::get_id() != w_->loop_thread_;
+      const bool wake = wake_if_pending && !w_->inflight_.empty() && w_->pollers_ == 0 &&
+                        std::this_thread::get_id() != w_->loop_thread_;
       t_holder = nullptr;
       w_->progress_mu_.unlock();
       if (wake) w_->Wake();
@@ -311,22 +315,43 @@ class UcxWorkerImpl {
   bool TryProgress() {
     if (t_holder == this || !progress_mu_.try_lock()) return false;
     Hold hold(this, /*locked=*/true);
-    RunCommands();
+    RunCommands(/*drain_fd=*/false);
     while (ucp_worker_progress(worker_) != 0) {
     }
-    RunCommands();  // what the callbacks queued (a hello's acknowledgement)
+    RunCommands(/*drain_fd=*/false);  // what the callbacks queued (a hello's acknowledgement)
     return true;
+  }
+
+  // A thread polls the worker from Begin to End: meanwhile nobody wakes the progress thread for
+  // requests in flight (the poller progresses them); the last poller to leave hands them back.
+  void BeginPolling() {
+    std::lock_guard<std::mutex> lock(progress_mu_);
+    ++pollers_;
+  }
+  void EndPolling() {
+    bool wake = false;
+    {
+      std::lock_guard<std::mutex> lock(progress_mu_);
+      wake = --pollers_ == 0 && (disarmed_ || !inflight_.empty());
+    }
+    if (wake) Wake();
+  }
+
+  void PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop) {
+    if (t_holder == this) return;
+    BeginPolling();
+    while (!stop() && std::chrono::steady_clock::now() < until) {
+      if (!TryProgress()) std::this_thread::yield();
+    }
+    EndPolling();
   }
 
   absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline,
                                std::chrono::microseconds spin,
                                const std::function<bool()>& stop_polling) {
-    if (spin.count() > 0 && t_holder != this) {
-      const auto until = std::chrono::steady_clock::now() + spin;
-      while (!t.done() && std::chrono::steady_clock::now() < until) {
-        if (stop_polling && stop_polling()) break;
-        if (!TryProgress()) std::this_thread::yield();
-      }
+    if (spin.count() > 0) {
+      PollUntil(std::chrono::steady_clock::now() + spin,
+                [&] { return t.done() || (stop_polling && stop_polling()); });
     }
     return t.Wait(deadline);
   }
@@ -494,7 +519,8 @@ class UcxWorkerImpl {
     // what was posted before; else queued for the holder.
     if (t_holder != this && progress_mu_.try_lock()) {
       Hold hold(this, /*locked=*/true);
-      RunCommands();
+      hold.wake_if_pending = kind != Kind::kRequest && kind != Kind::kReply;
+      RunCommands(/*drain_fd=*/false);
       op();
     } else {
       Post(std::move(op));
@@ -1045,13 +1071,19 @@ class UcxWorkerImpl {
   }
 
   // Runs the posted commands; whether there were any.
-  bool RunCommands() {
-    uint64_t n;
-    (void)!read(wake_fd_, &n, sizeof(n));
+  // Runs the posted commands; whether there were any. The progress thread also drains the
+  // wake-up counter (drain_fd); a poller only looks at the flag (no system call per poll).
+  bool RunCommands(bool drain_fd = true) {
+    if (drain_fd) {
+      uint64_t n;
+      (void)!read(wake_fd_, &n, sizeof(n));
+    }
+    if (!has_commands_.load(std::memory_order_acquire)) return false;
     std::deque<std::function<void()>> todo;
     {
       std::lock_guard<std::mutex> lock(mu_);
       todo.swap(commands_);
+      has_commands_.store(false, std::memory_order_relaxed);
     }
     for (auto& f : todo) f();
     return !todo.empty();
@@ -1101,12 +1133,26 @@ class UcxWorkerImpl {
         if ((inflight_.empty() && closing_.empty()) || absl::Now() > stop_by) break;
       }
       if (now - last_activity < options_.spin) continue;
+      if (pollers_ > 0) {
+        // A waiter polls the worker: the progress thread sleeps unarmed (no peer signals this
+        // worker per message) until the last poller leaves (EndPolling wakes it).
+        disarmed_ = true;
+        t_holder = nullptr;
+        lock.unlock();
+        pollfd fd = {wake_fd_, POLLIN, 0};
+        (void)poll(&fd, 1, static_cast<int>(absl::ToInt64Milliseconds(next)) + 1);
+        continue;
+      }
+      disarmed_ = false;
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
       // Asleep without the worker: a waiter may poll it meanwhile.
       t_holder = nullptr;
       lock.unlock();
+      // Requests in flight (a send whose caller did not poll on): back within a millisecond.
+      const int timeout_ms =
+          inflight_.empty() ? static_cast<int>(absl::ToInt64Milliseconds(next)) + 1 : 1;
       pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-      (void)poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(next)) + 1);
+      (void)poll(fds, 2, timeout_ms);
     }
     t_holder = nullptr;
     // Whatever UCX did not give back in time: failed here, never left waiting.
@@ -1137,6 +1183,9 @@ class UcxWorkerImpl {
   std::atomic<int64_t> hellos_dropped_{0};
   std::atomic<int64_t> stray_dropped_{0};
   std::atomic<int64_t> messages_dropped_{0};
+  std::atomic<bool> has_commands_{false};  // commands_ is not empty (set under mu_)
+  int pollers_ = 0;                        // threads between BeginPolling and EndPolling
+  bool disarmed_ = false;                  // the progress thread sleeps without arming
   // Worker-held (progress_mu_).
   UcxWorker::MessageFn on_message_;
   std::unordered_map<uint64_t, std::shared_ptr<UcxTransfer>> expected_;  // replies, by token
@@ -1160,6 +1209,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   w->address_ = std::move(address);
   w->tls_ = std::move(tls);
   w->chunk_bytes_ = w->impl_->chunk_bytes();
+  w->poll_spin_ = options.poll_spin;
   return w;
 }
 
@@ -1216,6 +1266,11 @@ std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t token,
   return impl_->Expect(token, std::move(buffer), deadline);
 }
 int64_t UcxWorker::messages_dropped() const { return impl_->messages_dropped(); }
+bool UcxWorker::Progress() { return impl_->TryProgress(); }
+void UcxWorker::PollUntil(std::chrono::steady_clock::time_point until,
+                          const std::function<bool()>& stop) {
+  impl_->PollUntil(until, stop);
+}
 absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline,
                                         std::chrono::microseconds spin,
                                         const std::function<bool()>& stop_polling) {

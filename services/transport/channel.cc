@@ -2,12 +2,14 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <climits>
+
 #include "services/transport/security.h"
 
 namespace moe::transport {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_message_bytes,
-                                           std::shared_ptr<grpc::ChannelCredentials> credentials) {
+namespace {
+grpc::ChannelArguments BaseArguments(int max_message_bytes) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   args.SetMaxSendMessageSize(max_message_bytes);
@@ -19,8 +21,21 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_
   // Each peer gets its own connection (an attention node's shard streams must not share one
   // TCP connection with unrelated calls).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return args;
+}
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& endpoint, int max_message_bytes,
+                                           std::shared_ptr<grpc::ChannelCredentials> credentials) {
   if (credentials == nullptr) credentials = ProcessChannelCredentials();
-  return grpc::CreateCustomChannel(endpoint, credentials, args);
+  return grpc::CreateCustomChannel(endpoint, credentials, BaseArguments(max_message_bytes));
+}
+
+std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& endpoint,
+                                                  int max_message_bytes) {
+  grpc::ChannelArguments args = BaseArguments(max_message_bytes);
+  args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, INT_MAX);
+  return grpc::CreateCustomChannel(endpoint, ProcessChannelCredentials(), args);
 }
 
 }  // namespace moe::transport

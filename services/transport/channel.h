@@ -31,6 +31,12 @@ std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& endpoint, int max_message_bytes = kDefaultMaxMessageBytes,
     std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
+// The same, for a connection whose state says whether the peer is alive (an attention node's
+// control connection to a shard whose batches travel on UCX): never idled by the client, so it
+// leaves READY only when the connection broke (the peer died, the network failed).
+std::shared_ptr<grpc::Channel> MakeControlChannel(const std::string& endpoint,
+                                                  int max_message_bytes = kDefaultMaxMessageBytes);
+
 }  // namespace moe::transport
 
 #endif  // MOE_SERVICES_TRANSPORT_CHANNEL_H_
