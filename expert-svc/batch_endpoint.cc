@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "expert-svc/dispatch_batch.h"
 #include "expert-svc/ucx_data_plane.h"
+#include "services/common/logging.h"
+#include "services/dataplane/data_plane.h"
 #include "services/transport/status_convert.h"
 
 namespace moe::expert_svc {
@@ -84,6 +86,55 @@ class UcxReply final : public BatchReply {
   DispatchReactor* stream_;
   UcxDataPlane* ucx_;
   const OutOfBandHeader header_;
+  const std::string shard_;
+  const absl::Time deadline_;
+};
+
+// One UCX message back: the reply's header, then its outputs.
+class UcxBatchReply final : public BatchReply {
+ public:
+  UcxBatchReply(UcxDataPlane* ucx, const UcxBatchSource& from, int64_t reply_bytes,
+                std::string shard, absl::Time deadline)
+      : ucx_(ucx),
+        from_(from),
+        reply_bytes_(reply_bytes),
+        shard_(std::move(shard)),
+        deadline_(deadline) {}
+
+  void Send(v1::DispatchReply reply) override {
+    std::string payload;
+    if (reply.code() == 0) {
+      payload = std::move(*reply.mutable_outputs()->mutable_data());
+      reply.mutable_outputs()->clear_data();
+      if (static_cast<int64_t>(payload.size()) != reply_bytes_) {
+        const uint64_t id = reply.batch_id();
+        reply = ErrorReply(id, shard_,
+                           absl::InternalError(absl::StrCat(
+                               "shard ", shard_, ", batch ", id, ": the reply has ", payload.size(),
+                               " bytes, the caller expects ", reply_bytes_)));
+        payload.clear();
+      } else {
+        reply.set_out_of_band(true);
+        reply.set_output_bytes(static_cast<int64_t>(payload.size()));
+      }
+    }
+    std::string header = reply.SerializeAsString();
+    if (header.size() > dataplane::kMaxReplyHeaderBytes) {  // a very long error message
+      reply.set_message(reply.message().substr(0, 1024));
+      header = reply.SerializeAsString();
+    }
+    const absl::Status s = ucx_->ReplyBatch(from_, header, payload, deadline_, nullptr);
+    if (!s.ok()) {
+      MOE_LOG_WARN("shard {}, batch {}: the reply could not be sent: {}", shard_, reply.batch_id(),
+                   s.ToString());
+    }
+  }
+  const char* transport() const override { return "ucx"; }
+
+ private:
+  UcxDataPlane* const ucx_;
+  const UcxBatchSource from_;
+  const int64_t reply_bytes_;
   const std::string shard_;
   const absl::Time deadline_;
 };
@@ -173,6 +224,12 @@ v1::DispatchReply ErrorReply(uint64_t batch_id, const std::string& shard, const 
   transport::SetBatchStatus(s, &reply);
   reply.set_shard(shard);
   return reply;
+}
+
+std::unique_ptr<BatchReply> MakeUcxBatchReply(UcxDataPlane* ucx, const UcxBatchSource& from,
+                                              int64_t reply_bytes, std::string shard,
+                                              absl::Time deadline) {
+  return std::make_unique<UcxBatchReply>(ucx, from, reply_bytes, std::move(shard), deadline);
 }
 
 std::unique_ptr<BatchEndpoint> MakeBatchEndpoint(const v1::DispatchRequest& req,

@@ -24,12 +24,14 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "moe/v1/expert.pb.h"
 #include "services/transport/stream_reactor.h"
 
 namespace moe::expert_svc {
 
 class UcxDataPlane;
+struct UcxBatchSource;
 
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
@@ -69,6 +71,14 @@ struct EndpointContext {
   // Every error a transport answers on its own (metrics).
   std::function<void(const absl::Status&)> on_error;
 };
+
+// The answer to a batch that came as one UCX message (ucx_data_plane.h): one message back, with
+// the reply's header and, for an answer, its outputs (which must have the reply_capacity_bytes
+// the caller announced in the request's OutOfBand; INTERNAL otherwise). `ucx` outlives it (the
+// server answers every batch before it stops the data plane).
+std::unique_ptr<BatchReply> MakeUcxBatchReply(UcxDataPlane* ucx, const UcxBatchSource& from,
+                                              int64_t reply_bytes, std::string shard,
+                                              absl::Time deadline);
 
 // The request's endpoint: UCX when it has an out_of_band header (FAILED_PRECONDITION answered
 // when this server has no UCX), in band otherwise; local when the context has no stream.

@@ -41,6 +41,7 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
     for (auto it = clients_.begin(); it != clients_.end(); ++it) {
       if (it->second.node == node) {
         *replaced_endpoint = it->second.endpoint;
+        seen_.erase(it->first);
         clients_.erase(it);
         break;
       }
@@ -88,6 +89,23 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Get(uint64_t id) const {
         absl::StrCat("data-plane client ", id, " has not sent its UCX hello"));
   }
   return it->second;
+}
+
+bool DataPlaneClients::ClaimSequence(uint64_t id, uint64_t sequence) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (clients_.count(id) == 0 || sequence == 0) return false;
+  Seen& s = seen_[id];
+  if (sequence > s.highest) {
+    const uint64_t shift = sequence - s.highest;
+    s.used = shift >= kReplayWindow ? std::bitset<kReplayWindow>() : s.used << shift;
+    s.highest = sequence;
+    s.used.set(0);
+    return true;
+  }
+  const uint64_t back = s.highest - sequence;
+  if (back >= kReplayWindow || s.used.test(back)) return false;
+  s.used.set(back);
+  return true;
 }
 
 int DataPlaneClients::size() const {

@@ -12,6 +12,7 @@
 #ifndef MOE_EXPERT_SVC_DATA_PLANE_CLIENTS_H_
 #define MOE_EXPERT_SVC_DATA_PLANE_CLIENTS_H_
 
+#include <bitset>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -72,12 +73,24 @@ class DataPlaneClients {
   // A bound client; NOT_FOUND for an unknown or replaced one, FAILED_PRECONDITION for one whose
   // hello has not arrived.
   absl::StatusOr<DataPlaneClient> Get(uint64_t id) const;
+  // Claims a batch sequence of a client once (a batch message's MAC nonce): true for a sequence
+  // this client has not used, within kReplayWindow of its highest; false for a replay, one too
+  // old to tell, or an unknown client. A replayed message is never answered, so a peer cannot
+  // make this server seal two replies under one nonce.
+  static constexpr uint64_t kReplayWindow = 1024;
+  bool ClaimSequence(uint64_t id, uint64_t sequence);
   int size() const;
 
  private:
   const int max_clients_;
   mutable std::mutex mu_;
   std::map<uint64_t, DataPlaneClient> clients_ ABSL_GUARDED_BY(mu_);
+  // Per client: the highest sequence claimed and which of the kReplayWindow below it were.
+  struct Seen {
+    uint64_t highest = 0;
+    std::bitset<kReplayWindow> used;
+  };
+  std::map<uint64_t, Seen> seen_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -182,7 +182,8 @@ absl::Status ExpertCore::LoadWeights() {
   return absl::OkStatus();
 }
 
-void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
+void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,
+                       std::chrono::microseconds idle_spin) {
   metrics_ = metrics;
   if (metrics_ != nullptr) {
     metrics_->Backend(backends_.begin()->second->name(), backends_.begin()->second->note);
@@ -220,6 +221,8 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics) {
           if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
         });
   }
+  idle_poll_ = std::move(idle_poll);
+  idle_spin_ = idle_spin;
   compute_thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "expert-compute");  // for top -H and profilers
     ComputeLoop();
@@ -230,6 +233,7 @@ void ExpertCore::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    has_work_.store(true);
     cv_.notify_all();
   }
   // The compute thread answers what is queued (UNAVAILABLE) before the streams are cancelled.
@@ -312,6 +316,7 @@ absl::Status ExpertCore::Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<Batch
                                                      options_.max_queued_batches, " batches)"));
   }
   queue_.emplace_back(std::move(b), std::move(reply));
+  has_work_.store(true);
   if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
   cv_.notify_one();
   return absl::OkStatus();
@@ -323,6 +328,13 @@ void ExpertCore::ComputeLoop() {
     std::unique_ptr<BatchReply> out;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      // Poll the data plane for a while after a batch: the next one is admitted right here.
+      if (idle_poll_ && queue_.empty() && !stopping_ &&
+          Clock::now() - last_batch_end_ < idle_spin_) {
+        lock.unlock();
+        idle_poll_(last_batch_end_ + idle_spin_, [this] { return has_work_.load(); });
+        lock.lock();
+      }
       while (!cv_.wait_for(lock, kIdleTick, [&] { return stopping_ || !queue_.empty(); })) {
         if (metrics_ != nullptr) metrics_->Tick();  // the busy ratio decays while idle
         lock.unlock();  // batches queue meanwhile; they wait at most one probe (~0.2 s)
@@ -333,6 +345,7 @@ void ExpertCore::ComputeLoop() {
       b = std::move(queue_.front().first);
       out = std::move(queue_.front().second);
       queue_.pop_front();
+      has_work_.store(!queue_.empty() || stopping_);
       if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
     }
     v1::DispatchReply reply;

@@ -12,6 +12,7 @@
 #define MOE_EXPERT_SVC_EXPERT_CORE_H_
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -49,8 +50,15 @@ class ExpertCore {
   static absl::StatusOr<std::unique_ptr<ExpertCore>> Load(const ExpertServerOptions& options);
   ~ExpertCore();
 
-  // Starts the production check and the compute thread; metrics may be null.
-  void Start(metrics::ExpertMetrics* metrics);
+  // Starts the production check and the compute thread; metrics may be null. idle_poll (may be
+  // null): after each batch the compute thread calls it with the end of its idle window
+  // (idle_spin after the batch) and a predicate that turns true once a batch is queued, before
+  // it sleeps: the UCX worker's PollUntil, so the next batch message lands and is admitted on
+  // this thread, with no wake-up in between.
+  using IdlePoll = std::function<void(std::chrono::steady_clock::time_point until,
+                                      const std::function<bool()>& work_queued)>;
+  void Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll = nullptr,
+             std::chrono::microseconds idle_spin = std::chrono::microseconds(0));
   // Validates a batch and queues it; every outcome, error or answer, goes to `reply`.
   void Admit(const v1::DispatchRequest& req, std::string_view activations,
              std::unique_ptr<BatchReply> reply);
@@ -89,6 +97,9 @@ class ExpertCore {
   // neighbour): the best of every measurement is kept. Compute thread only.
   void RemeasureLimitsWhenIdle();
   std::chrono::steady_clock::time_point last_batch_end_ = std::chrono::steady_clock::now();
+  IdlePoll idle_poll_;  // set by Start, read by the compute thread
+  std::atomic<bool> has_work_{false};  // queue_ is not empty or stopping_ (set under mu_)
+  std::chrono::microseconds idle_spin_{0};
   std::chrono::steady_clock::time_point limits_measured_ = std::chrono::steady_clock::now();
   std::unique_ptr<BatchVerifier> verifier_;
   metrics::ExpertMetrics* metrics_ = nullptr;

@@ -5,10 +5,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <shared_mutex>
 
 #include "absl/strings/str_cat.h"
 #include "expert-svc/batch_endpoint.h"
+#include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_core.h"
 #include "expert-svc/ucx_data_plane.h"
 #include "moe/v1/expert.grpc.pb.h"
@@ -68,6 +70,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   absl::Status StartDataPlane();
   // One request off a Dispatch stream: to its endpoint (in band or UCX), then to the core.
   void OnDispatch(v1::DispatchRequest req, DispatchReactor* stream);
+  // One batch that came as a UCX message (authenticated by the data plane): to the core.
+  void OnUcxBatch(const UcxBatchSource& from, std::string_view header,
+                  std::string_view activations);
 
   ExpertServerOptions options_;
   std::unique_ptr<ExpertCore> core_;
@@ -81,6 +86,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   // alive while they use it; Shutdown takes it exclusively to stop it.
   std::shared_mutex ucx_mu_;
   std::unique_ptr<UcxDataPlane> ucx_;
+  // The same, for the batch messages' handler (runs on the UCX worker's thread, which Shutdown
+  // joins while holding ucx_mu_: it must not take that lock). Set before any client can open.
+  std::atomic<UcxDataPlane*> ucx_raw_{nullptr};
 };
 
 absl::Status ExpertServer::Impl::Start() {
@@ -108,14 +116,26 @@ absl::Status ExpertServer::Impl::Start() {
     MOE_ASSIGN_OR_RETURN(options_.attention_token_sha256,
                          ReadSecretFile(options_.attention_token_sha256_file));
   }
-  core_->Start(metrics_.get());
+  MOE_RETURN_IF_ERROR(StartDataPlane());
+  // Between batches the compute thread polls the data plane for a while: the next batch message
+  // lands and is admitted on it, with no thread woken in between.
+  if (ucx_ != nullptr && options_.ucx_batch_messages) {
+    core_->Start(
+        metrics_.get(),
+        [ucx = ucx_.get()](std::chrono::steady_clock::time_point until,
+                           const std::function<bool()>& work_queued) {
+          ucx->PollUntil(until, work_queued);
+        },
+        ucx_->poll_spin());
+  } else {
+    core_->Start(metrics_.get());
+  }
   transport::GrpcServerOptions so;
   so.host = options_.host;
   so.port = options_.port;
   so.max_receive_message_bytes = options_.max_message_bytes;
   so.max_send_message_bytes = options_.max_message_bytes;
   so.services = {this};
-  MOE_RETURN_IF_ERROR(StartDataPlane());
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
   server_->SetServing(true);
   if (options_.advertise.empty()) options_.advertise = server_->endpoint();
@@ -199,6 +219,31 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   });
 }
 
+void ExpertServer::Impl::OnUcxBatch(const UcxBatchSource& from, std::string_view header,
+                                    std::string_view activations) {
+  UcxDataPlane* ucx = ucx_raw_.load();
+  if (ucx == nullptr) return;
+  v1::DispatchRequest req;
+  const bool parsed = req.ParseFromArray(header.data(), static_cast<int>(header.size()));
+  const v1::OutOfBand& o = req.out_of_band();
+  const auto budget = BatchBudget(req.timeout_ms());
+  std::unique_ptr<BatchReply> reply =
+      MakeUcxBatchReply(ucx, from, o.reply_capacity_bytes(), options_.shard,
+                        absl::Now() + absl::FromChrono(budget) + absl::Seconds(5));
+  if (!parsed || !req.has_out_of_band() || !req.activations().data().empty() ||
+      o.activation_bytes() != static_cast<int64_t>(activations.size()) ||
+      o.reply_capacity_bytes() < 0 || o.reply_capacity_bytes() > options_.max_message_bytes) {
+    const absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "shard ", options_.shard, ", batch ", req.batch_id(),
+        ": a UCX batch message whose header does not describe its payload (",
+        activations.size(), " activation bytes)"));
+    if (metrics_ != nullptr) metrics_->common.Error("Dispatch", "INVALID_ARGUMENT");
+    reply->Send(ErrorReply(req.batch_id(), options_.shard, s));
+    return;
+  }
+  core_->Admit(req, activations, std::move(reply));
+}
+
 grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContext* context,
                                                       const v1::GetExpertInfoRequest*,
                                                       v1::ExpertServerInfo* response) {
@@ -263,6 +308,7 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
   response->set_ack_tag(client->ack_tag);
   response->set_mac_key(client->mac_key);
   response->set_chunk_bytes(static_cast<int64_t>(ucx_->chunk_bytes()));
+  response->set_batch_messages(options_.ucx_batch_messages);
   return finish(absl::OkStatus());
 }
 
@@ -272,11 +318,16 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   uo.shard = options_.shard;
   uo.tls = options_.ucx_tls;
   uo.bind_host = options_.host;
+  uo.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
   uo.max_clients = options_.max_data_plane_clients;
   uo.max_message_bytes = options_.max_message_bytes;
   uo.on_event = [this](const std::string& event) {
     if (metrics_ != nullptr) metrics_->DataPlaneEvent(event);
   };
+  if (options_.ucx_batch_messages) {
+    uo.on_batch = [this](const UcxBatchSource& from, std::string_view header,
+                         std::string_view activations) { OnUcxBatch(from, header, activations); };
+  }
   auto w = UcxDataPlane::Start(std::move(uo));
   if (!w.ok()) {
     if (options_.data_plane == dataplane::DataPlane::kUcx) {
@@ -289,6 +340,7 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   }
   std::unique_lock<std::shared_mutex> lock(ucx_mu_);
   ucx_ = std::move(*w);
+  ucx_raw_.store(ucx_.get());
   MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", options_.shard,
                dataplane::UcxVersion(), ucx_->tls());
   if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok()) {
@@ -306,6 +358,7 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
   {
     // Unfinished transfers fail (their batches are answered UNAVAILABLE) while the streams live.
     std::unique_lock<std::shared_mutex> lock(ucx_mu_);
+    ucx_raw_.store(nullptr);
     ucx_.reset();
   }
   if (server_ != nullptr) server_->Shutdown(grace);

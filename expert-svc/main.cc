@@ -47,6 +47,9 @@ int main(int argc, char** argv) {
               moe::dataplane::ParseDataPlane,
               "auto|grpc|ucx: offer the out-of-band UCX data plane (auto: when built with UCX)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
+  flags.Int("ucx_poll_us", &o.ucx_poll_us,
+            "after a batch the compute thread polls the UCX data plane this long for the next one "
+            "(0: it sleeps at once; docs/data-plane.md)");
   flags.Int("max_data_plane_clients", &o.max_data_plane_clients,
             "attention nodes with an open UCX data plane at once");
   flags.Double(

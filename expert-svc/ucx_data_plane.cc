@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOp
   uo.name = dp->options_.shard;
   uo.tls = dp->options_.tls;
   uo.bind_host = dp->options_.bind_host;
+  uo.poll_spin = dp->options_.poll_spin;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   dp->worker_ = std::move(*w);
@@ -32,6 +33,8 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOp
   dp->worker_->OnHello([self](std::string_view hello, uint64_t ep, const dataplane::UcxLanes& l) {
     self->OnHello(hello, ep, l.Describe());
   });
+  dp->worker_->OnMessage(
+      [self](std::string_view frame, size_t length) { return self->OnRequest(frame, length); });
   return dp;
 }
 
@@ -144,6 +147,87 @@ void UcxDataPlane::Receive(const OutOfBandHeader& h, absl::Time deadline, Receiv
         }
         done(absl::OkStatus(), std::string_view(reinterpret_cast<const char*>(buf->data()), n));
       });
+}
+
+dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame_bytes,
+                                                          size_t length) {
+  dataplane::UcxWorker::MessageSink sink;
+  absl::StatusOr<dataplane::BatchFrame> frame =
+      dataplane::ParseBatchFrame(frame_bytes, dataplane::BatchKind::kRequest, length);
+  absl::StatusOr<DataPlaneClient> c =
+      frame.ok() ? clients_.Get(frame->client_id) : absl::StatusOr<DataPlaneClient>(frame.status());
+  if (!c.ok() || !options_.on_batch ||
+      static_cast<int64_t>(length) > options_.max_message_bytes + (int64_t{1} << 20)) {
+    Rejected("message_rejected", "an unbound peer",
+             absl::StrCat("a UCX batch message of ", length, " bytes was dropped: ",
+                          !c.ok() ? c.status().ToString() : "too long, or no batch handler"));
+    return sink;
+  }
+  auto buffer = worker_->Buffer(std::max<size_t>(length, 1));
+  if (!buffer.ok()) {
+    Rejected("message_rejected", "buffers", absl::StrCat("no buffer for a UCX batch message: ",
+                                                         buffer.status().ToString()));
+    return sink;
+  }
+  sink.buffer = *buffer;
+  sink.done = [this, buf = *buffer, f = *frame, prefix = std::string(dataplane::MacPrefix(frame_bytes)),
+               mac = c->mac, peer = absl::StrCat("client ", c->id, " (", c->node, ")")](
+                  const absl::Status& s, size_t n) {
+    if (!s.ok()) {
+      Rejected("message_rejected", peer,
+               absl::StrCat("a UCX batch message of ", peer, " did not arrive: ", s.ToString()));
+      return;
+    }
+    // Nothing of it is read before it authenticated under the client's key.
+    if (!mac->Verify(dataplane::Direction::kToExpert, f.sequence, buf->data(), n, f.mac, prefix)) {
+      Rejected("integrity_failed", peer,
+               absl::StrCat("shard ", options_.shard, ": a batch message of ", peer,
+                            " failed its integrity check (dropped)"));
+      return;
+    }
+    if (!clients_.ClaimSequence(f.client_id, f.sequence)) {
+      Rejected("replayed", peer,
+               absl::StrCat("shard ", options_.shard, ": a batch message of ", peer,
+                            " repeated sequence ", f.sequence, " (dropped)"));
+      return;
+    }
+    const auto* d = reinterpret_cast<const char*>(buf->data());
+    options_.on_batch(BatchSource{f.client_id, f.token, f.sequence}, std::string_view(d, f.header_bytes),
+              std::string_view(d + f.header_bytes, n - f.header_bytes));
+  };
+  return sink;
+}
+
+absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view header,
+                                      std::string_view payload, absl::Time deadline, Sent sent) {
+  if (header.size() > dataplane::kMaxReplyHeaderBytes) {
+    return absl::InternalError(absl::StrCat("a reply header of ", header.size(), " bytes"));
+  }
+  absl::StatusOr<DataPlaneClient> c = clients_.Get(to.client_id);
+  if (!c.ok()) return absl::UnavailableError(c.status().message());
+  const size_t total = header.size() + payload.size();
+  auto buffer = worker_->Buffer(std::max<size_t>(total, 1));
+  if (!buffer.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no reply buffer: ", buffer.status().message()));
+  }
+  uint8_t* d = (*buffer)->data();
+  if (!header.empty()) std::memcpy(d, header.data(), header.size());
+  if (!payload.empty()) std::memcpy(d + header.size(), payload.data(), payload.size());
+  dataplane::BatchFrame f;
+  f.token = to.token;
+  f.kind = dataplane::BatchKind::kReply;
+  f.client_id = to.client_id;
+  f.sequence = to.sequence;
+  f.header_bytes = static_cast<uint32_t>(header.size());
+  f.mac = c->mac->Compute(dataplane::Direction::kToAttention, to.sequence, d, total,
+                          dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
+  worker_->SendMessage(c->endpoint, dataplane::UcxWorker::Message::kReply,
+                       dataplane::EncodeBatchFrame(f), *buffer, total, deadline,
+                       [sent = std::move(sent)](const absl::Status& s, size_t) {
+                         if (sent) sent(s);
+                       });
+  return absl::OkStatus();
 }
 
 absl::Status UcxDataPlane::Reply(const OutOfBandHeader& h, std::string_view payload,

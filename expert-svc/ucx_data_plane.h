@@ -22,21 +22,33 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "expert-svc/data_plane_clients.h"
-
-namespace moe::dataplane {
-class UcxWorker;
-class UcxBuffer;
-}  // namespace moe::dataplane
+#include "services/dataplane/ucx_worker.h"
 
 namespace moe::expert_svc {
+
+// Who sent a batch message (data_plane.h, BatchFrame), to answer it.
+struct UcxBatchSource {
+  uint64_t client_id = 0, token = 0, sequence = 0;
+};
 
 struct UcxDataPlaneOptions {
   std::string shard;                      // for messages
   std::string tls;                        // UCX_TLS syntax; empty: the environment's
   std::string bind_host;                  // UcxOptions::bind_host: the server's --host
+  std::chrono::microseconds poll_spin{100};  // UcxOptions::poll_spin
   int max_clients = 256;                  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   int64_t max_message_bytes = 256 << 20;  // the largest payload either way
-  // Counted events (metrics): "hello_rejected", "integrity_failed".
+  // Batches as one UCX message each way (the current protocol): runs once per request that
+  // authenticated (a bound client, its MAC right, its sequence new), on the thread that
+  // progresses the worker (it must not block for long), with the request's protobuf header and
+  // its activations, valid during the call. Anything else is dropped and counted
+  // ("message_rejected", "integrity_failed", "replayed"), never answered. Null: every batch
+  // message is dropped.
+  std::function<void(const UcxBatchSource& from, std::string_view header,
+                     std::string_view activations)>
+      on_batch;
+  // Counted events (metrics): "hello_rejected", "integrity_failed", "message_rejected",
+  // "replayed".
   std::function<void(const std::string& event)> on_event;
 };
 
@@ -68,6 +80,20 @@ class UcxDataPlane {
   absl::Status Reply(const OutOfBandHeader& h, std::string_view payload, absl::Time deadline,
                      const std::function<void(const std::string& mac)>& seal, Sent sent);
 
+  using BatchSource = UcxBatchSource;
+  // Answers a batch with one message: its reply's protobuf header (at most
+  // dataplane::kMaxReplyHeaderBytes) then `payload`, sealed under the client's key. `sent` runs
+  // once UCX is done (any thread). An error (unknown client, no buffer) runs nothing.
+  absl::Status ReplyBatch(const BatchSource& to, std::string_view header, std::string_view payload,
+                          absl::Time deadline, Sent sent);
+
+  // Polls the worker from the calling thread (UcxWorker::PollUntil), and how long a thread that
+  // waits anyway should keep doing so (UcxOptions::poll_spin).
+  void PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop) {
+    worker_->PollUntil(until, stop);
+  }
+  std::chrono::microseconds poll_spin() const { return worker_->poll_spin(); }
+
   int clients() const { return clients_.size(); }
   // The lanes of the latest client's endpoint, as UCX reports them here ("" before any hello).
   std::string lanes() const;
@@ -75,6 +101,8 @@ class UcxDataPlane {
  private:
   explicit UcxDataPlane(UcxDataPlaneOptions options);
   void OnHello(std::string_view hello, uint64_t endpoint, const std::string& lanes);
+  // Where a request message lands (the worker's sink), and what checks it once it did.
+  dataplane::UcxWorker::MessageSink OnRequest(std::string_view frame, size_t length);
   // Counts a rejection and logs it at most once a minute per kind and peer.
   void Rejected(const std::string& event, const std::string& peer, const std::string& detail);
 

@@ -386,8 +386,11 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                              .Name("moe_expert_data_plane_events_total")
                              .Help("Out-of-band data plane events of this expert server: "
                                    "hello_rejected (a UCX hello with a wrong secret, unknown "
-                                   "client or bad form), integrity_failed (an activation "
-                                   "payload whose MAC did not match)")
+                                   "client or bad form), integrity_failed (a batch message or "
+                                   "activation payload whose MAC did not match), "
+                                   "message_rejected (a batch message of no bound client, not a "
+                                   "frame, or too long), replayed (a batch message whose "
+                                   "sequence was used): all dropped unanswered")
                              .Register(registry)),
       backend_info_(BuildGauge()
                         .Name("moe_expert_backend_info")
