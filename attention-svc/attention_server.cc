@@ -80,6 +80,7 @@ absl::Status AttentionServer::Impl::StartServing() {
     uo.name = options_.node;
     uo.tls = options_.ucx_tls;
     uo.bind_host = options_.host;
+    uo.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
     auto w = dataplane::UcxWorker::Create(uo);
     if (w.ok()) {
       ucx_ = std::move(*w);

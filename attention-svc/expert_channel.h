@@ -6,8 +6,8 @@
 //   GrpcExpertChannel  (expert_channel_grpc.h)   in-band ExpertService.Dispatch on one
 //                                                long-lived stream per shard (the default)
 //   LocalExpertChannel (expert_channel_local.h)  the shard's experts in this process (tests)
-//   UcxExpertChannel   (expert_channel_ucx.h)    header on that stream, payload out of band
-//                                                on UCX (docs/data-plane.md)
+//   UcxExpertChannel   (expert_channel_ucx.h)    one UCX message each way per batch, header and
+//                                                payload together (docs/data-plane.md)
 //
 //   std::unique_ptr<ExpertCall> call = channel->Send(header, plan.messages[i]);  // all shards
 //   first MOE_ASSIGN_OR_RETURN(ExpertReply reply, call->Wait(deadline));              // then wait

@@ -10,8 +10,10 @@
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/common/logging.h"
 #include "services/common/status_macros.h"
+#include "services/dataplane/data_plane.h"
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
+#include "services/transport/channel.h"
 #include "services/transport/expert_stream.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/status_convert.h"
@@ -141,6 +143,142 @@ class UcxCall final : public ExpertCall {
   const int64_t latent_, rows_, tokens_;
 };
 
+// A batch as one UCX message each way (shards that answer OpenDataPlane with batch_messages):
+// the waiting thread polls the worker for the reply (UcxWorker::Await), then sleeps in slices
+// that check the send, the endpoint and the shard's control connection (a shared-memory lane
+// has no peer failure detection: a dead shard shows as that connection closing).
+class MessageCall final : public ExpertCall {
+ public:
+  struct Batch {
+    uint64_t client_id = 0, sequence = 0, token = 0;
+    ReplyMode mode = ReplyMode::kPerPair;
+    numerics::Precision precision;
+    int64_t latent = 0, rows = 0, tokens = 0;
+  };
+  MessageCall(std::string who, dataplane::UcxWorker* worker,
+              std::shared_ptr<grpc::Channel> control, std::shared_ptr<std::atomic<bool>> broken,
+              std::function<void()> on_transfer_failed, std::function<void()> on_integrity_failed,
+              std::shared_ptr<const dataplane::PayloadMac> mac,
+              std::shared_ptr<dataplane::UcxTransfer> sent,
+              std::shared_ptr<dataplane::UcxTransfer> received,
+              std::shared_ptr<dataplane::UcxBuffer> reply_buffer, Batch batch)
+      : who_(std::move(who)),
+        worker_(worker),
+        control_(std::move(control)),
+        broken_(std::move(broken)),
+        on_transfer_failed_(std::move(on_transfer_failed)),
+        on_integrity_failed_(std::move(on_integrity_failed)),
+        mac_(std::move(mac)),
+        sent_(std::move(sent)),
+        received_(std::move(received)),
+        reply_buffer_(std::move(reply_buffer)),
+        b_(batch) {}
+
+  const char* transport() const override { return "ucx"; }
+
+  bool Answered(absl::Time until) override {
+    (void)worker_->Await(*received_, until, worker_->poll_spin(), [this] { return SendFailed(); });
+    return received_->done() || SendFailed() || broken_->load();
+  }
+
+  absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
+    MOE_RETURN_IF_ERROR(AwaitReply(deadline));
+    absl::StatusOr<size_t> n = received_->Wait(absl::InfinitePast());
+    if (!n.ok()) {
+      if (on_transfer_failed_) on_transfer_failed_();
+      return absl::Status(n.status().code(),
+                          absl::StrCat(who_, ": reply: ", n.status().message()));
+    }
+    const std::string frame_bytes = received_->header();
+    absl::StatusOr<dataplane::BatchFrame> frame =
+        dataplane::ParseBatchFrame(frame_bytes, dataplane::BatchKind::kReply, *n);
+    // Nothing is read from bytes the shard did not seal under this connection's key for this
+    // batch (its sequence is the nonce).
+    if (!frame.ok() || frame->client_id != b_.client_id || frame->sequence != b_.sequence ||
+        !mac_->Verify(dataplane::Direction::kToAttention, b_.sequence, reply_buffer_->data(), *n,
+                      frame->mac, dataplane::MacPrefix(frame_bytes))) {
+      if (on_integrity_failed_) on_integrity_failed_();
+      return absl::DataLossError(absl::StrCat(
+          who_, ": the reply message failed its integrity check (AES-GMAC of the connection)"));
+    }
+    const auto* d = reinterpret_cast<const char*>(reply_buffer_->data());
+    v1::DispatchReply reply;
+    if (!reply.ParseFromArray(d, static_cast<int>(frame->header_bytes))) {
+      return absl::InternalError(absl::StrCat(who_, " sent a reply header that does not parse"));
+    }
+    MOE_RETURN_IF_ERROR(transport::BatchStatus(reply, who_));
+    MOE_RETURN_IF_ERROR(CheckReplyPrecision(reply, b_.precision, who_));
+    const bool f32 = b_.mode == ReplyMode::kPartialSum;
+    const int64_t rows = f32 ? b_.tokens : b_.rows;
+    const int64_t want = rows * b_.latent * (f32 ? 4 : 2);
+    const int64_t got = static_cast<int64_t>(*n) - frame->header_bytes;
+    const v1::Tensor& t = reply.outputs();
+    if (!reply.out_of_band() || t.dtype() != (f32 ? v1::DTYPE_F32 : v1::DTYPE_BF16) ||
+        t.shape_size() != 2 || t.shape(0) != rows || t.shape(1) != b_.latent ||
+        reply.output_bytes() != want || got != want) {
+      return absl::InternalError(absl::StrCat(
+          who_, " answered with a reply of ", got, " bytes, shape [",
+          t.shape_size() > 0 ? t.shape(0) : -1, ", ", t.shape_size() > 1 ? t.shape(1) : -1,
+          "] (expected ", want, " bytes, [", rows, ", ", b_.latent, "])"));
+    }
+    ExpertReply out;
+    out.rows = rows;
+    const char* payload = d + frame->header_bytes;
+    if (f32) {
+      out.f32.resize(static_cast<size_t>(rows * b_.latent));
+      std::memcpy(out.f32.data(), payload, static_cast<size_t>(want));
+    } else {
+      out.bf16.resize(static_cast<size_t>(rows * b_.latent));
+      std::memcpy(out.bf16.data(), payload, static_cast<size_t>(want));
+    }
+    return out;
+  }
+
+ private:
+  // How often a waiter that no longer polls checks the send, the endpoint and the shard.
+  static constexpr absl::Duration kLivenessSlice = absl::Milliseconds(20);
+
+  bool SendFailed() const { return sent_->done() && !sent_->Wait(absl::InfinitePast()).ok(); }
+
+  // OK once the reply message arrived (or its transfer failed); else why not, naming the shard.
+  absl::Status AwaitReply(absl::Time deadline) {
+    // Most replies land while this thread polls: nothing else is looked at first.
+    (void)worker_->Await(*received_, std::min(deadline, absl::Now() + kLivenessSlice),
+                         worker_->poll_spin(), [this] { return SendFailed(); });
+    while (!received_->done()) {
+      if (SendFailed()) {
+        const absl::Status s = sent_->Wait(absl::InfinitePast()).status();
+        if (s.code() != absl::StatusCode::kDeadlineExceeded) broken_->store(true);
+        if (on_transfer_failed_) on_transfer_failed_();
+        return absl::Status(s.code(), absl::StrCat(who_, ": activations: ", s.message()));
+      }
+      if (broken_->load() || control_->GetState(false) != GRPC_CHANNEL_READY) {
+        broken_->store(true);
+        if (on_transfer_failed_) on_transfer_failed_();
+        return absl::UnavailableError(
+            absl::StrCat(who_, " is gone (its UCX endpoint or its connection closed)"));
+      }
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(who_, " did not answer the batch before the deadline"));
+      }
+      (void)received_->Wait(std::min(deadline, now + kLivenessSlice));
+    }
+    return absl::OkStatus();
+  }
+
+  const std::string who_;
+  dataplane::UcxWorker* const worker_;
+  std::shared_ptr<grpc::Channel> control_;
+  std::shared_ptr<std::atomic<bool>> broken_;
+  std::function<void()> on_transfer_failed_, on_integrity_failed_;
+  std::shared_ptr<const dataplane::PayloadMac> mac_;
+  std::shared_ptr<dataplane::UcxTransfer> sent_, received_;
+  std::shared_ptr<dataplane::UcxBuffer> reply_buffer_;
+  const Batch b_;
+};
+
 // A batch that cannot be sent (no data plane in kUcx mode, no buffer).
 class FailedCall final : public ExpertCall {
  public:
@@ -177,8 +315,12 @@ UcxExpertChannel::~UcxExpertChannel() {
 
 absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::Time deadline) {
   std::lock_guard<std::mutex> lock(open_mu_);
-  if (client_id_.load() != 0 && !broken_->load())
-    return Connection{ep_, client_id_.load(), mac_, chunk_bytes_};
+  // A shard whose control connection dropped (it restarted, or died) is opened again before
+  // anything is sent to its old worker.
+  if (client_id_.load() != 0 && !broken_->load() &&
+      (control_ == nullptr || control_->GetState(false) == GRPC_CHANNEL_READY)) {
+    return Connection{ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, control_};
+  }
   if (absl::Now() < retry_after_) {
     return absl::FailedPreconditionError(
         absl::StrCat("expert shard ", shard_, " (", endpoint_, ") offers no UCX data plane"));
@@ -188,7 +330,10 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   client_id_.store(0);
   broken_->store(false);
   const absl::Time open_by = std::min(deadline, absl::Now() + kOpenTimeout);
-  auto stub = v1::ExpertService::NewStub(transport::MakeChannel(endpoint_, max_message_bytes_));
+  // Kept open while the data plane is: its state says whether the shard is alive.
+  std::shared_ptr<grpc::Channel> control =
+      transport::MakeControlChannel(endpoint_, max_message_bytes_);
+  auto stub = v1::ExpertService::NewStub(control);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(open_by));
   if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
@@ -242,16 +387,20 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   ep_ = *ep;
   mac_ = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
   chunk_bytes_ = static_cast<size_t>(reply.chunk_bytes());
+  batch_messages_ = reply.batch_messages();
+  control_ = std::move(control);
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");
   if (on_lanes_) on_lanes_(shard_, lanes_, peer_lanes_);
-  return Connection{ep_, client_id_.load(), mac_, chunk_bytes_};
+  return Connection{ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, control_};
 }
 
 dataplane::UcxLanes UcxExpertChannel::lanes() const {
   std::lock_guard<std::mutex> l(lanes_mu_);
   return lanes_;
 }
+
+int64_t UcxExpertChannel::dispatch_streams_opened() const { return stream_->streams_opened(); }
 
 std::string UcxExpertChannel::peer_lanes() const {
   std::lock_guard<std::mutex> l(lanes_mu_);
@@ -277,6 +426,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   const bool f32 = header.mode == ReplyMode::kPartialSum;
   const int64_t reply_rows = f32 ? u : m.rows();
   const size_t reply_bytes = static_cast<size_t>(reply_rows * header.latent) * (f32 ? 4 : 2);
+  if (c.batch_messages) return SendMessage(c, header, m, bytes, reply_bytes, deadline);
   auto send_buffer = worker_->Buffer(bytes);
   auto reply_buffer = worker_->Buffer(reply_bytes);
   if (!send_buffer.ok() || !reply_buffer.ok()) {
@@ -307,12 +457,20 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   oob->set_sequence(seq);
   oob->set_activation_mac(activation_mac);
   auto pending = stream_->Send(std::move(dr));
-  std::function<void()> failed;
-  if (on_event_)
-    failed = [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
+  return std::make_unique<UcxCall>(broken_, TransferFailed(), stream_, std::move(pending),
+                                   std::move(sent), std::move(received), *reply_buffer, header.mode,
+                                   m.precision(), header.latent, m.rows(), u, c.mac, seq,
+                                   IntegrityFailed());
+}
+
+std::function<void()> UcxExpertChannel::TransferFailed() const {
+  if (!on_event_) return nullptr;
+  return [on_event = on_event_, shard = shard_] { on_event(shard, "transfer_failed"); };
+}
+
+std::function<void()> UcxExpertChannel::IntegrityFailed() const {
   // Counted every time, logged once a minute for this shard (the peer).
-  std::function<void()> integrity_failed = [on_event = on_event_, shard = shard_,
-                                            last = last_integrity_log_] {
+  return [on_event = on_event_, shard = shard_, last = last_integrity_log_] {
     if (on_event) on_event(shard, "integrity_failed");
     const int64_t now = absl::ToUnixSeconds(absl::Now());
     int64_t seen = last->load();
@@ -323,10 +481,59 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
           shard);
     }
   };
-  return std::make_unique<UcxCall>(broken_, std::move(failed), stream_, std::move(pending),
-                                   std::move(sent), std::move(received), *reply_buffer, header.mode,
-                                   m.precision(), header.latent, m.rows(), u, c.mac, seq,
-                                   std::move(integrity_failed));
+}
+
+std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
+                                                          const DispatchHeader& header,
+                                                          const DispatchMessage& m, size_t bytes,
+                                                          size_t reply_bytes,
+                                                          absl::Time deadline) {
+  const uint64_t seq = sequence_.fetch_add(1);
+  v1::DispatchRequest dr = DispatchRequestFor(header, m, /*with_activation_bytes=*/false);
+  dr.set_batch_id(seq);
+  v1::OutOfBand* oob = dr.mutable_out_of_band();
+  oob->set_client_id(c.client_id);
+  oob->set_activation_bytes(static_cast<int64_t>(bytes));
+  oob->set_reply_capacity_bytes(static_cast<int64_t>(reply_bytes));
+  oob->set_sequence(seq);
+  const size_t header_bytes = dr.ByteSizeLong();
+  const size_t total = header_bytes + bytes;
+  auto send_buffer = worker_->Buffer(std::max<size_t>(total, 1));
+  auto reply_buffer = worker_->Buffer(reply_bytes + dataplane::kMaxReplyHeaderBytes);
+  if (!send_buffer.ok() || !reply_buffer.ok()) {
+    return std::make_unique<FailedCall>(absl::ResourceExhaustedError(absl::StrCat(
+        "expert shard ", shard_, ": no UCX buffer: ",
+        (!send_buffer.ok() ? send_buffer.status() : reply_buffer.status()).message())));
+  }
+  // One buffer: the request's header, then z ([U, latent] bf16, or MXFP8 codes then scales).
+  uint8_t* d = (*send_buffer)->data();
+  dr.SerializeWithCachedSizesToArray(d);
+  m.z.CopyTo(d + header_bytes);
+  dataplane::BatchFrame f;
+  f.token = dataplane::RandomU64();  // the reply's, unpredictable outside this connection
+  f.kind = dataplane::BatchKind::kRequest;
+  f.client_id = c.client_id;
+  f.sequence = seq;
+  f.header_bytes = static_cast<uint32_t>(header_bytes);
+  f.mac = c.mac->Compute(dataplane::Direction::kToExpert, seq, d, total,
+                         dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
+  // Expected before the request leaves, so the reply always finds its buffer.
+  auto received = worker_->ExpectMessage(f.token, *reply_buffer, deadline + kLateReplyGrace);
+  auto sent = worker_->SendMessage(c.ep, dataplane::UcxWorker::Message::kRequest,
+                                   dataplane::EncodeBatchFrame(f), *send_buffer, total, deadline);
+  MessageCall::Batch b;
+  b.client_id = c.client_id;
+  b.sequence = seq;
+  b.token = f.token;
+  b.mode = header.mode;
+  b.precision = m.precision();
+  b.latent = header.latent;
+  b.rows = m.rows();
+  b.tokens = static_cast<int64_t>(m.tokens.size());
+  return std::make_unique<MessageCall>(absl::StrCat("expert shard ", shard_, " (", endpoint_, ")"),
+                                       worker_, c.control, broken_, TransferFailed(),
+                                       IntegrityFailed(), c.mac, std::move(sent),
+                                       std::move(received), *reply_buffer, b);
 }
 
 }  // namespace moe::attention_svc

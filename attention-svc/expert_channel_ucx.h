@@ -1,10 +1,13 @@
-// ExpertChannel with the payload out of band (docs/data-plane.md): the Dispatch header (groups,
-// row_source, sizes, tags) goes on the shard's gRPC stream, the activations and the reply's
-// bytes as UCX tagged messages between registered buffers (shared memory, TCP or RDMA verbs, as
-// UCX_TLS says). The first batch opens the data plane (ExpertService.OpenDataPlane, then a UCX
-// hello on our endpoint to the shard's worker, acknowledged); an endpoint error, a broken
-// stream or a shard that forgot us (restart) makes the next batch open it again. Each batch has
-// random tags and both payloads an AES-GMAC under the connection's key (payload_mac.h).
+// ExpertChannel over the UCX data plane (docs/data-plane.md): each batch is one UCX active
+// message to the shard (the Dispatch header, then the activations, from one registered buffer:
+// shared memory, TCP or RDMA verbs, as UCX_TLS says) and one back, sealed with an AES-GMAC under
+// the connection's key (data_plane.h, BatchFrame); the thread that waits for the reply polls
+// the worker for it first (UcxWorker::Await). The first batch opens the data plane
+// (ExpertService.OpenDataPlane, then a UCX hello on our endpoint to the shard's worker,
+// acknowledged); an endpoint error or the shard's control connection leaving READY (it died or
+// restarted) makes the next batch open it again. A shard of the previous release (no
+// batch_messages in its OpenDataPlane reply) gets the previous protocol: the header on its
+// gRPC Dispatch stream, the payloads as tagged messages with random tags.
 //
 // Mode kAuto sends in band (counted as a "fallback" event) while the shard offers no UCX; kUcx
 // fails such batches with UNAVAILABLE naming the shard.
@@ -30,6 +33,9 @@ class PayloadMac;
 }  // namespace moe::dataplane
 namespace moe::transport {
 class ExpertStream;
+}
+namespace grpc {
+class Channel;
 }
 
 namespace moe::attention_svc {
@@ -60,6 +66,9 @@ class UcxExpertChannel final : public ExpertChannel {
   // opened), and the shard's own view of its endpoint back (its hello acknowledgement).
   dataplane::UcxLanes lanes() const;
   std::string peer_lanes() const;
+  // Dispatch streams this channel opened to the shard (none while batches travel as UCX
+  // messages; the previous protocol and the in-band fallback use one).
+  int64_t dispatch_streams_opened() const;
 
  private:
   // One open data plane: what a batch needs of it, read together.
@@ -68,9 +77,18 @@ class UcxExpertChannel final : public ExpertChannel {
     uint64_t client_id = 0;
     std::shared_ptr<const dataplane::PayloadMac> mac;
     size_t chunk_bytes = 0;
+    bool batch_messages = false;              // one UCX message per batch each way
+    std::shared_ptr<grpc::Channel> control;  // its state: whether the shard is alive
   };
   // Opens (or reopens) the data plane; an error: send in band / fail.
   absl::StatusOr<Connection> EnsureOpen(absl::Time deadline);
+  // A batch as one UCX message each way (the shard said batch_messages).
+  std::unique_ptr<ExpertCall> SendMessage(const Connection& c, const DispatchHeader& header,
+                                          const DispatchMessage& m, size_t bytes,
+                                          size_t reply_bytes, absl::Time deadline);
+  // The events of a failed transfer and of a failed integrity check (counted, logged).
+  std::function<void()> TransferFailed() const;
+  std::function<void()> IntegrityFailed() const;
 
   const std::string shard_, endpoint_, node_, cluster_token_;
   const int max_message_bytes_;
@@ -84,6 +102,8 @@ class UcxExpertChannel final : public ExpertChannel {
   uint64_t ep_ = 0;
   std::shared_ptr<const dataplane::PayloadMac> mac_;
   size_t chunk_bytes_ = 0;
+  bool batch_messages_ = false;
+  std::shared_ptr<grpc::Channel> control_;
   std::atomic<uint64_t> client_id_{0};
   std::atomic<uint64_t> sequence_{1};  // the MAC nonce: each batch of this connection once
   // When an integrity failure was last logged (unix seconds; shared with the calls).

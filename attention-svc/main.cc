@@ -72,6 +72,9 @@ int main(int argc, char** argv) {
   flags.Int("micro_batches", &o.micro_batches,
             "split each request into this many micro-batches, two in flight (1: off)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
+  flags.Int("ucx_poll_us", &o.ucx_poll_us,
+            "a thread waiting for a shard's UCX reply polls for it this long before it sleeps "
+            "(0: it sleeps at once; docs/data-plane.md)");
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;
