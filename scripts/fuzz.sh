@@ -2,7 +2,7 @@
 # Builds the libFuzzer targets with clang (ASan + UBSan) and runs each for a bounded time from a
 # seed corpus: the safetensors parser, expert-svc's DispatchRequest validation, attention-svc's
 # ForwardRequest input decoding, the QB and dynamic k histogram wire forms, the page's query
-# parser, the data plane's UCX hello and lanes parsers.
+# parser, the data plane's UCX hello, lanes and batch-frame parsers and its replay window.
 # Allocations past 512 MiB count as findings (a small input must not claim a large buffer).
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] (default 20: the test command; a campaign: 600)
 set -euo pipefail
@@ -27,6 +27,9 @@ mkdir -p "$CORPUS/data_plane"
 printf 'MOEH\001\001\000\000\000\000\000\000\000abcdefghijklmnop' >"$CORPUS/data_plane/hello"
 printf '#  lane[0]:  2:posix/memory.0 md[1] -> md[1]/posix am\n#  lane[1]:  0:tcp/lo.0 md[0]\n' \
   >"$CORPUS/data_plane/lanes"
+# A batch message's frame: token, MOEB, version 1, kind 1, client 1, sequence 1, header 2, MAC.
+printf '\001\000\000\000\000\000\000\000MOEB\001\001\000\000\001\000\000\000\000\000\000\000\001\000\000\000\000\000\000\000\002\000\000\000\000\000\000\000abcdefghijklmnop' \
+  >"$CORPUS/data_plane/frame"
 for t in "${TARGETS[@]}"; do
   name=${t%_fuzz}
   log="$BUILD/$t.log"

@@ -59,8 +59,11 @@ inline EchoBatch MakeEchoBatch(const ModelConfig& cfg, int64_t t) {
 class EchoShard {
  public:
   // ucx_tls empty: the gRPC in-band lane; else UCX with that UCX_TLS on both ends.
+  // batch_messages false: the shard answers like one of the previous release (the header on the
+  // Dispatch stream, the payloads as tagged messages).
   static absl::StatusOr<std::unique_ptr<EchoShard>> Start(const std::string& preset,
-                                                          const std::string& ucx_tls) {
+                                                          const std::string& ucx_tls,
+                                                          bool batch_messages = true) {
     auto cfg = PresetConfig(preset);
     if (!cfg.ok()) return cfg.status();
     auto s = std::unique_ptr<EchoShard>(new EchoShard);
@@ -77,6 +80,7 @@ class EchoShard {
     o.verify_fraction = 0;
     o.data_plane = ucx ? dataplane::DataPlane::kUcx : dataplane::DataPlane::kGrpc;
     o.ucx_tls = ucx_tls;
+    o.ucx_batch_messages = batch_messages;
     auto server = expert_svc::ExpertServer::Start(o);
     if (!server.ok()) return server.status();
     s->server_ = std::move(*server);
@@ -92,11 +96,13 @@ class EchoShard {
     if (!w.ok()) return w.status();
     s->worker_ = std::move(*w);
     EchoShard* self = s.get();
-    s->channel_ = std::make_unique<attention_svc::UcxExpertChannel>(
+    auto channel = std::make_unique<attention_svc::UcxExpertChannel>(
         "echo-0", s->endpoint_, 1 << 30, s->worker_.get(), dataplane::DataPlane::kUcx, "echo",
         nullptr, "", [self](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
           self->lanes_ = l.Describe();
         });
+    s->ucx_channel_ = channel.get();
+    s->channel_ = std::move(channel);
     return s;
   }
   ~EchoShard() {
@@ -108,6 +114,9 @@ class EchoShard {
   const std::string& endpoint() const { return endpoint_; }
   // The lanes UCX selected for the channel (read from UCX once the data plane opened).
   const std::string& lanes() const { return lanes_; }
+  // The UCX channel (null on the gRPC lane) and its worker.
+  attention_svc::UcxExpertChannel* ucx_channel() { return ucx_channel_; }
+  dataplane::UcxWorker* worker() { return worker_.get(); }
 
  private:
   EchoShard() = default;
@@ -115,6 +124,7 @@ class EchoShard {
   std::string endpoint_;
   std::unique_ptr<dataplane::UcxWorker> worker_;
   std::unique_ptr<attention_svc::ExpertChannel> channel_;
+  attention_svc::UcxExpertChannel* ucx_channel_ = nullptr;
   std::string lanes_ = "gRPC";
 };
 

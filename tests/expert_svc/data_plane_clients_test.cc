@@ -83,6 +83,89 @@ TEST(DataPlaneClients, ReconnectsReplaceTheirOldEntryWithinTheLimit) {
 namespace moe::expert_svc {
 namespace {
 
+// A batch message's sequence (its MAC nonce) is claimed once per client: a replay, one older
+// than the window, sequence 0 and unknown or replaced clients are refused; sequences may come
+// out of order within the window (threads of one attention node race to send).
+TEST(DataPlaneClients, ASequenceIsClaimedOnceWithinItsWindow) {
+  DataPlaneClients clients(4);
+  uint64_t replaced = 0;
+  auto a = clients.Open("attention-0", &replaced);
+  auto b = clients.Open("attention-1", &replaced);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(clients.ClaimSequence(a->id, 5));
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 5));   // replay
+  EXPECT_TRUE(clients.ClaimSequence(b->id, 5));    // another client's own numbering
+  EXPECT_TRUE(clients.ClaimSequence(a->id, 3));    // late, in the window
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 3));
+  EXPECT_TRUE(clients.ClaimSequence(a->id, 4));
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 0));
+  EXPECT_FALSE(clients.ClaimSequence(999, 1));     // unknown client
+  const uint64_t far = 5 + DataPlaneClients::kReplayWindow;
+  EXPECT_TRUE(clients.ClaimSequence(a->id, far));
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 5));   // seen
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 2));   // older than the window: cannot tell, refused
+  EXPECT_TRUE(clients.ClaimSequence(a->id, 6));    // the oldest the window still holds
+  EXPECT_TRUE(clients.ClaimSequence(a->id, far - 1));
+  EXPECT_TRUE(clients.ClaimSequence(a->id, far + 3 * DataPlaneClients::kReplayWindow));
+  EXPECT_FALSE(clients.ClaimSequence(a->id, far));  // the window moved past it
+  // A reconnect replaces the client: its id claims nothing any more.
+  auto a2 = clients.Open("attention-0", &replaced);
+  ASSERT_TRUE(a2.ok());
+  EXPECT_FALSE(clients.ClaimSequence(a->id, far + 10 * DataPlaneClients::kReplayWindow));
+  EXPECT_TRUE(clients.ClaimSequence(a2->id, 1));
+}
+
+// The batch frame: what is encoded parses back; anything but a well-formed frame of the kind
+// asked for is refused by name, as is a header longer than the payload.
+TEST(BatchFrame, RoundTripsAndRefusesAnythingElse) {
+  dataplane::BatchFrame f;
+  f.token = 0x0102030405060708ULL;
+  f.kind = dataplane::BatchKind::kReply;
+  f.client_id = 77;
+  f.sequence = 1234567;
+  f.header_bytes = 300;
+  f.mac = std::string(16, 'm');
+  const std::string bytes = dataplane::EncodeBatchFrame(f);
+  ASSERT_EQ(bytes.size(), dataplane::kBatchFrameBytes);
+  EXPECT_EQ(static_cast<uint8_t>(bytes[0]), 0x08);  // the token first, little-endian
+  auto g = dataplane::ParseBatchFrame(bytes, dataplane::BatchKind::kReply, 300);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->token, f.token);
+  EXPECT_EQ(g->client_id, 77u);
+  EXPECT_EQ(g->sequence, 1234567u);
+  EXPECT_EQ(g->header_bytes, 300u);
+  EXPECT_EQ(g->mac, f.mac);
+  EXPECT_EQ(dataplane::MacPrefix(bytes), bytes.substr(0, dataplane::kBatchFrameMacOffset));
+  // The MAC's bytes are not part of what it covers.
+  dataplane::BatchFrame unsealed = f;
+  unsealed.mac.clear();
+  EXPECT_EQ(dataplane::MacPrefix(dataplane::EncodeBatchFrame(unsealed)),
+            dataplane::MacPrefix(bytes));
+  struct Case {
+    std::string bytes;
+    dataplane::BatchKind kind;
+    size_t payload;
+    const char* why;
+  };
+  std::string magic = bytes, version = bytes, reserved = bytes;
+  magic[9] = 'X';
+  version[12] = 2;
+  reserved[36] = 1;
+  for (const Case& c : std::vector<Case>{
+           {bytes.substr(0, 55), dataplane::BatchKind::kReply, 300, "a frame has 56"},
+           {bytes + "x", dataplane::BatchKind::kReply, 300, "a frame has 56"},
+           {magic, dataplane::BatchKind::kReply, 300, "MOEB"},
+           {version, dataplane::BatchKind::kReply, 300, "MOEB"},
+           {reserved, dataplane::BatchKind::kReply, 300, "reserved"},
+           {bytes, dataplane::BatchKind::kRequest, 300, "kind"},
+           {bytes, dataplane::BatchKind::kReply, 299, "header"},
+       }) {
+    auto r = dataplane::ParseBatchFrame(c.bytes, c.kind, c.payload);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.why;
+    EXPECT_NE(r.status().message().find(c.why), std::string::npos) << r.status();
+  }
+}
+
 TEST(ValidateOutOfBand, OnlySizesInRangeAndASixteenByteMacReachUcx) {
   struct Case {
     int64_t activation, reply;

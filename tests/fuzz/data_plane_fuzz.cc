@@ -1,7 +1,7 @@
 // libFuzzer target: the bytes a UCX peer controls before it is trusted (docs/data-plane.md):
 // the hello an expert server parses and binds (DataPlaneClients::Bind), and, on the same bytes,
 // the lanes parser (its input is UCX's own report, fuzzed anyway), and the out-of-band header's
-// sizes and MAC before they reach a UCX receive. Invariants: only the exact
+// sizes and MAC before they reach a UCX receive, a batch message's frame, and the replay window. Invariants: only the exact
 // hello of the opened client binds it, and then to the endpoint given; a bound client stays
 // bound to it; the lanes' kind is one of its five values and names no transport twice.
 #include <algorithm>
@@ -57,6 +57,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (ok && (a < 1 || a > kMax || r < 0 || r > kMax || h.activation_mac.size() != 16)) {
       __builtin_trap();
     }
+  }
+  // The same bytes as a batch message's frame, for both kinds and the payload size the first
+  // byte picks: a parsed frame encodes back to the same bytes, and its header fits the payload.
+  for (auto kind : {moe::dataplane::BatchKind::kRequest, moe::dataplane::BatchKind::kReply}) {
+    const size_t payload = size > 0 ? data[0] * 16u : 0;
+    auto f = moe::dataplane::ParseBatchFrame(in, kind, payload);
+    if (f.ok() && (moe::dataplane::EncodeBatchFrame(*f) != in || f->header_bytes > payload)) {
+      __builtin_trap();
+    }
+  }
+  // A sequence claimed is never claimed again (the replay window).
+  if (size >= 8) {
+    uint64_t seq = 0;
+    std::memcpy(&seq, data, 8);
+    seq %= 1u << 20;
+    if (clients->ClaimSequence(id, seq) && clients->ClaimSequence(id, seq)) __builtin_trap();
   }
   return 0;
 }

@@ -197,7 +197,8 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
 
 // A hostile UCX peer that holds the shard's worker address (leaked: a stranger is not handed
 // it) but no secret: it sprays tagged payloads on random tags and on the tags the first data
-// plane made predictable (client id << 40 | sequence), and sends hellos that are malformed, of
+// plane made predictable (client id << 40 | sequence), batch messages of the guessable client
+// ids with MACs it cannot compute, replies and frames that are none, and sends hellos that are malformed, of
 // unknown clients, with wrong secrets, oversized. Meanwhile a canary's answers stay bit-exact,
 // every process stays up, and the shard counts the hellos it refused.
 TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
@@ -224,7 +225,7 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
     for (int64_t i = 0; i < rows * d * 2; ++i) (*b)->data()[i] = static_cast<uint8_t>(i * 31 + 7);
     payloads.push_back(*b);
   }
-  int sprayed = 0, hellos = 0;
+  int sprayed = 0, hellos = 0, forged = 0;
   const absl::Time until = absl::Now() + absl::Seconds(4);
   std::vector<std::shared_ptr<dataplane::UcxTransfer>> pending;
   for (uint64_t i = 0; absl::Now() < until && i < 200000; ++i) {
@@ -234,6 +235,25 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
     const auto& b = payloads[i % payloads.size()];
     pending.push_back((*hostile)->Send(*ep, tag, b, b->capacity() / 2, deadline));
     ++sprayed;
+    // Batch messages as the shard takes them now: well-formed frames of the guessable client
+    // ids and sequences near the canary's, under MACs the peer cannot compute; replies sent to
+    // the shard; and frames that are not frames.
+    {
+      dataplane::BatchFrame f;
+      f.token = dataplane::RandomU64();
+      f.kind = dataplane::BatchKind::kRequest;
+      f.client_id = 1 + i % 3;
+      f.sequence = 1 + i / 3 % 4096;
+      f.header_bytes = static_cast<uint32_t>(i % 64);
+      f.mac = dataplane::RandomBytes(16);
+      std::string frame = dataplane::EncodeBatchFrame(f);
+      auto kind = dataplane::UcxWorker::Message::kRequest;
+      if (i % 16 == 5) kind = dataplane::UcxWorker::Message::kReply;
+      if (i % 16 == 9) frame = dataplane::RandomBytes(1 + i % 200);
+      pending.push_back(
+          (*hostile)->SendMessage(*ep, kind, frame, b, b->capacity() / 2, deadline));
+      ++forged;
+    }
     if (i % 8 == 0) {
       std::string hello;
       switch (i / 8 % 4) {
@@ -261,9 +281,9 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   canary.Stop();
   std::printf(
-      "[hostile ucx peer] %d payloads and %d hellos sprayed; canary %d bit-exact, %d "
-      "wrong, %d failed\n",
-      sprayed, hellos, canary.ok(), canary.wrong(), canary.failed());
+      "[hostile ucx peer] %d payloads, %d forged batch messages and %d hellos sprayed; canary "
+      "%d bit-exact, %d wrong, %d failed\n",
+      sprayed, forged, hellos, canary.ok(), canary.wrong(), canary.failed());
   EXPECT_GT(canary.ok(), 10);
   EXPECT_EQ(canary.wrong(), 0) << "an injected payload changed an answer";
   EXPECT_EQ(canary.failed(), 0);
@@ -278,6 +298,14 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
       moe::testing::ScrapeSum(a.cluster->shard_metrics(0), "moe_expert_data_plane_events_total",
                               {"event=\"hello_rejected\""}),
       0);
+  // The forged batch messages were refused by kind: no bound client or no frame, and the MAC.
+  const std::string m = a.cluster->shard_metrics(0);
+  EXPECT_GT(moe::testing::ScrapeSum(m, "moe_expert_data_plane_events_total",
+                                    {"event=\"message_rejected\""}),
+            0);
+  EXPECT_GT(moe::testing::ScrapeSum(m, "moe_expert_data_plane_events_total",
+                                    {"event=\"integrity_failed\""}),
+            0);
 }
 
 }  // namespace

@@ -100,6 +100,41 @@ TEST_P(LargeBatch, AFourMiBRoundTripCostsItsBytesNotACliff) {
   EXPECT_LT(faults_per_trip, static_cast<int64_t>(big.reply_bytes / 4096 / 2)) << lane.name;
 }
 
+// The two protocols of the UCX lane carry the same batch bit for bit: batch messages (one UCX
+// active message each way, no Dispatch stream ever opened) with a shard of this release, and the
+// previous protocol (the header on the Dispatch stream, the payloads as tagged messages) with a
+// shard that answers like the previous release; eager and rendezvous sizes, shared memory and
+// TCP. What the channel really did is read back: whether it opened a Dispatch stream, and
+// how many batch messages its worker dropped (none).
+TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  for (const char* tls : {"posix", "tcp"}) {
+    for (bool batch_messages : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(tls, batch_messages ? " batch messages" : " previous protocol"));
+      auto shard = testing::EchoShard::Start("mid", tls, batch_messages);
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      for (int64_t t : {1, 16, 200}) {
+        const testing::EchoBatch b = testing::MakeEchoBatch(cfg, t);
+        auto call = (*shard)->channel().Send(b.header, b.message);
+        auto reply = call->Wait(absl::Now() + absl::Seconds(30));
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        EXPECT_STREQ(call->transport(), "ucx");
+        ASSERT_EQ(reply->bf16.size() * 2, b.reply_bytes);
+        const int64_t d = cfg.latent;
+        const auto& z = b.message.z.bf16();
+        size_t wrong = 0;
+        for (size_t r = 0; r < b.message.row_source.size(); ++r) {
+          wrong += std::memcmp(&reply->bf16[r * d], &z[b.message.row_source[r] * d], d * 2) != 0;
+        }
+        EXPECT_EQ(wrong, 0u) << "T " << t;
+      }
+      EXPECT_EQ((*shard)->ucx_channel()->dispatch_streams_opened(), batch_messages ? 0 : 1);
+      EXPECT_EQ((*shard)->worker()->messages_dropped(), 0);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(EveryLane, LargeBatch,
                          ::testing::Values(Lane{"grpc", ""}, Lane{"ucx_shm", "posix"},
                                            Lane{"ucx_tcp", "tcp"}),
