@@ -105,7 +105,7 @@ struct AttentionServerOptions {
   // The payload path to the expert shards (docs/data-plane.md): auto uses UCX with every shard
   // that offers it and in-band gRPC with the rest; grpc always in band; ucx or fail the batch.
   dataplane::DataPlane data_plane = dataplane::DataPlane::kAuto;
-  std::string ucx_tls;  // empty: UCX_TLS from the environment
+  std::string ucx_tls;    // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;  // UcxOptions::poll_spin: a thread waiting for a shard's reply
 };
 

@@ -155,9 +155,9 @@ class MessageCall final : public ExpertCall {
     numerics::Precision precision;
     int64_t latent = 0, rows = 0, tokens = 0;
   };
-  MessageCall(std::string who, dataplane::UcxWorker* worker,
-              std::shared_ptr<grpc::Channel> control, std::shared_ptr<std::atomic<bool>> broken,
-              std::function<void()> on_transfer_failed, std::function<void()> on_integrity_failed,
+  MessageCall(std::string who, dataplane::UcxWorker* worker, std::shared_ptr<grpc::Channel> control,
+              std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
+              std::function<void()> on_integrity_failed,
               std::shared_ptr<const dataplane::PayloadMac> mac,
               std::shared_ptr<dataplane::UcxTransfer> sent,
               std::shared_ptr<dataplane::UcxTransfer> received,
@@ -186,8 +186,7 @@ class MessageCall final : public ExpertCall {
     absl::StatusOr<size_t> n = received_->Wait(absl::InfinitePast());
     if (!n.ok()) {
       if (on_transfer_failed_) on_transfer_failed_();
-      return absl::Status(n.status().code(),
-                          absl::StrCat(who_, ": reply: ", n.status().message()));
+      return absl::Status(n.status().code(), absl::StrCat(who_, ": reply: ", n.status().message()));
     }
     const std::string frame_bytes = received_->header();
     absl::StatusOr<dataplane::BatchFrame> frame =
@@ -486,8 +485,7 @@ std::function<void()> UcxExpertChannel::IntegrityFailed() const {
 std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
                                                           const DispatchHeader& header,
                                                           const DispatchMessage& m, size_t bytes,
-                                                          size_t reply_bytes,
-                                                          absl::Time deadline) {
+                                                          size_t reply_bytes, absl::Time deadline) {
   const uint64_t seq = sequence_.fetch_add(1);
   v1::DispatchRequest dr = DispatchRequestFor(header, m, /*with_activation_bytes=*/false);
   dr.set_batch_id(seq);

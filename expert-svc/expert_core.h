@@ -11,8 +11,8 @@
 #ifndef MOE_EXPERT_SVC_EXPERT_CORE_H_
 #define MOE_EXPERT_SVC_EXPERT_CORE_H_
 
-#include <chrono>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -97,7 +97,7 @@ class ExpertCore {
   // neighbour): the best of every measurement is kept. Compute thread only.
   void RemeasureLimitsWhenIdle();
   std::chrono::steady_clock::time_point last_batch_end_ = std::chrono::steady_clock::now();
-  IdlePoll idle_poll_;  // set by Start, read by the compute thread
+  IdlePoll idle_poll_;                 // set by Start, read by the compute thread
   std::atomic<bool> has_work_{false};  // queue_ is not empty or stopping_ (set under mu_)
   std::chrono::microseconds idle_spin_{0};
   std::chrono::steady_clock::time_point limits_measured_ = std::chrono::steady_clock::now();

@@ -233,10 +233,10 @@ void ExpertServer::Impl::OnUcxBatch(const UcxBatchSource& from, std::string_view
   if (!parsed || !req.has_out_of_band() || !req.activations().data().empty() ||
       o.activation_bytes() != static_cast<int64_t>(activations.size()) ||
       o.reply_capacity_bytes() < 0 || o.reply_capacity_bytes() > options_.max_message_bytes) {
-    const absl::Status s = absl::InvalidArgumentError(absl::StrCat(
-        "shard ", options_.shard, ", batch ", req.batch_id(),
-        ": a UCX batch message whose header does not describe its payload (",
-        activations.size(), " activation bytes)"));
+    const absl::Status s = absl::InvalidArgumentError(
+        absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id(),
+                     ": a UCX batch message whose header does not describe its payload (",
+                     activations.size(), " activation bytes)"));
     if (metrics_ != nullptr) metrics_->common.Error("Dispatch", "INVALID_ARGUMENT");
     reply->Send(ErrorReply(req.batch_id(), options_.shard, s));
     return;

@@ -165,14 +165,15 @@ dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame
   }
   auto buffer = worker_->Buffer(std::max<size_t>(length, 1));
   if (!buffer.ok()) {
-    Rejected("message_rejected", "buffers", absl::StrCat("no buffer for a UCX batch message: ",
-                                                         buffer.status().ToString()));
+    Rejected("message_rejected", "buffers",
+             absl::StrCat("no buffer for a UCX batch message: ", buffer.status().ToString()));
     return sink;
   }
   sink.buffer = *buffer;
-  sink.done = [this, buf = *buffer, f = *frame, prefix = std::string(dataplane::MacPrefix(frame_bytes)),
-               mac = c->mac, peer = absl::StrCat("client ", c->id, " (", c->node, ")")](
-                  const absl::Status& s, size_t n) {
+  sink.done = [this, buf = *buffer, f = *frame,
+               prefix = std::string(dataplane::MacPrefix(frame_bytes)), mac = c->mac,
+               peer = absl::StrCat("client ", c->id, " (", c->node, ")")](const absl::Status& s,
+                                                                          size_t n) {
     if (!s.ok()) {
       Rejected("message_rejected", peer,
                absl::StrCat("a UCX batch message of ", peer, " did not arrive: ", s.ToString()));
@@ -192,8 +193,9 @@ dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame
       return;
     }
     const auto* d = reinterpret_cast<const char*>(buf->data());
-    options_.on_batch(BatchSource{f.client_id, f.token, f.sequence}, std::string_view(d, f.header_bytes),
-              std::string_view(d + f.header_bytes, n - f.header_bytes));
+    options_.on_batch(BatchSource{f.client_id, f.token, f.sequence},
+                      std::string_view(d, f.header_bytes),
+                      std::string_view(d + f.header_bytes, n - f.header_bytes));
   };
   return sink;
 }

@@ -32,12 +32,12 @@ struct UcxBatchSource {
 };
 
 struct UcxDataPlaneOptions {
-  std::string shard;                      // for messages
-  std::string tls;                        // UCX_TLS syntax; empty: the environment's
-  std::string bind_host;                  // UcxOptions::bind_host: the server's --host
+  std::string shard;                         // for messages
+  std::string tls;                           // UCX_TLS syntax; empty: the environment's
+  std::string bind_host;                     // UcxOptions::bind_host: the server's --host
   std::chrono::microseconds poll_spin{100};  // UcxOptions::poll_spin
-  int max_clients = 256;                  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
-  int64_t max_message_bytes = 256 << 20;  // the largest payload either way
+  int max_clients = 256;                     // OpenDataPlane beyond: RESOURCE_EXHAUSTED
+  int64_t max_message_bytes = 256 << 20;     // the largest payload either way
   // Batches as one UCX message each way (the current protocol): runs once per request that
   // authenticated (a bound client, its MAC right, its sequence new), on the thread that
   // progresses the worker (it must not block for long), with the request's protobuf header and

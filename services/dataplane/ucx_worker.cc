@@ -346,8 +346,7 @@ class UcxWorkerImpl {
     EndPolling();
   }
 
-  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline,
-                               std::chrono::microseconds spin,
+  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline, std::chrono::microseconds spin,
                                const std::function<bool()>& stop_polling) {
     if (spin.count() > 0) {
       PollUntil(std::chrono::steady_clock::now() + spin,
@@ -472,11 +471,12 @@ class UcxWorkerImpl {
     t->deadline_ = deadline;
     t->ep_ = ep;
     t->tag_ = tag;
-    t->what_ = kind == Kind::kHello     ? std::string("UCX hello")
-               : kind == Kind::kRequest ? std::string("UCX request message")
-               : kind == Kind::kReply   ? std::string("UCX reply message")
-                                        : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive",
-                                                     " of tag ", tag);
+    t->what_ =
+        kind == Kind::kHello     ? std::string("UCX hello")
+        : kind == Kind::kRequest ? std::string("UCX request message")
+        : kind == Kind::kReply
+            ? std::string("UCX reply message")
+            : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive", " of tag ", tag);
     if (chunk == 0) chunk = options_.chunk_bytes;
     if ((kind == Kind::kRequest || kind == Kind::kReply) &&
         hello.size() > UcxWorker::kMaxMessageHeader) {
@@ -1252,12 +1252,11 @@ std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t tag, std::shared_ptr<Uc
                       std::move(done), 0);
 }
 std::shared_ptr<UcxTransfer> UcxWorker::SendMessage(uint64_t ep, Message kind, std::string header,
-                                                    std::shared_ptr<UcxBuffer> buffer,
-                                                    size_t bytes, absl::Time deadline, Done done) {
-  return impl_->Start(kind == Message::kRequest ? UcxWorkerImpl::Kind::kRequest
-                                                : UcxWorkerImpl::Kind::kReply,
-                      ep, 0, std::move(buffer), bytes, deadline, std::move(done), 0,
-                      std::move(header));
+                                                    std::shared_ptr<UcxBuffer> buffer, size_t bytes,
+                                                    absl::Time deadline, Done done) {
+  return impl_->Start(
+      kind == Message::kRequest ? UcxWorkerImpl::Kind::kRequest : UcxWorkerImpl::Kind::kReply, ep,
+      0, std::move(buffer), bytes, deadline, std::move(done), 0, std::move(header));
 }
 void UcxWorker::OnMessage(MessageFn fn) { impl_->SetMessageHandler(std::move(fn)); }
 std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t token,

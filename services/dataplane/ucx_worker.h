@@ -144,7 +144,7 @@ class UcxTransfer {
   size_t bytes_done_ = 0;     // of the chunks complete
   absl::Status first_error_;  // of any chunk
   bool finished_ = false;     // Complete ran (abandoned transfers finish before UCX is done)
-  std::string header_;  // a hello's or message's header (read by UCX until a send completes)
+  std::string header_;        // a hello's or message's header (read by UCX until a send completes)
   std::shared_ptr<UcxBuffer> buffer_;
   std::function<void(const absl::Status&, size_t)> on_done_;
   absl::Time deadline_ = absl::InfiniteFuture();
@@ -245,8 +245,7 @@ class UcxWorker {
   // Waits for `t` like t.Wait, but first polls the worker from this thread for up to `spin`
   // (or until `stop_polling` says so): the completion runs here without waking the progress
   // thread. A spin of 0 is t.Wait. The progress thread takes over when the spin ends.
-  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline,
-                               std::chrono::microseconds spin,
+  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline, std::chrono::microseconds spin,
                                const std::function<bool()>& stop_polling = nullptr);
 
   // A registered buffer of at least `bytes`, from the pool (registration only when the pool has

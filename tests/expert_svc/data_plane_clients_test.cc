@@ -93,18 +93,18 @@ TEST(DataPlaneClients, ASequenceIsClaimedOnceWithinItsWindow) {
   auto b = clients.Open("attention-1", &replaced);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_TRUE(clients.ClaimSequence(a->id, 5));
-  EXPECT_FALSE(clients.ClaimSequence(a->id, 5));   // replay
-  EXPECT_TRUE(clients.ClaimSequence(b->id, 5));    // another client's own numbering
-  EXPECT_TRUE(clients.ClaimSequence(a->id, 3));    // late, in the window
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 5));  // replay
+  EXPECT_TRUE(clients.ClaimSequence(b->id, 5));   // another client's own numbering
+  EXPECT_TRUE(clients.ClaimSequence(a->id, 3));   // late, in the window
   EXPECT_FALSE(clients.ClaimSequence(a->id, 3));
   EXPECT_TRUE(clients.ClaimSequence(a->id, 4));
   EXPECT_FALSE(clients.ClaimSequence(a->id, 0));
-  EXPECT_FALSE(clients.ClaimSequence(999, 1));     // unknown client
+  EXPECT_FALSE(clients.ClaimSequence(999, 1));  // unknown client
   const uint64_t far = 5 + DataPlaneClients::kReplayWindow;
   EXPECT_TRUE(clients.ClaimSequence(a->id, far));
-  EXPECT_FALSE(clients.ClaimSequence(a->id, 5));   // seen
-  EXPECT_FALSE(clients.ClaimSequence(a->id, 2));   // older than the window: cannot tell, refused
-  EXPECT_TRUE(clients.ClaimSequence(a->id, 6));    // the oldest the window still holds
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 5));  // seen
+  EXPECT_FALSE(clients.ClaimSequence(a->id, 2));  // older than the window: cannot tell, refused
+  EXPECT_TRUE(clients.ClaimSequence(a->id, 6));   // the oldest the window still holds
   EXPECT_TRUE(clients.ClaimSequence(a->id, far - 1));
   EXPECT_TRUE(clients.ClaimSequence(a->id, far + 3 * DataPlaneClients::kReplayWindow));
   EXPECT_FALSE(clients.ClaimSequence(a->id, far));  // the window moved past it

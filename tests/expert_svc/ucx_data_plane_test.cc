@@ -75,8 +75,8 @@ class BatchMessages : public ::testing::Test {
   }
 
   // A request message: header then activations, framed and sealed (or not) as a client would.
-  std::shared_ptr<dataplane::UcxTransfer> Send(uint64_t client, uint64_t sequence,
-                                               uint64_t token, const std::string& header,
+  std::shared_ptr<dataplane::UcxTransfer> Send(uint64_t client, uint64_t sequence, uint64_t token,
+                                               const std::string& header,
                                                const std::string& activations, bool seal = true,
                                                std::string frame_bytes = {}) {
     const std::string payload = header + activations;
@@ -151,10 +151,10 @@ TEST_F(BatchMessages, AnHonestBatchArrivesOnceAndItsAnswerComesBackSealed) {
   EXPECT_EQ(f->sequence, 7u);
   EXPECT_EQ(std::string(reinterpret_cast<const char*>((*reply_buf)->data()), *n),
             "reply-headeroutputs");
-  EXPECT_TRUE(mac_->Verify(dataplane::Direction::kToAttention, 7, (*reply_buf)->data(), *n,
-                           f->mac, dataplane::MacPrefix(frame_bytes)));
-  EXPECT_FALSE(mac_->Verify(dataplane::Direction::kToAttention, 8, (*reply_buf)->data(), *n,
-                            f->mac, dataplane::MacPrefix(frame_bytes)));
+  EXPECT_TRUE(mac_->Verify(dataplane::Direction::kToAttention, 7, (*reply_buf)->data(), *n, f->mac,
+                           dataplane::MacPrefix(frame_bytes)));
+  EXPECT_FALSE(mac_->Verify(dataplane::Direction::kToAttention, 8, (*reply_buf)->data(), *n, f->mac,
+                            dataplane::MacPrefix(frame_bytes)));
 }
 
 TEST_F(BatchMessages, ReplaysForgeriesAndStrangersNeverReachTheHandler) {
@@ -178,9 +178,8 @@ TEST_F(BatchMessages, ReplaysForgeriesAndStrangersNeverReachTheHandler) {
     f.mac = mac_->Compute(dataplane::Direction::kToExpert, 5,
                           reinterpret_cast<const uint8_t*>(payload.data()), payload.size(),
                           dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
-    ASSERT_TRUE(Send(me_.id, 4, 0, "h", "z", true, dataplane::EncodeBatchFrame(f))
-                    ->Wait(deadline)
-                    .ok());
+    ASSERT_TRUE(
+        Send(me_.id, 4, 0, "h", "z", true, dataplane::EncodeBatchFrame(f))->Wait(deadline).ok());
   }
   ASSERT_TRUE(Send(me_.id + 1000, 5, 5, "h", "z")->Wait(deadline).ok());
   ASSERT_TRUE(Send(me_.id, 6, 6, "h", "z", true, std::string(56, 'j'))->Wait(deadline).ok());

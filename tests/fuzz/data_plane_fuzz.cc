@@ -1,9 +1,10 @@
 // libFuzzer target: the bytes a UCX peer controls before it is trusted (docs/data-plane.md):
 // the hello an expert server parses and binds (DataPlaneClients::Bind), and, on the same bytes,
 // the lanes parser (its input is UCX's own report, fuzzed anyway), and the out-of-band header's
-// sizes and MAC before they reach a UCX receive, a batch message's frame, and the replay window. Invariants: only the exact
-// hello of the opened client binds it, and then to the endpoint given; a bound client stays
-// bound to it; the lanes' kind is one of its five values and names no transport twice.
+// sizes and MAC before they reach a UCX receive, a batch message's frame, and the replay window.
+// Invariants: only the exact hello of the opened client binds it, and then to the endpoint given; a
+// bound client stays bound to it; the lanes' kind is one of its five values and names no transport
+// twice.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>

@@ -198,9 +198,9 @@ TEST(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
 // A hostile UCX peer that holds the shard's worker address (leaked: a stranger is not handed
 // it) but no secret: it sprays tagged payloads on random tags and on the tags the first data
 // plane made predictable (client id << 40 | sequence), batch messages of the guessable client
-// ids with MACs it cannot compute, replies and frames that are none, and sends hellos that are malformed, of
-// unknown clients, with wrong secrets, oversized. Meanwhile a canary's answers stay bit-exact,
-// every process stays up, and the shard counts the hellos it refused.
+// ids with MACs it cannot compute, replies and frames that are none, and sends hellos that are
+// malformed, of unknown clients, with wrong secrets, oversized. Meanwhile a canary's answers stay
+// bit-exact, every process stays up, and the shard counts the hellos it refused.
 TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   testing::AttackedCluster a = testing::StartAttackedCluster("posix", 77);
@@ -250,8 +250,7 @@ TEST(ClusterDataPlane, AHostileUcxPeerCannotChangeAnAnswer) {
       auto kind = dataplane::UcxWorker::Message::kRequest;
       if (i % 16 == 5) kind = dataplane::UcxWorker::Message::kReply;
       if (i % 16 == 9) frame = dataplane::RandomBytes(1 + i % 200);
-      pending.push_back(
-          (*hostile)->SendMessage(*ep, kind, frame, b, b->capacity() / 2, deadline));
+      pending.push_back((*hostile)->SendMessage(*ep, kind, frame, b, b->capacity() / 2, deadline));
       ++forged;
     }
     if (i % 8 == 0) {
