@@ -46,6 +46,13 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
         break;
       }
     }
+    // UCX hands a new peer an endpoint it freed and reused (the old peer's worker died): the
+    // replaced client's endpoint may be another live client's now, which must keep it.
+    for (const auto& [id, other] : clients_) {
+      if (*replaced_endpoint != 0 && other.endpoint == *replaced_endpoint) {
+        *replaced_endpoint = 0;
+      }
+    }
   }
   if (static_cast<int>(clients_.size()) >= max_clients_) {
     return absl::ResourceExhaustedError(

@@ -48,7 +48,7 @@ struct UcxDataPlaneOptions {
                      std::string_view activations)>
       on_batch;
   // Counted events (metrics): "hello_rejected", "integrity_failed", "message_rejected",
-  // "replayed".
+  // "replayed", "reply_failed".
   std::function<void(const std::string& event)> on_event;
 };
 

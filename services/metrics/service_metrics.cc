@@ -390,7 +390,8 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                                    "activation payload whose MAC did not match), "
                                    "message_rejected (a batch message of no bound client, not a "
                                    "frame, or too long), replayed (a batch message whose "
-                                   "sequence was used): all dropped unanswered")
+                                   "sequence was used): all dropped unanswered; reply_failed (an answer that did "
+                                   "not go out)")
                              .Register(registry)),
       backend_info_(BuildGauge()
                         .Name("moe_expert_backend_info")

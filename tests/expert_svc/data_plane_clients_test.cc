@@ -69,7 +69,15 @@ TEST(DataPlaneClients, ReconnectsReplaceTheirOldEntryWithinTheLimit) {
   EXPECT_NE(again->id, first->id);
   EXPECT_EQ(clients.Get(first->id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(clients.size(), 1);
-  ASSERT_TRUE(clients.Open("n1", &replaced).ok());
+  // UCX reused n0's endpoint (its peer died) for n1's hello: n0 reconnecting must not take it.
+  auto n1 = clients.Open("n1", &replaced);
+  ASSERT_TRUE(n1.ok());
+  ASSERT_TRUE(clients.Bind(EncodeHello({again->id, again->hello_secret}), 12).ok());
+  ASSERT_TRUE(clients.Bind(EncodeHello({n1->id, n1->hello_secret}), 12).ok());
+  auto third = clients.Open("n0", &replaced);
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(replaced, 0u) << "n1's endpoint would be closed under it";
+  EXPECT_TRUE(clients.Get(n1->id).ok());
   auto full = clients.Open("n2", &replaced);
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(full.status().message().find("--max_data_plane_clients"), absl::string_view::npos);

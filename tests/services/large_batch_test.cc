@@ -12,6 +12,8 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -133,6 +135,59 @@ TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
       EXPECT_EQ((*shard)->worker()->messages_dropped(), 0);
     }
   }
+}
+
+// Attention nodes come and go (a worker dies, a node reconnects under its name) while others keep
+// sending: every batch of every live node is answered. UCX may hand a new peer the endpoint of
+// one that died; the shard once closed that endpoint when the dead peer's node reconnected, and
+// the live node's batches then went unanswered (found by hop_bench's senders over TCP; whether
+// UCX reuses an endpoint here depends on its allocator, so the rule itself is pinned by
+// DataPlaneClients.ReconnectsReplaceTheirOldEntryWithinTheLimit).
+TEST(EchoDataPlane, NodesThatComeAndGoLeaveTheOthersAnswered) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  auto server = expert_svc::ExpertServer::Start(testing::EchoServerOptions("mid", cfg.top_k, "tcp"));
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
+  testing::EchoBatch b = testing::MakeEchoBatch(cfg, 4);
+  b.header.timeout_ms = 3000;
+  int answered = 0, failed = 0;
+  for (int round = 1; round <= 4; ++round) {
+    struct Node {
+      std::unique_ptr<dataplane::UcxWorker> worker;
+      std::unique_ptr<attention_svc::UcxExpertChannel> channel;
+    };
+    std::vector<Node> nodes;
+    for (int i = 0; i <= round; ++i) {
+      dataplane::UcxOptions uo;
+      uo.tls = "tcp";
+      auto w = dataplane::UcxWorker::Create(uo);
+      ASSERT_TRUE(w.ok()) << w.status();
+      Node n;
+      n.worker = std::move(*w);
+      n.channel = std::make_unique<attention_svc::UcxExpertChannel>(
+          "echo-0", endpoint, 1 << 30, n.worker.get(), dataplane::DataPlane::kUcx,
+          absl::StrCat("node-", i), nullptr, "");
+      nodes.push_back(std::move(n));
+    }
+    std::vector<std::thread> threads;
+    std::atomic<int> ok{0}, bad{0};
+    for (auto& n : nodes) {
+      threads.emplace_back([&, ch = n.channel.get()] {
+        for (int j = 0; j < 30; ++j) {
+          auto r = ch->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(3));
+          (r.ok() ? ok : bad).fetch_add(1);
+          if (!r.ok()) std::fprintf(stderr, "round %d: %s\n", round, r.status().ToString().c_str());
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    answered += ok.load();
+    failed += bad.load();
+  }
+  EXPECT_EQ(failed, 0);
+  EXPECT_EQ(answered, 30 * (2 + 3 + 4 + 5));
+  (*server)->Shutdown(absl::Seconds(1));
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryLane, LargeBatch,
