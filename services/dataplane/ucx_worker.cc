@@ -312,14 +312,14 @@ class UcxWorkerImpl {
   }
 
   // Progresses the worker from this thread if nobody holds it; whether it did.
+  // Progresses the worker from this thread if nobody holds it; whether anything happened.
   bool TryProgress() {
     if (t_holder == this || !progress_mu_.try_lock()) return false;
     Hold hold(this, /*locked=*/true);
-    RunCommands(/*drain_fd=*/false);
-    while (ucp_worker_progress(worker_) != 0) {
-    }
-    RunCommands(/*drain_fd=*/false);  // what the callbacks queued (a hello's acknowledgement)
-    return true;
+    bool active = RunCommands(/*drain_fd=*/false);
+    while (ucp_worker_progress(worker_) != 0) active = true;
+    active |= RunCommands(/*drain_fd=*/false);  // what the callbacks queued (a hello's ack)
+    return active;
   }
 
   // A thread polls the worker from Begin to End: meanwhile nobody wakes the progress thread for
@@ -340,6 +340,8 @@ class UcxWorkerImpl {
   void PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop) {
     if (t_holder == this) return;
     BeginPolling();
+    // Between empty polls the CPU goes to whoever else is runnable on it (the peer's threads
+    // where processes share cores): a poll costs no one a time slice.
     while (!stop() && std::chrono::steady_clock::now() < until) {
       if (!TryProgress()) std::this_thread::yield();
     }
