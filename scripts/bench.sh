@@ -6,10 +6,12 @@
 # first if it is missing; about 2.5 min to generate, 8-9 min to run on two cores.
 # Usage: scripts/bench.sh [--reference_tokens 1,16]   (MOE_CKPT_DIR overrides the path)
 #        scripts/bench.sh --cluster [cluster_bench flags]  (data plane issues: in one run, the
-#        raw UCX transport (ucx_perftest) and the data plane's dispatch round trip per lane with
-#        an echo backend, at T = 1, 16, 64, 256 on mid and T = 1, 16 at the k3 shape
-#        (dispatch_bench); then the disaggregated layer on loopback vs in process (cluster_bench,
-#        mid preset); about 3 min)
+#        hop to 1, 2, 4 shards per lane at 1-256 tokens per peer with its p50, p99, bytes on the
+#        wire and the 92-layer decode step it projects, goodput of 1-8 senders to one shard,
+#        next to the raw UCX transport (ucx_perftest) and the worker alone (hop_bench); the
+#        dispatch round trip per lane with an echo backend, at T = 1, 16, 64, 256 on mid and
+#        T = 1, 16 at the k3 shape (dispatch_bench); then the disaggregated layer on loopback vs
+#        in process (cluster_bench, mid preset); about 6 min)
 #        scripts/bench.sh --w4a8 [w4a8_bench flags]  (W4A8 vs W4A16 on one cluster: quality,
 #        tokens/s, dispatch bytes; mid preset by default, about 30 s)
 #        scripts/bench.sh --budget [budget_bench flags]  (dynamic k: tokens/s, latency, dispatch
@@ -24,8 +26,10 @@ BUILD=${MOE_BUILD_DIR:-build}
 cmake -S . -B "$BUILD" -G Ninja >/dev/null
 if [ "${1:-}" = "--cluster" ]; then
   shift
-  cmake --build "$BUILD" --target cluster_bench dispatch_bench router-svc expert-svc attention-svc
-  lscpu | grep -E "^Model name|^CPU\(s\)"
+  cmake --build "$BUILD" --target cluster_bench dispatch_bench hop_bench router-svc expert-svc \
+    attention-svc
+  lscpu | grep -E "^Model name|^CPU\(s\)|^CPU family|^Model:"
+  "$BUILD/tests/hop_bench" --preset mid
   "$BUILD/tests/dispatch_bench" --preset mid --tokens 1,16,64,256
   "$BUILD/tests/dispatch_bench" --preset k3 --tokens 1,16
   exec "$BUILD/tests/cluster_bench" "$@"

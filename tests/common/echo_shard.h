@@ -56,6 +56,26 @@ inline EchoBatch MakeEchoBatch(const ModelConfig& cfg, int64_t t) {
   return b;
 }
 
+// An expert server with the echo backend hosting experts [0, k) of the preset's first MoE layer
+// on 127.0.0.1 (any port), with UCX over ucx_tls (empty: in band only).
+inline expert_svc::ExpertServerOptions EchoServerOptions(const std::string& preset, int64_t top_k,
+                                                         const std::string& ucx_tls,
+                                                         const std::string& shard = "echo-0") {
+  expert_svc::ExpertServerOptions o;
+  o.host = "127.0.0.1";
+  o.preset = preset;
+  o.expert_lo = 0;
+  o.expert_hi = top_k;  // every token's k experts on this server
+  o.shard = shard;
+  o.threads = 1;
+  o.backend = expert_svc::Backend::kEcho;
+  o.measure_limits = false;
+  o.verify_fraction = 0;
+  o.data_plane = ucx_tls.empty() ? dataplane::DataPlane::kGrpc : dataplane::DataPlane::kUcx;
+  o.ucx_tls = ucx_tls;
+  return o;
+}
+
 class EchoShard {
  public:
   // ucx_tls empty: the gRPC in-band lane; else UCX with that UCX_TLS on both ends.
@@ -68,18 +88,7 @@ class EchoShard {
     if (!cfg.ok()) return cfg.status();
     auto s = std::unique_ptr<EchoShard>(new EchoShard);
     const bool ucx = !ucx_tls.empty();
-    expert_svc::ExpertServerOptions o;
-    o.host = "127.0.0.1";
-    o.preset = preset;
-    o.expert_lo = 0;
-    o.expert_hi = cfg->top_k;  // every token's k experts on this server
-    o.shard = "echo-0";
-    o.threads = 1;
-    o.backend = expert_svc::Backend::kEcho;
-    o.measure_limits = false;
-    o.verify_fraction = 0;
-    o.data_plane = ucx ? dataplane::DataPlane::kUcx : dataplane::DataPlane::kGrpc;
-    o.ucx_tls = ucx_tls;
+    expert_svc::ExpertServerOptions o = EchoServerOptions(preset, cfg->top_k, ucx_tls);
     o.ucx_batch_messages = batch_messages;
     auto server = expert_svc::ExpertServer::Start(o);
     if (!server.ok()) return server.status();

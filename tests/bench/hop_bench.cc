@@ -1,0 +1,253 @@
+// The hop between an attention node and its expert shards, as DeepEP publishes its dispatch and
+// combine (issue: the data plane, third generation): per lane, P echo shards (the data plane
+// without expert compute: each row answered with its activations) run in this process, and one
+// attention-side UCX worker with a channel to each sends every shard T tokens routed to its k
+// experts, then waits for all P replies: one dispatch + combine. Printed per (lane, P, T): p50 and
+// p99 of the whole hop, the bytes on the wire (activations out, bf16 rows back, all peers), and
+// the floors measured in the same run (ucx_perftest's raw one-way latencies of the same sizes,
+// and this project's worker alone: one polled message each way, no gRPC, no MAC, no compute).
+// Then the goodput when 1, 2, 4, 8 senders (each its own worker and channel, like attention
+// nodes) hit one shard at once, and the decode-step cost of a 92-layer K3 stack projected from
+// the hop's p50 (92 x p50: the hops alone, no attention or expert compute).
+//
+// Every process of this benchmark shares this machine's CPUs: on 2 vCPUs the shards' compute
+// threads, the progress threads and the senders contend, which a deployment (shards on their
+// own hosts) does not.
+//
+//   scripts/bench.sh --cluster    or
+//   build/tests/hop_bench [--preset mid] [--tokens 1,8,32,128,256] [--peers 1,2,4]
+//                         [--senders 1,2,4,8] [--data_planes ucx_shm,ucx_tcp,grpc]
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "attention-svc/expert_channel_ucx.h"
+#include "expert-svc/expert_server.h"
+#include "services/common/flags.h"
+#include "services/common/model_config.h"
+#include "services/dataplane/ucx_worker.h"
+#include "tests/bench/memcpy_bandwidth.h"
+#include "tests/bench/ucx_floor.h"
+#include "tests/common/echo_shard.h"
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+std::vector<int64_t> Ints(const std::string& list) {
+  std::vector<int64_t> out;
+  for (absl::string_view v : absl::StrSplit(list, ',')) out.push_back(std::stoll(std::string(v)));
+  return out;
+}
+
+// The attention side of one sender: a worker (UCX lanes) and a channel to each shard.
+struct Sender {
+  std::unique_ptr<dataplane::UcxWorker> worker;
+  std::vector<std::unique_ptr<attention_svc::ExpertChannel>> channels;
+};
+
+absl::StatusOr<Sender> MakeSender(const std::string& tls, const std::vector<std::string>& endpoints,
+                                  const std::string& node) {
+  Sender s;
+  if (!tls.empty()) {
+    dataplane::UcxOptions uo;
+    uo.tls = tls;
+    uo.name = node;
+    auto w = dataplane::UcxWorker::Create(uo);
+    if (!w.ok()) return w.status();
+    s.worker = std::move(*w);
+  }
+  for (size_t i = 0; i < endpoints.size(); ++i) {
+    const std::string shard = absl::StrFormat("echo-%d", i);
+    if (tls.empty()) {
+      s.channels.push_back(std::make_unique<attention_svc::GrpcExpertChannel>(
+          shard, endpoints[i], 1 << 30, ""));
+    } else {
+      s.channels.push_back(std::make_unique<attention_svc::UcxExpertChannel>(
+          shard, endpoints[i], 1 << 30, s.worker.get(), dataplane::DataPlane::kUcx, node,
+          nullptr, ""));
+    }
+  }
+  return s;
+}
+
+// One hop: the batch to the first `peers` channels, then every reply. False on any failure.
+bool Hop(Sender& s, int peers, const testing::EchoBatch& b) {
+  std::vector<std::unique_ptr<attention_svc::ExpertCall>> calls;
+  for (int p = 0; p < peers; ++p) calls.push_back(s.channels[p]->Send(b.header, b.message));
+  bool ok = true;
+  for (auto& c : calls) {
+    auto r = c->Wait(absl::Now() + absl::Seconds(30));
+    if (!r.ok()) {
+      std::fprintf(stderr, "hop: %s\n", r.status().ToString().c_str());
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+int Main(int argc, char** argv) {
+  std::string preset = "mid", tokens_list = "1,8,32,128,256", peers_list = "1,2,4",
+              senders_list = "1,2,4,8", planes = "ucx_shm,ucx_tcp,grpc";
+  double seconds = 1;
+  int64_t sender_tokens = 8, layers = 92;
+  bool raw = true;
+  SvcFlags f("hop_bench", "The attention-to-shards hop: dispatch + combine per lane and peers.");
+  f.String("preset", &preset, "model shape: mid or k3");
+  f.String("tokens", &tokens_list, "tokens per peer (T)");
+  f.String("peers", &peers_list, "shards one hop reaches (P)");
+  f.String("senders", &senders_list, "senders hitting one shard at once (goodput)");
+  f.Int64("sender_tokens", &sender_tokens, "T of the senders' batches");
+  f.String("data_planes", &planes, "ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp), grpc");
+  f.Double("seconds", &seconds, "seconds per point (after 3 warm-up hops)");
+  f.Int64("layers", &layers, "MoE layers of the projected decode step (K3: 92)");
+  f.Bool("raw", &raw, "also run ucx_perftest for the raw transport");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  auto cfg = PresetConfig(preset);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
+    return 2;
+  }
+  const std::vector<int64_t> ts = Ints(tokens_list), ps = Ints(peers_list),
+                             ss = Ints(senders_list);
+  const int64_t d = cfg->latent, k = cfg->top_k;
+  const int max_peers = static_cast<int>(*std::max_element(ps.begin(), ps.end()));
+  std::printf("preset %s: D %lld, k %lld; memcpy %.1f GB/s; %u CPUs\n", preset.c_str(),
+              static_cast<long long>(d), static_cast<long long>(k),
+              bench::MemcpyBandwidth() / 1e9, std::thread::hardware_concurrency());
+  struct Point {
+    std::string lane;
+    int64_t peers, tokens;
+    double p50;
+  };
+  std::vector<Point> points;
+  int port = 13500;
+  for (absl::string_view pv : absl::StrSplit(planes, ',')) {
+    const std::string plane(pv);
+    const std::string tls = plane == "ucx_shm" ? "posix" : plane == "ucx_tcp" ? "tcp" : "";
+    if (!tls.empty() && !dataplane::UcxBuilt()) continue;
+    std::vector<std::unique_ptr<expert_svc::ExpertServer>> shards;
+    std::vector<std::string> endpoints;
+    for (int i = 0; i < max_peers; ++i) {
+      auto s = expert_svc::ExpertServer::Start(
+          testing::EchoServerOptions(preset, k, tls, absl::StrFormat("echo-%d", i)));
+      if (!s.ok()) {
+        std::fprintf(stderr, "echo shard: %s\n", s.status().ToString().c_str());
+        return 1;
+      }
+      endpoints.push_back(absl::StrFormat("127.0.0.1:%d", (*s)->port()));
+      shards.push_back(std::move(*s));
+    }
+    auto sender = MakeSender(tls, endpoints, "hop-0");
+    if (!sender.ok()) {
+      std::fprintf(stderr, "sender: %s\n", sender.status().ToString().c_str());
+      return 1;
+    }
+    std::printf(
+        "\n%s: one hop = dispatch + combine to P shards (T tokens x k experts each)\n\n"
+        "| lane | P | T | bytes on the wire | hops | p50 us | p99 us | p99/p50 | GB/s | raw UCX "
+        "RTT us (one peer) | worker RTT us (one peer) | %lld-layer decode step ms |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        plane.c_str(), static_cast<long long>(layers));
+    for (int64_t p : ps) {
+      for (int64_t t : ts) {
+        const testing::EchoBatch b = testing::MakeEchoBatch(*cfg, t);
+        const size_t zb = static_cast<size_t>(t * d * 2), yb = b.reply_bytes;
+        std::vector<double> us;
+        bool failed = false;
+        const auto t0 = Clock::now();
+        for (int64_t i = 0; i < 200003; ++i) {
+          if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
+          const auto s = Clock::now();
+          if (!Hop(*sender, static_cast<int>(p), b)) {
+            failed = true;
+            break;
+          }
+          if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+        }
+        if (failed) continue;
+        double raw_rtt = -1, worker_rtt = -1;
+        if (!tls.empty() && p == 1) {
+          if (raw) {
+            const auto lz = bench::PerfTest(tls, "tag_lat", zb, port++);
+            const auto ly = bench::PerfTest(tls, "tag_lat", yb, port++);
+            if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
+          }
+          worker_rtt = bench::WorkerRoundTripUs(tls, zb, yb, std::min(seconds, 0.5));
+        }
+        const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
+        auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
+        std::printf("| %s | %lld | %lld | %zu | %zu | %.1f | %.1f | %.1f | %.2f | %s | %s | %.2f |\n",
+                    plane.c_str(), static_cast<long long>(p), static_cast<long long>(t),
+                    static_cast<size_t>(p) * (zb + yb), us.size(), p50, p99, p99 / p50,
+                    p * (zb + yb) / (p50 * 1e-6) / 1e9, num(raw_rtt).c_str(),
+                    num(worker_rtt).c_str(), layers * p50 / 1e3);
+        std::fflush(stdout);
+        points.push_back({plane, p, t, p50});
+      }
+    }
+    // Goodput of S senders (each its own worker and channel) hitting shard 0 at once.
+    std::printf(
+        "\n%s: S senders to one shard, T = %lld each, back to back for %.1f s\n\n"
+        "| lane | S | hops | goodput GB/s | vs one sender |\n|---|---|---|---|---|\n",
+        plane.c_str(), static_cast<long long>(sender_tokens), seconds);
+    const testing::EchoBatch sb = testing::MakeEchoBatch(*cfg, sender_tokens);
+    const double bytes_per_hop = static_cast<double>(sender_tokens * d * 2) + sb.reply_bytes;
+    double one = 0;
+    for (int64_t n : ss) {
+      std::vector<Sender> senders;
+      bool ok = true;
+      for (int64_t i = 0; i < n && ok; ++i) {
+        auto s = MakeSender(tls, {endpoints[0]}, absl::StrFormat("sender-%d", i));
+        ok = s.ok();
+        if (ok) senders.push_back(std::move(*s));
+      }
+      if (!ok) continue;
+      for (auto& s : senders) (void)Hop(s, 1, sb);  // open every data plane first
+      std::atomic<int64_t> hops{0};
+      std::atomic<bool> failed{false};
+      const auto start = Clock::now();
+      std::vector<std::thread> threads;
+      for (auto& s : senders) {
+        threads.emplace_back([&, sp = &s] {
+          while (std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
+            if (!Hop(*sp, 1, sb)) {
+              failed.store(true);
+              return;
+            }
+            hops.fetch_add(1);
+          }
+        });
+      }
+      for (auto& th : threads) th.join();
+      const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+      const double goodput = hops.load() * bytes_per_hop / secs / 1e9;
+      if (n == ss.front()) one = goodput;
+      std::printf("| %s | %lld | %lld | %.2f | %s |\n", plane.c_str(), static_cast<long long>(n),
+                  static_cast<long long>(hops.load()), goodput,
+                  failed.load() ? "failed" : absl::StrFormat("%.2f", goodput / one).c_str());
+      std::fflush(stdout);
+    }
+    for (auto& s : shards) s->Shutdown(absl::Seconds(1));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) { return moe::Main(argc, argv); }
