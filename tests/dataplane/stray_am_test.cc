@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -116,6 +117,35 @@ TEST(UcxBinding, TcpListensOnlyOnTheInterfaceOfTheServicesAddress) {
   int elsewhere = 0;
   for (const auto& s : moe::testing::ListeningSockets(getpid())) elsewhere += !s.loopback;
   EXPECT_GT(elsewhere, 0) << "UCX's default no longer listens beyond loopback here";
+}
+
+// The chart fixes the ports UCX's TCP transport listens on (UCX_TCP_PORT_RANGE, dataPlane.tcpPorts)
+// so that its NetworkPolicies can name them: read from the kernel, the worker's new listening
+// sockets are all inside the range.
+TEST(UcxBinding, TcpListensInThePortRangeItIsGiven) {
+  auto ports = [] {
+    std::set<int> out;
+    for (const auto& s : moe::testing::ListeningSockets(getpid())) {
+      out.insert(std::stoi(s.address.substr(s.address.rfind(':') + 1)));
+    }
+    return out;
+  };
+  const std::set<int> before = ports();
+  ASSERT_EQ(setenv("UCX_TCP_PORT_RANGE", "23450-23469", 1), 0);
+  UcxOptions o;
+  o.tls = "tcp";
+  o.bind_host = "127.0.0.1";
+  auto w = UcxWorker::Create(o);
+  unsetenv("UCX_TCP_PORT_RANGE");
+  ASSERT_TRUE(w.ok()) << w.status();
+  int opened = 0;
+  for (int port : ports()) {
+    if (before.count(port) != 0) continue;
+    ++opened;
+    EXPECT_GE(port, 23450);
+    EXPECT_LE(port, 23469);
+  }
+  EXPECT_GT(opened, 0) << "UCX's TCP transport opened no listening socket";
 }
 
 TEST(UcxBinding, TheInterfaceOfAnAddress) {

@@ -243,9 +243,20 @@ expect_render_error 'router.replicas > 1 needs router.etcd.endpoint' -set router
 expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autoscaling.enabled=true \
   -set attention.autoscaling.minReplicas=5 -set attention.autoscaling.maxReplicas=2
 
+echo "== network policies: off, and without the UCX data plane"
+render -out "$WORK/nonetpol.yaml" -set networkPolicy.enabled=false
+node validate.mjs --manifests "$WORK/nonetpol.yaml" --dashboard "$DASH" --expect-no-networkpolicy
+printf 'networkPolicy:\n  metricsFrom:\n    - namespaceSelector:\n        matchLabels: {name: monitoring}\n' \
+  >"$WORK/metrics-from.yaml"
+render -out "$WORK/grpc-only.yaml" -set dataPlane.mode=grpc -f "$WORK/metrics-from.yaml"
+node validate.mjs --manifests "$WORK/grpc-only.yaml" --dashboard "$DASH"
+grep -q "name: monitoring" "$WORK/grpc-only.yaml"
+expect_render_error 'dataPlane.tcpPorts 20000-20000 must be a range of at least 2 ports' \
+  -set dataPlane.tcpPorts.last=20000
+
 echo "== every invariant can fail"
 for m in sts-replicas range-gap no-resources probe-port service-selector port-type root writable-root \
-  no-checksum router-state-lost pdb-range extras-leak; do
+  no-checksum router-state-lost pdb-range extras-leak netpol-open ucx-ports; do
   if node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" --mutate "$m" \
       >"$WORK/mutate.out" 2>&1; then
     echo "FAIL: mutation $m went unnoticed"; exit 1

@@ -350,6 +350,17 @@ readinessProbe:
 {{- define "moe.dataPlaneEnv" -}}
 - name: UCX_TLS
   value: {{ .Values.dataPlane.ucxTls | quote }}
+{{- include "moe.ucxPortRange" . }}
+- name: UCX_TCP_PORT_RANGE
+  value: {{ printf "%d-%d" (int .Values.dataPlane.tcpPorts.first) (int .Values.dataPlane.tcpPorts.last) | quote }}
+{{- end -}}
+{{/* Fails unless dataPlane.tcpPorts is a range of at least 2 ports inside 1024-65535. */}}
+{{- define "moe.ucxPortRange" -}}
+{{- $f := int .Values.dataPlane.tcpPorts.first -}}
+{{- $l := int .Values.dataPlane.tcpPorts.last -}}
+{{- if or (lt $f 1024) (gt $l 65535) (lt $l (add $f 1)) -}}
+{{- fail (printf "dataPlane.tcpPorts %d-%d must be a range of at least 2 ports in 1024-65535" $f $l) -}}
+{{- end -}}
 {{- end -}}
 {{/* resources (a dict) plus the RDMA device when dataPlane.rdma.enabled. */}}
 {{- define "moe.withRdma" -}}
