@@ -63,8 +63,8 @@ class DataPlaneClients {
   // A new client for `node`, with fresh secrets. A node that opens again (a reconnect)
   // replaces its old client: *replaced_endpoint is then that client's endpoint (0 if none, or
   // when another client is bound to the same endpoint: UCX reuses the endpoint of a peer that
-  // died for a new one), for the caller to forget. INVALID_ARGUMENT for a node name over kMaxNodeBytes,
-  // RESOURCE_EXHAUSTED past max_clients.
+  // died for a new one), for the caller to forget. INVALID_ARGUMENT for a node name over
+  // kMaxNodeBytes, RESOURCE_EXHAUSTED past max_clients.
   absl::StatusOr<DataPlaneClient> Open(const std::string& node, uint64_t* replaced_endpoint);
   // Binds the client a hello names to the endpoint the hello came on. INVALID_ARGUMENT for a
   // malformed hello, NOT_FOUND for an unknown client, PERMISSION_DENIED for a wrong secret

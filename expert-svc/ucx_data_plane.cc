@@ -226,18 +226,18 @@ absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view he
                           dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
   // A reply that does not go out is counted and logged (its batch then fails at the caller's
   // deadline).
-  worker_->SendMessage(c->endpoint, dataplane::UcxWorker::Message::kReply,
-                       dataplane::EncodeBatchFrame(f), *buffer, total, deadline,
-                       [this, sent = std::move(sent), peer = absl::StrCat("client ", c->id, " (",
-                                                                          c->node, ")")](
-                           const absl::Status& s, size_t) {
-                         if (!s.ok()) {
-                           Rejected("reply_failed", peer,
-                                    absl::StrCat("shard ", options_.shard, ": a reply to ", peer,
-                                                 " did not go out: ", s.ToString()));
-                         }
-                         if (sent) sent(s);
-                       });
+  worker_->SendMessage(
+      c->endpoint, dataplane::UcxWorker::Message::kReply, dataplane::EncodeBatchFrame(f), *buffer,
+      total, deadline,
+      [this, sent = std::move(sent), peer = absl::StrCat("client ", c->id, " (", c->node, ")")](
+          const absl::Status& s, size_t) {
+        if (!s.ok()) {
+          Rejected("reply_failed", peer,
+                   absl::StrCat("shard ", options_.shard, ": a reply to ", peer,
+                                " did not go out: ", s.ToString()));
+        }
+        if (sent) sent(s);
+      });
   return absl::OkStatus();
 }
 

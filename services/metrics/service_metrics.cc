@@ -382,17 +382,18 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                     .Help("Sampled batches recomputed with the scalar reference, by result "
                           "(match, mismatch, skipped, error)")
                     .Register(registry)),
-      data_plane_events_(BuildCounter()
-                             .Name("moe_expert_data_plane_events_total")
-                             .Help("Out-of-band data plane events of this expert server: "
-                                   "hello_rejected (a UCX hello with a wrong secret, unknown "
-                                   "client or bad form), integrity_failed (a batch message or "
-                                   "activation payload whose MAC did not match), "
-                                   "message_rejected (a batch message of no bound client, not a "
-                                   "frame, or too long), replayed (a batch message whose "
-                                   "sequence was used): all dropped unanswered; reply_failed (an answer that did "
-                                   "not go out)")
-                             .Register(registry)),
+      data_plane_events_(
+          BuildCounter()
+              .Name("moe_expert_data_plane_events_total")
+              .Help("Out-of-band data plane events of this expert server: "
+                    "hello_rejected (a UCX hello with a wrong secret, unknown "
+                    "client or bad form), integrity_failed (a batch message or "
+                    "activation payload whose MAC did not match), "
+                    "message_rejected (a batch message of no bound client, not a "
+                    "frame, or too long), replayed (a batch message whose "
+                    "sequence was used): all dropped unanswered; reply_failed (an answer that did "
+                    "not go out)")
+              .Register(registry)),
       backend_info_(BuildGauge()
                         .Name("moe_expert_backend_info")
                         .Help("The backend this server's experts run on (value 1), and why not "

@@ -74,12 +74,12 @@ absl::StatusOr<Sender> MakeSender(const std::string& tls, const std::vector<std:
   for (size_t i = 0; i < endpoints.size(); ++i) {
     const std::string shard = absl::StrFormat("echo-%d", i);
     if (tls.empty()) {
-      s.channels.push_back(std::make_unique<attention_svc::GrpcExpertChannel>(
-          shard, endpoints[i], 1 << 30, ""));
+      s.channels.push_back(
+          std::make_unique<attention_svc::GrpcExpertChannel>(shard, endpoints[i], 1 << 30, ""));
     } else {
       s.channels.push_back(std::make_unique<attention_svc::UcxExpertChannel>(
-          shard, endpoints[i], 1 << 30, s.worker.get(), dataplane::DataPlane::kUcx, node,
-          nullptr, ""));
+          shard, endpoints[i], 1 << 30, s.worker.get(), dataplane::DataPlane::kUcx, node, nullptr,
+          ""));
     }
   }
   return s;
@@ -122,13 +122,12 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
     return 2;
   }
-  const std::vector<int64_t> ts = Ints(tokens_list), ps = Ints(peers_list),
-                             ss = Ints(senders_list);
+  const std::vector<int64_t> ts = Ints(tokens_list), ps = Ints(peers_list), ss = Ints(senders_list);
   const int64_t d = cfg->latent, k = cfg->top_k;
   const int max_peers = static_cast<int>(*std::max_element(ps.begin(), ps.end()));
   std::printf("preset %s: D %lld, k %lld; memcpy %.1f GB/s; %u CPUs\n", preset.c_str(),
-              static_cast<long long>(d), static_cast<long long>(k),
-              bench::MemcpyBandwidth() / 1e9, std::thread::hardware_concurrency());
+              static_cast<long long>(d), static_cast<long long>(k), bench::MemcpyBandwidth() / 1e9,
+              std::thread::hardware_concurrency());
   struct Point {
     std::string lane;
     int64_t peers, tokens;
@@ -177,7 +176,8 @@ int Main(int argc, char** argv) {
             failed = true;
             break;
           }
-          if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+          if (i >= 3)
+            us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
         }
         if (failed) continue;
         double raw_rtt = -1, worker_rtt = -1;
@@ -191,11 +191,12 @@ int Main(int argc, char** argv) {
         }
         const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
         auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
-        std::printf("| %s | %lld | %lld | %zu | %zu | %.1f | %.1f | %.1f | %.2f | %s | %s | %.2f |\n",
-                    plane.c_str(), static_cast<long long>(p), static_cast<long long>(t),
-                    static_cast<size_t>(p) * (zb + yb), us.size(), p50, p99, p99 / p50,
-                    p * (zb + yb) / (p50 * 1e-6) / 1e9, num(raw_rtt).c_str(),
-                    num(worker_rtt).c_str(), layers * p50 / 1e3);
+        std::printf(
+            "| %s | %lld | %lld | %zu | %zu | %.1f | %.1f | %.1f | %.2f | %s | %s | %.2f |\n",
+            plane.c_str(), static_cast<long long>(p), static_cast<long long>(t),
+            static_cast<size_t>(p) * (zb + yb), us.size(), p50, p99, p99 / p50,
+            p * (zb + yb) / (p50 * 1e-6) / 1e9, num(raw_rtt).c_str(), num(worker_rtt).c_str(),
+            layers * p50 / 1e3);
         std::fflush(stdout);
         points.push_back({plane, p, t, p50});
       }

@@ -20,7 +20,7 @@ namespace moe::bench {
 // avg/overall (MB/s), message rate avg/overall. Returns {typical latency us, overall MB/s}, or
 // {-1, -1} when the tool is missing or failed.
 inline std::pair<double, double> PerfTest(const std::string& tls, const char* test, size_t bytes,
-                                   int port) {
+                                          int port) {
   const int64_t n =
       std::clamp<int64_t>(static_cast<int64_t>(4e8 / std::max<size_t>(bytes, 1)), 20, 20000);
   const std::string cmd = absl::StrFormat(
@@ -76,7 +76,9 @@ inline double WorkerRoundTripUs(const std::string& tls, size_t zb, size_t yb, do
   std::vector<double> us;
   const auto t0 = std::chrono::steady_clock::now();
   for (uint64_t i = 0; i < 20000; ++i) {
-    if (i >= 3 && std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) break;
+    if (i >= 3 &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds)
+      break;
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     const auto s = std::chrono::steady_clock::now();
     std::string token(8, '\0');
@@ -86,7 +88,9 @@ inline double WorkerRoundTripUs(const std::string& tls, size_t zb, size_t yb, do
                                   deadline);
     if (!(*a)->Await(*got, deadline, (*a)->poll_spin()).ok()) return -1;
     if (!sent->Wait(deadline).ok()) return -1;
-    if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s).count());
+    if (i >= 3)
+      us.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s).count());
   }
   std::sort(us.begin(), us.end());
   return us.empty() ? -1 : us[us.size() / 2];

@@ -13,11 +13,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <thread>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -146,7 +146,8 @@ TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
 TEST(EchoDataPlane, NodesThatComeAndGoLeaveTheOthersAnswered) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const ModelConfig cfg = *PresetConfig("mid");
-  auto server = expert_svc::ExpertServer::Start(testing::EchoServerOptions("mid", cfg.top_k, "tcp"));
+  auto server =
+      expert_svc::ExpertServer::Start(testing::EchoServerOptions("mid", cfg.top_k, "tcp"));
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
   testing::EchoBatch b = testing::MakeEchoBatch(cfg, 4);
