@@ -41,6 +41,7 @@
 #include "services/common/work_queue.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
+#include "services/metrics/process_collector.h"
 #include "services/metrics/service_metrics.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/cpu/moe_layer.h"
@@ -181,6 +182,8 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   // The UCX worker of the out-of-band data plane (null: in band only). Declared before the
   // channels so that it outlives them.
   std::unique_ptr<dataplane::UcxWorker> ucx_;
+  // moe_ucx_messages_dropped_total, read from ucx_ at every scrape (stopped before ucx_ goes).
+  std::shared_ptr<metrics::ScrapedCounter> ucx_drops_;
   std::unique_ptr<OipService> oip_;    // the Open Inference Protocol front
   std::unique_ptr<OipRest> oip_rest_;  // its REST/JSON form (--http_port)
   std::unique_ptr<metrics::HttpServer> http_;

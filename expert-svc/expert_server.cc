@@ -21,6 +21,7 @@
 #include "services/common/status_macros.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
+#include "services/metrics/process_collector.h"
 #include "services/metrics/service_metrics.h"
 #include "services/transport/grpc_server.h"
 #include "services/transport/precision_convert.h"
@@ -89,6 +90,8 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   // The same, for the batch messages' handler (runs on the UCX worker's thread, which Shutdown
   // joins while holding ucx_mu_: it must not take that lock). Set before any client can open.
   std::atomic<UcxDataPlane*> ucx_raw_{nullptr};
+  // moe_ucx_messages_dropped_total, read from ucx_ at every scrape (stopped before ucx_ goes).
+  std::shared_ptr<metrics::ScrapedCounter> ucx_drops_;
 };
 
 absl::Status ExpertServer::Impl::Start() {
@@ -341,6 +344,19 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   std::unique_lock<std::shared_mutex> lock(ucx_mu_);
   ucx_ = std::move(*w);
   ucx_raw_.store(ucx_.get());
+  if (metrics_server_ != nullptr) {
+    ucx_drops_ = std::make_shared<metrics::ScrapedCounter>(
+        "moe_ucx_messages_dropped_total",
+        "Active messages this process's UCX worker dropped: stray (an id nobody handles; "
+          "UCX 1.13.1 would read its handler table out of bounds), hello (a malformed or refused "
+          "hello), batch (a batch message nobody expects, or one its handler refused)",
+        "kind", [w = &ucx_->worker()]() -> std::vector<std::pair<std::string, double>> {
+          return {{"stray", static_cast<double>(w->stray_messages_dropped())},
+                  {"hello", static_cast<double>(w->hellos_dropped())},
+                  {"batch", static_cast<double>(w->messages_dropped())}};
+        });
+    metrics_server_->Add(ucx_drops_);
+  }
   MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", options_.shard,
                dataplane::UcxVersion(), ucx_->tls());
   if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok()) {
@@ -357,6 +373,7 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
   if (core_ != nullptr) core_->Stop();
   {
     // Unfinished transfers fail (their batches are answered UNAVAILABLE) while the streams live.
+    if (ucx_drops_ != nullptr) ucx_drops_->Stop();
     std::unique_lock<std::shared_mutex> lock(ucx_mu_);
     ucx_raw_.store(nullptr);
     ucx_.reset();

@@ -95,6 +95,7 @@ class UcxDataPlane {
   std::chrono::microseconds poll_spin() const { return worker_->poll_spin(); }
 
   int clients() const { return clients_.size(); }
+  const dataplane::UcxWorker& worker() const { return *worker_; }
   // The lanes of the latest client's endpoint, as UCX reports them here ("" before any hello).
   std::string lanes() const;
 

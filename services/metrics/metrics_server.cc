@@ -38,6 +38,10 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   return m;
 }
 
+void MetricsServer::Add(const std::shared_ptr<prometheus::Collectable>& c) {
+  exposer_->RegisterCollectable(c);
+}
+
 MetricsServer::~MetricsServer() {
   if (exposer_ != nullptr) StopCivetPromptly(port_, [this] { exposer_.reset(); });
 }

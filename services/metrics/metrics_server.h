@@ -25,6 +25,8 @@ class MetricsServer {
   ~MetricsServer();
 
   prometheus::Registry& registry() { return *registry_; }
+  // Another collectable scraped at /metrics (held weakly: it goes when its owner drops it).
+  void Add(const std::shared_ptr<prometheus::Collectable>& c);
   int port() const { return port_; }
 
  private:

@@ -81,4 +81,25 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
   return out;
 }
 
+std::vector<prometheus::MetricFamily> ScrapedCounter::Collect() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!read_) return {};
+  prometheus::MetricFamily f;
+  f.name = name_;
+  f.help = help_;
+  f.type = prometheus::MetricType::Counter;
+  for (const auto& [value, count] : read_()) {
+    prometheus::ClientMetric m;
+    m.label.push_back({label_, value});
+    m.counter.value = count;
+    f.metric.push_back(m);
+  }
+  return {f};
+}
+
+void ScrapedCounter::Stop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  read_ = nullptr;
+}
+
 }  // namespace moe::metrics

@@ -431,6 +431,11 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
   for (const char* result : {"match", "mismatch", "skipped", "error"}) {
     verified_.Add({{"shard", shard}, {"result", result}});  // all four series from the start
   }
+  // Every kind of refused data-plane message from the start, at 0 (rate() sees the first one).
+  for (const char* event :
+       {"hello_rejected", "integrity_failed", "message_rejected", "replayed", "reply_failed"}) {
+    data_plane_events_.Add({{"shard", shard}, {"event", event}});
+  }
 }
 
 void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double compute_seconds,
