@@ -18,10 +18,12 @@ namespace moe::testing {
 
 class RawUcpPeer {
  public:
-  explicit RawUcpPeer(const std::string& tls) {
+  // net_devices: UCX_NET_DEVICES ("lo": an address with loopback only); empty: UCX's choice.
+  explicit RawUcpPeer(const std::string& tls, const std::string& net_devices = "") {
     ucp_config_t* config = nullptr;
     if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return;
     ucp_config_modify(config, "TLS", tls.c_str());
+    if (!net_devices.empty()) ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
     ucp_params_t p{};
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
     p.features = UCP_FEATURE_AM | UCP_FEATURE_TAG;
@@ -45,6 +47,18 @@ class RawUcpPeer {
   }
   RawUcpPeer(const RawUcpPeer&) = delete;
   RawUcpPeer& operator=(const RawUcpPeer&) = delete;
+
+  // This peer's own worker address (a template a stranger can edit: data_plane_test forges a
+  // victim's address from it and the victim's listening port).
+  std::string Address() const {
+    if (worker_ == nullptr) return "";
+    ucp_address_t* a = nullptr;
+    size_t n = 0;
+    if (ucp_worker_get_address(worker_, &a, &n) != UCS_OK) return "";
+    std::string out(reinterpret_cast<const char*>(a), n);
+    ucp_worker_release_address(worker_, a);
+    return out;
+  }
 
   bool Connect(const std::string& address) {
     if (worker_ == nullptr) return false;

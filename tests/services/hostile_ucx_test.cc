@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "services/tools/local_cluster.h"
 #include "services/transport/channel.h"
 #include "tests/common/listening_sockets.h"
+#include "tests/common/metrics_text.h"
 #include "tests/dataplane/raw_ucp_peer.h"
 #include "tests/services/cluster_fixtures.h"
 #include "tests/services/hostile_fixtures.h"
@@ -62,6 +64,16 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
   std::printf("[stray active messages] %d of %d sent; canary %d bit-exact, %d wrong, %d failed\n",
               sent, 2 * 65536, canary.ok(), canary.wrong(), canary.failed());
   EXPECT_EQ(sent, 2 * 65536) << "the shard stopped taking messages";
+  // Every message reached the shard's worker and was dropped there, by kind (the exported
+  // counter): all but the hello and the two batch ids as strays, the batch ids' four as batch
+  // messages nobody expects.
+  const std::string shard_metrics = a.cluster->shard_metrics(0);
+  EXPECT_EQ(moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total",
+                                    {"kind=\"stray\""}),
+            2 * (65536 - 3));
+  EXPECT_EQ(moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total",
+                                    {"kind=\"batch\""}),
+            4);
   for (const auto& [name, pid] : a.cluster->Processes()) {
     EXPECT_EQ(kill(pid, 0), 0) << name << " died";
   }
@@ -76,6 +88,92 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
     for (const auto& socket : sockets)
       EXPECT_TRUE(socket.loopback) << name << " listens on " << socket.address;
   }
+  auto after = testing::ClientFor(*a.cluster)->Forward(a.layer, a.x, a.kTokens, a.cfg.hidden);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(SameBits(after->out, a.want));
+}
+
+// The same against attention-svc, whose UCX address is published nowhere: the stranger of the
+// report forges it. It takes its own TCP-only worker's address as a template (loopback only),
+// finds its own listening port in it, puts the attention node's UCX listening port there (read
+// from the kernel: any local user can, with `ss -ltn`), connects, and sends every id with and
+// without the reply flag. No credential, no GetInfo. The attention node (every front of it) must
+// stay up and its answers bit-exact.
+TEST(ClusterDataPlane, AForgedAddressAndEveryIdLeaveTheAttentionNodeUp) {
+  testing::AttackedCluster a = testing::StartAttackedCluster("tcp", 79);
+  ASSERT_NE(a.cluster, nullptr);
+  pid_t attention = 0;
+  for (const auto& [name, pid] : a.cluster->Processes()) {
+    if (name.find("attention") != std::string::npos) attention = pid;
+  }
+  ASSERT_NE(attention, 0);
+  // Warm the cluster: the attention node's data plane is open to both shards.
+  auto warm = testing::ClientFor(*a.cluster)->Forward(a.layer, a.x, a.kTokens, a.cfg.hidden);
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  auto port_of = [](const std::string& endpoint) {
+    return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  };
+  const std::set<int> fronts = {port_of(a.cluster->attention_endpoint()),
+                                port_of(a.cluster->attention_metrics()),
+                                port_of(a.cluster->attention_http_endpoint())};
+  std::vector<int> ucx_ports;
+  for (const auto& sock : testing::ListeningSockets(attention)) {
+    const int p = port_of(sock.address);
+    if (fronts.count(p) == 0) ucx_ports.push_back(p);
+  }
+  ASSERT_FALSE(ucx_ports.empty()) << "the attention node has no UCX listening port";
+
+  // The template: a worker of our own on loopback, and its listening port.
+  const auto own_before = testing::ListeningSockets(getpid());
+  moe::testing::RawUcpPeer templ("tcp", "lo");
+  std::string forged = templ.Address();
+  ASSERT_FALSE(forged.empty());
+  int own_port = -1;
+  for (const auto& sock : testing::ListeningSockets(getpid())) {
+    bool existed = false;
+    for (const auto& b : own_before) existed |= b.address == sock.address;
+    if (!existed) own_port = port_of(sock.address);
+  }
+  ASSERT_GT(own_port, 0);
+  const char be[2] = {static_cast<char>(own_port >> 8), static_cast<char>(own_port & 255)};
+  const size_t at = forged.find(std::string(be, 2));
+  ASSERT_NE(at, std::string::npos) << "the template address does not hold its port";
+  ASSERT_EQ(forged.find(std::string(be, 2), at + 1), std::string::npos) << "the port twice";
+  forged[at] = static_cast<char>(ucx_ports[0] >> 8);
+  forged[at + 1] = static_cast<char>(ucx_ports[0] & 255);
+
+  testing::Canary canary(*a.cluster, a.layer, a.x, a.kTokens, a.cfg.hidden, a.want);
+  moe::testing::RawUcpPeer peer("tcp", "lo");
+  ASSERT_TRUE(peer.Connect(forged));
+  const std::string header(16, 'x'), data(70000, 'y');
+  int sent = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  for (int reply = 0; reply < 2; ++reply) {
+    for (int id = 0; id < 65536 && std::chrono::steady_clock::now() < until; ++id) {
+      sent += peer.SendAm(static_cast<unsigned>(id), reply == 1, header,
+                          id % 8192 == 3 ? data : std::string());
+    }
+  }
+  peer.Progress();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  canary.Stop();
+  std::printf(
+      "[forged address] attention UCX port %d; %d of %d sent; canary %d bit-exact, %d wrong, %d "
+      "failed\n",
+      ucx_ports[0], sent, 2 * 65536, canary.ok(), canary.wrong(), canary.failed());
+  EXPECT_EQ(sent, 2 * 65536) << "the attention node stopped taking messages";
+  // They reached the attention node's worker (the forged address works) and were dropped there.
+  const std::string m = a.cluster->attention_metrics();
+  EXPECT_EQ(moe::testing::ScrapeSum(m, "moe_ucx_messages_dropped_total", {"kind=\"stray\""}),
+            2 * (65536 - 3));
+  EXPECT_EQ(moe::testing::ScrapeSum(m, "moe_ucx_messages_dropped_total", {"kind=\"hello\""}), 2);
+  EXPECT_EQ(moe::testing::ScrapeSum(m, "moe_ucx_messages_dropped_total", {"kind=\"batch\""}), 4);
+  for (const auto& [name, pid] : a.cluster->Processes()) {
+    EXPECT_EQ(kill(pid, 0), 0) << name << " died";
+  }
+  EXPECT_GT(canary.ok(), 3);
+  EXPECT_EQ(canary.wrong(), 0);
+  EXPECT_EQ(canary.failed(), 0);
   auto after = testing::ClientFor(*a.cluster)->Forward(a.layer, a.x, a.kTokens, a.cfg.hidden);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_TRUE(SameBits(after->out, a.want));
