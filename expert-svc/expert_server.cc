@@ -348,8 +348,8 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
     ucx_drops_ = std::make_shared<metrics::ScrapedCounter>(
         "moe_ucx_messages_dropped_total",
         "Active messages this process's UCX worker dropped: stray (an id nobody handles; "
-          "UCX 1.13.1 would read its handler table out of bounds), hello (a malformed or refused "
-          "hello), batch (a batch message nobody expects, or one its handler refused)",
+        "UCX 1.13.1 would read its handler table out of bounds), hello (a malformed or refused "
+        "hello), batch (a batch message nobody expects, or one its handler refused)",
         "kind", [w = &ucx_->worker()]() -> std::vector<std::pair<std::string, double>> {
           return {{"stray", static_cast<double>(w->stray_messages_dropped())},
                   {"hello", static_cast<double>(w->hellos_dropped())},

@@ -29,7 +29,9 @@ class ScrapedCounter final : public prometheus::Collectable {
  public:
   using Read = std::function<std::vector<std::pair<std::string, double>>()>;
   ScrapedCounter(std::string name, std::string help, std::string label, Read read)
-      : name_(std::move(name)), help_(std::move(help)), label_(std::move(label)),
+      : name_(std::move(name)),
+        help_(std::move(help)),
+        label_(std::move(label)),
         read_(std::move(read)) {}
   std::vector<prometheus::MetricFamily> Collect() const override;
   void Stop();

@@ -68,12 +68,12 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
   // counter): all but the hello and the two batch ids as strays, the batch ids' four as batch
   // messages nobody expects.
   const std::string shard_metrics = a.cluster->shard_metrics(0);
-  EXPECT_EQ(moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total",
-                                    {"kind=\"stray\""}),
-            2 * (65536 - 3));
-  EXPECT_EQ(moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total",
-                                    {"kind=\"batch\""}),
-            4);
+  EXPECT_EQ(
+      moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total", {"kind=\"stray\""}),
+      2 * (65536 - 3));
+  EXPECT_EQ(
+      moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total", {"kind=\"batch\""}),
+      4);
   for (const auto& [name, pid] : a.cluster->Processes()) {
     EXPECT_EQ(kill(pid, 0), 0) << name << " died";
   }
