@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "services/common/allocator.h"
+#include "services/common/cpus.h"
 #include "services/common/flags.h"
 #include "services/common/logging.h"
 
@@ -78,7 +79,8 @@ int RunServer(const char* name, StartFn start) {
     MOE_LOG_ERROR("cannot start: {}", server.status().ToString());
     return 1;
   }
-  MOE_LOG_INFO("ready: serving on port {} (allocator: {})", (*server)->port(), AllocatorName());
+  MOE_LOG_INFO("ready: serving on port {} (allocator: {}; CPUs: {})", (*server)->port(),
+               AllocatorName(), ReadCpuBudget().Describe());
   const int sig = WaitForTerminationSignal();
   MOE_LOG_INFO("signal {}, shutting down", sig);
   (*server)->Shutdown();

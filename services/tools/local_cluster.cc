@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "services/common/cpus.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -153,7 +154,14 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
       o.shard_ranges.emplace_back(r.lo, r.hi);
     }
   }
-  const std::string threads = absl::StrCat("--threads=", o.threads);
+  // One host: the CPUs are shared by the shards and the attention node, so each gets its share
+  // instead of every one sizing its pool to the whole machine (2 shards and an attention node on
+  // 2 CPUs ran 6 compute threads).
+  const int per_process =
+      o.threads > 0
+          ? o.threads
+          : std::max(1, UsableCpus() / static_cast<int>(o.shard_ranges.size() + 1));
+  const std::string threads = absl::StrCat("--threads=", per_process);
   // Each process's TLS flags; "{name}" in the certificate and key paths becomes the process's
   // name (router-svc, attention-svc, shard-<i>), so that each presents its own identity.
   auto tls_for = [&o](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {

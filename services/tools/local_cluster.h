@@ -37,7 +37,7 @@ struct LocalClusterOptions {
   std::string work_dir;  // port files and logs (created); empty: a fresh temp dir
   std::string reply_mode = "per_pair";
   std::string admin_token;  // empty: router-svc refuses admin calls
-  int threads = 0;          // per process (0: all cores)
+  int threads = 0;  // per process (0: the CPUs this process may use over the cluster processes)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
   // router-svc keeps its state in <work_dir>/router.db (--state_db), made with --initialize when
   // the file does not exist yet at Start (never on RestartRouter): a router restart, or a new

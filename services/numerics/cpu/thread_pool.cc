@@ -1,9 +1,12 @@
 #include "services/numerics/cpu/thread_pool.h"
 
+#include "services/common/cpus.h"
+
 namespace moe::numerics::cpu {
 
 ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // 0: the CPUs this process may use (its affinity and cgroup quota, not the machine's cores).
+  if (threads <= 0) threads = UsableCpus();
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
