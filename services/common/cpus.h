@@ -16,9 +16,9 @@
 namespace moe {
 
 struct CpuBudget {
-  int cpus = 1;                 // what the process may use
-  int affinity = 0;             // CPUs of its affinity mask
-  std::optional<double> quota;  // CPUs of the tightest cgroup quota, if any
+  int cpus = 1;                  // what the process may use
+  int affinity = 0;              // CPUs of its affinity mask
+  std::optional<double> quota;   // CPUs of the tightest cgroup quota, if any
   std::string Describe() const;  // "2 (affinity 2, no cgroup quota)"
 };
 

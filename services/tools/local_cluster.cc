@@ -16,12 +16,12 @@
 #include <sstream>
 #include <thread>
 
-#include "services/common/cpus.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
+#include "services/common/cpus.h"
 #include "services/common/logging.h"
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
@@ -158,9 +158,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   // instead of every one sizing its pool to the whole machine (2 shards and an attention node on
   // 2 CPUs ran 6 compute threads).
   const int per_process =
-      o.threads > 0
-          ? o.threads
-          : std::max(1, UsableCpus() / static_cast<int>(o.shard_ranges.size() + 1));
+      o.threads > 0 ? o.threads
+                    : std::max(1, UsableCpus() / static_cast<int>(o.shard_ranges.size() + 1));
   const std::string threads = absl::StrCat("--threads=", per_process);
   // Each process's TLS flags; "{name}" in the certificate and key paths becomes the process's
   // name (router-svc, attention-svc, shard-<i>), so that each presents its own identity.
