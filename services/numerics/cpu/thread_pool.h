@@ -19,7 +19,8 @@ namespace moe::numerics::cpu {
 
 class ThreadPool {
  public:
-  // threads <= 0: one per CPU this process may use (services/common/cpus.h: affinity, cgroup quota).
+  // threads <= 0: one per CPU this process may use (services/common/cpus.h: affinity, cgroup
+  // quota).
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
