@@ -25,7 +25,9 @@ int main(int argc, char** argv) {
       [](const std::string& s) { return moe::numerics::ParsePrecision(s); },
       "w4a16|w4a8: the routed experts' precision of requests that name none (w4a8 "
       "sends z in MXFP8)");
-  flags.Int("threads", &o.threads, "dense compute threads (0: the CPUs this process may use: its affinity and cgroup quota)");
+  flags.Int(
+      "threads", &o.threads,
+      "dense compute threads (0: the CPUs this process may use: its affinity and cgroup quota)");
   flags.Typed("isa", &o.isa, moe::numerics::cpu::KernelSetsName,
               moe::numerics::cpu::ParseKernelSets,
               "CPU kernel sets: auto (the fastest measured on this CPU, cached per CPU model: "

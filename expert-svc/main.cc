@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   flags.String("attention_token_sha256_file", &o.attention_token_sha256_file,
                "file holding the SHA-256 (hex) of the attention nodes' token: Dispatch needs it");
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
-  flags.Int("threads", &o.threads, "compute threads (0: the CPUs this process may use: its affinity and cgroup quota)");
+  flags.Int("threads", &o.threads,
+            "compute threads (0: the CPUs this process may use: its affinity and cgroup quota)");
   flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,
               "auto|cpu|cuda|echo: where the experts run (echo: no compute, each row answered "
               "with its activations, to measure the data plane alone)");

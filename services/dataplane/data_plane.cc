@@ -69,7 +69,8 @@ void PutLe(std::string& out, uint64_t v, int bytes) {
 }
 uint64_t GetLe(std::string_view b, size_t at, int bytes) {
   uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
+  for (int i = 0; i < bytes; ++i)
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
   return v;
 }
 }  // namespace
@@ -95,8 +96,8 @@ std::string EncodeBatchFrame(const BatchFrame& f) {
 absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view b, BatchKind kind,
                                            size_t payload_bytes) {
   if (b.size() != kBatchFrameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("batch frame of ", b.size(),
-                                                   " bytes (a frame has ", kBatchFrameBytes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch frame of ", b.size(), " bytes (a frame has ", kBatchFrameBytes, ")"));
   }
   if (std::memcmp(b.data() + 8, kBatchMagic, 4) != 0 ||
       static_cast<uint8_t>(b[12]) != kBatchVersion) {

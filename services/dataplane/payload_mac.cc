@@ -46,10 +46,9 @@ std::string PayloadMac::Compute(Direction direction, uint64_t sequence, const ui
     Die("EVP_EncryptInit_ex");
   }
   int outl = 0;
-  if (!prefix.empty() &&
-      EVP_EncryptUpdate(ctx.get(), nullptr, &outl,
-                        reinterpret_cast<const unsigned char*>(prefix.data()),
-                        static_cast<int>(prefix.size())) != 1) {
+  if (!prefix.empty() && EVP_EncryptUpdate(ctx.get(), nullptr, &outl,
+                                           reinterpret_cast<const unsigned char*>(prefix.data()),
+                                           static_cast<int>(prefix.size())) != 1) {
     Die("EVP_EncryptUpdate");
   }
   // The payload as additional authenticated data, fed in pieces below INT_MAX.

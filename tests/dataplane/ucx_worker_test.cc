@@ -189,9 +189,9 @@ TEST_P(UcxTransports, ABatchIsOneMessageEachWayAndItsReplyFindsItsToken) {
     std::string header(16, 'x');
     for (int i = 0; i < 8; ++i) header[i] = static_cast<char>((token >> (8 * i)) & 0xff);
     auto got = client->ExpectMessage(token, *reply_buf, deadline);
-    auto sent = client->SendMessage(*ep, UcxWorker::Message::kRequest, header,
-                                    Filled(*client, std::max<size_t>(n, 1), static_cast<uint8_t>(k)),
-                                    n, deadline);
+    auto sent = client->SendMessage(
+        *ep, UcxWorker::Message::kRequest, header,
+        Filled(*client, std::max<size_t>(n, 1), static_cast<uint8_t>(k)), n, deadline);
     auto len = client->Await(*got, deadline, std::chrono::microseconds(200));
     ASSERT_TRUE(len.ok()) << "size " << n << ": " << len.status();
     EXPECT_EQ(*len, n);
@@ -227,14 +227,14 @@ TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) 
   };
   auto payload = Filled(*a, 200000, 3);
   // Unknown token, and a request to a worker without a handler.
-  EXPECT_TRUE(a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(77), payload, 100,
-                             deadline)
-                  ->Wait(deadline)
-                  .ok());
-  EXPECT_TRUE(a->SendMessage(*ep, UcxWorker::Message::kRequest, token_header(78), payload, 100000,
-                             deadline)
-                  ->Wait(deadline)
-                  .ok());
+  EXPECT_TRUE(
+      a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(77), payload, 100, deadline)
+          ->Wait(deadline)
+          .ok());
+  EXPECT_TRUE(
+      a->SendMessage(*ep, UcxWorker::Message::kRequest, token_header(78), payload, 100000, deadline)
+          ->Wait(deadline)
+          .ok());
   // Longer than the buffer it was expected in (eager and rendezvous); the guard past the
   // buffer's capacity stays untouched.
   for (size_t n : {size_t{5000}, size_t{150000}}) {
