@@ -257,6 +257,9 @@ class UcxWorkerImpl {
       pthread_setname_np(pthread_self(), "ucx-progress");  // for top -H and profilers
       Loop();
     });
+    // Written before any other thread can see this worker (Create has not returned); the loop
+    // thread never reads it (it never takes a Hold).
+    loop_thread_ = thread_.get_id();
     return absl::OkStatus();
   }
 
@@ -311,7 +314,6 @@ class UcxWorkerImpl {
     (void)!write(wake_fd_, &one, sizeof(one));
   }
 
-  // Progresses the worker from this thread if nobody holds it; whether it did.
   // Progresses the worker from this thread if nobody holds it; whether anything happened.
   bool TryProgress() {
     if (t_holder == this || !progress_mu_.try_lock()) return false;
@@ -1099,7 +1101,6 @@ class UcxWorkerImpl {
     // machine whose cores the experts need (2 here) spinning measured slower
     // (tests/bench/dispatch_bench.cc); bounded, so an idle data plane costs no CPU.
     auto last_activity = std::chrono::steady_clock::now();
-    loop_thread_ = std::this_thread::get_id();
     std::unique_lock<std::mutex> lock(progress_mu_, std::defer_lock);
     for (;;) {
       if (!lock.owns_lock()) lock.lock();
