@@ -154,6 +154,9 @@ class MessageCall final : public ExpertCall {
     ReplyMode mode = ReplyMode::kPerPair;
     numerics::Precision precision;
     int64_t latent = 0, rows = 0, tokens = 0;
+    // The shard's budget for the batch ends here (it answers DEADLINE_EXCEEDED by then): a
+    // reply that has not come a grace later is not coming.
+    absl::Time budget_end = absl::InfiniteFuture();
   };
   MessageCall(std::string who, dataplane::UcxWorker* worker, std::shared_ptr<grpc::Channel> control,
               std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -182,7 +185,7 @@ class MessageCall final : public ExpertCall {
   }
 
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
-    MOE_RETURN_IF_ERROR(AwaitReply(deadline));
+    MOE_RETURN_IF_ERROR(AwaitReply(std::min(deadline, b_.budget_end + kReplyGrace)));
     absl::StatusOr<size_t> n = received_->Wait(absl::InfinitePast());
     if (!n.ok()) {
       if (on_transfer_failed_) on_transfer_failed_();
@@ -236,6 +239,8 @@ class MessageCall final : public ExpertCall {
  private:
   // How often a waiter that no longer polls checks the send, the endpoint and the shard.
   static constexpr absl::Duration kLivenessSlice = absl::Milliseconds(20);
+  // How long past the shard's budget a reply may still come (its answer and the wire).
+  static constexpr absl::Duration kReplyGrace = absl::Seconds(1);
 
   bool SendFailed() const { return sent_->done() && !sent_->Wait(absl::InfinitePast()).ok(); }
 
@@ -259,6 +264,10 @@ class MessageCall final : public ExpertCall {
       }
       const absl::Time now = absl::Now();
       if (now >= deadline) {
+        // The shard may have dropped the batch unread (it no longer knows this client: evicted
+        // as idle, or another process opened under this node name): the next batch opens the
+        // data plane again instead of waiting out its deadline too.
+        broken_->store(true);
         return absl::DeadlineExceededError(
             absl::StrCat(who_, " did not answer the batch before the deadline"));
       }
@@ -528,6 +537,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   b.latent = header.latent;
   b.rows = m.rows();
   b.tokens = static_cast<int64_t>(m.tokens.size());
+  b.budget_end = deadline;
   return std::make_unique<MessageCall>(absl::StrCat("expert shard ", shard_, " (", endpoint_, ")"),
                                        worker_, c.control, broken_, TransferFailed(),
                                        IntegrityFailed(), c.mac, std::move(sent),

@@ -22,7 +22,8 @@ absl::Status ValidateOutOfBand(const OutOfBandHeader& h, int64_t max_message_byt
 }
 
 absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
-                                                       uint64_t* replaced_endpoint) {
+                                                       uint64_t* replaced_endpoint,
+                                                       absl::Time now) {
   *replaced_endpoint = 0;
   if (node.size() > kMaxNodeBytes) {
     return absl::InvalidArgumentError(
@@ -42,6 +43,7 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
       if (it->second.node == node) {
         *replaced_endpoint = it->second.endpoint;
         seen_.erase(it->first);
+        last_used_.erase(it->first);
         clients_.erase(it);
         break;
       }
@@ -54,12 +56,30 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Open(const std::string& node,
       }
     }
   }
+  if (static_cast<int>(clients_.size()) >= max_clients_ && *replaced_endpoint == 0) {
+    // Full: the least recently used client idle for kIdleEviction makes room.
+    auto lru = clients_.end();
+    for (auto it = clients_.begin(); it != clients_.end(); ++it) {
+      if (lru == clients_.end() || last_used_[it->first] < last_used_[lru->first]) lru = it;
+    }
+    if (lru != clients_.end() && now - last_used_[lru->first] >= kIdleEviction) {
+      *replaced_endpoint = lru->second.endpoint;
+      for (const auto& [id, other] : clients_) {
+        if (id != lru->first && other.endpoint == *replaced_endpoint) *replaced_endpoint = 0;
+      }
+      seen_.erase(lru->first);
+      last_used_.erase(lru->first);
+      clients_.erase(lru);
+    }
+  }
   if (static_cast<int>(clients_.size()) >= max_clients_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat(max_clients_, " data-plane clients already (--max_data_plane_clients)"));
+        absl::StrCat(max_clients_, " data-plane clients already, none idle for ",
+                     absl::FormatDuration(kIdleEviction), " (--max_data_plane_clients)"));
   }
   c.id = next_++;
   clients_[c.id] = c;
+  last_used_[c.id] = now;
   return c;
 }
 
@@ -84,7 +104,7 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Bind(std::string_view hello, u
   return c;
 }
 
-absl::StatusOr<DataPlaneClient> DataPlaneClients::Get(uint64_t id) const {
+absl::StatusOr<DataPlaneClient> DataPlaneClients::Get(uint64_t id, absl::Time now) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = clients_.find(id);
   if (it == clients_.end()) {
@@ -95,6 +115,7 @@ absl::StatusOr<DataPlaneClient> DataPlaneClients::Get(uint64_t id) const {
     return absl::FailedPreconditionError(
         absl::StrCat("data-plane client ", id, " has not sent its UCX hello"));
   }
+  last_used_[id] = now;
   return it->second;
 }
 

@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "services/dataplane/payload_mac.h"
 
 namespace moe::expert_svc {
@@ -64,8 +65,12 @@ class DataPlaneClients {
   // replaces its old client: *replaced_endpoint is then that client's endpoint (0 if none, or
   // when another client is bound to the same endpoint: UCX reuses the endpoint of a peer that
   // died for a new one), for the caller to forget. INVALID_ARGUMENT for a node name over
-  // kMaxNodeBytes, RESOURCE_EXHAUSTED past max_clients.
-  absl::StatusOr<DataPlaneClient> Open(const std::string& node, uint64_t* replaced_endpoint);
+  // kMaxNodeBytes. Past max_clients the least recently used client idle for kIdleEviction is
+  // evicted (attention nodes that are gone, e.g. pods replaced under new names, never
+  // reconnect; *replaced_endpoint is then its endpoint); RESOURCE_EXHAUSTED when none is.
+  static constexpr absl::Duration kIdleEviction = absl::Seconds(60);
+  absl::StatusOr<DataPlaneClient> Open(const std::string& node, uint64_t* replaced_endpoint,
+                                       absl::Time now = absl::Now());
   // Binds the client a hello names to the endpoint the hello came on. INVALID_ARGUMENT for a
   // malformed hello, NOT_FOUND for an unknown client, PERMISSION_DENIED for a wrong secret
   // (compared in constant time), ALREADY_EXISTS when that client is bound to another endpoint.
@@ -73,7 +78,8 @@ class DataPlaneClients {
   absl::StatusOr<DataPlaneClient> Bind(std::string_view hello, uint64_t endpoint);
   // A bound client; NOT_FOUND for an unknown or replaced one, FAILED_PRECONDITION for one whose
   // hello has not arrived.
-  absl::StatusOr<DataPlaneClient> Get(uint64_t id) const;
+  // Counts as a use of the client (idle eviction).
+  absl::StatusOr<DataPlaneClient> Get(uint64_t id, absl::Time now = absl::Now()) const;
   // Claims a batch sequence of a client once (a batch message's MAC nonce): true for a sequence
   // this client has not used, within kReplayWindow of its highest; false for a replay, one too
   // old to tell, or an unknown client. A replayed message is never answered, so a peer cannot
@@ -86,6 +92,7 @@ class DataPlaneClients {
   const int max_clients_;
   mutable std::mutex mu_;
   std::map<uint64_t, DataPlaneClient> clients_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<uint64_t, absl::Time> last_used_ ABSL_GUARDED_BY(mu_);
   // Per client: the highest sequence claimed and which of the kReplayWindow below it were.
   struct Seen {
     uint64_t highest = 0;

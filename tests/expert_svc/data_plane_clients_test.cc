@@ -91,6 +91,32 @@ TEST(DataPlaneClients, ReconnectsReplaceTheirOldEntryWithinTheLimit) {
 namespace moe::expert_svc {
 namespace {
 
+// Full, the least recently used client idle for a minute makes room (attention pods replaced
+// under new names never reconnect); a client in use is never evicted, and then a new one is
+// refused by name.
+TEST(DataPlaneClients, WhenFullTheLeastRecentlyUsedIdleClientMakesRoom) {
+  DataPlaneClients clients(2);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  uint64_t replaced = 0;
+  auto a = clients.Open("a", &replaced, t0);
+  auto b = clients.Open("b", &replaced, t0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(clients.Bind(EncodeHello({a->id, a->hello_secret}), 21).ok());
+  ASSERT_TRUE(clients.Bind(EncodeHello({b->id, b->hello_secret}), 22).ok());
+  // Ten seconds on: both in use recently, none goes.
+  auto c = clients.Open("c", &replaced, t0 + absl::Seconds(10));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("none idle for 1m"), std::string::npos) << c.status();
+  // a sends a batch at 30 s; at 70 s b (idle since 0) is the one evicted, its endpoint returned.
+  ASSERT_TRUE(clients.Get(a->id, t0 + absl::Seconds(30)).ok());
+  c = clients.Open("c", &replaced, t0 + absl::Seconds(70));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(replaced, 22u);
+  EXPECT_EQ(clients.Get(b->id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(clients.Get(a->id).ok());
+  EXPECT_EQ(clients.size(), 2);
+}
+
 // A batch message's sequence (its MAC nonce) is claimed once per client: a replay, one older
 // than the window, sequence 0 and unknown or replaced clients are refused; sequences may come
 // out of order within the window (threads of one attention node race to send).

@@ -191,6 +191,46 @@ TEST(EchoDataPlane, NodesThatComeAndGoLeaveTheOthersAnswered) {
   (*server)->Shutdown(absl::Seconds(1));
 }
 
+// A shard that no longer knows a client drops its batch messages unread (here another process
+// opened the data plane under the same node name, which replaces the client; an idle one is
+// evicted the same way): that batch fails at its deadline, naming the shard, and the next one
+// opens the data plane again and is answered, instead of every later batch waiting out its
+// deadline too.
+TEST(EchoDataPlane, ABatchTheShardDroppedReopensTheDataPlane) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  auto server =
+      expert_svc::ExpertServer::Start(testing::EchoServerOptions("mid", cfg.top_k, "posix"));
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
+  testing::EchoBatch b = testing::MakeEchoBatch(cfg, 2);
+  b.header.timeout_ms = 400;
+  std::vector<std::unique_ptr<dataplane::UcxWorker>> workers;
+  std::vector<std::unique_ptr<attention_svc::UcxExpertChannel>> channels;
+  for (int i = 0; i < 2; ++i) {
+    dataplane::UcxOptions uo;
+    uo.tls = "posix";
+    auto w = dataplane::UcxWorker::Create(uo);
+    ASSERT_TRUE(w.ok()) << w.status();
+    channels.push_back(std::make_unique<attention_svc::UcxExpertChannel>(
+        "echo-0", endpoint, 1 << 30, w->get(), dataplane::DataPlane::kUcx, "same-node", nullptr,
+        ""));
+    workers.push_back(std::move(*w));
+  }
+  auto send = [&](int i) {
+    return channels[i]->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(5));
+  };
+  ASSERT_TRUE(send(0).ok());
+  ASSERT_TRUE(send(1).ok());  // the same node name: the shard replaces channel 0's client
+  auto dropped = send(0);
+  EXPECT_EQ(dropped.status().code(), absl::StatusCode::kDeadlineExceeded) << dropped.status();
+  EXPECT_NE(dropped.status().message().find("echo-0"), std::string::npos);
+  auto again = send(0);  // reopened
+  EXPECT_TRUE(again.ok()) << again.status();
+  channels.clear();
+  (*server)->Shutdown(absl::Seconds(1));
+}
+
 INSTANTIATE_TEST_SUITE_P(EveryLane, LargeBatch,
                          ::testing::Values(Lane{"grpc", ""}, Lane{"ucx_shm", "posix"},
                                            Lane{"ucx_tcp", "tcp"}),
