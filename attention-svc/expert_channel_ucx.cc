@@ -32,6 +32,21 @@ constexpr absl::Duration kRetryWithoutUcx = absl::Seconds(10);
 // lands in our buffer (then dropped) instead of staying unexpected in the worker.
 constexpr absl::Duration kLateReplyGrace = absl::Seconds(5);
 
+// The rows of a checked reply payload: [rows, latent] f32 (partial sums) or bf16.
+ExpertReply ReplyFrom(const void* payload, int64_t rows, int64_t latent, bool f32) {
+  ExpertReply out;
+  out.rows = rows;
+  const size_t n = static_cast<size_t>(rows * latent);
+  if (f32) {
+    out.f32.resize(n);
+    std::memcpy(out.f32.data(), payload, n * 4);
+  } else {
+    out.bf16.resize(n);
+    std::memcpy(out.bf16.data(), payload, n * 2);
+  }
+  return out;
+}
+
 class UcxCall final : public ExpertCall {
  public:
   UcxCall(std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -116,16 +131,7 @@ class UcxCall final : public ExpertCall {
           "expert shard ", shard,
           ": the reply payload failed its integrity check (AES-GMAC of the connection)"));
     }
-    ExpertReply out;
-    out.rows = rows;
-    if (f32) {
-      out.f32.resize(static_cast<size_t>(rows * latent_));
-      std::memcpy(out.f32.data(), reply_buffer_->data(), static_cast<size_t>(want));
-    } else {
-      out.bf16.resize(static_cast<size_t>(rows * latent_));
-      std::memcpy(out.bf16.data(), reply_buffer_->data(), static_cast<size_t>(want));
-    }
-    return out;
+    return ReplyFrom(reply_buffer_->data(), rows, latent_, f32);
   }
 
  private:
@@ -223,17 +229,7 @@ class MessageCall final : public ExpertCall {
           t.shape_size() > 0 ? t.shape(0) : -1, ", ", t.shape_size() > 1 ? t.shape(1) : -1,
           "] (expected ", want, " bytes, [", rows, ", ", b_.latent, "])"));
     }
-    ExpertReply out;
-    out.rows = rows;
-    const char* payload = d + frame->header_bytes;
-    if (f32) {
-      out.f32.resize(static_cast<size_t>(rows * b_.latent));
-      std::memcpy(out.f32.data(), payload, static_cast<size_t>(want));
-    } else {
-      out.bf16.resize(static_cast<size_t>(rows * b_.latent));
-      std::memcpy(out.bf16.data(), payload, static_cast<size_t>(want));
-    }
-    return out;
+    return ReplyFrom(d + frame->header_bytes, rows, b_.latent, f32);
   }
 
  private:

@@ -345,16 +345,7 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   ucx_ = std::move(*w);
   ucx_raw_.store(ucx_.get());
   if (metrics_server_ != nullptr) {
-    ucx_drops_ = std::make_shared<metrics::ScrapedCounter>(
-        "moe_ucx_messages_dropped_total",
-        "Active messages this process's UCX worker dropped: stray (an id nobody handles; "
-        "UCX 1.13.1 would read its handler table out of bounds), hello (a malformed or refused "
-        "hello), batch (a batch message nobody expects, or one its handler refused)",
-        "kind", [w = &ucx_->worker()]() -> std::vector<std::pair<std::string, double>> {
-          return {{"stray", static_cast<double>(w->stray_messages_dropped())},
-                  {"hello", static_cast<double>(w->hellos_dropped())},
-                  {"batch", static_cast<double>(w->messages_dropped())}};
-        });
+    ucx_drops_ = metrics::UcxMessagesDropped([w = &ucx_->worker()] { return w->DroppedByKind(); });
     metrics_server_->Add(ucx_drops_);
   }
   MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", options_.shard,

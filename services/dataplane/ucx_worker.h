@@ -52,6 +52,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -231,6 +233,12 @@ class UcxWorker {
   // Batch messages dropped: requests the handler refused or with no handler, replies whose
   // token nobody expects, headers over kMaxMessageHeader.
   int64_t messages_dropped() const;
+  // The three counts above by kind ("stray", "hello", "batch"): moe_ucx_messages_dropped_total.
+  std::vector<std::pair<std::string, double>> DroppedByKind() const {
+    return {{"stray", static_cast<double>(stray_messages_dropped())},
+            {"hello", static_cast<double>(hellos_dropped())},
+            {"batch", static_cast<double>(messages_dropped())}};
+  }
 
   // Progresses the worker once from this thread if nobody holds it; whether it did.
   bool Progress();

@@ -97,6 +97,15 @@ std::vector<prometheus::MetricFamily> ScrapedCounter::Collect() const {
   return {f};
 }
 
+std::shared_ptr<ScrapedCounter> UcxMessagesDropped(ScrapedCounter::Read read) {
+  return std::make_shared<ScrapedCounter>(
+      "moe_ucx_messages_dropped_total",
+      "Active messages this process's UCX worker dropped: stray (an id nobody handles; UCX "
+      "1.13.1 would read its handler table out of bounds), hello (a malformed or refused hello), "
+      "batch (a batch message nobody expects, or one its handler refused)",
+      "kind", std::move(read));
+}
+
 void ScrapedCounter::Stop() {
   std::lock_guard<std::mutex> lock(mu_);
   read_ = nullptr;

@@ -10,6 +10,7 @@
 #include <prometheus/metric_family.h>
 
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -41,6 +42,9 @@ class ScrapedCounter final : public prometheus::Collectable {
   mutable std::mutex mu_;
   Read read_;
 };
+
+// moe_ucx_messages_dropped_total{kind}, read at every scrape (UcxWorker::DroppedByKind).
+std::shared_ptr<ScrapedCounter> UcxMessagesDropped(ScrapedCounter::Read read);
 
 }  // namespace moe::metrics
 

@@ -76,6 +76,27 @@ inline expert_svc::ExpertServerOptions EchoServerOptions(const std::string& pres
   return o;
 }
 
+// An attention node's end of the UCX data plane to the echo shard at `endpoint`: a worker of its
+// own (UCX_TLS `tls`) and a channel on it under the node name `node` (OpenDataPlane's).
+struct UcxNode {
+  std::unique_ptr<dataplane::UcxWorker> worker;  // outlives the channel (declared first)
+  std::unique_ptr<attention_svc::UcxExpertChannel> channel;
+};
+inline absl::StatusOr<UcxNode> MakeUcxNode(const std::string& endpoint, const std::string& tls,
+                                           const std::string& node,
+                                           attention_svc::UcxExpertChannel::LanesFn on_lanes = {}) {
+  dataplane::UcxOptions uo;
+  uo.tls = tls;
+  auto w = dataplane::UcxWorker::Create(uo);
+  if (!w.ok()) return w.status();
+  UcxNode n;
+  n.worker = std::move(*w);
+  n.channel = std::make_unique<attention_svc::UcxExpertChannel>(
+      "echo-0", endpoint, 1 << 30, n.worker.get(), dataplane::DataPlane::kUcx, node, nullptr, "",
+      std::move(on_lanes));
+  return n;
+}
+
 class EchoShard {
  public:
   // ucx_tls empty: the gRPC in-band lane; else UCX with that UCX_TLS on both ends.
@@ -99,19 +120,14 @@ class EchoShard {
           std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", s->endpoint_, 1 << 30, "");
       return s;
     }
-    dataplane::UcxOptions uo;
-    uo.tls = ucx_tls;
-    auto w = dataplane::UcxWorker::Create(uo);
-    if (!w.ok()) return w.status();
-    s->worker_ = std::move(*w);
     EchoShard* self = s.get();
-    auto channel = std::make_unique<attention_svc::UcxExpertChannel>(
-        "echo-0", s->endpoint_, 1 << 30, s->worker_.get(), dataplane::DataPlane::kUcx, "echo",
-        nullptr, "", [self](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
-          self->lanes_ = l.Describe();
-        });
-    s->ucx_channel_ = channel.get();
-    s->channel_ = std::move(channel);
+    auto node = MakeUcxNode(s->endpoint_, ucx_tls, "echo",
+                            [self](const std::string&, const dataplane::UcxLanes& l,
+                                   const std::string&) { self->lanes_ = l.Describe(); });
+    if (!node.ok()) return node.status();
+    s->worker_ = std::move(node->worker);
+    s->ucx_channel_ = node->channel.get();
+    s->channel_ = std::move(node->channel);
     return s;
   }
   ~EchoShard() {

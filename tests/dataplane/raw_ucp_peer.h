@@ -77,6 +77,22 @@ class RawUcpPeer {
         ucp_am_send_nbx(ep_, id, header.data(), header.size(), data.data(), data.size(), &rp));
   }
 
+  // Every active message id 0..65535, first without then with the reply flag, `data` on the ids
+  // whose remainder by `data_every` is `data_at` (past the eager size: rendezvous), until `limit`
+  // has passed; how many UCX completed.
+  int SendEveryId(const std::string& header, const std::string& data, int data_every, int data_at,
+                  std::chrono::seconds limit) {
+    int sent = 0;
+    const auto until = std::chrono::steady_clock::now() + limit;
+    for (int reply = 0; reply < 2; ++reply) {
+      for (int id = 0; id < 65536 && std::chrono::steady_clock::now() < until; ++id) {
+        sent += SendAm(static_cast<unsigned>(id), reply == 1, header,
+                       id % data_every == data_at ? data : std::string());
+      }
+    }
+    return sent;
+  }
+
   void Progress() {
     while (ucp_worker_progress(worker_) != 0) {
     }

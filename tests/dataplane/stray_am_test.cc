@@ -39,14 +39,7 @@ TEST_P(StrayActiveMessages, EveryIdWithAndWithoutReplyIsDroppedAndCounted) {
 
   constexpr int kIds = 65536;
   const std::string header(8, 'h'), data(70000, 'd');  // data past the eager size: rendezvous
-  int sent = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  for (int reply = 0; reply < 2; ++reply) {
-    for (int id = 0; id < kIds && std::chrono::steady_clock::now() < until; ++id) {
-      const bool with_data = id % 4096 == 7;
-      sent += peer.SendAm(static_cast<unsigned>(id), reply == 1, header, with_data ? data : "");
-    }
-  }
+  const int sent = peer.SendEveryId(header, data, 4096, 7, std::chrono::seconds(120));
   ASSERT_EQ(sent, 2 * kIds) << "the victim stopped taking messages";
   // The hello id's two messages are hellos without a handler (this worker has none): dropped as
   // hellos; the batch ids' four are messages nobody expects (no request handler, no reply

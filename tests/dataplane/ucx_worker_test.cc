@@ -35,6 +35,13 @@ std::shared_ptr<UcxBuffer> Filled(UcxWorker& w, size_t bytes, uint8_t seed) {
   return *b;
 }
 
+// A batch message's header as the worker reads it: the reply's token first, 8 bytes LE.
+std::string TokenHeader(uint64_t token) {
+  std::string h(8, '\0');
+  for (int i = 0; i < 8; ++i) h[i] = static_cast<char>((token >> (8 * i)) & 0xff);
+  return h;
+}
+
 // UCX_TLS and the lane kind UCX must then really select (read from UCX): shared memory only
 // without peer error handling (UCX 1.13), so "posix,tcp" puts the rendezvous lanes on TCP and
 // the worker falls back to an all-TCP endpoint with peer error handling.
@@ -186,8 +193,7 @@ TEST_P(UcxTransports, ABatchIsOneMessageEachWayAndItsReplyFindsItsToken) {
     auto reply_buf = client->Buffer(std::max<size_t>(n, 1));
     ASSERT_TRUE(reply_buf.ok());
     const uint64_t token = 0x1234567890abcdefULL + k;
-    std::string header(16, 'x');
-    for (int i = 0; i < 8; ++i) header[i] = static_cast<char>((token >> (8 * i)) & 0xff);
+    const std::string header = TokenHeader(token) + std::string(8, 'x');
     auto got = client->ExpectMessage(token, *reply_buf, deadline);
     auto sent = client->SendMessage(
         *ep, UcxWorker::Message::kRequest, header,
@@ -220,19 +226,14 @@ TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) 
   auto ep = a->Connect(b->address(), nullptr);
   ASSERT_TRUE(ep.ok());
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  auto token_header = [](uint64_t t) {
-    std::string h(8, '\0');
-    for (int i = 0; i < 8; ++i) h[i] = static_cast<char>((t >> (8 * i)) & 0xff);
-    return h;
-  };
   auto payload = Filled(*a, 200000, 3);
   // Unknown token, and a request to a worker without a handler.
   EXPECT_TRUE(
-      a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(77), payload, 100, deadline)
+      a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(77), payload, 100, deadline)
           ->Wait(deadline)
           .ok());
   EXPECT_TRUE(
-      a->SendMessage(*ep, UcxWorker::Message::kRequest, token_header(78), payload, 100000, deadline)
+      a->SendMessage(*ep, UcxWorker::Message::kRequest, TokenHeader(78), payload, 100000, deadline)
           ->Wait(deadline)
           .ok());
   // Longer than the buffer it was expected in (eager and rendezvous); the guard past the
@@ -242,7 +243,7 @@ TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) 
     ASSERT_TRUE(small.ok());
     std::memset((*small)->data(), 0xee, (*small)->capacity());
     auto got = b->ExpectMessage(1000 + n, *small, deadline);
-    (void)a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(1000 + n), payload, n,
+    (void)a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(1000 + n), payload, n,
                          deadline);
     auto r = got->Wait(deadline);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
@@ -251,7 +252,7 @@ TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) 
   auto late_buf = b->Buffer(4096);
   auto late = b->ExpectMessage(5, *late_buf, absl::Now() + absl::Milliseconds(50));
   EXPECT_EQ(late->Wait(deadline).status().code(), absl::StatusCode::kDeadlineExceeded);
-  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(5), payload, 10, deadline)
+  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(5), payload, 10, deadline)
       ->Wait(deadline);
   auto big = a->SendMessage(*ep, UcxWorker::Message::kRequest, std::string(257, 'h'), payload, 1,
                             deadline);
@@ -264,7 +265,7 @@ TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) 
   // The worker still delivers an honest reply.
   auto ok_buf = b->Buffer(4096);
   auto ok = b->ExpectMessage(9, *ok_buf, deadline);
-  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, token_header(9), payload, 4000, deadline);
+  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(9), payload, 4000, deadline);
   auto n = b->Await(*ok, deadline, std::chrono::microseconds(100));
   ASSERT_TRUE(n.ok()) << n.status();
   EXPECT_EQ(std::memcmp((*ok_buf)->data(), payload->data(), 4000), 0);

@@ -49,15 +49,8 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
 
   moe::testing::RawUcpPeer peer("tcp");
   ASSERT_TRUE(peer.Connect(address));
-  const std::string header(16, 'x'), data(70000, 'y');
-  int sent = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(90);
-  for (int reply = 0; reply < 2; ++reply) {
-    for (int id = 0; id < 65536 && std::chrono::steady_clock::now() < until; ++id) {
-      sent += peer.SendAm(static_cast<unsigned>(id), reply == 1, header,
-                          id % 8192 == 3 ? data : std::string());
-    }
-  }
+  const int sent = peer.SendEveryId(std::string(16, 'x'), std::string(70000, 'y'), 8192, 3,
+                                    std::chrono::seconds(90));
   peer.Progress();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   canary.Stop();
@@ -145,15 +138,8 @@ TEST(ClusterDataPlane, AForgedAddressAndEveryIdLeaveTheAttentionNodeUp) {
   testing::Canary canary(*a.cluster, a.layer, a.x, a.kTokens, a.cfg.hidden, a.want);
   moe::testing::RawUcpPeer peer("tcp", "lo");
   ASSERT_TRUE(peer.Connect(forged));
-  const std::string header(16, 'x'), data(70000, 'y');
-  int sent = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(90);
-  for (int reply = 0; reply < 2; ++reply) {
-    for (int id = 0; id < 65536 && std::chrono::steady_clock::now() < until; ++id) {
-      sent += peer.SendAm(static_cast<unsigned>(id), reply == 1, header,
-                          id % 8192 == 3 ? data : std::string());
-    }
-  }
+  const int sent = peer.SendEveryId(std::string(16, 'x'), std::string(70000, 'y'), 8192, 3,
+                                    std::chrono::seconds(90));
   peer.Progress();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   canary.Stop();

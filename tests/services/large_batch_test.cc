@@ -154,22 +154,11 @@ TEST(EchoDataPlane, NodesThatComeAndGoLeaveTheOthersAnswered) {
   b.header.timeout_ms = 3000;
   int answered = 0, failed = 0;
   for (int round = 1; round <= 4; ++round) {
-    struct Node {
-      std::unique_ptr<dataplane::UcxWorker> worker;
-      std::unique_ptr<attention_svc::UcxExpertChannel> channel;
-    };
-    std::vector<Node> nodes;
+    std::vector<testing::UcxNode> nodes;
     for (int i = 0; i <= round; ++i) {
-      dataplane::UcxOptions uo;
-      uo.tls = "tcp";
-      auto w = dataplane::UcxWorker::Create(uo);
-      ASSERT_TRUE(w.ok()) << w.status();
-      Node n;
-      n.worker = std::move(*w);
-      n.channel = std::make_unique<attention_svc::UcxExpertChannel>(
-          "echo-0", endpoint, 1 << 30, n.worker.get(), dataplane::DataPlane::kUcx,
-          absl::StrCat("node-", i), nullptr, "");
-      nodes.push_back(std::move(n));
+      auto n = testing::MakeUcxNode(endpoint, "tcp", absl::StrCat("node-", i));
+      ASSERT_TRUE(n.ok()) << n.status();
+      nodes.push_back(std::move(*n));
     }
     std::vector<std::thread> threads;
     std::atomic<int> ok{0}, bad{0};
@@ -205,20 +194,14 @@ TEST(EchoDataPlane, ABatchTheShardDroppedReopensTheDataPlane) {
   const std::string endpoint = absl::StrCat("127.0.0.1:", (*server)->port());
   testing::EchoBatch b = testing::MakeEchoBatch(cfg, 2);
   b.header.timeout_ms = 400;
-  std::vector<std::unique_ptr<dataplane::UcxWorker>> workers;
-  std::vector<std::unique_ptr<attention_svc::UcxExpertChannel>> channels;
+  std::vector<testing::UcxNode> nodes;
   for (int i = 0; i < 2; ++i) {
-    dataplane::UcxOptions uo;
-    uo.tls = "posix";
-    auto w = dataplane::UcxWorker::Create(uo);
-    ASSERT_TRUE(w.ok()) << w.status();
-    channels.push_back(std::make_unique<attention_svc::UcxExpertChannel>(
-        "echo-0", endpoint, 1 << 30, w->get(), dataplane::DataPlane::kUcx, "same-node", nullptr,
-        ""));
-    workers.push_back(std::move(*w));
+    auto n = testing::MakeUcxNode(endpoint, "posix", "same-node");
+    ASSERT_TRUE(n.ok()) << n.status();
+    nodes.push_back(std::move(*n));
   }
   auto send = [&](int i) {
-    return channels[i]->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(5));
+    return nodes[i].channel->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(5));
   };
   ASSERT_TRUE(send(0).ok());
   ASSERT_TRUE(send(1).ok());  // the same node name: the shard replaces channel 0's client
@@ -227,7 +210,7 @@ TEST(EchoDataPlane, ABatchTheShardDroppedReopensTheDataPlane) {
   EXPECT_NE(dropped.status().message().find("echo-0"), std::string::npos);
   auto again = send(0);  // reopened
   EXPECT_TRUE(again.ok()) << again.status();
-  channels.clear();
+  nodes.clear();
   (*server)->Shutdown(absl::Seconds(1));
 }
 
