@@ -25,7 +25,7 @@
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/expert_channel_grpc.h"
-#include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/dataplane/client_half.h"
 #include "attention-svc/oip_rest.h"
 #include "attention-svc/oip_service.h"
 #include "attention-svc/replica_picker.h"
@@ -39,7 +39,6 @@
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/common/work_queue.h"
-#include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/process_collector.h"
 #include "services/metrics/service_metrics.h"
@@ -164,7 +163,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   void Accumulate(int32_t layer, const BiasEntry& bias, const RoutedBatch& batch);
   void ApplyPlacement(const v1::Placement& p);
   void ApplyBias(const v1::LayerBias& b);
-  // The channel of one shard (made once, kept by shard@endpoint): UCX or in-band gRPC.
+  // The channel of one shard (made once, kept by shard@endpoint): the data plane or in band.
   std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
   ReplicaPicker picker_;
   void ReportLoop();
@@ -179,11 +178,12 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   std::unique_ptr<metrics::AttentionMetrics> metrics_;
   std::unique_ptr<WorkQueue> workers_;
   std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
-  // The UCX worker of the out-of-band data plane (null: in band only). Declared before the
-  // channels so that it outlives them.
-  std::unique_ptr<dataplane::UcxWorker> ucx_;
-  // moe_ucx_messages_dropped_total, read from ucx_ at every scrape (stopped before ucx_ goes).
-  std::shared_ptr<metrics::ScrapedCounter> ucx_drops_;
+  // The node's half of the out-of-band data plane (dataplane/client_half.h; null: in band
+  // only). Declared before the channels so that it outlives them.
+  std::unique_ptr<ClientHalf> data_plane_;
+  // moe_ucx_messages_dropped_total, read from data_plane_ at every scrape (stopped before it
+  // goes).
+  std::shared_ptr<metrics::ScrapedCounter> dp_drops_;
   std::unique_ptr<OipService> oip_;    // the Open Inference Protocol front
   std::unique_ptr<OipRest> oip_rest_;  // its REST/JSON form (--http_port)
   std::unique_ptr<metrics::HttpServer> http_;

@@ -1,6 +1,7 @@
 #include "attention-svc/attention_server.h"
 
 #include "attention-svc/attention_impl.h"
+#include "attention-svc/dataplane/registry.h"
 #include "services/common/version.h"
 
 namespace moe::attention_svc {
@@ -75,27 +76,27 @@ absl::Status AttentionServer::Impl::StartServing() {
           transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
     }
   }
-  if (options_.data_plane != dataplane::DataPlane::kGrpc) {
-    dataplane::UcxOptions uo;
-    uo.name = options_.node;
-    uo.tls = options_.ucx_tls;
-    uo.bind_host = options_.host;
-    uo.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
-    auto w = dataplane::UcxWorker::Create(uo);
-    if (w.ok()) {
-      ucx_ = std::move(*w);
+  if (!options_.data_plane.in_band()) {
+    const std::string backend = options_.data_plane.backend();
+    ClientHalfOptions co;
+    co.node = options_.node;
+    co.tls = options_.ucx_tls;
+    co.bind_host = options_.host;
+    co.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
+    auto half = StartClientHalf(backend, co);
+    if (half.ok()) {
+      data_plane_ = std::move(*half);
       if (metrics_server_ != nullptr) {
-        ucx_drops_ = metrics::UcxMessagesDropped([w = ucx_.get()] { return w->DroppedByKind(); });
-        metrics_server_->Add(ucx_drops_);
+        dp_drops_ = metrics::UcxMessagesDropped(
+            [dp = data_plane_.get()] { return dp->DroppedByKind(); });
+        metrics_server_->Add(dp_drops_);
       }
-      MOE_LOG_INFO("UCX data plane up (UCX {}, UCX_TLS {})", dataplane::UcxVersion(), ucx_->tls());
-      if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok())
-        MOE_LOG_WARN("{}", std::string(v.message()));
-    } else if (options_.data_plane == dataplane::DataPlane::kUcx) {
+      MOE_LOG_INFO("{} data plane up ({})", data_plane_->name(), data_plane_->Describe());
+    } else if (!options_.data_plane.automatic()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("--data_plane=ucx: ", w.status().message()));
+          absl::StrCat("--data_plane=", backend, ": ", half.status().message()));
     } else {
-      MOE_LOG_WARN("no UCX data plane ({}): in band only", w.status().ToString());
+      MOE_LOG_WARN("no {} data plane ({}): in band only", backend, half.status().ToString());
     }
   }
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
@@ -193,9 +194,9 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
   if (check_thread_.joinable()) check_thread_.join();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    channels_.clear();  // before the UCX worker they use
+    channels_.clear();  // before the data plane they use
   }
-  if (ucx_drops_ != nullptr) ucx_drops_->Stop();
+  if (dp_drops_ != nullptr) dp_drops_->Stop();
   ReportNow();  // the last partial window
 }
 

@@ -103,8 +103,9 @@ struct AttentionServerOptions {
   // other (MegaScale-Infer's ping-pong). 1: the whole request at once. Same results either way.
   int micro_batches = 1;
   // The payload path to the expert shards (docs/data-plane.md): auto uses UCX with every shard
-  // that offers it and in-band gRPC with the rest; grpc always in band; ucx or fail the batch.
-  dataplane::DataPlane data_plane = dataplane::DataPlane::kAuto;
+  // that offers it and in-band gRPC with the rest; grpc always in band; a backend's name
+  // (dataplane/registry.h: "ucx", "fake") that one or fail the batch.
+  dataplane::DataPlane data_plane;
   std::string ucx_tls;    // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;  // UcxOptions::poll_spin: a thread waiting for a shard's reply
 };

@@ -11,10 +11,17 @@ std::shared_ptr<ExpertChannel> MakeExpertChannel(const ExpertChannelConfig& c, c
       return std::make_shared<LocalExpertChannel>(s.shard, *c.cfg, w, *c.kernels, c.pool);
     }
   }
-  if (c.ucx != nullptr) {
-    return std::make_shared<UcxExpertChannel>(s.shard, s.endpoint, c.max_message_bytes, c.ucx,
-                                              c.mode, c.node, c.on_event, c.cluster_token,
-                                              c.on_lanes);
+  if (c.data_plane != nullptr) {
+    ChannelOptions o;
+    o.shard = s.shard;
+    o.endpoint = s.endpoint;
+    o.node = c.node;
+    o.cluster_token = c.cluster_token;
+    o.max_message_bytes = c.max_message_bytes;
+    o.fallback_in_band = c.fallback_in_band;
+    o.on_event = c.on_event;
+    o.on_lanes = c.on_lanes;
+    return c.data_plane->MakeChannel(std::move(o));
   }
   return std::make_shared<GrpcExpertChannel>(s.shard, s.endpoint, c.max_message_bytes,
                                              c.cluster_token);

@@ -1,9 +1,9 @@
 // The one place the attention node chooses how a shard's messages travel (the twin of
-// expert-svc's MakeBatchEndpoint): in process when the shard's experts are here, UCX out of band
-// when this node has a UCX worker (which itself falls back in band under --data_plane=auto),
-// in-band gRPC otherwise.
+// expert-svc's MakeBatchEndpoint): in process when the shard's experts are here, out of band on
+// the node's data plane when it has one (dataplane/client_half.h: UCX, the fake; its channel
+// itself falls back in band under --data_plane=auto), in-band gRPC otherwise.
 //
-//   ExpertChannelConfig c;  c.max_message_bytes = ...;  c.ucx = worker.get();  // or null
+//   ExpertChannelConfig c;  c.max_message_bytes = ...;  c.data_plane = half.get();  // or null
 //   std::shared_ptr<ExpertChannel> ch = MakeExpertChannel(c, shard_ref);
 #ifndef MOE_ATTENTION_SVC_EXPERT_CHANNEL_FACTORY_H_
 #define MOE_ATTENTION_SVC_EXPERT_CHANNEL_FACTORY_H_
@@ -14,7 +14,7 @@
 
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
-#include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/dataplane/client_half.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
@@ -26,11 +26,12 @@ struct ExpertChannelConfig {
   int max_message_bytes = 256 << 20;
   std::string cluster_token;
   std::string node;  // this attention node's name (OpenDataPlane, logs)
-  // UCX: the worker (null: in band), the mode, and the data plane's events and lanes.
-  dataplane::UcxWorker* ucx = nullptr;
-  dataplane::DataPlane mode = dataplane::DataPlane::kAuto;
-  UcxExpertChannel::EventFn on_event;
-  UcxExpertChannel::LanesFn on_lanes;
+  // The data plane's half of this node (null: in band), whether its channels fall back in band
+  // (--data_plane=auto), and its events and lanes.
+  ClientHalf* data_plane = nullptr;
+  bool fallback_in_band = true;
+  DataPlaneEventFn on_event;
+  DataPlaneLanesFn on_lanes;
   // In process: the experts of a shard when they are here (null: not here). cfg, kernels and
   // pool must then be set; they and the weights must outlive the channels.
   std::function<const numerics::MoeLayerWeights*(const ShardRef&)> local_weights;

@@ -41,14 +41,14 @@ std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef&
   c.max_message_bytes = options_.max_message_bytes;
   c.cluster_token = options_.cluster_token;
   c.node = options_.node;
-  c.ucx = ucx_.get();
-  c.mode = options_.data_plane;
+  c.data_plane = data_plane_.get();
+  c.fallback_in_band = options_.data_plane.automatic();
   c.on_event = [this](const std::string& shard, const std::string& event) {
     if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
   };
-  c.on_lanes = [this](const std::string& shard, const dataplane::UcxLanes& lanes,
+  c.on_lanes = [this](const std::string& shard, const dataplane::Lanes& lanes,
                       const std::string& shard_lanes) {
-    MOE_LOG_INFO("data plane to {}: UCX lanes {} (the shard's side: {})", shard, lanes.Describe(),
+    MOE_LOG_INFO("data plane to {}: lanes {} (the shard's side: {})", shard, lanes.Describe(),
                  shard_lanes);
     if (metrics_ != nullptr) {
       metrics_->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);

@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "attention-svc/attention_server.h"
+#include "attention-svc/dataplane/registry.h"
 #include "services/common/status_macros.h"
 #include "services/common/svc_main.h"
 #include "services/numerics/precision.h"
@@ -67,10 +68,14 @@ int main(int argc, char** argv) {
   flags.Double("hedge_share", &o.hedge_share,
                "send a message also to another replica when its own has not answered after this "
                "share of the time to the deadline (0: never)");
-  flags.Typed("data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
-              moe::dataplane::ParseDataPlane,
-              "auto|grpc|ucx: expert payloads on UCX where the shard offers it (auto), never, "
-              "or always");
+  flags.Typed(
+      "data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
+      [](const std::string& name) {
+        return moe::dataplane::ParseDataPlane(name, moe::attention_svc::ClientBackendNames());
+      },
+      "auto|grpc|ucx|fake: expert payloads on UCX where the shard offers it (auto), never, or "
+      "always on the named backend (fake: shards in this process only; "
+      "attention-svc/dataplane/registry.h)");
   flags.Int("micro_batches", &o.micro_batches,
             "split each request into this many micro-batches, two in flight (1: off)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");

@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "expert-svc/dispatch_batch.h"
-#include "expert-svc/ucx_data_plane.h"
 #include "services/common/logging.h"
 #include "services/dataplane/data_plane.h"
 #include "services/transport/status_convert.h"
@@ -13,9 +12,6 @@
 namespace moe::expert_svc {
 
 namespace {
-
-// How long past a batch's budget its reply payload may take to be taken by the caller.
-constexpr absl::Duration kReplySendGrace = absl::Seconds(5);
 
 class StreamReply final : public BatchReply {
  public:
@@ -37,65 +33,12 @@ class LocalReply final : public BatchReply {
   std::function<void(v1::DispatchReply)> fn_;
 };
 
-// The answer's payload out of band (sealed with the connection's MAC), its header on the stream
-// once UCX is done with the payload; errors on the stream at once.
-class UcxReply final : public BatchReply {
+// One message back on the data plane: the reply's header, then its outputs.
+class MessageReply final : public BatchReply {
  public:
-  UcxReply(DispatchReactor* stream, UcxDataPlane* ucx, OutOfBandHeader header, std::string shard,
-           absl::Time deadline)
-      : stream_(stream),
-        ucx_(ucx),
-        header_(std::move(header)),
-        shard_(std::move(shard)),
-        deadline_(deadline) {}
-
-  void Send(v1::DispatchReply reply) override {
-    if (reply.code() != 0) {
-      stream_->Reply(std::move(reply), true);
-      return;
-    }
-    reply.set_receive_seconds(receive_seconds);
-    auto out = std::make_shared<v1::DispatchReply>();
-    const std::string& data = reply.outputs().data();
-    const int64_t n = static_cast<int64_t>(data.size());
-    const absl::Status sent = ucx_->Reply(
-        header_, data, deadline_,
-        [&](const std::string& mac) {
-          v1::DispatchReply r = reply;  // the outputs' bytes travel out of band
-          r.mutable_outputs()->clear_data();
-          r.set_out_of_band(true);
-          r.set_output_bytes(n);
-          r.set_output_mac(mac);
-          *out = std::move(r);
-        },
-        [stream = stream_, out, shard = shard_](const absl::Status& s) {
-          if (!s.ok()) {
-            const uint64_t batch_id = out->batch_id();
-            *out = ErrorReply(batch_id, shard,
-                              absl::UnavailableError(absl::StrCat(
-                                  "shard ", shard, ", batch ", batch_id,
-                                  ": the reply payload did not go out: ", s.message())));
-          }
-          stream->Reply(std::move(*out), true);
-        });
-    if (!sent.ok()) stream_->Reply(ErrorReply(reply.batch_id(), shard_, sent), true);
-  }
-  const char* transport() const override { return "ucx"; }
-
- private:
-  DispatchReactor* stream_;
-  UcxDataPlane* ucx_;
-  const OutOfBandHeader header_;
-  const std::string shard_;
-  const absl::Time deadline_;
-};
-
-// One UCX message back: the reply's header, then its outputs.
-class UcxBatchReply final : public BatchReply {
- public:
-  UcxBatchReply(UcxDataPlane* ucx, const UcxBatchSource& from, int64_t reply_bytes,
-                std::string shard, absl::Time deadline)
-      : ucx_(ucx),
+  MessageReply(ServerHalf* data_plane, const BatchSource& from, int64_t reply_bytes,
+               std::string shard, absl::Time deadline)
+      : data_plane_(data_plane),
         from_(from),
         reply_bytes_(reply_bytes),
         shard_(std::move(shard)),
@@ -123,17 +66,17 @@ class UcxBatchReply final : public BatchReply {
       reply.set_message(reply.message().substr(0, 1024));
       header = reply.SerializeAsString();
     }
-    const absl::Status s = ucx_->ReplyBatch(from_, header, payload, deadline_, nullptr);
+    const absl::Status s = data_plane_->ReplyBatch(from_, header, payload, deadline_);
     if (!s.ok()) {
       MOE_LOG_WARN("shard {}, batch {}: the reply could not be sent: {}", shard_, reply.batch_id(),
                    s.ToString());
     }
   }
-  const char* transport() const override { return "ucx"; }
+  const char* transport() const override { return data_plane_->name(); }
 
  private:
-  UcxDataPlane* const ucx_;
-  const UcxBatchSource from_;
+  ServerHalf* const data_plane_;
+  const BatchSource from_;
   const int64_t reply_bytes_;
   const std::string shard_;
   const absl::Time deadline_;
@@ -151,46 +94,6 @@ class InBandEndpoint final : public BatchEndpoint {
     }
     const std::string bytes = std::move(*req.mutable_activations()->mutable_data());
     admit(req, bytes, std::move(reply));
-  }
-
- private:
-  const EndpointContext ctx_;
-};
-
-class UcxEndpoint final : public BatchEndpoint {
- public:
-  explicit UcxEndpoint(const EndpointContext& ctx) : ctx_(ctx) {}
-  void Receive(v1::DispatchRequest req, Admit admit) override {
-    const v1::OutOfBand& o = req.out_of_band();
-    OutOfBandHeader h;
-    h.batch_id = req.batch_id();
-    h.client_id = o.client_id();
-    h.tag = o.tag();
-    h.activation_bytes = o.activation_bytes();
-    h.reply_tag = o.reply_tag();
-    h.reply_bytes = o.reply_capacity_bytes();
-    h.sequence = o.sequence();
-    h.activation_mac = o.activation_mac();
-    const auto arrived = std::chrono::steady_clock::now();
-    const auto budget = BatchBudget(req.timeout_ms());
-    const absl::Time deadline = absl::Now() + absl::FromChrono(budget);
-    auto reply = std::make_shared<std::unique_ptr<UcxReply>>(std::make_unique<UcxReply>(
-        ctx_.stream, ctx_.ucx, h, ctx_.shard, deadline + kReplySendGrace));
-    auto shared_req = std::make_shared<v1::DispatchRequest>(std::move(req));
-    // Runs on the UCX progress thread once the payload is in and its MAC matched (or not).
-    ctx_.ucx->Receive(
-        h, deadline,
-        [ctx = ctx_, shared_req, reply, arrived, admit = std::move(admit)](const absl::Status& s,
-                                                                           std::string_view bytes) {
-          if (!s.ok()) {
-            if (ctx.on_error) ctx.on_error(s);
-            ctx.stream->Reply(ErrorReply(shared_req->batch_id(), ctx.shard, s), true);
-            return;
-          }
-          (*reply)->receive_seconds =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count();
-          admit(*shared_req, bytes, std::move(*reply));
-        });
   }
 
  private:
@@ -226,22 +129,27 @@ v1::DispatchReply ErrorReply(uint64_t batch_id, const std::string& shard, const 
   return reply;
 }
 
-std::unique_ptr<BatchReply> MakeUcxBatchReply(UcxDataPlane* ucx, const UcxBatchSource& from,
-                                              int64_t reply_bytes, std::string shard,
-                                              absl::Time deadline) {
-  return std::make_unique<UcxBatchReply>(ucx, from, reply_bytes, std::move(shard), deadline);
+std::unique_ptr<BatchReply> MakeMessageReply(ServerHalf* data_plane, const BatchSource& from,
+                                             int64_t reply_bytes, std::string shard,
+                                             absl::Time deadline) {
+  return std::make_unique<MessageReply>(data_plane, from, reply_bytes, std::move(shard), deadline);
 }
 
 std::unique_ptr<BatchEndpoint> MakeBatchEndpoint(const v1::DispatchRequest& req,
                                                  const EndpointContext& ctx) {
   if (!req.has_out_of_band()) return std::make_unique<InBandEndpoint>(ctx);
-  if (ctx.ucx == nullptr || ctx.stream == nullptr) {
-    return std::make_unique<RefusedEndpoint>(
-        ctx, absl::FailedPreconditionError(
-                 absl::StrCat("shard ", ctx.shard, ", batch ", req.batch_id(),
-                              ": this server has no UCX data plane (send the batch in band)")));
+  std::unique_ptr<BatchEndpoint> endpoint;
+  if (ctx.data_plane != nullptr && ctx.stream != nullptr) {
+    endpoint = ctx.data_plane->StreamEndpoint(ctx);
   }
-  return std::make_unique<UcxEndpoint>(ctx);
+  if (endpoint == nullptr) {
+    return std::make_unique<RefusedEndpoint>(
+        ctx, absl::FailedPreconditionError(absl::StrCat(
+                 "shard ", ctx.shard, ", batch ", req.batch_id(),
+                 ": this server has no out-of-band data plane that takes headers on the Dispatch "
+                 "stream (send the batch in band)")));
+  }
+  return endpoint;
 }
 
 }  // namespace moe::expert_svc

@@ -6,11 +6,12 @@
 //
 // Implementations, chosen by one factory (MakeBatchEndpoint) per request:
 //   in band (gRPC)  the bytes inside the request; the answer on the same Dispatch stream
-//   UCX             the bytes out of band (ucx_data_plane.h), MAC-checked; the answer's payload
-//                   out of band with its MAC, its header on the stream once UCX is done
+//   a data plane    one message each way (dataplane/server_half.h: UCX, the fake): the
+//                   answer through MakeMessageReply; a backend's previous protocol (UCX: the
+//                   header on the stream, the payload out of band) through its StreamEndpoint
 //   local           the bytes inside the request; the answer to a callback (tests, in process)
 //
-//   auto endpoint = MakeBatchEndpoint(req, ctx);  // ctx: the stream, the UCX plane or null
+//   auto endpoint = MakeBatchEndpoint(req, ctx);  // ctx: the stream, the data plane or null
 //   endpoint->Receive(std::move(req), [&](v1::DispatchRequest& r, std::string_view bytes,
 //                                         std::unique_ptr<BatchReply> reply) {
 //     core.Admit(r, bytes, std::move(reply));  // the answer goes to reply->Send(...) later
@@ -25,13 +26,12 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "expert-svc/dataplane/server_half.h"
 #include "moe/v1/expert.pb.h"
 #include "services/transport/stream_reactor.h"
 
 namespace moe::expert_svc {
 
-class UcxDataPlane;
-struct UcxBatchSource;
 
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
@@ -42,7 +42,7 @@ class BatchReply {
   virtual ~BatchReply() = default;
   // The answer: code 0 with the outputs, or an error (ErrorReply).
   virtual void Send(v1::DispatchReply reply) = 0;
-  // "grpc", "ucx" or "local": the transport label of the wire metrics.
+  // "grpc", "local" or the data plane's name ("ucx"): the transport label of the wire metrics.
   virtual const char* transport() const = 0;
   // Seconds the activations took to arrive after the header (out of band; 0 in band).
   double receive_seconds = 0;
@@ -64,24 +64,25 @@ v1::DispatchReply ErrorReply(uint64_t batch_id, const std::string& shard, const 
 
 struct EndpointContext {
   std::string shard;
-  DispatchReactor* stream = nullptr;  // the Dispatch stream of the request (grpc, ucx)
-  UcxDataPlane* ucx = nullptr;        // null: this server offers no UCX data plane
+  DispatchReactor* stream = nullptr;  // the Dispatch stream of the request
+  ServerHalf* data_plane = nullptr;   // null: this server offers no out-of-band data plane
   // The local endpoint's answers (no stream).
   std::function<void(v1::DispatchReply)> local_reply;
   // Every error a transport answers on its own (metrics).
   std::function<void(const absl::Status&)> on_error;
 };
 
-// The answer to a batch that came as one UCX message (ucx_data_plane.h): one message back, with
-// the reply's header and, for an answer, its outputs (which must have the reply_capacity_bytes
-// the caller announced in the request's OutOfBand; INTERNAL otherwise). `ucx` outlives it (the
-// server answers every batch before it stops the data plane).
-std::unique_ptr<BatchReply> MakeUcxBatchReply(UcxDataPlane* ucx, const UcxBatchSource& from,
-                                              int64_t reply_bytes, std::string shard,
-                                              absl::Time deadline);
+// The answer to a batch that came as one data-plane message (ServerHalf::on_batch): one message
+// back, with the reply's header and, for an answer, its outputs (which must have the
+// reply_capacity_bytes the caller announced in the request's OutOfBand; INTERNAL otherwise).
+// `data_plane` outlives it (the server answers every batch before it stops the data plane).
+std::unique_ptr<BatchReply> MakeMessageReply(ServerHalf* data_plane, const BatchSource& from,
+                                             int64_t reply_bytes, std::string shard,
+                                             absl::Time deadline);
 
-// The request's endpoint: UCX when it has an out_of_band header (FAILED_PRECONDITION answered
-// when this server has no UCX), in band otherwise; local when the context has no stream.
+// The request's endpoint: the data plane's StreamEndpoint when it has an out_of_band header
+// (FAILED_PRECONDITION answered when there is none), in band otherwise; local when the context
+// has no stream.
 std::unique_ptr<BatchEndpoint> MakeBatchEndpoint(const v1::DispatchRequest& req,
                                                  const EndpointContext& ctx);
 

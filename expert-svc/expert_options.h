@@ -68,14 +68,14 @@ struct ExpertServerOptions {
   int max_queued_batches = 256;       // beyond: RESOURCE_EXHAUSTED
   int max_message_bytes = 256 << 20;  // also the largest out-of-band payload
   // The out-of-band data plane (docs/data-plane.md): auto offers UCX when this build has it
-  // (UCX_TLS picks the transports), grpc never, ucx or fail at start. In-band batches are
-  // served in every mode.
-  dataplane::DataPlane data_plane = dataplane::DataPlane::kAuto;
+  // (UCX_TLS picks the transports), grpc never, a backend's name (dataplane/registry.h: "ucx",
+  // "fake") that one or fail at start. In-band batches are served in every mode.
+  dataplane::DataPlane data_plane;
   std::string ucx_tls;               // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;             // UcxOptions::poll_spin: the compute thread between batches
   int max_data_plane_clients = 256;  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
-  // Take each batch as one UCX message (OpenDataPlaneReply.batch_messages). False answers like a
-  // server of the previous release (the header on the Dispatch stream): the tests' way to keep
+  // Take each batch as one data-plane message (OpenDataPlaneReply.batch_messages). False answers
+  // like a UCX server of the previous release (the header on the Dispatch stream): the tests' way to keep
   // that protocol, which attention nodes still speak to such servers, checked. Not a flag.
   bool ucx_batch_messages = true;
   // The production check (batch_verifier.h): this fraction of the batches is recomputed off the

@@ -12,14 +12,13 @@
 #include "expert-svc/batch_endpoint.h"
 #include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_core.h"
-#include "expert-svc/ucx_data_plane.h"
+#include "expert-svc/dataplane/registry.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/client/router_link.h"
 #include "services/common/logging.h"
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
-#include "services/dataplane/ucx_worker.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/process_collector.h"
 #include "services/metrics/service_metrics.h"
@@ -71,9 +70,9 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   absl::Status StartDataPlane();
   // One request off a Dispatch stream: to its endpoint (in band or UCX), then to the core.
   void OnDispatch(v1::DispatchRequest req, DispatchReactor* stream);
-  // One batch that came as a UCX message (authenticated by the data plane): to the core.
-  void OnUcxBatch(const UcxBatchSource& from, std::string_view header,
-                  std::string_view activations);
+  // One batch that came as a data-plane message (authenticated by the backend): to the core.
+  void OnBatchMessage(const BatchSource& from, std::string_view header,
+                      std::string_view activations);
 
   ExpertServerOptions options_;
   std::unique_ptr<ExpertCore> core_;
@@ -83,15 +82,17 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
   bool stopped_ = false;
 
-  // The UCX data plane: null when not offered. ucx_mu_ (shared by the gRPC handlers) keeps it
-  // alive while they use it; Shutdown takes it exclusively to stop it.
-  std::shared_mutex ucx_mu_;
-  std::unique_ptr<UcxDataPlane> ucx_;
-  // The same, for the batch messages' handler (runs on the UCX worker's thread, which Shutdown
-  // joins while holding ucx_mu_: it must not take that lock). Set before any client can open.
-  std::atomic<UcxDataPlane*> ucx_raw_{nullptr};
-  // moe_ucx_messages_dropped_total, read from ucx_ at every scrape (stopped before ucx_ goes).
-  std::shared_ptr<metrics::ScrapedCounter> ucx_drops_;
+  // The out-of-band data plane (dataplane/server_half.h): null when not offered, and why.
+  // dp_mu_ (shared by the gRPC handlers) keeps it alive while they use it; Shutdown takes it
+  // exclusively to stop it.
+  std::shared_mutex dp_mu_;
+  std::unique_ptr<ServerHalf> dp_;
+  std::string no_dp_;
+  // The same, for the batch messages' handler (runs on the backend's thread, which Shutdown
+  // joins while holding dp_mu_: it must not take that lock). Set before any client can open.
+  std::atomic<ServerHalf*> dp_raw_{nullptr};
+  // moe_ucx_messages_dropped_total, read from dp_ at every scrape (stopped before dp_ goes).
+  std::shared_ptr<metrics::ScrapedCounter> dp_drops_;
 };
 
 absl::Status ExpertServer::Impl::Start() {
@@ -122,14 +123,14 @@ absl::Status ExpertServer::Impl::Start() {
   MOE_RETURN_IF_ERROR(StartDataPlane());
   // Between batches the compute thread polls the data plane for a while: the next batch message
   // lands and is admitted on it, with no thread woken in between.
-  if (ucx_ != nullptr && options_.ucx_batch_messages) {
+  if (dp_ != nullptr && dp_->poll_spin() > std::chrono::microseconds(0)) {
     core_->Start(
         metrics_.get(),
-        [ucx = ucx_.get()](std::chrono::steady_clock::time_point until,
-                           const std::function<bool()>& work_queued) {
-          ucx->PollUntil(until, work_queued);
+        [dp = dp_.get()](std::chrono::steady_clock::time_point until,
+                         const std::function<bool()>& work_queued) {
+          dp->PollUntil(until, work_queued);
         },
-        ucx_->poll_spin());
+        dp_->poll_spin());
   } else {
     core_->Start(metrics_.get());
   }
@@ -149,7 +150,7 @@ absl::Status ExpertServer::Impl::Start() {
     v1::RegisterExpertServerRequest req;
     req.set_shard(options_.shard);
     req.set_endpoint(options_.advertise);
-    req.set_data_plane(ucx_ != nullptr ? "ucx" : "grpc");
+    req.set_data_plane(dp_ != nullptr ? dp_->name() : "grpc");
     for (const auto& [l, w] : core_->layers()) {
       v1::ExpertRange* r = req.add_ranges();
       r->set_layer(static_cast<int32_t>(l));
@@ -161,8 +162,8 @@ absl::Status ExpertServer::Impl::Start() {
     router_->KeepRegistered(
         std::move(req), [this] { return core_->queued(); },
         [this]() -> std::string {
-          std::shared_lock<std::shared_mutex> lock(ucx_mu_);
-          return ucx_ != nullptr ? ucx_->lanes() : "";
+          std::shared_lock<std::shared_mutex> lock(dp_mu_);
+          return dp_ != nullptr ? dp_->lanes() : "";
         });
   }
   return absl::OkStatus();
@@ -207,11 +208,11 @@ grpc::ServerBidiReactor<v1::DispatchRequest, v1::DispatchReply>* ExpertServer::I
 
 void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* stream) {
   stream->BeginWork();  // every request is answered once, by its BatchReply or its endpoint
-  std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
+  std::shared_lock<std::shared_mutex> dp_lock(dp_mu_);
   EndpointContext ctx;
   ctx.shard = options_.shard;
   ctx.stream = stream;
-  ctx.ucx = ucx_.get();
+  ctx.data_plane = dp_.get();
   ctx.on_error = [this](const absl::Status& s) {
     if (metrics_ != nullptr) metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
   };
@@ -222,23 +223,23 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   });
 }
 
-void ExpertServer::Impl::OnUcxBatch(const UcxBatchSource& from, std::string_view header,
-                                    std::string_view activations) {
-  UcxDataPlane* ucx = ucx_raw_.load();
-  if (ucx == nullptr) return;
+void ExpertServer::Impl::OnBatchMessage(const BatchSource& from, std::string_view header,
+                                        std::string_view activations) {
+  ServerHalf* dp = dp_raw_.load();
+  if (dp == nullptr) return;
   v1::DispatchRequest req;
   const bool parsed = req.ParseFromArray(header.data(), static_cast<int>(header.size()));
   const v1::OutOfBand& o = req.out_of_band();
   const auto budget = BatchBudget(req.timeout_ms());
   std::unique_ptr<BatchReply> reply =
-      MakeUcxBatchReply(ucx, from, o.reply_capacity_bytes(), options_.shard,
-                        absl::Now() + absl::FromChrono(budget) + absl::Seconds(5));
+      MakeMessageReply(dp, from, o.reply_capacity_bytes(), options_.shard,
+                       absl::Now() + absl::FromChrono(budget) + absl::Seconds(5));
   if (!parsed || !req.has_out_of_band() || !req.activations().data().empty() ||
       o.activation_bytes() != static_cast<int64_t>(activations.size()) ||
       o.reply_capacity_bytes() < 0 || o.reply_capacity_bytes() > options_.max_message_bytes) {
     const absl::Status s = absl::InvalidArgumentError(
         absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id(),
-                     ": a UCX batch message whose header does not describe its payload (",
+                     ": a batch message whose header does not describe its payload (",
                      activations.size(), " activation bytes)"));
     if (metrics_ != nullptr) metrics_->common.Error("Dispatch", "INVALID_ARGUMENT");
     reply->Send(ErrorReply(req.batch_id(), options_.shard, s));
@@ -262,14 +263,14 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
     response->add_precisions(transport::PrecisionToProto(p));
   }
   {
-    std::shared_lock<std::shared_mutex> lock(ucx_mu_);
-    response->set_data_plane(ucx_ != nullptr ? "ucx" : "grpc");
-    if (ucx_ != nullptr) {
-      response->set_ucx_tls(ucx_->tls());
-      // UCX authenticates nobody: its address only for members.
+    std::shared_lock<std::shared_mutex> lock(dp_mu_);
+    response->set_data_plane(dp_ != nullptr ? dp_->name() : "grpc");
+    if (dp_ != nullptr) {
+      response->set_ucx_tls(dp_->tls());
+      // UCX authenticates nobody: the data plane's address only for members.
       if (FromAttention(*context) &&
           transport::CheckPeerMember(*context, "attention", "", "GetInfo").ok()) {
-        response->set_ucx_address(ucx_->address());
+        response->set_ucx_address(dp_->address());
       }
     }
   }
@@ -293,66 +294,59 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
     reactor->Finish(transport::ToGrpc(s));
     return reactor;
   }
-  std::shared_lock<std::shared_mutex> ucx_lock(ucx_mu_);
-  if (ucx_ == nullptr) {
-    return finish(absl::FailedPreconditionError(absl::StrCat(
-        "shard ", options_.shard, " has no UCX data plane (",
-        dataplane::UcxBuilt() ? "started with --data_plane=grpc" : "built without UCX", ")")));
+  std::shared_lock<std::shared_mutex> dp_lock(dp_mu_);
+  if (dp_ == nullptr) {
+    return finish(absl::FailedPreconditionError(
+        absl::StrCat("shard ", options_.shard, " has no out-of-band data plane (", no_dp_, ")")));
   }
-  const absl::StatusOr<DataPlaneClient> client = ucx_->Open(request->node());
-  if (!client.ok()) {
-    return finish(absl::Status(client.status().code(), absl::StrCat("shard ", options_.shard, ": ",
-                                                                    client.status().message())));
+  if (absl::Status s = dp_->Open(request->node(), response); !s.ok()) {
+    response->Clear();
+    return finish(absl::Status(s.code(), absl::StrCat("shard ", options_.shard, ": ", s.message())));
   }
-  response->set_client_id(client->id);
-  response->set_worker_address(ucx_->address());
-  response->set_tls(ucx_->tls());
-  response->set_hello_secret(client->hello_secret);
-  response->set_ack_tag(client->ack_tag);
-  response->set_mac_key(client->mac_key);
-  response->set_chunk_bytes(static_cast<int64_t>(ucx_->chunk_bytes()));
-  response->set_batch_messages(options_.ucx_batch_messages);
   return finish(absl::OkStatus());
 }
 
 absl::Status ExpertServer::Impl::StartDataPlane() {
-  if (options_.data_plane == dataplane::DataPlane::kGrpc) return absl::OkStatus();
-  UcxDataPlaneOptions uo;
-  uo.shard = options_.shard;
-  uo.tls = options_.ucx_tls;
-  uo.bind_host = options_.host;
-  uo.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
-  uo.max_clients = options_.max_data_plane_clients;
-  uo.max_message_bytes = options_.max_message_bytes;
-  uo.on_event = [this](const std::string& event) {
+  if (options_.data_plane.in_band()) {
+    no_dp_ = "started with --data_plane=grpc";
+    return absl::OkStatus();
+  }
+  const std::string backend = options_.data_plane.backend();
+  ServerHalfOptions o;
+  o.shard = options_.shard;
+  o.tls = options_.ucx_tls;
+  o.bind_host = options_.host;
+  o.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
+  o.max_clients = options_.max_data_plane_clients;
+  o.max_message_bytes = options_.max_message_bytes;
+  o.on_event = [this](const std::string& event) {
     if (metrics_ != nullptr) metrics_->DataPlaneEvent(event);
   };
   if (options_.ucx_batch_messages) {
-    uo.on_batch = [this](const UcxBatchSource& from, std::string_view header,
-                         std::string_view activations) { OnUcxBatch(from, header, activations); };
+    o.on_batch = [this](const BatchSource& from, std::string_view header,
+                        std::string_view activations) {
+      OnBatchMessage(from, header, activations);
+    };
   }
-  auto w = UcxDataPlane::Start(std::move(uo));
-  if (!w.ok()) {
-    if (options_.data_plane == dataplane::DataPlane::kUcx) {
+  auto dp = StartServerHalf(backend, std::move(o));
+  if (!dp.ok()) {
+    no_dp_ = absl::StrCat(backend, ": ", dp.status().message());
+    if (!options_.data_plane.automatic()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("--data_plane=ucx: ", w.status().message()));
+          absl::StrCat("--data_plane=", backend, ": ", dp.status().message()));
     }
-    MOE_LOG_WARN("shard {}: no UCX data plane ({}): in band only", options_.shard,
-                 w.status().ToString());
+    MOE_LOG_WARN("shard {}: no {} data plane ({}): in band only", options_.shard, backend,
+                 dp.status().ToString());
     return absl::OkStatus();
   }
-  std::unique_lock<std::shared_mutex> lock(ucx_mu_);
-  ucx_ = std::move(*w);
-  ucx_raw_.store(ucx_.get());
+  std::unique_lock<std::shared_mutex> lock(dp_mu_);
+  dp_ = std::move(*dp);
+  dp_raw_.store(dp_.get());
   if (metrics_server_ != nullptr) {
-    ucx_drops_ = metrics::UcxMessagesDropped([w = &ucx_->worker()] { return w->DroppedByKind(); });
-    metrics_server_->Add(ucx_drops_);
+    dp_drops_ = metrics::UcxMessagesDropped([dp = dp_.get()] { return dp->DroppedByKind(); });
+    metrics_server_->Add(dp_drops_);
   }
-  MOE_LOG_INFO("shard {}: UCX data plane up (UCX {}, UCX_TLS {})", options_.shard,
-               dataplane::UcxVersion(), ucx_->tls());
-  if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok()) {
-    MOE_LOG_WARN("shard {}: {}", options_.shard, std::string(v.message()));
-  }
+  MOE_LOG_INFO("shard {}: {} data plane up ({})", options_.shard, dp_->name(), dp_->Describe());
   return absl::OkStatus();
 }
 
@@ -364,10 +358,10 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
   if (core_ != nullptr) core_->Stop();
   {
     // Unfinished transfers fail (their batches are answered UNAVAILABLE) while the streams live.
-    if (ucx_drops_ != nullptr) ucx_drops_->Stop();
-    std::unique_lock<std::shared_mutex> lock(ucx_mu_);
-    ucx_raw_.store(nullptr);
-    ucx_.reset();
+    if (dp_drops_ != nullptr) dp_drops_->Stop();
+    std::unique_lock<std::shared_mutex> lock(dp_mu_);
+    dp_raw_.store(nullptr);
+    dp_.reset();
   }
   if (server_ != nullptr) server_->Shutdown(grace);
 }

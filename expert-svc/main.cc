@@ -1,6 +1,7 @@
 // expert-svc: flags -> ExpertServerOptions -> start -> wait for SIGTERM/SIGINT.
 #include <cstdio>
 
+#include "expert-svc/dataplane/registry.h"
 #include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_server.h"
 #include "services/common/status_macros.h"
@@ -44,9 +45,13 @@ int main(int argc, char** argv) {
   flags.Int("max_queued_batches", &o.max_queued_batches, "queue bound");
   flags.Int("max_message_bytes", &o.max_message_bytes,
             "gRPC message limit, and the largest out-of-band payload");
-  flags.Typed("data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
-              moe::dataplane::ParseDataPlane,
-              "auto|grpc|ucx: offer the out-of-band UCX data plane (auto: when built with UCX)");
+  flags.Typed(
+      "data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
+      [](const std::string& name) {
+        return moe::dataplane::ParseDataPlane(name, moe::expert_svc::ServerBackendNames());
+      },
+      "auto|grpc|ucx|fake: offer an out-of-band data plane (auto: UCX when built with it; fake: "
+      "an in-process wire, for tests; expert-svc/dataplane/registry.h)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
   flags.Int("ucx_poll_us", &o.ucx_poll_us,
             "after a batch the compute thread polls the UCX data plane this long for the next one "

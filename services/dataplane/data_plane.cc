@@ -8,24 +8,14 @@
 
 namespace moe::dataplane {
 
-const char* DataPlaneName(DataPlane d) {
-  switch (d) {
-    case DataPlane::kAuto:
-      return "auto";
-    case DataPlane::kGrpc:
-      return "grpc";
-    case DataPlane::kUcx:
-      return "ucx";
+absl::StatusOr<DataPlane> ParseDataPlane(const std::string& name,
+                                         const std::vector<std::string>& backends) {
+  if (name == "auto" || name == "grpc" ||
+      std::find(backends.begin(), backends.end(), name) != backends.end()) {
+    return DataPlane{name};
   }
-  return "?";
-}
-
-absl::StatusOr<DataPlane> ParseDataPlane(const std::string& name) {
-  if (name == "auto") return DataPlane::kAuto;
-  if (name == "grpc") return DataPlane::kGrpc;
-  if (name == "ucx") return DataPlane::kUcx;
-  return absl::InvalidArgumentError(
-      absl::StrCat("data plane '", name, "' is not one of auto, grpc, ucx"));
+  return absl::InvalidArgumentError(absl::StrCat("data plane '", name, "' is not one of auto, grpc, ",
+                                                 absl::StrJoin(backends, ", ")));
 }
 
 namespace {

@@ -2,8 +2,10 @@
 // formats of the out-of-band path that are parsed from peer bytes: the UCX hello and the lanes
 // UCX reports for an endpoint. Pure code (no UCX), so the fuzzers and the stub build have it.
 //
-//   auto: UCX when this build and the peer have it, else in-band gRPC (the default)
-//   grpc: in band only; ucx: UCX or fail (the attention node names the shard)
+//   auto: the default backend (UCX) when this build and the peer have it, else in-band gRPC
+//   grpc: in band only; a backend's name ("ucx", "fake"): that one or fail (the attention node
+//   names the shard). Each service's registry (expert-svc/dataplane, attention-svc/dataplane)
+//   says which names exist.
 //
 //   std::string h = EncodeHello({.client_id = id, .secret = opened.hello()});
 //   MOE_ASSIGN_OR_RETURN(Hello got, ParseHello(bytes_from_a_peer));  // exact size, magic
@@ -20,10 +22,21 @@
 
 namespace moe::dataplane {
 
-enum class DataPlane { kAuto, kGrpc, kUcx };
+// The --data_plane choice of a service.
+struct DataPlane {
+  static constexpr const char* kDefaultBackend = "ucx";
+  std::string name = "auto";  // "auto", "grpc" or a backend's name
+  bool automatic() const { return name == "auto"; }
+  bool in_band() const { return name == "grpc"; }
+  // The backend to start: the named one, the default under auto, "" for grpc.
+  std::string backend() const { return automatic() ? kDefaultBackend : in_band() ? "" : name; }
+  bool operator==(const DataPlane& o) const { return name == o.name; }
+};
 
-const char* DataPlaneName(DataPlane d);
-absl::StatusOr<DataPlane> ParseDataPlane(const std::string& name);
+inline std::string DataPlaneName(const DataPlane& d) { return d.name; }
+// auto, grpc or one of `backends` (a service's registry); INVALID_ARGUMENT naming them otherwise.
+absl::StatusOr<DataPlane> ParseDataPlane(const std::string& name,
+                                         const std::vector<std::string>& backends);
 
 // The first UCX message of an attention node to an expert server, an active message sent with
 // UCP_AM_SEND_FLAG_REPLY on the endpoint the node made from the address OpenDataPlane returned:
@@ -84,6 +97,8 @@ struct UcxLanes {
   std::string Describe() const;
 };
 UcxLanes ParseUcxLanes(std::string_view print_info);
+// The lanes of any backend's connection (the fake's: {"fake"}, kind "fake").
+using Lanes = UcxLanes;
 // The class of one UCX transport name: "shm", "tcp", "rdma" or "other".
 const char* TransportClass(std::string_view transport);
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "attention-svc/dataplane/registry.h"
+#include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
 #include "attention-svc/expert_channel_factory.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/expert_channel_local.h"
@@ -273,9 +275,10 @@ TEST(FailoverChannel, APassedDeadlineEndsTheFailover) {
   EXPECT_EQ(r.b->sends, 0);
 }
 
-// The one factory: in process where the experts are here, UCX where this node has a worker,
-// in-band gRPC otherwise (no connection is made by choosing).
-TEST(MakeExpertChannel, ChoosesInProcessThenUcxThenGrpc) {
+// The one factory: in process where the experts are here, the data plane's channel where this
+// node has one (each registered backend), in-band gRPC otherwise (no connection is made by
+// choosing).
+TEST(MakeExpertChannel, ChoosesInProcessThenTheDataPlaneThenGrpc) {
   const ModelConfig cfg = *PresetConfig("tiny");
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 8, {});
   numerics::cpu::ThreadPool pool(1);
@@ -288,11 +291,18 @@ TEST(MakeExpertChannel, ChoosesInProcessThenUcxThenGrpc) {
   const ShardRef there{"there", "127.0.0.1:2", 8, 16, true, 0};
   EXPECT_NE(dynamic_cast<LocalExpertChannel*>(MakeExpertChannel(c, here).get()), nullptr);
   EXPECT_NE(dynamic_cast<GrpcExpertChannel*>(MakeExpertChannel(c, there).get()), nullptr);
-  if (dataplane::UcxBuilt()) {
-    auto worker = dataplane::UcxWorker::Create({});
-    ASSERT_TRUE(worker.ok()) << worker.status();
-    c.ucx = worker->get();
-    EXPECT_NE(dynamic_cast<UcxExpertChannel*>(MakeExpertChannel(c, there).get()), nullptr);
+  // Every registered backend's half makes the channel of a shard that is not here.
+  for (const std::string& name : ClientBackendNames()) {
+    if (name == "ucx" && !dataplane::UcxBuilt()) continue;
+    auto half = StartClientHalf(name, {});
+    ASSERT_TRUE(half.ok()) << name << ": " << half.status();
+    c.data_plane = half->get();
+    const std::shared_ptr<ExpertChannel> channel = MakeExpertChannel(c, there);
+    if (name == "ucx") {
+      EXPECT_NE(dynamic_cast<UcxExpertChannel*>(channel.get()), nullptr);
+    }
+    EXPECT_EQ(dynamic_cast<GrpcExpertChannel*>(channel.get()), nullptr) << name;
+    EXPECT_EQ(dynamic_cast<LocalExpertChannel*>(channel.get()), nullptr) << name;
     EXPECT_NE(dynamic_cast<LocalExpertChannel*>(MakeExpertChannel(c, here).get()), nullptr);
   }
 }

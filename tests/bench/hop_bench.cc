@@ -28,7 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "attention-svc/expert_channel_grpc.h"
-#include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
 #include "expert-svc/expert_server.h"
 #include "services/common/flags.h"
 #include "services/common/model_config.h"
@@ -77,9 +77,14 @@ absl::StatusOr<Sender> MakeSender(const std::string& tls, const std::vector<std:
       s.channels.push_back(
           std::make_unique<attention_svc::GrpcExpertChannel>(shard, endpoints[i], 1 << 30, ""));
     } else {
-      s.channels.push_back(std::make_unique<attention_svc::UcxExpertChannel>(
-          shard, endpoints[i], 1 << 30, s.worker.get(), dataplane::DataPlane::kUcx, node, nullptr,
-          ""));
+      attention_svc::ChannelOptions co;
+      co.shard = shard;
+      co.endpoint = endpoints[i];
+      co.max_message_bytes = 1 << 30;
+      co.node = node;
+      co.fallback_in_band = false;
+      s.channels.push_back(
+          std::make_unique<attention_svc::UcxExpertChannel>(std::move(co), s.worker.get()));
     }
   }
   return s;

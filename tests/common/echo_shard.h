@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention-svc/expert_channel_grpc.h"
-#include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
 #include "expert-svc/expert_server.h"
 #include "services/common/model_config.h"
 #include "services/dataplane/ucx_worker.h"
@@ -71,7 +71,7 @@ inline expert_svc::ExpertServerOptions EchoServerOptions(const std::string& pres
   o.backend = expert_svc::Backend::kEcho;
   o.measure_limits = false;
   o.verify_fraction = 0;
-  o.data_plane = ucx_tls.empty() ? dataplane::DataPlane::kGrpc : dataplane::DataPlane::kUcx;
+  o.data_plane = dataplane::DataPlane{ucx_tls.empty() ? "grpc" : "ucx"};
   o.ucx_tls = ucx_tls;
   return o;
 }
@@ -84,16 +84,21 @@ struct UcxNode {
 };
 inline absl::StatusOr<UcxNode> MakeUcxNode(const std::string& endpoint, const std::string& tls,
                                            const std::string& node,
-                                           attention_svc::UcxExpertChannel::LanesFn on_lanes = {}) {
+                                           attention_svc::DataPlaneLanesFn on_lanes = {}) {
   dataplane::UcxOptions uo;
   uo.tls = tls;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   UcxNode n;
   n.worker = std::move(*w);
-  n.channel = std::make_unique<attention_svc::UcxExpertChannel>(
-      "echo-0", endpoint, 1 << 30, n.worker.get(), dataplane::DataPlane::kUcx, node, nullptr, "",
-      std::move(on_lanes));
+  attention_svc::ChannelOptions co;
+  co.shard = "echo-0";
+  co.endpoint = endpoint;
+  co.max_message_bytes = 1 << 30;
+  co.node = node;
+  co.fallback_in_band = false;
+  co.on_lanes = std::move(on_lanes);
+  n.channel = std::make_unique<attention_svc::UcxExpertChannel>(std::move(co), n.worker.get());
   return n;
 }
 

@@ -1,10 +1,10 @@
-// The expert server's end of the batch messages (expert-svc/ucx_data_plane.h), driven by a
+// The expert server's end of the batch messages (expert-svc/dataplane/ucx/ucx_data_plane.h), driven by a
 // client written here from the format alone (services/dataplane/data_plane.h: the frame, the
 // MAC over its prefix and the payload): an honest batch reaches the handler once with its
 // header and activations and its answer comes back sealed; a replay of that same message, a
 // forged MAC, an unknown client and a malformed frame never reach the handler, are counted by
 // kind and are never answered.
-#include "expert-svc/ucx_data_plane.h"
+#include "expert-svc/dataplane/ucx/ucx_data_plane.h"
 
 #include <gtest/gtest.h>
 
@@ -39,7 +39,7 @@ class BatchMessages : public ::testing::Test {
       std::lock_guard<std::mutex> l(mu_);
       ++events_[e];
     };
-    o.on_batch = [this](const UcxBatchSource& from, std::string_view header,
+    o.on_batch = [this](const BatchSource& from, std::string_view header,
                         std::string_view activations) {
       std::lock_guard<std::mutex> l(mu_);
       ++batches_;
@@ -119,7 +119,7 @@ class BatchMessages : public ::testing::Test {
   std::map<std::string, int> events_;
   int batches_ = 0;
   std::string last_header_, last_activations_;
-  UcxBatchSource last_from_;
+  BatchSource last_from_;
 };
 
 TEST_F(BatchMessages, AnHonestBatchArrivesOnceAndItsAnswerComesBackSealed) {

@@ -1,4 +1,4 @@
-#include "attention-svc/expert_channel_ucx.h"
+#include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "attention-svc/dataplane/batch_message.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/common/logging.h"
@@ -24,28 +25,11 @@ using tensor::Bf16;
 
 namespace {
 
-// OpenDataPlane is a small unary call; it never waits longer than this.
-constexpr absl::Duration kOpenTimeout = absl::Seconds(2);
 // A shard without UCX is asked again after this long (it may be restarted with it).
 constexpr absl::Duration kRetryWithoutUcx = absl::Seconds(10);
 // A reply's receive stays posted this long past the batch's deadline, so that a late payload
 // lands in our buffer (then dropped) instead of staying unexpected in the worker.
 constexpr absl::Duration kLateReplyGrace = absl::Seconds(5);
-
-// The rows of a checked reply payload: [rows, latent] f32 (partial sums) or bf16.
-ExpertReply ReplyFrom(const void* payload, int64_t rows, int64_t latent, bool f32) {
-  ExpertReply out;
-  out.rows = rows;
-  const size_t n = static_cast<size_t>(rows * latent);
-  if (f32) {
-    out.f32.resize(n);
-    std::memcpy(out.f32.data(), payload, n * 4);
-  } else {
-    out.bf16.resize(n);
-    std::memcpy(out.bf16.data(), payload, n * 2);
-  }
-  return out;
-}
 
 class UcxCall final : public ExpertCall {
  public:
@@ -131,7 +115,7 @@ class UcxCall final : public ExpertCall {
           "expert shard ", shard,
           ": the reply payload failed its integrity check (AES-GMAC of the connection)"));
     }
-    return ReplyFrom(reply_buffer_->data(), rows, latent_, f32);
+    return ReplyRows(reply_buffer_->data(), rows, latent_, f32);
   }
 
  private:
@@ -157,9 +141,7 @@ class MessageCall final : public ExpertCall {
  public:
   struct Batch {
     uint64_t client_id = 0, sequence = 0, token = 0;
-    ReplyMode mode = ReplyMode::kPerPair;
-    numerics::Precision precision;
-    int64_t latent = 0, rows = 0, tokens = 0;
+    ReplyShape shape;
     // The shard's budget for the batch ends here (it answers DEADLINE_EXCEEDED by then): a
     // reply that has not come a grace later is not coming.
     absl::Time budget_end = absl::InfiniteFuture();
@@ -209,27 +191,8 @@ class MessageCall final : public ExpertCall {
       return absl::DataLossError(absl::StrCat(
           who_, ": the reply message failed its integrity check (AES-GMAC of the connection)"));
     }
-    const auto* d = reinterpret_cast<const char*>(reply_buffer_->data());
-    v1::DispatchReply reply;
-    if (!reply.ParseFromArray(d, static_cast<int>(frame->header_bytes))) {
-      return absl::InternalError(absl::StrCat(who_, " sent a reply header that does not parse"));
-    }
-    MOE_RETURN_IF_ERROR(transport::BatchStatus(reply, who_));
-    MOE_RETURN_IF_ERROR(CheckReplyPrecision(reply, b_.precision, who_));
-    const bool f32 = b_.mode == ReplyMode::kPartialSum;
-    const int64_t rows = f32 ? b_.tokens : b_.rows;
-    const int64_t want = rows * b_.latent * (f32 ? 4 : 2);
-    const int64_t got = static_cast<int64_t>(*n) - frame->header_bytes;
-    const v1::Tensor& t = reply.outputs();
-    if (!reply.out_of_band() || t.dtype() != (f32 ? v1::DTYPE_F32 : v1::DTYPE_BF16) ||
-        t.shape_size() != 2 || t.shape(0) != rows || t.shape(1) != b_.latent ||
-        reply.output_bytes() != want || got != want) {
-      return absl::InternalError(absl::StrCat(
-          who_, " answered with a reply of ", got, " bytes, shape [",
-          t.shape_size() > 0 ? t.shape(0) : -1, ", ", t.shape_size() > 1 ? t.shape(1) : -1,
-          "] (expected ", want, " bytes, [", rows, ", ", b_.latent, "])"));
-    }
-    return ReplyFrom(d + frame->header_bytes, rows, b_.latent, f32);
+    return ReadBatchReply(who_, b_.shape, reinterpret_cast<const char*>(reply_buffer_->data()),
+                          *n, frame->header_bytes);
   }
 
  private:
@@ -296,22 +259,19 @@ class FailedCall final : public ExpertCall {
 
 }  // namespace
 
-UcxExpertChannel::UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
-                                   dataplane::UcxWorker* worker, dataplane::DataPlane mode,
-                                   std::string node, EventFn on_event, std::string cluster_token,
-                                   LanesFn on_lanes)
-    : shard_(shard),
-      endpoint_(endpoint),
-      node_(std::move(node)),
-      cluster_token_(std::move(cluster_token)),
-      max_message_bytes_(max_message_bytes),
+UcxExpertChannel::UcxExpertChannel(ChannelOptions o, dataplane::UcxWorker* worker)
+    : shard_(o.shard),
+      endpoint_(o.endpoint),
+      node_(std::move(o.node)),
+      cluster_token_(std::move(o.cluster_token)),
+      max_message_bytes_(o.max_message_bytes),
       worker_(worker),
-      mode_(mode),
-      on_event_(std::move(on_event)),
-      on_lanes_(std::move(on_lanes)),
-      stream_(std::make_shared<transport::ExpertStream>(shard, endpoint, max_message_bytes,
+      fallback_in_band_(o.fallback_in_band),
+      on_event_(std::move(o.on_event)),
+      on_lanes_(std::move(o.on_lanes)),
+      stream_(std::make_shared<transport::ExpertStream>(shard_, endpoint_, max_message_bytes_,
                                                         cluster_token_)),
-      inband_(std::make_unique<GrpcExpertChannel>(shard, stream_)) {}
+      inband_(std::make_unique<GrpcExpertChannel>(shard_, stream_)) {}
 
 UcxExpertChannel::~UcxExpertChannel() {
   if (ep_ != 0) worker_->Disconnect(ep_);
@@ -333,26 +293,18 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   ep_ = 0;
   client_id_.store(0);
   broken_->store(false);
-  const absl::Time open_by = std::min(deadline, absl::Now() + kOpenTimeout);
-  // Kept open while the data plane is: its state says whether the shard is alive.
-  std::shared_ptr<grpc::Channel> control =
-      transport::MakeControlChannel(endpoint_, max_message_bytes_);
-  auto stub = v1::ExpertService::NewStub(control);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(open_by));
-  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
-  v1::OpenDataPlaneRequest req;
-  req.set_node(node_);
-  v1::OpenDataPlaneReply reply;
-  const absl::Status s = transport::FromGrpc(stub->OpenDataPlane(&ctx, req, &reply));
   const std::string who = absl::StrCat("expert shard ", shard_, " (", endpoint_, ")");
-  if (!s.ok()) {
-    if (s.code() == absl::StatusCode::kFailedPrecondition ||
-        s.code() == absl::StatusCode::kUnimplemented) {
+  absl::StatusOr<OpenedDataPlane> opened = OpenDataPlane(
+      who, endpoint_, max_message_bytes_, cluster_token_, node_, "ucx", deadline);
+  if (!opened.ok()) {
+    if (opened.status().code() == absl::StatusCode::kFailedPrecondition ||
+        opened.status().code() == absl::StatusCode::kUnimplemented) {
       retry_after_ = absl::Now() + kRetryWithoutUcx;
     }
-    return absl::Status(s.code(), absl::StrCat(who, ": OpenDataPlane: ", s.message()));
+    return opened.status();
   }
+  const absl::Time open_by = std::min(deadline, absl::Now() + absl::Seconds(2));
+  const v1::OpenDataPlaneReply& reply = opened->reply;
   auto mac = dataplane::PayloadMac::Create(reply.mac_key());
   if (!mac.ok() || reply.hello_secret().size() != dataplane::kHelloSecretBytes ||
       reply.chunk_bytes() < 4096 || reply.worker_address().empty()) {
@@ -392,7 +344,7 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   mac_ = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
   chunk_bytes_ = static_cast<size_t>(reply.chunk_bytes());
   batch_messages_ = reply.batch_messages();
-  control_ = std::move(control);
+  control_ = std::move(opened->control);
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");
   if (on_lanes_) on_lanes_(shard_, lanes_, peer_lanes_);
@@ -418,7 +370,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
       absl::Milliseconds(std::max<int64_t>(1, header.timeout_ms > 0 ? header.timeout_ms : 30000));
   const absl::StatusOr<Connection> open = EnsureOpen(deadline);
   if (!open.ok()) {
-    if (mode_ == dataplane::DataPlane::kAuto) {
+    if (fallback_in_band_) {
       if (on_event_) on_event_(shard_, "fallback");
       return inband_->Send(header, m);
     }
@@ -492,13 +444,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
                                                           const DispatchMessage& m, size_t bytes,
                                                           size_t reply_bytes, absl::Time deadline) {
   const uint64_t seq = sequence_.fetch_add(1);
-  v1::DispatchRequest dr = DispatchRequestFor(header, m, /*with_activation_bytes=*/false);
-  dr.set_batch_id(seq);
-  v1::OutOfBand* oob = dr.mutable_out_of_band();
-  oob->set_client_id(c.client_id);
-  oob->set_activation_bytes(static_cast<int64_t>(bytes));
-  oob->set_reply_capacity_bytes(static_cast<int64_t>(reply_bytes));
-  oob->set_sequence(seq);
+  v1::DispatchRequest dr = BatchMessageHeader(header, m, c.client_id, seq, bytes, reply_bytes);
   const size_t header_bytes = dr.ByteSizeLong();
   const size_t total = header_bytes + bytes;
   auto send_buffer = worker_->Buffer(std::max<size_t>(total, 1));
@@ -528,11 +474,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   b.client_id = c.client_id;
   b.sequence = seq;
   b.token = f.token;
-  b.mode = header.mode;
-  b.precision = m.precision();
-  b.latent = header.latent;
-  b.rows = m.rows();
-  b.tokens = static_cast<int64_t>(m.tokens.size());
+  b.shape = ShapeOf(header, m);
   b.budget_end = deadline;
   return std::make_unique<MessageCall>(absl::StrCat("expert shard ", shard_, " (", endpoint_, ")"),
                                        worker_, c.control, broken_, TransferFailed(),

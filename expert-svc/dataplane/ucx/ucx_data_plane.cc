@@ -1,4 +1,4 @@
-#include "expert-svc/ucx_data_plane.h"
+#include "expert-svc/dataplane/ucx/ucx_data_plane.h"
 
 #include <cstring>
 

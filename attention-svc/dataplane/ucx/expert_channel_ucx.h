@@ -9,13 +9,14 @@
 // batch_messages in its OpenDataPlane reply) gets the previous protocol: the header on its
 // gRPC Dispatch stream, the payloads as tagged messages with random tags.
 //
-// Mode kAuto sends in band (counted as a "fallback" event) while the shard offers no UCX; kUcx
-// fails such batches with UNAVAILABLE naming the shard.
+// With fallback_in_band (--data_plane=auto) a batch goes in band (counted as a "fallback" event)
+// while the shard offers no UCX; otherwise such batches fail with UNAVAILABLE naming the shard.
+// Made by the UCX client half (ucx_client_half.h), which owns the worker.
 //
-//   UcxExpertChannel ch("shard-0", "127.0.0.1:5001", 256 << 20, worker, DataPlane::kAuto,
-//                       "attention-0", on_event);
-#ifndef MOE_ATTENTION_SVC_EXPERT_CHANNEL_UCX_H_
-#define MOE_ATTENTION_SVC_EXPERT_CHANNEL_UCX_H_
+//   UcxExpertChannel ch({.shard = "shard-0", .endpoint = "127.0.0.1:5001",
+//                        .node = "attention-0"}, worker);
+#ifndef MOE_ATTENTION_SVC_DATAPLANE_UCX_EXPERT_CHANNEL_UCX_H_
+#define MOE_ATTENTION_SVC_DATAPLANE_UCX_EXPERT_CHANNEL_UCX_H_
 
 #include <atomic>
 #include <functional>
@@ -24,6 +25,7 @@
 #include <string>
 
 #include "absl/time/time.h"
+#include "attention-svc/dataplane/client_half.h"
 #include "attention-svc/expert_channel.h"
 #include "services/dataplane/data_plane.h"
 
@@ -44,17 +46,8 @@ class GrpcExpertChannel;
 
 class UcxExpertChannel final : public ExpertChannel {
  public:
-  // event: "connected", "fallback", "transfer_failed" (metrics).
-  using EventFn = std::function<void(const std::string& shard, const std::string& event)>;
-
-  // lanes: called when the data plane opens, with the lanes UCX selected on our side and the
-  // shard's view of its side (metrics, logs).
-  using LanesFn = std::function<void(const std::string& shard, const dataplane::UcxLanes& lanes,
-                                     const std::string& shard_lanes)>;
-
-  UcxExpertChannel(std::string shard, std::string endpoint, int max_message_bytes,
-                   dataplane::UcxWorker* worker, dataplane::DataPlane mode, std::string node,
-                   EventFn on_event, std::string cluster_token, LanesFn on_lanes = nullptr);
+  // on_lanes: the lanes UCX selected on our side and the shard's view of its side.
+  UcxExpertChannel(ChannelOptions options, dataplane::UcxWorker* worker);
   ~UcxExpertChannel() override;
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
@@ -93,9 +86,9 @@ class UcxExpertChannel final : public ExpertChannel {
   const std::string shard_, endpoint_, node_, cluster_token_;
   const int max_message_bytes_;
   dataplane::UcxWorker* const worker_;
-  const dataplane::DataPlane mode_;
-  EventFn on_event_;
-  LanesFn on_lanes_;
+  const bool fallback_in_band_;
+  DataPlaneEventFn on_event_;
+  DataPlaneLanesFn on_lanes_;
   std::shared_ptr<transport::ExpertStream> stream_;
   std::unique_ptr<GrpcExpertChannel> inband_;  // on the same stream
   std::mutex open_mu_;
@@ -120,4 +113,4 @@ class UcxExpertChannel final : public ExpertChannel {
 
 }  // namespace moe::attention_svc
 
-#endif  // MOE_ATTENTION_SVC_EXPERT_CHANNEL_UCX_H_
+#endif  // MOE_ATTENTION_SVC_DATAPLANE_UCX_EXPERT_CHANNEL_UCX_H_

@@ -8,8 +8,8 @@
 //   MOE_ASSIGN_OR_RETURN(DataPlaneClient c, dp->Open("attention-0"));  // OpenDataPlane
 //   dp->Receive(header, deadline, [](const absl::Status& s, std::string_view payload) {...});
 //   MOE_RETURN_IF_ERROR(dp->Reply(header, outputs, deadline, put_mac_in_header, on_sent));
-#ifndef MOE_EXPERT_SVC_UCX_DATA_PLANE_H_
-#define MOE_EXPERT_SVC_UCX_DATA_PLANE_H_
+#ifndef MOE_EXPERT_SVC_DATAPLANE_UCX_UCX_DATA_PLANE_H_
+#define MOE_EXPERT_SVC_DATAPLANE_UCX_UCX_DATA_PLANE_H_
 
 #include <cstdint>
 #include <functional>
@@ -22,14 +22,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "expert-svc/data_plane_clients.h"
+#include "expert-svc/dataplane/server_half.h"
 #include "services/dataplane/ucx_worker.h"
 
 namespace moe::expert_svc {
-
-// Who sent a batch message (data_plane.h, BatchFrame), to answer it.
-struct UcxBatchSource {
-  uint64_t client_id = 0, token = 0, sequence = 0;
-};
 
 struct UcxDataPlaneOptions {
   std::string shard;                         // for messages
@@ -44,7 +40,7 @@ struct UcxDataPlaneOptions {
   // its activations, valid during the call. Anything else is dropped and counted
   // ("message_rejected", "integrity_failed", "replayed"), never answered. Null: every batch
   // message is dropped.
-  std::function<void(const UcxBatchSource& from, std::string_view header,
+  std::function<void(const BatchSource& from, std::string_view header,
                      std::string_view activations)>
       on_batch;
   // Counted events (metrics): "hello_rejected", "integrity_failed", "message_rejected",
@@ -80,7 +76,6 @@ class UcxDataPlane {
   absl::Status Reply(const OutOfBandHeader& h, std::string_view payload, absl::Time deadline,
                      const std::function<void(const std::string& mac)>& seal, Sent sent);
 
-  using BatchSource = UcxBatchSource;
   // Answers a batch with one message: its reply's protobuf header (at most
   // dataplane::kMaxReplyHeaderBytes) then `payload`, sealed under the client's key. `sent` runs
   // once UCX is done (any thread). An error (unknown client, no buffer) runs nothing.
@@ -120,4 +115,4 @@ class UcxDataPlane {
 
 }  // namespace moe::expert_svc
 
-#endif  // MOE_EXPERT_SVC_UCX_DATA_PLANE_H_
+#endif  // MOE_EXPERT_SVC_DATAPLANE_UCX_UCX_DATA_PLANE_H_
