@@ -87,8 +87,8 @@ absl::Status AttentionServer::Impl::StartServing() {
     if (half.ok()) {
       data_plane_ = std::move(*half);
       if (metrics_server_ != nullptr) {
-        dp_drops_ = metrics::UcxMessagesDropped(
-            [dp = data_plane_.get()] { return dp->DroppedByKind(); });
+        dp_drops_ =
+            metrics::UcxMessagesDropped([dp = data_plane_.get()] { return dp->DroppedByKind(); });
         metrics_server_->Add(dp_drops_);
       }
       MOE_LOG_INFO("{} data plane up ({})", data_plane_->name(), data_plane_->Describe());

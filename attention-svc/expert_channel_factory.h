@@ -12,9 +12,9 @@
 #include <memory>
 #include <string>
 
+#include "attention-svc/dataplane/client_half.h"
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
-#include "attention-svc/dataplane/client_half.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"

@@ -32,7 +32,6 @@
 
 namespace moe::expert_svc {
 
-
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
 
 // Where one batch's answer goes. Send runs exactly once, never blocks on the network, and may

@@ -75,8 +75,8 @@ struct ExpertServerOptions {
   int ucx_poll_us = 100;             // UcxOptions::poll_spin: the compute thread between batches
   int max_data_plane_clients = 256;  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   // Take each batch as one data-plane message (OpenDataPlaneReply.batch_messages). False answers
-  // like a UCX server of the previous release (the header on the Dispatch stream): the tests' way to keep
-  // that protocol, which attention nodes still speak to such servers, checked. Not a flag.
+  // like a UCX server of the previous release (the header on the Dispatch stream): the tests' way
+  // to keep that protocol, which attention nodes still speak to such servers, checked. Not a flag.
   bool ucx_batch_messages = true;
   // The production check (batch_verifier.h): this fraction of the batches is recomputed off the
   // hot path with the scalar reference on independent weights (0: off).

@@ -10,9 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "expert-svc/batch_endpoint.h"
+#include "expert-svc/dataplane/registry.h"
 #include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_core.h"
-#include "expert-svc/dataplane/registry.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "services/client/router_link.h"
@@ -301,7 +301,8 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
   }
   if (absl::Status s = dp_->Open(request->node(), response); !s.ok()) {
     response->Clear();
-    return finish(absl::Status(s.code(), absl::StrCat("shard ", options_.shard, ": ", s.message())));
+    return finish(
+        absl::Status(s.code(), absl::StrCat("shard ", options_.shard, ": ", s.message())));
   }
   return finish(absl::OkStatus());
 }

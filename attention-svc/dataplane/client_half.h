@@ -12,10 +12,10 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <utility>
-#include <vector>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "attention-svc/expert_channel.h"
 #include "services/dataplane/data_plane.h"

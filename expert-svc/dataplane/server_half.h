@@ -14,11 +14,11 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <utility>
-#include <vector>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"

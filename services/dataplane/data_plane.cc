@@ -14,8 +14,8 @@ absl::StatusOr<DataPlane> ParseDataPlane(const std::string& name,
       std::find(backends.begin(), backends.end(), name) != backends.end()) {
     return DataPlane{name};
   }
-  return absl::InvalidArgumentError(absl::StrCat("data plane '", name, "' is not one of auto, grpc, ",
-                                                 absl::StrJoin(backends, ", ")));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "data plane '", name, "' is not one of auto, grpc, ", absl::StrJoin(backends, ", ")));
 }
 
 namespace {

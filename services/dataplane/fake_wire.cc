@@ -30,7 +30,9 @@ struct Message {
 // One per process, never destroyed (its thread may run while statics are torn down).
 class Wire {
  public:
-  Wire() { std::thread([this] { Run(); }).detach(); }
+  Wire() {
+    std::thread([this] { Run(); }).detach();
+  }
 
   std::string Listen(FakeWire::Handler h) {
     auto l = std::make_shared<Listener>();

@@ -27,8 +27,8 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
+#include "attention-svc/expert_channel_grpc.h"
 #include "expert-svc/expert_server.h"
 #include "services/common/flags.h"
 #include "services/common/model_config.h"

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "attention-svc/expert_channel_grpc.h"
 #include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
+#include "attention-svc/expert_channel_grpc.h"
 #include "expert-svc/expert_server.h"
 #include "services/common/model_config.h"
 #include "services/dataplane/ucx_worker.h"

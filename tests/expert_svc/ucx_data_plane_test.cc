@@ -1,7 +1,7 @@
-// The expert server's end of the batch messages (expert-svc/dataplane/ucx/ucx_data_plane.h), driven by a
-// client written here from the format alone (services/dataplane/data_plane.h: the frame, the
-// MAC over its prefix and the payload): an honest batch reaches the handler once with its
-// header and activations and its answer comes back sealed; a replay of that same message, a
+// The expert server's end of the batch messages (expert-svc/dataplane/ucx/ucx_data_plane.h),
+// driven by a client written here from the format alone (services/dataplane/data_plane.h: the
+// frame, the MAC over its prefix and the payload): an honest batch reaches the handler once with
+// its header and activations and its answer comes back sealed; a replay of that same message, a
 // forged MAC, an unknown client and a malformed frame never reach the handler, are counted by
 // kind and are never answered.
 #include "expert-svc/dataplane/ucx/ucx_data_plane.h"

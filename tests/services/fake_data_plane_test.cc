@@ -156,8 +156,8 @@ TEST(FakeDataPlane, StrangersOnTheWireAreDroppedAndCounted) {
   f.mac = std::string(16, 'x');
   ASSERT_TRUE(dataplane::FakeWire::Send(address, dataplane::EncodeBatchFrame(f), "abc").ok());
   ASSERT_TRUE(dataplane::FakeWire::Send(address, std::string(56, '\xff'), "").ok());
-  ASSERT_TRUE(dataplane::FakeWire::Send(
-                  address, dataplane::EncodeHello({1, std::string(16, 's')}), "fake:0")
+  ASSERT_TRUE(dataplane::FakeWire::Send(address, dataplane::EncodeHello({1, std::string(16, 's')}),
+                                        "fake:0")
                   .ok());
   for (int i = 0; i < 3; ++i) {  // the canary, after and between
     auto r = fake->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));

@@ -73,9 +73,9 @@ class FakeCall final : public ExpertCall {
     absl::Time budget_end;
   };
   FakeCall(std::string who, std::shared_ptr<Inbox> inbox,
-           std::shared_ptr<const dataplane::PayloadMac> mac,
-           std::shared_ptr<grpc::Channel> control, std::shared_ptr<std::atomic<bool>> broken,
-           DataPlaneEventFn on_event, std::string shard, Batch b)
+           std::shared_ptr<const dataplane::PayloadMac> mac, std::shared_ptr<grpc::Channel> control,
+           std::shared_ptr<std::atomic<bool>> broken, DataPlaneEventFn on_event, std::string shard,
+           Batch b)
       : who_(std::move(who)),
         inbox_(std::move(inbox)),
         mac_(std::move(mac)),
@@ -132,8 +132,7 @@ class FakeCall final : public ExpertCall {
       return absl::DataLossError(absl::StrCat(
           who_, ": the reply message failed its integrity check (AES-GMAC of the connection)"));
     }
-    return ReadBatchReply(who_, b_.shape, r.message.data(), r.message.size(),
-                          frame->header_bytes);
+    return ReadBatchReply(who_, b_.shape, r.message.data(), r.message.size(), frame->header_bytes);
   }
 
  private:
@@ -200,13 +199,14 @@ class FakeExpertChannel final : public ExpertChannel {
       inbox_->replies[f.token];  // expected before the request leaves
     }
     FakeCall::Batch b{f.client_id, seq, f.token, shape, deadline};
-    auto call = std::make_unique<FakeCall>(who_, inbox_, mac_, control_, broken_, o_.on_event,
-                                           o_.shard, b);
-    if (absl::Status s = dataplane::FakeWire::Send(server_, dataplane::EncodeBatchFrame(f),
-                                                   std::move(message));
+    auto call =
+        std::make_unique<FakeCall>(who_, inbox_, mac_, control_, broken_, o_.on_event, o_.shard, b);
+    if (absl::Status s =
+            dataplane::FakeWire::Send(server_, dataplane::EncodeBatchFrame(f), std::move(message));
         !s.ok()) {
       broken_->store(true);
-      return std::make_unique<FailedCall>(absl::UnavailableError(absl::StrCat(who_, ": ", s.message())));
+      return std::make_unique<FailedCall>(
+          absl::UnavailableError(absl::StrCat(who_, ": ", s.message())));
     }
     return call;
   }
@@ -240,8 +240,9 @@ class FakeExpertChannel final : public ExpertChannel {
     std::string peer_lanes;
     {
       std::unique_lock<std::mutex> l(inbox_->mu);
-      if (!inbox_->cv.wait_until(l, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Seconds(2))),
-                                 [this] { return inbox_->acked; })) {
+      if (!inbox_->cv.wait_until(
+              l, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Seconds(2))),
+              [this] { return inbox_->acked; })) {
         return absl::UnavailableError(absl::StrCat(who_, ": the hello was not acknowledged"));
       }
       peer_lanes = inbox_->peer_lanes;

@@ -191,8 +191,8 @@ class MessageCall final : public ExpertCall {
       return absl::DataLossError(absl::StrCat(
           who_, ": the reply message failed its integrity check (AES-GMAC of the connection)"));
     }
-    return ReadBatchReply(who_, b_.shape, reinterpret_cast<const char*>(reply_buffer_->data()),
-                          *n, frame->header_bytes);
+    return ReadBatchReply(who_, b_.shape, reinterpret_cast<const char*>(reply_buffer_->data()), *n,
+                          frame->header_bytes);
   }
 
  private:
@@ -294,8 +294,8 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   client_id_.store(0);
   broken_->store(false);
   const std::string who = absl::StrCat("expert shard ", shard_, " (", endpoint_, ")");
-  absl::StatusOr<OpenedDataPlane> opened = OpenDataPlane(
-      who, endpoint_, max_message_bytes_, cluster_token_, node_, "ucx", deadline);
+  absl::StatusOr<OpenedDataPlane> opened =
+      OpenDataPlane(who, endpoint_, max_message_bytes_, cluster_token_, node_, "ucx", deadline);
   if (!opened.ok()) {
     if (opened.status().code() == absl::StatusCode::kFailedPrecondition ||
         opened.status().code() == absl::StatusCode::kUnimplemented) {

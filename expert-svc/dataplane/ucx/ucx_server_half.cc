@@ -87,8 +87,8 @@ class UcxEndpoint final : public BatchEndpoint {
     const auto arrived = std::chrono::steady_clock::now();
     const auto budget = BatchBudget(req.timeout_ms());
     const absl::Time deadline = absl::Now() + absl::FromChrono(budget);
-    auto reply = std::make_shared<std::unique_ptr<UcxReply>>(std::make_unique<UcxReply>(
-        ctx_.stream, ucx_, h, ctx_.shard, deadline + kReplySendGrace));
+    auto reply = std::make_shared<std::unique_ptr<UcxReply>>(
+        std::make_unique<UcxReply>(ctx_.stream, ucx_, h, ctx_.shard, deadline + kReplySendGrace));
     auto shared_req = std::make_shared<v1::DispatchRequest>(std::move(req));
     // Runs on the UCX progress thread once the payload is in and its MAC matched (or not).
     ucx_->Receive(
