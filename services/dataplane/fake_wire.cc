@@ -85,8 +85,8 @@ class Wire {
       }
       std::lock_guard<std::mutex> call(m.to->call_mu);
       if (m.to->closed) continue;
+      delivered_.fetch_add(1);  // before the handler: what it wakes sees the count
       m.to->handler(std::move(m.frame), std::move(m.payload));
-      delivered_.fetch_add(1);
     }
   }
 

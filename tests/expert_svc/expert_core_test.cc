@@ -111,7 +111,8 @@ TEST(ExpertCore, AnswersThroughTheLocalEndpointLikeTheKernels) {
   submit(oob);
   const v1::DispatchReply refused = answers.Next(2);
   EXPECT_EQ(refused.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
-  EXPECT_NE(refused.message().find("has no UCX data plane"), std::string::npos);
+  EXPECT_NE(refused.message().find("has no out-of-band data plane"), std::string::npos)
+      << refused.message();
 
   // Stopped: new batches are refused UNAVAILABLE, named.
   (*core)->Stop();

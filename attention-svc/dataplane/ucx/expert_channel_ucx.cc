@@ -287,7 +287,8 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   }
   if (absl::Now() < retry_after_) {
     return absl::FailedPreconditionError(
-        absl::StrCat("expert shard ", shard_, " (", endpoint_, ") offers no UCX data plane"));
+        absl::StrCat(without_ucx_, " (asked again every ", absl::FormatDuration(kRetryWithoutUcx),
+                     ")"));
   }
   if (ep_ != 0) worker_->Disconnect(ep_);
   ep_ = 0;
@@ -300,6 +301,7 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
     if (opened.status().code() == absl::StatusCode::kFailedPrecondition ||
         opened.status().code() == absl::StatusCode::kUnimplemented) {
       retry_after_ = absl::Now() + kRetryWithoutUcx;
+      without_ucx_ = std::string(opened.status().message());
     }
     return opened.status();
   }

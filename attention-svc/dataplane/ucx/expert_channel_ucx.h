@@ -109,6 +109,7 @@ class UcxExpertChannel final : public ExpertChannel {
   // (unknown client after a shard restart): the next batch opens it again.
   std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);
   absl::Time retry_after_ = absl::InfinitePast();  // no UCX on the shard: in band until then
+  std::string without_ucx_;                        // and why (the shard's answer)
 };
 
 }  // namespace moe::attention_svc
