@@ -286,9 +286,8 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
     return Connection{ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, control_};
   }
   if (absl::Now() < retry_after_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(without_ucx_, " (asked again every ", absl::FormatDuration(kRetryWithoutUcx),
-                     ")"));
+    return absl::FailedPreconditionError(absl::StrCat(without_ucx_, " (asked again every ",
+                                                      absl::FormatDuration(kRetryWithoutUcx), ")"));
   }
   if (ep_ != 0) worker_->Disconnect(ep_);
   ep_ = 0;
