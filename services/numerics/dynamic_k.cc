@@ -109,6 +109,65 @@ std::vector<double> BudgetNeeds(int64_t budget, int64_t k, int64_t tokens,
   return need;
 }
 
+std::vector<int64_t> ApportionKept(const std::vector<double>& need,
+                                   const std::vector<int64_t>& free_counts, int64_t total) {
+  const size_t n = need.size();
+  std::vector<int64_t> c(n, 0);
+  std::vector<double> frac(n, 0.0);
+  int64_t room = 0, sum = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const double x = std::clamp(need[j], 0.0, static_cast<double>(free_counts[j]));
+    c[j] = static_cast<int64_t>(std::floor(x));
+    frac[j] = x - static_cast<double>(c[j]);
+    sum += c[j];
+    room += free_counts[j];
+  }
+  total = std::clamp<int64_t>(total, 0, room);
+  // Largest fractional part first; equal ones by expert id.
+  std::vector<size_t> order(n);
+  for (size_t j = 0; j < n; ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return frac[a] > frac[b]; });
+  for (size_t i = 0; sum < total && i < n; ++i) {
+    const size_t j = order[i];
+    if (c[j] < free_counts[j]) ++c[j], ++sum;
+  }
+  for (size_t i = n; sum > total && i > 0; --i) {
+    const size_t j = order[i - 1];
+    if (c[j] > 0) --c[j], --sum;
+  }
+  return c;
+}
+
+namespace {
+// The free selections to keep per expert for budget b of a window: ApportionKept's counts.
+std::vector<int64_t> KeptCounts(int64_t budget, int64_t k, int64_t tokens,
+                                const std::vector<int64_t>& selections,
+                                const std::vector<int64_t>& forced,
+                                const std::vector<int64_t>& free_counts) {
+  int64_t forced_total = 0;
+  for (int64_t f : forced) forced_total += f;
+  return ApportionKept(BudgetNeeds(budget, k, tokens, selections, forced), free_counts,
+                       budget * tokens - forced_total);
+}
+}  // namespace
+
+double BudgetWindowFloor(int64_t experts, int64_t budget, int64_t tokens) {
+  if (tokens <= 0 || budget <= 0) return std::numeric_limits<double>::infinity();
+  return NoiseFloorMaxVio(experts, static_cast<double>(budget) * static_cast<double>(tokens) /
+                                       static_cast<double>(experts));
+}
+
+int64_t BudgetWindowTokens(int64_t experts, int64_t budget, double bound) {
+  // NoiseFloorMaxVio(n, q) = sqrt(2 ln n / q) <= bound  <=>  q >= 2 ln n / bound^2.
+  const double q = 2.0 * std::log(static_cast<double>(experts)) / (bound * bound);
+  int64_t t = static_cast<int64_t>(std::ceil(q * static_cast<double>(experts) /
+                                             static_cast<double>(std::max<int64_t>(1, budget))));
+  while (t > 1 && BudgetWindowFloor(experts, budget, t - 1) <= bound) --t;  // the rounding
+  while (BudgetWindowFloor(experts, budget, t) > bound) ++t;
+  return t;
+}
+
 absl::StatusOr<std::vector<float>> ExactBudgetThresholds(absl::Span<const float> scores, int64_t m,
                                                          int64_t n, absl::Span<const float> bias,
                                                          int64_t k, int64_t k_min) {
@@ -129,14 +188,16 @@ absl::StatusOr<std::vector<float>> ExactBudgetThresholds(absl::Span<const float>
   }
   for (auto& f : free) std::sort(f.begin(), f.end(), std::greater<float>());
   std::vector<float> table(static_cast<size_t>((k - 1) * n));
-  std::vector<int64_t> selections(static_cast<size_t>(n));
-  for (int64_t e = 0; e < n; ++e) selections[e] = forced[e] + static_cast<int64_t>(free[e].size());
+  std::vector<int64_t> selections(static_cast<size_t>(n)), free_counts(selections);
+  for (int64_t e = 0; e < n; ++e) {
+    free_counts[e] = static_cast<int64_t>(free[e].size());
+    selections[e] = forced[e] + free_counts[e];
+  }
   for (int64_t b = 1; b < k; ++b) {
-    const std::vector<double> needs = BudgetNeeds(b, k, m, selections, forced);
+    const std::vector<int64_t> kept = KeptCounts(b, k, m, selections, forced, free_counts);
     for (int64_t e = 0; e < n; ++e) {
-      const int64_t free_count = static_cast<int64_t>(free[e].size());
-      const double need = needs[e];
-      const int64_t c = static_cast<int64_t>(std::floor(need + 0.5));
+      const int64_t free_count = free_counts[e];
+      const int64_t c = kept[e];
       float& theta = table[(b - 1) * n + e];
       if (c <= 0) {
         theta = kKeepNone;
@@ -224,13 +285,15 @@ std::vector<float> BudgetHistogram::SolveTable() const {
     for (int64_t l = 0; l < bins; ++l) free_counts[e] += counts_[e * bins + l];
     selections[e] = forced_[e] + free_counts[e];
   }
-  std::vector<std::vector<double>> needs;
-  for (int64_t b = 1; b < k; ++b) needs.push_back(BudgetNeeds(b, k, tokens_, selections, forced_));
+  std::vector<std::vector<int64_t>> needs;
+  for (int64_t b = 1; b < k; ++b) {
+    needs.push_back(KeptCounts(b, k, tokens_, selections, forced_, free_counts));
+  }
   for (int64_t e = 0; e < n; ++e) {
     const uint32_t* c = counts_.data() + e * bins;
     const int64_t free_count = free_counts[e];
     for (int64_t b = 1; b < k; ++b) {
-      const double need = needs[b - 1][e];
+      const double need = static_cast<double>(needs[b - 1][e]);
       float& theta = table[(b - 1) * n + e];
       if (need <= 0) {
         theta = kKeepNone;

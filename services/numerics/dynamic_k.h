@@ -60,14 +60,34 @@ std::vector<double> BudgetNeeds(int64_t budget, int64_t k, int64_t tokens,
                                 const std::vector<int64_t>& selections,
                                 const std::vector<int64_t>& forced);
 
+// The integer count of free selections each expert keeps: need_j (BudgetNeeds) clamped to
+// [0, free_j], apportioned by largest remainder so that the counts sum to exactly `total` (the
+// window's b * tokens minus its forced selections; clamped to [0, sum of free_j]): each expert
+// keeps floor(x_j), and the experts with the largest fractional parts one more (ties: the lower
+// expert id first); should the floors pass the total (rounding of the bisection), the smallest
+// fractional parts give one back. Per expert within 1 of x_j, so the total is reached when it
+// lies within n of the floors' sum (always, for BudgetNeeds' needs). Rounding each count on its own
+// missed the budget by -5.6% (K3, b = 8) to +1.4% (mid, b = 4) in the window itself.
+std::vector<int64_t> ApportionKept(const std::vector<double>& need,
+                                   const std::vector<int64_t>& free_counts, int64_t total);
+
 // The exact thresholds of one window of raw sigmoid scores [m, n] routed with `bias`:
-// theta_j for budget b is the c-th largest free score of expert j, c = floor(need_j + 0.5)
-// (BudgetNeeds);
-// +inf when c <= 0 (only forced selections stay), 0 when c >= the free count (all stay).
+// theta_j for budget b is the c_j-th largest free score of expert j, c_j its ApportionKept count
+// (total b * m - forced), so the window itself keeps exactly b * m pairs (without ties in the
+// scores); +inf when c_j = 0 (only forced selections stay), 0 when c_j = the free count.
 // Returns the table [k - 1, n]. The single-node form, and the tests' oracle for the histogram.
 absl::StatusOr<std::vector<float>> ExactBudgetThresholds(absl::Span<const float> scores, int64_t m,
                                                          int64_t n, absl::Span<const float> bias,
                                                          int64_t k, int64_t k_min);
+
+// What a window of `tokens` tokens can tell about budget b over `experts` experts: thresholds
+// solved from it keep each expert's share up to the sampling noise of about b * tokens / experts
+// kept selections per expert, so the kept loads on fresh traffic carry that noise's MaxVio on
+// top of their own: NoiseFloorMaxVio(experts, b * tokens / experts) (docs/math.md, "The
+// window"). +inf for an empty window.
+double BudgetWindowFloor(int64_t experts, int64_t budget, int64_t tokens);
+// The fewest tokens whose BudgetWindowFloor is at most `bound` (> 0).
+int64_t BudgetWindowTokens(int64_t experts, int64_t budget, double bound);
 
 struct BudgetWindow {
   uint64_t bias_version = 0;
@@ -89,8 +109,9 @@ class BudgetHistogram {
   // Adds another node's histogram of the same window; refuses a different bias version, layer,
   // shape or k_min (the message says which).
   absl::Status Merge(const BudgetHistogram& other);
-  // The table [k - 1, E]: per budget and expert, theta = the score above which need_j of the
-  // free selections lie, interpolated inside its bin (+inf and 0 as in ExactBudgetThresholds).
+  // The table [k - 1, E]: per budget and expert, theta = the score above which its
+  // ApportionKept count of the free selections lie, interpolated inside its bin (+inf and 0 as
+  // in ExactBudgetThresholds).
   // An empty window gives all zeros (every selection kept).
   std::vector<float> SolveTable() const;
 

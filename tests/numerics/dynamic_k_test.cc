@@ -167,6 +167,98 @@ TEST(BudgetThresholds, ExactKeepsTheBudgetAndEvenLoadsOnFreshTraffic) {
   CheckBudgetsOnFreshTraffic(*table, "exact");
 }
 
+// The largest-remainder apportioning against counts taken from its definition.
+TEST(ApportionKept, SumsExactlyAndStaysWithinOneOfEachShare) {
+  // 0.5 + 0.5 + 0.5 + 1.5 = 3: floors 0 0 0 1, one more each for the first two of the four equal
+  // fractions, in id order.
+  EXPECT_EQ(ApportionKept({0.5, 0.5, 0.5, 1.5}, {5, 5, 5, 5}, 3),
+            (std::vector<int64_t>{1, 1, 0, 1}));
+  // Largest fraction first; an expert without room is skipped; negative needs keep none.
+  EXPECT_EQ(ApportionKept({1.9, 2.2, -3.0, 0.7}, {2, 9, 9, 9}, 5),
+            (std::vector<int64_t>{2, 2, 0, 1}));
+  EXPECT_EQ(ApportionKept({2.0, 2.0}, {1, 9}, 3), (std::vector<int64_t>{1, 2}));  // clamped to room
+  // Floors past the total (the bisection's rounding): the smallest fractions give one back.
+  EXPECT_EQ(ApportionKept({3.0, 2.999999, 1.2}, {9, 9, 9}, 6), (std::vector<int64_t>{3, 2, 1}));
+  EXPECT_EQ(ApportionKept({3.0, 2.999999, 1.2}, {9, 9, 9}, 5), (std::vector<int64_t>{2, 2, 1}));
+  // At most one more (or less) per expert: a total far from the shares is not reached.
+  EXPECT_EQ(ApportionKept({1.0, 1.0}, {9, 9}, 100), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(ApportionKept({1.0, 1.0}, {9, 9}, -4), (std::vector<int64_t>{0, 0}));
+}
+
+// Scores [m, n] with no two equal in any expert's column (a threshold cannot split equal
+// scores): each repeat moved down by one float step until none is left.
+void MakeColumnsDistinct(std::vector<float>* s, int64_t m, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) {
+    for (bool again = true; again;) {
+      again = false;
+      std::vector<std::pair<float, int64_t>> col;
+      for (int64_t t = 0; t < m; ++t) col.emplace_back((*s)[t * n + e], t);
+      std::sort(col.begin(), col.end());
+      for (size_t i = 1; i < col.size(); ++i) {
+        if (col[i].first == col[i - 1].first) {
+          float& x = (*s)[col[i].second * n + e];
+          x = std::nextafter(x, 0.0f);
+          again = true;
+        }
+      }
+    }
+  }
+}
+
+// In its own window the table keeps exactly b per token on average, every expert within one
+// selection of its share max(f_j, lambda n_j) (scores made distinct per expert: equal ones at a
+// threshold all pass it); rounding each count on its own (the rule before) missed the budget,
+// most in small windows.
+TEST(BudgetThresholds, KeepExactlyTheBudgetInTheirWindow) {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  for (const Shape& sh : {Shape{16384, 128, 8}, Shape{512, 896, 16}, Shape{8192, 896, 16}}) {
+    const int64_t m = sh.m, n = sh.n, k = sh.k;
+    std::vector<float> calib = SkewedScores(m, n, 11);
+    MakeColumnsDistinct(&calib, m, n);
+    const std::vector<float> bias = BalancedBias(calib, m, n, k);
+    auto table = ExactBudgetThresholds(calib, m, n, bias, k, 1);
+    ASSERT_TRUE(table.ok()) << table.status();
+    const Routing full = SelectExperts(calib.data(), bias.data(), m, n, k, true, 1.0f);
+    std::vector<int64_t> forced(n, 0), selections(n, 0);
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = full.expert_ids[t * k + j];
+        ++selections[e];
+        if (j == 0) ++forced[e];
+      }
+    }
+    double worst_before = 0;
+    for (int64_t b = 2; b < k; ++b) {
+      Routing r = full;
+      const int64_t kept =
+          ApplyBudget(calib.data(), n, {1, BudgetRow(*table, b, n)}, true, 1.0f, &r);
+      const std::vector<double> need = BudgetNeeds(b, k, m, selections, forced);
+      double rounded_each = 0;
+      for (int64_t e = 0; e < n; ++e) {
+        rounded_each += static_cast<double>(forced[e]) + std::max(0.0, std::floor(need[e] + 0.5));
+      }
+      const double before = rounded_each / static_cast<double>(b * m) - 1.0;
+      worst_before = std::max(worst_before, std::abs(before));
+      std::printf("[ m %lld n %lld k %lld ] budget %lld: kept %.4f per token; rounding each "
+                  "count: %+.2f%%\n",
+                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                  static_cast<long long>(b), static_cast<double>(kept) / m, 100.0 * before);
+      EXPECT_EQ(kept, b * m) << "m " << m << " n " << n << " b " << b;
+      const std::vector<int64_t> loads = KeptLoads(r, n);
+      for (int64_t e = 0; e < n; ++e) {
+        const double share = static_cast<double>(forced[e]) + std::max(0.0, need[e]);
+        EXPECT_LE(std::abs(static_cast<double>(loads[e]) - share), 1.0 + 1e-6)
+            << "m " << m << " n " << n << " b " << b << " e " << e;
+      }
+    }
+    if (m == 512) {
+      EXPECT_GT(worst_before, 0.01) << "the small window no longer shows the old miss";
+    }
+  }
+}
+
 TEST(BudgetThresholds, HistogramAgreesWithTheExactForm) {
   const int64_t m = 16384, n = 128, k = 8;
   const std::vector<float> calib = SkewedScores(m, n, 11);

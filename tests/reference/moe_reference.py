@@ -182,10 +182,36 @@ def budget_needs(b, k, tokens, selections, forced):
     return hi * selections.astype(np.float64) - forced.astype(np.float64)
 
 
+def apportion_kept(need, free_counts, total):
+    """Largest remainder: integer counts c_j within 1 of x_j = clip(need_j, 0, free_j) that sum
+    to total (clipped to [0, sum free]): floor(x_j), then one more for the largest fractional
+    parts (ties: lower j first), or one less for the smallest should the floors pass total."""
+    x = np.clip(np.asarray(need, dtype=np.float64), 0.0, np.asarray(free_counts, dtype=np.float64))
+    c = np.floor(x).astype(np.int64)
+    frac = x - c
+    total = int(min(max(total, 0), int(np.sum(free_counts))))
+    order = sorted(range(len(x)), key=lambda j: (-frac[j], j))
+    have = int(c.sum())
+    for j in order:
+        if have >= total:
+            break
+        if c[j] < free_counts[j]:
+            c[j] += 1
+            have += 1
+    for j in reversed(order):
+        if have <= total:
+            break
+        if c[j] > 0:
+            c[j] -= 1
+            have -= 1
+    return c
+
+
 def exact_budget_thresholds(s, bias, k, k_min):
     """The thresholds [k - 1, E] of one window of sigmoid scores s [m, E] routed with bias:
-    for budget b, expert j's theta is the c-th largest score of its selections at ranks >= k_min,
-    c = floor(need + 0.5); +inf for c <= 0, 0 for c >= their count."""
+    for budget b, expert j's theta is the c_j-th largest score of its selections at ranks >=
+    k_min, c_j apportioned by largest remainder to b * m minus the forced selections in all;
+    +inf for c_j <= 0, 0 for c_j >= their count."""
     m, E = s.shape
     ids = np.argsort(-(s + bias.astype(F32)), axis=1, kind="stable")[:, :k]
     rank = np.broadcast_to(np.arange(k), ids.shape)
@@ -193,10 +219,12 @@ def exact_budget_thresholds(s, bias, k, k_min):
     free = [np.sort(s[np.nonzero((ids == j) & (rank >= k_min))[0], j])[::-1] for j in range(E)]
     selections = forced + np.array([len(f) for f in free])
     table = np.zeros((k - 1, E), dtype=F32)
+    free_counts = np.array([len(f) for f in free])
     for b in range(1, k):
         need = budget_needs(b, k, m, selections, forced)
+        kept = apportion_kept(need, free_counts, b * m - int(forced.sum()))
         for j in range(E):
-            c = int(np.floor(need[j] + 0.5))
+            c = int(kept[j])
             if c <= 0:
                 table[b - 1, j] = np.inf
             elif c >= len(free[j]):
