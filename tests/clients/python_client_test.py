@@ -236,11 +236,15 @@ def test_open_inference_protocol(endpoint, ref):
         grpc.StatusCode.INVALID_ARGUMENT,
         lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], params={"precision": "w4a4"})))
     # Dynamic k's cap as an int64 parameter; the response says the budget served and the pairs
-    # computed (the layer has no budget solved here: the full top-k, 5 x 8 pairs).
-    r = oip(ch, "ModelInfer", infer_request(model, x[:5], params={"expert_budget": 2}))
+    # computed. The layer has no budget solved here: a cap of k is the full top-k (5 x 8 pairs),
+    # a cap below k is refused naming the layer, never served at k in silence.
+    r = oip(ch, "ModelInfer", infer_request(model, x[:5], params={"expert_budget": 8}))
     rp = dict((parse(e)[1][0].decode(), parse(parse(e)[2][0])) for e in r.get(4, []))
     assert rp["expert_budget"][2] == [8] and rp["routed_pairs"][2] == [40], rp
     assert np.array_equal(decode_infer(r)["output"][2], out[:5])
+    assert "has no solved budget thresholds" in expect_code(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: oip(ch, "ModelInfer", infer_request(model, x[:5], params={"expert_budget": 2})))
     assert "expert_budget" in expect_code(
         grpc.StatusCode.INVALID_ARGUMENT,
         lambda: oip(ch, "ModelInfer", infer_request(model, x[:1], params={"expert_budget": "2"})))

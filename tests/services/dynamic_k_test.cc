@@ -72,6 +72,20 @@ TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
     EXPECT_EQ(r->expert_budget, k);  // no budget yet: the full top-k
     EXPECT_EQ(r->routed_pairs, 128 * k);
   }
+  {  // No thresholds yet: a cap below k is refused naming the layer; a cap of k is the layer.
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 4, 499);
+    client::ForwardOptions capped;
+    capped.expert_budget = 4;
+    auto refused = user->Forward(layer, x, 4, cfg.hidden, capped);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find(absl::StrCat("layer ", layer, " has no solved")),
+              std::string::npos)
+        << refused.status();
+    capped.expert_budget = static_cast<int32_t>(k);
+    auto full = user->Forward(layer, x, 4, cfg.hidden, capped);
+    ASSERT_TRUE(full.ok()) << full.status();
+    EXPECT_EQ(full->expert_budget, k);
+  }
   v1::LayerBias set;
   for (int i = 0; i < 100; ++i) {  // bounded: reports every 100 ms
     auto s = admin->GetLoadStats(layer);
@@ -85,7 +99,7 @@ TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
   EXPECT_EQ(set.budget().k_avg(), 4);
   EXPECT_EQ(set.budget().k_min(), 1);
   ASSERT_EQ(set.budget().thresholds_size(), (k - 1) * e);
-  EXPECT_EQ(set.budget().solved_from_tokens(), 1024);
+  EXPECT_EQ(set.budget().solved_from_tokens(), 1024 + 4);  // the calibration and the k-cap request
   EXPECT_NE(set.reason().find("budget 4 of 8"), std::string::npos) << set.reason();
   const std::vector<float> table(set.budget().thresholds().begin(),
                                  set.budget().thresholds().end());
