@@ -114,10 +114,14 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
   // A cap below k on a layer with no thresholds is refused, never served at k in silence: the
   // caller asked for a cheaper forward and would get the full one.
   if (cap > 0 && cap < cfg_.top_k && spec.bias->thresholds.empty() && !check) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "expert_budget ", cap, ": layer ", req.layer(), " has no solved budget thresholds (bias "
-        "version ", spec.bias->version, "; router-svc solves them from reported traffic when an "
-        "operator sets a budget: moe-cli budget); send 0 or ", cfg_.top_k, " for the full top-k"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("expert_budget ", cap, ": layer ", req.layer(),
+                     " has no solved budget thresholds (bias "
+                     "version ",
+                     spec.bias->version,
+                     "; router-svc solves them from reported traffic when an "
+                     "operator sets a budget: moe-cli budget); send 0 or ",
+                     cfg_.top_k, " for the full top-k"));
   }
   if (!spec.bias->thresholds.empty() && !check) {
     int32_t b = spec.bias->k_avg;
