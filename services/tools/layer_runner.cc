@@ -97,7 +97,16 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
       return absl::InvalidArgumentError(
           absl::StrCat("--budget ", req.budget, " outside [1, top-k - 1 = ", k - 1, "]"));
     }
-    const int64_t m = std::max<int64_t>(1, req.budget_calibration_tokens);
+    if (!(req.budget_window_floor > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("--budget_window_floor ",
+                                                     req.budget_window_floor, " must be > 0"));
+    }
+    const int64_t m =
+        req.budget_calibration_tokens > 0
+            ? req.budget_calibration_tokens
+            : numerics::BudgetWindowTokens(e, req.budget, req.budget_window_floor);
+    rep.budget_calibration_tokens = m;
+    rep.budget_window_floor = numerics::BudgetWindowFloor(e, req.budget, m);
     calibration = checkpoint::SyntheticHiddenStates(rep.config, m, req.input_seed + 1000);
     checkpoint::LoadOptions dense_only;  // the gate and bias (the layer's own may be moved)
     dense_only.expert_hi = 0;

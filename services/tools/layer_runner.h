@@ -29,7 +29,11 @@ struct ForwardRequest {
   // exactly (k_min 1) from budget_calibration_tokens synthetic tokens of seed input_seed + 1000,
   // written to the output as "thresholds" [k - 1, E] and "calibration_x"; 0: the full top-k.
   int64_t budget = 0;
-  int64_t budget_calibration_tokens = 512;
+  // 0: the fewest tokens whose window floor at this budget and the preset's experts is at most
+  // budget_window_floor (numerics::BudgetWindowTokens; at 0.2: 1,110 for tiny at b = 2, 10,351
+  // for mid at b = 3, 38,069 for K3 at b = 8).
+  int64_t budget_calibration_tokens = 0;
+  double budget_window_floor = 0.2;
 };
 
 struct ForwardReport {
@@ -41,6 +45,9 @@ struct ForwardReport {
   std::string backend;             // what ran: "ref" or "cpu/<isa>"
   uint64_t checksum = 0;           // FNV-1a 64 over the output's bf16 bytes
   double output_abs_sum = 0;
+  // Dynamic k: the calibration window and the kept-load noise floor it leaves at the budget.
+  int64_t budget_calibration_tokens = 0;
+  double budget_window_floor = 0;
 };
 
 absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& request);

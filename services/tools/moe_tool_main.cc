@@ -130,6 +130,11 @@ int Forward(int argc, char** argv) {
   f.Int64("budget", &req.budget,
           "dynamic k: serve this expert budget (1..top-k - 1) with thresholds solved from a "
           "calibration batch (0: the full top-k)");
+  f.Int64("budget_calibration_tokens", &req.budget_calibration_tokens,
+          "dynamic k: tokens of the calibration batch (0: the fewest whose window floor at the "
+          "budget is at most --budget_window_floor)");
+  f.Double("budget_window_floor", &req.budget_window_floor,
+           "dynamic k: the kept-load MaxVio the calibration window's sampling noise may leave");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
   if (req.checkpoint.empty()) return Missing("forward", "checkpoint");
   auto rep = moe::tools::RunLayerForward(req);
@@ -149,6 +154,13 @@ int Forward(int argc, char** argv) {
       t.router, t.down_proj, t.experts, t.combine_norm, t.up_proj, t.shared);
   std::printf("checksum fnv1a64=%016" PRIx64 " sum|out|=%.6f\n", rep->checksum,
               rep->output_abs_sum);
+  if (req.budget != 0) {
+    std::printf("budget %" PRId64 ": thresholds from %" PRId64
+                " calibration tokens, window floor (kept-load MaxVio of their sampling noise) "
+                "%.3f%s\n",
+                req.budget, rep->budget_calibration_tokens, rep->budget_window_floor,
+                rep->budget_window_floor > req.budget_window_floor ? " (above the bound)" : "");
+  }
   return 0;
 }
 
