@@ -94,6 +94,11 @@ struct BiasEntry {
   int32_t k_avg = 0;
   int32_t k_min = 1;
   std::vector<float> thresholds;
+  // Solved under a bias that has moved since (ExpertBudget.stale): not applied, the full top-k
+  // is served until router-svc publishes them solved again.
+  bool stale = false;
+  uint64_t solved_from_version = 0;
+  bool usable() const { return !thresholds.empty() && !stale; }
 };
 
 // One layer's statistics of the current report: QB's histogram and dynamic k's.

@@ -252,6 +252,8 @@ void AttentionServer::Impl::ApplyBias(const v1::LayerBias& b) {
   if (budget.thresholds_size() == (cfg_.top_k - 1) * cfg_.num_experts) {
     entry->thresholds.assign(budget.thresholds().begin(), budget.thresholds().end());
   }
+  entry->stale = budget.stale();
+  entry->solved_from_version = budget.solved_from_version();
   std::lock_guard<std::mutex> lock(mu_);
   bias_[b.layer()] = std::move(entry);
   if (metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
@@ -339,7 +341,7 @@ void AttentionServer::Impl::GovernorLoop() {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [layer, b] : bias_) {
         ceiling =
-            std::max(ceiling, b->thresholds.empty() ? static_cast<int32_t>(cfg_.top_k) : b->k_avg);
+            std::max(ceiling, !b->usable() ? static_cast<int32_t>(cfg_.top_k) : b->k_avg);
       }
     }
     const int32_t before = governor_->cap();

@@ -111,19 +111,26 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
   // Dynamic k: the layer's budget, capped by the request and the automatic mode; served only
   // with solved thresholds (the response says which budget it got).
   spec.budget = static_cast<int32_t>(cfg_.top_k);
-  // A cap below k on a layer with no thresholds is refused, never served at k in silence: the
-  // caller asked for a cheaper forward and would get the full one.
-  if (cap > 0 && cap < cfg_.top_k && spec.bias->thresholds.empty() && !check) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("expert_budget ", cap, ": layer ", req.layer(),
-                     " has no solved budget thresholds (bias "
-                     "version ",
-                     spec.bias->version,
-                     "; router-svc solves them from reported traffic when an "
-                     "operator sets a budget: moe-cli budget); send 0 or ",
-                     cfg_.top_k, " for the full top-k"));
+  // A cap below k on a layer with no usable thresholds is refused, never served at k in
+  // silence: the caller asked for a cheaper forward and would get the full one.
+  if (cap > 0 && cap < cfg_.top_k && !spec.bias->usable() && !check) {
+    if (spec.bias->stale) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "expert_budget ", cap, ": layer ", req.layer(),
+          "'s budget thresholds are stale (solved under bias version ",
+          spec.bias->solved_from_version,
+          "; the bias has moved since and router-svc solves them again from the next window of "
+          "traffic); send 0 or ",
+          cfg_.top_k, " for the full top-k meanwhile"));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expert_budget ", cap, ": layer ", req.layer(),
+        " has no solved budget thresholds (bias version ", spec.bias->version,
+        "; router-svc solves them from reported traffic when an operator sets a budget: moe-cli "
+        "budget); send 0 or ",
+        cfg_.top_k, " for the full top-k"));
   }
-  if (!spec.bias->thresholds.empty() && !check) {
+  if (spec.bias->usable() && !check) {
     int32_t b = spec.bias->k_avg;
     if (cap > 0) b = std::min(b, cap);
     if (governor_ != nullptr && governor_->enabled()) b = std::min(b, governor_->cap());

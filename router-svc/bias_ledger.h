@@ -30,6 +30,8 @@ struct ExpertBudget {
   std::vector<float> thresholds;  // [k - 1, E], empty: never solved
   int64_t solved_from_tokens = 0;
   uint64_t solved_from_version = 0;
+  bool stale = false;         // ExpertBudget.stale (router.proto)
+  double window_floor = 0.0;  // ExpertBudget.window_floor
 };
 
 struct BiasVersion {
@@ -56,6 +58,8 @@ class BiasLedger {
   int64_t continuous_tokens() const { return continuous_tokens_; }
   const BiasVersion& current() const { return history_.back(); }
   const std::vector<BiasVersion>& history() const { return history_; }  // version == index
+  // The current version's budget, for the router to mark before it publishes the version.
+  ExpertBudget* mutable_current_budget() { return &history_.back().budget; }
 
   // A new current version with the current version's budget.
   const BiasVersion& Append(std::vector<float> bias, const std::string& reason,

@@ -29,6 +29,12 @@ int main(int argc, char** argv) {
   flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");
   flags.Int64("budget_k_min", &o.budget_k_min,
               "dynamic k: experts every token keeps under any expert budget (1..top-k)");
+  flags.Double("budget_window_floor", &o.budget_window_floor,
+               "dynamic k: flag thresholds from a window whose kept-load noise floor (MaxVio) at "
+               "the layer's budget is above this");
+  flags.Double("budget_stale_bias", &o.budget_stale_bias,
+               "dynamic k: thresholds are stale (not applied; solved again from the next window) "
+               "once the bias moved by more than this on some expert since they were solved");
   flags.String("admin_token_file", &o.admin_token_file,
                "file holding the admin token (chmod 600); without a token admin calls are refused");
   flags.String("cluster_token_file", &o.cluster_token_file,

@@ -11,6 +11,7 @@
 #include "services/common/logging.h"
 #include "services/common/status_macros.h"
 #include "services/metrics/service_metrics.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/transport/security.h"
 
 namespace moe::router_svc {
@@ -335,6 +336,7 @@ absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
   }
   if (metrics_ != nullptr) metrics_->Report(result == ReportResult::kCurrent);
   if (result == ReportResult::kStale) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(ResolveStaleBudgetLocked(*l));
   if (l->ledger.mode() == BiasMode::kContinuous &&
       l->window.window_tokens() >= l->ledger.continuous_tokens()) {
     v1::RebalanceResponse ignored;
@@ -366,6 +368,8 @@ void RouterCore::UpdateLayerMetricsLocked(const LayerState& l) {
   metrics_->Window(l.window.layer(), max_vio, l.window.window_tokens());
   metrics_->BiasVersion(l.window.layer(), l.ledger.current().version);
   metrics_->ExpertBudget(l.window.layer(), l.ledger.current().budget.k_avg);
+  metrics_->BudgetThresholds(l.window.layer(), l.ledger.current().budget.stale,
+                             l.ledger.current().budget.window_floor);
 }
 
 absl::Status RouterCore::RebalanceLocked(LayerState& l, bool dry_run, const std::string& reason,
@@ -398,8 +402,9 @@ absl::Status RouterCore::RebalanceLocked(LayerState& l, bool dry_run, const std:
   }
   bool solved = false;
   ExpertBudget budget = SolveBudgetLocked(l, &solved);
+  const std::string note = StampBudgetLocked(l, plan.bias, &budget);
   l.ledger.Append(std::move(plan.bias), std::move(budget),
-                  absl::StrCat(reason, " from ", plan.window_tokens, " tokens"), UnixMs());
+                  absl::StrCat(reason, " from ", plan.window_tokens, " tokens", note), UnixMs());
   ++l.rebalances;
   if (metrics_ != nullptr) metrics_->Rebalanced(layer);
   MOE_RETURN_IF_ERROR(PublishBiasLocked(l));
@@ -424,6 +429,9 @@ absl::Status RouterCore::SetMode(const v1::SetBiasModeRequest& req, v1::LayerBia
   MOE_ASSIGN_OR_RETURN(bool new_version,
                        l->ledger.SetMode(mode, req.continuous_tokens(), UnixMs()));
   if (new_version) {
+    // The checkpoint's bias again: thresholds solved under another one may be stale.
+    const std::vector<float> bias = l->ledger.current().bias;
+    (void)StampBudgetLocked(*l, bias, l->ledger.mutable_current_budget());
     MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
   } else {
     MOE_RETURN_IF_ERROR(PersistLocked(*l));
@@ -445,6 +453,69 @@ ExpertBudget RouterCore::SolveBudgetLocked(const LayerState& l, bool* solved) co
   return budget;
 }
 
+std::string RouterCore::StampBudgetLocked(const LayerState& l, const std::vector<float>& bias,
+                                          ExpertBudget* budget) const {
+  budget->stale = false;
+  budget->window_floor = 0;
+  if (budget->thresholds.empty()) return "";
+  const auto& history = l.ledger.history();
+  double moved = std::numeric_limits<double>::infinity();
+  if (budget->solved_from_version < history.size()) {
+    const std::vector<float>& solved_under = history[budget->solved_from_version].bias;
+    moved = 0;
+    for (size_t e = 0; e < bias.size() && e < solved_under.size(); ++e) {
+      moved = std::max(moved, std::abs(static_cast<double>(bias[e]) - solved_under[e]));
+    }
+  }
+  const int64_t b = budget->k_avg >= 1 && budget->k_avg < cfg_.top_k ? budget->k_avg
+                                                                       : cfg_.top_k - 1;
+  budget->window_floor =
+      numerics::BudgetWindowFloor(cfg_.num_experts, b, budget->solved_from_tokens);
+  std::string note;
+  if (moved > options_.budget_stale_bias) {
+    budget->stale = true;
+    note = absl::StrCat("; thresholds stale: the bias moved by up to ", absl::SixDigits(moved),
+                        " since version ", budget->solved_from_version,
+                        ", solved again from the next window");
+  }
+  if (budget->window_floor > options_.budget_window_floor) {
+    const int64_t enough =
+        numerics::BudgetWindowTokens(cfg_.num_experts, b, options_.budget_window_floor);
+    absl::StrAppend(&note, "; window floor ", absl::SixDigits(budget->window_floor),
+                    " above ", absl::SixDigits(options_.budget_window_floor), " at budget ", b,
+                    ": a window of ", enough, " tokens meets it");
+    MOE_LOG_WARN("layer {}: thresholds from {} tokens leave a kept-load noise floor (MaxVio) of "
+                 "{:.3f} at budget {} (bound {:.3f}, --budget_window_floor); {} tokens meet it",
+                 l.window.layer(), budget->solved_from_tokens, budget->window_floor, b,
+                 options_.budget_window_floor, enough);
+  }
+  return note;
+}
+
+absl::Status RouterCore::ResolveStaleBudgetLocked(LayerState& l) {
+  const ExpertBudget& cur = l.ledger.current().budget;
+  if (!cur.stale || cur.thresholds.empty()) return absl::OkStatus();
+  absl::StatusOr<numerics::BudgetHistogram> pooled = l.window.PooledBudget();
+  if (!pooled.ok()) return absl::OkStatus();
+  const int64_t b = cur.k_avg >= 1 && cur.k_avg < cfg_.top_k ? cur.k_avg : cfg_.top_k - 1;
+  // As many tokens as the stale thresholds had, or a window that meets the floor if fewer.
+  const int64_t want = std::max<int64_t>(
+      1, std::min(cur.solved_from_tokens,
+                  numerics::BudgetWindowTokens(cfg_.num_experts, b, options_.budget_window_floor)));
+  if (pooled->tokens() < want) return absl::OkStatus();
+  bool solved = false;
+  ExpertBudget budget = SolveBudgetLocked(l, &solved);
+  if (!solved) return absl::OkStatus();
+  std::vector<float> bias = l.ledger.current().bias;
+  const std::string note = StampBudgetLocked(l, bias, &budget);
+  const uint64_t from = l.ledger.current().version;
+  l.ledger.Append(std::move(bias), std::move(budget),
+                  absl::StrCat("thresholds solved again under version ", from, " from ",
+                               pooled->tokens(), " tokens", note),
+                  UnixMs());
+  return PublishBiasLocked(l);
+}
+
 absl::Status RouterCore::SetBudget(int32_t layer, int32_t k_avg, const std::string& reason,
                                    v1::LayerBias* resp) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -462,11 +533,12 @@ absl::Status RouterCore::SetBudget(int32_t layer, int32_t k_avg, const std::stri
   }
   budget.k_avg = k_avg;
   std::vector<float> bias = l->ledger.current().bias;
+  const std::string note = StampBudgetLocked(*l, bias, &budget);
   const std::string why =
       solved ? absl::StrCat(reason, " ", k_avg, " of ", cfg_.top_k, " (thresholds from ",
-                            budget.solved_from_tokens, " tokens)")
+                            budget.solved_from_tokens, " tokens", note, ")")
              : absl::StrCat(reason, " ", k_avg, " of ", cfg_.top_k, " (thresholds of version ",
-                            budget.solved_from_version, ")");
+                            budget.solved_from_version, note, ")");
   l->ledger.Append(std::move(bias), std::move(budget), why, UnixMs());
   MOE_RETURN_IF_ERROR(PublishBiasLocked(*l));
   *resp = ToProto(l->ledger.current());

@@ -113,6 +113,14 @@ class RouterCore {
   // (*solved: whether it did).
   ExpertBudget SolveBudgetLocked(const LayerState& l, bool* solved) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A budget about to be published with `bias`: stale when the bias moved by more than
+  // --budget_stale_bias since the version its thresholds were solved under, and its window's
+  // noise floor at its k_avg. Returns what to add to the version's reason ("" when nothing).
+  std::string StampBudgetLocked(const LayerState& l, const std::vector<float>& bias,
+                                ExpertBudget* budget) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stale thresholds solved again from the current window once it holds enough tokens, as a
+  // new version with the same bias.
+  absl::Status ResolveStaleBudgetLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens the store's state and restores ledgers and registrations from it.
   absl::Status RestoreLocked(std::unique_ptr<StateStore> store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -1,5 +1,7 @@
 #include "router-svc/router_proto.h"
 
+#include <cmath>
+
 namespace moe::router_svc {
 
 v1::BiasMode ToProto(BiasMode m) {
@@ -33,6 +35,8 @@ v1::ExpertBudget ToProto(const ExpertBudget& x) {
   *b.mutable_thresholds() = {x.thresholds.begin(), x.thresholds.end()};
   b.set_solved_from_tokens(x.solved_from_tokens);
   b.set_solved_from_version(x.solved_from_version);
+  b.set_stale(x.stale);
+  b.set_window_floor(x.window_floor);
   return b;
 }
 
@@ -43,6 +47,8 @@ ExpertBudget FromProto(const v1::ExpertBudget& b) {
   x.thresholds.assign(b.thresholds().begin(), b.thresholds().end());
   x.solved_from_tokens = b.solved_from_tokens();
   x.solved_from_version = b.solved_from_version();
+  x.stale = b.stale();
+  x.window_floor = std::isfinite(b.window_floor()) ? b.window_floor() : 0.0;
   return x;
 }
 

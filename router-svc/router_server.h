@@ -61,6 +61,13 @@ struct RouterServerOptions {
   // Dynamic k (docs/math.md section 4.1): every token keeps at least its first budget_k_min
   // selections under any budget. For layers whose stored state has no budget yet.
   int64_t budget_k_min = 1;
+  // A window whose thresholds leave a kept-load noise floor above this (BudgetWindowFloor at the
+  // layer's budget) is flagged: the version's reason, the log, moe_budget_window_floor.
+  double budget_window_floor = 0.2;
+  // Thresholds solved under a bias are stale once the bias moved by more than this on some
+  // expert (measured: 0.01 keeps the budget within about 1% and the kept-load MaxVio within
+  // 0.1 of fresh thresholds; 0.1 misses by 28%): not applied until solved again.
+  double budget_stale_bias = 0.01;
   // Admin calls (Rebalance, RollbackBias, SetBiasMode, the page's buttons) need the metadata
   // x-moe-admin-token equal to this token. Without one they are refused: nothing that changes
   // the bias is open to an unauthenticated caller. admin_token_file (chmod 600, or a Secret

@@ -558,6 +558,16 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
                          "The layer's expert budget in its current version: experts per token "
                          "on average (top-k: every token keeps its top-k; docs/math.md 4.1)")
                      .Register(registry);
+  auto& stale = BuildGauge()
+                    .Name("moe_budget_thresholds_stale")
+                    .Help("1 while the layer's budget thresholds were solved under a bias that "
+                          "has moved since (not applied; router-svc solves them again)")
+                    .Register(registry);
+  auto& floor = BuildGauge()
+                    .Name("moe_budget_window_floor")
+                    .Help("The kept-load MaxVio the sampling noise of the thresholds' window "
+                          "alone leaves at the layer's budget (docs/math.md, The window)")
+                    .Register(registry);
   auto& rebalances = BuildCounter()
                          .Name("moe_rebalances_total")
                          .Help("Quantile Balancing steps applied (button, RPC or continuous)")
@@ -568,6 +578,8 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
     l.window_tokens = &window.Add({{"layer", L(layer)}});
     l.bias_version = &version.Add({{"layer", L(layer)}});
     l.expert_budget = &budget.Add({{"layer", L(layer)}});
+    l.budget_stale = &stale.Add({{"layer", L(layer)}});
+    l.window_floor = &floor.Add({{"layer", L(layer)}});
     l.rebalances = &rebalances.Add({{"layer", L(layer)}});
   }
 }
@@ -587,6 +599,13 @@ void RouterMetrics::BiasVersion(int64_t layer, uint64_t version) {
 void RouterMetrics::ExpertBudget(int64_t layer, int64_t k_avg) {
   auto it = layers_.find(layer);
   if (it != layers_.end()) it->second.expert_budget->Set(static_cast<double>(k_avg));
+}
+
+void RouterMetrics::BudgetThresholds(int64_t layer, bool stale, double window_floor) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.budget_stale->Set(stale ? 1.0 : 0.0);
+  it->second.window_floor->Set(window_floor);
 }
 
 void RouterMetrics::Rebalanced(int64_t layer) {

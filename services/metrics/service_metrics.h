@@ -232,6 +232,8 @@ class RouterMetrics {
   void BiasVersion(int64_t layer, uint64_t version);
   // Dynamic k: the layer's expert budget (experts per token on average; top-k: none).
   void ExpertBudget(int64_t layer, int64_t k_avg);
+  // Its thresholds: stale (not applied until solved again), and their window's noise floor.
+  void BudgetThresholds(int64_t layer, bool stale, double window_floor);
   void Rebalanced(int64_t layer);
   void Report(bool accepted);
   void Shards(int64_t total, int64_t healthy);
@@ -245,6 +247,8 @@ class RouterMetrics {
     prometheus::Gauge* window_tokens = nullptr;
     prometheus::Gauge* bias_version = nullptr;
     prometheus::Gauge* expert_budget = nullptr;
+    prometheus::Gauge* budget_stale = nullptr;
+    prometheus::Gauge* window_floor = nullptr;
     prometheus::Counter* rebalances = nullptr;
   };
   std::map<int64_t, Layer> layers_;

@@ -259,6 +259,38 @@ TEST(BudgetThresholds, KeepExactlyTheBudgetInTheirWindow) {
   }
 }
 
+// Thresholds solved under one bias, applied to traffic routed with a moved one: how far the kept
+// experts per token and the kept-load MaxVio drift with the largest bias change (the measurement
+// behind router-svc's --budget_stale_bias: docs/math.md, "Stale thresholds").
+TEST(BudgetThresholds, DriftWithTheBiasTheyWereNotSolvedFor) {
+  const int64_t m = 16384, n = 128, k = 8, b = 4;
+  const std::vector<float> calib = SkewedScores(m, n, 11);
+  const std::vector<float> bias = BalancedBias(calib, m, n, k);
+  const std::vector<float> table = *ExactBudgetThresholds(calib, m, n, bias, k, 1);
+  const std::vector<float> fresh = SkewedScores(m, n, 12);
+  Rng rng(5);
+  std::vector<float> direction(n);
+  for (float& d : direction) d = static_cast<float>(2.0 * rng.Uniform() - 1.0);
+  double miss_at_small = 0, miss_at_large = 0;
+  for (double change : {0.0, 0.01, 0.02, 0.05, 0.1}) {
+    std::vector<float> moved(bias);
+    for (int64_t e = 0; e < n; ++e) moved[e] += static_cast<float>(change) * direction[e];
+    Routing r = SelectExperts(fresh.data(), moved.data(), m, n, k, true, 1.0f);
+    const int64_t kept =
+        ApplyBudget(fresh.data(), n, {1, BudgetRow(table, b, n)}, true, 1.0f, &r);
+    const double per_token = static_cast<double>(kept) / m;
+    const double miss = per_token / b - 1.0;
+    const BalanceMetrics balance = ComputeBalance(KeptLoads(r, n));
+    std::printf("[ stale ] bias moved by up to %.2f: %.3f experts per token (%+.1f%%), kept-load "
+                "MaxVio %.3f\n",
+                change, per_token, 100.0 * miss, balance.max_vio);
+    if (change == 0.02) miss_at_small = std::abs(miss);
+    if (change == 0.1) miss_at_large = std::abs(miss);
+  }
+  EXPECT_LT(miss_at_small, 0.03);  // the default tolerance keeps the budget within 3%
+  EXPECT_GT(miss_at_large, 0.03);  // a large move does not: the thresholds must be solved again
+}
+
 TEST(BudgetThresholds, HistogramAgreesWithTheExactForm) {
   const int64_t m = 16384, n = 128, k = 8;
   const std::vector<float> calib = SkewedScores(m, n, 11);

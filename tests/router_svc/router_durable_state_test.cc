@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "moe/v1/router.grpc.pb.h"
 #include "router-svc/router_server.h"
@@ -319,6 +320,69 @@ TEST(RouterServer, ExpertBudgetsAreSolvedStoredAndRolledBack) {
   ASSERT_TRUE(again->RollbackBias(again.Ctx("adm").get(), rb, &b).ok());
   EXPECT_EQ(b.budget().k_avg(), 2);
   EXPECT_EQ(b.budget().thresholds_size(), 3 * 16);
+}
+
+// Thresholds solved under one bias are marked stale once a Rebalance moves the bias past
+// --budget_stale_bias (attention nodes then serve the full top-k), and solved again by the router
+// itself from the next window under the new bias as a version with the same bias; the window's
+// noise floor is stated and flagged above --budget_window_floor.
+TEST(RouterServer, StaleThresholdsAreSolvedAgainFromTheNextWindow) {
+  RouterServerOptions o;
+  o.admin_token = "adm";
+  o.budget_window_floor = 0.1;  // 3,000 tokens at budget 2 of tiny (E 16) leave 0.122
+  Router r(o);
+  v1::GetBiasRequest gb;
+  gb.set_layer(1);
+  v1::LayerBias v;
+  ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &v).ok());
+  std::vector<float> bias(v.bias().begin(), v.bias().end());
+  v1::ReportStatsResponse rr;
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), BudgetReport(bias, 0, 3000), &rr).ok());
+  v1::SetExpertBudgetRequest sb;
+  sb.set_layer(1);
+  sb.set_k_avg(2);
+  ASSERT_TRUE(r->SetExpertBudget(r.Ctx("adm").get(), sb, &v).ok());
+  EXPECT_FALSE(v.budget().stale());
+  EXPECT_DOUBLE_EQ(v.budget().window_floor(), numerics::BudgetWindowFloor(16, 2, 3000));
+  EXPECT_NEAR(v.budget().window_floor(), std::sqrt(2 * std::log(16.0) / (2 * 3000 / 16.0)), 1e-12);
+  const int64_t enough = numerics::BudgetWindowTokens(16, 2, 0.1);
+  EXPECT_LE(numerics::BudgetWindowFloor(16, 2, enough), 0.1);
+  EXPECT_GT(numerics::BudgetWindowFloor(16, 2, enough - 1), 0.1);
+  EXPECT_NE(v.reason().find(absl::StrCat("a window of ", enough, " tokens meets it")),
+            std::string::npos)
+      << v.reason();
+
+  // Traffic under version 1, then a QB step that moves the skewed bias far.
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), BudgetReport(bias, 1, 3000), &rr).ok());
+  v1::RebalanceRequest rq;
+  rq.set_layer(1);
+  v1::RebalanceResponse rs;
+  ASSERT_TRUE(r->Rebalance(r.Ctx("adm").get(), rq, &rs).ok());
+  ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &v).ok());
+  ASSERT_EQ(v.version(), 2u);
+  double moved = 0;
+  for (int e = 0; e < 16; ++e) moved = std::max<double>(moved, std::abs(v.bias(e) - bias[e]));
+  ASSERT_GT(moved, o.budget_stale_bias);
+  EXPECT_TRUE(v.budget().stale());
+  EXPECT_EQ(v.budget().solved_from_version(), 1u);
+  EXPECT_NE(v.reason().find("thresholds stale"), std::string::npos) << v.reason();
+  bias.assign(v.bias().begin(), v.bias().end());
+
+  // Under version 2: nothing until the window holds as many tokens as the stale ones came from.
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), BudgetReport(bias, 2, 1000), &rr).ok());
+  ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &v).ok());
+  EXPECT_EQ(v.version(), 2u);
+  ASSERT_TRUE(r->ReportStats(r.Attention().get(), BudgetReport(bias, 2, 2000), &rr).ok());
+  ASSERT_TRUE(r->GetBias(r.Ctx().get(), gb, &v).ok());
+  EXPECT_EQ(v.version(), 3u);
+  EXPECT_FALSE(v.budget().stale());
+  EXPECT_EQ(v.budget().k_avg(), 2);
+  EXPECT_EQ(v.budget().solved_from_version(), 2u);
+  EXPECT_EQ(v.budget().solved_from_tokens(), 3000);
+  EXPECT_EQ(std::vector<float>(v.bias().begin(), v.bias().end()), bias);  // the same bias
+  EXPECT_NE(v.reason().find("thresholds solved again under version 2 from 3000 tokens"),
+            std::string::npos)
+      << v.reason();
 }
 
 // A state written before dynamic k (bias_versions without the budget column) opens: its

@@ -175,6 +175,110 @@ TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
             static_cast<double>(k));
 }
 
+// A QB step that moves the bias past --budget_stale_bias leaves the thresholds stale: the layer
+// serves its full top-k, bit for bit the layer under the new bias without a budget, and a
+// request's cap below k is refused saying why; the router solves them again from the next
+// window by itself, and the budget is served again (through the real attention node's reports).
+TEST(ClusterDynamicK, StaleThresholdsServeTheFullLayerUntilSolvedAgain) {
+  const std::string& dir = CheckpointFor("mid");
+  ModelConfig cfg;
+  auto local = InProcessLayer(dir, &cfg);
+  const int64_t k = cfg.top_k;
+  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
+  o.admin_token = "s3cret";
+  o.attention_args = {"--report_interval_ms=100"};
+  auto cluster = LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto admin = ClientFor(**cluster, "s3cret");
+  auto user = ClientFor(**cluster);
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  // Traffic until the router's window under the current version holds `tokens`.
+  auto traffic = [&](int64_t tokens, uint64_t seed) {
+    for (int i = 0; i < 8; ++i) {
+      const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens / 8, seed + i);
+      ASSERT_TRUE(user->Forward(layer, x, tokens / 8, cfg.hidden).ok());
+    }
+  };
+  auto window_holds = [&](int64_t tokens) {
+    for (int i = 0; i < 100; ++i) {
+      auto st = admin->GetLoadStats(layer);
+      if (st.ok() && st->window_tokens() >= tokens) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  };
+  traffic(1024, 300);
+  ASSERT_TRUE(window_holds(1024));
+  auto set = admin->SetExpertBudget(layer, 4);
+  ASSERT_TRUE(set.ok()) << set.status();
+  ASSERT_FALSE(set->budget().stale());
+  traffic(1024, 400);
+  ASSERT_TRUE(window_holds(1024));
+  auto step = admin->Rebalance(layer, /*dry_run=*/false);
+  ASSERT_TRUE(step.ok()) << step.status();
+  auto stale = admin->GetBias(layer);
+  ASSERT_TRUE(stale.ok());
+  ASSERT_TRUE(stale->budget().stale()) << stale->reason();
+  const std::vector<float> bias(stale->bias().begin(), stale->bias().end());
+
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 32, 77);
+  bool seen = false;
+  for (int i = 0; i < 100 && !seen; ++i) {
+    auto r = user->Forward(layer, x, 32, cfg.hidden);
+    ASSERT_TRUE(r.ok()) << r.status();
+    if (r->bias_version != stale->version()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    seen = true;
+    EXPECT_EQ(r->expert_budget, k);
+    EXPECT_EQ(r->routed_pairs, 32 * k);
+    EXPECT_TRUE(SameBits(r->out, local->Forward(x, 32, cfg.hidden, bias.data())->out));
+    client::ForwardOptions capped;
+    capped.expert_budget = 2;
+    auto refused = user->Forward(layer, x, 32, cfg.hidden, capped);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find("stale"), std::string::npos) << refused.status();
+  }
+  ASSERT_TRUE(seen) << "the attention node never served the stale version";
+  EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->router_metrics(), "moe_budget_thresholds_stale",
+                                    {absl::StrCat("layer=\"", layer, "\"")}),
+            1.0);
+
+  // The next window (as many tokens as the stale thresholds came from) solves them again.
+  uint64_t fresh = 0;
+  for (int round = 0; round < 6 && fresh == 0; ++round) {
+    traffic(512, 500 + 10 * round);
+    for (int i = 0; i < 20 && fresh == 0; ++i) {
+      auto b = admin->GetBias(layer);
+      ASSERT_TRUE(b.ok());
+      if (b->version() > stale->version()) {
+        EXPECT_FALSE(b->budget().stale());
+        EXPECT_EQ(b->budget().k_avg(), 4);
+        EXPECT_EQ(std::vector<float>(b->bias().begin(), b->bias().end()), bias);
+        fresh = b->version();
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ASSERT_NE(fresh, 0u) << "the router never solved the stale thresholds again";
+  for (int i = 0; i < 100; ++i) {
+    auto r = user->Forward(layer, x, 32, cfg.hidden);
+    ASSERT_TRUE(r.ok()) << r.status();
+    if (r->bias_version != fresh) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    EXPECT_EQ(r->expert_budget, 4);
+    EXPECT_LT(r->routed_pairs, 32 * k);
+    break;
+  }
+  EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->router_metrics(), "moe_budget_thresholds_stale",
+                                    {absl::StrCat("layer=\"", layer, "\"")}),
+            0.0);
+}
+
 // The automatic mode: one worker, eight requests in flight overload the node; its cap steps down
 // toward the floor (responses say the lower budget), and back to the full top-k once the load
 // stops; no request fails. The sampled full-k checks measure what the budget cost.
