@@ -340,8 +340,7 @@ void AttentionServer::Impl::GovernorLoop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [layer, b] : bias_) {
-        ceiling =
-            std::max(ceiling, !b->usable() ? static_cast<int32_t>(cfg_.top_k) : b->k_avg);
+        ceiling = std::max(ceiling, !b->usable() ? static_cast<int32_t>(cfg_.top_k) : b->k_avg);
       }
     }
     const int32_t before = governor_->cap();

@@ -467,8 +467,8 @@ std::string RouterCore::StampBudgetLocked(const LayerState& l, const std::vector
       moved = std::max(moved, std::abs(static_cast<double>(bias[e]) - solved_under[e]));
     }
   }
-  const int64_t b = budget->k_avg >= 1 && budget->k_avg < cfg_.top_k ? budget->k_avg
-                                                                       : cfg_.top_k - 1;
+  const int64_t b =
+      budget->k_avg >= 1 && budget->k_avg < cfg_.top_k ? budget->k_avg : cfg_.top_k - 1;
   budget->window_floor =
       numerics::BudgetWindowFloor(cfg_.num_experts, b, budget->solved_from_tokens);
   std::string note;
@@ -481,13 +481,14 @@ std::string RouterCore::StampBudgetLocked(const LayerState& l, const std::vector
   if (budget->window_floor > options_.budget_window_floor) {
     const int64_t enough =
         numerics::BudgetWindowTokens(cfg_.num_experts, b, options_.budget_window_floor);
-    absl::StrAppend(&note, "; window floor ", absl::SixDigits(budget->window_floor),
-                    " above ", absl::SixDigits(options_.budget_window_floor), " at budget ", b,
+    absl::StrAppend(&note, "; window floor ", absl::SixDigits(budget->window_floor), " above ",
+                    absl::SixDigits(options_.budget_window_floor), " at budget ", b,
                     ": a window of ", enough, " tokens meets it");
-    MOE_LOG_WARN("layer {}: thresholds from {} tokens leave a kept-load noise floor (MaxVio) of "
-                 "{:.3f} at budget {} (bound {:.3f}, --budget_window_floor); {} tokens meet it",
-                 l.window.layer(), budget->solved_from_tokens, budget->window_floor, b,
-                 options_.budget_window_floor, enough);
+    MOE_LOG_WARN(
+        "layer {}: thresholds from {} tokens leave a kept-load noise floor (MaxVio) of "
+        "{:.3f} at budget {} (bound {:.3f}, --budget_window_floor); {} tokens meet it",
+        l.window.layer(), budget->solved_from_tokens, budget->window_floor, b,
+        options_.budget_window_floor, enough);
   }
   return note;
 }

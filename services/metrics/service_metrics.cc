@@ -560,13 +560,15 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
                      .Register(registry);
   auto& stale = BuildGauge()
                     .Name("moe_budget_thresholds_stale")
-                    .Help("1 while the layer's budget thresholds were solved under a bias that "
-                          "has moved since (not applied; router-svc solves them again)")
+                    .Help(
+                        "1 while the layer's budget thresholds were solved under a bias that "
+                        "has moved since (not applied; router-svc solves them again)")
                     .Register(registry);
   auto& floor = BuildGauge()
                     .Name("moe_budget_window_floor")
-                    .Help("The kept-load MaxVio the sampling noise of the thresholds' window "
-                          "alone leaves at the layer's budget (docs/math.md, The window)")
+                    .Help(
+                        "The kept-load MaxVio the sampling noise of the thresholds' window "
+                        "alone leaves at the layer's budget (docs/math.md, The window)")
                     .Register(registry);
   auto& rebalances = BuildCounter()
                          .Name("moe_rebalances_total")

@@ -98,13 +98,12 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
           absl::StrCat("--budget ", req.budget, " outside [1, top-k - 1 = ", k - 1, "]"));
     }
     if (!(req.budget_window_floor > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat("--budget_window_floor ",
-                                                     req.budget_window_floor, " must be > 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--budget_window_floor ", req.budget_window_floor, " must be > 0"));
     }
-    const int64_t m =
-        req.budget_calibration_tokens > 0
-            ? req.budget_calibration_tokens
-            : numerics::BudgetWindowTokens(e, req.budget, req.budget_window_floor);
+    const int64_t m = req.budget_calibration_tokens > 0
+                          ? req.budget_calibration_tokens
+                          : numerics::BudgetWindowTokens(e, req.budget, req.budget_window_floor);
     rep.budget_calibration_tokens = m;
     rep.budget_window_floor = numerics::BudgetWindowFloor(e, req.budget, m);
     calibration = checkpoint::SyntheticHiddenStates(rep.config, m, req.input_seed + 1000);

@@ -241,10 +241,11 @@ TEST(BudgetThresholds, KeepExactlyTheBudgetInTheirWindow) {
       }
       const double before = rounded_each / static_cast<double>(b * m) - 1.0;
       worst_before = std::max(worst_before, std::abs(before));
-      std::printf("[ m %lld n %lld k %lld ] budget %lld: kept %.4f per token; rounding each "
-                  "count: %+.2f%%\n",
-                  static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
-                  static_cast<long long>(b), static_cast<double>(kept) / m, 100.0 * before);
+      std::printf(
+          "[ m %lld n %lld k %lld ] budget %lld: kept %.4f per token; rounding each "
+          "count: %+.2f%%\n",
+          static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+          static_cast<long long>(b), static_cast<double>(kept) / m, 100.0 * before);
       EXPECT_EQ(kept, b * m) << "m " << m << " n " << n << " b " << b;
       const std::vector<int64_t> loads = KeptLoads(r, n);
       for (int64_t e = 0; e < n; ++e) {
@@ -276,14 +277,14 @@ TEST(BudgetThresholds, DriftWithTheBiasTheyWereNotSolvedFor) {
     std::vector<float> moved(bias);
     for (int64_t e = 0; e < n; ++e) moved[e] += static_cast<float>(change) * direction[e];
     Routing r = SelectExperts(fresh.data(), moved.data(), m, n, k, true, 1.0f);
-    const int64_t kept =
-        ApplyBudget(fresh.data(), n, {1, BudgetRow(table, b, n)}, true, 1.0f, &r);
+    const int64_t kept = ApplyBudget(fresh.data(), n, {1, BudgetRow(table, b, n)}, true, 1.0f, &r);
     const double per_token = static_cast<double>(kept) / m;
     const double miss = per_token / b - 1.0;
     const BalanceMetrics balance = ComputeBalance(KeptLoads(r, n));
-    std::printf("[ stale ] bias moved by up to %.2f: %.3f experts per token (%+.1f%%), kept-load "
-                "MaxVio %.3f\n",
-                change, per_token, 100.0 * miss, balance.max_vio);
+    std::printf(
+        "[ stale ] bias moved by up to %.2f: %.3f experts per token (%+.1f%%), kept-load "
+        "MaxVio %.3f\n",
+        change, per_token, 100.0 * miss, balance.max_vio);
     if (change == 0.02) miss_at_small = std::abs(miss);
     if (change == 0.1) miss_at_large = std::abs(miss);
   }
