@@ -285,10 +285,10 @@ TEST(BudgetThresholds, DriftWithTheBiasTheyWereNotSolvedFor) {
         "[ stale ] bias moved by up to %.2f: %.3f experts per token (%+.1f%%), kept-load "
         "MaxVio %.3f\n",
         change, per_token, 100.0 * miss, balance.max_vio);
-    if (change == 0.02) miss_at_small = std::abs(miss);
+    if (change == 0.01) miss_at_small = std::abs(miss);
     if (change == 0.1) miss_at_large = std::abs(miss);
   }
-  EXPECT_LT(miss_at_small, 0.03);  // the default tolerance keeps the budget within 3%
+  EXPECT_LT(miss_at_small, 0.02);  // the default tolerance (0.01) keeps the budget within 2%
   EXPECT_GT(miss_at_large, 0.03);  // a large move does not: the thresholds must be solved again
 }
 
