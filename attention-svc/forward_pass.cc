@@ -119,8 +119,11 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
           "expert_budget ", cap, ": layer ", req.layer(),
           "'s budget thresholds are stale (solved under bias version ",
           spec.bias->solved_from_version,
-          "; the bias has moved since and router-svc solves them again from the next window of "
-          "traffic); send 0 or ",
+          spec.bias->k_avg < cfg_.top_k
+              ? "; the bias has moved since and router-svc solves them again from the next "
+                "window of traffic); send 0 or "
+              : "; the bias has moved since; the layer has no budget set, so they are solved "
+                "again at its next Rebalance or SetExpertBudget); send 0 or ",
           cfg_.top_k, " for the full top-k meanwhile"));
     }
     return absl::FailedPreconditionError(absl::StrCat(

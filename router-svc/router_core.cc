@@ -495,7 +495,11 @@ std::string RouterCore::StampBudgetLocked(const LayerState& l, const std::vector
 
 absl::Status RouterCore::ResolveStaleBudgetLocked(LayerState& l) {
   const ExpertBudget& cur = l.ledger.current().budget;
-  if (!cur.stale || cur.thresholds.empty()) return absl::OkStatus();
+  // Only for a budget in use: without one nothing is served from the thresholds but requests'
+  // caps, and a version of its own every window would restart the QB window for nothing.
+  if (!cur.stale || cur.thresholds.empty() || cur.k_avg < 1 || cur.k_avg >= cfg_.top_k) {
+    return absl::OkStatus();
+  }
   absl::StatusOr<numerics::BudgetHistogram> pooled = l.window.PooledBudget();
   if (!pooled.ok()) return absl::OkStatus();
   const int64_t b = cur.k_avg >= 1 && cur.k_avg < cfg_.top_k ? cur.k_avg : cfg_.top_k - 1;

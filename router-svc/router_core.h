@@ -118,8 +118,8 @@ class RouterCore {
   // noise floor at its k_avg. Returns what to add to the version's reason ("" when nothing).
   std::string StampBudgetLocked(const LayerState& l, const std::vector<float>& bias,
                                 ExpertBudget* budget) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Stale thresholds solved again from the current window once it holds enough tokens, as a
-  // new version with the same bias.
+  // Stale thresholds of a budget in use (k_avg < k) solved again from the current window once
+  // it holds enough tokens, as a new version with the same bias.
   absl::Status ResolveStaleBudgetLocked(LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked(const LayerState& l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens the store's state and restores ledgers and registrations from it.
