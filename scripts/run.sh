@@ -2,8 +2,8 @@
 # The main job of README.md: a local cluster on loopback from a synthetic checkpoint with router
 # skew. Starts router-svc, expert-svc shards and attention-svc on free ports, runs the load
 # generator for a bounded time, prints throughput, latency and imbalance, calls Rebalance
-# (Quantile Balancing), runs the traffic again and prints the figures again, then stops every
-# process (also on Ctrl-C).
+# (Quantile Balancing) and runs the traffic again until MaxVio is within 1.5x of the window's
+# noise floor (at most four times), prints each step, then stops every process (also on Ctrl-C).
 # Usage: scripts/run.sh [--preset mid|tiny|k3] [--shards N] [--duration S] [--concurrency C]
 #                       [--tokens T] [--seed N] [--skew X] [--reply_mode per_pair|partial_sum]
 #                       [--in_process]   (also time the in-process layer, optimized and reference)
