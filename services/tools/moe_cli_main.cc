@@ -510,8 +510,7 @@ int Cluster(int argc, char** argv) {
   // The floor of a window: the MaxVio sampling noise alone gives its loads.
   auto floor_of = [&](const v1::LoadStats& st) {
     return numerics::NoiseFloorMaxVio(
-        cfg->num_experts,
-        static_cast<double>(st.window_tokens()) * cfg->top_k / cfg->num_experts);
+        cfg->num_experts, static_cast<double>(st.window_tokens()) * cfg->top_k / cfg->num_experts);
   };
   auto before = phase("traffic with the checkpoint's bias");
   if (!before.ok() && !g_stop.load()) return Fail(before.status());
@@ -537,21 +536,21 @@ int Cluster(int argc, char** argv) {
         if (g_stop.load()) break;
         return Fail(after.status());
       }
-      steps.push_back({after->window_balance().max_vio(), floor_of(*after),
-                       after->window_tokens(), after->bias_version()});
+      steps.push_back({after->window_balance().max_vio(), floor_of(*after), after->window_tokens(),
+                       after->bias_version()});
       const Step& st = steps.back();
-      std::printf("step %d: bias version %llu, MaxVio %.3f on %lld new tokens, %.2fx the "
-                  "window's noise floor %.3f\n",
-                  i, static_cast<unsigned long long>(st.version), st.max_vio,
-                  static_cast<long long>(st.tokens), st.max_vio / st.floor, st.floor);
+      std::printf(
+          "step %d: bias version %llu, MaxVio %.3f on %lld new tokens, %.2fx the "
+          "window's noise floor %.3f\n",
+          i, static_cast<unsigned long long>(st.version), st.max_vio,
+          static_cast<long long>(st.tokens), st.max_vio / st.floor, st.floor);
       converged = st.max_vio <= kNearFloor * st.floor;
     }
     if (!g_stop.load()) {
       std::printf("\n== summary: MaxVio per window (noise floor: what sampling alone gives)\n");
       for (size_t i = 0; i < steps.size(); ++i) {
         std::printf("  %-28s version %-3llu MaxVio %.3f  floor %.3f  (%.2fx)\n",
-                    i == 0 ? "checkpoint's bias"
-                           : absl::StrCat("after Rebalance ", i).c_str(),
+                    i == 0 ? "checkpoint's bias" : absl::StrCat("after Rebalance ", i).c_str(),
                     static_cast<unsigned long long>(steps[i].version), steps[i].max_vio,
                     steps[i].floor, steps[i].max_vio / steps[i].floor);
       }
