@@ -362,10 +362,15 @@ absl::Status RouterCore::PublishBiasLocked(LayerState& l) {
 void RouterCore::UpdateLayerMetricsLocked(const LayerState& l) {
   if (metrics_ == nullptr) return;
   // An empty window has no imbalance to speak of: NaN (a gap in a graph), never a false 0.
-  const double max_vio = l.window.window_tokens() > 0
-                             ? numerics::ComputeBalance(l.window.window_loads()).max_vio
-                             : std::numeric_limits<double>::quiet_NaN();
-  metrics_->Window(l.window.layer(), max_vio, l.window.window_tokens());
+  const bool empty = l.window.window_tokens() == 0;
+  const std::vector<int32_t> shard_of = registry_->ShardOfExpert(l.window.layer());
+  const numerics::BalanceMetrics b = numerics::ComputeBalance(l.window.window_loads(), shard_of);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  metrics_->Window(l.window.layer(), empty ? nan : b.max_vio, l.window.window_tokens());
+  // Shard balancedness as vLLM's EPLB exports it: mean / max tokens per shard.
+  metrics_->Balancedness(l.window.layer(), empty || shard_of.empty() || !(b.shard_max_over_mean > 0)
+                                               ? nan
+                                               : 1.0 / b.shard_max_over_mean);
   metrics_->BiasVersion(l.window.layer(), l.ledger.current().version);
   metrics_->ExpertBudget(l.window.layer(), l.ledger.current().budget.k_avg);
   metrics_->BudgetThresholds(l.window.layer(), l.ledger.current().budget.stale,

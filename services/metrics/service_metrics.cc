@@ -544,6 +544,11 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
                       .Name("moe_imbalance_max_vio")
                       .Help("MaxVio (max load / mean load - 1) over the current window")
                       .Register(registry);
+  auto& balancedness = BuildGauge()
+                           .Name("moe_balancedness")
+                           .Help("Mean / max tokens per expert shard over the current window, as "
+                                 "vLLM's EPLB exports it (1: even)")
+                           .Register(registry);
   auto& window = BuildGauge()
                      .Name("moe_window_tokens")
                      .Help("Tokens in the current statistics window")
@@ -578,6 +583,7 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
     Layer& l = layers_[layer];
     l.max_vio = &max_vio.Add({{"layer", L(layer)}});
     l.window_tokens = &window.Add({{"layer", L(layer)}});
+    l.balancedness = &balancedness.Add({{"layer", L(layer)}});
     l.bias_version = &version.Add({{"layer", L(layer)}});
     l.expert_budget = &budget.Add({{"layer", L(layer)}});
     l.budget_stale = &stale.Add({{"layer", L(layer)}});
@@ -591,6 +597,11 @@ void RouterMetrics::Window(int64_t layer, double max_vio, int64_t window_tokens)
   if (it == layers_.end()) return;
   it->second.max_vio->Set(max_vio);
   it->second.window_tokens->Set(static_cast<double>(window_tokens));
+}
+
+void RouterMetrics::Balancedness(int64_t layer, double balancedness) {
+  auto it = layers_.find(layer);
+  if (it != layers_.end()) it->second.balancedness->Set(balancedness);
 }
 
 void RouterMetrics::BiasVersion(int64_t layer, uint64_t version) {

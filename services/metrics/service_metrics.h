@@ -229,6 +229,8 @@ class RouterMetrics {
 
   CommonMetrics common;
   void Window(int64_t layer, double max_vio, int64_t window_tokens);
+  // Mean / max tokens per shard over the window (1: even; NaN: empty window).
+  void Balancedness(int64_t layer, double balancedness);
   void BiasVersion(int64_t layer, uint64_t version);
   // Dynamic k: the layer's expert budget (experts per token on average; top-k: none).
   void ExpertBudget(int64_t layer, int64_t k_avg);
@@ -245,6 +247,7 @@ class RouterMetrics {
   struct Layer {
     prometheus::Gauge* max_vio = nullptr;
     prometheus::Gauge* window_tokens = nullptr;
+    prometheus::Gauge* balancedness = nullptr;
     prometheus::Gauge* bias_version = nullptr;
     prometheus::Gauge* expert_budget = nullptr;
     prometheus::Gauge* budget_stale = nullptr;

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <fstream>
+#include <queue>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -167,6 +170,196 @@ std::string QbSimSummary(const QbSimResult& r) {
     absl::StrAppendFormat(&out, "%-16s %10.3f %10.3f %8s %14.3f %14.3f\n", name, first, last,
                           reach < 0 ? std::string("never") : absl::StrCat(reach),
                           tail_vio / tail_count, tail_min / tail_count);
+  }
+  return out;
+}
+
+EplbPlan PlanEplb(const std::vector<double>& loads, int shards, int slots) {
+  const int n = static_cast<int>(loads.size());
+  EplbPlan plan;
+  plan.replicas.assign(static_cast<size_t>(n), 1);
+  // Spare slots, one at a time, to the expert with the most load per replica (ties: lower id).
+  std::priority_queue<std::pair<double, int>> heaviest;
+  for (int j = 0; j < n; ++j) heaviest.push({loads[j], -j});
+  for (int spare = shards * slots - n; spare > 0; --spare) {
+    const int j = -heaviest.top().second;
+    heaviest.pop();
+    ++plan.replicas[j];
+    heaviest.push({loads[j] / plan.replicas[j], -j});
+  }
+  // Replicas heaviest first, each to the least loaded shard with room.
+  std::vector<std::pair<double, int>> items;
+  for (int j = 0; j < n; ++j) {
+    for (int r = 0; r < plan.replicas[j]; ++r) items.push_back({loads[j] / plan.replicas[j], j});
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  plan.on_shard.assign(static_cast<size_t>(shards), {});
+  std::vector<double> shard_load(static_cast<size_t>(shards), 0.0);
+  for (const auto& [load, j] : items) {
+    int best = -1;
+    for (int pass = 0; pass < 2 && best < 0; ++pass) {
+      for (int sh = 0; sh < shards; ++sh) {
+        if (static_cast<int>(plan.on_shard[sh].size()) >= slots) continue;
+        const auto& held = plan.on_shard[sh];
+        if (pass == 0 && std::find(held.begin(), held.end(), j) != held.end()) continue;
+        if (best < 0 || shard_load[sh] < shard_load[best]) best = sh;
+      }
+    }
+    plan.on_shard[best].push_back(j);
+    shard_load[best] += load;
+  }
+  return plan;
+}
+
+namespace {
+
+// Tokens per shard when expert j's tokens split evenly over its replicas.
+std::vector<double> ShardLoads(const std::vector<int64_t>& loads,
+                               const std::vector<std::vector<int32_t>>& on_shard) {
+  std::vector<int> replicas(loads.size(), 0);
+  for (const auto& held : on_shard) {
+    for (int32_t j : held) ++replicas[j];
+  }
+  std::vector<double> out;
+  for (const auto& held : on_shard) {
+    double sum = 0;
+    for (int32_t j : held) sum += static_cast<double>(loads[j]) / replicas[j];
+    out.push_back(sum);
+  }
+  return out;
+}
+
+double Balancedness(const std::vector<double>& shard_loads) {
+  double sum = 0, max = 0;
+  for (double v : shard_loads) {
+    sum += v;
+    max = std::max(max, v);
+  }
+  return max > 0 ? sum / static_cast<double>(shard_loads.size()) / max : 1.0;
+}
+
+// Experts placed on a shard that did not hold them before (each one expert's weights moved).
+int64_t Arrivals(const std::vector<std::vector<int32_t>>& before,
+                 const std::vector<std::vector<int32_t>>& after) {
+  int64_t moved = 0;
+  for (size_t sh = 0; sh < after.size(); ++sh) {
+    std::multiset<int32_t> had(before[sh].begin(), before[sh].end());
+    for (int32_t j : after[sh]) {
+      auto it = had.find(j);
+      if (it == had.end()) {
+        ++moved;
+      } else {
+        had.erase(it);
+      }
+    }
+  }
+  return moved;
+}
+
+}  // namespace
+
+PlacementSimResult RunPlacementSim(const QbSimOptions& o) {
+  PlacementSimResult result;
+  result.options = o;
+  const int64_t n = o.num_experts, k = o.top_k, m = o.window_tokens;
+  const int shards = std::max(1, o.shards);
+  const int slots = static_cast<int>((n + shards - 1) / shards) + std::max(0, o.spare_slots_per_shard);
+  const double per_shard = static_cast<double>(m) * static_cast<double>(k) / shards;
+  result.balancedness_floor = 1.0 / (1.0 + numerics::NoiseFloorMaxVio(shards, per_shard));
+  // Contiguous placement: shard s holds experts [s n / S, (s + 1) n / S).
+  std::vector<std::vector<int32_t>> contiguous(static_cast<size_t>(shards));
+  for (int64_t j = 0; j < n; ++j) contiguous[j * shards / n].push_back(static_cast<int32_t>(j));
+  struct Method {
+    std::string name;
+    bool qb, eplb;
+    std::vector<float> bias;
+    std::vector<std::vector<int32_t>> placement;
+    std::vector<int64_t> last_loads;
+    double last_balancedness = 1.0;
+  };
+  std::vector<Method> methods = {{"none", false, false, {}, contiguous, {}},
+                                 {"qb", true, false, {}, contiguous, {}},
+                                 {"eplb", false, true, {}, contiguous, {}},
+                                 {"qb+eplb", true, true, {}, contiguous, {}}};
+  for (Method& me : methods) {
+    me.bias.assign(static_cast<size_t>(n), 0.0f);
+    result.methods.push_back(me.name);
+  }
+  Rng pop(MixSeed(o.seed, {1}));
+  std::vector<float> popularity(static_cast<size_t>(n));
+  for (float& v : popularity) v = static_cast<float>(pop.Uniform());
+  for (int w = 0; w < o.windows; ++w) {
+    if (w > 0 && o.drift > 0) {
+      for (float& u : popularity) {
+        float v = u + static_cast<float>(o.drift) * pop.Normal();
+        v = v < 0 ? -v : v;
+        u = v > 1 ? 2 - v : v;
+      }
+    }
+    const std::vector<float> s =
+        Traffic(o, Offsets(o, popularity), MixSeed(o.seed, {2, static_cast<uint64_t>(w)}));
+    for (Method& me : methods) {
+      double moved = 0;
+      // Planned from the window before (causal), when it left the shards unbalanced.
+      if (me.eplb && !me.last_loads.empty() && me.last_balancedness < o.eplb_replan_below) {
+        const std::vector<double> prev(me.last_loads.begin(), me.last_loads.end());
+        EplbPlan plan = PlanEplb(prev, shards, slots);
+        moved = static_cast<double>(Arrivals(me.placement, plan.on_shard)) * o.expert_bytes;
+        me.placement = std::move(plan.on_shard);
+      }
+      std::vector<int64_t> loads;
+      if (me.qb) {
+        auto step = numerics::QbExactStep(s, m, n, me.bias, k);
+        loads = step->loads;
+        me.bias = step->bias;
+      } else {
+        loads = numerics::RouteLoads(s, m, n, me.bias, k);
+      }
+      me.last_loads = loads;
+      me.last_balancedness = Balancedness(ShardLoads(loads, me.placement));
+      result.rows.push_back(
+          {w, me.name, me.last_balancedness, ComputeBalance(loads).max_vio, moved});
+    }
+  }
+  return result;
+}
+
+std::string PlacementSimSummary(const PlacementSimResult& r) {
+  const QbSimOptions& o = r.options;
+  const int slots = static_cast<int>((o.num_experts + o.shards - 1) / o.shards) +
+                    o.spare_slots_per_shard;
+  std::string out = absl::StrFormat(
+      "router vs weights: n=%d k=%d on %d shards of %d slots (%d spare each), window=%d tokens, "
+      "windows=%d skew=%.2f drift=%.3f; expert %.1f MB\n"
+      "balancedness = mean/max tokens per shard; its noise floor %.3f; 'reach' = first window "
+      "with max/mean - 1 <= %.2f x the floor's\n",
+      o.num_experts, o.top_k, o.shards, slots, o.spare_slots_per_shard, o.window_tokens,
+      o.windows, o.skew, o.drift, o.expert_bytes / 1e6, r.balancedness_floor, kReachFactor);
+  absl::StrAppendFormat(&out, "%-10s %9s %9s %12s %8s %14s %16s\n", "method", "bal[0]", "bal[-1]",
+                        "bal(tail)", "reach", "GB moved", "expert MaxVio(tail)");
+  const double floor_vio = 1.0 / r.balancedness_floor - 1.0;
+  const int tail_from = o.windows - std::max(1, o.windows / 3);
+  for (const std::string& name : r.methods) {
+    double first = 0, last = 0, tail = 0, tail_vio = 0, bytes = 0;
+    int reach = -1, count = 0;
+    for (const PlacementSimRow& row : r.rows) {
+      if (row.method != name) continue;
+      if (row.window == 0) first = row.balancedness;
+      last = row.balancedness;
+      bytes += row.bytes_moved;
+      if (reach < 0 && 1.0 / row.balancedness - 1.0 <= kReachFactor * floor_vio) {
+        reach = row.window;
+      }
+      if (row.window >= tail_from) {
+        tail += row.balancedness;
+        tail_vio += row.expert_max_vio;
+        ++count;
+      }
+    }
+    absl::StrAppendFormat(&out, "%-10s %9.3f %9.3f %12.3f %8s %14.2f %16.3f\n", name, first, last,
+                          tail / count, reach < 0 ? std::string("never") : absl::StrCat(reach),
+                          bytes / 1e9, tail_vio / count);
   }
   return out;
 }

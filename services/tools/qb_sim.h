@@ -36,6 +36,14 @@ struct QbSimOptions {
   std::vector<float> gammas = {1e-3f, 1e-2f};
   std::vector<int> bins = {100, 1000};
   int nodes = 2;  // attention nodes the histogram method splits each window over
+  // RunPlacementSim: expert-parallel shards, spare expert slots per shard (EPLB's redundant
+  // experts), and the bytes of one expert's weights (K3's MXFP4 expert: about 17.5 MB).
+  int shards = 8;
+  int spare_slots_per_shard = 8;
+  double expert_bytes = 17.5e6;
+  // EPLB re-plans only when the window before left the shards less balanced than this (a
+  // placement that already holds is not reshuffled: every re-plan moves weights).
+  double eplb_replan_below = 0.95;
 };
 
 struct QbSimRow {
@@ -64,6 +72,45 @@ std::string QbSimSummary(const QbSimResult& result);
 inline constexpr double kReachFactor = 1.25;
 // Renders MaxVio and min-load/q per window, one line per method, with gnuplot (pngcairo).
 absl::Status WriteQbSimChart(const QbSimResult& result, const std::string& png_path);
+
+// Balance by the router vs balance by moving weights, on the same traffic (shards of the
+// expert tier, not single experts): "none" (the router's own bias, experts on contiguous
+// shards), "qb" (Quantile Balancing's exact step each window, contiguous shards: no weights
+// move), "eplb" (no bias; before a window whose predecessor's balancedness fell below
+// eplb_replan_below, the expert-parallel load balancer vLLM and SGLang run re-plans the
+// placement from that window's loads: replicas of the hottest experts
+// in the spare slots, then every replica packed greedily onto the least loaded shard with room,
+// the greedy of DeepSeek's EPLB), and "qb+eplb". Per window: the shards' balancedness (mean /
+// max tokens per shard, as vLLM exports it), the experts' MaxVio, and the bytes of expert
+// weights moved to reach the window's placement.
+struct PlacementSimRow {
+  int window = 0;
+  std::string method;
+  double balancedness = 0;  // mean / max shard load
+  double expert_max_vio = 0;
+  double bytes_moved = 0;
+};
+struct PlacementSimResult {
+  QbSimOptions options;
+  std::vector<std::string> methods;
+  std::vector<PlacementSimRow> rows;  // window-major, methods in order
+  // The balancedness sampling noise alone leaves: 1 / (1 + sqrt(2 ln S) / sqrt(m k / S)).
+  double balancedness_floor = 0;
+};
+PlacementSimResult RunPlacementSim(const QbSimOptions& options);
+// One line per method: balancedness first, last and over the last third, the first window
+// within kReachFactor of the floor's imbalance, and the bytes moved in all.
+std::string PlacementSimSummary(const PlacementSimResult& result);
+
+// EPLB's plan for expert loads on `shards` shards of `slots` slots each (shards * slots >= n):
+// every expert one replica, each spare slot to the expert with the most load per replica; then
+// the replicas, heaviest first, each to the least loaded shard with a free slot (one that does
+// not hold that expert yet, when there is one). replicas[j] >= 1 sums to shards * slots.
+struct EplbPlan {
+  std::vector<int> replicas;                     // [n]
+  std::vector<std::vector<int32_t>> on_shard;    // [shards] expert ids, one per used slot
+};
+EplbPlan PlanEplb(const std::vector<double>& loads, int shards, int slots);
 
 }  // namespace moe::tools
 

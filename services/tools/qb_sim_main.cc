@@ -2,7 +2,9 @@
 //
 //   qb-sim [--experts 896] [--top_k 16] [--window 4096] [--windows 30] [--skew 3.0]
 //          [--drift 0.0] [--dead 0] [--seed 1] [--nodes 2] [--out qb-sim]
-// Writes OUT.csv and OUT.png and prints a summary table with the noise floor.
+//          [--shards 8] [--spare_slots 8] [--expert_mb 17.5]
+// Writes OUT.csv and OUT.png and prints a summary table with the noise floor, then the
+// router-vs-weights comparison on the shards (QB vs EPLB's placement, qb_sim.h).
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -27,6 +29,12 @@ int main(int argc, char** argv) {
   f.Uint64("seed", &o.seed, "seed");
   f.Int64("nodes", &nodes, "attention nodes each window is split over (1..64)");
   f.String("out", &out, "output prefix");
+  double expert_mb = o.expert_bytes / 1e6;
+  f.Int("shards", &o.shards,
+        "expert-tier shards of the router-vs-weights comparison (0: skip it)");
+  f.Int("spare_slots", &o.spare_slots_per_shard,
+        "spare expert slots per shard (EPLB's redundant experts)");
+  f.Double("expert_mb", &expert_mb, "MB of one expert's weights (bytes moved by EPLB)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   if (nodes < 1 || nodes > 64) {
     std::fprintf(stderr, "qb-sim: --nodes must lie in [1, 64]\n");
@@ -38,9 +46,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "need 1 <= top_k < experts, window >= 1, windows >= 1, dead < experts\n");
     return 2;
   }
+  if (o.shards < 0 || o.shards > o.num_experts || o.spare_slots_per_shard < 0 || expert_mb < 0) {
+    std::fprintf(stderr, "need 0 <= shards <= experts, spare_slots >= 0, expert_mb >= 0\n");
+    return 2;
+  }
+  o.expert_bytes = expert_mb * 1e6;
   const moe::tools::QbSimResult r = moe::tools::RunQbSim(o);
   std::ofstream(out + ".csv") << moe::tools::QbSimCsv(r);
   std::printf("%s", moe::tools::QbSimSummary(r).c_str());
+  if (o.shards > 0) {
+    std::printf("\n%s",
+                moe::tools::PlacementSimSummary(moe::tools::RunPlacementSim(o)).c_str());
+  }
   const absl::Status chart = moe::tools::WriteQbSimChart(r, out + ".png");
   if (!chart.ok()) {
     std::fprintf(stderr, "chart: %s\n", std::string(chart.message()).c_str());

@@ -709,6 +709,11 @@ TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
   for (int64_t v : before->window_loads()) sum += v;
   EXPECT_EQ(sum, 200 * 64 * cfg.top_k);  // every routed pair counted once
   const double vio_before = before->window_balance().max_vio();
+  // The router exports the shards' balancedness of the same window (mean / max, vLLM's form).
+  ASSERT_GT(before->window_balance().shard_max_over_mean(), 1.0);
+  EXPECT_NEAR(moe::testing::ScrapeSum((*cluster)->router_metrics(), "moe_balancedness",
+                                      {absl::StrCat("layer=\"", layer, "\"")}),
+              1.0 / before->window_balance().shard_max_over_mean(), 1e-6);
 
   // Without the token: refused; a dry run needs none and changes nothing.
   auto anonymous = ClientFor(**cluster);
