@@ -546,8 +546,9 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
                       .Register(registry);
   auto& balancedness = BuildGauge()
                            .Name("moe_balancedness")
-                           .Help("Mean / max tokens per expert shard over the current window, as "
-                                 "vLLM's EPLB exports it (1: even)")
+                           .Help(
+                               "Mean / max tokens per expert shard over the current window, as "
+                               "vLLM's EPLB exports it (1: even)")
                            .Register(registry);
   auto& window = BuildGauge()
                      .Name("moe_window_tokens")

@@ -2,10 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <fstream>
 #include <queue>
 #include <set>
@@ -264,7 +264,8 @@ PlacementSimResult RunPlacementSim(const QbSimOptions& o) {
   result.options = o;
   const int64_t n = o.num_experts, k = o.top_k, m = o.window_tokens;
   const int shards = std::max(1, o.shards);
-  const int slots = static_cast<int>((n + shards - 1) / shards) + std::max(0, o.spare_slots_per_shard);
+  const int slots =
+      static_cast<int>((n + shards - 1) / shards) + std::max(0, o.spare_slots_per_shard);
   const double per_shard = static_cast<double>(m) * static_cast<double>(k) / shards;
   result.balancedness_floor = 1.0 / (1.0 + numerics::NoiseFloorMaxVio(shards, per_shard));
   // Contiguous placement: shard s holds experts [s n / S, (s + 1) n / S).
@@ -327,15 +328,15 @@ PlacementSimResult RunPlacementSim(const QbSimOptions& o) {
 
 std::string PlacementSimSummary(const PlacementSimResult& r) {
   const QbSimOptions& o = r.options;
-  const int slots = static_cast<int>((o.num_experts + o.shards - 1) / o.shards) +
-                    o.spare_slots_per_shard;
+  const int slots =
+      static_cast<int>((o.num_experts + o.shards - 1) / o.shards) + o.spare_slots_per_shard;
   std::string out = absl::StrFormat(
       "router vs weights: n=%d k=%d on %d shards of %d slots (%d spare each), window=%d tokens, "
       "windows=%d skew=%.2f drift=%.3f; expert %.1f MB\n"
       "balancedness = mean/max tokens per shard; its noise floor %.3f; 'reach' = first window "
       "with max/mean - 1 <= %.2f x the floor's\n",
-      o.num_experts, o.top_k, o.shards, slots, o.spare_slots_per_shard, o.window_tokens,
-      o.windows, o.skew, o.drift, o.expert_bytes / 1e6, r.balancedness_floor, kReachFactor);
+      o.num_experts, o.top_k, o.shards, slots, o.spare_slots_per_shard, o.window_tokens, o.windows,
+      o.skew, o.drift, o.expert_bytes / 1e6, r.balancedness_floor, kReachFactor);
   absl::StrAppendFormat(&out, "%-10s %9s %9s %12s %8s %14s %16s\n", "method", "bal[0]", "bal[-1]",
                         "bal(tail)", "reach", "GB moved", "expert MaxVio(tail)");
   const double floor_vio = 1.0 / r.balancedness_floor - 1.0;

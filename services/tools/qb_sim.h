@@ -107,8 +107,8 @@ std::string PlacementSimSummary(const PlacementSimResult& result);
 // the replicas, heaviest first, each to the least loaded shard with a free slot (one that does
 // not hold that expert yet, when there is one). replicas[j] >= 1 sums to shards * slots.
 struct EplbPlan {
-  std::vector<int> replicas;                     // [n]
-  std::vector<std::vector<int32_t>> on_shard;    // [shards] expert ids, one per used slot
+  std::vector<int> replicas;                   // [n]
+  std::vector<std::vector<int32_t>> on_shard;  // [shards] expert ids, one per used slot
 };
 EplbPlan PlanEplb(const std::vector<double>& loads, int shards, int slots);
 

@@ -30,8 +30,7 @@ int main(int argc, char** argv) {
   f.Int64("nodes", &nodes, "attention nodes each window is split over (1..64)");
   f.String("out", &out, "output prefix");
   double expert_mb = o.expert_bytes / 1e6;
-  f.Int("shards", &o.shards,
-        "expert-tier shards of the router-vs-weights comparison (0: skip it)");
+  f.Int("shards", &o.shards, "expert-tier shards of the router-vs-weights comparison (0: skip it)");
   f.Int("spare_slots", &o.spare_slots_per_shard,
         "spare expert slots per shard (EPLB's redundant experts)");
   f.Double("expert_mb", &expert_mb, "MB of one expert's weights (bytes moved by EPLB)");
@@ -55,8 +54,7 @@ int main(int argc, char** argv) {
   std::ofstream(out + ".csv") << moe::tools::QbSimCsv(r);
   std::printf("%s", moe::tools::QbSimSummary(r).c_str());
   if (o.shards > 0) {
-    std::printf("\n%s",
-                moe::tools::PlacementSimSummary(moe::tools::RunPlacementSim(o)).c_str());
+    std::printf("\n%s", moe::tools::PlacementSimSummary(moe::tools::RunPlacementSim(o)).c_str());
   }
   const absl::Status chart = moe::tools::WriteQbSimChart(r, out + ".png");
   if (!chart.ok()) {
