@@ -208,8 +208,12 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
   // finished windows of an older bias version
   std::vector<LayerStats> outgoing_ ABSL_GUARDED_BY(stats_mu_);
   // Dynamic k's full-k checks measured since the last report, per layer: count and summed
-  // relative difference (ReportStatsRequest.budget_checks, budget_rel_diff_sum).
-  std::map<int32_t, std::pair<int64_t, double>> check_costs_ ABSL_GUARDED_BY(stats_mu_);
+  // relative difference, mass kept and top-1 agreement (ReportStatsRequest.budget_*).
+  struct CheckSums {
+    int64_t checks = 0;
+    double rel_diff = 0, mass_kept = 0, top1 = 0;
+  };
+  std::map<int32_t, CheckSums> check_costs_ ABSL_GUARDED_BY(stats_mu_);
 
   std::thread report_thread_;
 
@@ -220,6 +224,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
     v1::ForwardRequest req;
     std::string output;  // the budgeted answer's bf16 bytes
     uint64_t bias_version = 0;
+    double mass_kept = 1.0;  // its ForwardResponse.routing_mass_kept
   };
   std::mutex check_mu_;
   std::condition_variable check_cv_;

@@ -294,7 +294,7 @@ void AttentionServer::Impl::Accumulate(int32_t layer, const BiasEntry& bias,
 
 void AttentionServer::Impl::ReportNow() {
   std::vector<LayerStats> out;
-  std::map<int32_t, std::pair<int64_t, double>> costs;
+  std::map<int32_t, CheckSums> costs;
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     out.swap(outgoing_);
@@ -325,8 +325,10 @@ void AttentionServer::Impl::ReportNow() {
     }
     auto cost = costs.find(h.window().layer);
     if (newest && cost != costs.end()) {
-      req.set_budget_checks(cost->second.first);
-      req.set_budget_rel_diff_sum(cost->second.second);
+      req.set_budget_checks(cost->second.checks);
+      req.set_budget_rel_diff_sum(cost->second.rel_diff);
+      req.set_budget_mass_kept_sum(cost->second.mass_kept);
+      req.set_budget_top1_agree_sum(cost->second.top1);
     }
     if (auto r = router_->ReportStats(req); !r.ok()) {
       MOE_LOG_WARN("ReportStats failed: {}", r.status().ToString());
@@ -371,7 +373,7 @@ void AttentionServer::Impl::MaybeCheck(const v1::ForwardRequest& req,
     if (metrics_ != nullptr) metrics_->BudgetCheck(req.layer(), "dropped");
     return;
   }
-  checks_.push_back({req, resp.output().data(), resp.bias_version()});
+  checks_.push_back({req, resp.output().data(), resp.bias_version(), resp.routing_mass_kept()});
   check_cv_.notify_one();
 }
 
@@ -416,10 +418,24 @@ void AttentionServer::Impl::CheckLoop() {
       norm += y * y;
     }
     const double rel = norm > 0 ? std::sqrt(diff / norm) : 0.0;
-    if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "measured", rel);
+    // Where the next-token head would point, with the budget and without.
+    std::vector<float> af(n), bf(n);
+    for (size_t i = 0; i < n; ++i) {
+      af[i] = a[i].ToFloat();
+      bf[i] = b[i].ToFloat();
+    }
+    const int64_t tokens = static_cast<int64_t>(n) / cfg_.hidden;
+    const double top1 = numerics::Top1Agreement(af.data(), bf.data(), tokens, cfg_.hidden);
+    if (metrics_ != nullptr) {
+      metrics_->BudgetCheck(layer, "measured", rel);
+      metrics_->BudgetQuality(layer, c.mass_kept, top1);
+    }
     std::lock_guard<std::mutex> lock(stats_mu_);
-    check_costs_[layer].first += 1;
-    check_costs_[layer].second += rel;
+    CheckSums& sums = check_costs_[layer];
+    sums.checks += 1;
+    sums.rel_diff += rel;
+    sums.mass_kept += c.mass_kept;
+    sums.top1 += top1;
   }
 }
 

@@ -206,9 +206,10 @@ class AttentionServer::Impl::ForwardPass {
           f.batch.scores.data(), cfg.num_experts,
           {spec_.bias->k_min,
            numerics::BudgetRow(spec_.bias->thresholds, spec_.budget, cfg.num_experts)},
-          cfg.renormalize, cfg.routed_scaling_factor, &f.batch.routing);
+          cfg.renormalize, cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
     } else {
       routed_pairs_ += rows * top_k_;
+      kept_mass_ += static_cast<double>(rows);
     }
     DispatchSpec dispatch = dispatch_;
     if (req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*spec_.route)) {
@@ -322,6 +323,8 @@ class AttentionServer::Impl::ForwardPass {
     resp->set_precision(transport::PrecisionToProto(spec_.precision));
     resp->set_expert_budget(spec_.budget);
     resp->set_routed_pairs(routed_pairs_);
+    resp->set_routing_mass_kept(
+        spec_.x.rows > 0 ? kept_mass_ / static_cast<double>(spec_.x.rows) : 1.0);
     resp->set_dispatch_bytes_sent(bytes_sent_);
     resp->set_dispatch_bytes_received(bytes_received_);
     if (degraded_pairs_ > 0) {
@@ -375,6 +378,7 @@ class AttentionServer::Impl::ForwardPass {
   LayerTimings t_;
   int64_t bytes_sent_ = 0, bytes_received_ = 0;
   int64_t routed_pairs_ = 0;   // (token, expert) pairs kept by the budget
+  double kept_mass_ = 0;       // summed over tokens (ApplyBudget's kept_mass)
   std::set<int32_t> missing_;  // DEGRADE: experts left out, over all micro-batches
   int64_t degraded_pairs_ = 0;
   double combine_seconds_ = 0;

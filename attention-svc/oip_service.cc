@@ -328,6 +328,7 @@ void OipService::Infer(
         fr.precision() == v1::PRECISION_W4A8 ? "w4a8" : "w4a16");
     (*resp.mutable_parameters())["expert_budget"].set_int64_param(fr.expert_budget());
     (*resp.mutable_parameters())["routed_pairs"].set_int64_param(fr.routed_pairs());
+    (*resp.mutable_parameters())["routing_mass_kept"].set_double_param(fr.routing_mass_kept());
     const int64_t tokens = fr.output().shape(0);
     for (const std::string& name : *outputs) {
       auto* o = resp.add_outputs();

@@ -167,6 +167,8 @@ nlohmann::json LayerStateJson(const BiasLedger& ledger, const LoadWindow& w,
                  {"served", served},
                  {"checks", budget.checks},
                  {"mean_rel_diff", budget.checks > 0 ? budget.rel_diff_sum / budget.checks : 0.0},
+                 {"mean_mass_kept", budget.checks > 0 ? budget.mass_kept_sum / budget.checks : 1.0},
+                 {"mean_top1_agreement", budget.checks > 0 ? budget.top1_sum / budget.checks : 1.0},
                  {"events", events}};
   j["history"] = nlohmann::json::array();
   for (const BiasVersion& h : ledger.history()) {

@@ -40,6 +40,7 @@ struct BudgetActivity {
   std::deque<Event> events;
   int64_t checks = 0;
   double rel_diff_sum = 0;
+  double mass_kept_sum = 0, top1_sum = 0;  // the same checks' (ReportStatsRequest.budget_*)
   // A node's cap at a report (0: its automatic mode is off); a change joins the time line.
   void Cap(const std::string& node, int32_t cap, int64_t unix_ms);
 };

@@ -317,11 +317,17 @@ absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
   if (req.auto_budget() < 0 || req.auto_budget() > cfg_.top_k || req.budget_checks() < 0 ||
       req.budget_checks() > (int64_t{1} << 40) || !std::isfinite(req.budget_rel_diff_sum()) ||
       req.budget_rel_diff_sum() < 0 ||
-      req.budget_rel_diff_sum() > 1e3 * static_cast<double>(req.budget_checks())) {
+      req.budget_rel_diff_sum() > 1e3 * static_cast<double>(req.budget_checks()) ||
+      !(req.budget_mass_kept_sum() >= 0) ||
+      req.budget_mass_kept_sum() > static_cast<double>(req.budget_checks()) ||
+      !(req.budget_top1_agree_sum() >= 0) ||
+      req.budget_top1_agree_sum() > static_cast<double>(req.budget_checks())) {
     return absl::InvalidArgumentError(
         absl::StrCat("report from ", r.node, ": auto_budget ", req.auto_budget(), " (0..",
                      cfg_.top_k, "), budget_checks ", req.budget_checks(), ", budget_rel_diff_sum ",
-                     req.budget_rel_diff_sum(), " out of range"));
+                     req.budget_rel_diff_sum(), ", budget_mass_kept_sum ",
+                     req.budget_mass_kept_sum(), ", budget_top1_agree_sum ",
+                     req.budget_top1_agree_sum(), " out of range"));
   }
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));
@@ -333,6 +339,8 @@ absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
   if (result == ReportResult::kCurrent) {
     l->budget.checks += req.budget_checks();
     l->budget.rel_diff_sum += req.budget_rel_diff_sum();
+    l->budget.mass_kept_sum += req.budget_mass_kept_sum();
+    l->budget.top1_sum += req.budget_top1_agree_sum();
   }
   if (metrics_ != nullptr) metrics_->Report(result == ReportResult::kCurrent);
   if (result == ReportResult::kStale) return absl::OkStatus();
@@ -352,6 +360,8 @@ absl::Status RouterCore::PublishBiasLocked(LayerState& l) {
   l.window.Clear();
   l.budget.checks = 0;  // what a budget costs is measured per version
   l.budget.rel_diff_sum = 0;
+  l.budget.mass_kept_sum = 0;
+  l.budget.top1_sum = 0;
   const BiasVersion& cur = l.ledger.current();
   MOE_LOG_INFO("layer {} bias version {} ({})", cur.layer, cur.version, cur.reason);
   if (sinks_.bias) sinks_.bias(ToProto(cur));

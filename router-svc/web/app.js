@@ -118,7 +118,7 @@ function render(s) {
     : `${b.k} per token (no thresholds solved yet: set a budget after traffic)`;
   $('budget-served').dataset.value = String(b.served);
   $('budget-cost').textContent = b.checks > 0
-    ? `${b.mean_rel_diff.toFixed(3)} relative output difference vs full k (mean of ${b.checks} sampled checks, this version)`
+    ? `${b.mean_rel_diff.toFixed(3)} relative output difference vs full k; ${(100 * b.mean_mass_kept).toFixed(1)}% of the routing weight kept; top-1 of a stand-in LM head the same for ${(100 * b.mean_top1_agreement).toFixed(1)}% of tokens (mean of ${b.checks} sampled checks, this version)`
     : 'no full-k checks yet in this version';
   $('budget-cost').dataset.value = b.checks > 0 ? String(b.mean_rel_diff) : '';
   $('budget-k').max = String(b.k);

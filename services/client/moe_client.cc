@@ -33,6 +33,7 @@ absl::StatusOr<ForwardResult> ToResult(const v1::ForwardResponse& r) {
   out.precision = r.precision();
   out.expert_budget = r.expert_budget();
   out.routed_pairs = r.routed_pairs();
+  out.routing_mass_kept = r.routing_mass_kept();
   out.seconds = r.seconds();
   out.dispatch_bytes_sent = r.dispatch_bytes_sent();
   out.dispatch_bytes_received = r.dispatch_bytes_received();

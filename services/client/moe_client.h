@@ -62,6 +62,7 @@ struct ForwardResult {
   v1::Precision precision = v1::PRECISION_W4A16;  // the precision that produced out
   int32_t expert_budget = 0;                      // the budget that produced out (top-k: none)
   int64_t routed_pairs = 0;                       // (token, expert) pairs computed
+  double routing_mass_kept = 1.0;  // ForwardResponse.routing_mass_kept: the budget's kept weight
 };
 
 // Many Forward batches on one stream; responses may come back in any order.

@@ -182,6 +182,17 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                        "Dynamic k: relative L2 difference of a sampled budgeted forward's "
                        "output from the same request recomputed at full k")
                    .Register(registry);
+  auto& mass = BuildHistogram()
+                   .Name("moe_budget_routing_mass_kept")
+                   .Help("Dynamic k: the share of the full top-k routing weight the kept "
+                         "experts carry, per sampled budgeted forward (mean over its tokens)")
+                   .Register(registry);
+  auto& top1 = BuildHistogram()
+                   .Name("moe_budget_top1_agreement")
+                   .Help("Dynamic k: the share of a sampled budgeted forward's tokens whose "
+                         "top-1 under a fixed random projection (a stand-in LM head) is the "
+                         "full-k output's")
+                   .Register(registry);
   auto& checks = BuildCounter()
                      .Name("moe_budget_checks_total")
                      .Help(
@@ -209,6 +220,9 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
     l.budget_diff = &diff.Add(
         {{"layer", L(layer)}},
         prometheus::Histogram::BucketBoundaries{1e-3, 3e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0});
+    const prometheus::Histogram::BucketBoundaries shares{0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0};
+    l.budget_mass = &mass.Add({{"layer", L(layer)}}, shares);
+    l.budget_top1 = &top1.Add({{"layer", L(layer)}}, shares);
     for (const char* outcome : {"measured", "dropped", "skipped", "failed"}) {
       l.budget_checks[outcome] = &checks.Add({{"layer", L(layer)}, {"outcome", outcome}});
     }
@@ -243,6 +257,13 @@ void AttentionMetrics::BudgetCheck(int64_t layer, const std::string& outcome, do
   auto c = it->second.budget_checks.find(outcome);
   if (c != it->second.budget_checks.end()) c->second->Increment();
   if (outcome == "measured") it->second.budget_diff->Observe(rel_diff);
+}
+
+void AttentionMetrics::BudgetQuality(int64_t layer, double mass_kept, double top1_agreement) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.budget_mass->Observe(mass_kept);
+  it->second.budget_top1->Observe(top1_agreement);
 }
 
 void AttentionMetrics::Degraded(int64_t layer, int64_t pairs) {

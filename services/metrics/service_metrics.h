@@ -115,6 +115,9 @@ class AttentionMetrics {
   // relative difference), "dropped" (the check queue was full), "skipped" (the bias changed in
   // between) or "failed".
   void BudgetCheck(int64_t layer, const std::string& outcome, double rel_diff = 0);
+  // What a measured check kept of the full layer: the routing weight mass of the kept experts
+  // and the share of tokens whose top-1 direction (numerics::Top1Agreement) stayed.
+  void BudgetQuality(int64_t layer, double mass_kept, double top1_agreement);
 
  private:
   struct Layer {
@@ -122,6 +125,8 @@ class AttentionMetrics {
     prometheus::Counter* budgeted_tokens = nullptr;
     prometheus::Counter* budgeted_pairs = nullptr;
     prometheus::Histogram* budget_diff = nullptr;
+    prometheus::Histogram* budget_mass = nullptr;
+    prometheus::Histogram* budget_top1 = nullptr;
     std::map<std::string, prometheus::Counter*> budget_checks;
     prometheus::Histogram* dispatch = nullptr;
     prometheus::Histogram* combine = nullptr;

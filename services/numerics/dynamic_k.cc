@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/random.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/qb.h"
 #include "services/numerics/wire_codec.h"
@@ -46,9 +47,12 @@ constexpr float kKeepAll = 0.0f;  // every sigmoid score is >= 0
 }  // namespace
 
 int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& rule,
-                    bool renormalize, float scaling_factor, Routing* routing) {
+                    bool renormalize, float scaling_factor, Routing* routing, double* kept_mass) {
   const int64_t k = routing->top_k;
-  if (rule.thresholds == nullptr) return routing->tokens * k;
+  if (rule.thresholds == nullptr) {
+    if (kept_mass != nullptr) *kept_mass += static_cast<double>(routing->tokens);
+    return routing->tokens * k;
+  }
   int64_t kept_pairs = 0;
   std::vector<int32_t> kept(static_cast<size_t>(k));
   for (int64_t t = 0; t < routing->tokens; ++t) {
@@ -62,6 +66,14 @@ int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& 
       if (j < rule.k_min || s[e] >= rule.thresholds[e]) kept[n++] = e;
     }
     kept_pairs += n;
+    if (kept_mass != nullptr) {
+      double all = 0, kept_sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        if (ids[j] >= 0) all += s[ids[j]];
+      }
+      for (int64_t j = 0; j < n; ++j) kept_sum += s[kept[j]];
+      *kept_mass += all > 0 ? kept_sum / all : 1.0;
+    }
     if (n == k) continue;  // the full routing, untouched
     // The weights as SelectExperts computes them, over the kept slots in rank order.
     float sum = 0.0f;
@@ -78,6 +90,25 @@ int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& 
     }
   }
   return kept_pairs;
+}
+
+double Top1Agreement(const float* a, const float* b, int64_t tokens, int64_t hidden) {
+  if (tokens <= 0) return 1.0;
+  Rng rng(kTop1Seed);
+  std::vector<float> p(static_cast<size_t>(hidden * kTop1Columns));
+  for (float& v : p) v = rng.Normal();
+  auto top1 = [&](const float* x) {
+    std::vector<double> logits(static_cast<size_t>(kTop1Columns), 0.0);
+    for (int64_t h = 0; h < hidden; ++h) {
+      const double xv = x[h];
+      const float* row = p.data() + h * kTop1Columns;
+      for (int64_t c = 0; c < kTop1Columns; ++c) logits[c] += xv * row[c];
+    }
+    return std::max_element(logits.begin(), logits.end()) - logits.begin();
+  };
+  int64_t same = 0;
+  for (int64_t t = 0; t < tokens; ++t) same += top1(a + t * hidden) == top1(b + t * hidden);
+  return static_cast<double>(same) / static_cast<double>(tokens);
 }
 
 std::vector<double> BudgetNeeds(int64_t budget, int64_t k, int64_t tokens,

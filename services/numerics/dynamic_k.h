@@ -47,8 +47,20 @@ inline const float* BudgetRow(const std::vector<float>& table, int64_t budget, i
 // returns it): slot j of token t stays when j < k_min or scores[t, e] >= theta[e]. The kept
 // weights are recomputed exactly as SelectExperts computes them, over the kept slots in rank
 // order (so a token that keeps all k is bit-identical). Returns the number of kept pairs.
+// kept_mass (optional) gets the sum over tokens of the routing weight mass the kept experts
+// carry: (sum of kept scores) / (sum of the token's top-k scores), 1 for a token that keeps all
+// (what a budget keeps of the full layer's routing, in the users' terms of docs/math.md 4.1).
 int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& rule,
-                    bool renormalize, float scaling_factor, Routing* routing);
+                    bool renormalize, float scaling_factor, Routing* routing,
+                    double* kept_mass = nullptr);
+
+// How often two layer outputs [tokens, hidden] (fp32 values) point the same way for a next-token
+// head: the share of tokens whose argmax over a fixed random projection [hidden, kTop1Columns]
+// (normal entries, seed kTop1Seed: the same in every process; a stand-in for an LM head, which
+// the layer service does not have) is the same for both. 1 for identical outputs.
+inline constexpr int64_t kTop1Columns = 256;
+inline constexpr uint64_t kTop1Seed = 0x70901a7e;
+double Top1Agreement(const float* a, const float* b, int64_t tokens, int64_t hidden);
 
 // How many free selections each expert's threshold must keep for budget b in a window of
 // `tokens` tokens. Expert j had n_j selections, f_j of them at ranks < k_min (always kept); it

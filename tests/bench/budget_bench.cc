@@ -30,6 +30,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
 #include "services/common/flags.h"
+#include "services/numerics/dynamic_k.h"
 #include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
 #include "tests/bench/bench_checkpoint.h"
@@ -128,13 +129,14 @@ int Main(int argc, char** argv) {
       static_cast<unsigned long long>(set->version()));
   std::printf(
       "\n| budget | experts/token | tokens/s | vs full k | p50 ms | p99 ms | dispatch "
-      "KB/token | rel. output diff vs full k |\n|---|---|---|---|---|---|---|---|\n");
+      "KB/token | rel. output diff vs full k | routing weight kept | top-1 agreement "
+      "|\n|---|---|---|---|---|---|---|---|---|---|\n");
   double full_tps = 0;
   constexpr int kProbes = 4;
   for (int64_t b : budgets) {
     client::ForwardOptions fo;
     fo.expert_budget = static_cast<int32_t>(b);
-    double pairs = 0, bytes = 0, diff = 0, served_tokens = 0;
+    double pairs = 0, bytes = 0, diff = 0, served_tokens = 0, mass = 0, top1 = 0;
     for (int p = 0; p < kProbes; ++p) {
       const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 90000 + p);
       auto got = (*client)->Forward(layer, x, tokens, cfg.hidden, fo);
@@ -146,6 +148,13 @@ int Main(int argc, char** argv) {
       bytes += static_cast<double>(got->dispatch_bytes_sent + got->dispatch_bytes_received);
       served_tokens += static_cast<double>(tokens);
       diff += RelDiff(got->out, want->out);
+      mass += got->routing_mass_kept;
+      std::vector<float> a(got->out.size()), f(want->out.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        a[i] = got->out[i].ToFloat();
+        f[i] = want->out[i].ToFloat();
+      }
+      top1 += numerics::Top1Agreement(a.data(), f.data(), tokens, cfg.hidden);
     }
     tools::LoadOptions lo;
     lo.layer = layer;
@@ -160,10 +169,12 @@ int Main(int argc, char** argv) {
     if (!load.ok()) return 1;
     if (b == k) full_tps = load->tokens_per_second;
     std::printf(
-        "| %lld | %.2f | %.0f | %s | %.1f | %.1f | %.1f | %.4f |\n", static_cast<long long>(b),
+        "| %lld | %.2f | %.0f | %s | %.1f | %.1f | %.1f | %.4f | %.3f | %.3f |\n",
+        static_cast<long long>(b),
         pairs / served_tokens, load->tokens_per_second,
         full_tps > 0 ? absl::StrFormat("%.2fx", load->tokens_per_second / full_tps).c_str() : "-",
-        load->p50_ms, load->p99_ms, bytes / served_tokens / 1024.0, diff / kProbes);
+        load->p50_ms, load->p99_ms, bytes / served_tokens / 1024.0, diff / kProbes,
+        mass / kProbes, top1 / kProbes);
     std::fflush(stdout);
   }
   (*cluster)->Stop();

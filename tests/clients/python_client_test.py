@@ -497,6 +497,7 @@ def test_python_client(client_dir, attention, router, ref, work, rest=None):
                                                        expert_budget=2)), 30)
         assert r.expert_budget == 2 and r.routed_pairs == int((r.expert_ids >= 0).sum()), r
         assert r.routed_pairs < 16 * 8 and np.all(r.weights[r.expert_ids < 0] == 0)
+        assert 0 < r.routing_mass_kept < 1, r.routing_mass_kept  # experts dropped: weight lost
         try:
             c.forward(x[:2], expert_budget=-1)
             raise AssertionError("a negative budget was accepted")

@@ -292,6 +292,69 @@ TEST(BudgetThresholds, DriftWithTheBiasTheyWereNotSolvedFor) {
   EXPECT_GT(miss_at_large, 0.03);  // a large move does not: the thresholds must be solved again
 }
 
+// The routing weight mass kept, against its definition computed here from the scores.
+TEST(ApplyBudget, ReportsTheRoutingWeightMassKept) {
+  const int64_t m = 500, n = 64, k = 8;
+  const std::vector<float> s = SkewedScores(m, n, 21);
+  const std::vector<float> bias = BalancedBias(s, m, n, k);
+  const std::vector<float> table = *ExactBudgetThresholds(s, m, n, bias, k, 1);
+  const Routing full = SelectExperts(s.data(), bias.data(), m, n, k, true, 1.0f);
+  for (int64_t b : {2, 4, 7}) {
+    Routing r = full;
+    double mass = 0;
+    ApplyBudget(s.data(), n, {1, BudgetRow(table, b, n)}, true, 1.0f, &r, &mass);
+    double want = 0;
+    for (int64_t t = 0; t < m; ++t) {
+      double all = 0, kept = 0;
+      for (int64_t j = 0; j < k; ++j) all += s[t * n + full.expert_ids[t * k + j]];
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = r.expert_ids[t * k + j];
+        if (e >= 0) kept += s[t * n + e];
+      }
+      want += kept / all;
+    }
+    EXPECT_NEAR(mass, want, 1e-9 * m) << b;
+    EXPECT_GT(mass / m, 0.1) << b;
+    EXPECT_LT(mass / m, 1.0) << b;
+  }
+  double all_kept = 0;
+  Routing r = full;
+  ApplyBudget(s.data(), n, {1, nullptr}, true, 1.0f, &r, &all_kept);
+  EXPECT_EQ(all_kept, static_cast<double>(m));
+}
+
+// The stand-in LM head's top-1 agreement against an argmax computed here from the same
+// projection (its seed and shape are the function's contract).
+TEST(Top1Agreement, CountsTokensWhoseArgmaxMatches) {
+  const int64_t t = 40, h = 32;
+  Rng rng(3);
+  std::vector<float> a(t * h), b(t * h);
+  for (float& v : a) v = rng.Normal();
+  b = a;
+  EXPECT_EQ(Top1Agreement(a.data(), b.data(), t, h), 1.0);
+  for (int64_t i = 0; i < t / 2; ++i) {  // half the tokens replaced by other directions
+    for (int64_t j = 0; j < h; ++j) b[i * h + j] = rng.Normal();
+  }
+  Rng prng(kTop1Seed);
+  std::vector<float> p(h * kTop1Columns);
+  for (float& v : p) v = prng.Normal();
+  auto argmax = [&](const float* x) {
+    int64_t best = 0;
+    double best_v = -1e300;
+    for (int64_t c = 0; c < kTop1Columns; ++c) {
+      double v = 0;
+      for (int64_t j = 0; j < h; ++j) v += static_cast<double>(x[j]) * p[j * kTop1Columns + c];
+      if (v > best_v) best_v = v, best = c;
+    }
+    return best;
+  };
+  int64_t same = 0;
+  for (int64_t i = 0; i < t; ++i) same += argmax(&a[i * h]) == argmax(&b[i * h]);
+  EXPECT_GE(same, t / 2);
+  EXPECT_LT(same, t);
+  EXPECT_DOUBLE_EQ(Top1Agreement(a.data(), b.data(), t, h), static_cast<double>(same) / t);
+}
+
 TEST(BudgetThresholds, HistogramAgreesWithTheExactForm) {
   const int64_t m = 16384, n = 128, k = 8;
   const std::vector<float> calib = SkewedScores(m, n, 11);

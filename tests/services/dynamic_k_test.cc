@@ -363,6 +363,20 @@ TEST(ClusterDynamicK, TheAutomaticModeStepsDownUnderOverloadAndBackUp) {
   EXPECT_EQ(diff_count, measured);
   EXPECT_GT(diff_sum, 0);
   EXPECT_LT(diff_sum / diff_count, 1.0);
+  // In users' terms: the routing weight the kept experts carry, and how often a stand-in LM
+  // head's top-1 stays, one observation per measured check, each a share in (0, 1].
+  for (const char* family : {"moe_budget_routing_mass_kept", "moe_budget_top1_agreement"}) {
+    const double count = moe::testing::ScrapeSum(after, absl::StrCat(family, "_count"), {});
+    const double sum = moe::testing::ScrapeSum(after, absl::StrCat(family, "_sum"), {});
+    std::printf("[dynamic k auto] %s: mean %.3f over %.0f checks\n", family,
+                count > 0 ? sum / count : 0.0, count);
+    EXPECT_EQ(count, measured) << family;
+    EXPECT_GT(sum, 0) << family;
+    EXPECT_LE(sum, count) << family;
+  }
+  // A budget below k drops experts: less than all of the weight (auto cap at the floor, 4 of 8).
+  EXPECT_LT(moe::testing::ScrapeSum(after, "moe_budget_routing_mass_kept_sum", {}),
+            moe::testing::ScrapeSum(after, "moe_budget_routing_mass_kept_count", {}));
 }
 
 }  // namespace

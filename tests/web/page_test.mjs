@@ -220,6 +220,9 @@ try {
   }, 90);
   console.log(`budget cost: "${await page.textContent('#budget-cost')}"`);
   assert(cost > 0 && cost < 2, `the measured relative difference ${cost} is not a difference`);
+  const costText = await page.textContent('#budget-cost');
+  assert(/% of the routing weight kept/.test(costText) && /% of tokens/.test(costText),
+         `the cost does not say the weight kept and the top-1 agreement: "${costText}"`);
   assert(await page.$('#budget-chart polyline.served') && await page.$('#budget-chart polyline.kavg'),
          'the budget time line is not drawn');
   await page.screenshot({ path: path.join(artifacts, 'budget.png'), fullPage: true });

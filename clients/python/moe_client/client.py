@@ -146,6 +146,7 @@ class Result:
     dispatch_bytes_sent: int = 0  # activation payload bytes sent to the expert servers
     expert_budget: int = 0  # dynamic k: the budget that produced out (top-k: none)
     routed_pairs: int = 0  # (token, expert) pairs computed; expert_ids has -1 for dropped slots
+    routing_mass_kept: float = 1.0  # share of the full top-k routing weight the kept experts carry
 
     @property
     def out(self):
@@ -219,7 +220,8 @@ def _oip_result(blobs, params, routing):
                  bias_version=params.get("bias_version", 0),
                  precision=params.get("precision", "w4a16"),
                  expert_budget=params.get("expert_budget", 0),
-                 routed_pairs=params.get("routed_pairs", 0))
+                 routed_pairs=params.get("routed_pairs", 0),
+                 routing_mass_kept=params.get("routing_mass_kept", 1.0))
     if routing:
         shape, raw = blobs["expert_ids"]
         res.expert_ids = np.frombuffer(raw, "<i4").reshape(shape).copy()
@@ -339,7 +341,8 @@ class Client:
                      seconds={f.name: v for f, v in r.seconds.ListFields()},
                      precision="w4a8" if r.precision == self._pb.tensor.PRECISION_W4A8 else "w4a16",
                      dispatch_bytes_sent=r.dispatch_bytes_sent,
-                     expert_budget=r.expert_budget, routed_pairs=r.routed_pairs)
+                     expert_budget=r.expert_budget, routed_pairs=r.routed_pairs,
+                     routing_mass_kept=r.routing_mass_kept)
         if r.routing.top_k:
             k = r.routing.top_k
             res.expert_ids = np.array(r.routing.expert_ids, dtype=np.int32).reshape(-1, k)
