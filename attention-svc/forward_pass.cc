@@ -323,8 +323,8 @@ class AttentionServer::Impl::ForwardPass {
     resp->set_precision(transport::PrecisionToProto(spec_.precision));
     resp->set_expert_budget(spec_.budget);
     resp->set_routed_pairs(routed_pairs_);
-    resp->set_routing_mass_kept(
-        spec_.x.rows > 0 ? kept_mass_ / static_cast<double>(spec_.x.rows) : 1.0);
+    resp->set_routing_mass_kept(spec_.x.rows > 0 ? kept_mass_ / static_cast<double>(spec_.x.rows)
+                                                 : 1.0);
     resp->set_dispatch_bytes_sent(bytes_sent_);
     resp->set_dispatch_bytes_received(bytes_received_);
     if (degraded_pairs_ > 0) {

@@ -322,12 +322,11 @@ absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
       req.budget_mass_kept_sum() > static_cast<double>(req.budget_checks()) ||
       !(req.budget_top1_agree_sum() >= 0) ||
       req.budget_top1_agree_sum() > static_cast<double>(req.budget_checks())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("report from ", r.node, ": auto_budget ", req.auto_budget(), " (0..",
-                     cfg_.top_k, "), budget_checks ", req.budget_checks(), ", budget_rel_diff_sum ",
-                     req.budget_rel_diff_sum(), ", budget_mass_kept_sum ",
-                     req.budget_mass_kept_sum(), ", budget_top1_agree_sum ",
-                     req.budget_top1_agree_sum(), " out of range"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "report from ", r.node, ": auto_budget ", req.auto_budget(), " (0..", cfg_.top_k,
+        "), budget_checks ", req.budget_checks(), ", budget_rel_diff_sum ",
+        req.budget_rel_diff_sum(), ", budget_mass_kept_sum ", req.budget_mass_kept_sum(),
+        ", budget_top1_agree_sum ", req.budget_top1_agree_sum(), " out of range"));
   }
   std::lock_guard<std::mutex> lock(mu_);
   MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(req.layer()));

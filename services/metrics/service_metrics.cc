@@ -184,14 +184,16 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                    .Register(registry);
   auto& mass = BuildHistogram()
                    .Name("moe_budget_routing_mass_kept")
-                   .Help("Dynamic k: the share of the full top-k routing weight the kept "
-                         "experts carry, per sampled budgeted forward (mean over its tokens)")
+                   .Help(
+                       "Dynamic k: the share of the full top-k routing weight the kept "
+                       "experts carry, per sampled budgeted forward (mean over its tokens)")
                    .Register(registry);
   auto& top1 = BuildHistogram()
                    .Name("moe_budget_top1_agreement")
-                   .Help("Dynamic k: the share of a sampled budgeted forward's tokens whose "
-                         "top-1 under a fixed random projection (a stand-in LM head) is the "
-                         "full-k output's")
+                   .Help(
+                       "Dynamic k: the share of a sampled budgeted forward's tokens whose "
+                       "top-1 under a fixed random projection (a stand-in LM head) is the "
+                       "full-k output's")
                    .Register(registry);
   auto& checks = BuildCounter()
                      .Name("moe_budget_checks_total")

@@ -170,11 +170,10 @@ int Main(int argc, char** argv) {
     if (b == k) full_tps = load->tokens_per_second;
     std::printf(
         "| %lld | %.2f | %.0f | %s | %.1f | %.1f | %.1f | %.4f | %.3f | %.3f |\n",
-        static_cast<long long>(b),
-        pairs / served_tokens, load->tokens_per_second,
+        static_cast<long long>(b), pairs / served_tokens, load->tokens_per_second,
         full_tps > 0 ? absl::StrFormat("%.2fx", load->tokens_per_second / full_tps).c_str() : "-",
-        load->p50_ms, load->p99_ms, bytes / served_tokens / 1024.0, diff / kProbes,
-        mass / kProbes, top1 / kProbes);
+        load->p50_ms, load->p99_ms, bytes / served_tokens / 1024.0, diff / kProbes, mass / kProbes,
+        top1 / kProbes);
     std::fflush(stdout);
   }
   (*cluster)->Stop();
