@@ -10,6 +10,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "services/common/status_macros.h"
@@ -328,7 +329,10 @@ void OipService::Infer(
         fr.precision() == v1::PRECISION_W4A8 ? "w4a8" : "w4a16");
     (*resp.mutable_parameters())["expert_budget"].set_int64_param(fr.expert_budget());
     (*resp.mutable_parameters())["routed_pairs"].set_int64_param(fr.routed_pairs());
-    (*resp.mutable_parameters())["routing_mass_kept"].set_double_param(fr.routing_mass_kept());
+    // A decimal string: the protocol's parameters have no double (Triton's double_param is an
+    // extension a KServe v2 client may not know).
+    (*resp.mutable_parameters())["routing_mass_kept"].set_string_param(
+        absl::StrFormat("%.6f", fr.routing_mass_kept()));
     const int64_t tokens = fr.output().shape(0);
     for (const std::string& name : *outputs) {
       auto* o = resp.add_outputs();

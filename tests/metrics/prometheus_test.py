@@ -191,9 +191,9 @@ def main():
         collect(dash)
         names = set()
         for e in exprs:
-            names.update(re.findall(r"\bmoe_[a-z_]+", e))
+            names.update(re.findall(r"\bmoe_[a-z0-9_]+", e))
         exported = "\n".join(http_get(f"http://{t}/metrics") for t in targets)
-        exported_names = set(re.findall(r"^(moe_[a-z_]+)", exported, re.M))
+        exported_names = set(re.findall(r"^(moe_[a-z0-9_]+)", exported, re.M))
         missing = sorted(n for n in names if n not in exported_names)
         assert not missing, f"dashboard uses metrics no service exports: {missing}"
         print(f"Grafana dashboard: {len(exprs)} queries, {len(names)} metric names, all exported")
@@ -211,7 +211,7 @@ def main():
 
         # The README's metrics table lists exactly the moe_ metrics the services export.
         readme = open(os.path.join(os.path.dirname(args.dashboard), "..", "..", "README.md")).read()
-        table = set(re.findall(r"^\| `(moe_[a-z_]+)` \|", readme, re.M))
+        table = set(re.findall(r"^\| `(moe_[a-z0-9_]+)` \|", readme, re.M))
         # Histogram series carry _bucket/_sum/_count (no counter or gauge here ends so).
         exported_families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported_names}
         assert table == exported_families, (f"README table vs /metrics: missing from README "

@@ -221,7 +221,7 @@ def _oip_result(blobs, params, routing):
                  precision=params.get("precision", "w4a16"),
                  expert_budget=params.get("expert_budget", 0),
                  routed_pairs=params.get("routed_pairs", 0),
-                 routing_mass_kept=params.get("routing_mass_kept", 1.0))
+                 routing_mass_kept=float(params.get("routing_mass_kept", 1.0)))
     if routing:
         shape, raw = blobs["expert_ids"]
         res.expert_ids = np.frombuffer(raw, "<i4").reshape(shape).copy()
