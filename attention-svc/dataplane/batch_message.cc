@@ -55,6 +55,22 @@ v1::DispatchRequest BatchMessageHeader(const DispatchHeader& header, const Dispa
   return dr;
 }
 
+namespace {
+class FailedCall final : public ExpertCall {
+ public:
+  explicit FailedCall(absl::Status s) : status_(std::move(s)) {}
+  absl::StatusOr<ExpertReply> Wait(absl::Time) override { return status_; }
+  const char* transport() const override { return ""; }
+
+ private:
+  absl::Status status_;
+};
+}  // namespace
+
+std::unique_ptr<ExpertCall> FailedExpertCall(absl::Status status) {
+  return std::make_unique<FailedCall>(std::move(status));
+}
+
 int64_t ReplyShape::bytes() const {
   const bool f32 = mode == ReplyMode::kPartialSum;
   return (f32 ? tokens : rows) * latent * (f32 ? 4 : 2);

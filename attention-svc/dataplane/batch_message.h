@@ -64,6 +64,10 @@ ReplyShape ShapeOf(const DispatchHeader& header, const DispatchMessage& m);
 absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& shape,
                                            const char* message, size_t n, uint32_t header_bytes);
 
+// A call that failed before anything left (no data plane where one is required, no buffer, a
+// wire that refused): its Wait answers `status` at once.
+std::unique_ptr<ExpertCall> FailedExpertCall(absl::Status status);
+
 // The rows of a checked payload: [rows, latent] f32 (partial sums) or bf16.
 ExpertReply ReplyRows(const void* payload, int64_t rows, int64_t latent, bool f32);
 

@@ -18,6 +18,25 @@ absl::StatusOr<DataPlane> ParseDataPlane(const std::string& name,
       "data plane '", name, "' is not one of auto, grpc, ", absl::StrJoin(backends, ", ")));
 }
 
+std::string SealBatchFrame(const PayloadMac& mac, Direction direction, BatchFrame f,
+                           const uint8_t* payload, size_t n) {
+  f.mac.clear();
+  f.mac = mac.Compute(direction, f.sequence, payload, n, MacPrefix(EncodeBatchFrame(f)));
+  return EncodeBatchFrame(f);
+}
+
+absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_view frame,
+                                          const uint8_t* payload, size_t n, uint64_t client_id,
+                                          uint64_t sequence) {
+  absl::StatusOr<BatchFrame> f = ParseBatchFrame(frame, BatchKind::kReply, n);
+  if (!f.ok() || f->client_id != client_id || f->sequence != sequence ||
+      !mac.Verify(Direction::kToAttention, sequence, payload, n, f->mac, MacPrefix(frame))) {
+    return absl::DataLossError(
+        "the reply message failed its integrity check (AES-GMAC of the connection)");
+  }
+  return f;
+}
+
 namespace {
 constexpr char kHelloMagic[4] = {'M', 'O', 'E', 'H'};
 constexpr uint8_t kHelloVersion = 1;

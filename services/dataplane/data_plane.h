@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/dataplane/payload_mac.h"
 
 namespace moe::dataplane {
 
@@ -85,6 +86,16 @@ inline std::string_view MacPrefix(std::string_view frame) {
 // exceed the payload's `payload_bytes`.
 absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view bytes, BatchKind kind,
                                            size_t payload_bytes);
+// The bytes of frame `f` sealed: its MAC over the frame's prefix and payload[0, n) under the
+// connection's key, nonce (direction, f.sequence). Every backend's sender seals this way.
+std::string SealBatchFrame(const PayloadMac& mac, Direction direction, BatchFrame f,
+                           const uint8_t* payload, size_t n);
+// A reply message that authenticated: its frame parses as a reply to this client's batch
+// `sequence` over the n payload bytes and its MAC matches; DATA_LOSS otherwise (nothing of the
+// payload may be read then).
+absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_view frame,
+                                          const uint8_t* payload, size_t n, uint64_t client_id,
+                                          uint64_t sequence);
 
 // The lanes UCX selected for an endpoint, read from ucp_ep_print_info's text (UCX 1.13 has no
 // query for them). kind: "shm" when every lane is a shared-memory transport (posix, sysv, cma,

@@ -55,6 +55,34 @@ std::vector<float> Traffic(const QbSimOptions& o, const std::vector<float>& offs
   return s;
 }
 
+// The windows' traffic. Popularity u_j in [0, 1]; the offset is skew * u_j^3. Drift: before each
+// window after the first, every u_j takes a random-walk step of std `drift`, reflected into
+// [0, 1], so the hot set changes gradually (a hot expert cools down over windows, a cold one
+// heats up). Both simulations draw the same windows for the same options.
+class Windows {
+ public:
+  explicit Windows(const QbSimOptions& o)
+      : o_(o), pop_(MixSeed(o.seed, {1})), popularity_(static_cast<size_t>(o.num_experts)) {
+    for (float& v : popularity_) v = static_cast<float>(pop_.Uniform());
+  }
+  // Scores [window_tokens, n] of window w (called for w = 0, 1, ... in order).
+  std::vector<float> Next(int w) {
+    if (w > 0 && o_.drift > 0) {
+      for (float& u : popularity_) {
+        float v = u + static_cast<float>(o_.drift) * pop_.Normal();
+        v = v < 0 ? -v : v;
+        u = v > 1 ? 2 - v : v;
+      }
+    }
+    return Traffic(o_, Offsets(o_, popularity_), MixSeed(o_.seed, {2, static_cast<uint64_t>(w)}));
+  }
+
+ private:
+  const QbSimOptions& o_;
+  Rng pop_;
+  std::vector<float> popularity_;
+};
+
 }  // namespace
 
 QbSimResult RunQbSim(const QbSimOptions& o) {
@@ -72,23 +100,9 @@ QbSimResult RunQbSim(const QbSimOptions& o) {
     me.bias.assign(static_cast<size_t>(n), 0.0f);
     result.methods.push_back(me.name);
   }
-  // Popularity u_j in [0, 1]; the offset is skew * u_j^3. Drift: before each window after the
-  // first, every u_j takes a random-walk step of std `drift`, reflected into [0, 1], so the hot
-  // set changes gradually (a hot expert cools down over windows, a cold one heats up).
-  Rng pop(MixSeed(o.seed, {1}));
-  std::vector<float> popularity(static_cast<size_t>(n));
-  for (float& v : popularity) v = static_cast<float>(pop.Uniform());
-
+  Windows windows(o);
   for (int w = 0; w < o.windows; ++w) {
-    if (w > 0 && o.drift > 0) {
-      for (float& u : popularity) {
-        float v = u + static_cast<float>(o.drift) * pop.Normal();
-        v = v < 0 ? -v : v;
-        u = v > 1 ? 2 - v : v;
-      }
-    }
-    const std::vector<float> s =
-        Traffic(o, Offsets(o, popularity), MixSeed(o.seed, {2, static_cast<uint64_t>(w)}));
+    const std::vector<float> s = windows.Next(w);
     for (Method& me : methods) {
       std::vector<int64_t> loads;
       switch (me.kind) {
@@ -287,19 +301,9 @@ PlacementSimResult RunPlacementSim(const QbSimOptions& o) {
     me.bias.assign(static_cast<size_t>(n), 0.0f);
     result.methods.push_back(me.name);
   }
-  Rng pop(MixSeed(o.seed, {1}));
-  std::vector<float> popularity(static_cast<size_t>(n));
-  for (float& v : popularity) v = static_cast<float>(pop.Uniform());
+  Windows windows(o);
   for (int w = 0; w < o.windows; ++w) {
-    if (w > 0 && o.drift > 0) {
-      for (float& u : popularity) {
-        float v = u + static_cast<float>(o.drift) * pop.Normal();
-        v = v < 0 ? -v : v;
-        u = v > 1 ? 2 - v : v;
-      }
-    }
-    const std::vector<float> s =
-        Traffic(o, Offsets(o, popularity), MixSeed(o.seed, {2, static_cast<uint64_t>(w)}));
+    const std::vector<float> s = windows.Next(w);
     for (Method& me : methods) {
       double moved = 0;
       // Planned from the window before (causal), when it left the shards unbalanced.

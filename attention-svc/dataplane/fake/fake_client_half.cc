@@ -55,16 +55,6 @@ struct Inbox {
   }
 };
 
-class FailedCall final : public ExpertCall {
- public:
-  explicit FailedCall(absl::Status s) : status_(std::move(s)) {}
-  absl::StatusOr<ExpertReply> Wait(absl::Time) override { return status_; }
-  const char* transport() const override { return ""; }
-
- private:
-  absl::Status status_;
-};
-
 class FakeCall final : public ExpertCall {
  public:
   struct Batch {
@@ -122,15 +112,12 @@ class FakeCall final : public ExpertCall {
         inbox_->cv.wait_until(lock, absl::ToChronoTime(std::min(deadline, now + kLivenessSlice)));
       }
     }
-    absl::StatusOr<dataplane::BatchFrame> frame =
-        dataplane::ParseBatchFrame(r.frame, dataplane::BatchKind::kReply, r.message.size());
-    if (!frame.ok() || frame->client_id != b_.client_id || frame->sequence != b_.sequence ||
-        !mac_->Verify(dataplane::Direction::kToAttention, b_.sequence,
-                      reinterpret_cast<const uint8_t*>(r.message.data()), r.message.size(),
-                      frame->mac, dataplane::MacPrefix(r.frame))) {
+    absl::StatusOr<dataplane::BatchFrame> frame = dataplane::OpenReplyFrame(
+        *mac_, r.frame, reinterpret_cast<const uint8_t*>(r.message.data()), r.message.size(),
+        b_.client_id, b_.sequence);
+    if (!frame.ok()) {
       if (on_event_) on_event_(shard_, "integrity_failed");
-      return absl::DataLossError(absl::StrCat(
-          who_, ": the reply message failed its integrity check (AES-GMAC of the connection)"));
+      return absl::DataLossError(absl::StrCat(who_, ": ", frame.status().message()));
     }
     return ReadBatchReply(who_, b_.shape, r.message.data(), r.message.size(), frame->header_bytes);
   }
@@ -173,7 +160,7 @@ class FakeExpertChannel final : public ExpertChannel {
         if (o_.on_event) o_.on_event(o_.shard, "fallback");
         return inband_->Send(header, m);
       }
-      return std::make_unique<FailedCall>(absl::UnavailableError(open.message()));
+      return FailedExpertCall(absl::UnavailableError(open.message()));
     }
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t seq = sequence_++;
@@ -185,15 +172,11 @@ class FakeExpertChannel final : public ExpertChannel {
     const size_t header_bytes = message.size();
     message.resize(header_bytes + bytes);
     m.z.CopyTo(reinterpret_cast<uint8_t*>(message.data()) + header_bytes);
-    dataplane::BatchFrame f;
-    f.token = dataplane::RandomU64();
-    f.kind = dataplane::BatchKind::kRequest;
-    f.client_id = client_id_.load();
-    f.sequence = seq;
-    f.header_bytes = static_cast<uint32_t>(header_bytes);
-    f.mac = mac_->Compute(dataplane::Direction::kToExpert, seq,
-                          reinterpret_cast<const uint8_t*>(message.data()), message.size(),
-                          dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
+    const dataplane::BatchFrame f{dataplane::RandomU64(), dataplane::BatchKind::kRequest,
+                                  client_id_.load(), seq, static_cast<uint32_t>(header_bytes), {}};
+    std::string frame =
+        dataplane::SealBatchFrame(*mac_, dataplane::Direction::kToExpert, f,
+                                  reinterpret_cast<const uint8_t*>(message.data()), message.size());
     {
       std::lock_guard<std::mutex> l(inbox_->mu);
       inbox_->replies[f.token];  // expected before the request leaves
@@ -202,10 +185,10 @@ class FakeExpertChannel final : public ExpertChannel {
     auto call =
         std::make_unique<FakeCall>(who_, inbox_, mac_, control_, broken_, o_.on_event, o_.shard, b);
     if (absl::Status s =
-            dataplane::FakeWire::Send(server_, dataplane::EncodeBatchFrame(f), std::move(message));
+            dataplane::FakeWire::Send(server_, std::move(frame), std::move(message));
         !s.ok()) {
       broken_->store(true);
-      return std::make_unique<FailedCall>(
+      return FailedExpertCall(
           absl::UnavailableError(absl::StrCat(who_, ": ", s.message())));
     }
     return call;

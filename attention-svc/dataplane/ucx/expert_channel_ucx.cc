@@ -179,17 +179,13 @@ class MessageCall final : public ExpertCall {
       if (on_transfer_failed_) on_transfer_failed_();
       return absl::Status(n.status().code(), absl::StrCat(who_, ": reply: ", n.status().message()));
     }
-    const std::string frame_bytes = received_->header();
-    absl::StatusOr<dataplane::BatchFrame> frame =
-        dataplane::ParseBatchFrame(frame_bytes, dataplane::BatchKind::kReply, *n);
     // Nothing is read from bytes the shard did not seal under this connection's key for this
     // batch (its sequence is the nonce).
-    if (!frame.ok() || frame->client_id != b_.client_id || frame->sequence != b_.sequence ||
-        !mac_->Verify(dataplane::Direction::kToAttention, b_.sequence, reply_buffer_->data(), *n,
-                      frame->mac, dataplane::MacPrefix(frame_bytes))) {
+    absl::StatusOr<dataplane::BatchFrame> frame = dataplane::OpenReplyFrame(
+        *mac_, received_->header(), reply_buffer_->data(), *n, b_.client_id, b_.sequence);
+    if (!frame.ok()) {
       if (on_integrity_failed_) on_integrity_failed_();
-      return absl::DataLossError(absl::StrCat(
-          who_, ": the reply message failed its integrity check (AES-GMAC of the connection)"));
+      return absl::DataLossError(absl::StrCat(who_, ": ", frame.status().message()));
     }
     return ReadBatchReply(who_, b_.shape, reinterpret_cast<const char*>(reply_buffer_->data()), *n,
                           frame->header_bytes);
@@ -244,17 +240,6 @@ class MessageCall final : public ExpertCall {
   std::shared_ptr<dataplane::UcxTransfer> sent_, received_;
   std::shared_ptr<dataplane::UcxBuffer> reply_buffer_;
   const Batch b_;
-};
-
-// A batch that cannot be sent (no data plane in kUcx mode, no buffer).
-class FailedCall final : public ExpertCall {
- public:
-  explicit FailedCall(absl::Status s) : status_(std::move(s)) {}
-  absl::StatusOr<ExpertReply> Wait(absl::Time) override { return status_; }
-  const char* transport() const override { return ""; }
-
- private:
-  absl::Status status_;
 };
 
 }  // namespace
@@ -375,7 +360,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
       if (on_event_) on_event_(shard_, "fallback");
       return inband_->Send(header, m);
     }
-    return std::make_unique<FailedCall>(absl::UnavailableError(open.status().message()));
+    return FailedExpertCall(absl::UnavailableError(open.status().message()));
   }
   const Connection& c = *open;
   const int64_t u = static_cast<int64_t>(m.tokens.size());
@@ -387,7 +372,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
   auto send_buffer = worker_->Buffer(bytes);
   auto reply_buffer = worker_->Buffer(reply_bytes);
   if (!send_buffer.ok() || !reply_buffer.ok()) {
-    return std::make_unique<FailedCall>(absl::ResourceExhaustedError(absl::StrCat(
+    return FailedExpertCall(absl::ResourceExhaustedError(absl::StrCat(
         "expert shard ", shard_, ": no UCX buffer: ",
         (!send_buffer.ok() ? send_buffer.status() : reply_buffer.status()).message())));
   }
@@ -451,7 +436,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   auto send_buffer = worker_->Buffer(std::max<size_t>(total, 1));
   auto reply_buffer = worker_->Buffer(reply_bytes + dataplane::kMaxReplyHeaderBytes);
   if (!send_buffer.ok() || !reply_buffer.ok()) {
-    return std::make_unique<FailedCall>(absl::ResourceExhaustedError(absl::StrCat(
+    return FailedExpertCall(absl::ResourceExhaustedError(absl::StrCat(
         "expert shard ", shard_, ": no UCX buffer: ",
         (!send_buffer.ok() ? send_buffer.status() : reply_buffer.status()).message())));
   }
@@ -459,18 +444,15 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   uint8_t* d = (*send_buffer)->data();
   dr.SerializeWithCachedSizesToArray(d);
   m.z.CopyTo(d + header_bytes);
-  dataplane::BatchFrame f;
-  f.token = dataplane::RandomU64();  // the reply's, unpredictable outside this connection
-  f.kind = dataplane::BatchKind::kRequest;
-  f.client_id = c.client_id;
-  f.sequence = seq;
-  f.header_bytes = static_cast<uint32_t>(header_bytes);
-  f.mac = c.mac->Compute(dataplane::Direction::kToExpert, seq, d, total,
-                         dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
+  // The reply's token: unpredictable outside this connection.
+  const dataplane::BatchFrame f{dataplane::RandomU64(), dataplane::BatchKind::kRequest,
+                                c.client_id, seq, static_cast<uint32_t>(header_bytes), {}};
+  const std::string frame =
+      dataplane::SealBatchFrame(*c.mac, dataplane::Direction::kToExpert, f, d, total);
   // Expected before the request leaves, so the reply always finds its buffer.
   auto received = worker_->ExpectMessage(f.token, *reply_buffer, deadline + kLateReplyGrace);
-  auto sent = worker_->SendMessage(c.ep, dataplane::UcxWorker::Message::kRequest,
-                                   dataplane::EncodeBatchFrame(f), *send_buffer, total, deadline);
+  auto sent = worker_->SendMessage(c.ep, dataplane::UcxWorker::Message::kRequest, frame,
+                                   *send_buffer, total, deadline);
   MessageCall::Batch b;
   b.client_id = c.client_id;
   b.sequence = seq;

@@ -61,17 +61,13 @@ class FakeServerHalf final : public ServerHalf {
     std::string message;
     message.reserve(header.size() + payload.size());
     message.append(header).append(payload);
-    dataplane::BatchFrame f;
-    f.token = to.token;
-    f.kind = dataplane::BatchKind::kReply;
-    f.client_id = to.client_id;
-    f.sequence = to.sequence;
-    f.header_bytes = static_cast<uint32_t>(header.size());
-    f.mac = c->mac->Compute(dataplane::Direction::kToAttention, to.sequence,
-                            reinterpret_cast<const uint8_t*>(message.data()), message.size(),
-                            dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
-    const absl::Status s = dataplane::FakeWire::Send(ReplyAddress(c->endpoint),
-                                                     dataplane::EncodeBatchFrame(f), message);
+    const dataplane::BatchFrame f{to.token, dataplane::BatchKind::kReply, to.client_id,
+                                  to.sequence, static_cast<uint32_t>(header.size()), {}};
+    std::string frame = dataplane::SealBatchFrame(
+        *c->mac, dataplane::Direction::kToAttention, f,
+        reinterpret_cast<const uint8_t*>(message.data()), message.size());
+    const absl::Status s =
+        dataplane::FakeWire::Send(ReplyAddress(c->endpoint), std::move(frame), std::move(message));
     if (!s.ok() && options_.on_event) options_.on_event("reply_failed");
     return absl::OkStatus();
   }

@@ -216,18 +216,13 @@ absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view he
   uint8_t* d = (*buffer)->data();
   if (!header.empty()) std::memcpy(d, header.data(), header.size());
   if (!payload.empty()) std::memcpy(d + header.size(), payload.data(), payload.size());
-  dataplane::BatchFrame f;
-  f.token = to.token;
-  f.kind = dataplane::BatchKind::kReply;
-  f.client_id = to.client_id;
-  f.sequence = to.sequence;
-  f.header_bytes = static_cast<uint32_t>(header.size());
-  f.mac = c->mac->Compute(dataplane::Direction::kToAttention, to.sequence, d, total,
-                          dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
+  const dataplane::BatchFrame f{to.token, dataplane::BatchKind::kReply, to.client_id,
+                                to.sequence, static_cast<uint32_t>(header.size()), {}};
   // A reply that does not go out is counted and logged (its batch then fails at the caller's
   // deadline).
   worker_->SendMessage(
-      c->endpoint, dataplane::UcxWorker::Message::kReply, dataplane::EncodeBatchFrame(f), *buffer,
+      c->endpoint, dataplane::UcxWorker::Message::kReply,
+      dataplane::SealBatchFrame(*c->mac, dataplane::Direction::kToAttention, f, d, total), *buffer,
       total, deadline,
       [this, sent = std::move(sent), peer = absl::StrCat("client ", c->id, " (", c->node, ")")](
           const absl::Status& s, size_t) {

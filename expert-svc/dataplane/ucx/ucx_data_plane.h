@@ -27,26 +27,10 @@
 
 namespace moe::expert_svc {
 
-struct UcxDataPlaneOptions {
-  std::string shard;                         // for messages
-  std::string tls;                           // UCX_TLS syntax; empty: the environment's
-  std::string bind_host;                     // UcxOptions::bind_host: the server's --host
-  std::chrono::microseconds poll_spin{100};  // UcxOptions::poll_spin
-  int max_clients = 256;                     // OpenDataPlane beyond: RESOURCE_EXHAUSTED
-  int64_t max_message_bytes = 256 << 20;     // the largest payload either way
-  // Batches as one UCX message each way (the current protocol): runs once per request that
-  // authenticated (a bound client, its MAC right, its sequence new), on the thread that
-  // progresses the worker (it must not block for long), with the request's protobuf header and
-  // its activations, valid during the call. Anything else is dropped and counted
-  // ("message_rejected", "integrity_failed", "replayed"), never answered. Null: every batch
-  // message is dropped.
-  std::function<void(const BatchSource& from, std::string_view header,
-                     std::string_view activations)>
-      on_batch;
-  // Counted events (metrics): "hello_rejected", "integrity_failed", "message_rejected",
-  // "replayed", "reply_failed".
-  std::function<void(const std::string& event)> on_event;
-};
+// The server half's options (server_half.h); tls in UCX_TLS syntax (empty: the environment's),
+// bind_host and poll_spin as UcxOptions takes them. Without on_batch every batch message is
+// dropped (the previous protocol only).
+using UcxDataPlaneOptions = ServerHalfOptions;
 
 class UcxDataPlane {
  public:

@@ -165,20 +165,12 @@ class UcxServerHalf final : public ServerHalf {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ServerHalf>> StartUcxServerHalf(ServerHalfOptions o) {
-  UcxDataPlaneOptions uo;
-  uo.shard = o.shard;
-  uo.tls = o.tls;
-  uo.bind_host = o.bind_host;
-  uo.poll_spin = o.poll_spin;
-  uo.max_clients = o.max_clients;
-  uo.max_message_bytes = o.max_message_bytes;
-  uo.on_event = std::move(o.on_event);
   const bool batch_messages = static_cast<bool>(o.on_batch);
-  uo.on_batch = std::move(o.on_batch);
-  auto ucx = UcxDataPlane::Start(std::move(uo));
+  const std::string shard = o.shard;
+  auto ucx = UcxDataPlane::Start(std::move(o));
   if (!ucx.ok()) return absl::FailedPreconditionError(ucx.status().message());
   if (absl::Status v = dataplane::CheckUcxVersion(); !v.ok()) {
-    MOE_LOG_WARN("shard {}: {}", o.shard, std::string(v.message()));
+    MOE_LOG_WARN("shard {}: {}", shard, std::string(v.message()));
   }
   return std::make_unique<UcxServerHalf>(std::move(*ucx), batch_messages);
 }
