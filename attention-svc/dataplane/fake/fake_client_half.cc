@@ -172,8 +172,12 @@ class FakeExpertChannel final : public ExpertChannel {
     const size_t header_bytes = message.size();
     message.resize(header_bytes + bytes);
     m.z.CopyTo(reinterpret_cast<uint8_t*>(message.data()) + header_bytes);
-    const dataplane::BatchFrame f{dataplane::RandomU64(), dataplane::BatchKind::kRequest,
-                                  client_id_.load(), seq, static_cast<uint32_t>(header_bytes), {}};
+    const dataplane::BatchFrame f{dataplane::RandomU64(),
+                                  dataplane::BatchKind::kRequest,
+                                  client_id_.load(),
+                                  seq,
+                                  static_cast<uint32_t>(header_bytes),
+                                  {}};
     std::string frame =
         dataplane::SealBatchFrame(*mac_, dataplane::Direction::kToExpert, f,
                                   reinterpret_cast<const uint8_t*>(message.data()), message.size());
@@ -184,12 +188,10 @@ class FakeExpertChannel final : public ExpertChannel {
     FakeCall::Batch b{f.client_id, seq, f.token, shape, deadline};
     auto call =
         std::make_unique<FakeCall>(who_, inbox_, mac_, control_, broken_, o_.on_event, o_.shard, b);
-    if (absl::Status s =
-            dataplane::FakeWire::Send(server_, std::move(frame), std::move(message));
+    if (absl::Status s = dataplane::FakeWire::Send(server_, std::move(frame), std::move(message));
         !s.ok()) {
       broken_->store(true);
-      return FailedExpertCall(
-          absl::UnavailableError(absl::StrCat(who_, ": ", s.message())));
+      return FailedExpertCall(absl::UnavailableError(absl::StrCat(who_, ": ", s.message())));
     }
     return call;
   }

@@ -445,8 +445,12 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   dr.SerializeWithCachedSizesToArray(d);
   m.z.CopyTo(d + header_bytes);
   // The reply's token: unpredictable outside this connection.
-  const dataplane::BatchFrame f{dataplane::RandomU64(), dataplane::BatchKind::kRequest,
-                                c.client_id, seq, static_cast<uint32_t>(header_bytes), {}};
+  const dataplane::BatchFrame f{dataplane::RandomU64(),
+                                dataplane::BatchKind::kRequest,
+                                c.client_id,
+                                seq,
+                                static_cast<uint32_t>(header_bytes),
+                                {}};
   const std::string frame =
       dataplane::SealBatchFrame(*c.mac, dataplane::Direction::kToExpert, f, d, total);
   // Expected before the request leaves, so the reply always finds its buffer.

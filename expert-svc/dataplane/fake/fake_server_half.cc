@@ -61,11 +61,11 @@ class FakeServerHalf final : public ServerHalf {
     std::string message;
     message.reserve(header.size() + payload.size());
     message.append(header).append(payload);
-    const dataplane::BatchFrame f{to.token, dataplane::BatchKind::kReply, to.client_id,
+    const dataplane::BatchFrame f{to.token,    dataplane::BatchKind::kReply,         to.client_id,
                                   to.sequence, static_cast<uint32_t>(header.size()), {}};
-    std::string frame = dataplane::SealBatchFrame(
-        *c->mac, dataplane::Direction::kToAttention, f,
-        reinterpret_cast<const uint8_t*>(message.data()), message.size());
+    std::string frame =
+        dataplane::SealBatchFrame(*c->mac, dataplane::Direction::kToAttention, f,
+                                  reinterpret_cast<const uint8_t*>(message.data()), message.size());
     const absl::Status s =
         dataplane::FakeWire::Send(ReplyAddress(c->endpoint), std::move(frame), std::move(message));
     if (!s.ok() && options_.on_event) options_.on_event("reply_failed");

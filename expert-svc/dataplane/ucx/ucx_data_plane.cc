@@ -216,7 +216,7 @@ absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view he
   uint8_t* d = (*buffer)->data();
   if (!header.empty()) std::memcpy(d, header.data(), header.size());
   if (!payload.empty()) std::memcpy(d + header.size(), payload.data(), payload.size());
-  const dataplane::BatchFrame f{to.token, dataplane::BatchKind::kReply, to.client_id,
+  const dataplane::BatchFrame f{to.token,    dataplane::BatchKind::kReply,         to.client_id,
                                 to.sequence, static_cast<uint32_t>(header.size()), {}};
   // A reply that does not go out is counted and logged (its batch then fails at the caller's
   // deadline).
