@@ -553,6 +553,16 @@ absl::Status RouterCore::SetBudget(int32_t layer, int32_t k_avg, const std::stri
   budget.k_avg = k_avg;
   std::vector<float> bias = l->ledger.current().bias;
   const std::string note = StampBudgetLocked(*l, bias, &budget);
+  // A budget is set to be served: thresholds the bias has moved away from (a Rebalance since
+  // their solve, and no traffic under the new bias yet) are not, so it is refused as before any
+  // traffic, saying why.
+  if (k_avg < cfg_.top_k && budget.stale) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, ": the budget's thresholds were solved under bias version ",
+        budget.solved_from_version, " and the bias has moved since; no traffic reported with "
+        "bias version ", l->ledger.current().version,
+        " to solve them again from yet; send traffic, then set the budget"));
+  }
   const std::string why =
       solved ? absl::StrCat(reason, " ", k_avg, " of ", cfg_.top_k, " (thresholds from ",
                             budget.solved_from_tokens, " tokens", note, ")")
