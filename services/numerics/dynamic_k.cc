@@ -49,21 +49,48 @@ constexpr float kKeepAll = 0.0f;  // every sigmoid score is >= 0
 int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& rule,
                     bool renormalize, float scaling_factor, Routing* routing, double* kept_mass) {
   const int64_t k = routing->top_k;
-  if (rule.thresholds == nullptr) {
+  if (rule.thresholds == nullptr && !(rule.top_p > 0)) {
     if (kept_mass != nullptr) *kept_mass += static_cast<double>(routing->tokens);
     return routing->tokens * k;
   }
   int64_t kept_pairs = 0;
   std::vector<int32_t> kept(static_cast<size_t>(k));
+  std::vector<int64_t> by_score(static_cast<size_t>(k));
+  std::vector<char> take(static_cast<size_t>(k));
   for (int64_t t = 0; t < routing->tokens; ++t) {
     int32_t* ids = routing->expert_ids.data() + t * k;
     float* w = routing->weights.data() + t * k;
     const float* s = scores + t * num_experts;
     int64_t n = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = ids[j];
-      if (e < 0) continue;  // already dropped
-      if (j < rule.k_min || s[e] >= rule.thresholds[e]) kept[n++] = e;
+    if (rule.top_p > 0) {
+      // The fewest slots, largest score first, whose share reaches top_p (at least k_min).
+      int64_t live = 0;
+      double total = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        take[j] = 0;
+        if (ids[j] >= 0) {
+          by_score[live++] = j;
+          total += s[ids[j]];
+        }
+      }
+      std::stable_sort(by_score.begin(), by_score.begin() + live,
+                       [&](int64_t a, int64_t b) { return s[ids[a]] > s[ids[b]]; });
+      double cum = 0;
+      for (int64_t i = 0, taken = 0; i < live; ++i) {
+        if (taken >= rule.k_min && cum >= rule.top_p * total) break;
+        take[by_score[i]] = 1;
+        cum += s[ids[by_score[i]]];
+        ++taken;
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        if (take[j]) kept[n++] = ids[j];  // in rank order
+      }
+    } else {
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = ids[j];
+        if (e < 0) continue;  // already dropped
+        if (j < rule.k_min || s[e] >= rule.thresholds[e]) kept[n++] = e;
+      }
     }
     kept_pairs += n;
     if (kept_mass != nullptr) {
@@ -90,6 +117,32 @@ int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& 
     }
   }
   return kept_pairs;
+}
+
+absl::StatusOr<double> TopPForBudget(absl::Span<const float> scores, int64_t m, int64_t n,
+                                     absl::Span<const float> bias, int64_t k, int64_t k_min,
+                                     double budget) {
+  MOE_RETURN_IF_ERROR(ValidateQbInput(scores, m, n, bias, k));
+  if (!(budget >= static_cast<double>(std::max<int64_t>(1, k_min))) ||
+      budget > static_cast<double>(k)) {
+    return absl::InvalidArgumentError(absl::StrCat("top-p for a budget of ", budget,
+                                                   " outside [k_min = ", k_min, ", k = ", k, "]"));
+  }
+  const Routing full = SelectExperts(scores.data(), bias.data(), m, n, k, true, 1.0f);
+  auto kept_per_token = [&](double p) {
+    Routing r = full;
+    BudgetRule rule;
+    rule.k_min = k_min;
+    rule.top_p = p;
+    return static_cast<double>(ApplyBudget(scores.data(), n, rule, true, 1.0f, &r)) /
+           static_cast<double>(m);
+  };
+  double lo = 0, hi = 1;  // kept(hi) = k >= budget
+  while (hi - lo > 1e-7) {
+    const double mid = 0.5 * (lo + hi);
+    (kept_per_token(mid) >= budget ? hi : lo) = mid;
+  }
+  return hi;
 }
 
 double Top1Agreement(const float* a, const float* b, int64_t tokens, int64_t hidden) {

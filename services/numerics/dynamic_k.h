@@ -36,6 +36,11 @@ struct BudgetRule {
   int64_t k_min = 1;
   // [E] theta_j on the sigmoid score; null keeps every selection (today's routing).
   const float* thresholds = nullptr;
+  // > 0: the second mode, top-p by routing weight, instead of the thresholds: a token keeps the
+  // fewest of its top-k, largest router score first (ties: rank order), whose share of its
+  // top-k scores reaches top_p, and at least k_min (docs/math.md 4.1, "Top-p"). Not balanced:
+  // which experts lose depends on each token's own weights.
+  double top_p = 0;
 };
 
 // Budget b's row of a threshold table [k - 1, E] (b in [1, k - 1]).
@@ -53,6 +58,14 @@ inline const float* BudgetRow(const std::vector<float>& table, int64_t budget, i
 int64_t ApplyBudget(const float* scores, int64_t num_experts, const BudgetRule& rule,
                     bool renormalize, float scaling_factor, Routing* routing,
                     double* kept_mass = nullptr);
+
+// The top_p at which the top-p rule keeps `budget` experts per token on average over a window of
+// scores [m, n] routed with `bias` (the smallest p in [0, 1] that keeps at least that many, to
+// 1e-7): matched to the thresholds' budget on the same traffic. INVALID_ARGUMENT for a budget
+// outside [k_min, k] or a malformed window.
+absl::StatusOr<double> TopPForBudget(absl::Span<const float> scores, int64_t m, int64_t n,
+                                     absl::Span<const float> bias, int64_t k, int64_t k_min,
+                                     double budget);
 
 // How often two layer outputs [tokens, hidden] (fp32 values) point the same way for a next-token
 // head: the share of tokens whose argmax over a fixed random projection [hidden, kTop1Columns]

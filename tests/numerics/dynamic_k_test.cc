@@ -3,7 +3,9 @@
 // histogram's wire form against hostile bytes.
 #include "services/numerics/dynamic_k.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -353,6 +355,84 @@ TEST(Top1Agreement, CountsTokensWhoseArgmaxMatches) {
   EXPECT_GE(same, t / 2);
   EXPECT_LT(same, t);
   EXPECT_DOUBLE_EQ(Top1Agreement(a.data(), b.data(), t, h), static_cast<double>(same) / t);
+}
+
+// Top-p by routing weight against its definition, token by token: the kept experts are the
+// largest scores of the token's top k, their share reaches p, one fewer would not (unless at
+// k_min), and they stay in rank order with weights renormalized over them.
+TEST(TopP, KeepsTheFewestLargestScoresThatReachP) {
+  const int64_t m = 400, n = 64, k = 8;
+  const std::vector<float> s = SkewedScores(m, n, 31);
+  const std::vector<float> bias(n, 0.0f);
+  const Routing full = SelectExperts(s.data(), bias.data(), m, n, k, true, 1.0f);
+  for (double p : {0.3, 0.5, 0.8, 0.95}) {
+    for (int64_t k_min : {1, 2}) {
+      Routing r = full;
+      BudgetRule rule;
+      rule.k_min = k_min;
+      rule.top_p = p;
+      const int64_t kept = ApplyBudget(s.data(), n, rule, true, 1.0f, &r);
+      int64_t counted = 0;
+      for (int64_t t = 0; t < m; ++t) {
+        std::vector<float> all, kept_s;
+        for (int64_t j = 0; j < k; ++j) all.push_back(s[t * n + full.expert_ids[t * k + j]]);
+        int64_t rank_of_prev = -1;
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t e = r.expert_ids[t * k + j];
+          if (e < 0) continue;
+          kept_s.push_back(s[t * n + e]);
+          // rank order kept: e's slot in the full routing comes after the previous kept one
+          const int64_t rank = std::find(full.expert_ids.begin() + t * k,
+                                         full.expert_ids.begin() + (t + 1) * k, e) -
+                               (full.expert_ids.begin() + t * k);
+          EXPECT_GT(rank, rank_of_prev);
+          rank_of_prev = rank;
+        }
+        counted += static_cast<int64_t>(kept_s.size());
+        double total = 0, got = 0;
+        for (float v : all) total += v;
+        for (float v : kept_s) got += v;
+        ASSERT_GE(static_cast<int64_t>(kept_s.size()), k_min);
+        EXPECT_GE(got, p * total - 1e-9) << "token " << t;
+        // The kept are the largest: the smallest kept is >= every dropped one.
+        const float smallest_kept = *std::min_element(kept_s.begin(), kept_s.end());
+        std::sort(all.begin(), all.end(), std::greater<float>());
+        const size_t c = kept_s.size();
+        if (c < all.size()) {
+          EXPECT_GE(smallest_kept, all[c]) << "token " << t;
+        }
+        // Minimal: without the smallest kept the share is below p (unless k_min binds).
+        if (static_cast<int64_t>(c) > k_min) {
+          EXPECT_LT(got - smallest_kept, p * total) << "token " << t;
+        }
+      }
+      EXPECT_EQ(kept, counted);
+    }
+  }
+}
+
+// The p matched to a budget keeps at least that many experts per token on the window it was
+// solved from, and a p just below keeps fewer.
+TEST(TopP, ForABudgetIsTheSmallestPThatKeepsIt) {
+  const int64_t m = 2000, n = 64, k = 8;
+  const std::vector<float> s = SkewedScores(m, n, 32);
+  const std::vector<float> bias = BalancedBias(s, m, n, k);
+  const Routing full = SelectExperts(s.data(), bias.data(), m, n, k, true, 1.0f);
+  auto kept_at = [&](double p) {
+    Routing r = full;
+    BudgetRule rule;
+    rule.top_p = p;
+    return static_cast<double>(ApplyBudget(s.data(), n, rule, true, 1.0f, &r)) / m;
+  };
+  for (double b : {2.0, 4.0, 6.0}) {
+    auto p = TopPForBudget(s, m, n, bias, k, 1, b);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_GE(kept_at(*p), b);
+    EXPECT_LT(kept_at(*p - 1e-6), b);
+    EXPECT_LT(kept_at(*p), b + 0.05);  // matched: no whole expert more per token
+  }
+  EXPECT_EQ(TopPForBudget(s, m, n, bias, k, 1, 9.0).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(BudgetThresholds, HistogramAgreesWithTheExactForm) {
