@@ -557,11 +557,13 @@ absl::Status RouterCore::SetBudget(int32_t layer, int32_t k_avg, const std::stri
   // their solve, and no traffic under the new bias yet) are not, so it is refused as before any
   // traffic, saying why.
   if (k_avg < cfg_.top_k && budget.stale) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", layer, ": the budget's thresholds were solved under bias version ",
-        budget.solved_from_version, " and the bias has moved since; no traffic reported with "
-        "bias version ", l->ledger.current().version,
-        " to solve them again from yet; send traffic, then set the budget"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, ": the budget's thresholds were solved under bias version ",
+                     budget.solved_from_version,
+                     " and the bias has moved since; no traffic reported with "
+                     "bias version ",
+                     l->ledger.current().version,
+                     " to solve them again from yet; send traffic, then set the budget"));
   }
   const std::string why =
       solved ? absl::StrCat(reason, " ", k_avg, " of ", cfg_.top_k, " (thresholds from ",

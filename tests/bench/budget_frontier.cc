@@ -101,9 +101,8 @@ int Main(int argc, char** argv) {
   auto full = (*layer)->Forward(xe, eval, h, bias.data());
   if (!full.ok()) return 1;
   const std::vector<float> full_out = ToFloat(full->out);
-  const numerics::Routing full_routing =
-      numerics::SelectExperts(se.data(), bias.data(), eval, e, k, cfg->renormalize,
-                              cfg->routed_scaling_factor);
+  const numerics::Routing full_routing = numerics::SelectExperts(
+      se.data(), bias.data(), eval, e, k, cfg->renormalize, cfg->routed_scaling_factor);
   std::vector<int32_t> shard_of(static_cast<size_t>(e));
   for (int64_t j = 0; j < e; ++j) shard_of[j] = static_cast<int32_t>(j * shards / e);
   std::printf(
@@ -111,9 +110,8 @@ int Main(int argc, char** argv) {
       "QB-balanced bias, measured on %lld fresh tokens; %d contiguous shards\n\n"
       "| budget | mode | p | experts/token | rel. output diff | weight kept | top-1 agreement | "
       "kept-load MaxVio | shard max/mean |\n|---|---|---|---|---|---|---|---|---|\n",
-      dir->c_str(), static_cast<long long>(h), static_cast<long long>(e),
-      static_cast<long long>(k), static_cast<long long>(calibration), static_cast<long long>(eval),
-      shards);
+      dir->c_str(), static_cast<long long>(h), static_cast<long long>(e), static_cast<long long>(k),
+      static_cast<long long>(calibration), static_cast<long long>(eval), shards);
   for (int64_t b : budgets) {
     auto p = numerics::TopPForBudget(sc, calibration, e, bias, k, 1, static_cast<double>(b));
     if (!p.ok()) return 1;
@@ -125,8 +123,8 @@ int Main(int argc, char** argv) {
       } else {
         rule.thresholds = numerics::BudgetRow(*table, b, e);
       }
-      auto out = (*layer)->Forward(xe, eval, h, bias.data(), nullptr,
-                                   numerics::Precision::kW4A16, &rule);
+      auto out =
+          (*layer)->Forward(xe, eval, h, bias.data(), nullptr, numerics::Precision::kW4A16, &rule);
       if (!out.ok()) return 1;
       numerics::Routing r = full_routing;
       double mass = 0;

@@ -382,9 +382,9 @@ TEST(TopP, KeepsTheFewestLargestScoresThatReachP) {
           if (e < 0) continue;
           kept_s.push_back(s[t * n + e]);
           // rank order kept: e's slot in the full routing comes after the previous kept one
-          const int64_t rank = std::find(full.expert_ids.begin() + t * k,
-                                         full.expert_ids.begin() + (t + 1) * k, e) -
-                               (full.expert_ids.begin() + t * k);
+          const int64_t rank =
+              std::find(full.expert_ids.begin() + t * k, full.expert_ids.begin() + (t + 1) * k, e) -
+              (full.expert_ids.begin() + t * k);
           EXPECT_GT(rank, rank_of_prev);
           rank_of_prev = rank;
         }
