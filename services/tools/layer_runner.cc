@@ -119,7 +119,15 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
     rule.k_min = 1;
     rule.thresholds = numerics::BudgetRow(thresholds, req.budget, e);
   }
-  const numerics::BudgetRule* budget = req.budget != 0 ? &rule : nullptr;
+  if (req.top_p != 0) {
+    if (req.budget != 0 || !(req.top_p > 0 && req.top_p <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--top_p ", req.top_p, ": in (0, 1], and not together with --budget"));
+    }
+    rule.k_min = 1;
+    rule.top_p = req.top_p;
+  }
+  const numerics::BudgetRule* budget = req.budget != 0 || req.top_p != 0 ? &rule : nullptr;
   numerics::LayerOutput best;
   for (int r = 0; r < std::max(1, req.repeat); ++r) {
     numerics::LayerTimings t;

@@ -34,6 +34,9 @@ struct ForwardRequest {
   // for mid at b = 3, 38,069 for K3 at b = 8).
   int64_t budget_calibration_tokens = 0;
   double budget_window_floor = 0.2;
+  // Dynamic k's second mode instead (docs/math.md 4.1, "Top-p"): keep the fewest experts, largest
+  // router score first, whose share of the token's top-k scores reaches top_p (k_min 1); 0: off.
+  double top_p = 0;
 };
 
 struct ForwardReport {

@@ -130,6 +130,9 @@ int Forward(int argc, char** argv) {
   f.Int64("budget", &req.budget,
           "dynamic k: serve this expert budget (1..top-k - 1) with thresholds solved from a "
           "calibration batch (0: the full top-k)");
+  f.Double("top_p", &req.top_p,
+           "dynamic k's second mode: keep the fewest experts whose share of the token's top-k "
+           "router weight reaches this (0: off; docs/math.md 4.1)");
   f.Int64("budget_calibration_tokens", &req.budget_calibration_tokens,
           "dynamic k: tokens of the calibration batch (0: the fewest whose window floor at the "
           "budget is at most --budget_window_floor)");

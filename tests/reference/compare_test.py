@@ -55,19 +55,22 @@ def run(cmd):
 
 # Dynamic k: (preset, budget) of the full top-k (tiny k = 4, mid k = 8).
 BUDGET_CASES = [("tiny", 2), ("mid", 3), ("mid", 6)]
+# Dynamic k's second mode: (preset, p) of top-p by routing weight.
+TOP_P_CASES = [("tiny", 0.6), ("mid", 0.45)]
 
 
-def check(tool, work, preset, synth_flags, precision, budget=0):
+def check(tool, work, preset, synth_flags, precision, budget=0, top_p=0.0):
     ckpt = os.path.join(work, preset)
     os.makedirs(work, exist_ok=True)
     if not os.path.exists(os.path.join(ckpt, "config.json")):
         run([tool, "synth", "--config", preset, "--out", ckpt, "--seed", "21", "--skew", "1.0"]
             + synth_flags)
-    tag = f"{precision}-budget{budget}" if budget else precision
+    tag = (f"{precision}-budget{budget}" if budget else
+           f"{precision}-topp{top_p}" if top_p else precision)
     out_path = os.path.join(ckpt, f"forward-{tag}.safetensors")
     run([tool, "forward", "--checkpoint", ckpt, "--tokens", str(TOKENS), "--seed", "5",
          "--backend", "ref", "--precision", precision, "--output", out_path,
-         "--budget", str(budget)])
+         "--budget", str(budget), "--top_p", str(top_p)])
     cpp, _ = ref.read_safetensors(out_path)
     ck = ref.Checkpoint(ckpt)
     failures = []
@@ -81,6 +84,8 @@ def check(tool, work, preset, synth_flags, precision, budget=0):
             bad = np.argwhere(~same)[:5].tolist()
             failures.append(f"thresholds differ at {int((~same).sum())} entries, e.g. {bad}")
         rule = (1, cpp["thresholds"][budget - 1])
+    if top_p:
+        rule = ("top_p", 1, top_p)
     t0 = time.time()
     out, ids, weights = ref.layer_forward(ck, 1, cpp["x"], precision, rule)
     seconds = time.time() - t0
@@ -103,7 +108,8 @@ def check(tool, work, preset, synth_flags, precision, budget=0):
     if frac > MAX_DIFFERING_FRACTION:
         failures.append(f"{differing} of {dist.size} outputs differ ({frac:.2e} > "
                         f"{MAX_DIFFERING_FRACTION:.0e})")
-    kept = f", budget {budget}: {live.sum() / TOKENS:.2f} experts per token" if budget else ""
+    kept = (f", budget {budget}: {live.sum() / TOKENS:.2f} experts per token" if budget else
+            f", top-p {top_p}: {live.sum() / TOKENS:.2f} experts per token" if top_p else "")
     print(f"{preset} {precision}{kept}: {TOKENS} tokens, experts identical: {np.array_equal(ids, cpp['expert_ids'])}, "
           f"weights max rel diff {wrel:.2e}, outputs differing {differing}/{dist.size} "
           f"({frac:.2e}), max {max_ulp} ulp; numpy took {seconds:.1f} s")
@@ -139,6 +145,13 @@ def main():
         failures = check(args.moe_tool, args.work, preset, flags, "w4a16", budget)
         for f in failures:
             print(f"FAIL {preset} budget {budget}: {f}")
+        failed += 1 if failures else 0
+        passed += 0 if failures else 1
+    for preset, top_p in TOP_P_CASES:
+        flags = dict(CASES)[preset]
+        failures = check(args.moe_tool, args.work, preset, flags, "w4a16", top_p=top_p)
+        for f in failures:
+            print(f"FAIL {preset} top-p {top_p}: {f}")
         failed += 1 if failures else 0
         passed += 0 if failures else 1
     print(f"{passed} passed, {failed} failed")

@@ -246,7 +246,9 @@ def layer_forward(ck, layer, x_bits, precision="w4a16", budget=None, h_via_bf16=
     from the fp32 SiTU output as deployed stacks quantize it, or rounded to bf16 first when
     h_via_bf16: the project's order before, expert-svc --w4a8_h_via_bf16).
     budget: None, or (k_min, theta [E]) for dynamic k: a token keeps its first k_min selections
-    and those with s >= theta of their expert, in rank order; the rest are id -1, weight 0."""
+    and those with s >= theta of their expert, in rank order; the rest are id -1, weight 0.
+    Or ("top_p", k_min, p): a token keeps the fewest of its top k, largest score first (ties:
+    rank order), whose share of its top-k scores reaches p, and at least k_min."""
     a8 = mxfp8_roundtrip if precision == "w4a8" else (lambda v: v)
     c = ck.cfg
     H, D, I = c["hidden_size"], c["routed_expert_hidden_size"], c["moe_intermediate_size"]
@@ -266,9 +268,25 @@ def layer_forward(ck, layer, x_bits, precision="w4a16", budget=None, h_via_bf16=
     ids = np.argsort(-cbias, axis=1, kind="stable")[:, :k]  # ties: lower id first
     sel = np.take_along_axis(s, ids, axis=1)
     keep = np.ones_like(ids, dtype=bool)
-    if budget is not None:
+    if budget is not None and budget[0] == "top_p":
+        _, k_min, top_p = budget
+        keep = np.zeros_like(ids, dtype=bool)
+        for t in range(T):
+            total = 0.0
+            for j in range(k):  # in rank order, in double
+                total += float(sel[t, j])
+            cum, taken = 0.0, 0
+            for j in np.argsort(-sel[t], kind="stable"):  # largest first, ties by rank
+                if taken >= k_min and cum >= top_p * total:
+                    break
+                keep[t, j] = True
+                cum += float(sel[t, j])
+                taken += 1
+        budget = (k_min, None)
+    elif budget is not None:
         k_min, theta = budget
         keep = (np.arange(k)[None, :] < k_min) | (sel >= theta[ids])
+    if budget is not None:
         # kept slots first, in rank order (a stable sort of "not kept")
         order = np.argsort(~keep, axis=1, kind="stable")
         ids = np.take_along_axis(ids, order, axis=1)
