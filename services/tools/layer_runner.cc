@@ -121,8 +121,8 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   }
   if (req.top_p != 0) {
     if (req.budget != 0 || !(req.top_p > 0 && req.top_p <= 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--top_p ", req.top_p, ": in (0, 1], and not together with --budget"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--top_p ", req.top_p, ": in (0, 1], and not together with --budget"));
     }
     rule.k_min = 1;
     rule.top_p = req.top_p;
