@@ -139,6 +139,7 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
     // The expert budget served (experts per token on average): k, or lower with bias's
     // thresholds (the layer's budget, the request's cap, the automatic mode).
     int32_t budget = 0;
+    double top_p = 0;    // ForwardOptions.expert_top_p: the second mode instead of the budget
     bool check = false;  // a full-k check: no statistics, no per-expert counts
     std::shared_ptr<const LayerRoute> route;
     absl::Time expert_deadline;  // the expert calls end here, a little before the caller's

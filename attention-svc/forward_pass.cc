@@ -102,6 +102,15 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
     return absl::InvalidArgumentError(absl::StrCat(
         "expert_budget ", cap, " outside [0, top-k = ", cfg_.top_k, "] (0: the layer's budget)"));
   }
+  const double top_p = req.options().expert_top_p();
+  if (!(top_p >= 0 && top_p <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert_top_p ", top_p, " outside [0, 1] (0: off)"));
+  }
+  if (top_p > 0 && cap > 0) {
+    return absl::InvalidArgumentError(
+        "expert_top_p and expert_budget are two modes of dynamic k: send one of them");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     spec.bias = bias_[req.layer()];
@@ -133,7 +142,9 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
         "budget); send 0 or ",
         cfg_.top_k, " for the full top-k"));
   }
-  if (spec.bias->usable() && !check) {
+  if (top_p > 0 && !check) {
+    spec.top_p = top_p;  // served with any bias: it needs no thresholds
+  } else if (spec.bias->usable() && !check) {
     int32_t b = spec.bias->k_avg;
     if (cap > 0) b = std::min(b, cap);
     if (governor_ != nullptr && governor_->enabled()) b = std::min(b, governor_->cap());
@@ -200,7 +211,15 @@ class AttentionServer::Impl::ForwardPass {
     // error, said here, not a shard's refusal of non-finite activations.
     MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
     if (!spec_.check) impl_->Accumulate(req_.layer(), *spec_.bias, f.batch);
-    if (spec_.budget < top_k_) {
+    if (spec_.top_p > 0) {
+      const ModelConfig& cfg = impl_->cfg_;
+      numerics::BudgetRule rule;
+      rule.k_min = spec_.bias->k_min;
+      rule.top_p = spec_.top_p;
+      routed_pairs_ += numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, rule,
+                                             cfg.renormalize, cfg.routed_scaling_factor,
+                                             &f.batch.routing, &kept_mass_);
+    } else if (spec_.budget < top_k_) {
       const ModelConfig& cfg = impl_->cfg_;
       routed_pairs_ += numerics::ApplyBudget(
           f.batch.scores.data(), cfg.num_experts,

@@ -49,6 +49,7 @@ void FillRequest(int32_t layer, const ForwardOptions& o, v1::ForwardRequest* req
   req->mutable_options()->set_missing_experts(o.missing_experts);
   req->mutable_options()->set_precision(o.precision);
   req->mutable_options()->set_expert_budget(o.expert_budget);
+  req->mutable_options()->set_expert_top_p(o.expert_top_p);
 }
 
 class GrpcForwardStream final : public ForwardStream {

@@ -45,6 +45,8 @@ struct ForwardOptions {
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
   // Dynamic k: at most this expert budget (experts per token on average); 0: the layer's.
   int32_t expert_budget = 0;
+  // Dynamic k's second mode: keep the experts whose share of the routing weight reaches this.
+  double expert_top_p = 0;
 };
 
 struct ForwardResult {

@@ -498,6 +498,15 @@ def test_python_client(client_dir, attention, router, ref, work, rest=None):
         assert r.expert_budget == 2 and r.routed_pairs == int((r.expert_ids >= 0).sum()), r
         assert r.routed_pairs < 16 * 8 and np.all(r.weights[r.expert_ids < 0] == 0)
         assert 0 < r.routing_mass_kept < 1, r.routing_mass_kept  # experts dropped: weight lost
+        # The second mode per request: top-p by routing weight (no thresholds needed).
+        tp = c.forward(x[:16], return_routing=True, expert_top_p=0.5)
+        assert tp.routed_pairs == int((tp.expert_ids >= 0).sum()) < 16 * 8, tp
+        assert tp.routing_mass_kept >= 0.5, tp.routing_mass_kept
+        try:
+            c.forward(x[:2], expert_top_p=2)
+            raise AssertionError("expert_top_p 2 was accepted")
+        except ValueError:
+            pass
         try:
             c.forward(x[:2], expert_budget=-1)
             raise AssertionError("a negative budget was accepted")

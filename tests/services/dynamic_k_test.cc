@@ -144,6 +144,38 @@ TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
     EXPECT_GT(per_token, 0.6 * c.served);  // thresholds from 1024 other tokens
     EXPECT_LT(per_token, 1.4 * c.served);
   }
+  // The second mode per request: top-p by routing weight, bit for bit the in-process layer with
+  // the same rule, no thresholds needed; outside [0, 1] or together with a cap, refused.
+  for (double p : {0.3, 0.7}) {
+    const int64_t tokens = 64;
+    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 950);
+    client::ForwardOptions fo;
+    fo.return_routing = true;
+    fo.expert_top_p = p;
+    auto got = user->Forward(layer, x, tokens, cfg.hidden, fo);
+    ASSERT_TRUE(got.ok()) << got.status();
+    numerics::BudgetRule rule;
+    rule.k_min = 1;
+    rule.top_p = p;
+    auto want = local->Forward(x, tokens, cfg.hidden, bias.data(), nullptr,
+                               numerics::Precision::kW4A16, &rule);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->expert_ids, want->routing.expert_ids) << p;
+    EXPECT_TRUE(SameBits(got->out, want->out)) << p;
+    EXPECT_EQ(got->routed_pairs, Kept(want->routing.expert_ids)) << p;
+    EXPECT_LT(got->routed_pairs, tokens * k) << p;
+    EXPECT_GT(got->routing_mass_kept, p - 1e-9) << p;  // every token's kept share reaches p
+    std::printf("[dynamic k] top-p %.1f: %.2f experts per token, weight kept %.3f\n", p,
+                static_cast<double>(got->routed_pairs) / tokens, got->routing_mass_kept);
+  }
+  for (auto [p, cap] : {std::pair<double, int32_t>{1.5, 0}, {-0.1, 0}, {0.5, 2}}) {
+    client::ForwardOptions fo;
+    fo.expert_top_p = p;
+    fo.expert_budget = cap;
+    EXPECT_EQ(user->Forward(layer, probe, 4, cfg.hidden, fo).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << p << " " << cap;
+  }
   // A cap outside [0, k] is the caller's error.
   client::ForwardOptions bad;
   bad.expert_budget = static_cast<int32_t>(k) + 1;
@@ -207,11 +239,23 @@ TEST(ClusterDynamicK, StaleThresholdsServeTheFullLayerUntilSolvedAgain) {
     }
     return false;
   };
+  // Until the attention node routes with version v (its watch may lag a published version:
+  // traffic routed with the one before does not count in the new window).
+  auto routes_with = [&](uint64_t v) {
+    const std::vector<Bf16> one = checkpoint::SyntheticHiddenStates(cfg, 1, 9);
+    for (int i = 0; i < 100; ++i) {
+      auto r = user->Forward(layer, one, 1, cfg.hidden);
+      if (r.ok() && r->bias_version == v) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  };
   traffic(1024, 300);
   ASSERT_TRUE(window_holds(1024));
   auto set = admin->SetExpertBudget(layer, 4);
   ASSERT_TRUE(set.ok()) << set.status();
   ASSERT_FALSE(set->budget().stale());
+  ASSERT_TRUE(routes_with(set->version()));
   traffic(1024, 400);
   ASSERT_TRUE(window_holds(1024));
   auto step = admin->Rebalance(layer, /*dry_run=*/false);

@@ -306,7 +306,7 @@ class Client:
 
     # Forward.
     def _forward_request(self, x, layer, return_routing, reply_mode, precision=None,
-                         expert_budget=None):
+                         expert_budget=None, expert_top_p=None):
         pb = self._pb
         if layer is None:
             layer = (self._info or self.model_info()).layers[0]
@@ -332,6 +332,10 @@ class Client:
             if not isinstance(expert_budget, int) or expert_budget < 0:
                 raise ValueError(f"expert_budget must be an int >= 0, got {expert_budget!r}")
             req.options.expert_budget = expert_budget
+        if expert_top_p is not None:
+            if not isinstance(expert_top_p, (int, float)) or not 0 <= expert_top_p <= 1:
+                raise ValueError(f"expert_top_p must be in [0, 1], got {expert_top_p!r}")
+            req.options.expert_top_p = float(expert_top_p)
         return req
 
     def _result(self, r):
@@ -350,14 +354,16 @@ class Client:
         return res
 
     def forward(self, x, layer=None, return_routing=False, reply_mode=None, timeout=None,
-                precision=None, expert_budget=None):
+                precision=None, expert_budget=None, expert_top_p=None):
         """x: float32 [T, H] (rounded to bf16 here, RNE) or uint16 bf16 bits -> Result.
 
         precision: None (the server's default), "w4a16" or "w4a8" (MXFP8 expert inputs).
         expert_budget: dynamic k, at most this many experts per token on average (None or 0:
-        the layer's budget); Result.expert_budget says what was served."""
+        the layer's budget); Result.expert_budget says what was served.
+        expert_top_p: dynamic k's second mode instead, each token keeps the experts whose share
+        of its routing weight reaches this (Result.routed_pairs, routing_mass_kept say what)."""
         req = self._forward_request(x, layer, return_routing, reply_mode, precision,
-                                    expert_budget)
+                                    expert_budget, expert_top_p)
         r = _unary(self._attention, "/moe.v1.AttentionService/Forward", req,
                    self._pb.attention.ForwardResponse, timeout or self._timeout)
         return self._result(r)
