@@ -216,9 +216,9 @@ class AttentionServer::Impl::ForwardPass {
       numerics::BudgetRule rule;
       rule.k_min = spec_.bias->k_min;
       rule.top_p = spec_.top_p;
-      routed_pairs_ += numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, rule,
-                                             cfg.renormalize, cfg.routed_scaling_factor,
-                                             &f.batch.routing, &kept_mass_);
+      routed_pairs_ +=
+          numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, rule, cfg.renormalize,
+                                cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
     } else if (spec_.budget < top_k_) {
       const ModelConfig& cfg = impl_->cfg_;
       routed_pairs_ += numerics::ApplyBudget(
