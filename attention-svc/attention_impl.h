@@ -139,7 +139,10 @@ class AttentionServer::Impl final : public v1::AttentionService::CallbackService
     // The expert budget served (experts per token on average): k, or lower with bias's
     // thresholds (the layer's budget, the request's cap, the automatic mode).
     int32_t budget = 0;
-    double top_p = 0;    // ForwardOptions.expert_top_p: the second mode instead of the budget
+    // What each token keeps of its top k: the budget's thresholds row, or the request's top-p
+    // (ForwardOptions.expert_top_p), or nothing dropped (no thresholds, top_p 0). Its pointer
+    // is into bias, which the spec holds.
+    numerics::BudgetRule rule;
     bool check = false;  // a full-k check: no statistics, no per-expert counts
     std::shared_ptr<const LayerRoute> route;
     absl::Time expert_deadline;  // the expert calls end here, a little before the caller's

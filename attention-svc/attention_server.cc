@@ -406,26 +406,21 @@ void AttentionServer::Impl::CheckLoop() {
       if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "skipped");
       continue;
     }
-    // Relative L2 difference of the bf16 outputs, in double.
+    // The relative L2 difference of the outputs, and where the next-token head would point,
+    // with the budget and without.
     const size_t n = c.output.size() / sizeof(Bf16);
-    std::vector<Bf16> a(n), b(n);
-    std::memcpy(a.data(), c.output.data(), c.output.size());
-    std::memcpy(b.data(), full.output().data().data(), c.output.size());
-    double diff = 0, norm = 0;
+    std::vector<float> budgeted(n), full_k(n);
     for (size_t i = 0; i < n; ++i) {
-      const double x = a[i].ToFloat(), y = b[i].ToFloat();
-      diff += (x - y) * (x - y);
-      norm += y * y;
+      Bf16 x, y;
+      std::memcpy(&x, c.output.data() + i * sizeof(Bf16), sizeof(Bf16));
+      std::memcpy(&y, full.output().data().data() + i * sizeof(Bf16), sizeof(Bf16));
+      budgeted[i] = x.ToFloat();
+      full_k[i] = y.ToFloat();
     }
-    const double rel = norm > 0 ? std::sqrt(diff / norm) : 0.0;
-    // Where the next-token head would point, with the budget and without.
-    std::vector<float> af(n), bf(n);
-    for (size_t i = 0; i < n; ++i) {
-      af[i] = a[i].ToFloat();
-      bf[i] = b[i].ToFloat();
-    }
+    const double rel = numerics::RelativeL2(budgeted.data(), full_k.data(), n);
     const int64_t tokens = static_cast<int64_t>(n) / cfg_.hidden;
-    const double top1 = numerics::Top1Agreement(af.data(), bf.data(), tokens, cfg_.hidden);
+    const double top1 =
+        numerics::Top1Agreement(budgeted.data(), full_k.data(), tokens, cfg_.hidden);
     if (metrics_ != nullptr) {
       metrics_->BudgetCheck(layer, "measured", rel);
       metrics_->BudgetQuality(layer, c.mass_kept, top1);

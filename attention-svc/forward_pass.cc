@@ -142,13 +142,18 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
         "budget); send 0 or ",
         cfg_.top_k, " for the full top-k"));
   }
+  spec.rule.k_min = spec.bias->k_min;
   if (top_p > 0 && !check) {
-    spec.top_p = top_p;  // served with any bias: it needs no thresholds
+    spec.rule.top_p = top_p;  // served with any bias: it needs no thresholds
   } else if (spec.bias->usable() && !check) {
     int32_t b = spec.bias->k_avg;
     if (cap > 0) b = std::min(b, cap);
     if (governor_ != nullptr && governor_->enabled()) b = std::min(b, governor_->cap());
     spec.budget = std::clamp<int32_t>(b, 1, static_cast<int32_t>(cfg_.top_k));
+    if (spec.budget < cfg_.top_k) {
+      spec.rule.thresholds = numerics::BudgetRow(spec.bias->thresholds, spec.budget,
+                                                 cfg_.num_experts);
+    }
   }
   if (spec.route == nullptr) {
     return absl::UnavailableError(
@@ -211,25 +216,11 @@ class AttentionServer::Impl::ForwardPass {
     // error, said here, not a shard's refusal of non-finite activations.
     MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
     if (!spec_.check) impl_->Accumulate(req_.layer(), *spec_.bias, f.batch);
-    if (spec_.top_p > 0) {
-      const ModelConfig& cfg = impl_->cfg_;
-      numerics::BudgetRule rule;
-      rule.k_min = spec_.bias->k_min;
-      rule.top_p = spec_.top_p;
-      routed_pairs_ +=
-          numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, rule, cfg.renormalize,
-                                cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
-    } else if (spec_.budget < top_k_) {
-      const ModelConfig& cfg = impl_->cfg_;
-      routed_pairs_ += numerics::ApplyBudget(
-          f.batch.scores.data(), cfg.num_experts,
-          {spec_.bias->k_min,
-           numerics::BudgetRow(spec_.bias->thresholds, spec_.budget, cfg.num_experts)},
-          cfg.renormalize, cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
-    } else {
-      routed_pairs_ += rows * top_k_;
-      kept_mass_ += static_cast<double>(rows);
-    }
+    // The budget's or the request's rule (none: every pair kept, the routing untouched).
+    const ModelConfig& cfg = impl_->cfg_;
+    routed_pairs_ +=
+        numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, spec_.rule, cfg.renormalize,
+                              cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
     DispatchSpec dispatch = dispatch_;
     if (req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*spec_.route)) {
       int64_t pairs = 0;

@@ -516,7 +516,7 @@ absl::Status RouterCore::ResolveStaleBudgetLocked(LayerState& l) {
   }
   absl::StatusOr<numerics::BudgetHistogram> pooled = l.window.PooledBudget();
   if (!pooled.ok()) return absl::OkStatus();
-  const int64_t b = cur.k_avg >= 1 && cur.k_avg < cfg_.top_k ? cur.k_avg : cfg_.top_k - 1;
+  const int64_t b = cur.k_avg;  // in [1, k) here
   // As many tokens as the stale thresholds had, or a window that meets the floor if fewer.
   const int64_t want = std::max<int64_t>(
       1, std::min(cur.solved_from_tokens,

@@ -25,10 +25,11 @@ absl::StatusOr<OpenedDataPlane> OpenDataPlane(const std::string& who, const std:
                                               const std::string& node, const std::string& backend,
                                               absl::Time deadline) {
   OpenedDataPlane out;
+  out.open_by = std::min(deadline, absl::Now() + kOpenTimeout);
   out.control = transport::MakeControlChannel(endpoint, max_message_bytes);
   auto stub = v1::ExpertService::NewStub(out.control);
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + kOpenTimeout)));
+  ctx.set_deadline(absl::ToChronoTime(out.open_by));
   if (!cluster_token.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token);
   v1::OpenDataPlaneRequest req;
   req.set_node(node);

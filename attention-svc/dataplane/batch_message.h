@@ -30,6 +30,9 @@ struct OpenedDataPlane {
   // Kept open while the data plane is: its state says whether the shard is alive (a
   // shared-memory lane has no peer failure detection of its own).
   std::shared_ptr<grpc::Channel> control;
+  // The opening ends here, the backend's hello included: the caller's deadline or two seconds
+  // after the call began, whichever comes first.
+  absl::Time open_by;
 };
 
 // ExpertService.OpenDataPlane of shard `who` at `endpoint` (never waiting past `deadline` or

@@ -31,7 +31,6 @@ struct DataPlane {
   bool in_band() const { return name == "grpc"; }
   // The backend to start: the named one, the default under auto, "" for grpc.
   std::string backend() const { return automatic() ? kDefaultBackend : in_band() ? "" : name; }
-  bool operator==(const DataPlane& o) const { return name == o.name; }
 };
 
 inline std::string DataPlaneName(const DataPlane& d) { return d.name; }

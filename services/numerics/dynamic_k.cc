@@ -5,6 +5,8 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "services/common/random.h"
@@ -145,13 +147,29 @@ absl::StatusOr<double> TopPForBudget(absl::Span<const float> scores, int64_t m, 
   return hi;
 }
 
+namespace {
+// The stand-in head [hidden, kTop1Columns], drawn once per width (entries are never erased or
+// changed once made, so a reference outlives the lock).
+const std::vector<float>& Top1Projection(int64_t hidden) {
+  static std::mutex mu;
+  static auto* cache = new std::map<int64_t, std::vector<float>>;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, fresh] = cache->try_emplace(hidden);
+  if (fresh) {
+    Rng rng(kTop1Seed);
+    it->second.resize(static_cast<size_t>(hidden * kTop1Columns));
+    for (float& v : it->second) v = rng.Normal();
+  }
+  return it->second;
+}
+}  // namespace
+
 double Top1Agreement(const float* a, const float* b, int64_t tokens, int64_t hidden) {
   if (tokens <= 0) return 1.0;
-  Rng rng(kTop1Seed);
-  std::vector<float> p(static_cast<size_t>(hidden * kTop1Columns));
-  for (float& v : p) v = rng.Normal();
+  const std::vector<float>& p = Top1Projection(hidden);
+  std::vector<double> logits(static_cast<size_t>(kTop1Columns));
   auto top1 = [&](const float* x) {
-    std::vector<double> logits(static_cast<size_t>(kTop1Columns), 0.0);
+    std::fill(logits.begin(), logits.end(), 0.0);
     for (int64_t h = 0; h < hidden; ++h) {
       const double xv = x[h];
       const float* row = p.data() + h * kTop1Columns;
@@ -162,6 +180,16 @@ double Top1Agreement(const float* a, const float* b, int64_t tokens, int64_t hid
   int64_t same = 0;
   for (int64_t t = 0; t < tokens; ++t) same += top1(a + t * hidden) == top1(b + t * hidden);
   return static_cast<double>(same) / static_cast<double>(tokens);
+}
+
+double RelativeL2(const float* a, const float* ref, size_t n) {
+  double d = 0, norm = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = a[i], y = ref[i];
+    d += (x - y) * (x - y);
+    norm += y * y;
+  }
+  return norm > 0 ? std::sqrt(d / norm) : 0.0;
 }
 
 std::vector<double> BudgetNeeds(int64_t budget, int64_t k, int64_t tokens,

@@ -74,6 +74,9 @@ absl::StatusOr<double> TopPForBudget(absl::Span<const float> scores, int64_t m, 
 inline constexpr int64_t kTop1Columns = 256;
 inline constexpr uint64_t kTop1Seed = 0x70901a7e;
 double Top1Agreement(const float* a, const float* b, int64_t tokens, int64_t hidden);
+// ||a - ref|| / ||ref|| over n values, in double (0 for a zero ref): how far a budget moved the
+// layer's output from the full top-k's.
+double RelativeL2(const float* a, const float* ref, size_t n);
 
 // How many free selections each expert's threshold must keep for budget b in a window of
 // `tokens` tokens. Expert j had n_j selections, f_j of them at ranks < k_min (always kept); it

@@ -38,15 +38,6 @@ std::vector<float> ToFloat(const std::vector<Bf16>& v) {
   return out;
 }
 
-double RelDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, n = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    n += static_cast<double>(b[i]) * b[i];
-  }
-  return n > 0 ? std::sqrt(d / n) : 0.0;
-}
-
 int Main(int argc, char** argv) {
   std::string checkpoint, preset = "mid", budgets_flag;
   int64_t calibration = 16384, eval = 1024;
@@ -139,7 +130,8 @@ int Main(int argc, char** argv) {
       std::printf("| %lld | %s | %s | %.2f | %.4f | %.3f | %.3f | %.3f | %.3f |\n",
                   static_cast<long long>(b), mode,
                   rule.top_p > 0 ? absl::StrFormat("%.4f", rule.top_p).c_str() : "-",
-                  static_cast<double>(pairs) / eval, RelDiff(o, full_out), mass / eval,
+                  static_cast<double>(pairs) / eval,
+                  numerics::RelativeL2(o.data(), full_out.data(), o.size()), mass / eval,
                   numerics::Top1Agreement(o.data(), full_out.data(), eval, h), bal.max_vio,
                   bal.shard_max_over_mean);
     }

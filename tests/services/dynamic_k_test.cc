@@ -38,15 +38,21 @@ int64_t Kept(const std::vector<int32_t>& ids) {
   return n;
 }
 
-TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
-  const std::string& dir = CheckpointFor("mid");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  const int64_t k = cfg.top_k, e = cfg.num_experts;
-  LocalClusterOptions o = TestCluster(dir, {{0, 40}, {40, 128}});
+// A mid cluster over these expert ranges with the admin token "s3cret" and the attention node
+// reporting every 100 ms.
+absl::StatusOr<std::unique_ptr<LocalCluster>> StartBudgetCluster(
+    std::vector<std::pair<int64_t, int64_t>> ranges) {
+  LocalClusterOptions o = TestCluster(CheckpointFor("mid"), std::move(ranges));
   o.admin_token = "s3cret";
   o.attention_args = {"--report_interval_ms=100"};
-  auto cluster = LocalCluster::Start(o);
+  return LocalCluster::Start(o);
+}
+
+TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
+  ModelConfig cfg;
+  auto local = InProcessLayer(CheckpointFor("mid"), &cfg);
+  const int64_t k = cfg.top_k, e = cfg.num_experts;
+  auto cluster = StartBudgetCluster({{0, 40}, {40, 128}});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto admin = ClientFor(**cluster, "s3cret");
   auto user = ClientFor(**cluster);
@@ -212,14 +218,10 @@ TEST(ClusterDynamicK, ServesThePublishedBudgetAsTheInProcessLayerDoes) {
 // request's cap below k is refused saying why; the router solves them again from the next
 // window by itself, and the budget is served again (through the real attention node's reports).
 TEST(ClusterDynamicK, StaleThresholdsServeTheFullLayerUntilSolvedAgain) {
-  const std::string& dir = CheckpointFor("mid");
   ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
+  auto local = InProcessLayer(CheckpointFor("mid"), &cfg);
   const int64_t k = cfg.top_k;
-  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
-  o.admin_token = "s3cret";
-  o.attention_args = {"--report_interval_ms=100"};
-  auto cluster = LocalCluster::Start(o);
+  auto cluster = StartBudgetCluster({{0, 64}, {64, 128}});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto admin = ClientFor(**cluster, "s3cret");
   auto user = ClientFor(**cluster);

@@ -226,7 +226,7 @@ class FakeExpertChannel final : public ExpertChannel {
     {
       std::unique_lock<std::mutex> l(inbox_->mu);
       if (!inbox_->cv.wait_until(
-              l, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Seconds(2))),
+              l, absl::ToChronoTime(opened->open_by),
               [this] { return inbox_->acked; })) {
         return absl::UnavailableError(absl::StrCat(who_, ": the hello was not acknowledged"));
       }

@@ -289,7 +289,7 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
     }
     return opened.status();
   }
-  const absl::Time open_by = std::min(deadline, absl::Now() + absl::Seconds(2));
+  const absl::Time open_by = opened->open_by;
   const v1::OpenDataPlaneReply& reply = opened->reply;
   auto mac = dataplane::PayloadMac::Create(reply.mac_key());
   if (!mac.ok() || reply.hello_secret().size() != dataplane::kHelloSecretBytes ||
