@@ -151,8 +151,8 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
     if (governor_ != nullptr && governor_->enabled()) b = std::min(b, governor_->cap());
     spec.budget = std::clamp<int32_t>(b, 1, static_cast<int32_t>(cfg_.top_k));
     if (spec.budget < cfg_.top_k) {
-      spec.rule.thresholds = numerics::BudgetRow(spec.bias->thresholds, spec.budget,
-                                                 cfg_.num_experts);
+      spec.rule.thresholds =
+          numerics::BudgetRow(spec.bias->thresholds, spec.budget, cfg_.num_experts);
     }
   }
   if (spec.route == nullptr) {

@@ -225,9 +225,8 @@ class FakeExpertChannel final : public ExpertChannel {
     std::string peer_lanes;
     {
       std::unique_lock<std::mutex> l(inbox_->mu);
-      if (!inbox_->cv.wait_until(
-              l, absl::ToChronoTime(opened->open_by),
-              [this] { return inbox_->acked; })) {
+      if (!inbox_->cv.wait_until(l, absl::ToChronoTime(opened->open_by),
+                                 [this] { return inbox_->acked; })) {
         return absl::UnavailableError(absl::StrCat(who_, ": the hello was not acknowledged"));
       }
       peer_lanes = inbox_->peer_lanes;
