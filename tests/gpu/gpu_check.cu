@@ -3,9 +3,10 @@
 // machine has none of the Debian -dev packages. Built and run by tests/gpu/run.sh.
 //
 // 1. Every CUDA op against the CPU reference with named tolerances (exit status 1 on a miss):
-//    router top-k and combine bit-exact for equal inputs; RMSNorm and the MXFP4 expert FFN
-//    (K3 shapes, 1..40 tokens per expert) within named tolerances measured by the same harness
-//    as the CPU consistency test (services/numerics/tolerance.h); cuBLASLt bf16 and fp32
+//    router top-k, combine and RMSNorm bit-exact for equal inputs; the MXFP4 expert FFN (K3
+//    shapes, 1..40 tokens per expert, several seeds) within a named tolerance measured on an
+//    H200 by the same harness as the CPU consistency test (services/numerics/tolerance.h);
+//    cuBLASLt bf16 and fp32
 //    projections within the fp32 summation bound.
 // 2. Figures for K3 shapes: device-to-device copy bandwidth (the limit); expert decode (1 token
 //    per expert, 64 experts = 1.1 GB of MXFP4) as weight bytes/s and its fraction of the copy
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -38,12 +40,15 @@ using moe::tensor::Bf16;
 namespace {
 
 // Named tolerances, measured the way the CPU consistency test measures (numerics/tolerance.h:
-// UlpStats, bf16 ulps of each row's RMS, fractions over all outputs). Until they are measured
-// on a GPU (tensor-core sums are not IEEE adds in order), the GPU is held to the CPU backend's.
-constexpr mn::Tolerance kGpuExpertFfnTolerance = mn::kExpertFfnTolerance;
-// RMSNorm: a parallel sum of squares moves rsqrt by fp32 noise, which flips an output's bf16
-// rounding now and then: one ulp, on a small fraction.
-constexpr mn::Tolerance kGpuRmsNormTolerance = {1.0, 0.0, 0.01, 1};
+// UlpStats, bf16 ulps of each row's RMS, fractions over all outputs). Expert FFN, measured on an
+// H200 (tensor-core sums are not IEEE adds in order): over 13 draws of 5 experts x 77 rows,
+// 0.16-0.63% of outputs differ, 0.015-0.110% by more than one ulp (the CPU bound is 0.1%: one
+// draw of 13 exceeded it), every difference within 2 ulps of its row's scale (the CPU's bound,
+// met by every draw). The GPU keeps the CPU's row bound and differing fraction and doubles the
+// over-one-ulp fraction to 0.2%.
+constexpr mn::Tolerance kGpuExpertFfnTolerance = {2.0, 2e-3, 0.01, -1};
+// RMSNorm: bit-exact (the kernel sums the squares in the reference's order).
+constexpr mn::Tolerance kGpuRmsNormTolerance = {0.0, 0.0, 0.0, 0};
 constexpr double kGemmRelativeBound = 1e-5;  // |diff| <= bound * sum_i |x_i w_i|
 // K3 shapes.
 constexpr int kH = 7168, kD = 3584, kI = 3072, kE = 896, kK = 16;
@@ -157,6 +162,14 @@ void QuantizeMatrix(int rows, int cols, float std_dev, std::mt19937& rng, std::v
   }
 }
 
+void FreeExpert(const std::vector<mc::DeviceExpert>& dev) {
+  for (const auto& d : dev) {
+    for (const void* p :
+         {d.w1_packed, d.w1_scales, d.w3_packed, d.w3_scales, d.w2_packed, d.w2_scales})
+      cudaFree(const_cast<void*>(p));
+  }
+}
+
 HostExpert MakeExpert(std::mt19937& rng) {
   HostExpert e;
   QuantizeMatrix(kI, kD, 1.0f / std::sqrt((float)kD), rng, &e.w1p, &e.w1s);
@@ -252,6 +265,20 @@ int main() {
     std::string detail;
     const bool nok = CompareBf16(n_got, n_want, t, kD, kGpuRmsNormTolerance, &detail);
     Report("latent RMSNorm (K3, 64 tokens)", nok, detail);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    float best = 1e30f;
+    for (int rep = 0; rep < 20; ++rep) {
+      cudaEventRecord(e0);
+      CUDA_OK(mc::LaunchRmsNorm(dr, t, kD, dg, 1e-5f, dn, 0));
+      cudaEventRecord(e1);
+      cudaEventSynchronize(e1);
+      float ms;
+      cudaEventElapsedTime(&ms, e0, e1);
+      best = std::min(best, ms);
+    }
+    std::printf("  latent RMSNorm, 64 tokens: %.1f us (in-order sum of squares)\n", best * 1e3);
   }
 
   // cuBLASLt projections: bf16 (latent down) and fp32 (router), against the sequential fp32 sums.
@@ -297,38 +324,53 @@ int main() {
   }
 
   // Expert FFN at K3 shapes: groups of 1, 3, 16, 17 and 40 rows (one tile, partial tiles,
-  // several tiles), against ref::ExpertFfn.
+  // several tiles), against ref::ExpertFfn, over several seeds (MOE_GPU_SEEDS, "first,count":
+  // the tolerance below was measured on seeds 1-4; a run on other seeds checks it out of sample).
   {
-    const std::vector<int> counts = {1, 3, 16, 17, 40};
-    std::vector<HostExpert> host;
-    std::vector<mc::DeviceExpert> dev;
-    for (size_t g = 0; g < counts.size(); ++g) {
-      host.push_back(MakeExpert(rng));
-      dev.push_back(UploadExpert(host.back()));
+    int first_seed = 1, seed_count = 4;
+    if (const char* env = std::getenv("MOE_GPU_SEEDS")) {
+      std::sscanf(env, "%d,%d", &first_seed, &seed_count);
     }
+    const std::vector<int> counts = {1, 3, 16, 17, 40};
     int rows = 0;
     for (int c : counts) rows += c;
-    const std::vector<Bf16> z = RandomBf16(static_cast<size_t>(rows) * kD, 1.0f, rng);
-    std::vector<Bf16> want(z.size());
-    int row = 0;
-    for (size_t g = 0; g < counts.size(); ++g) {
-      mn::ref::ExpertFfn(host[g].view, z.data() + (size_t)row * kD, counts[g], kBeta, kLinearBeta,
-                         want.data() + (size_t)row * kD);
-      row += counts[g];
+    mn::UlpStats all;
+    for (int seed = first_seed; seed < first_seed + seed_count; ++seed) {
+      std::mt19937 srng(seed);
+      std::vector<HostExpert> host;
+      std::vector<mc::DeviceExpert> dev;
+      for (size_t g = 0; g < counts.size(); ++g) {
+        host.push_back(MakeExpert(srng));
+        dev.push_back(UploadExpert(host.back()));
+      }
+      const std::vector<Bf16> z = RandomBf16(static_cast<size_t>(rows) * kD, 1.0f, srng);
+      std::vector<Bf16> want(z.size());
+      int row = 0;
+      for (size_t g = 0; g < counts.size(); ++g) {
+        mn::ref::ExpertFfn(host[g].view, z.data() + (size_t)row * kD, counts[g], kBeta,
+                           kLinearBeta, want.data() + (size_t)row * kD);
+        row += counts[g];
+      }
+      FfnBuffers buf(z, rows);
+      mc::DeviceExpert* dexp = nullptr;
+      mc::RowTile* dtiles = nullptr;
+      int tiles = 0;
+      RunFfn(dev, counts, buf.z, buf.h, buf.y, &dexp, &dtiles, &tiles);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto y = Download(buf.y, want.size());
+      std::vector<Bf16> got(y.size());
+      std::memcpy(got.data(), y.data(), y.size() * 2);
+      mn::UlpStats one;
+      one.AddRows(got.data(), want.data(), rows, kD);
+      all.AddRows(got.data(), want.data(), rows, kD);
+      std::printf("  expert FFN seed %d: %s\n", seed, one.Str().c_str());
+      FreeExpert(dev);
+      cudaFree(dexp);
+      cudaFree(dtiles);
     }
-    FfnBuffers buf(z, rows);
-    uint16_t *dz = buf.z, *dh = buf.h, *dy = buf.y;
-    mc::DeviceExpert* dexp = nullptr;
-    mc::RowTile* dtiles = nullptr;
-    int tiles = 0;
-    RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles);
-    CUDA_OK(cudaDeviceSynchronize());
-    const auto y = Download(dy, want.size());
-    std::vector<Bf16> got(y.size());
-    std::memcpy(got.data(), y.data(), y.size() * 2);
-    std::string detail;
-    Report("expert FFN MXFP4 (K3, 77 rows)",
-           CompareBf16(got, want, rows, kD, kGpuExpertFfnTolerance, &detail), detail);
+    char name[64];
+    std::snprintf(name, sizeof(name), "expert FFN MXFP4 (K3, %d x 77 rows)", seed_count);
+    Report(name, all.Within(kGpuExpertFfnTolerance), all.Str());
   }
 
   // Figures.
@@ -391,11 +433,7 @@ int main() {
     const double expert_bytes = 2.0 * kI * kD * (0.5 + 1.0 / 32) + 1.0 * kD * kI * (0.5 + 1.0 / 32);
     *weight_bytes = experts * expert_bytes / (best * 1e-3);
     *flops = 2.0 * rows * 3.0 * kD * kI / (best * 1e-3);
-    for (auto& d : dev) {
-      for (const void* p :
-           {d.w1_packed, d.w1_scales, d.w3_packed, d.w3_scales, d.w2_packed, d.w2_scales})
-        cudaFree(const_cast<void*>(p));
-    }
+    FreeExpert(dev);
     cudaFree(dexp);
     cudaFree(dtiles);
     return best;

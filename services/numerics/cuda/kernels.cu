@@ -148,22 +148,24 @@ constexpr int kNormThreads = 256;
 
 __global__ void RmsNormKernel(const uint16_t* r, int dim, const uint16_t* gamma, float eps,
                               uint16_t* out) {
-  __shared__ float partial[kNormThreads];
+  // The sum of squares in the reference's order (one fp32 add per element, ascending d), so the
+  // output is bit-exact: a bf16 square is exact in fp32, only the adds round, and a tree of
+  // partial sums rounds differently (measured on an H200: 147 of 229,376 outputs moved, up to
+  // 2 ulp). One thread walks the row (3,584 dependent adds, a few microseconds per row, rows in
+  // parallel); the others wait for it and then scale the row together.
+  __shared__ float total;
   const int t = blockIdx.x;
   const uint16_t* row = r + static_cast<size_t>(t) * dim;
-  float sum = 0.0f;
-  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-    const float v = Bf16ToFloat(row[d]);
-    sum = __fadd_rn(sum, __fmul_rn(v, v));
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int d = 0; d < dim; ++d) {
+      const float v = Bf16ToFloat(row[d]);
+      sum = __fadd_rn(sum, __fmul_rn(v, v));
+    }
+    total = sum;
   }
-  partial[threadIdx.x] = sum;
   __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-    if (threadIdx.x < stride)
-      partial[threadIdx.x] = __fadd_rn(partial[threadIdx.x], partial[threadIdx.x + stride]);
-    __syncthreads();
-  }
-  const float mean = __fdiv_rn(partial[0], static_cast<float>(dim));
+  const float mean = __fdiv_rn(total, static_cast<float>(dim));
   const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
     const float n = RoundBf16(__fmul_rn(Bf16ToFloat(row[d]), inv));
