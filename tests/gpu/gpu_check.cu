@@ -347,8 +347,8 @@ int main() {
       std::vector<Bf16> want(z.size());
       int row = 0;
       for (size_t g = 0; g < counts.size(); ++g) {
-        mn::ref::ExpertFfn(host[g].view, z.data() + (size_t)row * kD, counts[g], kBeta,
-                           kLinearBeta, want.data() + (size_t)row * kD);
+        mn::ref::ExpertFfn(host[g].view, z.data() + (size_t)row * kD, counts[g], kBeta, kLinearBeta,
+                           want.data() + (size_t)row * kD);
         row += counts[g];
       }
       FfnBuffers buf(z, rows);
