@@ -18,6 +18,10 @@
 #        bytes and output difference per expert budget, then the automatic mode under an
 #        overload; mid preset by default, about 1 min; --preset k3 --overload=false for the k3
 #        shape)
+#        scripts/bench.sh --model_loop [examples/model_loop.py flags]  (a decode loop through
+#        every MoE layer of a mid checkpoint on one cluster, B = 1, 4, 16, 64: where a decode
+#        step's time goes, tokens/s, projected to 92 MoE layers; writes out/model-loop.png;
+#        about 1 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REF_TOKENS=1
@@ -38,6 +42,11 @@ if [ "${1:-}" = "--w4a8" ]; then
   shift
   cmake --build "$BUILD" --target w4a8_bench router-svc expert-svc attention-svc
   exec "$BUILD/tests/w4a8_bench" "$@"
+fi
+if [ "${1:-}" = "--model_loop" ]; then
+  shift
+  cmake --build "$BUILD" --target moe-tool moe-cli router-svc expert-svc attention-svc
+  exec tests/bench/model_loop_bench.sh "$BUILD" out "$@"
 fi
 if [ "${1:-}" = "--budget" ]; then
   shift

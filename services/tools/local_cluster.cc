@@ -18,6 +18,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "services/checkpoint/checkpoint.h"
 #include "services/client/moe_client.h"
@@ -198,6 +199,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/attention_token.sha256",
                                        transport::MemberTokenDigest(attention_token)));
   c->router_.args.push_back("--cluster_token_file=" + o.work_dir + "/cluster_token");
+  const std::string layers =
+      o.layers.empty() ? std::string() : "--layers=" + absl::StrJoin(o.layers, ",");
+  if (!layers.empty()) c->router_.args.push_back(layers);
   c->router_.args.insert(c->router_.args.end(), tls.begin(), tls.end());
   c->router_.args.insert(c->router_.args.end(), o.router_args.begin(), o.router_args.end());
   const bool own_store = std::any_of(o.router_args.begin(), o.router_args.end(), [](const auto& a) {
@@ -241,6 +245,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
               "--cluster_token_file=" + o.work_dir + "/expert_token",
               "--attention_token_sha256_file=" + o.work_dir + "/attention_token.sha256",
               threads};
+    if (!layers.empty()) s.args.push_back(layers);
     MOE_ASSIGN_OR_RETURN(const std::vector<std::string> shard_tls, tls_for(s.name));
     s.args.insert(s.args.end(), shard_tls.begin(), shard_tls.end());
     s.args.insert(s.args.end(), o.expert_args.begin(), o.expert_args.end());
@@ -256,6 +261,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
                         "--cluster_token_file=" + o.work_dir + "/attention_token",
                         "--reply_mode=" + o.reply_mode,
                         threads};
+  if (!layers.empty()) c->attention_.args.push_back(layers);
   if (!o.tls.enabled()) {  // the REST front is plain HTTP: not on a TLS cluster
     c->attention_.args.push_back("--http_port=0");
     c->attention_.args.push_back("--http_port_file=" + http_file);

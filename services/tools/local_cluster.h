@@ -37,6 +37,8 @@ struct LocalClusterOptions {
   std::string work_dir;  // port files and logs (created); empty: a fresh temp dir
   std::string reply_mode = "per_pair";
   std::string admin_token;  // empty: router-svc refuses admin calls
+  // MoE layers every process serves (--layers of each service); empty: the checkpoint's first.
+  std::vector<int64_t> layers;
   int threads = 0;  // per process (0: the CPUs this process may use over the cluster processes)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
   // router-svc keeps its state in <work_dir>/router.db (--state_db), made with --initialize when

@@ -274,6 +274,8 @@ int Up(int argc, char** argv) {
   f.String("admin_token_file", &admin_token_file,
            "file with router-svc's admin token (chmod 600; empty: admin calls refused)");
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
+  f.IntList("layers", &co.layers,
+            "MoE layers every process serves, comma-separated (empty: the checkpoint's first)");
   f.String("attention_args", &attention_args, "extra attention-svc flags, space-separated");
   f.String("router_args", &router_args, "extra router-svc flags, space-separated");
   f.String("expert_args", &expert_args, "extra expert-svc flags, space-separated");
