@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# `pip install ./clients/python` as a user does it, into a fresh virtual environment that sees
-# Debian's grpcio, protobuf and numpy (--system-site-packages; no network: --no-index): the
-# package installs, its message classes come from the build (moe_client/_proto, no protoc when
-# it runs: PATH without protoc, no proto/ next to it), and it answers from a directory outside
-# the checkout against a local cluster, bit for bit the in-process layer.
-# Usage: python_package_test.sh SOURCE_DIR MOE_CLI MOE_TOOL WORK_DIR
+# The wheel the build makes (build/python/moe_client-*.whl, cmake/MoePythonWheel.cmake),
+# installed as a user with no package index does it: `pip install <wheel>` with no flag, into a
+# fresh virtual environment that sees Debian's grpcio, protobuf and numpy
+# (--system-site-packages), with the index pointed at a closed loopback port so that any attempt
+# to reach one fails the install. Its message classes come from the build (moe_client/_proto, no
+# protoc when it runs: PATH without protoc, no proto/ next to it), and it answers from a
+# directory outside the checkout against a local cluster, bit for bit the in-process layer.
+# Usage: python_package_test.sh SOURCE_DIR MOE_CLI MOE_TOOL WORK_DIR WHEEL
 set -euo pipefail
 trap 'echo "FAIL: line $LINENO: $BASH_COMMAND"' ERR
 SRC=$1
 MOE_CLI=$2
 MOE_TOOL=$3
 WORK=$4
+WHEEL=$5
 rm -rf "$WORK" && mkdir -p "$WORK"
 /usr/bin/python3 -m venv --system-site-packages "$WORK/venv"
-# A copy of the package and the contract it is built from (pip builds in the tree it is given).
-mkdir -p "$WORK/src/clients"
-cp -r "$SRC/clients/python" "$WORK/src/clients/python"
-cp -r "$SRC/proto" "$WORK/src/proto"
-"$WORK/venv/bin/pip" install --quiet --no-index --no-build-isolation "$WORK/src/clients/python" \
-  >"$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; exit 1; }
+# No flag; an index that cannot be reached (a closed port on loopback, no retries).
+env PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_RETRIES=0 PIP_TIMEOUT=2 \
+  "$WORK/venv/bin/pip" install --quiet "$WHEEL" >"$WORK/pip.log" 2>&1 ||
+  { cat "$WORK/pip.log"; exit 1; }
 "$WORK/venv/bin/pip" show moe-client >"$WORK/show.txt"
 grep -q "^Version: 0.1.0" "$WORK/show.txt"
 "$MOE_TOOL" synth --config tiny --out "$WORK/ckpt" --single_file >/dev/null
