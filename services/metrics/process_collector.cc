@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include "services/metrics/metric_table.h"
+
 namespace moe::metrics {
 namespace {
 
@@ -100,9 +102,7 @@ std::vector<prometheus::MetricFamily> ScrapedCounter::Collect() const {
 std::shared_ptr<ScrapedCounter> UcxMessagesDropped(ScrapedCounter::Read read) {
   return std::make_shared<ScrapedCounter>(
       "moe_ucx_messages_dropped_total",
-      "Active messages this process's UCX worker dropped: stray (an id nobody handles; UCX "
-      "1.13.1 would read its handler table out of bounds), hello (a malformed or refused hello), "
-      "batch (a batch message nobody expects, or one its handler refused)",
+      HelpOf("moe_ucx_messages_dropped_total"),
       "kind", std::move(read));
 }
 

@@ -5,6 +5,7 @@
 
 #include "services/common/allocator.h"
 #include "services/common/version.h"
+#include "services/metrics/metric_table.h"
 
 namespace moe::metrics {
 
@@ -29,24 +30,24 @@ CommonMetrics::CommonMetrics(prometheus::Registry& registry, const std::string& 
       service_(service),
       errors_(BuildCounter()
                   .Name("moe_errors_total")
-                  .Help("Requests answered with an error, by service, method and status code")
+                  .Help(HelpOf("moe_errors_total"))
                   .Register(registry)),
       in_flight_(BuildGauge()
                      .Name("moe_requests_in_flight")
-                     .Help("Requests (batches on expert-svc) being computed now, by method")
+                     .Help(HelpOf("moe_requests_in_flight"))
                      .Register(registry)),
       succeeded_(BuildCounter()
                      .Name("moe_requests_succeeded_total")
-                     .Help("Requests (batches on expert-svc) answered OK, by method")
+                     .Help(HelpOf("moe_requests_succeeded_total"))
                      .Register(registry)),
       queue_depth_(BuildGauge()
                        .Name("moe_queue_depth")
-                       .Help("Requests (batches on expert-svc) waiting for a worker")
+                       .Help(HelpOf("moe_queue_depth"))
                        .Register(registry)
                        .Add({{"service", service}})) {
   BuildGauge()
       .Name("moe_build_info")
-      .Help("Always 1; the labels say which build and service this is")
+      .Help(HelpOf("moe_build_info"))
       .Register(registry)
       .Add({{"service", service}, {"version", moe::BuildVersion()}, {"allocator", AllocatorName()}})
       .Set(1);
@@ -87,12 +88,11 @@ void CommonMetrics::Error(const std::string& method, const std::string& code) {
 WireMetrics::WireMetrics(prometheus::Registry& registry)
     : bytes_(BuildCounter()
                  .Name("moe_wire_bytes_total")
-                 .Help("Tensor payload bytes crossing this service, by direction, dtype and peer")
+                 .Help(HelpOf("moe_wire_bytes_total"))
                  .Register(registry)),
       rows_(BuildCounter()
                 .Name("moe_wire_tokens_total")
-                .Help("Tensor rows (tokens or token-expert pairs) crossing this service, by "
-                      "direction, dtype and peer")
+                .Help(HelpOf("moe_wire_tokens_total"))
                 .Register(registry)) {}
 
 void WireMetrics::Add(const std::string& direction, const std::string& dtype,
@@ -117,101 +117,77 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
       wire(registry),
       shard_tokens_(BuildCounter()
                         .Name("moe_shard_tokens_total")
-                        .Help("Routed token-expert pairs dispatched to each expert shard")
+                        .Help(HelpOf("moe_shard_tokens_total"))
                         .Register(registry)),
       data_plane_events_(BuildCounter()
                              .Name("moe_data_plane_events_total")
-                             .Help("Out-of-band data plane events per expert shard: connected, "
-                                   "fallback (a batch sent in band), transfer_failed, "
-                                   "integrity_failed (a reply payload whose MAC did not match)")
+                             .Help(HelpOf("moe_data_plane_events_total"))
                              .Register(registry)),
       failovers_(BuildCounter()
                      .Name("moe_failovers_total")
-                     .Help("Expert messages sent again because their replica answered "
-                           "UNAVAILABLE (to another replica, or once more to the same when none "
-                           "is left), by the replica that failed")
+                     .Help(HelpOf("moe_failovers_total"))
                      .Register(registry)),
       data_plane_lanes_(BuildGauge()
                             .Name("moe_data_plane_lane_info")
-                            .Help("The lanes UCX selected for the out-of-band data plane to each "
-                                  "shard, read from UCX (value 1): kind shm, tcp, rdma or mixed")
+                            .Help(HelpOf("moe_data_plane_lane_info"))
                             .Register(registry)),
       registry_(registry) {
   auto& forward = BuildHistogram()
                       .Name("moe_forward_duration_seconds")
-                      .Help("Forward latency inside attention-svc (successful batches)")
+                      .Help(HelpOf("moe_forward_duration_seconds"))
                       .Register(registry);
   auto& dispatch = BuildHistogram()
                        .Name("moe_dispatch_duration_seconds")
-                       .Help("From the first dispatch sent to the last expert reply, per batch")
+                       .Help(HelpOf("moe_dispatch_duration_seconds"))
                        .Register(registry);
   auto& combine = BuildHistogram()
                       .Name("moe_combine_duration_seconds")
-                      .Help("Gather + weighted combine of the expert outputs, per batch")
+                      .Help(HelpOf("moe_combine_duration_seconds"))
                       .Register(registry);
   auto& tokens = BuildCounter()
                      .Name("moe_forward_tokens_total")
-                     .Help("Tokens served by Forward (successful batches)")
+                     .Help(HelpOf("moe_forward_tokens_total"))
                      .Register(registry);
   auto& degraded = BuildCounter()
                        .Name("moe_degraded_pairs_total")
-                       .Help(
-                           "Routed token-expert pairs skipped by DEGRADE requests (the expert "
-                           "had no healthy replica)")
+                       .Help(HelpOf("moe_degraded_pairs_total"))
                        .Register(registry);
   auto& version = BuildGauge()
                       .Name("moe_attention_bias_version")
-                      .Help("The routing-bias version this attention node routes with")
+                      .Help(HelpOf("moe_attention_bias_version"))
                       .Register(registry);
   auto& experts = BuildCounter()
                       .Name("moe_expert_tokens_total")
-                      .Help(
-                          "Routed token-expert pairs per expert (E series per layer; "
-                          "--per_expert_metrics=false turns them off)")
+                      .Help(HelpOf("moe_expert_tokens_total"))
                       .Register(registry);
   auto& budgeted = BuildCounter()
                        .Name("moe_budget_tokens_total")
-                       .Help(
-                           "Dynamic k: tokens served and (token, expert) pairs computed, by "
-                           "layer (kind tokens|pairs; pairs / tokens is the mean experts per "
-                           "token, top-k without a budget)")
+                       .Help(HelpOf("moe_budget_tokens_total"))
                        .Register(registry);
   auto& diff = BuildHistogram()
                    .Name("moe_budget_output_rel_diff")
-                   .Help(
-                       "Dynamic k: relative L2 difference of a sampled budgeted forward's "
-                       "output from the same request recomputed at full k")
+                   .Help(HelpOf("moe_budget_output_rel_diff"))
                    .Register(registry);
   auto& mass = BuildHistogram()
                    .Name("moe_budget_routing_mass_kept")
-                   .Help(
-                       "Dynamic k: the share of the full top-k routing weight the kept "
-                       "experts carry, per sampled budgeted forward (mean over its tokens)")
+                   .Help(HelpOf("moe_budget_routing_mass_kept"))
                    .Register(registry);
   auto& top1 = BuildHistogram()
                    .Name("moe_budget_top1_agreement")
-                   .Help(
-                       "Dynamic k: the share of a sampled budgeted forward's tokens whose "
-                       "top-1 under a fixed random projection (a stand-in LM head) is the "
-                       "full-k output's")
+                   .Help(HelpOf("moe_budget_top1_agreement"))
                    .Register(registry);
   auto& checks = BuildCounter()
                      .Name("moe_budget_checks_total")
-                     .Help(
-                         "Dynamic k: sampled budgeted forwards recomputed at full k, by "
-                         "outcome (measured, dropped: queue full, skipped: bias changed, "
-                         "failed)")
+                     .Help(HelpOf("moe_budget_checks_total"))
                      .Register(registry);
   auto_budget_ = &BuildGauge()
                       .Name("moe_auto_expert_budget")
-                      .Help(
-                          "Dynamic k: the automatic mode's cap on this node's expert budgets "
-                          "(top-k: not limiting)")
+                      .Help(HelpOf("moe_auto_expert_budget"))
                       .Register(registry)
                       .Add({});
   auto& steps = BuildCounter()
                     .Name("moe_budget_steps_total")
-                    .Help("Dynamic k: steps of the automatic mode's cap, by direction")
+                    .Help(HelpOf("moe_budget_steps_total"))
                     .Register(registry);
   steps_down_ = &steps.Add({{"direction", "down"}});
   steps_up_ = &steps.Add({{"direction", "up"}});
@@ -325,10 +301,7 @@ void AttentionMetrics::Hedge(const std::string& shard, bool twin_won, int64_t n)
   if (hedges_ == nullptr) {  // exported from the first hedge on
     hedges_ = &BuildCounter()
                    .Name("moe_hedges_total")
-                   .Help(
-                       "Expert messages also sent to another replica because theirs had not "
-                       "answered after --hedge_share of the time to the deadline, by the slow "
-                       "replica and which answered first (winner: twin, original)")
+                   .Help(HelpOf("moe_hedges_total"))
                    .Register(registry_);
   }
   prometheus::Counter*& c = hedge_counters_[{shard, twin_won}];
@@ -351,99 +324,79 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
       shard_(shard),
       busy_seconds_(BuildCounter()
                         .Name("moe_expert_busy_seconds_total")
-                        .Help("Seconds the compute thread spent running expert batches")
+                        .Help(HelpOf("moe_expert_busy_seconds_total"))
                         .Register(registry)
                         .Add({{"shard", shard}})),
       busy_ratio_(BuildGauge()
                       .Name("moe_expert_busy_ratio")
-                      .Help("Fraction of the last 10 s the compute thread was busy")
+                      .Help(HelpOf("moe_expert_busy_ratio"))
                       .Register(registry)
                       .Add({{"shard", shard}})),
       weight_bytes_(BuildCounter()
                         .Name("moe_expert_weight_read_bytes_total")
-                        .Help("MXFP4 weight bytes the expert batches streamed (each distinct "
-                              "expert of a batch once)")
+                        .Help(HelpOf("moe_expert_weight_read_bytes_total"))
                         .Register(registry)
                         .Add({{"shard", shard}})),
       flops_(BuildCounter()
                  .Name("moe_expert_flops_total")
-                 .Help("Floating-point operations of the expert FFNs (2 per multiply-add)")
+                 .Help(HelpOf("moe_expert_flops_total"))
                  .Register(registry)
                  .Add({{"shard", shard}})),
       bandwidth_fraction_family_(
           BuildGauge()
               .Name("moe_expert_weight_bandwidth_fraction")
-              .Help("Weight bytes/s while computing, last 10 s with compute, "
-                    "over this machine's measured read bandwidth (absent "
-                    "before the first batch)")
+              .Help(HelpOf("moe_expert_weight_bandwidth_fraction"))
               .Register(registry)),
       fma_fraction_family_(BuildGauge()
                                .Name("moe_expert_fma_peak_fraction")
-                               .Help("FLOP/s while computing, last 10 s with compute, over this "
-                                     "machine's measured fp32 FMA peak of the kernels' ISA "
-                                     "(absent before the first batch)")
+                               .Help(HelpOf("moe_expert_fma_peak_fraction"))
                                .Register(registry)),
       read_bandwidth_(BuildGauge()
                           .Name("moe_expert_machine_read_bandwidth_bytes_per_second")
-                          .Help("Streaming read bandwidth measured at start, all compute threads "
-                                "(0: not measured)")
+                          .Help(HelpOf("moe_expert_machine_read_bandwidth_bytes_per_second"))
                           .Register(registry)
                           .Add({{"shard", shard}})),
       limit_probes_(BuildCounter()
                         .Name("moe_expert_machine_limit_probes_total")
-                        .Help("Measurements of the machine's limits: at start, then again while "
-                              "idle (the best is kept)")
+                        .Help(HelpOf("moe_expert_machine_limit_probes_total"))
                         .Register(registry)
                         .Add({{"shard", shard}})),
       fma_peak_(BuildGauge()
                     .Name("moe_expert_machine_fma_peak_flops_per_second")
-                    .Help("fp32 multiply-add peak of the kernels' ISA measured at start, all "
-                          "compute threads")
+                    .Help(HelpOf("moe_expert_machine_fma_peak_flops_per_second"))
                     .Register(registry)),
       verified_(BuildCounter()
                     .Name("moe_expert_verified_batches_total")
-                    .Help("Sampled batches recomputed with the scalar reference, by result "
-                          "(match, mismatch, skipped, error)")
+                    .Help(HelpOf("moe_expert_verified_batches_total"))
                     .Register(registry)),
       data_plane_events_(
           BuildCounter()
               .Name("moe_expert_data_plane_events_total")
-              .Help("Out-of-band data plane events of this expert server: "
-                    "hello_rejected (a UCX hello with a wrong secret, unknown "
-                    "client or bad form), integrity_failed (a batch message or "
-                    "activation payload whose MAC did not match), "
-                    "message_rejected (a batch message of no bound client, not a "
-                    "frame, or too long), replayed (a batch message whose "
-                    "sequence was used): all dropped unanswered; reply_failed (an answer that did "
-                    "not go out)")
+              .Help(HelpOf("moe_expert_data_plane_events_total"))
               .Register(registry)),
       backend_info_(BuildGauge()
                         .Name("moe_expert_backend_info")
-                        .Help("The backend this server's experts run on (value 1), and why not "
-                              "the one asked for: auto's fallback to the CPU (empty otherwise)")
+                        .Help(HelpOf("moe_expert_backend_info"))
                         .Register(registry)),
       kernel_info_(BuildGauge()
                        .Name("moe_expert_kernel_info")
-                       .Help("The CPU kernel sets chosen by measurement (value 1): decode (row "
-                             "kernels), prefill (panel kernel) from panel_from tokens per "
-                             "expert, source: measured, cache or pinned")
+                       .Help(HelpOf("moe_expert_kernel_info"))
                        .Register(registry)),
       kernel_probe_(BuildGauge()
                         .Name("moe_expert_kernel_probe_flops_per_second")
-                        .Help("What each CPU kernel set did in the choice's probe at the served "
-                              "shape, by set, kernel (rows, panel) and tokens per expert")
+                        .Help(HelpOf("moe_expert_kernel_probe_flops_per_second"))
                         .Register(registry)) {
   auto& compute = BuildHistogram()
                       .Name("moe_expert_compute_duration_seconds")
-                      .Help("Expert FFN time per dispatched batch")
+                      .Help(HelpOf("moe_expert_compute_duration_seconds"))
                       .Register(registry);
   auto& queue = BuildHistogram()
                     .Name("moe_expert_queue_duration_seconds")
-                    .Help("Time a dispatched batch waited for the compute thread")
+                    .Help(HelpOf("moe_expert_queue_duration_seconds"))
                     .Register(registry);
   auto& rows = BuildCounter()
                    .Name("moe_expert_rows_total")
-                   .Help("Token-expert rows computed by this shard")
+                   .Help(HelpOf("moe_expert_rows_total"))
                    .Register(registry);
   for (int64_t layer : layers) {
     Layer& l = layers_[layer];
@@ -551,57 +504,47 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
     : common(registry, "router-svc"), registry_(registry) {
   auto& reports = BuildCounter()
                       .Name("moe_stats_reports_total")
-                      .Help(
-                          "Statistics reports from attention nodes, by whether they joined the "
-                          "current window (routed with the current bias) or were stale")
+                      .Help(HelpOf("moe_stats_reports_total"))
                       .Register(registry);
   reports_accepted_ = &reports.Add({{"window", "current"}});
   reports_stale_ = &reports.Add({{"window", "stale"}});
   auto& shards = BuildGauge()
                      .Name("moe_expert_shards")
-                     .Help("Registered expert shards, by health")
+                     .Help(HelpOf("moe_expert_shards"))
                      .Register(registry);
   shards_ = &shards.Add({{"health", "all"}});
   shards_healthy_ = &shards.Add({{"health", "healthy"}});
   auto& max_vio = BuildGauge()
                       .Name("moe_imbalance_max_vio")
-                      .Help("MaxVio (max load / mean load - 1) over the current window")
+                      .Help(HelpOf("moe_imbalance_max_vio"))
                       .Register(registry);
   auto& balancedness = BuildGauge()
                            .Name("moe_balancedness")
-                           .Help(
-                               "Mean / max tokens per expert shard over the current window, as "
-                               "vLLM's EPLB exports it (1: even)")
+                           .Help(HelpOf("moe_balancedness"))
                            .Register(registry);
   auto& window = BuildGauge()
                      .Name("moe_window_tokens")
-                     .Help("Tokens in the current statistics window")
+                     .Help(HelpOf("moe_window_tokens"))
                      .Register(registry);
   auto& version = BuildGauge()
                       .Name("moe_bias_version")
-                      .Help("Current routing-bias version (0: the checkpoint's)")
+                      .Help(HelpOf("moe_bias_version"))
                       .Register(registry);
   auto& budget = BuildGauge()
                      .Name("moe_expert_budget")
-                     .Help(
-                         "The layer's expert budget in its current version: experts per token "
-                         "on average (top-k: every token keeps its top-k; docs/math.md 4.1)")
+                     .Help(HelpOf("moe_expert_budget"))
                      .Register(registry);
   auto& stale = BuildGauge()
                     .Name("moe_budget_thresholds_stale")
-                    .Help(
-                        "1 while the layer's budget thresholds were solved under a bias that "
-                        "has moved since (not applied; router-svc solves them again)")
+                    .Help(HelpOf("moe_budget_thresholds_stale"))
                     .Register(registry);
   auto& floor = BuildGauge()
                     .Name("moe_budget_window_floor")
-                    .Help(
-                        "The kept-load MaxVio the sampling noise of the thresholds' window "
-                        "alone leaves at the layer's budget (docs/math.md, The window)")
+                    .Help(HelpOf("moe_budget_window_floor"))
                     .Register(registry);
   auto& rebalances = BuildCounter()
                          .Name("moe_rebalances_total")
-                         .Help("Quantile Balancing steps applied (button, RPC or continuous)")
+                         .Help(HelpOf("moe_rebalances_total"))
                          .Register(registry);
   for (int64_t layer : layers) {
     Layer& l = layers_[layer];
@@ -663,17 +606,14 @@ void RouterMetrics::State(const std::string& store, const std::string& start,
                           int64_t initialized_unix_ms) {
   BuildGauge()
       .Name("moe_router_state_info")
-      .Help(
-          "Where the router's state lives (store: sqlite, etcd, memory) and how it began at this "
-          "start (start: restored, initialized = a new cluster's state by --initialize, "
-          "in_memory = lost on restart)")
+      .Help(HelpOf("moe_router_state_info"))
       .Register(registry_)
       .Add({{"store", store}, {"start", start}})
       .Set(1);
   if (initialized_unix_ms > 0) {
     BuildGauge()
         .Name("moe_router_state_initialized_timestamp_seconds")
-        .Help("When the router's durable state was first made (--initialize), Unix seconds")
+        .Help(HelpOf("moe_router_state_initialized_timestamp_seconds"))
         .Register(registry_)
         .Add({})
         .Set(static_cast<double>(initialized_unix_ms) / 1000.0);

@@ -1,7 +1,8 @@
 // Every metric the services export, declared in one place (STYLE.md: Envoy's stats lists).
 // Names carry the `moe_` prefix and base units; counters end in `_total`; labels are bounded
-// (layer, expert < E, shard, stage-like enums, status code). The README's metrics table lists
-// the same names; tests/metrics checks them against a live /metrics and the Grafana dashboard.
+// (layer, expert < E, shard, stage-like enums, status code). Each name, type, label list and
+// HELP is a row of metric_table.cc (docs/metrics.md is generated from it); tests/metrics
+// checks a live /metrics against that page and the Grafana dashboard.
 //
 //   AttentionMetrics m(registry, layers, num_experts, /*per_expert=*/true);
 //   m.ForwardDone(layer, seconds, dispatch_seconds, combine_seconds, tokens);

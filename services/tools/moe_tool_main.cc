@@ -22,6 +22,7 @@
 #include "services/common/logging.h"
 #include "services/common/progress.h"
 #include "services/common/version.h"
+#include "services/metrics/metric_table.h"
 #include "services/numerics/cpu/kernel_choice.h"
 #include "services/placement/placement.h"
 #include "services/tools/layer_runner.h"
@@ -35,6 +36,7 @@ constexpr char kUsage[] =
     "  ranges   print the placement table of even expert ranges\n"
     "  forward  run one layer forward from a checkpoint and time it\n"
     "  kernels  the CPU kernels chosen for a shape on this CPU, with the probe's timings\n"
+    "  metrics  print the metrics reference page (docs/metrics.md) from the metric table\n"
     "presets: k3, mid, tiny\n";
 
 int Usage() {
@@ -303,6 +305,10 @@ int main(int argc, char** argv) {
   if (cmd == "ranges") return Ranges(argc, argv);
   if (cmd == "forward") return Forward(argc, argv);
   if (cmd == "kernels") return Kernels(argc, argv);
+  if (cmd == "metrics") {
+    std::fputs(moe::metrics::MetricsReferencePage().c_str(), stdout);
+    return 0;
+  }
   std::fprintf(stderr, "moe-tool: unknown command '%s'\n", cmd.c_str());
   return Usage();
 }

@@ -209,15 +209,30 @@ def main():
             assert all(services_seen), (q, services_seen)
         print(f"Grafana process panels: one series per service ({', '.join(services_seen)})")
 
-        # The README's metrics table lists exactly the moe_ metrics the services export.
-        readme = open(os.path.join(os.path.dirname(args.dashboard), "..", "..", "README.md")).read()
-        table = set(re.findall(r"^\| `(moe_[a-z0-9_]+)` \|", readme, re.M))
+        # The metrics reference page (docs/metrics.md, generated from the metric table) lists
+        # exactly the moe_ metrics the services export, with their types and label names.
+        page_path = os.path.join(os.path.dirname(args.dashboard), "..", "..", "docs", "metrics.md")
+        page = {m[0]: (m[1], {l.strip() for l in m[2].split(",") if l.strip()}) for m in
+                re.findall(r"^\| `(moe_[a-z0-9_]+)` \| ([a-z]+) \| ([^|]*)\|", open(page_path).read(),
+                           re.M)}
         # Histogram series carry _bucket/_sum/_count (no counter or gauge here ends so).
         exported_families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported_names}
-        assert table == exported_families, (f"README table vs /metrics: missing from README "
-                                            f"{sorted(exported_families - table)}, not exported "
-                                            f"{sorted(table - exported_families)}")
-        print(f"README metrics table: {len(table)} metrics, all exported, none unlisted")
+        assert set(page) == exported_families, (f"docs/metrics.md vs /metrics: missing from the page "
+                                                f"{sorted(exported_families - set(page))}, not "
+                                                f"exported {sorted(set(page) - exported_families)}")
+        types = dict(re.findall(r"^# TYPE (moe_[a-z0-9_]+) ([a-z]+)$", exported, re.M))
+        wrong_type = {n: (page[n][0], types.get(n)) for n in page if page[n][0] != types.get(n)}
+        assert not wrong_type, f"docs/metrics.md types vs /metrics (page, exported): {wrong_type}"
+        labels = {}
+        for name, body in re.findall(r"^(moe_[a-z0-9_]+)\{([^\n]*)\} ", exported, re.M):
+            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in page else name
+            keys = set(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="(?:[^"\\]|\\.)*"', body)) - {"le"}
+            labels.setdefault(family, set()).update(keys)
+        wrong_labels = {n: (sorted(page[n][1]), sorted(labels[n])) for n in labels
+                        if labels[n] != page[n][1]}
+        assert not wrong_labels, f"docs/metrics.md labels vs /metrics (page, exported): {wrong_labels}"
+        print(f"docs/metrics.md: {len(page)} metrics, all exported with the page's types, none "
+              f"unlisted; labels as written for the {len(labels)} with labelled series")
         print("PASS")
     finally:
         for p in reversed(procs):
