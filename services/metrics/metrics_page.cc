@@ -16,25 +16,28 @@ std::string MetricsReferencePage() {
       "(`process_cpu_seconds_total`, `process_resident_memory_bytes`,\n"
       "`process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`, `process_threads`,\n"
       "`process_start_time_seconds`, read from /proc at each scrape). "
-      "`tests/metrics/prometheus_test.py` scrapes a live cluster with a real Prometheus and checks\n"
-      "that its `moe_` families are exactly this page's, with the types and labels written here.\n\n"
+      "`tests/metrics/prometheus_test.py` scrapes a live cluster with a real Prometheus and "
+      "checks\n"
+      "that its `moe_` families are exactly this page's, with the types and labels written "
+      "here.\n\n"
       "## The names operators already know\n\n"
       "Triton users alert on `nv_inference_*`; the Gateway API Inference Extension's model-server\n"
-      "contract reads three semantics under any names. Where this project has the same quantity:\n\n"
+      "contract reads three semantics under any names. Where this project has the same "
+      "quantity:\n\n"
       "| theirs | here | how to read it |\n|---|---|---|\n";
   for (const MetricInfo& m : AllMetrics()) {
     if (!m.triton.empty()) {
-      absl::StrAppend(&page, "| Triton `", m.triton.substr(0, m.triton.find(' ')), "` | `",
-                      m.name, "` | ",
-                      m.triton.find(' ') == absl::string_view::npos
-                          ? absl::string_view("the same quantity")
-                          : m.triton.substr(m.triton.find(' ') + 1),
-                      " |\n");
+      absl::StrAppend(
+          &page, "| Triton `", m.triton.substr(0, m.triton.find(' ')), "` | `", m.name, "` | ",
+          m.triton.find(' ') == absl::string_view::npos ? absl::string_view("the same quantity")
+                                                        : m.triton.substr(m.triton.find(' ') + 1),
+          " |\n");
     }
   }
   for (const MetricInfo& m : AllMetrics()) {
     if (!m.gateway.empty()) {
-      absl::StrAppend(&page, "| gateway: ", m.gateway, " | `", m.name, "` | per attention node |\n");
+      absl::StrAppend(&page, "| gateway: ", m.gateway, " | `", m.name,
+                      "` | per attention node |\n");
     }
   }
   absl::StrAppend(

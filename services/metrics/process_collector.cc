@@ -100,10 +100,9 @@ std::vector<prometheus::MetricFamily> ScrapedCounter::Collect() const {
 }
 
 std::shared_ptr<ScrapedCounter> UcxMessagesDropped(ScrapedCounter::Read read) {
-  return std::make_shared<ScrapedCounter>(
-      "moe_ucx_messages_dropped_total",
-      HelpOf("moe_ucx_messages_dropped_total"),
-      "kind", std::move(read));
+  return std::make_shared<ScrapedCounter>("moe_ucx_messages_dropped_total",
+                                          HelpOf("moe_ucx_messages_dropped_total"), "kind",
+                                          std::move(read));
 }
 
 void ScrapedCounter::Stop() {

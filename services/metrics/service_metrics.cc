@@ -342,11 +342,10 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                  .Help(HelpOf("moe_expert_flops_total"))
                  .Register(registry)
                  .Add({{"shard", shard}})),
-      bandwidth_fraction_family_(
-          BuildGauge()
-              .Name("moe_expert_weight_bandwidth_fraction")
-              .Help(HelpOf("moe_expert_weight_bandwidth_fraction"))
-              .Register(registry)),
+      bandwidth_fraction_family_(BuildGauge()
+                                     .Name("moe_expert_weight_bandwidth_fraction")
+                                     .Help(HelpOf("moe_expert_weight_bandwidth_fraction"))
+                                     .Register(registry)),
       fma_fraction_family_(BuildGauge()
                                .Name("moe_expert_fma_peak_fraction")
                                .Help(HelpOf("moe_expert_fma_peak_fraction"))
@@ -369,11 +368,10 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
                     .Name("moe_expert_verified_batches_total")
                     .Help(HelpOf("moe_expert_verified_batches_total"))
                     .Register(registry)),
-      data_plane_events_(
-          BuildCounter()
-              .Name("moe_expert_data_plane_events_total")
-              .Help(HelpOf("moe_expert_data_plane_events_total"))
-              .Register(registry)),
+      data_plane_events_(BuildCounter()
+                             .Name("moe_expert_data_plane_events_total")
+                             .Help(HelpOf("moe_expert_data_plane_events_total"))
+                             .Register(registry)),
       backend_info_(BuildGauge()
                         .Name("moe_expert_backend_info")
                         .Help(HelpOf("moe_expert_backend_info"))
@@ -508,32 +506,22 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
                       .Register(registry);
   reports_accepted_ = &reports.Add({{"window", "current"}});
   reports_stale_ = &reports.Add({{"window", "stale"}});
-  auto& shards = BuildGauge()
-                     .Name("moe_expert_shards")
-                     .Help(HelpOf("moe_expert_shards"))
-                     .Register(registry);
+  auto& shards =
+      BuildGauge().Name("moe_expert_shards").Help(HelpOf("moe_expert_shards")).Register(registry);
   shards_ = &shards.Add({{"health", "all"}});
   shards_healthy_ = &shards.Add({{"health", "healthy"}});
   auto& max_vio = BuildGauge()
                       .Name("moe_imbalance_max_vio")
                       .Help(HelpOf("moe_imbalance_max_vio"))
                       .Register(registry);
-  auto& balancedness = BuildGauge()
-                           .Name("moe_balancedness")
-                           .Help(HelpOf("moe_balancedness"))
-                           .Register(registry);
-  auto& window = BuildGauge()
-                     .Name("moe_window_tokens")
-                     .Help(HelpOf("moe_window_tokens"))
-                     .Register(registry);
-  auto& version = BuildGauge()
-                      .Name("moe_bias_version")
-                      .Help(HelpOf("moe_bias_version"))
-                      .Register(registry);
-  auto& budget = BuildGauge()
-                     .Name("moe_expert_budget")
-                     .Help(HelpOf("moe_expert_budget"))
-                     .Register(registry);
+  auto& balancedness =
+      BuildGauge().Name("moe_balancedness").Help(HelpOf("moe_balancedness")).Register(registry);
+  auto& window =
+      BuildGauge().Name("moe_window_tokens").Help(HelpOf("moe_window_tokens")).Register(registry);
+  auto& version =
+      BuildGauge().Name("moe_bias_version").Help(HelpOf("moe_bias_version")).Register(registry);
+  auto& budget =
+      BuildGauge().Name("moe_expert_budget").Help(HelpOf("moe_expert_budget")).Register(registry);
   auto& stale = BuildGauge()
                     .Name("moe_budget_thresholds_stale")
                     .Help(HelpOf("moe_budget_thresholds_stale"))
