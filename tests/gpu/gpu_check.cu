@@ -41,12 +41,14 @@ namespace {
 
 // Named tolerances, measured the way the CPU consistency test measures (numerics/tolerance.h:
 // UlpStats, bf16 ulps of each row's RMS, fractions over all outputs). Expert FFN, measured on an
-// H200 (tensor-core sums are not IEEE adds in order): over 13 draws of 5 experts x 77 rows,
-// 0.16-0.63% of outputs differ, 0.015-0.110% by more than one ulp (the CPU bound is 0.1%: one
-// draw of 13 exceeded it), every difference within 2 ulps of its row's scale (the CPU's bound,
-// met by every draw). The GPU keeps the CPU's row bound and differing fraction and doubles the
-// over-one-ulp fraction to 0.2%.
-constexpr mn::Tolerance kGpuExpertFfnTolerance = {2.0, 2e-3, 0.01, -1};
+// H200 (tensor-core sums are not IEEE adds in order) over 29 draws of 5 experts x 77 rows (the
+// first run's draw and seeds 1-28): per draw 0.16-1.01% of outputs differ and 0.015-0.162% by
+// more than one ulp; every difference is within 2 ulps of its row's scale but in 3 draws, where
+// it reached 4 (what a one-ulp flip of an output four times its row's RMS amounts to). The
+// check holds the draws of a run together (default 4) to the bound below: 4 row ulps, as the
+// CPU's W4A8 bound, 0.2% over one ulp, 1% differing. The first bound, 2 row ulps and 0.2%, set
+// from seeds 1-4, was broken by seeds 13-20; 21-28 then passed this one.
+constexpr mn::Tolerance kGpuExpertFfnTolerance = {4.0, 2e-3, 0.01, -1};
 // RMSNorm: bit-exact (the kernel sums the squares in the reference's order).
 constexpr mn::Tolerance kGpuRmsNormTolerance = {0.0, 0.0, 0.0, 0};
 constexpr double kGemmRelativeBound = 1e-5;  // |diff| <= bound * sum_i |x_i w_i|
