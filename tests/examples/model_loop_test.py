@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(_ROOT, "clients", "python"))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, os.path.join(_HERE, "..", "reference"))
 import model_loop  # noqa: E402
+from moe_client.torch_module import from_bf16_bits, to_bf16_bits  # noqa: E402
 from cluster_helpers import wait_for  # noqa: E402
 from moe_reference import Checkpoint, layer_forward, read_safetensors  # noqa: E402
 
@@ -35,13 +36,8 @@ LAYERS = [1, 2]  # every MoE layer of the tiny preset (3 layers, the first dense
 BATCH, PROMPT, STEPS = 4, 6, 8
 
 
-def bf16_bits(x):
-    """float32 torch [T, H] -> bf16 bits (uint16 numpy), RNE as RemoteMoeBlock rounds."""
-    return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
 def from_bits(bits, shape):
-    return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float().reshape(shape)
+    return from_bf16_bits(bits).float().reshape(shape)
 
 
 def write_safetensors(path, name, bits):
@@ -59,7 +55,7 @@ class MoeToolBlock:
 
     def __call__(self, x):
         src, dst = os.path.join(self.work, "x.safetensors"), os.path.join(self.work, "y.safetensors")
-        write_safetensors(src, "x", bf16_bits(x))
+        write_safetensors(src, "x", to_bf16_bits(x))
         subprocess.run([self.moe_tool, "forward", "--checkpoint", self.ckpt, "--layer",
                         str(self.layer), "--input", src, "--output", dst], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
@@ -74,7 +70,7 @@ class NumpyBlock:
         self.ck, self.layer = ck, layer
 
     def __call__(self, x):
-        out, _, _ = layer_forward(self.ck, self.layer, bf16_bits(x))
+        out, _, _ = layer_forward(self.ck, self.layer, to_bf16_bits(x))
         return from_bits(out, x.shape)
 
 

@@ -17,6 +17,17 @@ import torch
 from .client import Client
 
 
+def to_bf16_bits(x):
+    """A CPU tensor -> its bf16 bits as numpy uint16 (fp32 rounded to nearest even, as the
+    service rounds; torch has no numpy bfloat16, so through int16)."""
+    return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bf16_bits(bits):
+    """numpy uint16 bf16 bits -> a bfloat16 tensor of the same shape, bits unchanged."""
+    return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+
+
 class RemoteMoeBlock(torch.nn.Module):
     """The K3 MoE block (router, latent experts, shared experts) served by attention-svc.
 
@@ -41,11 +52,10 @@ class RemoteMoeBlock(torch.nn.Module):
                              f"[..., {self.hidden_size}]")
         shape, dtype = hidden_states.shape, hidden_states.dtype
         x = hidden_states.detach().reshape(-1, self.hidden_size).to("cpu")
-        # bf16 bits as numpy uint16 (torch has no numpy bfloat16: view as int16).
-        bits = x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        r = self._client.forward(bits, layer=self.layer, expert_budget=self.expert_budget)
+        r = self._client.forward(to_bf16_bits(x), layer=self.layer,
+                                 expert_budget=self.expert_budget)
         self.last_result = r
-        out = torch.from_numpy(r.out_bf16.view(np.int16).copy()).view(torch.bfloat16)
+        out = from_bf16_bits(r.out_bf16)
         return out.reshape(shape).to(dtype=dtype, device=hidden_states.device)
 
     def close(self):
