@@ -57,9 +57,8 @@ constexpr MetricInfo kMetrics[] = {
     {"moe_forward_duration_seconds", "histogram", "layer",
      "Forward latency inside attention-svc (successful batches)",
      "Forward latency inside attention-svc (successful batches)",
-     "nv_inference_request_duration_us Triton: a cumulative microsecond counter; here `_sum` in "
-     "seconds, x 1e6",
-     ""},
+     "nv_inference_request_duration_us", "",
+     "Triton: a cumulative microsecond counter; here `_sum` in seconds, x 1e6"},
     {"moe_dispatch_duration_seconds", "histogram", "layer",
      "From the first dispatch sent to the last expert reply, per batch",
      "first dispatch sent to last expert reply, per batch", "", ""},
@@ -68,9 +67,9 @@ constexpr MetricInfo kMetrics[] = {
      "gather + weighted combine of expert outputs", "", ""},
     {"moe_forward_tokens_total", "counter", "layer",
      "Tokens served by Forward (successful batches)", "tokens served by Forward",
-     "nv_inference_count inferences: tokens; `nv_inference_exec_count`, the batches, is "
-     "`moe_requests_succeeded_total`",
-     ""},
+     "nv_inference_count", "",
+     "inferences: tokens; `nv_inference_exec_count`, the batches, is "
+     "`moe_requests_succeeded_total`"},
     {"moe_expert_tokens_total", "counter", "layer, expert",
      "Routed token-expert pairs per expert (E series per layer; "
      "--per_expert_metrics=false turns them off)",
@@ -174,11 +173,11 @@ constexpr MetricInfo kMetrics[] = {
      "", ""},
     {"moe_expert_compute_duration_seconds", "histogram", "layer, shard",
      "Expert FFN time per dispatched batch", "expert FFN time per dispatched batch",
-     "nv_inference_compute_infer_duration_us of an expert shard's batches; `_sum` x 1e6", ""},
+     "nv_inference_compute_infer_duration_us", "", "of an expert shard's batches; `_sum` x 1e6"},
     {"moe_expert_queue_duration_seconds", "histogram", "layer, shard",
      "Time a dispatched batch waited for the compute thread",
      "time a batch waited for the compute thread",
-     "nv_inference_queue_duration_us of an expert shard's batches; `_sum` x 1e6", ""},
+     "nv_inference_queue_duration_us", "", "of an expert shard's batches; `_sum` x 1e6"},
     {"moe_expert_rows_total", "counter", "layer, shard", "Token-expert rows computed by this shard",
      "(token, expert) rows computed", "", ""},
     {"moe_expert_busy_seconds_total", "counter", "shard",

@@ -27,11 +27,8 @@ std::string MetricsReferencePage() {
       "| theirs | here | how to read it |\n|---|---|---|\n";
   for (const MetricInfo& m : AllMetrics()) {
     if (!m.triton.empty()) {
-      absl::StrAppend(
-          &page, "| Triton `", m.triton.substr(0, m.triton.find(' ')), "` | `", m.name, "` | ",
-          m.triton.find(' ') == absl::string_view::npos ? absl::string_view("the same quantity")
-                                                        : m.triton.substr(m.triton.find(' ') + 1),
-          " |\n");
+      absl::StrAppend(&page, "| Triton `", m.triton, "` | `", m.name, "` | ",
+                      m.triton_how.empty() ? "the same quantity" : m.triton_how, " |\n");
     }
   }
   for (const MetricInfo& m : AllMetrics()) {
