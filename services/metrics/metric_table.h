@@ -17,10 +17,10 @@ namespace moe::metrics {
 
 struct MetricInfo {
   absl::string_view name;
-  absl::string_view type;    // counter, gauge or histogram
-  absl::string_view labels;  // comma-separated label names ("" none)
-  absl::string_view help;    // the HELP line /metrics exports
-  absl::string_view doc;     // the meaning, in the reference page (Markdown)
+  absl::string_view type;     // counter, gauge or histogram
+  absl::string_view labels;   // comma-separated label names ("" none)
+  absl::string_view help;     // the HELP line /metrics exports
+  absl::string_view doc;      // the meaning, in the reference page (Markdown)
   absl::string_view triton;   // the Triton metric an operator would read instead ("" none)
   absl::string_view gateway;  // the Gateway API Inference Extension semantic it serves ("" none)
   // How to read this metric as the Triton one ("": the same quantity).
