@@ -72,6 +72,27 @@ void Report(const char* check, bool ok, const std::string& detail) {
   if (!ok) ++g_failures;
 }
 
+// The fastest of `reps` runs of run() on the default stream, in ms (CUDA events).
+template <typename F>
+float BestMs(int reps, F run) {
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  for (int rep = 0; rep < reps; ++rep) {
+    cudaEventRecord(e0);
+    run();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    best = std::min(best, ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return best;
+}
+
 template <typename T>
 T* Upload(const std::vector<T>& v) {
   T* d = nullptr;
@@ -267,19 +288,8 @@ int main() {
     std::string detail;
     const bool nok = CompareBf16(n_got, n_want, t, kD, kGpuRmsNormTolerance, &detail);
     Report("latent RMSNorm (K3, 64 tokens)", nok, detail);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    float best = 1e30f;
-    for (int rep = 0; rep < 20; ++rep) {
-      cudaEventRecord(e0);
-      CUDA_OK(mc::LaunchRmsNorm(dr, t, kD, dg, 1e-5f, dn, 0));
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      best = std::min(best, ms);
-    }
+    const float best =
+        BestMs(20, [&] { CUDA_OK(mc::LaunchRmsNorm(dr, t, kD, dg, 1e-5f, dn, 0)); });
     std::printf("  latent RMSNorm, 64 tokens: %.1f us (in-order sum of squares)\n", best * 1e3);
   }
 
@@ -383,20 +393,8 @@ int main() {
     void *a = nullptr, *b = nullptr;
     CUDA_OK(cudaMalloc(&a, bytes));
     CUDA_OK(cudaMalloc(&b, bytes));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
     CUDA_OK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-    float best = 1e30f;
-    for (int rep = 0; rep < 5; ++rep) {
-      cudaEventRecord(e0);
-      cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      best = std::min(best, ms);
-    }
+    const float best = BestMs(5, [&] { cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice); });
     copy_bw = 2.0 * bytes / (best * 1e-3);  // read + write
     std::printf("device-to-device copy, 1 GiB: %.0f GB/s (read + write)\n", copy_bw / 1e9);
     cudaFree(a);
@@ -419,19 +417,8 @@ int main() {
     std::vector<int> counts(experts, per_expert);
     RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles);
     CUDA_OK(cudaDeviceSynchronize());
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    float best = 1e30f;
-    for (int rep = 0; rep < 5; ++rep) {
-      cudaEventRecord(e0);
-      RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles);
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float ms;
-      cudaEventElapsedTime(&ms, e0, e1);
-      best = std::min(best, ms);
-    }
+    const float best =
+        BestMs(5, [&] { RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles); });
     const double expert_bytes = 2.0 * kI * kD * (0.5 + 1.0 / 32) + 1.0 * kD * kI * (0.5 + 1.0 / 32);
     *weight_bytes = experts * expert_bytes / (best * 1e-3);
     *flops = 2.0 * rows * 3.0 * kD * kI / (best * 1e-3);
