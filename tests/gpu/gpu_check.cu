@@ -288,8 +288,7 @@ int main() {
     std::string detail;
     const bool nok = CompareBf16(n_got, n_want, t, kD, kGpuRmsNormTolerance, &detail);
     Report("latent RMSNorm (K3, 64 tokens)", nok, detail);
-    const float best =
-        BestMs(20, [&] { CUDA_OK(mc::LaunchRmsNorm(dr, t, kD, dg, 1e-5f, dn, 0)); });
+    const float best = BestMs(20, [&] { CUDA_OK(mc::LaunchRmsNorm(dr, t, kD, dg, 1e-5f, dn, 0)); });
     std::printf("  latent RMSNorm, 64 tokens: %.1f us (in-order sum of squares)\n", best * 1e3);
   }
 
@@ -417,8 +416,7 @@ int main() {
     std::vector<int> counts(experts, per_expert);
     RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles);
     CUDA_OK(cudaDeviceSynchronize());
-    const float best =
-        BestMs(5, [&] { RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles); });
+    const float best = BestMs(5, [&] { RunFfn(dev, counts, dz, dh, dy, &dexp, &dtiles, &tiles); });
     const double expert_bytes = 2.0 * kI * kD * (0.5 + 1.0 / 32) + 1.0 * kD * kI * (0.5 + 1.0 / 32);
     *weight_bytes = experts * expert_bytes / (best * 1e-3);
     *flops = 2.0 * rows * 3.0 * kD * kI / (best * 1e-3);
