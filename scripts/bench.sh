@@ -18,6 +18,10 @@
 #        bytes and output difference per expert budget, then the automatic mode under an
 #        overload; mid preset by default, about 1 min; --preset k3 --overload=false for the k3
 #        shape)
+#        scripts/bench.sh --kernels  (the routed experts' kernels alone, no checkpoint: the
+#        kernel choice with each probe's spread; the 1-8 token decode per set from DRAM and
+#        cache-resident, p10 / p50 of 10 calls, next to the read bandwidth measured before each
+#        row; prefill GFLOP/s per set from 64 to 4,096 tokens per expert; about 4 min)
 #        scripts/bench.sh --model_loop [examples/model_loop.py flags]  (a decode loop through
 #        every MoE layer of a mid checkpoint on one cluster, B = 1, 4, 16, 64: where a decode
 #        step's time goes, tokens/s, projected to 92 MoE layers; writes out/model-loop.png;
@@ -37,6 +41,13 @@ if [ "${1:-}" = "--cluster" ]; then
   "$BUILD/tests/dispatch_bench" --preset mid --tokens 1,16,64,256
   "$BUILD/tests/dispatch_bench" --preset k3 --tokens 1,16
   exec "$BUILD/tests/cluster_bench" "$@"
+fi
+if [ "${1:-}" = "--kernels" ]; then
+  cmake --build "$BUILD" --target moe-tool decode_bench
+  lscpu | grep -E "^Model name|^CPU\(s\)|^CPU family|^Model:|^Flags" | cut -c1-200
+  "$BUILD/services/moe-tool" kernels --config k3 --measure
+  "$BUILD/tests/decode_bench" --tokens 1,2,4,8
+  exec "$BUILD/tests/decode_bench" --experts 4 --runs 3 --tokens 64,128,256,512,1024,2048,4096
 fi
 if [ "${1:-}" = "--w4a8" ]; then
   shift

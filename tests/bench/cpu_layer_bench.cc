@@ -229,7 +229,7 @@ struct Limits {
 // `k` is a set's own table (panel kernel from kPrefillTokens) or the machine's chosen one.
 void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet& set8,
                  const numerics::cpu::KernelTable& k, const std::string& name, int threads,
-                 const Limits& lim) {
+                 const Limits& lim, const std::vector<int64_t>& counts) {
   const ModelConfig cfg = *PresetConfig("k3");
   const Isa isa = k.isa;
   ThreadPool pool(threads);
@@ -237,7 +237,7 @@ void ExpertBench(const ExpertSet& set64, const ExpertSet& set16, const ExpertSet
   const double bandwidth = threads > 1 ? lim.bandwidth : lim.bandwidth_one;
   const std::string tag = name + ", " + std::to_string(threads) + "t: ";
   double previous = 0;  // FLOP/s at the previous count: a fall is a cliff
-  for (int64_t per_expert : {1, 2, 4, 8, 16, 32, 64, 256}) {
+  for (int64_t per_expert : counts) {
     const ExpertSet& set = per_expert >= 256 ? set8 : (per_expert >= 16 ? set16 : set64);
     const int64_t experts = set.w.expert_hi;
     ModelConfig c = cfg;
@@ -509,6 +509,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> ref_tokens = {1};
   std::vector<int64_t> thread_counts = {1, kThreads};
   std::vector<int64_t> layer_tokens = {1, 16, 64, 256, 1024, 4096};
+  std::vector<int64_t> expert_tokens = {1, 2, 4, 8, 16, 32, 64, 256};
   std::vector<Isa> isas;
   for (Isa isa : moe::numerics::cpu::kSimdIsas) {
     if (static_cast<int>(isa) <= static_cast<int>(DetectIsa())) isas.push_back(isa);
@@ -520,6 +521,8 @@ int main(int argc, char** argv) {
   f.IntList("reference_tokens", &ref_tokens, "batch sizes for the scalar reference layer");
   f.IntList("threads", &thread_counts, "thread counts of the expert rows");
   f.IntList("layer_tokens", &layer_tokens, "batch sizes T of the whole-layer rows");
+  f.IntList("expert_tokens", &expert_tokens,
+            "tokens per expert of the expert rows (8 experts from 256 up, 16 from 16, else 64)");
   f.String("isa", &isa_list, "ISAs of the expert and dense rows (default: all the CPU has)");
   f.String("layer_isa", &layer_isa_list, "ISAs of the whole-layer rows (default: as --isa)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
@@ -576,11 +579,12 @@ int main(int argc, char** argv) {
         "", chosen.seconds > 0 ? F("probe %.2f s", chosen.seconds) : "from cache");
     for (int threads : thread_counts) {
       ExpertBench(set64, set16, set8, chosen.table,
-                  "chosen " + moe::numerics::cpu::KernelsName(chosen.table), threads, lim);
+                  "chosen " + moe::numerics::cpu::KernelsName(chosen.table), threads, lim,
+                  expert_tokens);
     }
     for (Isa isa : isas) {
       for (int threads : thread_counts) {
-        ExpertBench(set64, set16, set8, KernelsFor(isa), IsaName(isa), threads, lim);
+        ExpertBench(set64, set16, set8, KernelsFor(isa), IsaName(isa), threads, lim, expert_tokens);
       }
     }
   }

@@ -1,0 +1,183 @@
+// The few-token decode of the routed experts: streamed from DRAM against the same call with
+// every expert cache-resident, next to this machine's read bandwidth measured in the same run
+// (issue: the 1-token decode overlaps its memory stream).
+//
+//   build/tests/decode_bench [--tokens 1,2,4,8] [--experts 64] [--runs 10] [--isa avx512bf16]
+//                            [--threads 2]          (scripts/bench.sh --kernels runs both forms)
+//
+// Per set (default: the machine's chosen decode set, then every set the CPU has above scalar),
+// per tokens per expert, at the K3 expert shape on the threaded expert path (RunExperts, all
+// threads): `runs` timed calls over `experts` experts whose weights (17.3 MB each, 1.1 GB for
+// 64) stream from DRAM, and as many over the same number of experts that all point at one
+// expert's weights (17.3 MB: L3-resident here, so the arithmetic alone). Reported: p10 and p50
+// of each, weight bytes per second, the DRAM time over the cache-resident time (1.0 is perfect
+// overlap of memory and arithmetic), p10 over the read bandwidth, and GFLOP/s at p50 of both
+// (what prefill counts are judged by: `--experts 4 --tokens 64,...,4096`). The read bandwidth is
+// measured before each row (the best of 3 passes of 1 GiB), because a neighbour on a shared
+// host moves it by half between minutes (34 and 60 GB/s on one CPU model).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/flags.h"
+#include "services/common/model_config.h"
+#include "services/common/random.h"
+#include "services/numerics/cpu/expert_ffn.h"
+#include "services/numerics/cpu/kernel_choice.h"
+#include "services/numerics/cpu/machine_limits.h"
+
+namespace moe::bench {
+namespace {
+
+using numerics::cpu::Isa;
+using numerics::cpu::KernelTable;
+using numerics::cpu::ThreadPool;
+using Clock = std::chrono::steady_clock;
+
+struct Experts {
+  std::vector<std::vector<uint8_t>> bytes;
+  numerics::MoeLayerWeights dram;  // `experts` distinct experts
+  numerics::MoeLayerWeights hot;   // as many, all expert 0's weights
+};
+
+// Random MXFP4 bytes, block scales near 2^-5 (as trained weights have).
+Experts MakeExperts(const ModelConfig& cfg, int64_t experts) {
+  Experts s;
+  s.dram.expert_lo = s.hot.expert_lo = 0;
+  s.dram.expert_hi = s.hot.expert_hi = experts;
+  s.dram.experts.resize(static_cast<size_t>(experts));
+  s.bytes.reserve(static_cast<size_t>(experts * 6));
+  const int64_t d = cfg.latent, in = cfg.intermediate;
+  for (int64_t e = 0; e < experts; ++e) {
+    numerics::Mxfp4Matrix* mats[] = {&s.dram.experts[e].w1, &s.dram.experts[e].w3,
+                                     &s.dram.experts[e].w2};
+    for (int m = 0; m < 3; ++m) {
+      const int64_t rows = m == 2 ? d : in, cols = m == 2 ? in : d;
+      Rng rng(MixSeed(11, {static_cast<uint64_t>(e), static_cast<uint64_t>(m)}));
+      s.bytes.emplace_back(static_cast<size_t>(rows * cols / 2));
+      std::vector<uint8_t>& packed = s.bytes.back();
+      for (size_t i = 0; i + 8 <= packed.size(); i += 8) {
+        const uint64_t r = rng.Next();
+        std::memcpy(packed.data() + i, &r, 8);
+      }
+      s.bytes.emplace_back(static_cast<size_t>(rows * cols / 32));
+      for (uint8_t& v : s.bytes.back()) v = static_cast<uint8_t>(120 + rng.Next() % 4);
+      *mats[m] = {rows, cols, packed.data(), s.bytes.back().data()};
+    }
+  }
+  s.hot.experts.assign(static_cast<size_t>(experts), s.dram.experts[0]);
+  return s;
+}
+
+// Sorted wall times of `runs` calls (after one warm-up).
+std::vector<double> Times(int runs, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < runs; ++i) {
+    const auto s = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - s).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t;
+}
+
+// The p-th fraction of sorted times (nearest rank).
+double Quantile(const std::vector<double>& t, double p) {
+  const size_t i = static_cast<size_t>(p * static_cast<double>(t.size() - 1) + 0.5);
+  return t[std::min(i, t.size() - 1)];
+}
+
+}  // namespace
+}  // namespace moe::bench
+
+int main(int argc, char** argv) {
+  using namespace moe::bench;
+  namespace cpu = moe::numerics::cpu;
+  std::vector<int64_t> token_counts = {1, 2, 4, 8};
+  int experts = 64, runs = 10;
+  std::string isa_list;
+  moe::SvcFlags f("decode_bench",
+                  "Routed-expert decode from DRAM vs cache-resident, next to the read bandwidth.");
+  f.IntList("tokens", &token_counts, "tokens per expert");
+  f.Int("experts", &experts, "experts per call (64: 1.1 GB of K3 weights)");
+  f.Int("runs", &runs, "timed calls per row (p10 and p50 of these)");
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  f.Int("threads", &threads, "threads of the expert pool (default: every hardware thread)");
+  f.String("isa", &isa_list, "sets to run (default: the chosen decode set, then every set)");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  ThreadPool pool(threads);
+  moe::ModelConfig cfg = *moe::PresetConfig("k3");
+  cfg.num_experts = experts;
+  cpu::KernelChoiceOptions ko;
+  ko.latent = cfg.latent;
+  ko.intermediate = cfg.intermediate;
+  const cpu::KernelChoice& chosen = cpu::ChooseKernels(ko);
+  std::vector<std::pair<std::string, const KernelTable*>> sets;
+  if (isa_list.empty()) {
+    sets.push_back({"chosen " + cpu::KernelsName(chosen.table), &chosen.table});
+    for (Isa isa : cpu::kSimdIsas) {
+      if (cpu::CapIsa(isa) == isa) sets.push_back({cpu::IsaName(isa), &cpu::KernelsFor(isa)});
+    }
+  } else {
+    for (absl::string_view name : absl::StrSplit(isa_list, ',', absl::SkipEmpty())) {
+      const absl::StatusOr<Isa> isa = cpu::ParseIsa(name);
+      if (!isa.ok() || cpu::CapIsa(*isa) != *isa) {
+        std::fprintf(stderr, "--isa %s: not a set this CPU runs\n", std::string(name).c_str());
+        return 2;
+      }
+      sets.push_back({cpu::IsaName(*isa), &cpu::KernelsFor(*isa)});
+    }
+  }
+  std::printf("decode_bench: %d threads, %lld experts of %.1f MB (K3 shape), %lld runs per row\n",
+              threads, static_cast<long long>(experts), cfg.ExpertBytes() / 1e6,
+              static_cast<long long>(runs));
+  const Experts set = MakeExperts(cfg, experts);
+  const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
+  std::printf(
+      "| set | tokens/expert | read GB/s | DRAM p10 ms | p50 ms | cache-resident p10 ms | p50 ms "
+      "| DRAM p10 GB/s | of read | DRAM / cache-resident (p10) | GFLOP/s DRAM p50 | cache-resident "
+      "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& [name, table] : sets) {
+    for (int64_t tokens : token_counts) {
+      moe::numerics::Routing r;
+      r.tokens = tokens;
+      r.top_k = experts;
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t e = 0; e < experts; ++e) {
+          r.expert_ids.push_back(static_cast<int32_t>(e));
+          r.weights.push_back(1.0f / static_cast<float>(experts));
+        }
+      }
+      moe::ModelConfig zc = cfg;
+      zc.hidden = cfg.latent;
+      const std::vector<moe::tensor::Bf16> z = moe::checkpoint::SyntheticHiddenStates(zc, tokens, 3);
+      const double read = cpu::MeasureReadBandwidth(&pool, int64_t{1} << 30, 3);
+      auto run = [&](const moe::numerics::MoeLayerWeights& w) {
+        return Times(static_cast<int>(runs), [&] {
+          auto y = cpu::RunExperts(*table, &pool, cfg, w, r, z.data());
+          volatile uint16_t sink = y[0].bits;
+          (void)sink;
+        });
+      };
+      const std::vector<double> dram = run(set.dram), hot = run(set.hot);
+      const double d10 = Quantile(dram, 0.1), h10 = Quantile(hot, 0.1);
+      const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * tokens * experts;
+      std::printf(
+          "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %.1f | %.2f | %.2f | %.0f | %.0f |\n",
+          name.c_str(), static_cast<long long>(tokens), read / 1e9, 1e3 * d10,
+          1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5),
+          weight_bytes / d10 / 1e9, weight_bytes / d10 / read, d10 / h10,
+          flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
