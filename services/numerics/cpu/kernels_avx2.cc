@@ -404,18 +404,19 @@ void DecodeChunks(const uint8_t* packed, const uint8_t* scales, int64_t cols, in
 
 // RB rows x TV vectors of 8 tokens over kn slots, accumulating into acc_buf[row][token]:
 // RB broadcasts and TV loads feed RB x TV FMAs per slot (4 x 3: 12 accumulators, 3 token
-// vectors and a broadcast in the 16 ymm registers). xg: the block's activations in groups of 8
-// tokens, group g at xg + g * kn * 8, [kn][8] (each token vector streams sequentially).
+// vectors and a broadcast in the 16 ymm registers). xg: a pass's activations (from token tg) in
+// groups of 8 tokens, token t's group at xg + ((t - tg) / 8) * kn * 8, [kn][8] (each token
+// vector streams sequentially).
 template <int RB, int TV>
-void PanelTile(const float* panel, int64_t kn, const float* xg, int64_t ld_t, int64_t t0,
-               float* acc_buf) {
+void PanelTile(const float* panel, int64_t kn, const float* xg, int64_t tg, int64_t ld_t,
+               int64_t t0, float* acc_buf) {
   __m256 acc[RB][TV];
 #pragma GCC unroll 16
   for (int i = 0; i < RB; ++i) {
 #pragma GCC unroll 16
     for (int j = 0; j < TV; ++j) acc[i][j] = _mm256_loadu_ps(acc_buf + i * ld_t + t0 + 8 * j);
   }
-  const float* xj = xg + (t0 / 8) * kn * 8;
+  const float* xj = xg + ((t0 - tg) / 8) * kn * 8;
   for (int64_t k = 0; k < kn; ++k) {
     __m256 xv[TV];
 #pragma GCC unroll 16
@@ -434,60 +435,70 @@ void PanelTile(const float* panel, int64_t kn, const float* xg, int64_t ld_t, in
   }
 }
 
+// Tokens [t_begin, t_end) (multiples of 8) of one panel; xg holds the pass from t_begin.
 template <int RB>
-void PanelRows(const float* panel, int64_t kn, const float* xg, int64_t ld_t, float* acc_buf) {
-  int64_t t0 = 0;
-  for (; t0 + 24 <= ld_t; t0 += 24) PanelTile<RB, 3>(panel, kn, xg, ld_t, t0, acc_buf);
-  for (; t0 + 16 <= ld_t; t0 += 16) PanelTile<RB, 2>(panel, kn, xg, ld_t, t0, acc_buf);
-  for (; t0 < ld_t; t0 += 8) PanelTile<RB, 1>(panel, kn, xg, ld_t, t0, acc_buf);
+void PanelRows(const float* panel, int64_t kn, const float* xg, int64_t ld_t, int64_t t_begin,
+               int64_t t_end, float* acc_buf) {
+  int64_t t0 = t_begin;
+  for (; t0 + 24 <= t_end; t0 += 24) PanelTile<RB, 3>(panel, kn, xg, t_begin, ld_t, t0, acc_buf);
+  for (; t0 + 16 <= t_end; t0 += 16) PanelTile<RB, 2>(panel, kn, xg, t_begin, ld_t, t0, acc_buf);
+  for (; t0 < t_end; t0 += 8) PanelTile<RB, 1>(panel, kn, xg, t_begin, ld_t, t0, acc_buf);
 }
 
-// Prefill. Slots are walked in blocks of 256; a block's activations are repacked into groups of
-// 8 tokens (256 x ld_t floats: 256 KB at 256 tokens, half of a Zen 3 L2) and stay in L2 while
-// every panel of 4 rows (decoded to fp32 once per block) runs over them; sums accumulate per
-// (row, token) in slot order in acc_buf. (Read in place, the token-major rows are 1 KB apart at
-// 256 tokens: a new cache line and page every few slots; repacked, 0.65 -> 0.7 of the FMA
-// peak in cpu_layer_bench.)
+// Tokens per pass: 256 slots x 192 tokens repacked (192 KB) stay in L2 next to the block's
+// decoded panels (1 KB a row); repacking every token of a block at once (1 MB at 1,024 tokens,
+// 4 MB at 4,096) let them fall out of L2 for every panel of 4 rows.
+constexpr int64_t kPanelTokens = 192;
+
+// Prefill. Slots are walked in blocks of 256: every row of [r0, r1) is decoded to fp32 once per
+// block, then the tokens (rounded up to 8) in passes of kPanelTokens: a pass's activations are
+// repacked into groups of 8 tokens (each token vector then streams sequentially; read in
+// place, the token-major rows are 1 KB apart at 256 tokens: 0.65 -> 0.7 of the FMA peak in
+// cpu_layer_bench) and every panel of 4 rows runs over them; sums accumulate per (row, token)
+// in slot order in acc_buf (passes do not change any sum's order).
 void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
              const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
   constexpr int kRows = 4;
   constexpr int64_t kChunksPerBlock = 4;  // 256 slots
   const int64_t rows = r1 - r0, chunks = (cols + 63) / 64;
+  const int64_t extent = (tokens + 7) / 8 * 8;
   // malloc, not std::vector: no inline code shared with other files (see kernels_avx512.cc).
   float* acc_buf =
       static_cast<float*>(std::calloc(static_cast<size_t>(rows * ld_t), sizeof(float)));
-  float* panel = static_cast<float*>(
-      std::malloc(sizeof(float) * static_cast<size_t>(kRows * kChunksPerBlock * 64)));
+  float* panels = static_cast<float*>(
+      std::malloc(sizeof(float) * static_cast<size_t>(rows * kChunksPerBlock * 64)));
+  const int64_t pass = extent < kPanelTokens ? extent : kPanelTokens;
   float* xg = static_cast<float*>(
-      std::aligned_alloc(32, sizeof(float) * static_cast<size_t>(kChunksPerBlock * 64 * ld_t)));
+      std::aligned_alloc(32, sizeof(float) * static_cast<size_t>(kChunksPerBlock * 64 * pass)));
   for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerBlock) {
     const int64_t c1 = c0 + kChunksPerBlock < chunks ? c0 + kChunksPerBlock : chunks;
     const int64_t kn = (c1 - c0) * 64;
     const float* xb = xt + c0 * 64 * ld_t;
-    for (int64_t g = 0; g < ld_t / 8; ++g) {
-      for (int64_t k = 0; k < kn; ++k) {
-        _mm256_store_ps(xg + (g * kn + k) * 8, _mm256_loadu_ps(xb + k * ld_t + 8 * g));
-      }
-    }
-    int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows) {
-      for (int i = 0; i < kRows; ++i) {
-        DecodeChunks(packed + (r0 + r + i) * (cols / 2), scales + (r0 + r + i) * (cols / 32), cols,
-                     c0, c1, panel + i * kn);
-      }
-      PanelRows<kRows>(panel, kn, xg, ld_t, acc_buf + r * ld_t);
-    }
-    for (; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       DecodeChunks(packed + (r0 + r) * (cols / 2), scales + (r0 + r) * (cols / 32), cols, c0, c1,
-                   panel);
-      PanelRows<1>(panel, kn, xg, ld_t, acc_buf + r * ld_t);
+                   panels + r * kn);
+    }
+    for (int64_t t0 = 0; t0 < extent; t0 += kPanelTokens) {
+      const int64_t t1 = t0 + kPanelTokens < extent ? t0 + kPanelTokens : extent;
+      for (int64_t g = t0 / 8; g < t1 / 8; ++g) {
+        for (int64_t k = 0; k < kn; ++k) {
+          _mm256_store_ps(xg + ((g - t0 / 8) * kn + k) * 8, _mm256_loadu_ps(xb + k * ld_t + 8 * g));
+        }
+      }
+      int64_t r = 0;
+      for (; r + kRows <= rows; r += kRows) {
+        PanelRows<kRows>(panels + r * kn, kn, xg, ld_t, t0, t1, acc_buf + r * ld_t);
+      }
+      for (; r < rows; ++r) {
+        PanelRows<1>(panels + r * kn, kn, xg, ld_t, t0, t1, acc_buf + r * ld_t);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t t = 0; t < tokens; ++t) out[t * ld_out + r] = acc_buf[r * ld_t + t];
   }
   std::free(xg);
-  std::free(panel);
+  std::free(panels);
   std::free(acc_buf);
 }
 

@@ -349,14 +349,15 @@ void PanelTile(const float* panel, int64_t kn, const float* xt, int64_t ld_t, in
 // speed (35% of the panel's time at 256 tokens, all of it at 16-32, in perf). Each (row, token)
 // sums over k in the same order whatever its tile: the results are the same.
 template <int RB, bool kPairs>
-void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, float* acc_buf) {
-  const int64_t vectors = ld_t / 16;
+void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, int64_t t_begin,
+               int64_t t_end, float* acc_buf) {
+  const int64_t vectors = (t_end - t_begin) / 16;
   int64_t threes = vectors / 3, rest = vectors % 3;
   if (rest == 1 && threes > 0) {
     --threes;
     rest = 4;
   }
-  int64_t t0 = 0;
+  int64_t t0 = t_begin;
   for (int64_t i = 0; i < threes; ++i, t0 += 48) {
     PanelTile<RB, 3, kPairs>(panel, kn, xt, ld_t, t0, acc_buf);
   }
@@ -366,10 +367,17 @@ void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, fl
   if (rest == 1) PanelTile<RB, 1, kPairs>(panel, kn, xt, ld_t, t0, acc_buf);
 }
 
-// Prefill. Slots are walked in blocks of 512 so the token-major activations of a block
-// (512 x ld_t slots) stay in L2 while every panel of 8 rows (decoded once per block: to fp32,
-// or to bf16 pairs with kPairs) runs over them; sums accumulate per (row, token) in k order in
-// acc_buf. kPairs needs PairPanelFits (PairPanel checks).
+// Tokens per pass over a block of panels: 512 slots x 192 tokens of activations (384 KB) plus
+// the block's decoded panels (2 KB a row) and its accumulators stay in a 1 MB L2. Walking all
+// tokens per panel instead let the activations of a block (2 MB at 1,024 tokens) fall out of
+// L2 for every panel of 8 rows (docs/kernels.md, "Prefill at every token count").
+constexpr int64_t kPanelTokens = 192;
+
+// Prefill. Slots are walked in blocks of 512: every row of [r0, r1) is decoded once per block
+// (to fp32, or to bf16 pairs with kPairs: 2 KB a row), then the tokens (rounded up to 16) in
+// passes of kPanelTokens, each running every panel of 8 rows over that pass's activations while they
+// stay in L2; sums accumulate per (row, token) in k order in acc_buf (token passes do not change
+// any sum's order). kPairs needs PairPanelFits (PairPanel checks).
 template <bool kPairs>
 void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
              const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
@@ -377,39 +385,43 @@ void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   constexpr int64_t kSlotsPerChunk = kPairs ? 64 : 128;  // per 128 columns
   constexpr int64_t kChunksPerBlock = 512 / kSlotsPerChunk;
   const int64_t rows = r1 - r0, chunks = (cols + 127) / 128;
+  const int64_t extent = (tokens + 15) / 16 * 16;  // padding tokens past it are never read
   // malloc, not std::vector (see the top of the file).
   float* acc_buf =
       static_cast<float*>(std::calloc(static_cast<size_t>(rows * ld_t), sizeof(float)));
-  float* panel = static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(kRows * 512)));
+  float* panels =
+      static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(rows * 512)));
   for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerBlock) {
     const int64_t c1 = c0 + kChunksPerBlock < chunks ? c0 + kChunksPerBlock : chunks;
     // kPairs: 32-column chunks [k0, k1), 16 pair slots each.
     const int64_t k0 = c0 * 4, k1 = c1 * 4 < cols / 32 ? c1 * 4 : cols / 32;
     const int64_t kn = kPairs ? (k1 - k0) * 16 : (c1 - c0) * 128;
     const float* xb = xt + c0 * kSlotsPerChunk * ld_t;
-    auto decode = [&](int64_t row, float* dst) {
+    for (int64_t row = 0; row < rows; ++row) {
       const uint8_t* p = packed + (r0 + row) * (cols / 2);
       const uint8_t* s = scales + (r0 + row) * (cols / 32);
+      float* dst = panels + row * kn;
       if constexpr (kPairs) {
         DecodeBf16Pairs(p, s, k0, k1, reinterpret_cast<uint16_t*>(dst), 32);
       } else {
         DecodeChunks(p, s, cols, c0, c1, dst);
       }
-    };
-    int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows) {
-      for (int i = 0; i < kRows; ++i) decode(r + i, panel + i * kn);
-      PanelRows<kRows, kPairs>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
     }
-    for (; r < rows; ++r) {
-      decode(r, panel);
-      PanelRows<1, kPairs>(panel, kn, xb, ld_t, acc_buf + r * ld_t);
+    for (int64_t t0 = 0; t0 < extent; t0 += kPanelTokens) {
+      const int64_t t1 = t0 + kPanelTokens < extent ? t0 + kPanelTokens : extent;
+      int64_t r = 0;
+      for (; r + kRows <= rows; r += kRows) {
+        PanelRows<kRows, kPairs>(panels + r * kn, kn, xb, ld_t, t0, t1, acc_buf + r * ld_t);
+      }
+      for (; r < rows; ++r) {
+        PanelRows<1, kPairs>(panels + r * kn, kn, xb, ld_t, t0, t1, acc_buf + r * ld_t);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t t = 0; t < tokens; ++t) out[t * ld_out + r] = acc_buf[r * ld_t + t];
   }
-  std::free(panel);
+  std::free(panels);
   std::free(acc_buf);
 }
 
