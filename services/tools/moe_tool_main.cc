@@ -243,11 +243,20 @@ int Kernels(int argc, char** argv) {
   if (measure) o.cache_dir.clear();
   const cpu::KernelChoice& c = cpu::ChooseKernels(o);
   std::printf("cpu: %s\nchoice: %s\n", cpu::CpuModel().c_str(), c.Summary().c_str());
-  if (!c.timings.empty()) {
+  if (c.measured_at > 0) {
+    std::printf("measured: %s, %d attempt(s), load average %.2f, read %.1f GB/s\n",
+                c.steady ? "steady" : ("UNSTEADY (" + c.unsteady + ")").c_str(), c.attempts,
+                c.load_average, c.read_bytes_per_second / 1e9);
+  }
+  // Two tables: the median GFLOP/s of each probe, then how far its repetitions spread.
+  for (bool spread : {false, true}) {
+    if (c.timings.empty()) break;
     std::printf("%-11s %-6s", "set", "kernel");
     for (int64_t t : {1, 2, 4, 8, 16, 32, 64, 128})
       std::printf(" %7lld", static_cast<long long>(t));
-    std::printf("   (GFLOP/s at tokens per expert)\n");
+    std::printf(spread ? "   (spread of the repetitions, over the median; bound %.2f)\n"
+                       : "   (GFLOP/s at tokens per expert, median)\n",
+                cpu::kProbeSpreadBound);
     for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2, cpu::Isa::kAvx512,
                          cpu::Isa::kAvx512Bf16, cpu::Isa::kAvx512Amx}) {
       for (bool panel : {false, true}) {
@@ -257,7 +266,8 @@ int Kernels(int argc, char** argv) {
           for (const cpu::KernelTiming& k : c.timings) {
             if (k.isa == isa && k.panel == panel && k.tokens == t) {
               char b[32];
-              std::snprintf(b, sizeof(b), " %7.1f", k.flops_per_second / 1e9);
+              std::snprintf(b, sizeof(b), spread ? " %7.3f" : " %7.1f",
+                            spread ? k.spread : k.flops_per_second / 1e9);
               cell = b;
             }
           }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "services/common/logging.h"
+#include "services/numerics/cpu/machine_limits.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -40,7 +42,7 @@ constexpr int64_t kProbeTokens[] = {1, 2, 4, 8, 16, 32, 64, 128};
 // repetition.
 constexpr int64_t kDecodeBytes = int64_t{24} << 20;
 constexpr double kProbeFlops = 48e6;
-constexpr int kProbeReps = 3;
+constexpr int kProbeReps = 5;
 constexpr int64_t kBlockRows = 128;
 
 double Since(Clock::time_point t) {
@@ -191,6 +193,14 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   return text;
 }
 
+// The load average over the last minute (/proc/loadavg), -1 where unknown.
+double LoadAverage() {
+  auto text = ReadSmallFile("/proc/loadavg");
+  double v = -1;
+  if (!text.ok() || !absl::SimpleAtod(text->substr(0, text->find(' ')), &v)) return -1;
+  return v;
+}
+
 bool SaysPinned(absl::string_view text) {
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     std::vector<absl::string_view> kv = absl::StrSplit(line, absl::MaxSplits('=', 1));
@@ -314,7 +324,7 @@ std::vector<KernelTiming> MeasureKernels(KernelSets sets, int64_t latent, int64_
       if (panel && k.mxfp4_rows_tm == nullptr) continue;
       for (int64_t tokens : kProbeTokens) {
         if (panel && tokens < 2) continue;
-        double best = 1e30, flops = 0;
+        std::vector<double> rates;
         for (int rep = 0; rep < kProbeReps; ++rep) {
           double seconds = 0, f = 0;
           for (const ProbeMatrix& m : mats) {
@@ -331,10 +341,14 @@ std::vector<KernelTiming> MeasureKernels(KernelSets sets, int64_t latent, int64_
             seconds += TimeKernel(k, panel, m, first, rows, tokens, pool);
             f += 2.0 * tokens * rows * m.cols;
           }
-          if (seconds < best) best = seconds;
-          flops = f;
+          rates.push_back(f / std::max(seconds, 1e-12));
         }
-        out.push_back({isa, panel, tokens, flops / best});
+        // The median, and how far the repetitions around it spread (the fastest and the slowest
+        // left out: one burst either way is not a disagreement).
+        std::sort(rates.begin(), rates.end());
+        const double median = rates[rates.size() / 2];
+        const double spread = (rates[rates.size() - 2] - rates[1]) / median;
+        out.push_back({isa, panel, tokens, median, spread});
       }
     }
   }
@@ -401,6 +415,41 @@ KernelChoice DecideKernels(KernelSets sets, std::vector<KernelTiming> timings) {
   return c;
 }
 
+std::string ProbeDisagreement(const std::vector<KernelTiming>& timings, double bound) {
+  std::string worst;
+  double worst_by = 0;  // how far past its bound the worst disagreement is
+  for (const KernelTiming& t : timings) {
+    if (t.spread > bound && t.spread / std::max(bound, 1e-9) > worst_by) {
+      worst_by = t.spread / std::max(bound, 1e-9);
+      worst = absl::StrFormat("%s %s at %d tokens per expert: repetitions spread %.2f (bound %.2f)",
+                              IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens, t.spread,
+                              bound);
+    }
+  }
+  // A count under half of both neighbours on its own curve: the kernel does not do that, a
+  // neighbour's burst over the whole probe does.
+  for (const KernelTiming& t : timings) {
+    const KernelTiming* left = nullptr;
+    const KernelTiming* right = nullptr;
+    for (const KernelTiming& u : timings) {
+      if (u.isa != t.isa || u.panel != t.panel) continue;
+      if (u.tokens < t.tokens && (left == nullptr || u.tokens > left->tokens)) left = &u;
+      if (u.tokens > t.tokens && (right == nullptr || u.tokens < right->tokens)) right = &u;
+    }
+    if (left == nullptr || right == nullptr) continue;
+    const double low = std::min(left->flops_per_second, right->flops_per_second);
+    if (t.flops_per_second < 0.5 * low && worst_by < 1e9) {
+      worst_by = 1e9;  // outranks every spread
+      worst = absl::StrFormat(
+          "%s %s at %d tokens per expert: %.1f GFLOP/s, under half of both neighbours (%.1f, "
+          "%.1f)",
+          IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens, t.flops_per_second / 1e9,
+          left->flops_per_second / 1e9, right->flops_per_second / 1e9);
+    }
+  }
+  return worst;
+}
+
 std::string KernelChoice::Summary() const {
   std::string s = absl::StrCat("decode ", IsaName(decode));
   if (panel_from >= kNoPanel) {
@@ -412,6 +461,7 @@ std::string KernelChoice::Summary() const {
   if (!path.empty()) absl::StrAppend(&s, " ", path);
   if (seconds > 0) absl::StrAppendFormat(&s, ", measured in %.2f s", seconds);
   absl::StrAppend(&s, ")");
+  if (!steady) absl::StrAppend(&s, "; unsteady after ", attempts, " attempts: ", unsteady);
   if (!note.empty()) absl::StrAppend(&s, "; ", note);
   return s;
 }
@@ -450,10 +500,25 @@ std::string FormatKernelChoice(const KernelChoice& c, int64_t latent, int64_t in
                   "\n");
   absl::StrAppend(&s, "pinned = ", pinned ? "true" : "false", "\n");
   absl::StrAppendFormat(&s, "measured_seconds = %.3f\n", c.seconds);
-  absl::StrAppend(&s, "# timing = set kernel tokens_per_expert GFLOP/s\n");
+  absl::StrAppend(&s, "measured_at = ", c.measured_at, "\n");
+  absl::StrAppend(&s, "attempts = ", c.attempts, "\n");
+  absl::StrAppend(&s, "steady = ", c.steady ? "true" : "false", "\n");
+  if (!c.steady) {
+    std::string why = c.unsteady;
+    for (char& ch : why) {
+      if (ch == '\n' || ch == '\r') ch = ' ';
+    }
+    absl::StrAppend(&s, "unsteady = ", why, "\n");
+  }
+  absl::StrAppendFormat(&s, "load_average = %.2f\n", c.load_average);
+  absl::StrAppendFormat(&s, "read_gbps = %.1f\n", c.read_bytes_per_second / 1e9);
+  absl::StrAppend(&s,
+                  "# timing = set kernel tokens_per_expert GFLOP/s spread (median of the "
+                  "repetitions; spread: second fastest minus second slowest, over the median)\n");
   for (const KernelTiming& t : c.timings) {
-    absl::StrAppendFormat(&s, "timing = %s %s %d %.2f\n", IsaName(t.isa),
-                          t.panel ? "panel" : "rows", t.tokens, t.flops_per_second / 1e9);
+    absl::StrAppendFormat(&s, "timing = %s %s %d %.2f %.3f\n", IsaName(t.isa),
+                          t.panel ? "panel" : "rows", t.tokens, t.flops_per_second / 1e9,
+                          t.spread);
   }
   return s;
 }
@@ -478,13 +543,16 @@ absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view text, KernelSet
       std::vector<std::string> f = absl::StrSplit(value, ' ', absl::SkipEmpty());
       KernelTiming t;
       absl::StatusOr<Isa> isa = absl::InvalidArgumentError("");
-      if (f.size() == 4) isa = ParseIsa(f[0]);
+      const bool sized = f.size() == 4 || f.size() == 5;  // 4: files before the spread
+      if (sized) isa = ParseIsa(f[0]);
       double gflops = 0;
-      if (f.size() != 4 || !isa.ok() || (f[1] != "rows" && f[1] != "panel") ||
+      if (!sized || !isa.ok() || (f[1] != "rows" && f[1] != "panel") ||
           !absl::SimpleAtoi(f[2], &t.tokens) || t.tokens < 1 || t.tokens > 4096 ||
-          !absl::SimpleAtod(f[3], &gflops) || !(gflops >= 0 && gflops < 1e7)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("line ", line_no, ": timing is \"set rows|panel tokens GFLOP/s\""));
+          !absl::SimpleAtod(f[3], &gflops) || !(gflops >= 0 && gflops < 1e7) ||
+          (f.size() == 5 &&
+           (!absl::SimpleAtod(f[4], &t.spread) || !(t.spread >= 0 && t.spread < 1e3)))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "line ", line_no, ": timing is \"set rows|panel tokens GFLOP/s [spread]\""));
       }
       t.isa = *isa;
       t.panel = f[1] == "panel";
@@ -495,9 +563,10 @@ absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view text, KernelSet
       c.timings.push_back(t);
       continue;
     }
-    static const char* const kKeys[] = {"version",    "cpu",    "sets",
-                                        "shape",      "decode", "prefill",
-                                        "panel_from", "pinned", "measured_seconds"};
+    static const char* const kKeys[] = {
+        "version",          "cpu",         "sets",     "shape",  "decode",
+        "prefill",          "panel_from",  "pinned",   "steady", "unsteady",
+        "measured_seconds", "measured_at", "attempts", "load_average", "read_gbps"};
     if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
       return absl::InvalidArgumentError(
           absl::StrCat("line ", line_no, ": unknown key \"", key, "\""));
@@ -559,6 +628,32 @@ absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view text, KernelSet
     return absl::InvalidArgumentError(
         absl::StrCat("prefill set ", IsaName(c.prefill), " has no panel kernel"));
   }
+  // What files before version 4 lack: steady, attempts, the machine at measurement time.
+  if (kv.count("steady") != 0) {
+    if (kv["steady"] != "true" && kv["steady"] != "false") {
+      return absl::InvalidArgumentError("steady is true or false");
+    }
+    c.steady = kv["steady"] == "true";
+    c.unsteady = kv["unsteady"];
+  }
+  if (kv.count("measured_at") != 0 &&
+      (!absl::SimpleAtoi(kv["measured_at"], &c.measured_at) || c.measured_at < 0)) {
+    return absl::InvalidArgumentError("measured_at is Unix seconds");
+  }
+  if (kv.count("attempts") != 0 &&
+      (!absl::SimpleAtoi(kv["attempts"], &c.attempts) || c.attempts < 1 || c.attempts > 100)) {
+    return absl::InvalidArgumentError("attempts is 1..100");
+  }
+  if (kv.count("load_average") != 0 && (!absl::SimpleAtod(kv["load_average"], &c.load_average) ||
+                                        !(c.load_average >= -1 && c.load_average < 1e6))) {
+    return absl::InvalidArgumentError("load_average is a number");
+  }
+  double gbps = 0;
+  if (kv.count("read_gbps") != 0 &&
+      (!absl::SimpleAtod(kv["read_gbps"], &gbps) || !(gbps >= 0 && gbps < 1e6))) {
+    return absl::InvalidArgumentError("read_gbps is a number");
+  }
+  c.read_bytes_per_second = gbps * 1e9;
   c.table = ComposeKernels(c.decode, c.prefill, c.panel_from);
   return c;
 }
@@ -574,9 +669,43 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
   auto it = memo->find(key);
   if (it != memo->end()) return *it->second;
 
+  // Measured until the probes agree with themselves (at most max_attempts times; the
+  // steadiest attempt is kept), with the machine's state at the time.
   auto measure = [&] {
     const auto start = Clock::now();
-    KernelChoice c = DecideKernels(sets, MeasureKernels(sets, o.latent, o.intermediate, o.pool));
+    std::unique_ptr<ThreadPool> own;
+    ThreadPool* pool = o.pool;
+    if (pool == nullptr) {
+      own = std::make_unique<ThreadPool>(0);
+      pool = own.get();
+    }
+    std::vector<KernelTiming> best;
+    std::string best_why;
+    double best_worst = 0;
+    int attempts = 0;
+    for (int a = 0; a < std::max(1, o.max_attempts); ++a) {
+      ++attempts;
+      std::vector<KernelTiming> t = MeasureKernels(sets, o.latent, o.intermediate, pool);
+      const std::string why = ProbeDisagreement(t, o.spread_bound);
+      double worst = 0;
+      for (const KernelTiming& k : t) worst = std::max(worst, k.spread);
+      if (!why.empty()) worst += 1e3 * (why.find("neighbours") != std::string::npos);
+      if (a == 0 || worst < best_worst) {
+        best = std::move(t);
+        best_why = why;
+        best_worst = worst;
+      }
+      if (why.empty()) break;
+      MOE_LOG_WARN("CPU kernel probe {} of {} unsteady: {}", attempts, o.max_attempts, why);
+    }
+    KernelChoice c = DecideKernels(sets, std::move(best));
+    c.steady = best_why.empty();
+    c.unsteady = best_why;
+    c.attempts = attempts;
+    c.load_average = LoadAverage();
+    // 128 MiB (4x the last-level cache of these machines), the better of 2 passes: ~0.05 s.
+    c.read_bytes_per_second = MeasureReadBandwidth(pool, int64_t{128} << 20, 2);
+    c.measured_at = static_cast<int64_t>(std::time(nullptr));
     c.seconds = Since(start);
     c.source = "measured";
     return c;
@@ -606,6 +735,13 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
     auto text = ReadSmallFile(path);
     absl::StatusOr<KernelChoice> cached = absl::NotFoundError("");
     if (text.ok()) cached = ParseKernelChoice(*text, sets, o.latent, o.intermediate);
+    const int64_t now = static_cast<int64_t>(std::time(nullptr));
+    if (cached.ok() && !cached->steady && !cached->pinned &&
+        now - cached->measured_at > kUnsteadyKeepSeconds) {
+      cached = absl::FailedPreconditionError(absl::StrCat(
+          "an unsteady measurement of ", now - cached->measured_at, " s ago (", cached->unsteady,
+          ")"));
+    }
     if (cached.ok()) {
       c = std::move(*cached);
       c.source = c.pinned ? "pinned" : "cache";
@@ -633,7 +769,7 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
     if (lock_fd >= 0) close(lock_fd);  // releases the lock
   }
   c.sets = sets;
-  if (c.note.empty()) {
+  if (c.note.empty() && c.steady) {
     MOE_LOG_INFO("CPU kernels: {}", c.Summary());
   } else {
     MOE_LOG_WARN("CPU kernels: {}", c.Summary());

@@ -7,6 +7,12 @@
 //  * the prefill set: the fastest panel kernel at 64-128 tokens per expert;
 //  * panel_from: the fewest tokens per expert from which that panel kernel is faster than the
 //    decode set's rows at every measured count above (no cliff where the switch happens).
+// Each probe runs several times and keeps its median; a probe whose repetitions disagree beyond
+// a bound, or a count far below both of its neighbours, makes the measurement unsteady (a
+// neighbour's burst, not the kernel): it is measured again (up to 3 attempts, the steadiest
+// kept), and a choice still unsteady is written marked so and measured again by the first
+// process that starts an hour later. The file records the load average and the read
+// bandwidth at measurement time.
 // The choice is written to a cache file per CPU model and shape (MOE_KERNEL_CACHE, default
 // $XDG_CACHE_HOME/moe-serving or ~/.cache/moe-serving), under a lock: every later process on
 // this machine reads it instead of measuring, so all of them (the services and an in-process
@@ -51,8 +57,15 @@ absl::StatusOr<KernelSets> ParseKernelSets(absl::string_view text);
 KernelSets DefaultKernelSets();
 
 // Bumped whenever a kernel changes speed or results: files of another version are measured again.
-// 2: the AMX set; 3: the AVX512-BF16 set's prefill on vdpbf16ps (the bf16 pair panel).
-inline constexpr int kKernelChoiceVersion = 3;
+// 2: the AMX set; 3: the AVX512-BF16 set's prefill on vdpbf16ps (the bf16 pair panel); 4: the
+// panels' token passes, medians and steadiness.
+inline constexpr int kKernelChoiceVersion = 4;
+// A probe's repetitions may spread this much (second fastest minus second slowest of 5, over the
+// median) before the measurement counts as unsteady. Measured on an idle 2-core Zen 4: 0.01-0.12.
+inline constexpr double kProbeSpreadBound = 0.25;
+// An unsteady choice on disk is used by processes that start within this many seconds of its
+// measurement (every process of one start agrees), and measured again after.
+inline constexpr int64_t kUnsteadyKeepSeconds = 3600;
 inline constexpr int64_t kNoPanel = int64_t{1} << 40;  // panel_from when no panel kernel runs
 
 // One probe: a kernel of one set at `tokens` tokens per expert on the served shape.
@@ -60,7 +73,8 @@ struct KernelTiming {
   Isa isa = Isa::kScalar;
   bool panel = false;  // mxfp4_rows_tm (prefill) or mxfp4_rows (decode)
   int64_t tokens = 0;
-  double flops_per_second = 0;  // 2 per multiply-add, FC1 and FC2 shapes together
+  double flops_per_second = 0;  // 2 per multiply-add, FC1 and FC2 shapes together: the median
+  double spread = 0;            // of the repetitions (kProbeSpreadBound); 0 when not recorded
 };
 
 struct KernelChoice {
@@ -76,6 +90,15 @@ struct KernelChoice {
   bool pinned = false;
   std::vector<KernelTiming> timings;
   double seconds = 0;  // the measurement's time (0 when read from a file)
+  // Steadiness: "" when the probes agreed with themselves, else the worst disagreement (then
+  // `steady` is false); the attempts it took; the machine at measurement time (load average
+  // over a minute, -1 unknown; streaming read bandwidth, 0 unknown); when (Unix seconds).
+  bool steady = true;
+  std::string unsteady;
+  int attempts = 1;
+  double load_average = -1;
+  double read_bytes_per_second = 0;
+  int64_t measured_at = 0;
   // One line for logs: "decode avx512, prefill avx512 from 16 tokens per expert (cache FILE)".
   std::string Summary() const;
 };
@@ -90,6 +113,8 @@ struct KernelChoiceOptions {
   int64_t intermediate = 0;                         // FC2 columns
   std::string cache_dir = DefaultKernelCacheDir();  // "": measure, no file
   ThreadPool* pool = nullptr;                       // probe threads (null: a pool of all cores)
+  double spread_bound = kProbeSpreadBound;          // tests set 0 to see the unsteady path
+  int max_attempts = 3;
 };
 
 // The choice for these options, measured or read once per process (later calls with the same
@@ -103,6 +128,10 @@ std::vector<KernelTiming> MeasureKernels(KernelSets sets, int64_t latent, int64_
                                          ThreadPool* pool);
 // The choice a set of timings implies (decode, prefill, panel_from; table filled in).
 KernelChoice DecideKernels(KernelSets sets, std::vector<KernelTiming> timings);
+// "" when the timings agree with themselves, else the worst disagreement in words: a probe whose
+// repetitions spread more than `bound`, or a count under half of both neighbours of its curve
+// (a set's rows or panel over tokens per expert).
+std::string ProbeDisagreement(const std::vector<KernelTiming>& timings, double bound);
 // The cache file's text and its strict parser (`cpu` and `shape` must match unless pinned; a set
 // the CPU lacks, an unknown key or a malformed line is an error naming the line).
 std::string FormatKernelChoice(const KernelChoice& c, int64_t latent, int64_t intermediate,

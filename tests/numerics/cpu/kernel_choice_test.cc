@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -127,6 +128,12 @@ TEST(KernelChoice, FileRoundTrips) {
   KernelChoice c =
       DecideKernels(KernelSets{}, MeasureKernels(KernelSets{}, kLatent, kInter, nullptr));
   c.seconds = 0.25;
+  c.steady = false;
+  c.unsteady = "avx2 rows at 8 tokens per expert: a burst\nover two lines";
+  c.attempts = 3;
+  c.load_average = 1.75;
+  c.read_bytes_per_second = 41.5e9;
+  c.measured_at = 1764800000;
   const std::string text = FormatKernelChoice(c, kLatent, kInter, /*pinned=*/false);
   auto back = ParseKernelChoice(text, KernelSets{}, kLatent, kInter);
   ASSERT_TRUE(back.ok()) << back.status() << "\n" << text;
@@ -136,6 +143,16 @@ TEST(KernelChoice, FileRoundTrips) {
   EXPECT_EQ(back->cpu, CpuModel());
   EXPECT_FALSE(back->pinned);
   ASSERT_EQ(back->timings.size(), c.timings.size());
+  for (size_t i = 0; i < c.timings.size(); ++i) {
+    EXPECT_GE(c.timings[i].spread, 0.0);  // measured: every probe says how steady it was
+    EXPECT_NEAR(back->timings[i].spread, c.timings[i].spread, 5e-4);
+  }
+  EXPECT_FALSE(back->steady);
+  EXPECT_EQ(back->unsteady, "avx2 rows at 8 tokens per expert: a burst over two lines");
+  EXPECT_EQ(back->attempts, 3);
+  EXPECT_DOUBLE_EQ(back->load_average, 1.75);
+  EXPECT_DOUBLE_EQ(back->read_bytes_per_second, 41.5e9);
+  EXPECT_EQ(back->measured_at, 1764800000);
   EXPECT_EQ(back->table.mxfp4_rows, c.table.mxfp4_rows);
   EXPECT_EQ(back->table.mxfp4_rows_tm, c.table.mxfp4_rows_tm);
   // Another shape or another set is another file's business.
@@ -183,6 +200,14 @@ TEST(KernelChoice, HostileFilesAreRefusedByName) {
       {WithLine(good, "cpu", "cpu = AMD EPYC 9R14 (family 25 model 17)"), "measured on AMD"},
       {WithLine(good, "version", "version = 999"), "kernel version 999"},
       {WithLine(good, "pinned", "pinned = maybe"), "pinned is true or false"},
+      {WithLine(good, "steady", "steady = maybe"), "steady is true or false"},
+      {WithLine(good, "attempts", "attempts = 0"), "attempts is 1..100"},
+      {WithLine(good, "measured_at", "measured_at = -5"), "measured_at is Unix seconds"},
+      {WithLine(good, "load_average", "load_average = nan"), "load_average is a number"},
+      {WithLine(good, "read_gbps", "read_gbps = -1"), "read_gbps is a number"},
+      {good + "timing = avx2 rows 1 5 nan\n", "timing is"},
+      {good + "timing = avx2 rows 1 5 -0.5\n", "timing is"},
+      {good + "timing = avx2 rows 1 5 0.1 extra\n", "timing is"},
   };
   for (const Case& k : cases) {
     auto parsed = ParseKernelChoice(k.text, KernelSets{}, kLatent, kInter);
@@ -198,6 +223,41 @@ TEST(KernelChoice, HostileFilesAreRefusedByName) {
   ASSERT_TRUE(pinned.ok()) << pinned.status();
   EXPECT_TRUE(pinned->pinned);
   EXPECT_EQ(pinned->cpu, "elsewhere");
+  // A pinned file of version 3 (no steadiness, timings without a spread) is still read.
+  const std::string v3 =
+      "version = 3\ncpu = elsewhere\nsets = auto\nshape = 128 96\ndecode = " +
+      std::string(IsaName(c.decode)) + "\nprefill = " + IsaName(c.prefill) +
+      "\npanel_from = never\npinned = true\nmeasured_seconds = 0.170\ntiming = " +
+      IsaName(c.decode) + " rows 1 34.05\n";
+  auto old = ParseKernelChoice(v3, KernelSets{}, kLatent, kInter);
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_TRUE(old->steady);
+  ASSERT_EQ(old->timings.size(), 1u);
+  EXPECT_EQ(old->timings[0].spread, 0.0);
+}
+
+// The steadiness rule on known timings: a probe whose repetitions spread past the bound, and a
+// count far under both neighbours (the file this rule was written for recorded avx2 rows at 8
+// tokens as 13.7 GFLOP/s against 74-78 around it, measured while the machine was loaded).
+TEST(KernelChoice, AProbeThatDisagreesWithItselfIsNamed) {
+  std::vector<KernelTiming> t = Timings(Isa::kAvx2, 75, {{2, 10}, {4, 20}, {8, 40}, {16, 70}});
+  for (KernelTiming& k : t) k.spread = 0.05;
+  EXPECT_EQ(ProbeDisagreement(t, kProbeSpreadBound), "");
+  t[3].flops_per_second = 13.7e9;  // rows at 8 tokens
+  EXPECT_EQ(ProbeDisagreement(t, kProbeSpreadBound),
+            "avx2 rows at 8 tokens per expert: 13.7 GFLOP/s, under half of both neighbours "
+            "(75.0, 75.0)");
+  t[3].flops_per_second = 40e9;  // above half: a slow count, not a burst
+  EXPECT_EQ(ProbeDisagreement(t, kProbeSpreadBound), "");
+  t[0].spread = 0.31;  // rows at 1 token
+  t[9].spread = 0.6;   // the panel at 4: the worst
+  EXPECT_EQ(ProbeDisagreement(t, kProbeSpreadBound),
+            "avx2 panel at 4 tokens per expert: repetitions spread 0.60 (bound 0.25)");
+  // The first and last counts have one neighbour: never judged by it.
+  t = Timings(Isa::kAvx2, 75, {});
+  t[0].flops_per_second = 1e9;
+  t[7].flops_per_second = 1e9;
+  EXPECT_EQ(ProbeDisagreement(t, kProbeSpreadBound), "");
 }
 
 // ChooseKernels over a file in each state: what it runs, what it leaves on disk.
@@ -283,6 +343,57 @@ TEST(KernelChoice, CacheIsReadReplacedOrKept) {
   const KernelChoice& huge = choose(big);
   EXPECT_EQ(huge.source, "measured");
   EXPECT_NE(huge.note.find("larger than 1 MiB"), std::string::npos) << huge.note;
+
+  // An unsteady choice is used by processes that start within the hour of it (every process of
+  // one start runs the same kernels), and measured again after.
+  const std::string recent = TempDir("unsteady_recent");
+  mkdir(recent.c_str(), 0755);
+  KernelChoice noisy = hand;
+  noisy.steady = false;
+  noisy.unsteady = "avx2 rows at 8 tokens per expert: under half of both neighbours";
+  noisy.measured_at = static_cast<int64_t>(std::time(nullptr)) - 60;
+  WriteAll(KernelChoicePath(recent, KernelSets{}, kLatent, kInter),
+           FormatKernelChoice(noisy, kLatent, kInter, false));
+  const KernelChoice& kept_noisy = choose(recent);
+  EXPECT_EQ(kept_noisy.source, "cache");
+  EXPECT_FALSE(kept_noisy.steady);
+  EXPECT_EQ(kept_noisy.decode, Isa::kAvx2);
+  const std::string stale = TempDir("unsteady_stale");
+  mkdir(stale.c_str(), 0755);
+  noisy.measured_at -= 2 * kUnsteadyKeepSeconds;
+  WriteAll(KernelChoicePath(stale, KernelSets{}, kLatent, kInter),
+           FormatKernelChoice(noisy, kLatent, kInter, false));
+  const KernelChoice& remeasured = choose(stale);
+  EXPECT_EQ(remeasured.source, "measured");
+  EXPECT_NE(remeasured.note.find("an unsteady measurement of"), std::string::npos)
+      << remeasured.note;
+
+  // A machine too noisy for the bound (0: every probe spreads more): measured max_attempts
+  // times, used, and written marked unsteady with its machine state.
+  {
+    const std::string dir = TempDir("never_steady");
+    KernelChoiceOptions o;
+    o.sets = KernelSets{};
+    o.latent = kLatent;
+    o.intermediate = kInter;
+    o.cache_dir = dir;
+    o.spread_bound = 0;
+    o.max_attempts = 2;
+    const KernelChoice& c = ChooseKernels(o);
+    EXPECT_EQ(c.source, "measured");
+    EXPECT_FALSE(c.steady);
+    EXPECT_EQ(c.attempts, 2);
+    EXPECT_NE(c.unsteady.find("repetitions spread"), std::string::npos) << c.unsteady;
+    EXPECT_NE(c.Summary().find("unsteady after 2 attempts"), std::string::npos) << c.Summary();
+    auto file = ParseKernelChoice(ReadAll(KernelChoicePath(dir, KernelSets{}, kLatent, kInter)),
+                                  KernelSets{}, kLatent, kInter);
+    ASSERT_TRUE(file.ok()) << file.status();
+    EXPECT_FALSE(file->steady);
+    EXPECT_EQ(file->attempts, 2);
+    EXPECT_GT(file->read_bytes_per_second, 1e8);
+    EXPECT_GE(file->load_average, 0);
+    EXPECT_NEAR(file->measured_at, std::time(nullptr), 120);
+  }
 
   // A directory that cannot be written (a read-only mount): measured, used, said.
   if (geteuid() != 0) {
