@@ -158,7 +158,8 @@ int main(int argc, char** argv) {
       }
       moe::ModelConfig zc = cfg;
       zc.hidden = cfg.latent;
-      const std::vector<moe::tensor::Bf16> z = moe::checkpoint::SyntheticHiddenStates(zc, tokens, 3);
+      const std::vector<moe::tensor::Bf16> z =
+          moe::checkpoint::SyntheticHiddenStates(zc, tokens, 3);
       const double read = cpu::MeasureReadBandwidth(&pool, int64_t{1} << 30, 3);
       auto run = [&](const moe::numerics::MoeLayerWeights& w) {
         return Times(static_cast<int>(runs), [&] {
@@ -173,9 +174,9 @@ int main(int argc, char** argv) {
       std::printf(
           "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %.1f | %.2f | %.2f | %.0f | %.0f |\n",
           name.c_str(), static_cast<long long>(tokens), read / 1e9, 1e3 * d10,
-          1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5),
-          weight_bytes / d10 / 1e9, weight_bytes / d10 / read, d10 / h10,
-          flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9);
+          1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5), weight_bytes / d10 / 1e9,
+          weight_bytes / d10 / read, d10 / h10, flops / Quantile(dram, 0.5) / 1e9,
+          flops / Quantile(hot, 0.5) / 1e9);
       std::fflush(stdout);
     }
   }

@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -421,9 +421,9 @@ std::string ProbeDisagreement(const std::vector<KernelTiming>& timings, double b
   for (const KernelTiming& t : timings) {
     if (t.spread > bound && t.spread / std::max(bound, 1e-9) > worst_by) {
       worst_by = t.spread / std::max(bound, 1e-9);
-      worst = absl::StrFormat("%s %s at %d tokens per expert: repetitions spread %.2f (bound %.2f)",
-                              IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens, t.spread,
-                              bound);
+      worst =
+          absl::StrFormat("%s %s at %d tokens per expert: repetitions spread %.2f (bound %.2f)",
+                          IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens, t.spread, bound);
     }
   }
   // A count under half of both neighbours on its own curve: the kernel does not do that, a
@@ -517,8 +517,7 @@ std::string FormatKernelChoice(const KernelChoice& c, int64_t latent, int64_t in
                   "repetitions; spread: second fastest minus second slowest, over the median)\n");
   for (const KernelTiming& t : c.timings) {
     absl::StrAppendFormat(&s, "timing = %s %s %d %.2f %.3f\n", IsaName(t.isa),
-                          t.panel ? "panel" : "rows", t.tokens, t.flops_per_second / 1e9,
-                          t.spread);
+                          t.panel ? "panel" : "rows", t.tokens, t.flops_per_second / 1e9, t.spread);
   }
   return s;
 }
@@ -564,8 +563,8 @@ absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view text, KernelSet
       continue;
     }
     static const char* const kKeys[] = {
-        "version",          "cpu",         "sets",     "shape",  "decode",
-        "prefill",          "panel_from",  "pinned",   "steady", "unsteady",
+        "version",          "cpu",         "sets",     "shape",        "decode",
+        "prefill",          "panel_from",  "pinned",   "steady",       "unsteady",
         "measured_seconds", "measured_at", "attempts", "load_average", "read_gbps"};
     if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
       return absl::InvalidArgumentError(
@@ -738,9 +737,9 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
     const int64_t now = static_cast<int64_t>(std::time(nullptr));
     if (cached.ok() && !cached->steady && !cached->pinned &&
         now - cached->measured_at > kUnsteadyKeepSeconds) {
-      cached = absl::FailedPreconditionError(absl::StrCat(
-          "an unsteady measurement of ", now - cached->measured_at, " s ago (", cached->unsteady,
-          ")"));
+      cached = absl::FailedPreconditionError(absl::StrCat("an unsteady measurement of ",
+                                                          now - cached->measured_at, " s ago (",
+                                                          cached->unsteady, ")"));
     }
     if (cached.ok()) {
       c = std::move(*cached);

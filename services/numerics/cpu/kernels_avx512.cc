@@ -375,9 +375,9 @@ constexpr int64_t kPanelTokens = 192;
 
 // Prefill. Slots are walked in blocks of 512: every row of [r0, r1) is decoded once per block
 // (to fp32, or to bf16 pairs with kPairs: 2 KB a row), then the tokens (rounded up to 16) in
-// passes of kPanelTokens, each running every panel of 8 rows over that pass's activations while they
-// stay in L2; sums accumulate per (row, token) in k order in acc_buf (token passes do not change
-// any sum's order). kPairs needs PairPanelFits (PairPanel checks).
+// passes of kPanelTokens, each running every panel of 8 rows over that pass's activations while
+// they stay in L2; sums accumulate per (row, token) in k order in acc_buf (token passes do not
+// change any sum's order). kPairs needs PairPanelFits (PairPanel checks).
 template <bool kPairs>
 void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
              const float* xt, int64_t ld_t, int64_t tokens, float* out, int64_t ld_out) {
@@ -389,8 +389,7 @@ void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   // malloc, not std::vector (see the top of the file).
   float* acc_buf =
       static_cast<float*>(std::calloc(static_cast<size_t>(rows * ld_t), sizeof(float)));
-  float* panels =
-      static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(rows * 512)));
+  float* panels = static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(rows * 512)));
   for (int64_t c0 = 0; c0 < chunks; c0 += kChunksPerBlock) {
     const int64_t c1 = c0 + kChunksPerBlock < chunks ? c0 + kChunksPerBlock : chunks;
     // kPairs: 32-column chunks [k0, k1), 16 pair slots each.
