@@ -84,23 +84,6 @@ double Median(int reps, const std::function<void()>& fn) {
   return t[t.size() / 2];
 }
 
-// vdpbf16ps peak (the BF16 table's instruction), register-resident, all threads.
-__attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a80);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  }
-  __m512 sum = acc[0];
-  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
-  float out[16];
-  _mm512_storeu_ps(out, sum);
-  volatile float sink = out[0];
-  (void)sink;
-}
-
 // TDPBF16PS peak (the AMX set's panel instruction): four independent 16 x 16 fp32 accumulators
 // over register-resident A and B tiles, all threads.
 struct AmxConfig {
@@ -151,11 +134,6 @@ double OnAllThreads(void (*loop)(int64_t), int64_t iters) {
 double AmxPeak() {
   constexpr int64_t kIters = 2000000;
   return 2.0 * 16 * 16 * 32 * 4 * kIters * kThreads / OnAllThreads(AmxLoop, kIters);
-}
-
-double Bf16DotPeak() {
-  constexpr int64_t kIters = 20000000;
-  return 2.0 * 32 * 12 * kIters * kThreads / OnAllThreads(DotLoop, kIters);
 }
 
 // `experts` K3-shape experts with random MXFP4 bytes (scales near 2^-5, like trained weights).
@@ -553,7 +531,7 @@ int main(int argc, char** argv) {
           F("1 thread %.1f", lim.fma[static_cast<int>(isa)][0] / 1e9));
     }
     if (__builtin_cpu_supports("avx512bf16")) {
-      lim.bf16 = Bf16DotPeak();
+      lim.bf16 = moe::numerics::cpu::MeasureBf16DotPeak(&all, 0.2);
       Add("limit: bf16 dot peak (vdpbf16ps)", F("%.1f GFLOP/s", lim.bf16 / 1e9));
     }
     if (moe::numerics::cpu::DetectIsa() == Isa::kAvx512Amx) {

@@ -140,13 +140,25 @@ int main(int argc, char** argv) {
   std::printf("decode_bench: %d threads, %lld experts of %.1f MB (K3 shape), %lld runs per row\n",
               threads, static_cast<long long>(experts), cfg.ExpertBytes() / 1e6,
               static_cast<long long>(runs));
+  // The peaks prefill counts are judged by, measured here: the fp32 FMA peak of each set and the
+  // vdpbf16ps peak (the BF16 rows and pair panel multiply on it).
+  const double bf16_peak = cpu::MeasureBf16DotPeak(&pool, 0.2);
+  std::printf("limits: bf16 dot peak (vdpbf16ps) %.1f GFLOP/s", bf16_peak / 1e9);
+  std::vector<double> fma_peaks;
+  for (const auto& [name, table] : sets) {
+    fma_peaks.push_back(cpu::MeasureFmaPeak(*table, &pool, 0.2));
+    std::printf(", fp32 FMA %s %.1f", name.c_str(), fma_peaks.back() / 1e9);
+  }
+  std::printf(" GFLOP/s (%d threads)\n", threads);
   const Experts set = MakeExperts(cfg, experts);
   const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
   std::printf(
       "| set | tokens/expert | read GB/s | DRAM p10 ms | p50 ms | cache-resident p10 ms | p50 ms "
       "| DRAM p10 GB/s | of read | DRAM / cache-resident (p10) | GFLOP/s DRAM p50 | cache-resident "
-      "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (const auto& [name, table] : sets) {
+      "| of the peak (p50) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (size_t si = 0; si < sets.size(); ++si) {
+    const std::string& name = sets[si].first;
+    const KernelTable* table = sets[si].second;
     for (int64_t tokens : token_counts) {
       moe::numerics::Routing r;
       r.tokens = tokens;
@@ -175,13 +187,23 @@ int main(int argc, char** argv) {
       // Bytes per second and their fraction of the read judge decode counts only (from 16
       // tokens per expert the arithmetic bounds a call): "-" there.
       const bool decode = tokens <= 8;
+      // From 16 tokens, the fraction of the peak of the instruction that multiplies in the kernel
+      // that ran (the AMX panel's unit is not probed here: "-").
+      const bool panel = table->mxfp4_rows_tm != nullptr && tokens >= table->panel_from;
+      const bool dot = panel ? table->tm_layout == cpu::MxLayout::kBf16PairsTm
+                             : table->mx_layout == cpu::MxLayout::kBf16Pairs;
+      const bool amx = panel && table->mxfp4_rows_tm == cpu::AmxKernels().mxfp4_rows_tm;
+      const double peak = dot ? bf16_peak : fma_peaks[si];
+      const std::string of_peak = decode || amx || peak <= 0
+                                      ? "-"
+                                      : absl::StrFormat("%.2f", flops / Quantile(dram, 0.5) / peak);
       std::printf(
-          "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %s | %s | %.2f | %.0f | %.0f |\n",
+          "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %s | %s | %.2f | %.0f | %.0f | %s |\n",
           name.c_str(), static_cast<long long>(tokens), read / 1e9, 1e3 * d10,
           1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5),
           decode ? absl::StrFormat("%.1f", weight_bytes / d10 / 1e9).c_str() : "-",
           decode ? absl::StrFormat("%.2f", weight_bytes / d10 / read).c_str() : "-", d10 / h10,
-          flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9);
+          flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9, of_peak.c_str());
       std::fflush(stdout);
     }
   }

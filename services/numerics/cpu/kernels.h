@@ -86,6 +86,10 @@ struct KernelTable {
   // Tokens per expert from which expert_ffn runs mxfp4_rows_tm (where the table has one): the
   // per-ISA tables say kPrefillTokens, a measured choice (kernel_choice.h) its own crossover.
   int64_t panel_from = kPrefillTokens;
+  // The vdpbf16ps peak probe (the instruction the BF16 rows and pair panel multiply with), as
+  // fma_probe: `iters` iterations of independent register-resident chains, returns the flops.
+  // Null in sets without AVX512-BF16.
+  double (*dot_probe)(int64_t iters) = nullptr;
 };
 
 const KernelTable& KernelsFor(Isa isa);

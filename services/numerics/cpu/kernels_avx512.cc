@@ -704,6 +704,24 @@ double FmaProbe(int64_t iters) {
   return 2.0 * 16 * 12 * static_cast<double>(iters);
 }
 
+// 12 independent vdpbf16ps chains (32 multiply-adds each).
+double DotProbe(int64_t iters) {
+  __m512 acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a80);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12  // the accumulators must live in registers
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 sum = acc[0];
+#pragma GCC unroll 12
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return 2.0 * 32 * 12 * static_cast<double>(iters);
+}
+
 // ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
 
 // The MXFP8 block exponent e of amax (finite, >= 0): the smallest e with amax <= 448 x 2^e,
@@ -766,7 +784,7 @@ const KernelTable& Avx512Bf16Kernels() {
   static const KernelTable table = {
       Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs,   128, Gemm,     Mxfp4RowsBf16,
       SituT<true>,      PairPanel,    MxLayout::kBf16PairsTm, 32,  FmaProbe, RoundTripMxfp8,
-      SituT<false>};
+      SituT<false>,     kPrefillTokens, DotProbe};
   return table;
 }
 

@@ -59,12 +59,15 @@ double MeasureReadBandwidth(ThreadPool* pool, int64_t bytes, int passes) {
   return *std::max_element(rates.begin(), rates.end());
 }
 
-double MeasureFmaPeak(const KernelTable& k, ThreadPool* pool, double seconds) {
+namespace {
+
+// The best of 3 passes of `probe` on every thread, each item calibrated to about seconds / 8.
+double MeasurePeak(double (*probe)(int64_t), ThreadPool* pool, double seconds) {
   // Calibrate the iterations of one item to about seconds / 8 on one thread.
   int64_t iters = 1 << 14;
   for (;;) {
     const auto start = Clock::now();
-    k.fma_probe(iters);
+    probe(iters);
     const double s = Since(start);
     if (s >= seconds / 64 || iters >= (int64_t{1} << 34)) {
       iters = std::max<int64_t>(1, static_cast<int64_t>(iters * (seconds / 8) / std::max(s, 1e-9)));
@@ -77,12 +80,23 @@ double MeasureFmaPeak(const KernelTable& k, ThreadPool* pool, double seconds) {
   std::vector<double> flops(static_cast<size_t>(items));
   for (int pass = 0; pass < 3; ++pass) {
     const auto start = Clock::now();
-    pool->ParallelFor(items, [&](int64_t i) { flops[i] = k.fma_probe(iters); });
+    pool->ParallelFor(items, [&](int64_t i) { flops[i] = probe(iters); });
     double total = 0;
     for (double f : flops) total += f;
     rates.push_back(total / Since(start));
   }
   return *std::max_element(rates.begin(), rates.end());
+}
+
+}  // namespace
+
+double MeasureFmaPeak(const KernelTable& k, ThreadPool* pool, double seconds) {
+  return MeasurePeak(k.fma_probe, pool, seconds);
+}
+
+double MeasureBf16DotPeak(ThreadPool* pool, double seconds) {
+  if (CapIsa(Isa::kAvx512Bf16) != Isa::kAvx512Bf16) return 0;
+  return MeasurePeak(KernelsFor(Isa::kAvx512Bf16).dot_probe, pool, seconds);
 }
 
 MachineLimits MeasureMachineLimits(const KernelTable& k, ThreadPool* pool,

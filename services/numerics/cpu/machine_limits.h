@@ -40,6 +40,9 @@ MachineLimits MeasureMachineLimits(const KernelTable& k, ThreadPool* pool,
 // The parts alone (the benchmark reports them separately).
 double MeasureReadBandwidth(ThreadPool* pool, int64_t bytes, int passes);
 double MeasureFmaPeak(const KernelTable& k, ThreadPool* pool, double seconds);
+// The vdpbf16ps peak (KernelTable::dot_probe of the AVX512-BF16 set) on all of pool's threads;
+// 0 where the CPU has no AVX512-BF16.
+double MeasureBf16DotPeak(ThreadPool* pool, double seconds);
 
 }  // namespace moe::numerics::cpu
 

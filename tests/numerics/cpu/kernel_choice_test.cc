@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "services/numerics/cpu/machine_limits.h"
 
 namespace moe::numerics::cpu {
 namespace {
@@ -434,6 +435,22 @@ TEST(KernelChoice, ConcurrentProcessesAgreeOnOneFile) {
   EXPECT_EQ(measured, 1);
   EXPECT_EQ(cached, 3);
   std::printf("4 processes: %s\n", choice.c_str());
+}
+
+// The vdpbf16ps probe counts its own flops (12 chains x 32 multiply-adds per iteration) and
+// is measured only where the CPU has the instruction.
+TEST(MachineLimits, Bf16DotPeakIsMeasuredWhereTheCpuHasIt) {
+  ThreadPool pool(1);
+  if (!CpuHas(Isa::kAvx512Bf16)) {
+    EXPECT_EQ(MeasureBf16DotPeak(&pool, 0.02), 0);
+    GTEST_SKIP() << "no AVX512-BF16 on this CPU: the probe is not run";
+  }
+  ASSERT_NE(KernelsFor(Isa::kAvx512Bf16).dot_probe, nullptr);
+  EXPECT_EQ(KernelsFor(Isa::kAvx512Bf16).dot_probe(1000), 2.0 * 32 * 12 * 1000);
+  EXPECT_EQ(KernelsFor(Isa::kAvx512).dot_probe, nullptr);
+  const double peak = MeasureBf16DotPeak(&pool, 0.02);
+  EXPECT_GT(peak, 1e9);
+  EXPECT_LT(peak, 1e14);
 }
 
 TEST(KernelChoice, SetsParse) {
