@@ -781,10 +781,21 @@ const KernelTable& Avx512Kernels() {
 }
 
 const KernelTable& Avx512Bf16Kernels() {
-  static const KernelTable table = {
-      Isa::kAvx512Bf16, "avx512bf16", MxLayout::kBf16Pairs,   128, Gemm,     Mxfp4RowsBf16,
-      SituT<true>,      PairPanel,    MxLayout::kBf16PairsTm, 32,  FmaProbe, RoundTripMxfp8,
-      SituT<false>,     kPrefillTokens, DotProbe};
+  static const KernelTable table = {Isa::kAvx512Bf16,
+                                    "avx512bf16",
+                                    MxLayout::kBf16Pairs,
+                                    128,
+                                    Gemm,
+                                    Mxfp4RowsBf16,
+                                    SituT<true>,
+                                    PairPanel,
+                                    MxLayout::kBf16PairsTm,
+                                    32,
+                                    FmaProbe,
+                                    RoundTripMxfp8,
+                                    SituT<false>,
+                                    kPrefillTokens,
+                                    DotProbe};
   return table;
 }
 
