@@ -686,40 +686,27 @@ void SituT(const float* g, const float* u, int64_t n, float beta, float linear_b
   }
 }
 
-// 12 independent chains: 2 FMA ports x 4-6 cycles of latency.
-double FmaProbe(int64_t iters) {
+// 12 independent register-resident chains (2 ports x 4-6 cycles of latency) of vfmadd (16
+// multiply-adds each) or, kDot, of vdpbf16ps (32 each); returns the flops done.
+template <bool kDot>
+double ChainProbe(int64_t iters) {
   __m512 acc[12];
 #pragma GCC unroll 12
   for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
   const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+  const __m512bh ha = (__m512bh)_mm512_set1_epi16(0x3f80), hb = (__m512bh)_mm512_set1_epi16(0x3a80);
   for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 12  // the accumulators must live in registers
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    for (int i = 0; i < 12; ++i) {
+      acc[i] = kDot ? _mm512_dpbf16_ps(acc[i], ha, hb) : _mm512_fmadd_ps(acc[i], a, b);
+    }
   }
   __m512 sum = acc[0];
 #pragma GCC unroll 12
   for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
   volatile float sink = _mm512_reduce_add_ps(sum);
   (void)sink;
-  return 2.0 * 16 * 12 * static_cast<double>(iters);
-}
-
-// 12 independent vdpbf16ps chains (32 multiply-adds each).
-double DotProbe(int64_t iters) {
-  __m512 acc[12];
-#pragma GCC unroll 12
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a80);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 12  // the accumulators must live in registers
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  }
-  __m512 sum = acc[0];
-#pragma GCC unroll 12
-  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
-  volatile float sink = _mm512_reduce_add_ps(sum);
-  (void)sink;
-  return 2.0 * 32 * 12 * static_cast<double>(iters);
+  return 2.0 * (kDot ? 32 : 16) * 12 * static_cast<double>(iters);
 }
 
 // ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
@@ -773,10 +760,19 @@ void RoundTripMxfp8(float* v, int64_t n) {
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table = {
-      Isa::kAvx512, "avx512",       MxLayout::kFloat, 128, Gemm,     Mxfp4Rows,
-      SituT<true>,  MxPanel<false>, MxLayout::kFloat, 128, FmaProbe, RoundTripMxfp8,
-      SituT<false>};
+  static const KernelTable table = {Isa::kAvx512,
+                                    "avx512",
+                                    MxLayout::kFloat,
+                                    128,
+                                    Gemm,
+                                    Mxfp4Rows,
+                                    SituT<true>,
+                                    MxPanel<false>,
+                                    MxLayout::kFloat,
+                                    128,
+                                    ChainProbe<false>,
+                                    RoundTripMxfp8,
+                                    SituT<false>};
   return table;
 }
 
@@ -791,11 +787,11 @@ const KernelTable& Avx512Bf16Kernels() {
                                     PairPanel,
                                     MxLayout::kBf16PairsTm,
                                     32,
-                                    FmaProbe,
+                                    ChainProbe<false>,
                                     RoundTripMxfp8,
                                     SituT<false>,
                                     kPrefillTokens,
-                                    DotProbe};
+                                    ChainProbe<true>};
   return table;
 }
 
