@@ -26,7 +26,7 @@ import numpy as np
 _TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(_TESTS, "common"))
 sys.path.insert(0, os.path.join(_TESTS, "reference"))
-from cluster_helpers import synth_checkpoint, wait_for  # noqa: E402
+from cluster_helpers import stop, synth_checkpoint, wait_for  # noqa: E402
 from moe_reference import read_safetensors  # noqa: E402
 
 LAYER = 1  # the first MoE layer of the mid preset
@@ -591,14 +591,6 @@ def start_cluster(moe_cli, ckpt, cluster_dir, extra=()):
         up.kill()
         raise
     return up, json.load(open(cj))
-
-
-def stop(up):
-    up.terminate()
-    try:
-        up.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        up.kill()
 
 
 def test_python_client_tls(client_dir, moe_cli, ckpt, ref, work):

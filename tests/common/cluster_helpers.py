@@ -19,6 +19,16 @@ def wait_for(what, fn, seconds):
     raise AssertionError(f"timed out after {seconds} s waiting for {what} (last error: {last})")
 
 
+def stop(proc, seconds=30):
+    """Stops a process (a `moe-cli up` cluster stops its children on SIGTERM): SIGTERM, then
+    SIGKILL if it has not exited within `seconds`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def synth_checkpoint(moe_tool, work, preset, seed):
     """A skewed synthetic checkpoint of the preset under work/ckpt-<preset> (made once)."""
     os.makedirs(work, exist_ok=True)

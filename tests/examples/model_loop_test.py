@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, os.path.join(_HERE, "..", "reference"))
 import model_loop  # noqa: E402
 from moe_client.torch_module import from_bf16_bits, to_bf16_bits  # noqa: E402
-from cluster_helpers import wait_for  # noqa: E402
+from cluster_helpers import stop, wait_for  # noqa: E402
 from moe_reference import Checkpoint, layer_forward, read_safetensors  # noqa: E402
 
 LAYERS = [1, 2]  # every MoE layer of the tiny preset (3 layers, the first dense)
@@ -151,11 +151,7 @@ def main():
         for b in remote:
             b.close()
     finally:
-        up.terminate()
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        stop(up)
     print(f"model loop: tiny, {len(LAYERS)} MoE layers, B = {BATCH}, {STEPS} steps: tokens and "
           "logits bit-exact with the in-process layer and the NumPy reference")
     print(text)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(_TESTS, "common"))
 sys.path.insert(0, os.path.join(_TESTS, "reference"))
 sys.path.insert(0, os.path.join(_TESTS, "..", "clients", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_helpers import synth_checkpoint, wait_for  # noqa: E402
+from cluster_helpers import stop, synth_checkpoint, wait_for  # noqa: E402
 from hostile_lib import (C, LAYER, LIMIT, Canary, Ctx, batch, bf16, dispatch_error,  # noqa: E402
                          dispatch_stream, expect, forward, forward_request, h2_connect, h2_frame,
                          h2_headers, http, placement, raw_exchange, rss, stats, stop_under_load,
@@ -1029,11 +1029,7 @@ def main():
         if canary.failed:
             failures.append(f"the canary had {canary.failed} failed answers")
     finally:
-        up.terminate()
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        stop(up)
     if failures:
         print("FAILED:", *failures, sep="\n  ")
         return 1
