@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -415,19 +417,30 @@ KernelChoice DecideKernels(KernelSets sets, std::vector<KernelTiming> timings) {
   return c;
 }
 
-std::string ProbeDisagreement(const std::vector<KernelTiming>& timings, double bound) {
-  std::string worst;
-  double worst_by = 0;  // how far past its bound the worst disagreement is
+namespace {
+
+// A measurement's steadiness: the worst disagreement in words ("" when none passes its bound)
+// and how unsteady it is overall (the largest spread of any probe; infinite with an outlier
+// count), by which the steadiest of several attempts is kept.
+struct Disagreement {
+  std::string why;
+  double badness = 0;
+};
+
+Disagreement Judge(const std::vector<KernelTiming>& timings, double bound) {
+  Disagreement d;
+  double worst_by = 0;  // how far past its bound the worst spread is
   for (const KernelTiming& t : timings) {
+    d.badness = std::max(d.badness, t.spread);
     if (t.spread > bound && t.spread / std::max(bound, 1e-9) > worst_by) {
       worst_by = t.spread / std::max(bound, 1e-9);
-      worst =
+      d.why =
           absl::StrFormat("%s %s at %d tokens per expert: repetitions spread %.2f (bound %.2f)",
                           IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens, t.spread, bound);
     }
   }
   // A count under half of both neighbours on its own curve: the kernel does not do that, a
-  // neighbour's burst over the whole probe does.
+  // neighbour's burst over the whole probe does. The first such count outranks every spread.
   for (const KernelTiming& t : timings) {
     const KernelTiming* left = nullptr;
     const KernelTiming* right = nullptr;
@@ -438,16 +451,22 @@ std::string ProbeDisagreement(const std::vector<KernelTiming>& timings, double b
     }
     if (left == nullptr || right == nullptr) continue;
     const double low = std::min(left->flops_per_second, right->flops_per_second);
-    if (t.flops_per_second < 0.5 * low && worst_by < 1e9) {
-      worst_by = 1e9;  // outranks every spread
-      worst = absl::StrFormat(
+    if (t.flops_per_second < 0.5 * low && !std::isinf(d.badness)) {
+      d.badness = std::numeric_limits<double>::infinity();
+      d.why = absl::StrFormat(
           "%s %s at %d tokens per expert: %.1f GFLOP/s, under half of both neighbours (%.1f, "
           "%.1f)",
           IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens, t.flops_per_second / 1e9,
           left->flops_per_second / 1e9, right->flops_per_second / 1e9);
     }
   }
-  return worst;
+  return d;
+}
+
+}  // namespace
+
+std::string ProbeDisagreement(const std::vector<KernelTiming>& timings, double bound) {
+  return Judge(timings, bound).why;
 }
 
 std::string KernelChoice::Summary() const {
@@ -679,27 +698,25 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
       pool = own.get();
     }
     std::vector<KernelTiming> best;
-    std::string best_why;
-    double best_worst = 0;
-    int attempts = 0;
-    for (int a = 0; a < std::max(1, o.max_attempts); ++a) {
-      ++attempts;
+    Disagreement best_judged;
+    int attempts = 1;
+    for (;; ++attempts) {
       std::vector<KernelTiming> t = MeasureKernels(sets, o.latent, o.intermediate, pool);
-      const std::string why = ProbeDisagreement(t, o.spread_bound);
-      double worst = 0;
-      for (const KernelTiming& k : t) worst = std::max(worst, k.spread);
-      if (!why.empty()) worst += 1e3 * (why.find("neighbours") != std::string::npos);
-      if (a == 0 || worst < best_worst) {
-        best = std::move(t);
-        best_why = why;
-        best_worst = worst;
+      Disagreement judged = Judge(t, o.spread_bound);
+      if (!judged.why.empty()) {
+        MOE_LOG_WARN("CPU kernel probe {} of {} unsteady: {}", attempts, o.max_attempts,
+                     judged.why);
       }
-      if (why.empty()) break;
-      MOE_LOG_WARN("CPU kernel probe {} of {} unsteady: {}", attempts, o.max_attempts, why);
+      const bool steady = judged.why.empty();
+      if (attempts == 1 || judged.badness < best_judged.badness) {
+        best = std::move(t);
+        best_judged = std::move(judged);
+      }
+      if (steady || attempts >= o.max_attempts) break;
     }
     KernelChoice c = DecideKernels(sets, std::move(best));
-    c.steady = best_why.empty();
-    c.unsteady = best_why;
+    c.steady = best_judged.why.empty();
+    c.unsteady = best_judged.why;
     c.attempts = attempts;
     c.load_average = LoadAverage();
     // 128 MiB (4x the last-level cache of these machines), the better of 2 passes: ~0.05 s.

@@ -25,7 +25,7 @@
 //   KernelChoiceOptions o;
 //   o.latent = cfg.latent;
 //   o.intermediate = cfg.intermediate;
-//   const KernelChoice& c = ChooseKernels(o);  // about 0.3 s the first time on a machine
+//   const KernelChoice& c = ChooseKernels(o);  // 0.6-1.8 s the first time (K3, 2 cores)
 //   RunExperts(c.table, &pool, cfg, w, routing, z);
 #ifndef MOE_SERVICES_NUMERICS_CPU_KERNEL_CHOICE_H_
 #define MOE_SERVICES_NUMERICS_CPU_KERNEL_CHOICE_H_
