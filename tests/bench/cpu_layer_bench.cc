@@ -49,6 +49,7 @@
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/moe_layer.h"
+#include "tests/bench/random_experts.h"
 
 #ifdef MOE_HAVE_OPENBLAS
 #include <cblas.h>
@@ -134,39 +135,6 @@ double OnAllThreads(void (*loop)(int64_t), int64_t iters) {
 double AmxPeak() {
   constexpr int64_t kIters = 2000000;
   return 2.0 * 16 * 16 * 32 * 4 * kIters * kThreads / OnAllThreads(AmxLoop, kIters);
-}
-
-// `experts` K3-shape experts with random MXFP4 bytes (scales near 2^-5, like trained weights).
-struct ExpertSet {
-  std::vector<std::vector<uint8_t>> bytes;
-  numerics::MoeLayerWeights w;
-};
-
-ExpertSet RandomExperts(const ModelConfig& cfg, int64_t experts) {
-  ExpertSet s;
-  s.w.expert_lo = 0;
-  s.w.expert_hi = experts;
-  s.w.experts.resize(experts);
-  s.bytes.reserve(static_cast<size_t>(experts * 6));  // keeps references to elements valid
-  const int64_t d = cfg.latent, in = cfg.intermediate;
-  for (int64_t e = 0; e < experts; ++e) {
-    numerics::Mxfp4Matrix* mats[] = {&s.w.experts[e].w1, &s.w.experts[e].w3, &s.w.experts[e].w2};
-    for (int m = 0; m < 3; ++m) {
-      const int64_t rows = m == 2 ? d : in, cols = m == 2 ? in : d;
-      s.bytes.emplace_back(static_cast<size_t>(rows * cols / 2));
-      std::vector<uint8_t>& packed = s.bytes.back();
-      Rng rng(MixSeed(9, {static_cast<uint64_t>(e), static_cast<uint64_t>(m)}));
-      for (size_t i = 0; i + 8 <= packed.size(); i += 8) {
-        const uint64_t r = rng.Next();
-        std::memcpy(packed.data() + i, &r, 8);
-      }
-      s.bytes.emplace_back(static_cast<size_t>(rows * cols / 32));
-      std::vector<uint8_t>& scales = s.bytes.back();
-      for (uint8_t& v : scales) v = static_cast<uint8_t>(120 + rng.Next() % 4);
-      *mats[m] = {rows, cols, packed.data(), scales.data()};
-    }
-  }
-  return s;
 }
 
 struct Row {

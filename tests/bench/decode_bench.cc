@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -29,10 +28,10 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/common/flags.h"
 #include "services/common/model_config.h"
-#include "services/common/random.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/machine_limits.h"
+#include "tests/bench/random_experts.h"
 
 namespace moe::bench {
 namespace {
@@ -41,41 +40,6 @@ using numerics::cpu::Isa;
 using numerics::cpu::KernelTable;
 using numerics::cpu::ThreadPool;
 using Clock = std::chrono::steady_clock;
-
-struct Experts {
-  std::vector<std::vector<uint8_t>> bytes;
-  numerics::MoeLayerWeights dram;  // `experts` distinct experts
-  numerics::MoeLayerWeights hot;   // as many, all expert 0's weights
-};
-
-// Random MXFP4 bytes, block scales near 2^-5 (as trained weights have).
-Experts MakeExperts(const ModelConfig& cfg, int64_t experts) {
-  Experts s;
-  s.dram.expert_lo = s.hot.expert_lo = 0;
-  s.dram.expert_hi = s.hot.expert_hi = experts;
-  s.dram.experts.resize(static_cast<size_t>(experts));
-  s.bytes.reserve(static_cast<size_t>(experts * 6));
-  const int64_t d = cfg.latent, in = cfg.intermediate;
-  for (int64_t e = 0; e < experts; ++e) {
-    numerics::Mxfp4Matrix* mats[] = {&s.dram.experts[e].w1, &s.dram.experts[e].w3,
-                                     &s.dram.experts[e].w2};
-    for (int m = 0; m < 3; ++m) {
-      const int64_t rows = m == 2 ? d : in, cols = m == 2 ? in : d;
-      Rng rng(MixSeed(11, {static_cast<uint64_t>(e), static_cast<uint64_t>(m)}));
-      s.bytes.emplace_back(static_cast<size_t>(rows * cols / 2));
-      std::vector<uint8_t>& packed = s.bytes.back();
-      for (size_t i = 0; i + 8 <= packed.size(); i += 8) {
-        const uint64_t r = rng.Next();
-        std::memcpy(packed.data() + i, &r, 8);
-      }
-      s.bytes.emplace_back(static_cast<size_t>(rows * cols / 32));
-      for (uint8_t& v : s.bytes.back()) v = static_cast<uint8_t>(120 + rng.Next() % 4);
-      *mats[m] = {rows, cols, packed.data(), s.bytes.back().data()};
-    }
-  }
-  s.hot.experts.assign(static_cast<size_t>(experts), s.dram.experts[0]);
-  return s;
-}
 
 // Sorted wall times of `runs` calls (after one warm-up).
 std::vector<double> Times(int runs, const std::function<void()>& fn) {
@@ -150,7 +114,10 @@ int main(int argc, char** argv) {
     std::printf(", fp32 FMA %s %.1f", name.c_str(), fma_peaks.back() / 1e9);
   }
   std::printf(" GFLOP/s (%d threads)\n", threads);
-  const Experts set = MakeExperts(cfg, experts);
+  const ExpertSet set = RandomExperts(cfg, experts);
+  // As many experts, every one pointing at expert 0's weights (17.3 MB: L3-resident here).
+  moe::numerics::MoeLayerWeights cache_resident = set.w;
+  cache_resident.experts.assign(cache_resident.experts.size(), set.w.experts[0]);
   const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
   std::printf(
       "| set | tokens/expert | read GB/s | DRAM p10 ms | p50 ms | cache-resident p10 ms | p50 ms "
@@ -181,7 +148,7 @@ int main(int argc, char** argv) {
           (void)sink;
         });
       };
-      const std::vector<double> dram = run(set.dram), hot = run(set.hot);
+      const std::vector<double> dram = run(set.w), hot = run(cache_resident);
       const double d10 = Quantile(dram, 0.1), h10 = Quantile(hot, 0.1);
       const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * tokens * experts;
       // Bytes per second and their fraction of the read judge decode counts only (from 16
