@@ -370,7 +370,7 @@ void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, in
 // Tokens per pass over a block of panels: 512 slots x 192 tokens of activations (384 KB) plus
 // the block's decoded panels (2 KB a row) and its accumulators stay in a 1 MB L2. Walking all
 // tokens per panel instead let the activations of a block (2 MB at 1,024 tokens) fall out of
-// L2 for every panel of 8 rows (docs/kernels.md, "Prefill at every token count").
+// L2 for every panel of 8 rows (services/numerics/cpu/README.md, "Token passes").
 constexpr int64_t kPanelTokens = 192;
 
 // Prefill. Slots are walked in blocks of 512: every row of [r0, r1) is decoded once per block
@@ -698,7 +698,11 @@ double ChainProbe(int64_t iters) {
   for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 12  // the accumulators must live in registers
     for (int i = 0; i < 12; ++i) {
-      acc[i] = kDot ? _mm512_dpbf16_ps(acc[i], ha, hb) : _mm512_fmadd_ps(acc[i], a, b);
+      if constexpr (kDot) {
+        acc[i] = _mm512_dpbf16_ps(acc[i], ha, hb);
+      } else {
+        acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+      }
     }
   }
   __m512 sum = acc[0];
