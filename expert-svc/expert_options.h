@@ -42,8 +42,8 @@ struct ExpertServerOptions {
   // (default host:port).
   std::string router;
   std::string advertise;
-  // This shard's member token for router-svc (the expert role's:
-  // transport::MemberRoleToken); the file wins.
+  // This shard's member token for router-svc (its own, naming it:
+  // transport::ExpertMemberToken of the cluster secret and `shard`); the file wins.
   std::string cluster_token;
   std::string cluster_token_file;
   // Dispatch, OpenDataPlane and the UCX address are the attention nodes': the caller's token

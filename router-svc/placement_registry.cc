@@ -36,6 +36,17 @@ absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
   if (shard.size() > 253 || endpoint.size() > 1024 || ranges.size() > 1024) {
     return absl::InvalidArgumentError("registration: shard name, endpoint or ranges too long");
   }
+  if (auto live = shards_.find(shard); live != shards_.end() && live->second.healthy &&
+                                       now - live->second.last_seen <= lease_lifetime_) {
+    const auto ms = [](Clock::duration d) {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+    };
+    return absl::AlreadyExistsError(absl::StrCat(
+        "shard ", shard, " is registered at ", live->second.endpoint,
+        " under a live lease (last heartbeat ", ms(now - live->second.last_seen),
+        " ms ago): no other registration takes its name until its heartbeats stop for ",
+        ms(lease_lifetime_), " ms"));
+  }
   Shard& s = shards_[shard];
   s.endpoint = endpoint;
   s.ranges = ranges;

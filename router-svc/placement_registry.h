@@ -54,12 +54,18 @@ struct ShardLoad {
 
 class PlacementRegistry {
  public:
-  explicit PlacementRegistry(int64_t num_experts, int64_t max_shards = 4096)
-      : num_experts_(num_experts), max_shards_(max_shards) {}
+  // lease_lifetime: how long a lease lives after its last heartbeat (the router's missed
+  // heartbeats times their interval); while it lives, no other registration takes its name.
+  explicit PlacementRegistry(int64_t num_experts, int64_t max_shards = 4096,
+                             Clock::duration lease_lifetime = std::chrono::milliseconds(1500))
+      : num_experts_(num_experts), max_shards_(max_shards), lease_lifetime_(lease_lifetime) {}
 
-  // A new or re-registering shard (a re-registration replaces its ranges and lease). Returns
-  // the lease id; INVALID_ARGUMENT for a missing name or endpoint or an invalid range,
-  // RESOURCE_EXHAUSTED for a new shard past max_shards.
+  // A new shard, or one whose lease has died (no heartbeat for lease_lifetime, or expired):
+  // a re-registration replaces its ranges and lease (a restarted pod). Returns the lease id;
+  // INVALID_ARGUMENT for a missing name or endpoint or an invalid range, RESOURCE_EXHAUSTED for
+  // a new shard past max_shards, ALREADY_EXISTS while the name's lease lives (a second process
+  // under a live shard's name never displaces it; the same shard restarted registers once its
+  // old lease has died, within lease_lifetime).
   absl::StatusOr<uint64_t> Register(const std::string& shard, const std::string& endpoint,
                                     const std::vector<LayerRange>& ranges, Clock::time_point now,
                                     const std::string& data_plane = "grpc");
@@ -108,6 +114,7 @@ class PlacementRegistry {
   };
   const int64_t num_experts_;
   const int64_t max_shards_;
+  const Clock::duration lease_lifetime_;
   std::map<std::string, Shard> shards_;
   // Leases are random 64-bit numbers (never 0, never one in use): a lease cannot be guessed,
   // and one from before a restart does not name another shard's registration after it.

@@ -20,6 +20,14 @@ namespace {
 
 constexpr size_t kMaxEndpointBytes = 256;
 
+int64_t UnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
 // A shard's name: transport::IsMemberName (what a StatefulSet pod name may be).
 absl::Status CheckShardName(const std::string& name) {
   if (transport::IsMemberName(name)) return absl::OkStatus();
@@ -29,14 +37,6 @@ absl::Status CheckShardName(const std::string& name) {
   }
   return absl::InvalidArgumentError("a shard name has letters, digits, '-', '.' and '_' only");
 }
-
-int64_t UnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerOptions& o) {
   auto core = std::unique_ptr<RouterCore>(new RouterCore(o));
@@ -48,7 +48,9 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerO
   const BiasMode mode = options_.bias_mode;
   MOE_ASSIGN_OR_RETURN(auto biases, CheckpointBiases(options_.checkpoint, options_.layers, &cfg_));
   std::lock_guard<std::mutex> lock(core->mu_);
-  core->registry_ = std::make_unique<PlacementRegistry>(cfg_.num_experts, options_.max_shards);
+  core->registry_ = std::make_unique<PlacementRegistry>(
+      cfg_.num_experts, options_.max_shards,
+      std::chrono::milliseconds(kMissedHeartbeats * options_.heartbeat_interval_ms));
   if (!options_.ranges_file.empty()) {
     std::ifstream f(options_.ranges_file);
     if (!f) {

@@ -37,6 +37,13 @@ class RouterMetrics;
 
 namespace moe::router_svc {
 
+// A shard whose heartbeats stop for this many intervals is unhealthy, and its lease dead: its
+// name is free for another registration from then on.
+inline constexpr int kMissedHeartbeats = 3;
+
+// INVALID_ARGUMENT unless name is a member name (transport::IsMemberName), saying what is wrong.
+absl::Status CheckShardName(const std::string& name);
+
 struct LayerState {
   BiasLedger ledger;
   LoadWindow window;

@@ -33,8 +33,6 @@ namespace moe::router_svc {
 
 namespace {
 
-// A shard whose heartbeats stop for this many intervals is unhealthy.
-constexpr int kMissedHeartbeats = 3;
 // How often the health of the shards is checked.
 constexpr std::chrono::milliseconds kHealthCheckInterval(100);
 // Watches never end by themselves: at shutdown they get at most this long, then are cancelled.
@@ -58,8 +56,9 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* RegisterExpertServer(grpc::CallbackServerContext* ctx,
                                                  const v1::RegisterExpertServerRequest* req,
                                                  v1::RegisterExpertServerResponse* resp) override {
-    absl::Status s = CheckMember(ctx, "RegisterExpertServer", "expert");
-    // With mutual TLS a shard registers only under the name its certificate carries.
+    // Its own name only: the token names the shard (transport::ExpertMemberToken), and with
+    // mutual TLS so does the certificate.
+    absl::Status s = CheckExpert(ctx, "RegisterExpertServer", req->shard());
     if (s.ok()) {
       s = transport::CheckPeerMember(
           *ctx, "expert", req->shard(),
@@ -70,11 +69,14 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse*) override {
+    // ... and heartbeats only its own lease: the token (and certificate) of the lease's owner.
+    // A lease nobody holds is NOT_FOUND for any caller with a token (64 random bits: nothing to
+    // learn), so that a shard whose lease the router lost registers again.
     absl::Status s = CheckMember(ctx, "Heartbeat", "expert");
-    // ... and heartbeats only its own lease (the owner looked up only where certificates bind).
-    if (s.ok() && transport::ProcessBindsMemberIdentity()) {
-      const std::string owner = core_->LeaseOwner(req->lease_id());
-      if (!owner.empty()) {
+    const std::string owner = s.ok() ? core_->LeaseOwner(req->lease_id()) : "";
+    if (!owner.empty()) {
+      s = CheckExpert(ctx, "Heartbeat", owner);
+      if (s.ok()) {
         s = transport::CheckPeerMember(*ctx, "expert", owner, "Heartbeat of shard " + owner);
       }
     }
@@ -184,9 +186,14 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   }
 
   absl::Status CheckAdmin(grpc::CallbackServerContext* ctx, const char* what) const;
-  // The role's member token (transport::MemberRoleToken of the cluster secret).
+  // A member token at all (role "expert": any token; the name is checked by CheckExpert), or
+  // the role's (role "attention": transport::MemberRoleToken of the cluster secret).
   absl::Status CheckMember(grpc::CallbackServerContext* ctx, const char* what,
                            const char* role) const;
+  // The expert member token of this shard name (transport::ExpertMemberToken) and, with mutual
+  // TLS, a certificate naming it.
+  absl::Status CheckExpert(grpc::CallbackServerContext* ctx, const char* what,
+                           const std::string& shard) const;
   // etcd: campaigns until this router leads, then restores and serves; exits if it loses the
   // lease (a router that may be stale must not serve).
   void CampaignLoop();
@@ -198,7 +205,12 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
   void HealthLoop();
 
   RouterServerOptions options_;
-  std::map<std::string, std::string> role_tokens_;  // role -> its member token (Load)
+  std::string attention_token_;  // the attention tier's member token (Load)
+  // The experts that presented their own token, by its SHA-256: a token of one used under
+  // another's name is told apart from a stranger's (PERMISSION_DENIED, not UNAUTHENTICATED).
+  static constexpr size_t kMaxKnownExpertTokens = 65536;
+  mutable std::mutex token_mu_;
+  mutable std::map<std::string, std::string> expert_token_owner_ ABSL_GUARDED_BY(token_mu_);
   std::unique_ptr<RouterCore> core_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
@@ -230,9 +242,8 @@ absl::Status RouterServer::Impl::Load() {
   if (!options_.cluster_token_file.empty()) {
     MOE_ASSIGN_OR_RETURN(options_.cluster_token, ReadSecretFile(options_.cluster_token_file));
   }
-  if (!options_.cluster_token.empty()) {  // the members' tokens, derived once
-    role_tokens_ = {{"expert", transport::MemberRoleToken(options_.cluster_token, "expert")},
-                    {"attention", transport::MemberRoleToken(options_.cluster_token, "attention")}};
+  if (!options_.cluster_token.empty()) {
+    attention_token_ = transport::MemberRoleToken(options_.cluster_token, "attention");
   }
   if (options_.cluster_token.empty()) {
     MOE_LOG_WARN(
@@ -384,11 +395,44 @@ absl::Status RouterServer::Impl::CheckMember(grpc::CallbackServerContext* ctx, c
                      " needs the cluster token, and router-svc was started without one "
                      "(--cluster_token_file): membership is closed"));
   }
-  if (transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata, role_tokens_.at(role))) {
+  const bool expert = std::string_view(role) == "expert";
+  if (expert ? ctx->client_metadata().count(transport::kClusterTokenMetadata) > 0
+             : transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata,
+                                            attention_token_)) {
     return absl::OkStatus();
   }
   return absl::UnauthenticatedError(absl::StrCat(what, " needs the cluster token of an ", role,
                                                  " member in the x-moe-cluster-token metadata"));
+}
+
+absl::Status RouterServer::Impl::CheckExpert(grpc::CallbackServerContext* ctx, const char* what,
+                                             const std::string& shard) const {
+  MOE_RETURN_IF_ERROR(CheckMember(ctx, what, "expert"));
+  MOE_RETURN_IF_ERROR(CheckShardName(shard));
+  const std::string own = transport::ExpertMemberToken(options_.cluster_token, shard);
+  if (transport::HasSecretMetadata(*ctx, transport::kClusterTokenMetadata, own)) {
+    std::lock_guard<std::mutex> lock(token_mu_);
+    if (expert_token_owner_.size() < kMaxKnownExpertTokens) {
+      expert_token_owner_.emplace(transport::MemberTokenDigest(own), shard);
+    }
+    return absl::OkStatus();
+  }
+  const std::string name = shard.substr(0, transport::kMaxMemberNameBytes);
+  // Another expert's token (one that registered before: looked up by its digest) is a member
+  // acting as someone else; any other token is no member's.
+  const auto md = ctx->client_metadata().find(transport::kClusterTokenMetadata);
+  const std::string digest =
+      transport::MemberTokenDigest(std::string(md->second.data(), md->second.size()));
+  std::lock_guard<std::mutex> lock(token_mu_);
+  if (auto it = expert_token_owner_.find(digest); it != expert_token_owner_.end()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, " of shard ", name, " with the member token of shard ", it->second,
+                     ": a member acts only as itself (each expert's token names it)"));
+  }
+  return absl::UnauthenticatedError(
+      absl::StrCat(what, " of shard ", name,
+                   " needs the cluster token of an expert member, that shard's own (each "
+                   "expert's token names it), in the x-moe-cluster-token metadata"));
 }
 
 absl::Status RouterServer::Impl::CheckAdmin(grpc::CallbackServerContext* ctx,

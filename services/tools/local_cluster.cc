@@ -188,13 +188,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/admin_token", o.admin_token));
     c->router_.args.push_back("--admin_token_file=" + o.work_dir + "/admin_token");
   }
-  // The cluster secret goes to router-svc only; each member gets its role's token
+  // The cluster secret goes to router-svc only; each shard gets its own token
+  // (transport::ExpertMemberToken: shard-<i>.token), the attention node its tier's
   // (transport::MemberRoleToken), shards the attention token's digest to check Dispatch with.
   MOE_ASSIGN_OR_RETURN(const std::string cluster_token, RandomSecret());
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/cluster_token", cluster_token));
   const std::string attention_token = transport::MemberRoleToken(cluster_token, "attention");
-  MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/expert_token",
-                                       transport::MemberRoleToken(cluster_token, "expert")));
+  for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
+    const std::string shard = absl::StrCat("shard-", i);
+    MOE_RETURN_IF_ERROR(WritePrivateFile(absl::StrCat(o.work_dir, "/", shard, ".token"),
+                                         transport::ExpertMemberToken(cluster_token, shard)));
+  }
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/attention_token", attention_token));
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/attention_token.sha256",
                                        transport::MemberTokenDigest(attention_token)));
@@ -242,7 +246,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
               absl::StrCat("--expert_hi=", o.shard_ranges[i].second),
               "--shard=" + s.name,
               router,
-              "--cluster_token_file=" + o.work_dir + "/expert_token",
+              absl::StrCat("--cluster_token_file=", o.work_dir, "/", s.name, ".token"),
               "--attention_token_sha256_file=" + o.work_dir + "/attention_token.sha256",
               threads};
     if (!layers.empty()) s.args.push_back(layers);

@@ -308,6 +308,10 @@ std::string MemberRoleToken(const std::string& cluster_secret, const std::string
   return Sha256Hex(cluster_secret + ":" + role);
 }
 
+std::string ExpertMemberToken(const std::string& cluster_secret, const std::string& shard) {
+  return Sha256Hex(cluster_secret + ":expert:" + shard);
+}
+
 std::string MemberTokenDigest(const std::string& token) { return Sha256Hex(token); }
 
 bool ProcessBindsMemberIdentity() {

@@ -61,13 +61,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 absl::Status ConfigureProcessTls(const TlsOptions& tls, bool server);
 bool ProcessTlsEnabled();
 
-// Tokens per member role, for clusters without mutual TLS. router-svc holds the cluster secret;
-// each role's token is hex(SHA-256(secret ":" role)) ("expert", "attention"): an expert holds
-// the expert token only (it registers and heartbeats), an attention node the attention token
-// (it reports and dispatches), and expert-svc checks Dispatch against the attention token's
-// SHA-256 (MemberTokenDigest), so that no expert can act as an attention node, nor the other
-// way round. (Names are not bound without certificates: docs/security.md.)
+// Member tokens, for clusters without mutual TLS. router-svc holds the cluster secret; no member
+// does. An expert's token names it: hex(SHA-256(secret ":expert:" shard)) (ExpertMemberToken), so
+// that it registers and heartbeats under its own shard name only (another expert's token, or
+// the token of a name the deployment never gave, is refused). The attention tier's token is its
+// role's, hex(SHA-256(secret ":attention")) (MemberRoleToken): attention nodes are replicas of
+// one Deployment with no name one holds and another lacks; it lets them report statistics and
+// dispatch. expert-svc checks Dispatch against the attention token's SHA-256
+// (MemberTokenDigest), so that no expert holds a token that acts as an attention node, nor the
+// other way round. With mutual TLS the certificates bind every name instead (docs/security.md).
 std::string MemberRoleToken(const std::string& cluster_secret, const std::string& role);
+std::string ExpertMemberToken(const std::string& cluster_secret, const std::string& shard);
 // hex(SHA-256(token)).
 std::string MemberTokenDigest(const std::string& token);
 

@@ -73,7 +73,7 @@ TEST(RouterLink, RegistersWatchesReportsAndStopsPromptly) {
   auto router = StartRouter(port);
   ASSERT_NE(router, nullptr);
   const std::string endpoint = "127.0.0.1:" + std::to_string(port);
-  RouterLink expert(endpoint, {}, transport::MemberRoleToken(kMember, "expert")),
+  RouterLink expert(endpoint, {}, transport::ExpertMemberToken(kMember, "shard-x")),
       attention(endpoint, {}, transport::MemberRoleToken(kMember, "attention"));
   std::mutex mu;
   bool placed = false;
@@ -118,7 +118,7 @@ TEST(RouterLink, RegistersAgainAfterARouterRestart) {
   auto router = StartRouter(port);
   ASSERT_NE(router, nullptr);
   RouterLink expert("127.0.0.1:" + std::to_string(port), {},
-                    transport::MemberRoleToken(kMember, "expert"));
+                    transport::ExpertMemberToken(kMember, "shard-x"));
   expert.KeepRegistered(Registration(), nullptr);
   ASSERT_TRUE(Eventually([&] { return expert.lease() > 0; }, std::chrono::milliseconds(5000)));
   router->Shutdown();

@@ -72,19 +72,29 @@ render -set router.persistence.enabled=false -out "$WORK/router-emptydir.yaml"
 node validate.mjs --manifests "$WORK/router-emptydir.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --expect-router-emptydir
 
-echo "== member tokens per role: derived as the binaries derive them, each pod only its own"
-# The default render's Secret: the role tokens are hex SHA-256 of "<secret>:<role>"
-# (transport::MemberRoleToken, pinned to known values in TlsOptions.MemberRoleTokens).
+echo "== member tokens: derived as the binaries derive them, each expert pod its own name's"
+# The default render's Secret: an expert pod's token is hex SHA-256 of "<secret>:expert:<pod>",
+# the attention tier's of "<secret>:attention" (transport::ExpertMemberToken and MemberRoleToken,
+# pinned to known values in TlsOptions.MemberTokens).
 secret_key() {  # secret_key KEY: the decoded value of the cluster Secret's key
   awk -v k="  $1:" '$0 ~ "^"k {print $2}' "$WORK/default.yaml" | tr -d '"' | base64 -d
 }
 s=$(secret_key cluster-token)
 test "${#s}" -eq 32
-test "$(secret_key expert-token)" = "$(printf '%s:expert' "$s" | sha256sum | cut -d' ' -f1)"
+experts=$(awk '/kind: StatefulSet/{f=1} f && /name: .*-expert$/{e=1} e && /replicas:/{print $2; exit}' "$WORK/default.yaml")
+test "$experts" -ge 2
+pods=$(grep -o '^  expert-token-[a-z0-9-]*' "$WORK/default.yaml" | sed 's/^  expert-token-//')
+test "$(echo "$pods" | wc -l)" -eq "$experts"
+for pod in $pods; do
+  test "$(secret_key "expert-token-$pod")" = "$(printf '%s:expert:%s' "$s" "$pod" | sha256sum | cut -d' ' -f1)"
+done
+if grep -q '^  expert-token:' "$WORK/default.yaml"; then echo "FAIL: a token shared by every expert"; exit 1; fi
 test "$(secret_key attention-token)" = "$(printf '%s:attention' "$s" | sha256sum | cut -d' ' -f1)"
 test "$(secret_key attention-token-sha256)" = "$(secret_key attention-token | tr -d '\n' | sha256sum | cut -d' ' -f1)"
-# Items: the router reads the secret, experts their token and the digest, attention its token.
-test "$(grep -c -- '- key: expert-token' "$WORK/default.yaml")" -eq 1
+# Items: the router reads the secret, experts the experts' tokens (each pod reads its own by
+# name) and the digest, attention its token.
+test "$(grep -c -- '- key: expert-token-' "$WORK/default.yaml")" -eq "$experts"
+grep -q -- '- --cluster_token_file=/var/run/moe/cluster/expert-token-$(POD_NAME)' "$WORK/default.yaml"
 test "$(grep -c -- '- key: attention-token$' "$WORK/default.yaml")" -eq 1
 test "$(grep -c -- '- key: cluster-token' "$WORK/default.yaml")" -eq 1
 grep -q -- '- --attention_token_sha256_file=/var/run/moe/cluster/attention-token-sha256' "$WORK/default.yaml"

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "gtest/gtest.h"
 #include "moe/v1/router.grpc.pb.h"
@@ -44,14 +45,24 @@ class Router {
         transport::MakeChannel("127.0.0.1:" + std::to_string(server_->port())));
   }
   v1::RouterService::Stub* operator->() { return stub_.get(); }
-  // As an expert member (its role's token: transport::MemberRoleToken of the cluster secret).
+  // As the expert member shard-a (its own token: transport::ExpertMemberToken of the cluster
+  // secret and its name), with an admin token when one is given.
   std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = "",
-                                           const char* role = "expert") {
+                                           const char* role = "expert",
+                                           const std::string& shard = "shard-a") {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     if (!token.empty()) c->AddMetadata("x-moe-admin-token", token);
-    if (member_) c->AddMetadata("x-moe-cluster-token", transport::MemberRoleToken(kMember, role));
+    if (member_) {
+      c->AddMetadata("x-moe-cluster-token", std::string_view(role) == "expert"
+                                                ? transport::ExpertMemberToken(kMember, shard)
+                                                : transport::MemberRoleToken(kMember, role));
+    }
     return c;
+  }
+  // As the expert member of another name.
+  std::unique_ptr<grpc::ClientContext> As(const std::string& shard) {
+    return Ctx("", "expert", shard);
   }
   // As an attention member (it reports statistics).
   std::unique_ptr<grpc::ClientContext> Attention() { return Ctx("", "attention"); }

@@ -71,9 +71,18 @@ TEST(RouterServer, PlacementHealthFromHeartbeatsAndTheWatchStream) {
   ASSERT_TRUE(watch->Read(&p));
   EXPECT_TRUE(p.shards(0).healthy());
 
-  // Registering again under the same name replaces the entry (a restarted pod).
+  // While its lease lives, no other registration takes its name, even with its own token (a
+  // second process under a live shard's name); once its heartbeats stop for 3 intervals, a
+  // registration under the name replaces the entry (a restarted pod).
   reg.set_endpoint("127.0.0.1:2");
   v1::RegisterExpertServerResponse lease2;
+  grpc::Status taken = r->RegisterExpertServer(r.Ctx().get(), reg, &lease2);
+  EXPECT_EQ(taken.error_code(), grpc::StatusCode::ALREADY_EXISTS) << taken.error_message();
+  EXPECT_NE(taken.error_message().find("shard shard-a is registered at 127.0.0.1:1 under a live "
+                                       "lease"),
+            std::string::npos)
+      << taken.error_message();
+  std::this_thread::sleep_for(std::chrono::milliseconds(350));
   ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease2).ok());
   EXPECT_NE(lease2.lease_id(), lease.lease_id());
   EXPECT_EQ(r->Heartbeat(r.Ctx().get(), hb, &hr).error_code(), grpc::StatusCode::NOT_FOUND);
@@ -318,7 +327,7 @@ void RegisterBigShards(Router& r, int n) {
     range->set_expert_lo(0);
     range->set_expert_hi(16);
     v1::RegisterExpertServerResponse lease;
-    ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok()) << i;
+    ASSERT_TRUE(r->RegisterExpertServer(r.As(reg.shard()).get(), reg, &lease).ok()) << i;
   }
 }
 
@@ -437,8 +446,13 @@ TEST(RouterServer, OnlyMembersRegisterHeartbeatAndReport) {
   v1::LoadStats stats;
   ASSERT_TRUE(r->GetLoadStats(r.Ctx().get(), lr, &stats).ok());
   EXPECT_EQ(stats.total_tokens(), 0);
-  // The member registers; its lease is a random 64-bit number, not 1, 2, 3 ...
-  ASSERT_TRUE(r->RegisterExpertServer(r.Ctx().get(), reg, &lease).ok());
+  // A member's token names it: shard-a's token does not register "rogue" (no member has
+  // presented that token yet: a stranger's, UNAUTHENTICATED) ...
+  s = r->RegisterExpertServer(r.Ctx().get(), reg, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_message().find("that shard's own"), std::string::npos) << s.error_message();
+  // The member registers under its own name; its lease is a random 64-bit number, not 1, 2 ...
+  ASSERT_TRUE(r->RegisterExpertServer(r.As("rogue").get(), reg, &lease).ok());
   EXPECT_GT(lease.lease_id(), uint64_t{1} << 32);
   v1::HeartbeatRequest hb;
   hb.set_lease_id(lease.lease_id());
@@ -446,14 +460,32 @@ TEST(RouterServer, OnlyMembersRegisterHeartbeatAndReport) {
   auto bare3 = std::make_unique<grpc::ClientContext>();
   bare3->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   EXPECT_EQ(r->Heartbeat(bare3.get(), hb, &hr).error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_TRUE(r->Heartbeat(r.Ctx().get(), hb, &hr).ok());
+  EXPECT_TRUE(r->Heartbeat(r.As("rogue").get(), hb, &hr).ok());
+  // ... and once it has, its token under another name is a member acting as someone else:
+  // PERMISSION_DENIED naming whose token it is, for registrations and for another's lease.
+  v1::RegisterExpertServerRequest other = reg;
+  other.set_shard("victim");
+  s = r->RegisterExpertServer(r.As("rogue").get(), other, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("with the member token of shard rogue"), std::string::npos)
+      << s.error_message();
+  v1::RegisterExpertServerResponse victim;
+  ASSERT_TRUE(r->RegisterExpertServer(r.As("victim").get(), other, &victim).ok());
+  v1::HeartbeatRequest vhb;
+  vhb.set_lease_id(victim.lease_id());
+  EXPECT_EQ(r->Heartbeat(r.As("rogue").get(), vhb, &hr).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // A lease nobody holds: NOT_FOUND for any member (it registers again).
+  vhb.set_lease_id(victim.lease_id() ^ 1);
+  EXPECT_EQ(r->Heartbeat(r.As("rogue").get(), vhb, &hr).error_code(),
+            grpc::StatusCode::NOT_FOUND);
   // Each role's token for its own calls only: an attention node cannot register or heartbeat,
   // an expert cannot report, and the cluster secret itself is no member's token.
   EXPECT_EQ(r->RegisterExpertServer(r.Attention().get(), reg, &lease).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(r->Heartbeat(r.Attention().get(), hb, &hr).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_EQ(r->ReportStats(r.Ctx().get(), forged, &ack).error_code(),
+  EXPECT_EQ(r->ReportStats(r.As("rogue").get(), forged, &ack).error_code(),
             grpc::StatusCode::UNAUTHENTICATED);
   auto secret = std::make_unique<grpc::ClientContext>();
   secret->AddMetadata("x-moe-cluster-token", kMember);
@@ -555,7 +587,7 @@ TEST(RouterServer, RegistrationsAreBoundedByTheDeploymentAndExpire) {
       x->set_expert_hi(hi);
     }
     v1::RegisterExpertServerResponse resp;
-    return r->RegisterExpertServer(r.Ctx().get(), req, &resp);
+    return r->RegisterExpertServer(r.As(shard).get(), req, &resp);
   };
   struct Case {
     std::string shard;

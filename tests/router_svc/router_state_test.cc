@@ -47,7 +47,8 @@ TEST(PlacementRegistry, HoldsAtMostMaxShards) {
   ASSERT_TRUE(reg.Register("shard-1", "h:2", {{1, 8, 16}}, t0).ok());
   auto third = reg.Register("shard-2", "h:3", {{1, 0, 16}}, t0);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
-  EXPECT_TRUE(reg.Register("shard-1", "h:4", {{1, 8, 16}}, t0).ok());  // re-registering is fine
+  // Re-registering a name whose lease has died is fine (it does not count twice).
+  EXPECT_TRUE(reg.Register("shard-1", "h:4", {{1, 8, 16}}, t0 + milliseconds(1501)).ok());
   EXPECT_EQ(reg.shards(), 2);
   EXPECT_EQ(reg.Register(std::string(300, 'x'), "h:5", {{1, 0, 16}}, t0).status().code(),
             absl::StatusCode::kResourceExhausted);  // the bound comes first
@@ -76,10 +77,18 @@ TEST(PlacementRegistry, LeasesHeartbeatsAndHealth) {
   EXPECT_EQ(snap.shards[1].name, "shard-1");
   EXPECT_FALSE(snap.shards[1].healthy);
   EXPECT_EQ(snap.shards[1].last_seen_ms, 2000);
-  // A heartbeat brings it back (a new version); a re-registration replaces the lease.
+  // A heartbeat brings it back (a new version). While its lease lives (1.5 s after its last
+  // heartbeat, the default lifetime) no registration takes its name: ALREADY_EXISTS, up to the
+  // last millisecond; after that one replaces the lease (a restarted shard).
   EXPECT_EQ(*reg.Heartbeat(*b, t0 + milliseconds(2000)), true);
   EXPECT_EQ(reg.version(), 5u);
-  auto b2 = reg.Register("shard-1", "h:3", {{1, 8, 16}}, t0 + milliseconds(2100));
+  for (int ms : {2000, 2100, 3500}) {
+    auto taken = reg.Register("shard-1", "h:3", {{1, 8, 16}}, t0 + milliseconds(ms));
+    EXPECT_EQ(taken.status().code(), absl::StatusCode::kAlreadyExists) << ms;
+  }
+  EXPECT_EQ(reg.version(), 5u);
+  EXPECT_EQ(reg.Snapshot(t0).shards[1].endpoint, "h:2");
+  auto b2 = reg.Register("shard-1", "h:3", {{1, 8, 16}}, t0 + milliseconds(3501));
   ASSERT_TRUE(b2.ok());
   EXPECT_EQ(reg.Heartbeat(*b, t0).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(reg.Snapshot(t0).shards[1].endpoint, "h:3");

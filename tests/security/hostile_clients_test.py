@@ -598,9 +598,41 @@ def _(ctx):
 @case("member: a new name claiming every expert (the zero-answer rogue)")
 def _(ctx):
     # The finding: "a-evil" over [0, 128) with heartbeats made 101 of 101 canary answers wrong.
+    # Even with a token minted for that name, the deployment's table gives it nothing.
     before = placement(ctx)
     msg = expect(C.PERMISSION_DENIED, "shard a-evil may serve no experts", lambda: register(
-        ctx, name="a-evil", metadata=ctx.expert_member()))
+        ctx, name="a-evil", metadata=ctx.expert_member("a-evil")))
+    assert placement(ctx) == before, "the placement changed"
+    return msg
+
+
+@case("member: shard-1's token registering shard-0 with shard-0's range (the displacing rogue)")
+def _(ctx):
+    # The finding: with one token per role, a rogue re-registering shard-0 alternated with the
+    # real one in the placement (24 of 28 canary answers wrong). Each expert's token names it.
+    before = placement(ctx)
+    msgs = [expect(C.PERMISSION_DENIED, "with the member token of shard shard-1", lambda: register(
+        ctx, name="shard-0", metadata=ctx.expert_member("shard-1"),
+        ranges=[(LAYER, 0, ctx.cluster["shard0_hi"])])) for _ in range(8)]
+    assert placement(ctx) == before, "the placement changed"
+    return msgs[0]
+
+
+@case("member: shard-0's own token from a second process while shard-0 lives")
+def _(ctx):
+    before = placement(ctx)
+    msgs = [expect(C.ALREADY_EXISTS, "under a live lease", lambda: register(
+        ctx, name="shard-0", metadata=ctx.expert_member("shard-0"),
+        ranges=[(LAYER, 0, ctx.cluster["shard0_hi"])])) for _ in range(8)]
+    assert placement(ctx) == before, "the placement changed"
+    return msgs[0]
+
+
+@case("member: an expert's token under a name outside the table")
+def _(ctx):
+    before = placement(ctx)
+    msg = expect(C.PERMISSION_DENIED, "with the member token of shard shard-0", lambda: register(
+        ctx, name="a-evil", metadata=ctx.expert_member("shard-0")))
     assert placement(ctx) == before, "the placement changed"
     return msg
 
@@ -970,7 +1002,10 @@ def main():
         # Members' tokens: an attention node's and an expert's (the router holds the secret).
         token = open(os.path.join(cluster_dir, "attention_token")).read().strip()
         ctx = Ctx(cluster, pb, token, ref)
-        ctx.expert_token = open(os.path.join(cluster_dir, "expert_token")).read().strip()
+        # The secret, to derive any expert's token (the deployment gives each shard its own).
+        ctx.cluster_secret = open(os.path.join(cluster_dir, "cluster_token")).read().strip()
+        assert open(os.path.join(cluster_dir, "shard-0.token")).read().strip() == \
+            ctx.expert_member("shard-0")[0][1], "shard-0.token is not the documented derivation"
         info = ctx.unary(ctx.shard0, "/moe.v1.ExpertService/GetInfo",
                          pb.expert.GetExpertInfoRequest(), pb.expert.ExpertServerInfo)
         ctx.latent = info.latent

@@ -1,5 +1,6 @@
 """Helpers of the hostile-client catalogue (hostile_clients_test.py): the cluster under attack,
 messages built from the repository's protos, raw sockets and HTTP, the canary."""
+import hashlib
 import os
 import socket
 import struct
@@ -41,9 +42,11 @@ class Ctx:
         """An attention node's member token (Dispatch, OpenDataPlane, ReportStats)."""
         return [("x-moe-cluster-token", self.token)]
 
-    def expert_member(self):
-        """An expert's member token (RegisterExpertServer, Heartbeat)."""
-        return [("x-moe-cluster-token", self.expert_token)]
+    def expert_member(self, shard="shard-0"):
+        """The member token of an expert named shard (RegisterExpertServer, Heartbeat): hex
+        SHA-256 of "<secret>:expert:<shard>", what the deployment gives that shard alone."""
+        token = hashlib.sha256(f"{self.cluster_secret}:expert:{shard}".encode()).hexdigest()
+        return [("x-moe-cluster-token", token)]
 
 
 def expect(code, substring, fn):

@@ -243,11 +243,14 @@ TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
   EXPECT_TRUE(SameBits(after->out, f.want));
 }
 
-// The member role tokens are hex SHA-256 of "<secret>:<role>" (values from coreutils'
-// sha256sum; the chart derives them the same way with sprig's sha256sum: tests/deploy).
-TEST(TlsOptions, MemberRoleTokens) {
-  EXPECT_EQ(transport::MemberRoleToken("s3cret", "expert"),
-            "d16c15751b202b4fd5cfb69b4cd49b1e4586ddfe53e40b5de3c730692bdd5ad6");
+// The member tokens are hex SHA-256 of "<secret>:expert:<shard>" for an expert and
+// "<secret>:attention" for the attention tier (values from coreutils' sha256sum; the chart
+// derives them the same way with sprig's sha256sum: tests/deploy).
+TEST(TlsOptions, MemberTokens) {
+  EXPECT_EQ(transport::ExpertMemberToken("s3cret", "shard-0"),
+            "8afeec0324ccde44f89a9700a720f6b82b23ca54aefb2760abca5a8633effe50");
+  EXPECT_EQ(transport::ExpertMemberToken("s3cret", "shard-1"),
+            "633f2dbfcf8537e251c5dd33970d7e64e87ae0f1534e16971e2e540356b5999b");
   const std::string attention = transport::MemberRoleToken("s3cret", "attention");
   EXPECT_EQ(attention, "f9067681e55b50b014e3fa02e84390d0150afd641595af1821930e4799325721");
   EXPECT_EQ(transport::MemberTokenDigest(attention),
@@ -303,10 +306,11 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
   f.pki = MakeTestPki(MakeTempDir("tls_identity"));
   ASSERT_FALSE(f.pki.empty());
   ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "{name}")));
-  // Every call below carries its role's member token: only the certificate is wrong.
-  std::ifstream tf(f.cluster->work_dir() + "/expert_token");
-  std::string token;
-  tf >> token;
+  // Every call below carries the member token of the shard it names: only the certificate is
+  // wrong.
+  std::ifstream tf(f.cluster->work_dir() + "/cluster_token");
+  std::string secret;
+  tf >> secret;
   const std::string attention_token = moe::testing::AttentionToken(*f.cluster);
   auto call_as = [&](const std::string& cert) {
     auto creds = transport::MakeChannelCredentials(MemberTls(f.pki, cert));
@@ -330,7 +334,7 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
     // machine is a transient failure: wait for the channel within the deadline instead of
     // failing the call UNAVAILABLE, so what is asserted is the server's answer.
     ctx.set_wait_for_ready(true);
-    ctx.AddMetadata(transport::kClusterTokenMetadata, token);
+    ctx.AddMetadata(transport::kClusterTokenMetadata, transport::ExpertMemberToken(secret, shard));
     v1::RegisterExpertServerResponse resp;
     return router->RegisterExpertServer(&ctx, r, &resp);
   };
@@ -359,6 +363,13 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
     const grpc::Status s = reg(c.cert, c.shard, c.lo, c.hi);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
     EXPECT_THAT(s.error_message(), ::testing::HasSubstr(c.message));
+  }
+  // shard-0's own certificate and token from a second process while shard-0 lives: its lease
+  // is never displaced (the same shard restarted registers once the old lease has died).
+  for (int i = 0; i < 4; ++i) {
+    const grpc::Status s = reg("shard-0", "shard-0", 0, 7);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("under a live lease"));
   }
   // (The shards' own registrations, each under its certificate's name, made the placement the
   // Forward below uses.)

@@ -80,7 +80,7 @@ its role's token and the attention token's SHA-256, an attention node its role's
 {{- if eq .role "router" }}
 - --cluster_token_file=/var/run/moe/cluster/{{ $ctx.Values.membership.secretKey }}
 {{- else if eq .role "expert" }}
-- --cluster_token_file=/var/run/moe/cluster/expert-token
+- --cluster_token_file=/var/run/moe/cluster/expert-token-$(POD_NAME)
 - --attention_token_sha256_file=/var/run/moe/cluster/attention-token-sha256
 {{- else }}
 - --cluster_token_file=/var/run/moe/cluster/attention-token
@@ -100,8 +100,15 @@ its role's token and the attention token's SHA-256, an attention node its role's
       - key: {{ $ctx.Values.membership.secretKey }}
         path: {{ $ctx.Values.membership.secretKey }}
       {{- else if eq .role "expert" }}
-      - key: expert-token
-        path: expert-token
+      {{- /* Every expert pod's token: a StatefulSet's pods share one template, so a pod reads
+      its own by name (--cluster_token_file=...-$(POD_NAME)); per-pod isolation of the
+      credential itself needs per-pod certificates (tls.perPodIssuer). */}}
+      {{- $ranges := include "moe.ranges" $ctx | fromJson }}
+      {{- range $i := until (int (mul (len $ranges.ranges) (int $ctx.Values.experts.replicasPerRange))) }}
+      {{- $key := printf "expert-token-%s-expert-%d" (include "moe.fullname" $ctx) $i }}
+      - key: {{ $key }}
+        path: {{ $key }}
+      {{- end }}
       - key: attention-token-sha256
         path: attention-token-sha256
       {{- else }}
