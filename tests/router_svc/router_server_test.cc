@@ -477,8 +477,7 @@ TEST(RouterServer, OnlyMembersRegisterHeartbeatAndReport) {
             grpc::StatusCode::PERMISSION_DENIED);
   // A lease nobody holds: NOT_FOUND for any member (it registers again).
   vhb.set_lease_id(victim.lease_id() ^ 1);
-  EXPECT_EQ(r->Heartbeat(r.As("rogue").get(), vhb, &hr).error_code(),
-            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(r->Heartbeat(r.As("rogue").get(), vhb, &hr).error_code(), grpc::StatusCode::NOT_FOUND);
   // Each role's token for its own calls only: an attention node cannot register or heartbeat,
   // an expert cannot report, and the cluster secret itself is no member's token.
   EXPECT_EQ(r->RegisterExpertServer(r.Attention().get(), reg, &lease).error_code(),
