@@ -255,7 +255,10 @@ unset multiplot
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--attention", required=True, help="attention-svc host:port")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help="a local cluster's cluster.json (moe-cli up): its "
+                       "attention node and, with mutual TLS, its client certificate")
+    where.add_argument("--attention", help="attention-svc host:port (plaintext)")
     ap.add_argument("--batch", type=int, default=4, help="sequences decoded together")
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=16, help="decode steps (the first: prefill)")
@@ -270,16 +273,19 @@ def main():
     torch.set_num_threads(args.threads)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "..", "clients", "python"))
-    from moe_client import Client
-    with Client(args.attention) as c:
+    from moe_client import Client, cluster_args
+    where = cluster_args(args.cluster) if args.cluster else {"attention": args.attention}
+    where = {k: where[k] for k in ("attention", "credentials") if where.get(k) is not None}
+    with Client(**where) as c:
         info = c.model_info()
-    decoder = Decoder(info.hidden, remote_blocks(args.attention, list(info.layers)),
+    attention = where.pop("attention")
+    decoder = Decoder(info.hidden, remote_blocks(attention, list(info.layers), **where),
                       seed=args.seed)
     if args.bench:
         batches = [int(b) for b in args.bench.split(",")]
         rows = bench(decoder, batches, args.prompt, args.steps, args.seed, args.project_layers)
         print(table(rows, args.project_layers))
-        with Client(args.attention) as c:
+        with Client(attention, **where) as c:
             floor = unary_floor(c)
         print(f"one empty unary gRPC call from this client (median of 200): {floor * 1e3:.2f} ms")
         if args.json:

@@ -27,6 +27,7 @@
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/placement/placement.h"
+#include "services/transport/local_pki.h"
 
 #ifndef MOE_BIN_DIR
 #define MOE_BIN_DIR ""
@@ -154,6 +155,20 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     for (const placement::Range& r : placement::EvenSplit(cfg.num_experts, o.num_shards)) {
       o.shard_ranges.emplace_back(r.lo, r.hi);
     }
+  }
+  if (o.local_pki && !o.tls.enabled()) {
+    const std::string pki = o.work_dir + "/pki";
+    std::vector<transport::PkiMember> members = {
+        {"router-svc", "router"}, {"attention-svc", "attention"}, {"client", "client"}};
+    for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
+      members.push_back({absl::StrCat("shard-", i), "expert"});
+    }
+    MOE_RETURN_IF_ERROR(transport::MakeLocalPki(pki, members, o.tls.trust_domain));
+    o.tls.ca_file = pki + "/ca.pem";
+    o.tls.cert_file = pki + "/{name}.pem";
+    o.tls.key_file = pki + "/{name}.key";
+    o.tls.require_client_cert = true;
+    o.tls.member_identity = true;
   }
   // One host: the CPUs are shared by the shards and the attention node, so each gets its share
   // instead of every one sizing its pool to the whole machine (2 shards and an attention node on
@@ -433,6 +448,10 @@ std::string LocalCluster::DescribeJson() const {
   j["attention_pid"] = attention_.pid;
   j["admin_token"] = options_.admin_token;
   j["work_dir"] = options_.work_dir;
+  if (options_.tls.enabled()) {
+    const transport::TlsOptions t = ForProcess(options_.tls, "client");
+    j["tls"] = {{"ca_file", t.ca_file}, {"cert_file", t.cert_file}, {"key_file", t.key_file}};
+  }
   j["shards"] = nlohmann::json::array();
   for (const Child& s : shards_) {
     j["shards"].push_back({{"name", s.name},
@@ -444,5 +463,32 @@ std::string LocalCluster::DescribeJson() const {
 }
 
 LocalCluster::~LocalCluster() { Stop(); }
+
+absl::StatusOr<client::ClientOptions> ClusterClientOptions(const std::string& cluster_json) {
+  std::ifstream f(cluster_json);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", cluster_json));
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  const auto text = [&j](const nlohmann::json& o, const char* key) {
+    return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>()
+                                                                  : std::string();
+  };
+  client::ClientOptions co;
+  co.attention = text(j, "attention");
+  co.router = text(j, "router");
+  co.admin_token = text(j, "admin_token");
+  if (co.attention.empty() || co.router.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cluster_json, " is not a cluster.json (no attention and router endpoints)"));
+  }
+  if (j.contains("tls")) {
+    co.tls.ca_file = text(j["tls"], "ca_file");
+    co.tls.cert_file = text(j["tls"], "cert_file");
+    co.tls.key_file = text(j["tls"], "key_file");
+    if (!co.tls.enabled()) {
+      return absl::InvalidArgumentError(absl::StrCat(cluster_json, ": \"tls\" without a ca_file"));
+    }
+  }
+  return co;
+}
 
 }  // namespace moe::tools

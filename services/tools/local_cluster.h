@@ -51,8 +51,18 @@ struct LocalClusterOptions {
   // name (router-svc, attention-svc, shard-<i>; "client" for this process), so that with
   // mutual TLS each member presents its own identity (spiffe://<domain>/<role>/<name>).
   transport::TlsOptions tls;
+  // Without tls: make a fresh CA and one certificate per process in <work_dir>/pki
+  // (transport::MakeLocalPki: spiffe://moe/<role>/<name>, and "client" for this process and the
+  // cluster's users) and run every process with mutual TLS on them, members bound to their
+  // identities. What `moe-cli up` does unless told --insecure.
+  bool local_pki = false;
   absl::Duration start_timeout = absl::Seconds(120);
 };
+
+// Client options from a cluster's cluster.json (LocalCluster::DescribeJson, what `moe-cli up`
+// writes): both endpoints, the admin token, and with TLS the CA and the client certificate.
+// NOT_FOUND for an unreadable file, INVALID_ARGUMENT for one that is not such JSON.
+absl::StatusOr<client::ClientOptions> ClusterClientOptions(const std::string& cluster_json);
 
 // tls with "{name}" in its certificate and key paths replaced by name.
 transport::TlsOptions ForProcess(transport::TlsOptions tls, const std::string& name);
@@ -68,7 +78,8 @@ class LocalCluster {
   std::string attention_metrics() const { return Endpoint(attention_.metrics_port); }
   std::string shard_metrics(int i) const { return Endpoint(shards_[i].metrics_port); }
   std::string web_endpoint() const { return Endpoint(web_port_); }
-  // The whole cluster as JSON (endpoints, metrics endpoints, page, work dir).
+  // The whole cluster as JSON (endpoints, metrics endpoints, page, work dir, and with TLS the
+  // CA and a client certificate and key: "tls": {"ca_file", "cert_file", "key_file"}).
   std::string DescribeJson() const;
   std::string attention_endpoint() const { return Endpoint(attention_port_); }
   // The Open Inference Protocol's REST front of attention-svc (--http_port).

@@ -7,7 +7,10 @@
 //   moe-cli mode      --router HOST:PORT --layer L --mode frozen|rebalance|continuous
 //   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
 //   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
-//   moe-cli up        --checkpoint DIR [--work_dir D]   (a cluster kept up; D/cluster.json)
+//   moe-cli up        --checkpoint DIR [--work_dir D] [--insecure]   (a cluster kept up, mutual
+//                     TLS on a fresh local CA unless --insecure; D/cluster.json)
+// Every client command also takes --cluster D/cluster.json (endpoints, admin token, client
+// certificate) instead of --attention, --router, --admin_token_file and --tls_*.
 #include <signal.h>
 
 #include <algorithm>
@@ -51,12 +54,15 @@ int Fail(const absl::Status& s) {
 }
 
 struct Common {
-  std::string attention, router, admin_token_file;
+  std::string cluster, attention, router, admin_token_file;
   int64_t layer = 1;
   double timeout_s = 30;
   transport::TlsOptions tls;
   void Register(SvcFlags& f) {
     AddTlsFlags(f, &tls);
+    f.String("cluster", &cluster,
+             "a local cluster's cluster.json (moe-cli up): its endpoints, admin token and client "
+             "certificate, for whatever the other flags leave unset");
     f.String("attention", &attention, "attention-svc host:port");
     f.String("router", &router, "router-svc host:port");
     f.String("admin_token_file", &admin_token_file,
@@ -66,13 +72,16 @@ struct Common {
   }
   absl::StatusOr<std::unique_ptr<client::MoeClient>> Client() const {
     client::ClientOptions o;
-    o.attention = attention;
-    o.router = router;
+    if (!cluster.empty()) {
+      MOE_ASSIGN_OR_RETURN(o, ClusterClientOptions(cluster));
+    }
+    if (!attention.empty()) o.attention = attention;
+    if (!router.empty()) o.router = router;
     if (!admin_token_file.empty()) {
       MOE_ASSIGN_OR_RETURN(o.admin_token, ReadSecretFile(admin_token_file));
     }
     o.timeout = absl::Seconds(timeout_s);
-    o.tls = tls;
+    if (tls.enabled()) o.tls = tls;
     return client::MoeClient::Create(o);
   }
 };
@@ -280,6 +289,10 @@ int Up(int argc, char** argv) {
   f.String("router_args", &router_args, "extra router-svc flags, space-separated");
   f.String("expert_args", &expert_args, "extra expert-svc flags, space-separated");
   f.Double("max_seconds", &max_seconds, "stop by itself after this long");
+  bool insecure = false;
+  f.Bool("insecure", &insecure,
+         "plaintext, with member tokens only (default: a fresh local CA in <work_dir>/pki and "
+         "mutual TLS, each process its own identity; the --tls_* flags: your own PKI)");
   f.Bool("keep_router_state", &co.keep_router_state,
          "router-svc's state in <work_dir>/router.db, kept across router restarts and later `up`s "
          "on the same work_dir (false: in memory)");
@@ -291,6 +304,10 @@ int Up(int argc, char** argv) {
     co.admin_token = *std::move(token);
   }
   co.work_dir = work_dir;
+  co.local_pki = !insecure && !co.tls.enabled();
+  if (insecure && co.tls.enabled()) {
+    return Fail(absl::InvalidArgumentError("--insecure with --tls_ca_file: one or the other"));
+  }
   co.attention_args = absl::StrSplit(attention_args, ' ', absl::SkipEmpty());
   co.router_args = absl::StrSplit(router_args, ' ', absl::SkipEmpty());
   co.expert_args = absl::StrSplit(expert_args, ' ', absl::SkipEmpty());

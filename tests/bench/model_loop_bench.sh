@@ -25,9 +25,7 @@ for _ in $(seq 1 240); do
   kill -0 $UP 2>/dev/null || { cat "$WORK/up.err"; exit 1; }
   sleep 0.5
 done
-ATTENTION=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["attention"])' \
-  "$WORK/cluster.json")
 lscpu | grep -E "^Model name|^CPU\(s\)|^CPU family|^Model:"
-/usr/bin/python3 examples/model_loop.py --attention "$ATTENTION" --bench 1,4,16,64 --steps 17 \
+/usr/bin/python3 examples/model_loop.py --cluster "$WORK/cluster.json" --bench 1,4,16,64 --steps 17 \
   --plot "$OUT/model-loop.png" --json "$OUT/model-loop.json" "$@"
 echo "wrote $OUT/model-loop.png and $OUT/model-loop.json"

@@ -36,9 +36,14 @@ done
 for b in router-svc expert-svc attention-svc; do
   pgrep -f "^$WORK/prefix/bin/$b " >/dev/null || { echo "FAIL: $b not run from the prefix"; exit 1; }
 done
-ATTENTION=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['attention'])" \
+# moe-cli up's default is mutual TLS on its own CA: cluster.json names the client's files.
+read -r ATTENTION CA CERT KEY < <(python3 -c "import json,sys; c=json.load(open(sys.argv[1])); \
+t=c['tls']; print(c['attention'], t['ca_file'], t['cert_file'], t['key_file'])" \
   "$WORK/cluster/cluster.json")
-OUT=$("$WORK/consumer/consumer" "$ATTENTION")
+if "$WORK/consumer/consumer" "$ATTENTION" >/dev/null 2>&1; then
+  echo "FAIL: a plaintext client was served by moe-cli up's default cluster"; exit 1
+fi
+OUT=$("$WORK/consumer/consumer" "$ATTENTION" "$CA" "$CERT" "$KEY")
 echo "$OUT"
 kill "$UP"; wait "$UP" 2>/dev/null || true
 grep -q "model tiny: hidden 128, 16 experts, top 4, layer 1; out \[4, 128\]" <<<"$OUT"

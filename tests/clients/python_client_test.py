@@ -624,6 +624,39 @@ def test_python_client_tls(client_dir, moe_cli, ckpt, ref, work):
     print("python client over mutual TLS: bit-exact; plaintext and certificate-less refused")
 
 
+def test_python_client_default_tls(client_dir, moe_cli, ckpt, ref, work):
+    """moe-cli up with no TLS flags: mutual TLS on a local CA it made (work_dir/pki), one
+    identity per process; cluster.json gives a client its certificate (cluster_args), and a
+    plaintext or certificate-less client is refused. No plain-HTTP REST front is served."""
+    sys.path.insert(0, client_dir)
+    from moe_client import Client, MoeError, cluster_args, tls_credentials
+    cluster_dir = os.path.join(work, "cluster-default")
+    up, cluster = start_cluster(moe_cli, ckpt, cluster_dir)
+    try:
+        assert cluster.get("tls"), f"moe-cli up's default is not TLS: {cluster}"
+        assert cluster["tls"]["ca_file"] == os.path.join(cluster_dir, "pki", "ca.pem"), cluster
+        assert cluster["attention_http"].endswith(":0"), "a plain-HTTP REST front on a TLS cluster"
+        for name in ("router-svc", "attention-svc", "shard-0", "shard-1", "client"):
+            mode = os.stat(os.path.join(cluster_dir, "pki", f"{name}.key")).st_mode & 0o777
+            assert mode == 0o600, f"{name}.key mode {oct(mode)}"
+        c_args = cluster_args(os.path.join(cluster_dir, "cluster.json"))
+        with Client(**c_args) as c:
+            r = c.forward(bf16_to_f32_local(ref["x"][:5]))
+            assert np.array_equal(r.out_bf16, ref["out"][:5]), "default-TLS forward differs"
+        for name, creds in (("plaintext", None), ("no client certificate",
+                                                  tls_credentials(cluster["tls"]["ca_file"]))):
+            with Client(cluster["attention"], credentials=creds, timeout=5) as c:
+                try:
+                    c.forward(bf16_to_f32_local(ref["x"][:5]))
+                    raise AssertionError(f"a {name} client was served by the default cluster")
+                except MoeError as e:
+                    assert e.code == "UNAVAILABLE", (name, e)
+    finally:
+        stop(up)
+    print("moe-cli up's default: mutual TLS on its own CA; its client bit-exact, plaintext and "
+          "certificate-less refused")
+
+
 def bf16_to_f32_local(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -648,8 +681,11 @@ def main():
     ref8, _ = read_safetensors(ref8_path)
     assert np.array_equal(ref8["x"], ref["x"])
     ref["out_w4a8"] = ref8["out"]
+    # Plaintext, asked for by name: the standard clients below (OIP over gRPC and REST, the REST
+    # front itself) speak it; the default (mutual TLS) is tested after.
     up, cluster = start_cluster(args.moe_cli, ckpt, os.path.join(args.work, "cluster"),
-                                ["--admin_token_file", admin_token_file(args.work, ADMIN)])
+                                ["--insecure", "--admin_token_file",
+                                 admin_token_file(args.work, ADMIN)])
     try:
         attention, router = cluster["attention"], cluster["router"]
         test_open_inference_protocol(attention, ref)
@@ -660,6 +696,7 @@ def main():
     finally:
         stop(up)
     test_python_client_tls(args.client_dir, args.moe_cli, ckpt, ref, args.work)
+    test_python_client_default_tls(args.client_dir, args.moe_cli, ckpt, ref, args.work)
     print("PASS")
     return 0
 

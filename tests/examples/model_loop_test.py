@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(_ROOT, "clients", "python"))
 sys.path.insert(0, os.path.join(_HERE, "..", "common"))
 sys.path.insert(0, os.path.join(_HERE, "..", "reference"))
 import model_loop  # noqa: E402
+from moe_client import cluster_args  # noqa: E402
 from moe_client.torch_module import from_bf16_bits, to_bf16_bits  # noqa: E402
 from cluster_helpers import stop, wait_for  # noqa: E402
 from moe_reference import Checkpoint, layer_forward, read_safetensors  # noqa: E402
@@ -99,10 +100,13 @@ def main():
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         cluster = wait_for("cluster.json", lambda: os.path.exists(cj) and json.load(open(cj)), 120)
-        attention = cluster["attention"]
+        # moe-cli up's default: mutual TLS, this client with the cluster's client certificate.
+        assert "tls" in cluster, "moe-cli up ran without TLS"
+        where = cluster_args(cj)
+        attention = where["attention"]
         hidden = Checkpoint(ckpt).cfg["hidden_size"]
 
-        remote = model_loop.remote_blocks(attention, LAYERS)
+        remote = model_loop.remote_blocks(attention, LAYERS, credentials=where["credentials"])
         assert [b.layer for b in remote] == LAYERS
         got_tokens, got_logits, log = model_loop.run(
             model_loop.Decoder(hidden, remote, seed=3), BATCH, PROMPT, STEPS, seed=3)

@@ -73,7 +73,7 @@ def main():
             s["metrics"] for s in cluster["shards"]]
 
         # Skewed traffic, bounded in count and time.
-        load = subprocess.run([args.moe_cli, "loadgen", "--attention", cluster["attention"],
+        load = subprocess.run([args.moe_cli, "loadgen", "--cluster", path,
                                "--checkpoint", ckpt, "--duration", "3", "--concurrency", "2",
                                "--tokens", "64"], capture_output=True, text=True, timeout=120)
         print(load.stdout.strip())
@@ -82,13 +82,13 @@ def main():
         # One bad request (wrong width): counted once under its code.
         bad = os.path.join(args.work, "bad.npy")
         numpy.save(bad, numpy.zeros((2, 100), dtype=numpy.float32))
-        out = subprocess.run([args.moe_cli, "forward", "--attention", cluster["attention"],
+        out = subprocess.run([args.moe_cli, "forward", "--cluster", path,
                               "--layer", "1", "--input", bad], capture_output=True, text=True,
                              timeout=30)
         assert out.returncode != 0 and "INVALID_ARGUMENT" in out.stderr, out.stderr
 
         def stats():
-            out = subprocess.run([args.moe_cli, "stats", "--json", "--router", cluster["router"],
+            out = subprocess.run([args.moe_cli, "stats", "--json", "--cluster", path,
                                   "--layer", "1"], capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
             return json.loads(out.stdout)

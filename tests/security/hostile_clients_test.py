@@ -989,7 +989,11 @@ def main():
         if os.path.exists(stale):
             os.remove(stale)
     up = subprocess.Popen(
-        [args.moe_cli, "up", "--checkpoint", ckpt, "--work_dir", cluster_dir, "--threads", "1",
+        # Plaintext by name: the catalogue is what a stranger and a member's token can do
+        # without certificates (and the REST front exists only there); the default mutual TLS is
+        # tested in tls_test.cc and clients/python_client_test.py.
+        [args.moe_cli, "up", "--insecure", "--checkpoint", ckpt, "--work_dir", cluster_dir,
+         "--threads", "1",
          "--max_seconds", "900", "--admin_token_file", token_file,
          "--router_args", f"--max_watchers={MAX_WATCHERS}",
          "--attention_args", f"--max_message_bytes={64 << 20} --max_stream_in_flight=8 "

@@ -85,7 +85,7 @@ try {
   const url = `http://${cluster.web}/`;
 
   // Traffic that keeps flowing through the whole test (bounded: 240 s).
-  const load = spawn(cli, ['loadgen', '--attention', cluster.attention, '--checkpoint', ckpt,
+  const load = spawn(cli, ['loadgen', '--cluster', clusterJson, '--checkpoint', ckpt,
                            '--duration', '240', '--concurrency', '2', '--tokens', '64',
                            '--batches', '64', '--seed', '9'], { stdio: 'ignore' });
   children.push(load);

@@ -14,10 +14,10 @@ directory given in MOE_CLIENT_PROTO_OUT), so no generated code is checked in.
 """
 from .client import (AsyncClient, Client, DeadlineExceeded, ForwardStream, InvalidArgument,
                      MoeError, NotFound, PermissionDenied, ResourceExhausted, RestClient, Result,
-                     Unauthenticated, Unavailable, bf16_to_f32, f32_to_bf16, load_protos,
-                     tls_credentials)
+                     Unauthenticated, Unavailable, bf16_to_f32, cluster_args, f32_to_bf16,
+                     load_protos, tls_credentials)
 
 __all__ = ["AsyncClient", "Client", "DeadlineExceeded", "ForwardStream", "InvalidArgument",
            "MoeError", "NotFound", "PermissionDenied", "ResourceExhausted", "RestClient", "Result",
-           "Unauthenticated", "Unavailable", "bf16_to_f32", "f32_to_bf16", "load_protos",
-           "tls_credentials"]
+           "Unauthenticated", "Unavailable", "bf16_to_f32", "cluster_args", "f32_to_bf16",
+           "load_protos", "tls_credentials"]

@@ -254,10 +254,23 @@ def tls_credentials(ca_file, cert_file=None, key_file=None):
         certificate_chain=read(cert_file) if cert_file else None)
 
 
+def cluster_args(cluster_json):
+    """Client(**cluster_args(path)): the endpoints, the admin token and (mutual TLS, what
+    `moe-cli up` makes by default) the credentials of a local cluster's cluster.json."""
+    import json
+    with open(cluster_json) as f:
+        c = json.load(f)
+    tls = c.get("tls")
+    return {"attention": c["attention"], "router": c.get("router"),
+            "admin_token": c.get("admin_token") or None,
+            "credentials": tls_credentials(tls["ca_file"], tls["cert_file"], tls["key_file"])
+            if tls else None}
+
+
 class Client:
     """attention: host:port of attention-svc; router: host:port of router-svc (statistics,
     Rebalance); admin_token: the router's admin token for Rebalance; credentials: TLS
-    (tls_credentials(...)), else plaintext."""
+    (tls_credentials(...)), else plaintext. A local cluster: Client(**cluster_args(path))."""
 
     def __init__(self, attention, router=None, admin_token=None, timeout=30.0,
                  max_message_bytes=_MAX_MESSAGE, credentials=None):

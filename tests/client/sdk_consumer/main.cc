@@ -1,17 +1,23 @@
 // The README's C++ quick-start, built against the installed SDK: model info, then one Forward.
-//   consumer ATTENTION_HOST:PORT
+//   consumer ATTENTION_HOST:PORT [CA_FILE CERT_FILE KEY_FILE]   (mutual TLS: moe-cli up's default,
+//   the files from its cluster.json "tls")
 #include <cstdio>
 #include <vector>
 
 #include "services/client/moe_client.h"
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: consumer ATTENTION_HOST:PORT\n");
+  if (argc != 2 && argc != 5) {
+    std::fprintf(stderr, "usage: consumer ATTENTION_HOST:PORT [CA_FILE CERT_FILE KEY_FILE]\n");
     return 2;
   }
   moe::client::ClientOptions o;
   o.attention = argv[1];
+  if (argc == 5) {
+    o.tls.ca_file = argv[2];
+    o.tls.cert_file = argv[3];
+    o.tls.key_file = argv[4];
+  }
   auto client = moe::client::MoeClient::Create(o);
   if (!client.ok()) return 1;
   auto info = (*client)->GetModelInfo();
