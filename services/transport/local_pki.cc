@@ -67,8 +67,8 @@ absl::StatusOr<Owned<X509>> NewCertificate(EVP_PKEY* key, const std::string& com
   if (X509_NAME_add_entry_by_txt(subject, "CN", MBSTRING_ASC,
                                  reinterpret_cast<const unsigned char*>(common_name.c_str()), -1,
                                  -1, 0) != 1 ||
-      X509_set_issuer_name(cert.get(), issuer != nullptr ? X509_get_subject_name(issuer)
-                                                         : subject) != 1) {
+      X509_set_issuer_name(cert.get(),
+                           issuer != nullptr ? X509_get_subject_name(issuer) : subject) != 1) {
     return OpensslError("the certificate's names");
   }
   return cert;
@@ -81,10 +81,9 @@ absl::Status Sign(X509* cert, EVP_PKEY* issuer_key) {
 
 absl::StatusOr<std::string> Pem(X509* cert, EVP_PKEY* key) {
   Owned<BIO> bio(BIO_new(BIO_s_mem()));
-  const int ok = cert != nullptr
-                     ? PEM_write_bio_X509(bio.get(), cert)
-                     : PEM_write_bio_PrivateKey(bio.get(), key, nullptr, nullptr, 0, nullptr,
-                                                nullptr);
+  const int ok = cert != nullptr ? PEM_write_bio_X509(bio.get(), cert)
+                                 : PEM_write_bio_PrivateKey(bio.get(), key, nullptr, nullptr, 0,
+                                                            nullptr, nullptr);
   if (bio == nullptr || ok != 1) return OpensslError("PEM encoding");
   char* data = nullptr;
   const long n = BIO_get_mem_data(bio.get(), &data);
@@ -125,16 +124,15 @@ absl::Status MakeLocalPki(const std::string& dir, const std::vector<PkiMember>& 
   // The trust domain goes into OpenSSL's configuration text of the SAN: a member name's
   // alphabet keeps a comma or a colon from adding a name.
   if (!IsMemberName(trust_domain)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "local PKI: trust domain '", trust_domain.substr(0, kMaxMemberNameBytes),
-        "' (letters, digits, - . _)"));
+    return absl::InvalidArgumentError(absl::StrCat("local PKI: trust domain '",
+                                                   trust_domain.substr(0, kMaxMemberNameBytes),
+                                                   "' (letters, digits, - . _)"));
   }
   if (days < 1) return absl::InvalidArgumentError("local PKI: validity of less than a day");
   ::mkdir(dir.c_str(), 0700);
   Owned<EVP_PKEY> ca_key(EVP_EC_gen("P-256"));
   if (ca_key == nullptr) return OpensslError("the CA's key");
-  MOE_ASSIGN_OR_RETURN(Owned<X509> ca,
-                       NewCertificate(ca_key.get(), "moe local CA", nullptr, days));
+  MOE_ASSIGN_OR_RETURN(Owned<X509> ca, NewCertificate(ca_key.get(), "moe local CA", nullptr, days));
   X509V3_CTX ctx;
   X509V3_set_ctx_nodb(&ctx);
   X509V3_set_ctx(&ctx, ca.get(), ca.get(), nullptr, nullptr, 0);
@@ -146,19 +144,16 @@ absl::Status MakeLocalPki(const std::string& dir, const std::vector<PkiMember>& 
   for (const PkiMember& m : members) {
     Owned<EVP_PKEY> key(EVP_EC_gen("P-256"));
     if (key == nullptr) return OpensslError("a member's key");
-    MOE_ASSIGN_OR_RETURN(Owned<X509> cert,
-                         NewCertificate(key.get(), "moe-member", ca.get(), days));
+    MOE_ASSIGN_OR_RETURN(Owned<X509> cert, NewCertificate(key.get(), "moe-member", ca.get(), days));
     X509V3_set_ctx(&ctx, ca.get(), cert.get(), nullptr, nullptr, 0);
     MOE_RETURN_IF_ERROR(AddExtension(cert.get(), &ctx, NID_basic_constraints, "CA:FALSE"));
     MOE_RETURN_IF_ERROR(
         AddExtension(cert.get(), &ctx, NID_key_usage, "digitalSignature,keyEncipherment"));
-    MOE_RETURN_IF_ERROR(
-        AddExtension(cert.get(), &ctx, NID_ext_key_usage, "serverAuth,clientAuth"));
+    MOE_RETURN_IF_ERROR(AddExtension(cert.get(), &ctx, NID_ext_key_usage, "serverAuth,clientAuth"));
     MOE_RETURN_IF_ERROR(AddExtension(cert.get(), &ctx, NID_authority_key_identifier, "keyid"));
-    MOE_RETURN_IF_ERROR(AddExtension(
-        cert.get(), &ctx, NID_subject_alt_name,
-        absl::StrCat("DNS:localhost,IP:127.0.0.1,IP:::1,URI:spiffe://", trust_domain, "/", m.role,
-                     "/", m.name)));
+    MOE_RETURN_IF_ERROR(AddExtension(cert.get(), &ctx, NID_subject_alt_name,
+                                     absl::StrCat("DNS:localhost,IP:127.0.0.1,IP:::1,URI:spiffe://",
+                                                  trust_domain, "/", m.role, "/", m.name)));
     MOE_RETURN_IF_ERROR(Sign(cert.get(), ca_key.get()));
     MOE_RETURN_IF_ERROR(WriteKeyAndCertificate(dir + "/" + m.name, key.get(), cert.get()));
   }

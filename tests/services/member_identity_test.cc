@@ -59,18 +59,18 @@ std::string ReadWord(const std::string& path) {
 // configuration text are refused.
 TEST(LocalPki, IssuesEachProcessItsOwnSpiffeIdentity) {
   const std::string dir = MakeTempDir("local_pki") + "/pki";
-  ASSERT_TRUE(transport::MakeLocalPki(dir, {{"shard-0", "expert"}, {"client", "client"}}, "moe")
-                  .ok());
-  for (const auto& [name, role] : {std::pair<std::string, std::string>{"shard-0", "expert"},
-                                   {"client", "client"}}) {
+  ASSERT_TRUE(
+      transport::MakeLocalPki(dir, {{"shard-0", "expert"}, {"client", "client"}}, "moe").ok());
+  for (const auto& [name, role] :
+       {std::pair<std::string, std::string>{"shard-0", "expert"}, {"client", "client"}}) {
     SCOPED_TRACE(name);
     const std::string cert = dir + "/" + name + ".pem";
-    EXPECT_THAT(RunShell(absl::StrCat("openssl verify -purpose sslserver -CAfile ", dir,
-                                      "/ca.pem ", cert)),
-                ::testing::HasSubstr(": OK"));
-    EXPECT_THAT(RunShell(absl::StrCat("openssl verify -purpose sslclient -CAfile ", dir,
-                                      "/ca.pem ", cert)),
-                ::testing::HasSubstr(": OK"));
+    EXPECT_THAT(
+        RunShell(absl::StrCat("openssl verify -purpose sslserver -CAfile ", dir, "/ca.pem ", cert)),
+        ::testing::HasSubstr(": OK"));
+    EXPECT_THAT(
+        RunShell(absl::StrCat("openssl verify -purpose sslclient -CAfile ", dir, "/ca.pem ", cert)),
+        ::testing::HasSubstr(": OK"));
     const std::string san = RunShell("openssl x509 -noout -ext subjectAltName -in " + cert);
     EXPECT_THAT(san, ::testing::HasSubstr(absl::StrCat("URI:spiffe://moe/", role, "/", name)));
     EXPECT_THAT(san, ::testing::HasSubstr("DNS:localhost"));
@@ -87,9 +87,9 @@ TEST(LocalPki, IssuesEachProcessItsOwnSpiffeIdentity) {
   // A certificate of another CA made the same way does not verify against this one.
   const std::string other = MakeTempDir("local_pki_other") + "/pki";
   ASSERT_TRUE(transport::MakeLocalPki(other, {{"shard-0", "expert"}}, "moe").ok());
-  EXPECT_THAT(RunShell(absl::StrCat("openssl verify -CAfile ", dir, "/ca.pem ", other,
-                                    "/shard-0.pem")),
-              ::testing::Not(::testing::HasSubstr(": OK")));
+  EXPECT_THAT(
+      RunShell(absl::StrCat("openssl verify -CAfile ", dir, "/ca.pem ", other, "/shard-0.pem")),
+      ::testing::Not(::testing::HasSubstr(": OK")));
   for (const auto& [members, domain] :
        std::vector<std::pair<std::vector<transport::PkiMember>, std::string>>{
            {{{"a,URI:spiffe://moe/expert/shard-0", "expert"}}, "moe"},
@@ -104,8 +104,8 @@ TEST(LocalPki, IssuesEachProcessItsOwnSpiffeIdentity) {
 
 // What a registration under shard-0's name gets from router-svc, presenting `token` and, with
 // TLS, the certificate of `cert_name` from the cluster's PKI.
-grpc::Status RegisterAs(const LocalCluster& c, const std::string& token, const std::string& cert_name,
-                        int32_t layer, int32_t lo, int32_t hi) {
+grpc::Status RegisterAs(const LocalCluster& c, const std::string& token,
+                        const std::string& cert_name, int32_t layer, int32_t lo, int32_t hi) {
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!cert_name.empty()) {
     transport::TlsOptions t;
