@@ -401,6 +401,12 @@ class UcxWorkerImpl {
       return true;
     });
   }
+  void SetHelloDropped(UcxWorker::HelloDroppedFn fn) {
+    Run<bool>([&] {
+      hello_dropped_ = std::move(fn);
+      return true;
+    });
+  }
 
   absl::StatusOr<uint64_t> Connect(const std::string& peer,
                                    std::function<void(const absl::Status&)> on_error) {
@@ -617,6 +623,15 @@ class UcxWorkerImpl {
     if (length != 0 || !has_reply || header_length == 0 || header_length > kMaxHelloBytes ||
         !self->hello_ || self->stopping_) {
       self->hellos_dropped_.fetch_add(1);
+      if (self->hello_dropped_ && !self->stopping_) {
+        self->hello_dropped_(
+            length != 0    ? absl::StrCat("a UCX hello carrying ", length, " bytes of data")
+            : !has_reply   ? std::string("a UCX hello without a reply endpoint")
+            : header_length == 0
+                ? std::string("an empty UCX hello")
+                : absl::StrCat("a UCX hello of ", header_length, " bytes (at most ",
+                               kMaxHelloBytes, ")"));
+      }
       return UCS_OK;
     }
     const uint64_t ep = self->Adopt(param->reply_ep);
@@ -1195,6 +1210,7 @@ class UcxWorkerImpl {
   bool stopping_ = false;
   uint64_t next_ep_ = 1;
   UcxWorker::HelloFn hello_;
+  UcxWorker::HelloDroppedFn hello_dropped_;
   std::map<uint64_t, std::unique_ptr<Endpoint>> eps_;
   std::unordered_map<ucp_ep_h, uint64_t> by_handle_;
   std::vector<std::unique_ptr<Endpoint>> closed_;
@@ -1226,6 +1242,7 @@ absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& peer_address,
 absl::StatusOr<UcxLanes> UcxWorker::Lanes(uint64_t ep) { return impl_->Lanes(ep); }
 void UcxWorker::Disconnect(uint64_t ep) { impl_->Disconnect(ep); }
 void UcxWorker::OnHello(HelloFn fn) { impl_->SetHello(std::move(fn)); }
+void UcxWorker::OnHelloDropped(HelloDroppedFn fn) { impl_->SetHelloDropped(std::move(fn)); }
 std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t ep, std::string hello,
                                                   absl::Time deadline) {
   return impl_->Start(UcxWorkerImpl::Kind::kHello, ep, 0, nullptr, 0, deadline, nullptr, 0,

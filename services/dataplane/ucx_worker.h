@@ -193,6 +193,11 @@ class UcxWorker {
   using HelloFn =
       std::function<void(std::string_view hello, uint64_t reply_ep, const UcxLanes& lanes)>;
   void OnHello(HelloFn fn);
+  // Runs (progress thread, same rules) for every hello this worker drops as malformed before
+  // the hello handler sees it, saying why (no reply endpoint, data attached, over 256 bytes,
+  // empty), so that its owner counts every refused hello as it counts those it refuses itself.
+  using HelloDroppedFn = std::function<void(const std::string& why)>;
+  void OnHelloDropped(HelloDroppedFn fn);
   // Sends a hello (an active message with a reply endpoint) on `ep`.
   std::shared_ptr<UcxTransfer> SendHello(uint64_t ep, std::string hello, absl::Time deadline);
   // Active messages dropped as malformed (hostile or confused peers).

@@ -32,6 +32,7 @@ absl::StatusOr<UcxLanes> UcxWorker::Lanes(uint64_t) {
 }
 void UcxWorker::Disconnect(uint64_t) {}
 void UcxWorker::OnHello(HelloFn) {}
+void UcxWorker::OnHelloDropped(HelloDroppedFn) {}
 std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t, std::string, absl::Time) {
   return std::make_shared<UcxTransfer>();
 }

@@ -149,14 +149,16 @@ constexpr MetricInfo kMetrics[] = {
      "on both ends; kind `shm`, `tcp`, `rdma`, `mixed`), value 1",
      "", ""},
     {"moe_expert_data_plane_events_total", "counter", "shard, event",
-     "Out-of-band data plane events of this expert server: hello_rejected (a UCX "
-     "hello with a wrong secret, unknown client or bad form), integrity_failed (a "
+     "Out-of-band data plane events of this expert server: hello_rejected (every "
+     "refused UCX hello: a wrong secret, an unknown client, or a malformed one "
+     "without a reply endpoint, with data, empty or over 256 bytes), integrity_failed (a "
      "batch message or activation payload whose MAC did not match), message_rejected "
      "(a batch message of no bound client, not a frame, or too long), replayed (a "
      "batch message whose sequence was used): all dropped unanswered; reply_failed "
      "(an answer that did not go out)",
-     "expert-svc's data plane: `hello_rejected` (a UCX hello with a wrong secret, "
-     "unknown client or bad form), `integrity_failed` (a batch message or payload "
+     "expert-svc's data plane: `hello_rejected` (every refused UCX hello: a wrong "
+     "secret, an unknown client, or a malformed one without a reply endpoint, with "
+     "data, empty or over 256 bytes), `integrity_failed` (a batch message or payload "
      "whose MAC did not match), `message_rejected` (a batch message of no bound "
      "client, not a frame, or too long), `replayed` (a batch message whose sequence "
      "was used), `reply_failed` (an answer that did not go out); all but the last "

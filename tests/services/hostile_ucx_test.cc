@@ -51,6 +51,12 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
   ASSERT_TRUE(peer.Connect(address));
   const int sent = peer.SendEveryId(std::string(16, 'x'), std::string(70000, 'y'), 8192, 3,
                                     std::chrono::seconds(90));
+  // And on the hello id (1) with a reply endpoint, the hellos the worker drops before the data
+  // plane sees them: one of 257 bytes, one carrying data, one empty.
+  constexpr unsigned kHelloId = 1;
+  EXPECT_TRUE(peer.SendAm(kHelloId, true, std::string(257, 'h'), ""));
+  EXPECT_TRUE(peer.SendAm(kHelloId, true, std::string(16, 'h'), std::string(100, 'd')));
+  EXPECT_TRUE(peer.SendAm(kHelloId, true, "", ""));
   peer.Progress();
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   canary.Stop();
@@ -67,6 +73,15 @@ TEST(ClusterDataPlane, EveryActiveMessageIdFromAStrangerLeavesEveryProcessUp) {
   EXPECT_EQ(
       moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total", {"kind=\"batch\""}),
       4);
+  // Every hello the shard was sent is a refused hello: the one with a reply endpoint that the
+  // data plane refused (no such client), and the four the worker dropped as malformed (without
+  // a reply endpoint, 257 bytes, with data, empty).
+  EXPECT_EQ(
+      moe::testing::ScrapeSum(shard_metrics, "moe_ucx_messages_dropped_total", {"kind=\"hello\""}),
+      4);
+  EXPECT_EQ(moe::testing::ScrapeSum(shard_metrics, "moe_expert_data_plane_events_total",
+                                    {"event=\"hello_rejected\""}),
+            5);
   for (const auto& [name, pid] : a.cluster->Processes()) {
     EXPECT_EQ(kill(pid, 0), 0) << name << " died";
   }

@@ -33,6 +33,10 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOp
   dp->worker_->OnHello([self](std::string_view hello, uint64_t ep, const dataplane::UcxLanes& l) {
     self->OnHello(hello, ep, l.Describe());
   });
+  // Malformed hellos the worker drops before they reach OnHello are refused hellos too.
+  dp->worker_->OnHelloDropped([self](const std::string& why) {
+    self->Rejected("hello_rejected", "a malformed hello", "a UCX hello was refused: " + why);
+  });
   dp->worker_->OnMessage(
       [self](std::string_view frame, size_t length) { return self->OnRequest(frame, length); });
   return dp;
