@@ -625,12 +625,11 @@ class UcxWorkerImpl {
       self->hellos_dropped_.fetch_add(1);
       if (self->hello_dropped_ && !self->stopping_) {
         self->hello_dropped_(
-            length != 0    ? absl::StrCat("a UCX hello carrying ", length, " bytes of data")
-            : !has_reply   ? std::string("a UCX hello without a reply endpoint")
-            : header_length == 0
-                ? std::string("an empty UCX hello")
-                : absl::StrCat("a UCX hello of ", header_length, " bytes (at most ",
-                               kMaxHelloBytes, ")"));
+            length != 0          ? absl::StrCat("a UCX hello carrying ", length, " bytes of data")
+            : !has_reply         ? std::string("a UCX hello without a reply endpoint")
+            : header_length == 0 ? std::string("an empty UCX hello")
+                                 : absl::StrCat("a UCX hello of ", header_length,
+                                                " bytes (at most ", kMaxHelloBytes, ")"));
       }
       return UCS_OK;
     }
