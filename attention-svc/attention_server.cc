@@ -135,11 +135,16 @@ absl::Status AttentionServer::Impl::StartServing() {
   oip_ = std::make_unique<OipService>(std::move(hooks));
   if (options_.http_port >= 0) {
     oip_rest_ = std::make_unique<OipRest>(oip_.get(), options_.default_timeout_ms);
+    // Event-driven (http_server.h): idle and slow clients hold sockets, not threads. The
+    // handler threads each run one ModelInfer at a time; a body may take up to 30 s to arrive.
+    metrics::HttpServerOptions ho;
+    ho.workers = 16;
+    ho.max_body_bytes = static_cast<size_t>(std::max<int64_t>(options_.max_http_body_bytes, 1));
+    ho.request_deadline = absl::Seconds(30);
     MOE_ASSIGN_OR_RETURN(
         http_, metrics::HttpServer::Start(
                    options_.host, options_.http_port,
-                   [this](const metrics::HttpRequest& r) { return oip_rest_->Handle(r); }, 64,
-                   static_cast<size_t>(std::max<int64_t>(options_.max_http_body_bytes, 1))));
+                   [this](const metrics::HttpRequest& r) { return oip_rest_->Handle(r); }, ho));
     MOE_LOG_INFO("Open Inference Protocol REST front on port {}", http_->port());
     if (!options_.http_port_file.empty()) {
       MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.http_port_file, http_->port()));

@@ -17,8 +17,7 @@
 // binary_data_output; outputs take {"binary_data": true}.
 //
 //   OipRest rest(&oip, default_timeout_ms);
-//   HttpServer::Start(host, port, [&](const HttpRequest& r) { return rest.Handle(r); }, 64, 256 <<
-//   20);
+//   HttpServer::Start(host, port, [&](const HttpRequest& r) { return rest.Handle(r); }, options);
 #ifndef MOE_ATTENTION_SVC_OIP_REST_H_
 #define MOE_ATTENTION_SVC_OIP_REST_H_
 

@@ -10,7 +10,7 @@ BUILD_PACKAGES=(
   cmake ninja-build g++ ccache git
   libabsl-dev nlohmann-json3-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
-  libcivetweb-dev libspdlog-dev libsqlite3-dev
+  libmicrohttpd-dev libspdlog-dev libsqlite3-dev
   libucx-dev libssl-dev pkg-config libgoogle-perftools-dev
 )
 # What the tests and benchmarks need on top: the fuzzer and formatter, test frameworks, the

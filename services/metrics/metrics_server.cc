@@ -1,9 +1,11 @@
 #include "services/metrics/metrics_server.h"
 
-#include <prometheus/exposer.h>
+#include <prometheus/collectable.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 
-#include <exception>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "services/metrics/http_server.h"
@@ -15,35 +17,59 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
                                                                     int port) {
   std::unique_ptr<MetricsServer> m(new MetricsServer());
   m->registry_ = std::make_shared<prometheus::Registry>();
-  const std::string address = host.find(':') != std::string::npos
-                                  ? absl::StrCat("[", host, "]:", port)
-                                  : absl::StrCat(host, ":", port);
-  try {  // civetweb reports a failed bind by throwing; nothing else here throws
-    // Idle or slow scrapers cannot blind it: many workers, 3 s per request, no keep-alive,
-    // 16 KiB of headers (http_server.h).
-    m->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-        "listening_ports", address, "num_threads", absl::StrCat(kHttpWorkers), "request_timeout_ms",
-        absl::StrCat(kHttpRequestTimeoutMs), "enable_keep_alive", "no", "max_request_size",
-        "16384"});
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics endpoint: cannot listen on ", address, ": ", e.what()));
-  }
-  m->exposer_->RegisterCollectable(m->registry_);
   m->process_ = std::make_shared<ProcessCollector>();
-  m->exposer_->RegisterCollectable(m->process_);
-  const std::vector<int> ports = m->exposer_->GetListeningPorts();
-  if (ports.empty()) return absl::UnavailableError("metrics endpoint: no listening port");
-  m->port_ = ports[0];
+  m->Add(m->registry_);
+  m->Add(m->process_);
+  // The same server as the page and the REST front (http_server.h): idle and slow scrapers
+  // hold a socket each, never a thread; a scrape has no body.
+  HttpServerOptions o;
+  o.workers = 2;
+  o.max_body_bytes = 0;
+  auto server = HttpServer::Start(
+      host, port, [self = m.get()](const HttpRequest& r) { return self->Scrape(r); }, o);
+  if (!server.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics endpoint: ", server.status().message()));
+  }
+  m->server_ = std::move(*server);
+  m->port_ = m->server_->port();
   return m;
 }
 
 void MetricsServer::Add(const std::shared_ptr<prometheus::Collectable>& c) {
-  exposer_->RegisterCollectable(c);
+  std::lock_guard<std::mutex> lock(mu_);
+  collectables_.push_back(c);
+}
+
+HttpResponse MetricsServer::Scrape(const HttpRequest& r) {
+  if (r.path != "/metrics") return {404, "text/plain; charset=utf-8", "not found: /metrics\n"};
+  if (r.method != "GET" && r.method != "HEAD") {
+    return {405, "text/plain; charset=utf-8", "GET /metrics\n", {{"Allow", "GET, HEAD"}}};
+  }
+  std::vector<std::shared_ptr<prometheus::Collectable>> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = collectables_.begin(); it != collectables_.end();) {
+      if (auto c = it->lock()) {
+        live.push_back(std::move(c));
+        ++it;
+      } else {
+        it = collectables_.erase(it);  // its owner dropped it
+      }
+    }
+  }
+  std::vector<prometheus::MetricFamily> families;
+  for (const auto& c : live) {
+    std::vector<prometheus::MetricFamily> f = c->Collect();
+    families.insert(families.end(), std::make_move_iterator(f.begin()),
+                    std::make_move_iterator(f.end()));
+  }
+  return {200, "text/plain; version=0.0.4; charset=utf-8",
+          prometheus::TextSerializer().Serialize(families)};
 }
 
 MetricsServer::~MetricsServer() {
-  if (exposer_ != nullptr) StopCivetPromptly(port_, [this] { exposer_.reset(); });
+  if (server_ != nullptr) server_->Stop();
 }
 
 }  // namespace moe::metrics

@@ -1,5 +1,6 @@
-// The Prometheus endpoint of a service (prometheus-cpp): a registry plus an HTTP exposer on its
-// own port (0: any free port; read it back with port()). Scraped at /metrics.
+// The Prometheus endpoint of a service: a prometheus-cpp registry (and other collectables)
+// serialized in the text format at GET /metrics by the process's HTTP server (http_server.h) on
+// its own port (0: any free port; read it back with port()).
 //
 //   MOE_ASSIGN_OR_RETURN(auto metrics, MetricsServer::Start("127.0.0.1", 0));
 //   ExpertMetrics m(metrics->registry(), /*layers=*/{1}, "shard-0");
@@ -7,17 +8,22 @@
 #define MOE_SERVICES_METRICS_METRICS_SERVER_H_
 
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
 namespace prometheus {
 class Collectable;
-class Exposer;
 class Registry;
 }  // namespace prometheus
 
 namespace moe::metrics {
+
+class HttpServer;
+struct HttpRequest;
+struct HttpResponse;
 
 class MetricsServer {
  public:
@@ -31,9 +37,13 @@ class MetricsServer {
 
  private:
   MetricsServer() = default;
+  HttpResponse Scrape(const HttpRequest& r);
+
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
   std::shared_ptr<prometheus::Collectable> process_;  // process_* metrics
+  std::mutex mu_;
+  std::vector<std::weak_ptr<prometheus::Collectable>> collectables_;
+  std::unique_ptr<HttpServer> server_;  // last: stopped first
   int port_ = 0;
 };
 

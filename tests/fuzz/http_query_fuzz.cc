@@ -1,5 +1,5 @@
-// libFuzzer target: the page's query-string parser (metrics/http_server.h; the rest of HTTP is
-// CivetWeb's) on any bytes: every key and value it returns comes from the input, unescaped,
+// libFuzzer target: the HTTP fronts' query-string parser (metrics/http_server.h; the rest of
+// HTTP is libmicrohttpd's) on any bytes: every key and value it returns comes from the input, unescaped,
 // never longer than the input.
 #include <cstddef>
 #include <cstdint>
