@@ -86,8 +86,8 @@ class HttpServer::Impl {
         return absl::InvalidArgumentError(absl::StrCat("HTTP server: host ", host));
       }
     }
-    const auto idle_s = static_cast<unsigned>(
-        std::max<int64_t>(1, absl::ToInt64Seconds(o_.request_deadline) + 1));
+    const auto idle_s =
+        static_cast<unsigned>(std::max<int64_t>(1, absl::ToInt64Seconds(o_.request_deadline) + 1));
     daemon_ = MHD_start_daemon(
         flags, 0, nullptr, nullptr, &Impl::Access, this, MHD_OPTION_SOCK_ADDR, &addr,
         MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned>(std::max(1, o_.max_connections)),
@@ -101,7 +101,8 @@ class HttpServer::Impl {
         &Impl::Completed, this, MHD_OPTION_NOTIFY_CONNECTION, &Impl::Notify, this,
         MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u, MHD_OPTION_END);
     if (daemon_ == nullptr) {
-      return absl::UnavailableError(absl::StrCat("HTTP server: cannot listen on ", host, ":", port));
+      return absl::UnavailableError(
+          absl::StrCat("HTTP server: cannot listen on ", host, ":", port));
     }
     const MHD_DaemonInfo* info = MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_BIND_PORT);
     if (info == nullptr || info->port == 0) return absl::InternalError("HTTP server: no port");
@@ -206,8 +207,7 @@ class HttpServer::Impl {
     auto* r = static_cast<Request*>(cls);
     std::string name = absl::AsciiStrToLower(absl::string_view(key, key_size));
     std::string v(absl::StripAsciiWhitespace(absl::string_view(value, value_size)));
-    if (name == "content-length" && r->req.headers.count(name) > 0 &&
-        r->req.headers[name] != v) {
+    if (name == "content-length" && r->req.headers.count(name) > 0 && r->req.headers[name] != v) {
       r->req.headers["\x01conflicting-length"] = v;  // a marker no header name can be
     }
     r->req.headers.emplace(std::move(name), std::move(v));  // the first of repeated fields
@@ -247,17 +247,18 @@ class HttpServer::Impl {
     }
     if (auto it = h.find("content-length"); it != h.end()) {
       const std::string& v = it->second;
-      const bool digits = !v.empty() && v.size() <= 19 &&
-                          std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+      const bool digits =
+          !v.empty() && v.size() <= 19 &&
+          std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (!digits) return Refuse(conn, 400, "Content-Length is not a decimal number");
       if (std::stoull(v) > o_.max_body_bytes) {
-        return Refuse(conn, 413,
-                      absl::StrCat("body too large (", v, " bytes; at most ", o_.max_body_bytes,
-                                   ")"));
+        return Refuse(
+            conn, 413,
+            absl::StrCat("body too large (", v, " bytes; at most ", o_.max_body_bytes, ")"));
       }
     }
-    if (auto it = h.find("content-encoding"); it != h.end() &&
-                                               !absl::EqualsIgnoreCase(it->second, "identity")) {
+    if (auto it = h.find("content-encoding");
+        it != h.end() && !absl::EqualsIgnoreCase(it->second, "identity")) {
       return Refuse(conn, 415,
                     absl::StrCat("Content-Encoding ", it->second.substr(0, 64),
                                  " is not supported (send the body uncoded)"));

@@ -51,8 +51,8 @@ struct HttpResponse {
 };
 
 struct HttpServerOptions {
-  int workers = 4;                // threads that run the handler (it may block: a Forward)
-  int max_queued_requests = 256;  // complete requests waiting for a worker; past it 503
+  int workers = 4;                     // threads that run the handler (it may block: a Forward)
+  int max_queued_requests = 256;       // complete requests waiting for a worker; past it 503
   size_t max_body_bytes = 1 << 20;     // a larger body is answered 413 before it is read
   size_t max_header_bytes = 16 << 10;  // request line and headers; past it 431
   int max_connections = 4096;

@@ -28,8 +28,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   auto server = HttpServer::Start(
       host, port, [self = m.get()](const HttpRequest& r) { return self->Scrape(r); }, o);
   if (!server.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics endpoint: ", server.status().message()));
+    return absl::UnavailableError(absl::StrCat("metrics endpoint: ", server.status().message()));
   }
   m->server_ = std::move(*server);
   m->port_ = m->server_->port();

@@ -1,6 +1,6 @@
 // libFuzzer target: the HTTP fronts' query-string parser (metrics/http_server.h; the rest of
-// HTTP is libmicrohttpd's) on any bytes: every key and value it returns comes from the input, unescaped,
-// never longer than the input.
+// HTTP is libmicrohttpd's) on any bytes: every key and value it returns comes from the input,
+// unescaped, never longer than the input.
 #include <cstddef>
 #include <cstdint>
 #include <string>

@@ -2,11 +2,10 @@
 // over real loopback sockets, with hand-written clients (raw requests, idle and slow sockets).
 #include "services/metrics/http_server.h"
 
-#include <sys/time.h>
-
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,8 +55,9 @@ TEST(HttpServer, ParsesRequestsAndBoundsThem) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(HttpStatusOf(HttpExchange(port, "garbage\r\n\r\n")), 0);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
-  EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\nHost: h\r\nContent-Length: "
-                                            "99999999\r\n\r\n")),
+  EXPECT_EQ(HttpStatusOf(HttpExchange(port,
+                                      "GET / HTTP/1.1\r\nHost: h\r\nContent-Length: "
+                                      "99999999\r\n\r\n")),
             413);
   // A request line or headers past 16 KiB: 414 / 431, at once.
   EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET /" + std::string(40000, 'a'))), 414);
@@ -100,8 +100,10 @@ TEST(HttpServer, RefusesAmbiguousFramingAndCodedBodies) {
        "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
        "5\r\nabcde\r\n0\r\n\r\n",
        400, "Content-Length and Transfer-Encoding together"},
-      {"a gzipped body", "POST / HTTP/1.1\r\nHost: h\r\nContent-Encoding: gzip\r\n"
-       "Content-Length: 5\r\n\r\nabcde", 415, "Content-Encoding gzip is not supported"},
+      {"a gzipped body",
+       "POST / HTTP/1.1\r\nHost: h\r\nContent-Encoding: gzip\r\n"
+       "Content-Length: 5\r\n\r\nabcde",
+       415, "Content-Encoding gzip is not supported"},
       {"a negative length", "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: -5\r\n\r\nabcde", 400,
        ""},
       {"HTTP/1.1 without Host", "GET / HTTP/1.1\r\n\r\n", 400, ""},
@@ -114,11 +116,13 @@ TEST(HttpServer, RefusesAmbiguousFramingAndCodedBodies) {
   }
   EXPECT_EQ(handled, 0);
   // The same length twice is one length (RFC 9110, 8.6); chunked framing is read whole.
-  EXPECT_EQ(HttpBodyOf(HttpExchange(port, "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n"
-                                          "Content-Length: 5\r\n\r\nabcde")),
+  EXPECT_EQ(HttpBodyOf(HttpExchange(port,
+                                    "POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n"
+                                    "Content-Length: 5\r\n\r\nabcde")),
             "got abcde");
-  EXPECT_EQ(HttpBodyOf(HttpExchange(port, "POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: "
-                                          "chunked\r\n\r\n5\r\nabcde\r\n0\r\n\r\n")),
+  EXPECT_EQ(HttpBodyOf(HttpExchange(port,
+                                    "POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: "
+                                    "chunked\r\n\r\n5\r\nabcde\r\n0\r\n\r\n")),
             "got abcde");
   EXPECT_EQ(handled, 2);
   // A body shorter than its length is incomplete (RFC 9112, 8): never served; the connection is
@@ -172,8 +176,8 @@ std::pair<double, double> ProbeMs(const std::vector<int>& ports, int probes,
       const auto t0 = std::chrono::steady_clock::now();
       const std::string r =
           HttpExchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                       .count());
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       EXPECT_EQ(HttpStatusOf(r), 200);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -226,12 +230,14 @@ TEST(HttpServer, AThousandIdleAndTwoHundredSlowConnectionsDoNotDelayACanary) {
     int closed = 0;
     for (int fd : idle) closed += ClosedByServer(fd);
     for (int fd : slow) closed += ClosedByServer(fd);
-    const auto [p99, worst] =
-        ProbeMs(ports, 200, [&] { for (int fd : slow) ::send(fd, "a", 1, MSG_NOSIGNAL); });
-    std::printf("[%s] %zu connections made, %d refused, %d closed at once; canary p99 %.1f ms, "
-                "worst %.1f ms over %zu probes\n",
-                spread ? "40 addresses" : "one address", idle.size() + slow.size(), refused,
-                closed, p99, worst, 200 * ports.size());
+    const auto [p99, worst] = ProbeMs(ports, 200, [&] {
+      for (int fd : slow) ::send(fd, "a", 1, MSG_NOSIGNAL);
+    });
+    std::printf(
+        "[%s] %zu connections made, %d refused, %d closed at once; canary p99 %.1f ms, "
+        "worst %.1f ms over %zu probes\n",
+        spread ? "40 addresses" : "one address", idle.size() + slow.size(), refused, closed, p99,
+        worst, 200 * ports.size());
     EXPECT_LT(p99, 50.0);
     if (spread) {
       EXPECT_EQ(closed, 0) << "connections under every limit were closed";
@@ -290,9 +296,8 @@ TEST(RouterPage, ServesTheEmbeddedPageAndAnswersTheApiWithClearErrors) {
     return HttpExchange(port, "GET " + path + " HTTP/1.1\r\nHost: x\r\n" + extra + "\r\n");
   };
   auto post = [&](const std::string& path, const std::string& extra = "") {
-    return HttpExchange(port,
-                        "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n" + extra +
-                            "\r\n");
+    return HttpExchange(
+        port, "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n" + extra + "\r\n");
   };
   std::string r = get("/");
   EXPECT_EQ(HttpStatusOf(r), 200);
