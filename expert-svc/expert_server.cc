@@ -164,6 +164,15 @@ absl::Status ExpertServer::Impl::Start() {
         [this]() -> std::string {
           std::shared_lock<std::shared_mutex> lock(dp_mu_);
           return dp_ != nullptr ? dp_->lanes() : "";
+        },
+        // Said once per kind of refusal (a restarted shard meets its old lease for up to 3
+        // heartbeat intervals; another process under its name for as long as that one lives).
+        [this, last = std::string()](const absl::Status& s) mutable {
+          const std::string what = absl::StatusCodeToString(s.code());
+          if (what == last) return;
+          last = what;
+          MOE_LOG_WARN("shard {}: router-svc refused the registration, retrying: {}",
+                       options_.shard, s.ToString());
         });
   }
   return absl::OkStatus();

@@ -95,9 +95,11 @@ absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::Report
 
 void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
                                 std::function<int64_t()> queued,
-                                std::function<std::string()> lanes) {
+                                std::function<std::string()> lanes,
+                                std::function<void(const absl::Status&)> refused) {
   threads_.emplace_back(
-      [this, req = std::move(req), queued = std::move(queued), lanes = std::move(lanes)] {
+      [this, req = std::move(req), queued = std::move(queued), lanes = std::move(lanes),
+       refused = std::move(refused)] {
         absl::Duration interval = timings_.default_heartbeat;
         uint64_t lease = 0;
         while (Sleep(lease == 0 ? timings_.reconnect_delay : interval)) {
@@ -107,11 +109,14 @@ void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
             ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
           if (lease == 0) {
             v1::RegisterExpertServerResponse resp;
-            if (stub_->RegisterExpertServer(&ctx, req, &resp).ok()) {
+            const grpc::Status s = stub_->RegisterExpertServer(&ctx, req, &resp);
+            if (s.ok()) {
               lease = resp.lease_id();
               if (resp.heartbeat_interval_ms() > 0) {
                 interval = absl::Milliseconds(resp.heartbeat_interval_ms());
               }
+            } else if (refused) {
+              refused(transport::FromGrpc(s));
             }
           } else {
             v1::HeartbeatRequest hb;

@@ -53,8 +53,11 @@ class RouterLink {
   // Expert servers: registers `req` and heartbeats on a thread until Stop(); queued() gives the
   // queue length each heartbeat carries.
   // lanes(), when given, is sent with each heartbeat (the data plane's lanes, for the page).
+  // refused(), when given, hears each refused registration (it is retried), e.g. ALREADY_EXISTS
+  // while an earlier process's lease of the same name lives, or PERMISSION_DENIED.
   void KeepRegistered(v1::RegisterExpertServerRequest req, std::function<int64_t()> queued,
-                      std::function<std::string()> lanes = nullptr);
+                      std::function<std::string()> lanes = nullptr,
+                      std::function<void(const absl::Status&)> refused = nullptr);
   // The lease of the current registration (0 while unregistered).
   uint64_t lease() const;
 

@@ -44,12 +44,13 @@ import numpy as np
 sys.path.insert(0, sys.argv[3])  # the test's safetensors reader only
 from moe_reference import read_safetensors
 import moe_client
-from moe_client import Client
+from moe_client import Client, cluster_args
 pb = moe_client.load_protos()
 assert "/site-packages/moe_client/_proto" in pb.source, pb.source
-cluster = json.load(open(sys.argv[1]))
 ref, _ = read_safetensors(sys.argv[2])
-with Client(cluster["attention"]) as c:
+# moe-cli up's default: mutual TLS; cluster.json names this client's certificate.
+assert cluster_args(sys.argv[1])["credentials"] is not None, "moe-cli up ran without TLS"
+with Client(**cluster_args(sys.argv[1])) as c:
     r = c.forward(ref["x"])
 assert np.array_equal(r.out_bf16, ref["out"]), "the installed client's answer differs"
 print(f"installed moe_client {moe_client.__file__}: classes from {pb.source}; forward bit-exact")

@@ -74,6 +74,23 @@ TEST(ClusterChaos, KillsAndStallsUnderLoad) {
          ASSERT_TRUE(c.RestartRouter().ok());
        },
        true},
+      // The whole expert tier at once: no request may hang past its deadline (they fail, the
+      // layer has no shard left), and the node serves again by itself when the shards return
+      // (a killed shard's restart registers once its old lease has died).
+      {"SIGSTOP every shard for 4 s (past the 3 s deadline)",
+       [&] {
+         for (int i = 0; i < 4; ++i) ASSERT_TRUE(c.SignalShard(i, SIGSTOP).ok());
+         Sleep(4000);
+         for (int i = 0; i < 4; ++i) ASSERT_TRUE(c.SignalShard(i, SIGCONT).ok());
+       },
+       false},
+      {"kill -9 every shard, restart them",
+       [&] {
+         for (int i = 0; i < 4; ++i) ASSERT_TRUE(c.SignalShard(i, SIGKILL).ok());
+         Sleep(1500);
+         for (int i = 0; i < 4; ++i) ASSERT_TRUE(c.RestartShard(i).ok());
+       },
+       false},
       {"kill -9 attention-svc, restart",
        [&] {
          ASSERT_TRUE(c.SignalAttention(SIGKILL).ok());
@@ -82,7 +99,7 @@ TEST(ClusterChaos, KillsAndStallsUnderLoad) {
        },
        false},
   };
-  std::printf("[chaos] %-36s %6s %6s %6s %6s\n", "phase", "ok", "failed", "wrong", "hung");
+  std::printf("[chaos] %-52s %6s %6s %6s %6s\n", "phase", "ok", "failed", "wrong", "hung");
   for (const Phase& p : phases) {
     const int64_t ok0 = a.ok + b.ok, failed0 = a.failed + b.failed, wrong0 = a.wrong + b.wrong,
                   hung0 = a.hung + b.hung;
@@ -98,7 +115,7 @@ TEST(ClusterChaos, KillsAndStallsUnderLoad) {
     }
     const int64_t ok = a.ok + b.ok - ok0, failed = a.failed + b.failed - failed0,
                   wrong = a.wrong + b.wrong - wrong0, hung = a.hung + b.hung - hung0;
-    std::printf("[chaos] %-36s %6lld %6lld %6lld %6lld\n", p.name, static_cast<long long>(ok),
+    std::printf("[chaos] %-52s %6lld %6lld %6lld %6lld\n", p.name, static_cast<long long>(ok),
                 static_cast<long long>(failed), static_cast<long long>(wrong),
                 static_cast<long long>(hung));
     EXPECT_GT(ok, 0) << p.name;
