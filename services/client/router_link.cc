@@ -94,43 +94,41 @@ absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::Report
 }
 
 void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
-                                std::function<int64_t()> queued,
-                                std::function<std::string()> lanes,
+                                std::function<int64_t()> queued, std::function<std::string()> lanes,
                                 std::function<void(const absl::Status&)> refused) {
-  threads_.emplace_back(
-      [this, req = std::move(req), queued = std::move(queued), lanes = std::move(lanes),
-       refused = std::move(refused)] {
-        absl::Duration interval = timings_.default_heartbeat;
-        uint64_t lease = 0;
-        while (Sleep(lease == 0 ? timings_.reconnect_delay : interval)) {
-          grpc::ClientContext ctx;
-          SetDeadline(&ctx, timings_.call_timeout);
-          if (!cluster_token_.empty())
-            ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
-          if (lease == 0) {
-            v1::RegisterExpertServerResponse resp;
-            const grpc::Status s = stub_->RegisterExpertServer(&ctx, req, &resp);
-            if (s.ok()) {
-              lease = resp.lease_id();
-              if (resp.heartbeat_interval_ms() > 0) {
-                interval = absl::Milliseconds(resp.heartbeat_interval_ms());
-              }
-            } else if (refused) {
-              refused(transport::FromGrpc(s));
-            }
-          } else {
-            v1::HeartbeatRequest hb;
-            hb.set_lease_id(lease);
-            if (queued) hb.set_queued_batches(queued());
-            if (lanes) hb.set_data_plane_lanes(lanes());
-            v1::HeartbeatResponse resp;
-            const grpc::Status s = stub_->Heartbeat(&ctx, hb, &resp);
-            if (s.error_code() == grpc::StatusCode::NOT_FOUND) lease = 0;  // register again
+  threads_.emplace_back([this, req = std::move(req), queued = std::move(queued),
+                         lanes = std::move(lanes), refused = std::move(refused)] {
+    absl::Duration interval = timings_.default_heartbeat;
+    uint64_t lease = 0;
+    while (Sleep(lease == 0 ? timings_.reconnect_delay : interval)) {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, timings_.call_timeout);
+      if (!cluster_token_.empty())
+        ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
+      if (lease == 0) {
+        v1::RegisterExpertServerResponse resp;
+        const grpc::Status s = stub_->RegisterExpertServer(&ctx, req, &resp);
+        if (s.ok()) {
+          lease = resp.lease_id();
+          if (resp.heartbeat_interval_ms() > 0) {
+            interval = absl::Milliseconds(resp.heartbeat_interval_ms());
           }
-          std::lock_guard<std::mutex> lock(mu_);
-          lease_ = lease;
+        } else if (refused) {
+          refused(transport::FromGrpc(s));
         }
-      });
+      } else {
+        v1::HeartbeatRequest hb;
+        hb.set_lease_id(lease);
+        if (queued) hb.set_queued_batches(queued());
+        if (lanes) hb.set_data_plane_lanes(lanes());
+        v1::HeartbeatResponse resp;
+        const grpc::Status s = stub_->Heartbeat(&ctx, hb, &resp);
+        if (s.error_code() == grpc::StatusCode::NOT_FOUND) lease = 0;  // register again
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      lease_ = lease;
+    }
+  });
 }
 
 uint64_t RouterLink::lease() const {
