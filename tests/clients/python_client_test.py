@@ -593,11 +593,24 @@ def start_cluster(moe_cli, ckpt, cluster_dir, extra=()):
     return up, json.load(open(cj))
 
 
+def assert_refused_without_a_certificate(attention, ca_file, ref):
+    """A plaintext client and a TLS client without a certificate of its own are refused at the
+    handshake (UNAVAILABLE), not served."""
+    from moe_client import Client, MoeError, tls_credentials
+    for name, creds in (("plaintext", None), ("no client certificate", tls_credentials(ca_file))):
+        with Client(attention, credentials=creds, timeout=5) as c:
+            try:
+                c.forward(bf16_to_f32_local(ref["x"][:5]))
+                raise AssertionError(f"a {name} client was served")
+            except MoeError as e:
+                assert e.code == "UNAVAILABLE", (name, e)
+
+
 def test_python_client_tls(client_dir, moe_cli, ckpt, ref, work):
     """The client over mutual TLS (certificates made here by openssl); plaintext and
     certificate-less clients are refused."""
     sys.path.insert(0, client_dir)
-    from moe_client import Client, MoeError, tls_credentials
+    from moe_client import Client, tls_credentials
     pki = os.path.join(work, "pki")
     subprocess.run(["bash", os.path.join(_TESTS, "common", "make_test_pki.sh"), pki], check=True,
                    timeout=60)
@@ -611,14 +624,7 @@ def test_python_client_tls(client_dir, moe_cli, ckpt, ref, work):
         with Client(cluster["attention"], credentials=member) as c:
             r = c.forward(bf16_to_f32_local(ref["x"][:5]))
             assert np.array_equal(r.out_bf16, ref["out"][:5]), "TLS forward differs"
-        for name, creds in (("plaintext", None), ("no client certificate",
-                                                  tls_credentials(f["ca.pem"]))):
-            with Client(cluster["attention"], credentials=creds, timeout=5) as c:
-                try:
-                    c.forward(bf16_to_f32_local(ref["x"][:5]))
-                    raise AssertionError(f"a {name} client was served")
-                except MoeError as e:
-                    assert e.code == "UNAVAILABLE", (name, e)
+        assert_refused_without_a_certificate(cluster["attention"], f["ca.pem"], ref)
     finally:
         stop(up)
     print("python client over mutual TLS: bit-exact; plaintext and certificate-less refused")
@@ -629,7 +635,7 @@ def test_python_client_default_tls(client_dir, moe_cli, ckpt, ref, work):
     identity per process; cluster.json gives a client its certificate (cluster_args), and a
     plaintext or certificate-less client is refused. No plain-HTTP REST front is served."""
     sys.path.insert(0, client_dir)
-    from moe_client import Client, MoeError, cluster_args, tls_credentials
+    from moe_client import Client, cluster_args
     cluster_dir = os.path.join(work, "cluster-default")
     up, cluster = start_cluster(moe_cli, ckpt, cluster_dir)
     try:
@@ -643,14 +649,7 @@ def test_python_client_default_tls(client_dir, moe_cli, ckpt, ref, work):
         with Client(**c_args) as c:
             r = c.forward(bf16_to_f32_local(ref["x"][:5]))
             assert np.array_equal(r.out_bf16, ref["out"][:5]), "default-TLS forward differs"
-        for name, creds in (("plaintext", None), ("no client certificate",
-                                                  tls_credentials(cluster["tls"]["ca_file"]))):
-            with Client(cluster["attention"], credentials=creds, timeout=5) as c:
-                try:
-                    c.forward(bf16_to_f32_local(ref["x"][:5]))
-                    raise AssertionError(f"a {name} client was served by the default cluster")
-                except MoeError as e:
-                    assert e.code == "UNAVAILABLE", (name, e)
+        assert_refused_without_a_certificate(cluster["attention"], cluster["tls"]["ca_file"], ref)
     finally:
         stop(up)
     print("moe-cli up's default: mutual TLS on its own CA; its client bit-exact, plaintext and "

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -54,6 +55,18 @@ inline const std::string& CheckpointFor(const std::string& preset) {
   so.single_file = preset == "tiny";
   EXPECT_TRUE(checkpoint::WriteSyntheticCheckpoint(*cfg, dir, so).ok());
   return (*dirs)[preset] = dir;
+}
+
+// stdout of a shell command (bounded by `timeout`); add 2>&1 to see its errors too.
+inline std::string RunShell(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(("timeout 10 " + cmd).c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
 }
 
 inline std::unique_ptr<client::MoeClient> ClientFor(const LocalCluster& c,

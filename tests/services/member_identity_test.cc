@@ -29,22 +29,11 @@ namespace {
 using testing::CheckpointFor;
 using testing::InProcessLayer;
 using testing::MakeTempDir;
+using testing::RunShell;
 using testing::TestCluster;
 using testing::Traffic;
 using tools::LocalCluster;
 using tools::LocalClusterOptions;
-
-// stdout and stderr of a shell command, bounded by `timeout`.
-std::string RunShell(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen(("timeout 10 " + cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  ::pclose(p);
-  return out;
-}
 
 std::string ReadWord(const std::string& path) {
   std::ifstream f(path);
@@ -65,13 +54,14 @@ TEST(LocalPki, IssuesEachProcessItsOwnSpiffeIdentity) {
        {std::pair<std::string, std::string>{"shard-0", "expert"}, {"client", "client"}}) {
     SCOPED_TRACE(name);
     const std::string cert = dir + "/" + name + ".pem";
-    EXPECT_THAT(
-        RunShell(absl::StrCat("openssl verify -purpose sslserver -CAfile ", dir, "/ca.pem ", cert)),
-        ::testing::HasSubstr(": OK"));
-    EXPECT_THAT(
-        RunShell(absl::StrCat("openssl verify -purpose sslclient -CAfile ", dir, "/ca.pem ", cert)),
-        ::testing::HasSubstr(": OK"));
-    const std::string san = RunShell("openssl x509 -noout -ext subjectAltName -in " + cert);
+    EXPECT_THAT(RunShell(absl::StrCat("openssl verify -purpose sslserver -CAfile ", dir, "/ca.pem ",
+                                      cert, " 2>&1")),
+                ::testing::HasSubstr(": OK"));
+    EXPECT_THAT(RunShell(absl::StrCat("openssl verify -purpose sslclient -CAfile ", dir, "/ca.pem ",
+                                      cert, " 2>&1")),
+                ::testing::HasSubstr(": OK"));
+    const std::string san =
+        RunShell("openssl x509 -noout -ext subjectAltName -in " + cert + " 2>&1");
     EXPECT_THAT(san, ::testing::HasSubstr(absl::StrCat("URI:spiffe://moe/", role, "/", name)));
     EXPECT_THAT(san, ::testing::HasSubstr("DNS:localhost"));
     EXPECT_THAT(san, ::testing::HasSubstr("IP Address:127.0.0.1"));
@@ -87,9 +77,9 @@ TEST(LocalPki, IssuesEachProcessItsOwnSpiffeIdentity) {
   // A certificate of another CA made the same way does not verify against this one.
   const std::string other = MakeTempDir("local_pki_other") + "/pki";
   ASSERT_TRUE(transport::MakeLocalPki(other, {{"shard-0", "expert"}}, "moe").ok());
-  EXPECT_THAT(
-      RunShell(absl::StrCat("openssl verify -CAfile ", dir, "/ca.pem ", other, "/shard-0.pem")),
-      ::testing::Not(::testing::HasSubstr(": OK")));
+  EXPECT_THAT(RunShell(absl::StrCat("openssl verify -CAfile ", dir, "/ca.pem ", other,
+                                    "/shard-0.pem 2>&1")),
+              ::testing::Not(::testing::HasSubstr(": OK")));
   for (const auto& [members, domain] :
        std::vector<std::pair<std::vector<transport::PkiMember>, std::string>>{
            {{{"a,URI:spiffe://moe/expert/shard-0", "expert"}}, "moe"},

@@ -34,22 +34,11 @@ using testing::InProcessLayer;
 using testing::MakeTempDir;
 using testing::MakeTestPki;
 using testing::MemberTls;
+using testing::RunShell;
 using testing::SameBits;
 using testing::TestCluster;
 using tools::LocalCluster;
 using tools::LocalClusterOptions;
-
-// stdout of a shell command (bounded by `timeout`).
-std::string RunShell(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen(("timeout 10 " + cmd).c_str(), "r");
-  if (p == nullptr) return out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  ::pclose(p);
-  return out;
-}
 
 // The subject of the certificate a TLS server presents, as openssl prints it ("CN = ...").
 std::string PresentedSubject(const std::string& endpoint, const transport::TlsOptions& me) {
