@@ -25,7 +25,14 @@ cd "$ROOT/tests/deploy"
 
 GO111MODULE=off GOPATH=/usr/share/gocode GOCACHE="$WORK/gocache" \
   go build -o "$WORK/render" ./render
-render() { "$WORK/render" -chart "$CHART" -release moe -namespace serving "$@"; }
+render_as_given() { "$WORK/render" -chart "$CHART" -release moe -namespace serving "$@"; }
+# Members speak TLS by default and the chart refuses plaintext unless asked for by name: the
+# renders below that test other features ask for it (insecure=true) unless they set tls.*.
+render() {
+  local plain=(-set insecure=true)
+  for a in "$@"; do case $a in tls.*) plain=() ;; esac; done
+  render_as_given "${plain[@]}" "$@"
+}
 
 echo "== chart files"
 for preset in tiny mid k3; do
@@ -38,7 +45,38 @@ cmp "$DASH" "$CHART/files/moe-dashboard.json"
 "$MOE_TOOL" ranges --config k3 --shards 8 --replicas 2 >"$WORK/ranges-k3.json"
 "$MOE_TOOL" ranges --config mid --shards 5 --replicas 3 >"$WORK/ranges-claim.json"
 
-echo "== default values"
+echo "== secure by default: TLS members, per-pod identities from cert-manager, plaintext only by name"
+# Without cert-manager and without a PKI given, the default values refuse to render.
+if render_as_given -out "$WORK/refused.yaml" 2>"$WORK/refused.err"; then
+  echo "FAIL: the default values rendered without a PKI"; exit 1
+fi
+grep -q "TLS (the default) needs a PKI" "$WORK/refused.err"
+grep -q "plaintext only when asked for by name: insecure=true" "$WORK/refused.err"
+if render_as_given -set tls.enabled=false -out "$WORK/refused.yaml" 2>"$WORK/refused.err"; then
+  echo "FAIL: tls.enabled=false rendered plaintext members without insecure=true"; exit 1
+fi
+grep -q "plaintext members are rendered only when asked for by name" "$WORK/refused.err"
+# With cert-manager in the cluster: a CA issuer of the release's own, every pod its own
+# certificate (CSI driver) naming its SPIFFE identity, members bound to it, no plain REST front.
+render_as_given -api cert-manager.io/v1 -out "$WORK/secure-default.yaml"
+node validate.mjs --manifests "$WORK/secure-default.yaml" --dashboard "$DASH" \
+  --expect-ranges "$WORK/ranges-default.json" --expect-tls
+test "$(grep -c '^kind: Issuer' "$WORK/secure-default.yaml")" -eq 2
+grep -q '^kind: Certificate' "$WORK/secure-default.yaml"
+grep -q '  isCA: true' "$WORK/secure-default.yaml"
+test "$(grep -c 'csi.cert-manager.io/issuer-name: moe-moe-serving-ca' "$WORK/secure-default.yaml")" -eq 3
+for role in expert attention router; do
+  grep -q "csi.cert-manager.io/uri-sans: \"spiffe://moe/$role/\${POD_NAME}\"" "$WORK/secure-default.yaml"
+done
+test "$(grep -c -- '- --tls_member_identity=true' "$WORK/secure-default.yaml")" -eq 3
+if grep -q -- "--http_port" "$WORK/secure-default.yaml"; then
+  echo "FAIL: the plain-HTTP REST front is rendered on a TLS cluster"; exit 1
+fi
+# Your own issuer or Secret: no bootstrap CA of the chart's.
+render_as_given -api cert-manager.io/v1 -set tls.perPodIssuer.name=moe-ca -out "$WORK/own-issuer.yaml"
+if grep -q '^kind: Issuer' "$WORK/own-issuer.yaml"; then echo "FAIL: a CA bootstrapped beside the given issuer"; exit 1; fi
+
+echo "== default values, plaintext asked for by name (insecure=true)"
 render -out "$WORK/default.yaml" -notes "$WORK/default-notes.txt"
 node validate.mjs --manifests "$WORK/default.yaml" --dashboard "$DASH" \
   --expect-ranges "$WORK/ranges-default.json" --print-checksum "$WORK/checksum-default"
@@ -248,7 +286,7 @@ expect_render_error "must lie in \[1, E = 16\]" -set model.preset=tiny -set expe
 expect_render_error "replicasPerRange must be at least 1" -set experts.replicasPerRange=0
 expect_render_error 'no files/config-huge.json' -set model.preset=huge
 expect_render_error 'dataPlane.mode "rdma" must be auto, grpc or ucx' -set dataPlane.mode=rdma
-expect_render_error 'tls.enabled needs tls.perPodIssuer.name' -set tls.enabled=true
+expect_render_error 'TLS (the default) needs a PKI' -set tls.enabled=true
 expect_render_error 'router.replicas > 1 needs router.etcd.endpoint' -set router.replicas=2
 expect_render_error 'minReplicas 5 is above maxReplicas 2' -set attention.autoscaling.enabled=true \
   -set attention.autoscaling.minReplicas=5 -set attention.autoscaling.maxReplicas=2

@@ -30,6 +30,10 @@ const models = {
     require('kubernetes-models/autoscaling/v2/HorizontalPodAutoscaler').HorizontalPodAutoscaler,
   'networking.k8s.io/v1/NetworkPolicy':
     require('kubernetes-models/networking.k8s.io/v1/NetworkPolicy').NetworkPolicy,
+  'cert-manager.io/v1/Issuer': (await import(
+    '@kubernetes-models/cert-manager/cert-manager.io/v1/Issuer')).Issuer,
+  'cert-manager.io/v1/Certificate': (await import(
+    '@kubernetes-models/cert-manager/cert-manager.io/v1/Certificate')).Certificate,
   'monitoring.coreos.com/v1/ServiceMonitor': (await import(
     '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor')).ServiceMonitor,
 };

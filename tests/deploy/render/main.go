@@ -118,6 +118,19 @@ func toYaml(v interface{}) string {
 	return strings.TrimSuffix(buf.String(), "\n")
 }
 
+// apiVersions is Helm's .Capabilities.APIVersions: a list with Has (a group/version or a
+// group/version/kind).
+type apiVersions []string
+
+func (a apiVersions) Has(v string) bool {
+	for _, x := range a {
+		if x == v {
+			return true
+		}
+	}
+	return false
+}
+
 func main() {
 	chart := flag.String("chart", "", "chart directory")
 	release := flag.String("release", "moe", "release name")
@@ -125,6 +138,7 @@ func main() {
 	out := flag.String("out", "", "rendered manifests (multi-document YAML)")
 	notes := flag.String("notes", "", "rendered NOTES.txt")
 	upgrade := flag.Bool("upgrade", false, "render as `helm upgrade` does (.Release.IsUpgrade, revision 2)")
+	apis := flag.String("api", "", "comma-separated API versions the cluster serves besides the built-in ones (.Capabilities.APIVersions), e.g. cert-manager.io/v1")
 	var valueFiles, sets multiFlag
 	flag.Var(&valueFiles, "f", "values file (repeatable)")
 	flag.Var(&sets, "set", "key.path=value (repeatable)")
@@ -241,7 +255,8 @@ func main() {
 			"Chart": chartObj,
 			"Capabilities": map[string]interface{}{
 				"KubeVersion": map[string]interface{}{"Version": "v1.29.0", "Major": "1", "Minor": "29"},
-				"APIVersions": []string{"v1", "apps/v1", "monitoring.coreos.com/v1"}},
+				"APIVersions": apiVersions(append([]string{"v1", "apps/v1", "monitoring.coreos.com/v1"},
+					strings.FieldsFunc(*apis, func(r rune) bool { return r == ',' })...))},
 			"Template": map[string]interface{}{"Name": tname, "BasePath": name + "/templates"},
 			"Files":    files,
 		}

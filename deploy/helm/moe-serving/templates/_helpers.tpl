@@ -116,21 +116,46 @@ its role's token and the attention token's SHA-256, an attention node its role's
         path: attention-token
       {{- end }}
 {{- end -}}
-{{/* TLS files from the pod's tls volume (tls.enabled): its own certificate naming its member
-identity (tls.perPodIssuer: members act only as themselves), or the shared Secret (every
-member's certificate equal: identities not bound). */}}
+{{/* Whether members speak TLS: "true" unless plaintext is asked for by name (insecure=true);
+tls.enabled=false alone is refused. */}}
+{{- define "moe.tlsOn" -}}
+{{- if not .Values.insecure -}}
+{{- if not .Values.tls.enabled -}}
+{{- fail "tls.enabled=false: plaintext members are rendered only when asked for by name (insecure=true); members without TLS hold only per-member tokens (docs/security.md)" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The cert-manager issuer that gives every pod a certificate of its own (members act only as
+themselves): tls.perPodIssuer, else, with neither it nor tls.existingSecret and cert-manager in
+the cluster, the CA issuer this chart bootstraps (certmanager-ca.yaml); "" for the shared
+Secret. Fails when TLS has no PKI at all. */}}
+{{- define "moe.tlsIssuer" -}}
+{{- if .Values.tls.perPodIssuer.name -}}
+{{ .Values.tls.perPodIssuer.name }}
+{{- else if not .Values.tls.existingSecret -}}
+{{- if .Capabilities.APIVersions.Has "cert-manager.io/v1" -}}
+{{ include "moe.fullname" . }}-ca
+{{- else -}}
+{{- fail "TLS (the default) needs a PKI: cert-manager with its CSI driver in the cluster (the chart then issues every pod its own certificate), tls.perPodIssuer.name (your cert-manager issuer) or tls.existingSecret (a Secret with tls.crt, tls.key and ca.crt); plaintext only when asked for by name: insecure=true" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* TLS files from the pod's tls volume: its own certificate naming its member identity (a
+per-pod issuer: members act only as themselves), or the shared Secret (every member's
+certificate equal: identities not bound, names bound by the member tokens). */}}
 {{- define "moe.tlsFlags" -}}
-{{- if .Values.tls.enabled }}
-{{- if not (or .Values.tls.existingSecret .Values.tls.perPodIssuer.name) }}
-{{- fail "tls.enabled needs tls.perPodIssuer.name (a cert-manager issuer: per-pod certificates) or tls.existingSecret (a Secret with tls.crt, tls.key and ca.crt)" }}
-{{- end }}
+{{- if include "moe.tlsOn" . }}
+{{- $issuer := include "moe.tlsIssuer" . }}
 - --tls_cert_file=/var/run/moe/tls/tls.crt
 - --tls_key_file=/var/run/moe/tls/tls.key
 - --tls_ca_file=/var/run/moe/tls/ca.crt
 - --tls_require_client_cert={{ .Values.tls.requireClientCert }}
 - --tls_refresh_seconds={{ .Values.tls.refreshSeconds }}
 - --tls_trust_domain={{ .Values.tls.trustDomain }}
-- --tls_member_identity={{ if .Values.tls.perPodIssuer.name }}true{{ else }}false{{ end }}
+- --tls_member_identity={{ if $issuer }}true{{ else }}false{{ end }}
 {{- end }}
 {{- end -}}
 
@@ -141,16 +166,17 @@ Secret. */}}
 {{- define "moe.tlsVolume" -}}
 {{- $ctx := .ctx -}}
 {{- $v := $ctx.Values -}}
-{{- if $v.tls.enabled }}
+{{- if include "moe.tlsOn" $ctx }}
+{{- $issuer := include "moe.tlsIssuer" $ctx }}
 - name: tls
-{{- if $v.tls.perPodIssuer.name }}
+{{- if $issuer }}
   csi:
     driver: csi.cert-manager.io
     readOnly: true
     volumeAttributes:
-      csi.cert-manager.io/issuer-name: {{ $v.tls.perPodIssuer.name }}
-      csi.cert-manager.io/issuer-kind: {{ $v.tls.perPodIssuer.kind }}
-      csi.cert-manager.io/issuer-group: {{ $v.tls.perPodIssuer.group }}
+      csi.cert-manager.io/issuer-name: {{ $issuer }}
+      csi.cert-manager.io/issuer-kind: {{ if $v.tls.perPodIssuer.name }}{{ $v.tls.perPodIssuer.kind }}{{ else }}Issuer{{ end }}
+      csi.cert-manager.io/issuer-group: {{ if $v.tls.perPodIssuer.name }}{{ $v.tls.perPodIssuer.group }}{{ else }}cert-manager.io{{ end }}
       csi.cert-manager.io/uri-sans: "spiffe://{{ $v.tls.trustDomain }}/{{ .role }}/${POD_NAME}"
       {{- if eq .role "expert" }}
       csi.cert-manager.io/dns-names: "${POD_NAME}.{{ include "moe.expertHeadless" $ctx }}.${POD_NAMESPACE}.svc.cluster.local,localhost"
@@ -241,7 +267,7 @@ Secret. */}}
 - name: cluster-token
   mountPath: /var/run/moe/cluster
   readOnly: true
-{{- if .Values.tls.enabled }}
+{{- if include "moe.tlsOn" . }}
 - name: tls
   mountPath: /var/run/moe/tls
   readOnly: true
@@ -308,7 +334,7 @@ initContainers:
 TLS, exec probes (`moe-cli health` over the pod's own certificate): kubelet's gRPC probe has no
 TLS. */}}
 {{- define "moe.probes" -}}
-{{- if .Values.tls.enabled }}
+{{- if include "moe.tlsOn" . }}
 {{- $health := printf "moe-cli health --endpoint=127.0.0.1:%v --tls_ca_file=/var/run/moe/tls/ca.crt --tls_cert_file=/var/run/moe/tls/tls.crt --tls_key_file=/var/run/moe/tls/tls.key" .Values.ports.grpc }}
 startupProbe:
   exec:
