@@ -54,8 +54,9 @@ struct Connection {
 struct Request {
   std::string raw_uri;  // as sent: the query is parsed from it by ParseQuery
   HttpRequest req;
-  bool started = false;     // the headers were read and checked
-  bool too_large = false;   // the body passed max_body_bytes: answered 413 at the end
+  bool conflicting_length = false;  // two Content-Length headers that differ
+  bool started = false;             // the headers were read and checked
+  bool too_large = false;           // the body passed max_body_bytes: answered 413 at the end
   bool dispatched = false;  // handed to a worker (the connection suspended until it answers)
   bool answered = false;    // `resp` holds the worker's answer
   HttpResponse resp;
@@ -97,7 +98,7 @@ class HttpServer::Impl {
         MHD_OPTION_CONNECTION_MEMORY_LIMIT, static_cast<size_t>(o_.max_header_bytes + 4096),
         // A backstop only: the reaper's deadlines start at the accept and come first.
         MHD_OPTION_CONNECTION_TIMEOUT, idle_s, MHD_OPTION_STRICT_FOR_CLIENT, 1,
-        MHD_OPTION_URI_LOG_CALLBACK, &Impl::UriLog, this, MHD_OPTION_NOTIFY_COMPLETED,
+        MHD_OPTION_URI_LOG_CALLBACK, &Impl::UriLog, nullptr, MHD_OPTION_NOTIFY_COMPLETED,
         &Impl::Completed, this, MHD_OPTION_NOTIFY_CONNECTION, &Impl::Notify, this,
         MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024u, MHD_OPTION_END);
     if (daemon_ == nullptr) {
@@ -137,10 +138,9 @@ class HttpServer::Impl {
     Request* r;
   };
 
-  static void* UriLog(void* cls, const char* uri, MHD_Connection*) {
+  static void* UriLog(void*, const char* uri, MHD_Connection*) {
     auto* r = new Request();  // freed by Completed
     r->raw_uri = uri != nullptr ? uri : "";
-    (void)cls;
     return r;
   }
 
@@ -207,10 +207,12 @@ class HttpServer::Impl {
     auto* r = static_cast<Request*>(cls);
     std::string name = absl::AsciiStrToLower(absl::string_view(key, key_size));
     std::string v(absl::StripAsciiWhitespace(absl::string_view(value, value_size)));
-    if (name == "content-length" && r->req.headers.count(name) > 0 && r->req.headers[name] != v) {
-      r->req.headers["\x01conflicting-length"] = v;  // a marker no header name can be
+    const auto [it, first] = r->req.headers.emplace(std::move(name), std::move(v));
+    // Repeated fields keep their first value; a Content-Length that disagrees is remembered.
+    if (!first && it->first == "content-length" &&
+        it->second != absl::StripAsciiWhitespace(absl::string_view(value, value_size))) {
+      r->conflicting_length = true;
     }
-    r->req.headers.emplace(std::move(name), std::move(v));  // the first of repeated fields
     return MHD_YES;
   }
 
@@ -238,7 +240,7 @@ class HttpServer::Impl {
       r->req.peer = text;
     }
     auto& h = r->req.headers;
-    if (h.erase("\x01conflicting-length") > 0) {
+    if (r->conflicting_length) {
       return Refuse(conn, 400, "conflicting Content-Length headers (RFC 9112, 6.3)");
     }
     if (h.count("content-length") > 0 && h.count("transfer-encoding") > 0) {

@@ -156,13 +156,16 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
       o.shard_ranges.emplace_back(r.lo, r.hi);
     }
   }
+  // Each shard's name (its certificate, token file, table entry and log): shard-<i>.
+  std::vector<std::string> shard_names;
+  for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
+    shard_names.push_back(absl::StrCat("shard-", i));
+  }
   if (o.local_pki && !o.tls.enabled()) {
     const std::string pki = o.work_dir + "/pki";
     std::vector<transport::PkiMember> members = {
         {"router-svc", "router"}, {"attention-svc", "attention"}, {"client", "client"}};
-    for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
-      members.push_back({absl::StrCat("shard-", i), "expert"});
-    }
+    for (const std::string& shard : shard_names) members.push_back({shard, "expert"});
     MOE_RETURN_IF_ERROR(transport::MakeLocalPki(pki, members, o.tls.trust_domain));
     o.tls.ca_file = pki + "/ca.pem";
     o.tls.cert_file = pki + "/{name}.pem";
@@ -209,8 +212,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   MOE_ASSIGN_OR_RETURN(const std::string cluster_token, RandomSecret());
   MOE_RETURN_IF_ERROR(WritePrivateFile(o.work_dir + "/cluster_token", cluster_token));
   const std::string attention_token = transport::MemberRoleToken(cluster_token, "attention");
-  for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
-    const std::string shard = absl::StrCat("shard-", i);
+  for (const std::string& shard : shard_names) {
     MOE_RETURN_IF_ERROR(WritePrivateFile(absl::StrCat(o.work_dir, "/", shard, ".token"),
                                          transport::ExpertMemberToken(cluster_token, shard)));
   }
@@ -236,7 +238,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   {
     nlohmann::json shards = nlohmann::json::object();
     for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
-      shards[absl::StrCat("shard-", i)] = {o.shard_ranges[i].first, o.shard_ranges[i].second};
+      shards[shard_names[i]] = {o.shard_ranges[i].first, o.shard_ranges[i].second};
     }
     const std::string ranges_file = o.work_dir + "/ranges.json";
     MOE_RETURN_IF_ERROR(WritePrivateFile(ranges_file, nlohmann::json{{"shards", shards}}.dump()));
@@ -254,7 +256,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   const std::string router = "--router=" + c->router_endpoint();
   for (size_t i = 0; i < o.shard_ranges.size(); ++i) {
     Child s;
-    s.name = absl::StrCat("shard-", i);
+    s.name = shard_names[i];
     s.args = {o.bin_dir + "/expert-svc",
               "--checkpoint=" + o.checkpoint,
               absl::StrCat("--expert_lo=", o.shard_ranges[i].first),
