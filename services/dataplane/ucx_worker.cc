@@ -542,6 +542,7 @@ class UcxWorkerImpl {
   int64_t registered() const { return pool_ != nullptr ? pool_->registered.load() : 0; }
   int64_t hellos_dropped() const { return hellos_dropped_.load(); }
   int64_t stray_messages_dropped() const { return stray_dropped_.load(); }
+  int64_t reply_endpoints_reused() const { return reply_endpoints_reused_.load(); }
 
  private:
   static constexpr uint16_t kHelloAmId = 1;
@@ -590,10 +591,19 @@ class UcxWorkerImpl {
     return lanes;
   }
 
-  // The id of an endpoint UCX made for a peer (a hello's reply endpoint), made known once.
+  // The id of an endpoint UCX made for a peer (a hello's reply endpoint). Every hello gets an
+  // id of its own: UCX releases the endpoint it made for a peer that went away and may make the
+  // next peer's at the same address, so a handle already known here belongs to a peer that is
+  // gone. Its id is retired (transfers waiting on it fail; sends to it find no endpoint) rather
+  // than handed to the new peer, whose endpoint would otherwise be forgotten when the old
+  // peer's client is replaced (ucx_data_plane.cc, Open), its acknowledgement never sent.
   uint64_t Adopt(ucp_ep_h h) {
     auto it = by_handle_.find(h);
-    if (it != by_handle_.end()) return it->second;
+    if (it != by_handle_.end()) {
+      if (eps_.at(it->second)->owned) return it->second;  // one of ours, answered on
+      reply_endpoints_reused_.fetch_add(1);
+      CloseEp(it->second);
+    }
     auto e = std::make_unique<Endpoint>();
     e->id = next_ep_++;
     e->ep = h;
@@ -1199,6 +1209,7 @@ class UcxWorkerImpl {
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> hellos_dropped_{0};
   std::atomic<int64_t> stray_dropped_{0};
+  std::atomic<int64_t> reply_endpoints_reused_{0};
   std::atomic<int64_t> messages_dropped_{0};
   std::atomic<bool> has_commands_{false};  // commands_ is not empty (set under mu_)
   int pollers_ = 0;                        // threads between BeginPolling and EndPolling
@@ -1249,6 +1260,7 @@ std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t ep, std::string hello
 }
 int64_t UcxWorker::hellos_dropped() const { return impl_->hellos_dropped(); }
 int64_t UcxWorker::stray_messages_dropped() const { return impl_->stray_messages_dropped(); }
+int64_t UcxWorker::reply_endpoints_reused() const { return impl_->reply_endpoints_reused(); }
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t bytes) {
   return impl_->Buffer(bytes);
 }

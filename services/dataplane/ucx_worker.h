@@ -202,6 +202,9 @@ class UcxWorker {
   std::shared_ptr<UcxTransfer> SendHello(uint64_t ep, std::string hello, absl::Time deadline);
   // Active messages dropped as malformed (hostile or confused peers).
   int64_t hellos_dropped() const;
+  // Hellos that came on an endpoint UCX made at the address of one it had made for an earlier
+  // peer (gone): each got a new id, the earlier one retired.
+  int64_t reply_endpoints_reused() const;
   // Active messages on any id but the hello's, dropped. UCX 1.13.1 reads its handler table
   // without a bounds check: a message on an id past the table's end (65535, or anything above
   // about 17,000) makes the progress thread read unmapped memory (SIGSEGV) or call whatever the

@@ -38,6 +38,7 @@ std::shared_ptr<UcxTransfer> UcxWorker::SendHello(uint64_t, std::string, absl::T
 }
 int64_t UcxWorker::hellos_dropped() const { return 0; }
 int64_t UcxWorker::stray_messages_dropped() const { return 0; }
+int64_t UcxWorker::reply_endpoints_reused() const { return 0; }
 absl::StatusOr<std::shared_ptr<UcxBuffer>> UcxWorker::Buffer(size_t) {
   return absl::UnimplementedError("built without UCX");
 }

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -348,6 +349,69 @@ TEST(UcxWorker, TransfersToAFailedPeerFailAndNeverHang) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_EQ(a->transfers_in_flight(), 0);
+}
+
+// Peers that say hello and go away one after another, as attention nodes that restart do. UCX
+// releases the endpoint it made for a peer that is gone and may make the next peer's at the
+// same address; every hello must still get an endpoint id of its own, answerable after the
+// previous peer's id is let go (what the shard does when a node reconnects under its name).
+// The CI run of 2026-12-04 lost a hello's acknowledgement to the id of a peer that was gone.
+TEST(UcxWorker, EveryHelloGetsAnEndpointOfItsOwnWhenUcxReusesOne) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  auto b = MakeWorker("tcp", "shard");
+  ASSERT_NE(b, nullptr);
+  std::mutex mu;
+  std::vector<std::pair<std::string, uint64_t>> hellos;  // (hello, endpoint id)
+  b->OnHello([&](std::string_view hello, uint64_t from, const UcxLanes&) {
+    std::lock_guard<std::mutex> lock(mu);
+    hellos.emplace_back(std::string(hello), from);
+  });
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  int rounds = 0, answered = 0;
+  uint64_t previous = 0;
+  std::vector<uint64_t> ids;
+  // Bounded in count and time; stops early once UCX has reused an endpoint 3 times.
+  for (; rounds < 60 && absl::Now() < end && b->reply_endpoints_reused() < 3; ++rounds) {
+    auto a = MakeWorker("tcp", absl::StrCat("node-", rounds));
+    ASSERT_NE(a, nullptr);
+    auto ep = a->Connect(b->address(), nullptr);
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    auto in = a->Buffer(64);
+    ASSERT_TRUE(in.ok());
+    auto ack = a->RecvAny(1000 + rounds, *in, deadline);
+    const std::string hello = absl::StrCat("peer ", rounds);
+    ASSERT_TRUE(a->SendHello(*ep, hello, deadline)->Wait(deadline).ok());
+    uint64_t from = 0;
+    for (int i = 0; i < 500 && from == 0; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!hellos.empty() && hellos.back().first == hello) from = hellos.back().second;
+      }
+      if (from == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ASSERT_NE(from, 0u) << hello << " never arrived";
+    ids.push_back(from);
+    // The previous peer's endpoint is let go, then this peer is answered on its own.
+    if (previous != 0) b->Disconnect(previous);
+    previous = from;
+    auto sent =
+        b->Send(from, 1000 + rounds, Filled(*b, 64, static_cast<uint8_t>(rounds)), 64, deadline);
+    auto got = ack->Wait(deadline);
+    EXPECT_TRUE(got.ok()) << hello << ": " << got.status();
+    if (got.ok()) {
+      ++answered;
+      EXPECT_EQ((*in)->data()[5], static_cast<uint8_t>(rounds + 5 * 7));
+    }
+    (void)sent->Wait(deadline);
+    a.reset();  // the peer goes away; UCX may release the endpoint it made for it
+  }
+  EXPECT_EQ(answered, rounds);
+  std::vector<uint64_t> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::unique(sorted.begin(), sorted.end()), sorted.end()) << "an endpoint id was reused";
+  std::printf("%d peers, UCX reused an endpoint %lld times\n", rounds,
+              static_cast<long long>(b->reply_endpoints_reused()));
 }
 
 // Flow control: with a 1 MiB window, 8 MiB of 1 MiB chunks to one endpoint all arrive, in

@@ -140,9 +140,11 @@ TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
 // Attention nodes come and go (a worker dies, a node reconnects under its name) while others keep
 // sending: every batch of every live node is answered. UCX may hand a new peer the endpoint of
 // one that died; the shard once closed that endpoint when the dead peer's node reconnected, and
-// the live node's batches then went unanswered (found by hop_bench's senders over TCP; whether
-// UCX reuses an endpoint here depends on its allocator, so the rule itself is pinned by
-// DataPlaneClients.ReconnectsReplaceTheirOldEntryWithinTheLimit).
+// the live node's batches then went unanswered (found by hop_bench's senders over TCP); later it
+// gave the new peer the dead one's endpoint id, which the reconnect then forgot, and the new
+// peer's hello went unacknowledged (a CI run). Whether UCX reuses an endpoint in this test
+// depends on timing, so the rules are pinned by DataPlaneClients.ReconnectsReplaceTheirOldEntry-
+// WithinTheLimit and UcxWorker.EveryHelloGetsAnEndpointOfItsOwnWhenUcxReusesOne.
 TEST(EchoDataPlane, NodesThatComeAndGoLeaveTheOthersAnswered) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const ModelConfig cfg = *PresetConfig("mid");
