@@ -234,7 +234,7 @@ constexpr MetricInfo kMetrics[] = {
      "cache or pinned",
      "the CPU kernel sets chosen by measurement (value 1): `decode` runs the row "
      "kernels, `prefill` the panel kernel from `panel_from` tokens per expert "
-     "(`never`); `source` `measured`, `cache` or `pinned` (see \"CPU backend\")",
+     "(`never`); `source` `measured`, `cache` or `pinned` (see docs/kernels.md)",
      "", ""},
     {"moe_expert_kernel_probe_flops_per_second", "gauge", "shard, set, kernel, tokens",
      "What each CPU kernel set did in the choice's probe at the served shape, by "

@@ -5,7 +5,7 @@
 // A service's main() configures it once, before any channel or server exists; MakeChannel and
 // GrpcServer::Start then use it:
 //   TlsOptions tls;  tls.cert_file = "/var/run/moe/tls/tls.crt"; ... (flags: AddTlsFlags)
-//   MOE_RETURN_IF_ERROR(ConfigureProcessTls(tls));
+//   MOE_RETURN_IF_ERROR(ConfigureProcessTls(tls, /*server=*/true));
 // A library user who holds several configurations passes credentials explicitly instead:
 //   MOE_ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
 //   auto channel = MakeChannel("moe-attention:50051", kDefaultMaxMessageBytes, creds);

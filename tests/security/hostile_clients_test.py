@@ -7,7 +7,7 @@ Every case asserts the status code and a piece of the message; after every case 
 four processes must still be running and within its memory bound (its RSS at start plus
 MEMORY_SLACK), and a canary thread that sends the same 4-token Forward the whole time must
 have received only bit-exact answers (the oracle: `moe-tool forward`, the in-process C++
-layer). The table printed at the end is the README's "hostile clients" figures.
+layer). The table printed at the end is the "hostile clients" figures of docs/security.md.
 """
 import argparse
 import glob

@@ -239,7 +239,7 @@ def alive(pid):
 
 
 def stop_under_load(ctx, pids):
-    """SIGTERM to every server while heavy requests run: each exits within 3 s, the README's
+    """SIGTERM to every server while heavy requests run: each exits within 3 s, docs/security.md's
     promise (its 2 s grace for running calls, then its own teardown: the HTTP servers' stops
     are woken at once)."""
     x = np.tile(ctx.ref["x"], (512, 1))

@@ -3,7 +3,7 @@
 // router-svc and of attention-svc, each followed by its restart, while two clients send
 // Forward requests with a 3 s deadline. Counted per phase: answers OK and bit-exact, failed,
 // wrong (must be 0) and hung past their deadline (must be 0); a replica kill and a router kill
-// fail none. The figures are the README's chaos table.
+// fail none. The figures are docs/survive.md's chaos table.
 #include <signal.h>
 
 #include <chrono>

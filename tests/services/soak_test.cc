@@ -2,7 +2,7 @@
 // command; scripts/soak.sh runs 1800), the RSS, threads and open descriptors of every process
 // sampled every 5 s. After a warm-up (a fifth of the run, at least 20 s) they must stay flat:
 // RSS within 48 MiB of the warm-up's, threads within 2, descriptors within 8. Every answer is
-// checked bit for bit. The table it prints is the README's soak figures.
+// checked bit for bit. The table it prints is docs/survive.md's soak figures.
 #include <dirent.h>
 #include <unistd.h>
 

@@ -1,4 +1,5 @@
-// The README's C++ quick-start, built against the installed SDK: model info, then one Forward.
+// The C++ quick-start of docs/clients.md, built against the installed SDK: model info, then one
+// Forward.
 //   consumer ATTENTION_HOST:PORT [CA_FILE CERT_FILE KEY_FILE]   (mutual TLS: moe-cli up's default,
 //   the files from its cluster.json "tls")
 #include <cstdio>
