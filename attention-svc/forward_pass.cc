@@ -1,16 +1,24 @@
-// One Forward (attention_impl.h): the request checked into a ForwardSpec, then a ForwardPass that
-// routes, projects and dispatches each micro-batch to the expert replicas (FailoverChannel) and
-// gathers and finishes it, and the response. RunForward is the conductor.
-#include <set>
+#include "attention-svc/forward_pass.h"
 
-#include "attention-svc/attention_impl.h"
-#include "attention-svc/expert_channel_factory.h"
-#include "attention-svc/failover_channel.h"
-#include "services/numerics/precision_mode.h"
+#include <algorithm>
+#include <deque>
+
+#include "absl/strings/str_cat.h"
+#include "services/common/logging.h"
+#include "services/common/status_macros.h"
+#include "services/metrics/service_metrics.h"
+#include "services/numerics/mxfp8.h"
+#include "services/transport/precision_convert.h"
 
 namespace moe::attention_svc {
 
 namespace {
+
+using numerics::LayerTimings;
+using tensor::Bf16;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64_t first_token) {
   for (size_t i = 0; i < z.size(); ++i) {
@@ -26,58 +34,28 @@ absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64
 
 }  // namespace
 
-std::shared_ptr<ExpertChannel> AttentionServer::Impl::ChannelFor(const ShardRef& s) {
-  const std::string key = s.shard + "@" + s.endpoint;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& channel = channels_[key];
-  if (channel != nullptr) return channel;
-  // Once per shard, not per message: its failover series starts at 0.
-  if (metrics_ != nullptr) {
-    metrics_->Failover(s.shard, 0);
-    metrics_->Hedge(s.shard, false, 0);  // the series exist at 0 from the shard's first use
-    metrics_->Hedge(s.shard, true, 0);
-  }
-  ExpertChannelConfig c;
-  c.max_message_bytes = options_.max_message_bytes;
-  c.cluster_token = options_.cluster_token;
-  c.node = options_.node;
-  c.data_plane = data_plane_.get();
-  c.fallback_in_band = options_.data_plane.automatic();
-  c.on_event = [this](const std::string& shard, const std::string& event) {
-    if (metrics_ != nullptr) metrics_->DataPlaneEvent(shard, event);
-  };
-  c.on_lanes = [this](const std::string& shard, const dataplane::Lanes& lanes,
-                      const std::string& shard_lanes) {
-    MOE_LOG_INFO("data plane to {}: lanes {} (the shard's side: {})", shard, lanes.Describe(),
-                 shard_lanes);
-    if (metrics_ != nullptr) {
-      metrics_->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
-    }
-  };
-  channel = MakeExpertChannel(c, s);
-  return channel;
-}
-
-absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::PrepareForward(
-    const v1::ForwardRequest& req, absl::Time deadline, bool check) {
+absl::StatusOr<ForwardSpec> PrepareForward(const ForwardLimits& limits, const HostedLayers& layers,
+                                           const RoutingView& view, const v1::ForwardRequest& req,
+                                           absl::Time deadline, bool check) {
+  const ModelConfig& cfg = *limits.cfg;
   ForwardSpec spec;
   spec.check = check;
-  auto it = layers_.find(req.layer());
-  if (it == layers_.end()) {
+  auto it = layers.find(req.layer());
+  if (it == layers.end()) {
     std::string hosted;
-    for (const auto& [l, h] : layers_) absl::StrAppend(&hosted, hosted.empty() ? "" : ",", l);
+    for (const auto& [l, h] : layers) absl::StrAppend(&hosted, hosted.empty() ? "" : ",", l);
     return absl::NotFoundError(
         absl::StrCat("layer ", req.layer(), " is not hosted here (layers ", hosted, ")"));
   }
   spec.hosted = it->second.get();
   MOE_ASSIGN_OR_RETURN(spec.x, transport::DecodeBf16Matrix(req.hidden_states(), "hidden_states",
-                                                           cfg_.hidden, /*accept_f32=*/true));
-  if (spec.x.rows > options_.max_tokens) {
+                                                           cfg.hidden, /*accept_f32=*/true));
+  if (spec.x.rows > limits.max_tokens) {
     return absl::ResourceExhaustedError(absl::StrCat("hidden_states: ", spec.x.rows,
                                                      " tokens, this server takes at most ",
-                                                     options_.max_tokens, " per request"));
+                                                     limits.max_tokens, " per request"));
   }
-  spec.mode = options_.reply_mode;
+  spec.mode = limits.reply_mode;
   switch (req.options().reply_mode()) {
     case v1::REPLY_MODE_UNSPECIFIED:
       break;
@@ -91,16 +69,16 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
       return absl::InvalidArgumentError(
           absl::StrCat("unknown reply_mode ", static_cast<int>(req.options().reply_mode())));
   }
-  MOE_ASSIGN_OR_RETURN(
-      spec.precision, transport::PrecisionFromProto(req.options().precision(), options_.precision));
+  MOE_ASSIGN_OR_RETURN(spec.precision,
+                       transport::PrecisionFromProto(req.options().precision(), limits.precision));
   if (!v1::MissingExperts_IsValid(req.options().missing_experts())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown missing_experts ", static_cast<int>(req.options().missing_experts())));
   }
   const int32_t cap = req.options().expert_budget();
-  if (cap < 0 || cap > cfg_.top_k) {
+  if (cap < 0 || cap > cfg.top_k) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "expert_budget ", cap, " outside [0, top-k = ", cfg_.top_k, "] (0: the layer's budget)"));
+        "expert_budget ", cap, " outside [0, top-k = ", cfg.top_k, "] (0: the layer's budget)"));
   }
   const double top_p = req.options().expert_top_p();
   if (!(top_p >= 0 && top_p <= 1)) {
@@ -112,35 +90,37 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
         "expert_top_p and expert_budget are two modes of dynamic k: send one of them");
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    spec.bias = bias_[req.layer()];
-    auto r = routes_.find(req.layer());
-    if (r != routes_.end()) spec.route = r->second;
+    RoutingView::Snapshot now = view.Get(req.layer());
+    spec.bias = std::move(now.bias);
+    spec.route = std::move(now.route);
+  }
+  if (spec.bias == nullptr) {
+    return absl::NotFoundError(absl::StrCat("layer ", req.layer(), " has no bias here"));
   }
   // Dynamic k: the layer's budget, capped by the request and the automatic mode; served only
   // with solved thresholds (the response says which budget it got).
-  spec.budget = static_cast<int32_t>(cfg_.top_k);
+  spec.budget = static_cast<int32_t>(cfg.top_k);
   // A cap below k on a layer with no usable thresholds is refused, never served at k in
   // silence: the caller asked for a cheaper forward and would get the full one.
-  if (cap > 0 && cap < cfg_.top_k && !spec.bias->usable() && !check) {
+  if (cap > 0 && cap < cfg.top_k && !spec.bias->usable() && !check) {
     if (spec.bias->stale) {
       return absl::FailedPreconditionError(absl::StrCat(
           "expert_budget ", cap, ": layer ", req.layer(),
           "'s budget thresholds are stale (solved under bias version ",
           spec.bias->solved_from_version,
-          spec.bias->k_avg < cfg_.top_k
+          spec.bias->k_avg < cfg.top_k
               ? "; the bias has moved since and router-svc solves them again from the next "
                 "window of traffic); send 0 or "
               : "; the bias has moved since; the layer has no budget set, so they are solved "
                 "again at its next Rebalance or SetExpertBudget); send 0 or ",
-          cfg_.top_k, " for the full top-k meanwhile"));
+          cfg.top_k, " for the full top-k meanwhile"));
     }
     return absl::FailedPreconditionError(absl::StrCat(
         "expert_budget ", cap, ": layer ", req.layer(),
         " has no solved budget thresholds (bias version ", spec.bias->version,
         "; router-svc solves them from reported traffic when an operator sets a budget: moe-cli "
         "budget); send 0 or ",
-        cfg_.top_k, " for the full top-k"));
+        cfg.top_k, " for the full top-k"));
   }
   spec.rule.k_min = spec.bias->k_min;
   if (top_p > 0 && !check) {
@@ -148,11 +128,11 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
   } else if (spec.bias->usable() && !check) {
     int32_t b = spec.bias->k_avg;
     if (cap > 0) b = std::min(b, cap);
-    if (governor_ != nullptr && governor_->enabled()) b = std::min(b, governor_->cap());
-    spec.budget = std::clamp<int32_t>(b, 1, static_cast<int32_t>(cfg_.top_k));
-    if (spec.budget < cfg_.top_k) {
+    if (limits.auto_budget_cap > 0) b = std::min(b, limits.auto_budget_cap);
+    spec.budget = std::clamp<int32_t>(b, 1, static_cast<int32_t>(cfg.top_k));
+    if (spec.budget < cfg.top_k) {
       spec.rule.thresholds =
-          numerics::BudgetRow(spec.bias->thresholds, spec.budget, cfg_.num_experts);
+          numerics::BudgetRow(spec.bias->thresholds, spec.budget, cfg.num_experts);
     }
   }
   if (spec.route == nullptr) {
@@ -166,250 +146,213 @@ absl::StatusOr<AttentionServer::Impl::ForwardSpec> AttentionServer::Impl::Prepar
   return spec;
 }
 
-// One Forward's state over its micro-batches.
-class AttentionServer::Impl::ForwardPass {
- public:
-  // One micro-batch in flight: routed, projected, dispatched; its shared experts done.
-  struct InFlight {
-    int64_t lo = 0, rows = 0;  // tokens [lo, lo + rows) of the request
-    RoutedBatch batch;
-    DispatchPlan plan;
-    DispatchHeader header;
-    std::vector<std::unique_ptr<ExpertCall>> calls;
-    std::vector<float> shared;
-  };
-
-  ForwardPass(Impl* impl, const v1::ForwardRequest& req, const ForwardSpec& spec)
-      : impl_(impl),
-        req_(req),
-        spec_(spec),
-        d_(impl->cfg_.latent),
-        h_(impl->cfg_.hidden),
-        top_k_(impl->cfg_.top_k),
-        out_(static_cast<size_t>(spec.x.rows * h_)),
-        replicas_(*spec.route, &impl->picker_, Hooks()) {
-    dispatch_.mode = spec.mode;
-    dispatch_.num_experts = impl->cfg_.num_experts;
-    dispatch_.latent = d_;
-    dispatch_.max_message_bytes = impl->options_.max_dispatch_bytes;
-    if (req.options().return_routing()) {
-      expert_ids_.resize(static_cast<size_t>(spec.x.rows * top_k_));
-      weights_.resize(static_cast<size_t>(spec.x.rows * top_k_));
-    }
+ForwardPass::ForwardPass(const ForwardEnv& env, const v1::ForwardRequest& req,
+                         const ForwardSpec& spec)
+    : env_(env),
+      req_(req),
+      spec_(spec),
+      d_(env.cfg->latent),
+      h_(env.cfg->hidden),
+      top_k_(env.cfg->top_k),
+      out_(static_cast<size_t>(spec.x.rows * h_)),
+      replicas_(*spec.route, env.picker, Hooks()) {
+  dispatch_.mode = spec.mode;
+  dispatch_.num_experts = env.cfg->num_experts;
+  dispatch_.latent = d_;
+  dispatch_.max_message_bytes = env.max_dispatch_bytes;
+  if (req.options().return_routing()) {
+    expert_ids_.resize(static_cast<size_t>(spec.x.rows * top_k_));
+    weights_.resize(static_cast<size_t>(spec.x.rows * top_k_));
   }
+}
 
-  // Routes and projects tokens [lo, lo + rows), sends every message, runs the shared experts.
-  absl::StatusOr<InFlight> Start(int64_t lo, int64_t rows) {
-    InFlight f;
-    f.lo = lo;
-    f.rows = rows;
-    HostedLayer& hosted = *spec_.hosted;
-    {
-      std::lock_guard<std::mutex> lock(hosted.mu);
-      MOE_ASSIGN_OR_RETURN(
-          f.batch, hosted.layer->RouteAndProject(
-                       absl::MakeConstSpan(spec_.x.values)
-                           .subspan(static_cast<size_t>(lo * h_), static_cast<size_t>(rows * h_)),
-                       rows, spec_.x.cols, spec_.bias->bias.data(), &t_));
-    }
-    // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
-    // error, said here, not a shard's refusal of non-finite activations.
-    MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
-    if (!spec_.check) impl_->Accumulate(req_.layer(), *spec_.bias, f.batch);
-    // The budget's or the request's rule (none: every pair kept, the routing untouched).
-    const ModelConfig& cfg = impl_->cfg_;
-    routed_pairs_ +=
-        numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, spec_.rule, cfg.renormalize,
-                              cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
-    DispatchSpec dispatch = dispatch_;
-    if (req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*spec_.route)) {
-      int64_t pairs = 0;
-      for (int32_t e : DegradeRouting(*spec_.route, &f.batch.routing, &dispatch.skip, &pairs)) {
-        missing_.insert(e);
-      }
-      degraded_pairs_ += pairs;
-    }
-    // W4A8: z quantized to MXFP8 once per token here; every message carries its tokens' rows.
-    const tensor::Activations z = spec_.precision == numerics::Precision::kW4A8
-                                      ? tensor::Activations::FromMxfp8(
-                                            numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d_))
-                                      : tensor::Activations::FromBf16(f.batch.z, rows, d_);
-    MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *spec_.route, dispatch));
-    if (impl_->metrics_ != nullptr && !spec_.check) {  // where the router's loads are counted
-      impl_->metrics_->Routed(req_.layer(), f.plan.per_expert, f.plan.shard_rows);
-    }
-    if (!first_send_.has_value()) first_send_ = Clock::now();
-    f.header.layer = req_.layer();
-    f.header.mode = spec_.mode;
-    f.header.num_tokens = rows;
-    f.header.latent = d_;
-    f.header.timeout_ms =
-        std::max<int64_t>(1, absl::ToInt64Milliseconds(spec_.expert_deadline - absl::Now()));
-    // Every message goes out before any reply is awaited.
-    for (const DispatchMessage& m : f.plan.messages) f.calls.push_back(replicas_.Send(f.header, m));
-    // The shared experts need only x: they run here while the expert servers work.
+absl::StatusOr<ForwardPass::InFlight> ForwardPass::Start(int64_t lo, int64_t rows) {
+  InFlight f;
+  f.lo = lo;
+  f.rows = rows;
+  HostedLayer& hosted = *spec_.hosted;
+  {
     std::lock_guard<std::mutex> lock(hosted.mu);
-    f.shared = hosted.layer->SharedExperts(f.batch, &t_);
-    return f;
+    MOE_ASSIGN_OR_RETURN(
+        f.batch, hosted.layer->RouteAndProject(
+                     absl::MakeConstSpan(spec_.x.values)
+                         .subspan(static_cast<size_t>(lo * h_), static_cast<size_t>(rows * h_)),
+                     rows, spec_.x.cols, spec_.bias->bias.data(), &t_));
   }
-
-  // Waits for a micro-batch's replies (failing over inside the calls), gathers and finishes it.
-  absl::Status Finish(InFlight& f) {
-    std::vector<ExpertReply> replies(f.plan.messages.size());
-    const bool f32 = spec_.mode == ReplyMode::kPartialSum;
-    const bool degrade = req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE;
-    std::vector<bool> lost;  // DEGRADE: experts whose shard died or stalled after dispatch
-    for (size_t i = 0; i < f.calls.size(); ++i) {
-      absl::StatusOr<ExpertReply> reply = f.calls[i]->Wait(spec_.expert_deadline);
-      if (!reply.ok() && degrade &&
-          (reply.status().code() == absl::StatusCode::kUnavailable ||
-           reply.status().code() == absl::StatusCode::kDeadlineExceeded)) {
-        // No replica answered in time: under DEGRADE its experts are left out like missing ones
-        // (said in the response and moe_degraded_pairs_total).
-        lost.resize(static_cast<size_t>(spec_.route->owner.size()), false);
-        for (const auto& [e, rows] : f.plan.messages[i].groups) lost[e] = true;
-        replies[i] = ZeroReply(f.plan.messages[i], f32, d_);
-        continue;
-      }
-      MOE_RETURN_IF_ERROR(reply.status());
-      replies[i] = *std::move(reply);
-      const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
-                                : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
-      bytes_received_ += bytes;
-      if (impl_->metrics_ != nullptr) {
-        impl_->metrics_->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes,
-                                  replies[i].rows, f.calls[i]->transport());
-      }
+  // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
+  // error, said here, not a shard's refusal of non-finite activations.
+  MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
+  if (!spec_.check && env_.stats != nullptr)
+    env_.stats->Accumulate(req_.layer(), *spec_.bias, f.batch);
+  // The budget's or the request's rule (none: every pair kept, the routing untouched).
+  const ModelConfig& cfg = *env_.cfg;
+  routed_pairs_ +=
+      numerics::ApplyBudget(f.batch.scores.data(), cfg.num_experts, spec_.rule, cfg.renormalize,
+                            cfg.routed_scaling_factor, &f.batch.routing, &kept_mass_);
+  DispatchSpec dispatch = dispatch_;
+  if (req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE && !Covered(*spec_.route)) {
+    int64_t pairs = 0;
+    for (int32_t e : DegradeRouting(*spec_.route, &f.batch.routing, &dispatch.skip, &pairs)) {
+      missing_.insert(e);
     }
-    last_reply_ = Clock::now();
-    if (!lost.empty()) {
-      int64_t pairs = 0;
-      std::vector<int32_t> missing;
-      const std::vector<float> scale = DegradeLost(lost, &f.batch.routing, &pairs, &missing);
-      missing_.insert(missing.begin(), missing.end());
-      degraded_pairs_ += pairs;
-      // Partial sums were weighted at the shards with the weights before the loss.
-      for (size_t i = 0; f32 && i < replies.size(); ++i) {
-        const std::vector<int64_t>& tokens = f.plan.messages[i].tokens;
-        for (size_t j = 0; j < tokens.size(); ++j) {
-          const float c = scale[static_cast<size_t>(tokens[j])];
-          if (c == 1.0f) continue;
-          for (int64_t col = 0; col < d_; ++col) replies[i].f32[j * d_ + col] *= c;
-        }
-      }
-    }
-    const auto combine_start = Clock::now();
-    std::vector<Bf16> r;
-    {
-      numerics::StageTimer timer(&t_, &LayerTimings::combine_norm);
-      MOE_ASSIGN_OR_RETURN(r, Gather(f.plan, f.batch.routing, *spec_.route, replies));
-    }
-    combine_seconds_ += Seconds(Clock::now() - combine_start);
-    std::vector<Bf16> y;
-    {
-      std::lock_guard<std::mutex> lock(spec_.hosted->mu);
-      y = spec_.hosted->layer->Finish(f.batch, r.data(), &t_, &f.shared);
-    }
-    std::copy(y.begin(), y.end(), out_.begin() + f.lo * h_);
-    if (!expert_ids_.empty()) {
-      std::copy(f.batch.routing.expert_ids.begin(), f.batch.routing.expert_ids.end(),
-                expert_ids_.begin() + f.lo * top_k_);
-      std::copy(f.batch.routing.weights.begin(), f.batch.routing.weights.end(),
-                weights_.begin() + f.lo * top_k_);
-    }
-    return absl::OkStatus();
+    degraded_pairs_ += pairs;
   }
-
-  void Respond(v1::ForwardResponse* resp) const {
-    resp->set_request_id(req_.request_id());
-    transport::EncodeBf16Into(out_, spec_.x.rows, h_, resp->mutable_output());
-    resp->set_bias_version(spec_.bias->version);
-    if (req_.options().return_routing()) {
-      v1::Routing* rt = resp->mutable_routing();
-      rt->set_top_k(static_cast<int32_t>(top_k_));
-      *rt->mutable_expert_ids() = {expert_ids_.begin(), expert_ids_.end()};
-      *rt->mutable_weights() = {weights_.begin(), weights_.end()};
-    }
-    resp->set_precision(transport::PrecisionToProto(spec_.precision));
-    resp->set_expert_budget(spec_.budget);
-    resp->set_routed_pairs(routed_pairs_);
-    resp->set_routing_mass_kept(spec_.x.rows > 0 ? kept_mass_ / static_cast<double>(spec_.x.rows)
-                                                 : 1.0);
-    resp->set_dispatch_bytes_sent(bytes_sent_);
-    resp->set_dispatch_bytes_received(bytes_received_);
-    if (degraded_pairs_ > 0) {
-      *resp->mutable_missing_experts() = {missing_.begin(), missing_.end()};
-      resp->set_degraded_pairs(degraded_pairs_);
-      if (impl_->metrics_ != nullptr) impl_->metrics_->Degraded(req_.layer(), degraded_pairs_);
-    }
-    v1::StageSeconds* sec = resp->mutable_seconds();
-    sec->set_router(t_.router);
-    sec->set_down_proj(t_.down_proj);
-    sec->set_dispatch(first_send_.has_value() ? Seconds(last_reply_ - *first_send_) : 0.0);
-    sec->set_combine_norm(t_.combine_norm);
-    sec->set_up_proj(t_.up_proj);
-    sec->set_shared(t_.shared);
-    sec->set_combine(combine_seconds_);
+  // W4A8: z quantized to MXFP8 once per token here; every message carries its tokens' rows.
+  const tensor::Activations z =
+      spec_.precision == numerics::Precision::kW4A8
+          ? tensor::Activations::FromMxfp8(numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d_))
+          : tensor::Activations::FromBf16(f.batch.z, rows, d_);
+  MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *spec_.route, dispatch));
+  if (env_.metrics != nullptr && !spec_.check) {  // where the router's loads are counted
+    env_.metrics->Routed(req_.layer(), f.plan.per_expert, f.plan.shard_rows);
   }
+  if (!first_send_.has_value()) first_send_ = Clock::now();
+  f.header.layer = req_.layer();
+  f.header.mode = spec_.mode;
+  f.header.num_tokens = rows;
+  f.header.latent = d_;
+  f.header.timeout_ms =
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(spec_.expert_deadline - absl::Now()));
+  // Every message goes out before any reply is awaited.
+  for (const DispatchMessage& m : f.plan.messages) f.calls.push_back(replicas_.Send(f.header, m));
+  // The shared experts need only x: they run here while the expert servers work.
+  std::lock_guard<std::mutex> lock(hosted.mu);
+  f.shared = hosted.layer->SharedExperts(f.batch, &t_);
+  return f;
+}
 
- private:
-  FailoverHooks Hooks() {
-    FailoverHooks hooks;
-    hooks.channel_for = [impl = impl_](const ShardRef& s) { return impl->ChannelFor(s); };
-    hooks.on_sent = [this](const DispatchMessage& m, const char* transport) {
-      bytes_sent_ += m.activation_bytes();
-      if (impl_->metrics_ != nullptr && *transport != '\0') {
-        impl_->metrics_->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert",
-                                  m.activation_bytes(), static_cast<int64_t>(m.tokens.size()),
-                                  transport);
-      }
-    };
-    hooks.hedge_share = impl_->options_.hedge_share;
-    hooks.on_hedge = [this](const ShardRef& slow, const ShardRef& twin, bool twin_won) {
-      if (impl_->metrics_ != nullptr) impl_->metrics_->Hedge(slow.shard, twin_won);
-      if (twin_won) {
-        MOE_LOG_INFO("layer {}: {} was silent, its twin {} answered first", req_.layer(),
-                     slow.shard, twin.shard);
-      }
-    };
-    hooks.on_failover = [this](const ShardRef& from, const ShardRef& to, const absl::Status& why) {
-      MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req_.layer(), from.shard, to.shard,
-                   why.ToString());
-      if (impl_->metrics_ != nullptr) impl_->metrics_->Failover(from.shard);
-    };
-    return hooks;
+absl::Status ForwardPass::Finish(InFlight& f) {
+  std::vector<ExpertReply> replies(f.plan.messages.size());
+  const bool f32 = spec_.mode == ReplyMode::kPartialSum;
+  const bool degrade = req_.options().missing_experts() == v1::MISSING_EXPERTS_DEGRADE;
+  std::vector<bool> lost;  // DEGRADE: experts whose shard died or stalled after dispatch
+  for (size_t i = 0; i < f.calls.size(); ++i) {
+    absl::StatusOr<ExpertReply> reply = f.calls[i]->Wait(spec_.expert_deadline);
+    if (!reply.ok() && degrade &&
+        (reply.status().code() == absl::StatusCode::kUnavailable ||
+         reply.status().code() == absl::StatusCode::kDeadlineExceeded)) {
+      // No replica answered in time: under DEGRADE its experts are left out like missing ones
+      // (said in the response and moe_degraded_pairs_total).
+      lost.resize(static_cast<size_t>(spec_.route->owner.size()), false);
+      for (const auto& [e, rows] : f.plan.messages[i].groups) lost[e] = true;
+      replies[i] = ZeroReply(f.plan.messages[i], f32, d_);
+      continue;
+    }
+    MOE_RETURN_IF_ERROR(reply.status());
+    replies[i] = *std::move(reply);
+    const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
+                              : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
+    bytes_received_ += bytes;
+    if (env_.metrics != nullptr) {
+      env_.metrics->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
+                             f.calls[i]->transport());
+    }
   }
+  last_reply_ = Clock::now();
+  if (!lost.empty()) {
+    int64_t pairs = 0;
+    std::vector<int32_t> missing;
+    const std::vector<float> scale = DegradeLost(lost, &f.batch.routing, &pairs, &missing);
+    missing_.insert(missing.begin(), missing.end());
+    degraded_pairs_ += pairs;
+    // Partial sums were weighted at the shards with the weights before the loss.
+    for (size_t i = 0; f32 && i < replies.size(); ++i) {
+      const std::vector<int64_t>& tokens = f.plan.messages[i].tokens;
+      for (size_t j = 0; j < tokens.size(); ++j) {
+        const float c = scale[static_cast<size_t>(tokens[j])];
+        if (c == 1.0f) continue;
+        for (int64_t col = 0; col < d_; ++col) replies[i].f32[j * d_ + col] *= c;
+      }
+    }
+  }
+  const auto combine_start = Clock::now();
+  std::vector<Bf16> r;
+  {
+    numerics::StageTimer timer(&t_, &LayerTimings::combine_norm);
+    MOE_ASSIGN_OR_RETURN(r, Gather(f.plan, f.batch.routing, *spec_.route, replies));
+  }
+  combine_seconds_ += Seconds(Clock::now() - combine_start);
+  std::vector<Bf16> y;
+  {
+    std::lock_guard<std::mutex> lock(spec_.hosted->mu);
+    y = spec_.hosted->layer->Finish(f.batch, r.data(), &t_, &f.shared);
+  }
+  std::copy(y.begin(), y.end(), out_.begin() + f.lo * h_);
+  if (!expert_ids_.empty()) {
+    std::copy(f.batch.routing.expert_ids.begin(), f.batch.routing.expert_ids.end(),
+              expert_ids_.begin() + f.lo * top_k_);
+    std::copy(f.batch.routing.weights.begin(), f.batch.routing.weights.end(),
+              weights_.begin() + f.lo * top_k_);
+  }
+  return absl::OkStatus();
+}
 
-  Impl* const impl_;
-  const v1::ForwardRequest& req_;
-  const ForwardSpec& spec_;
-  const int64_t d_, h_, top_k_;
-  DispatchSpec dispatch_;
-  LayerTimings t_;
-  int64_t bytes_sent_ = 0, bytes_received_ = 0;
-  int64_t routed_pairs_ = 0;   // (token, expert) pairs kept by the budget
-  double kept_mass_ = 0;       // summed over tokens (ApplyBudget's kept_mass)
-  std::set<int32_t> missing_;  // DEGRADE: experts left out, over all micro-batches
-  int64_t degraded_pairs_ = 0;
-  double combine_seconds_ = 0;
-  // Dispatch: from the first message sent to the last reply in (the shared experts overlap it).
-  std::optional<Clock::time_point> first_send_;
-  Clock::time_point last_reply_;
-  std::vector<Bf16> out_;
-  std::vector<int32_t> expert_ids_;
-  std::vector<float> weights_;
-  FailoverChannel replicas_;
-};
+void ForwardPass::Respond(v1::ForwardResponse* resp) const {
+  resp->set_request_id(req_.request_id());
+  transport::EncodeBf16Into(out_, spec_.x.rows, h_, resp->mutable_output());
+  resp->set_bias_version(spec_.bias->version);
+  if (req_.options().return_routing()) {
+    v1::Routing* rt = resp->mutable_routing();
+    rt->set_top_k(static_cast<int32_t>(top_k_));
+    *rt->mutable_expert_ids() = {expert_ids_.begin(), expert_ids_.end()};
+    *rt->mutable_weights() = {weights_.begin(), weights_.end()};
+  }
+  resp->set_precision(transport::PrecisionToProto(spec_.precision));
+  resp->set_expert_budget(spec_.budget);
+  resp->set_routed_pairs(routed_pairs_);
+  resp->set_routing_mass_kept(spec_.x.rows > 0 ? kept_mass_ / static_cast<double>(spec_.x.rows)
+                                               : 1.0);
+  resp->set_dispatch_bytes_sent(bytes_sent_);
+  resp->set_dispatch_bytes_received(bytes_received_);
+  if (degraded_pairs_ > 0) {
+    *resp->mutable_missing_experts() = {missing_.begin(), missing_.end()};
+    resp->set_degraded_pairs(degraded_pairs_);
+    if (env_.metrics != nullptr) env_.metrics->Degraded(req_.layer(), degraded_pairs_);
+  }
+  v1::StageSeconds* sec = resp->mutable_seconds();
+  sec->set_router(t_.router);
+  sec->set_down_proj(t_.down_proj);
+  sec->set_dispatch(first_send_.has_value() ? Seconds(last_reply_ - *first_send_) : 0.0);
+  sec->set_combine_norm(t_.combine_norm);
+  sec->set_up_proj(t_.up_proj);
+  sec->set_shared(t_.shared);
+  sec->set_combine(combine_seconds_);
+}
 
-absl::Status AttentionServer::Impl::RunForward(const v1::ForwardRequest& req, absl::Time deadline,
-                                               v1::ForwardResponse* resp, bool check) {
-  MOE_ASSIGN_OR_RETURN(const ForwardSpec spec, PrepareForward(req, deadline, check));
-  ForwardPass pass(this, req, spec);
+FailoverHooks ForwardPass::Hooks() {
+  FailoverHooks hooks;
+  hooks.channel_for = [links = env_.links](const ShardRef& s) { return links->ChannelFor(s); };
+  hooks.on_sent = [this](const DispatchMessage& m, const char* transport) {
+    bytes_sent_ += m.activation_bytes();
+    if (env_.metrics != nullptr && *transport != '\0') {
+      env_.metrics->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert",
+                             m.activation_bytes(), static_cast<int64_t>(m.tokens.size()),
+                             transport);
+    }
+  };
+  hooks.hedge_share = env_.hedge_share;
+  hooks.on_hedge = [this](const ShardRef& slow, const ShardRef& twin, bool twin_won) {
+    if (env_.metrics != nullptr) env_.metrics->Hedge(slow.shard, twin_won);
+    if (twin_won) {
+      MOE_LOG_INFO("layer {}: {} was silent, its twin {} answered first", req_.layer(), slow.shard,
+                   twin.shard);
+    }
+  };
+  hooks.on_failover = [this](const ShardRef& from, const ShardRef& to, const absl::Status& why) {
+    MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req_.layer(), from.shard, to.shard,
+                 why.ToString());
+    if (env_.metrics != nullptr) env_.metrics->Failover(from.shard);
+  };
+  return hooks;
+}
+
+absl::Status RunForward(const ForwardEnv& env, const v1::ForwardRequest& req,
+                        const ForwardSpec& spec, int micro_batches, v1::ForwardResponse* resp) {
+  ForwardPass pass(env, req, spec);
   // Micro-batches (--micro_batches): at most two in flight, so one is routed, projected and
   // run through the shared experts here while the expert servers compute the other.
   const int64_t tokens = spec.x.rows;
-  const int64_t chunks =
-      std::clamp<int64_t>(options_.micro_batches, 1, std::max<int64_t>(1, tokens));
+  const int64_t chunks = std::clamp<int64_t>(micro_batches, 1, std::max<int64_t>(1, tokens));
   const int64_t per_chunk = (tokens + chunks - 1) / chunks;
   std::deque<ForwardPass::InFlight> flight;
   for (int64_t lo = 0; lo < tokens; lo += per_chunk) {

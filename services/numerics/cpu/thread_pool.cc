@@ -46,6 +46,8 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
+  // Callers from several threads take turns (the pool runs one ParallelFor at a time).
+  std::lock_guard<std::mutex> turn(call_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     fn_ = &fn;

@@ -27,7 +27,8 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(workers_.size()) + 1; }
-  // Runs fn(i) for i in [0, n) and returns when all are done. Not reentrant.
+  // Runs fn(i) for i in [0, n) and returns when all are done. Calls from several threads take
+  // turns; a call from inside fn deadlocks (not reentrant).
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
@@ -35,6 +36,7 @@ class ThreadPool {
   void RunItems();
 
   std::vector<std::thread> workers_;
+  std::mutex call_mu_;  // one ParallelFor at a time
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   uint64_t generation_ = 0;

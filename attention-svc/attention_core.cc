@@ -1,0 +1,361 @@
+#include "attention-svc/attention_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "services/checkpoint/checkpoint.h"
+#include "services/checkpoint/layer_loader.h"
+#include "services/checkpoint/synthetic.h"
+#include "services/common/logging.h"
+#include "services/common/status_macros.h"
+#include "services/metrics/service_metrics.h"
+#include "services/numerics/dynamic_k.h"
+#include "services/transport/precision_convert.h"
+
+namespace moe::attention_svc {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tensor::Bf16;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Requests past this many tokens are not sampled for a full-k check: a copy of each waits.
+constexpr int64_t kMaxCheckTokens = 2048;
+
+}  // namespace
+
+AttentionCore::AttentionCore(const AttentionServerOptions& o, const ModelConfig& cfg)
+    : options_(o),
+      cfg_(cfg),
+      view_(cfg.num_experts, cfg.top_k),
+      stats_(NodeStatsOptions{cfg.num_experts, cfg.top_k, o.qb_bins, o.budget_bins}) {}
+
+AttentionCore::~AttentionCore() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<AttentionCore>> AttentionCore::Load(
+    const AttentionServerOptions& options) {
+  std::unique_ptr<checkpoint::Checkpoint> ckpt;
+  ModelConfig cfg;
+  if (!options.checkpoint.empty()) {
+    MOE_ASSIGN_OR_RETURN(ckpt, checkpoint::Checkpoint::Open(options.checkpoint));
+    MOE_ASSIGN_OR_RETURN(cfg, ckpt->LoadConfig());
+  } else {
+    MOE_ASSIGN_OR_RETURN(cfg, PresetConfig(options.preset));
+  }
+  std::unique_ptr<AttentionCore> core(new AttentionCore(options, cfg));
+  MOE_RETURN_IF_ERROR(core->LoadLayers(ckpt.get()));
+  return core;
+}
+
+absl::Status AttentionCore::LoadLayers(checkpoint::Checkpoint* ckpt) {
+  std::vector<int64_t> layers = options_.layers;
+  if (layers.empty()) layers.push_back(cfg_.first_moe_layer);
+  numerics::cpu::CpuLayerOptions lo;
+  lo.threads = options_.threads;
+  lo.isa = options_.isa;
+  lo.experts = false;
+  for (int64_t layer : layers) {
+    if (!cfg_.IsMoeLayer(layer)) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
+    }
+    numerics::MoeLayerWeights w;
+    if (ckpt != nullptr) {
+      checkpoint::LoadOptions opt;
+      opt.dense = true;
+      opt.expert_lo = 0;
+      opt.expert_hi = 0;
+      MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt, cfg_, layer, opt));
+    } else {
+      checkpoint::SyntheticOptions so;
+      so.seed = options_.seed;
+      so.router_skew = options_.router_skew;
+      w = checkpoint::SyntheticLayer(cfg_, layer, so);
+      w.experts.clear();
+      w.backing.clear();
+      w.expert_lo = w.expert_hi = 0;
+    }
+    const size_t dense_bytes =
+        2 * (w.gate.size() + w.down_proj.size() + w.norm.size() + w.up_proj.size() +
+             w.shared_gate.size() + w.shared_up.size() + w.shared_down.size());
+    MOE_LOG_INFO("layer {}: dense weights loaded ({:.1f} MB, {})", layer, dense_bytes / 1e6,
+                 ckpt != nullptr ? options_.checkpoint : "synthetic");
+    view_.Host(static_cast<int32_t>(layer), w.bias);
+    auto hosted = std::make_unique<HostedLayer>();
+    MOE_ASSIGN_OR_RETURN(hosted->layer, numerics::cpu::CpuMoeLayer::Create(cfg_, std::move(w), lo));
+    layers_[static_cast<int32_t>(layer)] = std::move(hosted);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int32_t> AttentionCore::layers() const {
+  std::vector<int32_t> out;
+  for (const auto& [l, h] : layers_) out.push_back(l);
+  return out;
+}
+
+absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const LocalExperts& local) {
+  metrics_ = metrics;
+  if (metrics_ != nullptr) {
+    for (int32_t l : layers()) metrics_->BiasVersion(l, 0);
+  }
+  ExpertLinksOptions lo;
+  lo.node = options_.node;
+  lo.bind_host = options_.host;
+  lo.data_plane = options_.data_plane;
+  lo.ucx_tls = options_.ucx_tls;
+  lo.ucx_poll_us = options_.ucx_poll_us;
+  lo.max_message_bytes = options_.max_message_bytes;
+  lo.cluster_token = options_.cluster_token;
+  lo.local_weights = local.weights;
+  lo.cfg = &cfg_;
+  lo.kernels = local.kernels;
+  lo.pool = local.pool;
+  MOE_ASSIGN_OR_RETURN(links_, ExpertLinks::Start(lo, metrics_));
+  workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
+  // Dynamic k's automatic mode exists before the first request can arrive.
+  BudgetGovernorOptions g;
+  g.floor = std::clamp<int32_t>(options_.budget_auto_floor, 0, static_cast<int32_t>(cfg_.top_k));
+  g.queue_bound = options_.budget_auto_queue;
+  g.p99_ms = options_.budget_auto_p99_ms;
+  g.interval_ms = std::max<int64_t>(10, options_.budget_auto_interval_ms);
+  governor_ = std::make_unique<BudgetGovernor>(g, static_cast<int32_t>(cfg_.top_k));
+  if (metrics_ != nullptr) metrics_->AutoBudget(cfg_.top_k);
+  if (governor_->enabled()) {
+    MOE_LOG_INFO("dynamic k: automatic budget on, floor {}, queue bound {}, p99 bound {} ms",
+                 g.floor, g.queue_bound, g.p99_ms);
+    governor_thread_ = std::thread([this] { GovernorLoop(); });
+  }
+  if (options_.budget_check_every > 0) check_thread_ = std::thread([this] { CheckLoop(); });
+  return absl::OkStatus();
+}
+
+void AttentionCore::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  stop_cv_.notify_all();
+  workers_.reset();  // runs what is queued (bounded by deadlines), then joins
+  if (governor_thread_.joinable()) governor_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(check_mu_);
+    checks_stopping_ = true;
+    checks_.clear();
+  }
+  check_cv_.notify_all();
+  if (check_thread_.joinable()) check_thread_.join();
+  if (links_ != nullptr) links_->Close();  // the channels before the data plane they use
+}
+
+bool AttentionCore::Submit(std::function<void()> work) {
+  if (workers_ == nullptr) return false;
+  const bool queued = workers_->Submit(std::move(work));
+  if (governor_ != nullptr) governor_->ObserveQueue(static_cast<int64_t>(workers_->queued()));
+  if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
+  return queued;
+}
+
+bool AttentionCore::ApplyPlacement(const v1::Placement& p) {
+  const bool ready = view_.ApplyPlacement(p);
+  // Channels to shards no longer placed (a restarted shard on a new port) are closed.
+  if (links_ != nullptr)
+    links_->KeepOnly([this](const std::string& key) { return view_.Placed(key); });
+  return ready;
+}
+
+void AttentionCore::ApplyBias(const v1::LayerBias& b) {
+  if (view_.ApplyBias(b) && metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
+}
+
+std::vector<v1::ReportStatsRequest> AttentionCore::TakeReports() {
+  return stats_.TakeReports(options_.node,
+                            governor_ != nullptr && governor_->enabled() ? governor_->cap() : 0);
+}
+
+absl::Status AttentionCore::RunOne(const v1::ForwardRequest& req, absl::Time deadline,
+                                   v1::ForwardResponse* resp, bool check) {
+  ForwardLimits limits;
+  limits.cfg = &cfg_;
+  limits.max_tokens = options_.max_tokens;
+  limits.reply_mode = options_.reply_mode;
+  limits.precision = options_.precision;
+  limits.auto_budget_cap = governor_ != nullptr && governor_->enabled() ? governor_->cap() : 0;
+  MOE_ASSIGN_OR_RETURN(const ForwardSpec spec,
+                       PrepareForward(limits, layers_, view_, req, deadline, check));
+  ForwardEnv env;
+  env.cfg = &cfg_;
+  env.links = links_.get();
+  env.picker = &picker_;
+  env.stats = &stats_;
+  env.metrics = metrics_;
+  env.max_dispatch_bytes = options_.max_dispatch_bytes;
+  env.hedge_share = options_.hedge_share;
+  if (env.links == nullptr)
+    return absl::FailedPreconditionError("the attention core is not started");
+  return RunForward(env, req, spec, options_.micro_batches, resp);
+}
+
+absl::Status AttentionCore::Serve(const v1::ForwardRequest& req, absl::Time deadline,
+                                  v1::ForwardResponse* resp, const char* method) {
+  const auto start = Clock::now();
+  if (metrics_ != nullptr) {
+    metrics_->common.QueueDepth(static_cast<int64_t>(queued()));
+    metrics_->common.Started(method);
+  }
+  const absl::Status s = RunOne(req, deadline, resp, /*check=*/false);
+  if (s.ok()) {
+    if (governor_ != nullptr) governor_->Observe(Seconds(Clock::now() - start));
+    MaybeCheck(req, *resp);
+  }
+  if (metrics_ == nullptr) return s;
+  metrics_->common.Finished(method, s.ok());
+  const v1::Tensor& x = req.hidden_states();
+  metrics_->wire.Add("received", x.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "client",
+                     static_cast<int64_t>(x.data().size()), x.shape_size() > 0 ? x.shape(0) : 0);
+  if (!s.ok()) {
+    metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
+    return s;
+  }
+  const int64_t tokens = resp->output().shape(0);
+  metrics_->wire.Add("sent", "bf16", "client", static_cast<int64_t>(resp->output().data().size()),
+                     tokens);
+  metrics_->Budgeted(req.layer(), tokens, resp->routed_pairs());
+  metrics_->ForwardDone(req.layer(), Seconds(Clock::now() - start), resp->seconds().dispatch(),
+                        resp->seconds().combine(), tokens);
+  return s;
+}
+
+void AttentionCore::CountRefusal(const char* method, const absl::Status& s) const {
+  if (metrics_ != nullptr) metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
+}
+
+void AttentionCore::FillModelInfo(v1::ModelInfo* resp) const {
+  resp->set_model(cfg_.name);
+  resp->set_hidden(static_cast<int32_t>(cfg_.hidden));
+  resp->set_latent(static_cast<int32_t>(cfg_.latent));
+  resp->set_num_experts(static_cast<int32_t>(cfg_.num_experts));
+  resp->set_top_k(static_cast<int32_t>(cfg_.top_k));
+  for (int32_t l : layers()) resp->add_layers(l);
+  resp->add_input_dtypes(v1::DTYPE_BF16);
+  resp->add_input_dtypes(v1::DTYPE_F32);
+  resp->set_output_dtype(v1::DTYPE_BF16);
+  resp->add_precision_modes("w4a16");
+  resp->add_precision_modes("w4a8");
+  resp->set_default_precision(transport::PrecisionToProto(options_.precision));
+  resp->add_reply_modes(v1::REPLY_MODE_PER_PAIR);
+  resp->add_reply_modes(v1::REPLY_MODE_PARTIAL_SUM);
+  resp->set_default_reply_mode(options_.reply_mode == ReplyMode::kPerPair
+                                   ? v1::REPLY_MODE_PER_PAIR
+                                   : v1::REPLY_MODE_PARTIAL_SUM);
+  resp->set_max_tokens(options_.max_tokens);
+  const v1::Placement placement = view_.placement();
+  for (const v1::ShardInfo& s : placement.shards()) {
+    for (const v1::ExpertRange& r : s.ranges()) {
+      if (layers_.count(r.layer()) == 0) continue;
+      v1::ShardSummary* out = resp->add_shards();
+      out->set_shard(s.shard());
+      out->set_endpoint(s.endpoint());
+      out->set_layer(r.layer());
+      out->set_expert_lo(r.expert_lo());
+      out->set_expert_hi(r.expert_hi());
+      out->set_healthy(s.healthy());
+      out->set_data_plane(s.data_plane());
+    }
+  }
+  resp->set_ready(view_.AllReady());
+}
+
+void AttentionCore::GovernorLoop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(stop_mu_);
+      if (stop_cv_.wait_for(lock, governor_->interval(), [&] { return stopping_; })) return;
+    }
+    const int32_t ceiling = view_.BudgetCeiling();  // the highest budget a hosted layer serves
+    const int32_t before = governor_->cap();
+    std::string why;
+    const int step = governor_->Tick(ceiling, &why);
+    if (step == 0) continue;
+    MOE_LOG_INFO("dynamic k: automatic budget cap {} -> {} ({})", before, governor_->cap(), why);
+    if (metrics_ != nullptr) {
+      metrics_->BudgetStep(step < 0);
+      metrics_->AutoBudget(governor_->cap());
+    }
+  }
+}
+
+void AttentionCore::MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardResponse& resp) {
+  if (options_.budget_check_every <= 0 || resp.expert_budget() >= cfg_.top_k ||
+      resp.output().shape_size() < 1 || resp.output().shape(0) > kMaxCheckTokens) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(check_mu_);
+  if (checks_stopping_ || budgeted_++ % static_cast<uint64_t>(options_.budget_check_every) != 0) {
+    return;
+  }
+  if (static_cast<int>(checks_.size()) >= options_.budget_check_queue) {
+    if (metrics_ != nullptr) metrics_->BudgetCheck(req.layer(), "dropped");
+    return;
+  }
+  checks_.push_back({req, resp.output().data(), resp.bias_version(), resp.routing_mass_kept()});
+  check_cv_.notify_one();
+}
+
+void AttentionCore::CheckLoop() {
+  for (;;) {
+    BudgetCheck c;
+    {
+      std::unique_lock<std::mutex> lock(check_mu_);
+      check_cv_.wait(lock, [&] { return checks_stopping_ || !checks_.empty(); });
+      if (checks_stopping_) return;
+      c = std::move(checks_.front());
+      checks_.pop_front();
+    }
+    // The same request at full k, through the same expert servers, after the answer went out.
+    v1::ForwardResponse full;
+    c.req.mutable_options()->set_return_routing(false);
+    // A short deadline: a check never holds a shutdown for long.
+    const absl::Status s = RunOne(
+        c.req,
+        absl::Now() + absl::Milliseconds(std::min<int64_t>(options_.default_timeout_ms, 5000)),
+        &full, /*check=*/true);
+    const int32_t layer = c.req.layer();
+    if (!s.ok()) {
+      MOE_LOG_WARN("dynamic k: the full-k check of a layer {} request failed: {}", layer,
+                   s.ToString());
+      if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "failed");
+      continue;
+    }
+    if (full.bias_version() != c.bias_version || full.output().data().size() != c.output.size()) {
+      if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "skipped");
+      continue;
+    }
+    // The relative L2 difference of the outputs, and where the next-token head would point,
+    // with the budget and without.
+    const size_t n = c.output.size() / sizeof(Bf16);
+    std::vector<float> budgeted(n), full_k(n);
+    for (size_t i = 0; i < n; ++i) {
+      Bf16 x, y;
+      std::memcpy(&x, c.output.data() + i * sizeof(Bf16), sizeof(Bf16));
+      std::memcpy(&y, full.output().data().data() + i * sizeof(Bf16), sizeof(Bf16));
+      budgeted[i] = x.ToFloat();
+      full_k[i] = y.ToFloat();
+    }
+    const double rel = numerics::RelativeL2(budgeted.data(), full_k.data(), n);
+    const int64_t tokens = static_cast<int64_t>(n) / cfg_.hidden;
+    const double top1 =
+        numerics::Top1Agreement(budgeted.data(), full_k.data(), tokens, cfg_.hidden);
+    if (metrics_ != nullptr) {
+      metrics_->BudgetCheck(layer, "measured", rel);
+      metrics_->BudgetQuality(layer, c.mass_kept, top1);
+    }
+    stats_.AddCheck(layer, rel, c.mass_kept, top1);
+  }
+}
+
+}  // namespace moe::attention_svc

@@ -1,0 +1,140 @@
+// The attention node's core, apart from its fronts (TF Serving's ServerCore beside its service
+// classes; the twin of expert-svc's ExpertCore): the hosted layers' dense weights, the routing
+// view (placement, bias, budget as this node sees them), the node's statistics for router-svc,
+// the links to the expert shards (the data plane's per-process half and the channels), the
+// request workers and dynamic k's automatic mode and full-k checks. A front (gRPC, OIP over
+// gRPC or REST) holds a non-owned pointer to it and calls Submit and Serve; the server feeds it
+// router-svc's watches and sends its reports. No gRPC server or client here.
+//
+//   MOE_ASSIGN_OR_RETURN(auto core, AttentionCore::Load(options));
+//   MOE_RETURN_IF_ERROR(core->Start(metrics));  // metrics may be null
+//   core->ApplyPlacement(placement);  core->ApplyBias(bias);
+//   core->Submit([&] { status = core->Serve(req, deadline, &resp, "Forward"); });
+//   core->Stop();  // queued requests run (bounded by their deadlines), threads joined
+#ifndef MOE_ATTENTION_SVC_ATTENTION_CORE_H_
+#define MOE_ATTENTION_SVC_ATTENTION_CORE_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention-svc/attention_options.h"
+#include "attention-svc/budget_governor.h"
+#include "attention-svc/expert_links.h"
+#include "attention-svc/forward_pass.h"
+#include "attention-svc/node_stats.h"
+#include "attention-svc/replica_picker.h"
+#include "attention-svc/routing_view.h"
+#include "moe/v1/attention.pb.h"
+#include "moe/v1/router.pb.h"
+#include "services/common/model_config.h"
+#include "services/common/work_queue.h"
+
+namespace moe::metrics {
+class AttentionMetrics;
+}
+namespace moe::checkpoint {
+class Checkpoint;
+}
+
+namespace moe::attention_svc {
+
+// Experts in this process (tests, without processes): the shards whose weights are here are
+// served by LocalExpertChannel (expert_channel_factory.h). Everything must outlive the core.
+struct LocalExperts {
+  std::function<const numerics::MoeLayerWeights*(const ShardRef&)> weights;
+  const numerics::cpu::KernelTable* kernels = nullptr;
+  numerics::cpu::ThreadPool* pool = nullptr;
+};
+
+class AttentionCore {
+ public:
+  // Loads the dense part of every hosted layer (the checkpoint's, or synthetic ones).
+  static absl::StatusOr<std::unique_ptr<AttentionCore>> Load(const AttentionServerOptions& options);
+  ~AttentionCore();
+
+  // Starts the data plane's half, the workers and dynamic k's threads. metrics may be null.
+  absl::Status Start(metrics::AttentionMetrics* metrics, const LocalExperts& local = {});
+  // Runs what is queued (bounded by deadlines), joins the threads, closes the expert channels.
+  // Idempotent.
+  void Stop();
+
+  // Queues work on the node's workers; false when the queue is full.
+  bool Submit(std::function<void()> work);
+  // One Forward with its metrics (latency, errors by code, bytes from and to the client) under
+  // `method`, the front's name for moe_errors_total ("Forward", "ModelInfer", "http:infer").
+  absl::Status Serve(const v1::ForwardRequest& req, absl::Time deadline, v1::ForwardResponse* resp,
+                     const char* method);
+
+  // A call a front refused before Serve (which counts its own): moe_errors_total{method, code}.
+  void CountRefusal(const char* method, const absl::Status& s) const;
+
+  // router-svc's watches. ApplyPlacement: whether every hosted layer is ready now.
+  bool ApplyPlacement(const v1::Placement& p);
+  void ApplyBias(const v1::LayerBias& b);
+  // The statistics since the last call, as reports to router-svc.
+  std::vector<v1::ReportStatsRequest> TakeReports();
+
+  // GetModelInfo's answer but the OIP model names (the OIP front's: oip_service.h).
+  void FillModelInfo(v1::ModelInfo* info) const;
+  bool LayerReady(int32_t layer) const { return view_.LayerReady(layer); }
+  std::vector<int32_t> layers() const;
+  const ModelConfig& config() const { return cfg_; }
+  const AttentionServerOptions& options() const { return options_; }
+  ClientHalf* data_plane() const { return links_ != nullptr ? links_->data_plane() : nullptr; }
+  size_t queued() const { return workers_ != nullptr ? workers_->queued() : 0; }
+
+ private:
+  AttentionCore(const AttentionServerOptions& o, const ModelConfig& cfg);
+  // ckpt: the checkpoint's dense weights (null: synthetic ones from the options' seed).
+  absl::Status LoadLayers(checkpoint::Checkpoint* ckpt);
+  // PrepareForward, then RunForward (check: dynamic k's full-k recomputation).
+  absl::Status RunOne(const v1::ForwardRequest& req, absl::Time deadline, v1::ForwardResponse* resp,
+                      bool check);
+  // Dynamic k: the automatic mode's decisions, and the sampled full-k checks.
+  void GovernorLoop();
+  void CheckLoop();
+  void MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardResponse& resp);
+
+  const AttentionServerOptions options_;
+  const ModelConfig cfg_;
+  HostedLayers layers_;
+  RoutingView view_;
+  NodeStats stats_;
+  ReplicaPicker picker_;
+  std::unique_ptr<ExpertLinks> links_;
+  metrics::AttentionMetrics* metrics_ = nullptr;
+  std::unique_ptr<WorkQueue> workers_;
+  std::unique_ptr<BudgetGovernor> governor_;
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread governor_thread_;
+
+  struct BudgetCheck {
+    v1::ForwardRequest req;
+    std::string output;  // the budgeted answer's bf16 bytes
+    uint64_t bias_version = 0;
+    double mass_kept = 1.0;  // its ForwardResponse.routing_mass_kept
+  };
+  std::mutex check_mu_;
+  std::condition_variable check_cv_;
+  std::deque<BudgetCheck> checks_ ABSL_GUARDED_BY(check_mu_);
+  bool checks_stopping_ ABSL_GUARDED_BY(check_mu_) = false;
+  uint64_t budgeted_ ABSL_GUARDED_BY(check_mu_) = 0;
+  std::thread check_thread_;
+};
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_ATTENTION_CORE_H_

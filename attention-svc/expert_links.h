@@ -1,0 +1,77 @@
+// The attention node's links to the expert shards: its half of the out-of-band data plane
+// (dataplane/client_half.h, started by --data_plane's name; none: in band) and one channel per
+// shard (shard@endpoint), made on first use by MakeExpertChannel and closed when the shard is
+// no longer placed. Channels and the half go together: Close drops every channel before the
+// half goes. Thread-safe; what travels is the channels' business.
+//
+//   MOE_ASSIGN_OR_RETURN(auto links, ExpertLinks::Start(options, metrics));  // metrics may be null
+//   std::shared_ptr<ExpertChannel> ch = links->ChannelFor(shard_ref);
+//   links->KeepOnly([&](const std::string& key) { return view.Placed(key); });
+#ifndef MOE_ATTENTION_SVC_EXPERT_LINKS_H_
+#define MOE_ATTENTION_SVC_EXPERT_LINKS_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "attention-svc/dataplane/client_half.h"
+#include "attention-svc/expert_channel.h"
+#include "attention-svc/expert_channel_factory.h"
+#include "services/dataplane/data_plane.h"
+
+namespace moe::metrics {
+class AttentionMetrics;
+}
+
+namespace moe::attention_svc {
+
+struct ExpertLinksOptions {
+  std::string node = "attention-0";
+  std::string bind_host = "127.0.0.1";  // the interface the data plane may listen on
+  dataplane::DataPlane data_plane;      // in band, automatic, or a backend by name
+  std::string ucx_tls;                  // empty: UCX_TLS from the environment
+  int ucx_poll_us = 100;
+  int max_message_bytes = 256 << 20;
+  std::string cluster_token;
+  // In process (tests): the experts of a shard when they are here; see ExpertChannelConfig.
+  std::function<const numerics::MoeLayerWeights*(const ShardRef&)> local_weights;
+  const ModelConfig* cfg = nullptr;
+  const numerics::cpu::KernelTable* kernels = nullptr;
+  numerics::cpu::ThreadPool* pool = nullptr;
+};
+
+class ExpertLinks {
+ public:
+  // Starts the data plane's half when asked for one: a backend named by --data_plane that
+  // cannot start is FAILED_PRECONDITION; under auto the node goes in band and says so.
+  static absl::StatusOr<std::unique_ptr<ExpertLinks>> Start(const ExpertLinksOptions& options,
+                                                            metrics::AttentionMetrics* metrics);
+  ~ExpertLinks() { Close(); }
+
+  // The channel of one shard, made once per shard@endpoint (its failover and hedge series
+  // start at 0 then).
+  std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
+  // Closes the channels of shards `placed` says are gone (a restarted shard on a new port).
+  void KeepOnly(const std::function<bool(const std::string& shard_at_endpoint)>& placed);
+  // Drops every channel (calls in flight finish on their own references).
+  void Close();
+  ClientHalf* data_plane() const { return half_.get(); }
+
+ private:
+  ExpertLinks(const ExpertLinksOptions& o, metrics::AttentionMetrics* m) : o_(o), metrics_(m) {}
+
+  const ExpertLinksOptions o_;
+  metrics::AttentionMetrics* const metrics_;
+  // Declared before the channels so that it outlives them.
+  std::unique_ptr<ClientHalf> half_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<ExpertChannel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_EXPERT_LINKS_H_
