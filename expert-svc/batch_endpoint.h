@@ -26,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "expert-svc/batch_reply.h"
 #include "expert-svc/dataplane/server_half.h"
 #include "moe/v1/expert.pb.h"
 #include "services/transport/stream_reactor.h"
@@ -33,19 +34,6 @@
 namespace moe::expert_svc {
 
 using DispatchReactor = transport::StreamReactor<v1::DispatchRequest, v1::DispatchReply>;
-
-// Where one batch's answer goes. Send runs exactly once, never blocks on the network, and may
-// run on any thread.
-class BatchReply {
- public:
-  virtual ~BatchReply() = default;
-  // The answer: code 0 with the outputs, or an error (ErrorReply).
-  virtual void Send(v1::DispatchReply reply) = 0;
-  // "grpc", "local" or the data plane's name ("ucx"): the transport label of the wire metrics.
-  virtual const char* transport() const = 0;
-  // Seconds the activations took to arrive after the header (out of band; 0 in band).
-  double receive_seconds = 0;
-};
 
 class BatchEndpoint {
  public:
@@ -57,9 +45,6 @@ class BatchEndpoint {
   // own. Nothing of the endpoint is used after Receive returns (it may be destroyed).
   virtual void Receive(v1::DispatchRequest req, Admit admit) = 0;
 };
-
-// An error answer to batch `batch_id`, naming this server's shard when the message does not.
-v1::DispatchReply ErrorReply(uint64_t batch_id, const std::string& shard, const absl::Status& s);
 
 struct EndpointContext {
   std::string shard;

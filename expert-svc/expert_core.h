@@ -1,8 +1,9 @@
 // The expert server's core, apart from its gRPC adapter (TF Serving's ServerCore beside its
 // stateless service classes): the hosted layers and their backends, the compute queue and its
 // thread, the production check and the machine limits. A batch comes in through Admit with its
-// activation bytes and a BatchReply (batch_endpoint.h: in band, UCX or local), and its answer
-// goes to that reply; the core never sees how the bytes moved.
+// activation bytes and a BatchReply (batch_reply.h; made by batch_endpoint.h: in band, UCX or
+// local), and its answer goes to that reply; the core never sees how the bytes moved, and
+// compiles without gRPC's headers.
 //
 //   MOE_ASSIGN_OR_RETURN(auto core, ExpertCore::Load(options));
 //   core->Start(metrics);  // may be null
@@ -27,7 +28,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "expert-svc/batch_endpoint.h"
+#include "expert-svc/batch_reply.h"
 #include "expert-svc/batch_verifier.h"
 #include "expert-svc/dispatch_batch.h"
 #include "expert-svc/expert_backend.h"

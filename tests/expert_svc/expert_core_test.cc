@@ -10,6 +10,7 @@
 #include <mutex>
 #include <vector>
 
+#include "expert-svc/batch_endpoint.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/kernel_choice.h"
