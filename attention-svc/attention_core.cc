@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "prometheus/registry.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
@@ -98,10 +99,17 @@ std::vector<int32_t> AttentionCore::layers() const {
 }
 
 absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const LocalExperts& local) {
-  metrics_ = metrics;
-  if (metrics_ != nullptr) {
-    for (int32_t l : layers()) metrics_->BiasVersion(l, 0);
+  if (metrics == nullptr) {
+    // Not exported, but counted all the same: every component holds its stats as a value.
+    std::vector<int64_t> layers;
+    for (int32_t l : this->layers()) layers.push_back(l);
+    own_registry_ = std::make_unique<prometheus::Registry>();
+    own_metrics_ = std::make_unique<metrics::AttentionMetrics>(*own_registry_, layers,
+                                                               cfg_.num_experts, false);
+    metrics = own_metrics_.get();
   }
+  metrics_ = metrics;
+  for (int32_t l : layers()) metrics_->BiasVersion(l, 0);
   ExpertLinksOptions lo;
   lo.node = options_.node;
   lo.bind_host = options_.host;
@@ -123,7 +131,7 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
   g.p99_ms = options_.budget_auto_p99_ms;
   g.interval_ms = std::max<int64_t>(10, options_.budget_auto_interval_ms);
   governor_ = std::make_unique<BudgetGovernor>(g, static_cast<int32_t>(cfg_.top_k));
-  if (metrics_ != nullptr) metrics_->AutoBudget(cfg_.top_k);
+  metrics_->AutoBudget(cfg_.top_k);
   if (governor_->enabled()) {
     MOE_LOG_INFO("dynamic k: automatic budget on, floor {}, queue bound {}, p99 bound {} ms",
                  g.floor, g.queue_bound, g.p99_ms);
@@ -156,7 +164,7 @@ bool AttentionCore::Submit(std::function<void()> work) {
   if (workers_ == nullptr) return false;
   const bool queued = workers_->Submit(std::move(work));
   if (governor_ != nullptr) governor_->ObserveQueue(static_cast<int64_t>(workers_->queued()));
-  if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
+  metrics_->common.QueueDepth(static_cast<int64_t>(workers_->queued()));
   return queued;
 }
 
@@ -169,7 +177,7 @@ bool AttentionCore::ApplyPlacement(const v1::Placement& p) {
 }
 
 void AttentionCore::ApplyBias(const v1::LayerBias& b) {
-  if (view_.ApplyBias(b) && metrics_ != nullptr) metrics_->BiasVersion(b.layer(), b.version());
+  if (view_.ApplyBias(b)) metrics_->BiasVersion(b.layer(), b.version());
 }
 
 std::vector<v1::ReportStatsRequest> AttentionCore::TakeReports() {
@@ -203,16 +211,13 @@ absl::Status AttentionCore::RunOne(const v1::ForwardRequest& req, absl::Time dea
 absl::Status AttentionCore::Serve(const v1::ForwardRequest& req, absl::Time deadline,
                                   v1::ForwardResponse* resp, const char* method) {
   const auto start = Clock::now();
-  if (metrics_ != nullptr) {
-    metrics_->common.QueueDepth(static_cast<int64_t>(queued()));
-    metrics_->common.Started(method);
-  }
+  metrics_->common.QueueDepth(static_cast<int64_t>(queued()));
+  metrics_->common.Started(method);
   const absl::Status s = RunOne(req, deadline, resp, /*check=*/false);
   if (s.ok()) {
     if (governor_ != nullptr) governor_->Observe(Seconds(Clock::now() - start));
     MaybeCheck(req, *resp);
   }
-  if (metrics_ == nullptr) return s;
   metrics_->common.Finished(method, s.ok());
   const v1::Tensor& x = req.hidden_states();
   metrics_->wire.Add("received", x.dtype() == v1::DTYPE_F32 ? "f32" : "bf16", "client",
@@ -231,7 +236,7 @@ absl::Status AttentionCore::Serve(const v1::ForwardRequest& req, absl::Time dead
 }
 
 void AttentionCore::CountRefusal(const char* method, const absl::Status& s) const {
-  if (metrics_ != nullptr) metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
+  metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
 }
 
 void AttentionCore::FillModelInfo(v1::ModelInfo* resp) const {
@@ -282,10 +287,8 @@ void AttentionCore::GovernorLoop() {
     const int step = governor_->Tick(ceiling, &why);
     if (step == 0) continue;
     MOE_LOG_INFO("dynamic k: automatic budget cap {} -> {} ({})", before, governor_->cap(), why);
-    if (metrics_ != nullptr) {
-      metrics_->BudgetStep(step < 0);
-      metrics_->AutoBudget(governor_->cap());
-    }
+    metrics_->BudgetStep(step < 0);
+    metrics_->AutoBudget(governor_->cap());
   }
 }
 
@@ -299,7 +302,7 @@ void AttentionCore::MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardR
     return;
   }
   if (static_cast<int>(checks_.size()) >= options_.budget_check_queue) {
-    if (metrics_ != nullptr) metrics_->BudgetCheck(req.layer(), "dropped");
+    metrics_->BudgetCheck(req.layer(), "dropped");
     return;
   }
   checks_.push_back({req, resp.output().data(), resp.bias_version(), resp.routing_mass_kept()});
@@ -328,11 +331,11 @@ void AttentionCore::CheckLoop() {
     if (!s.ok()) {
       MOE_LOG_WARN("dynamic k: the full-k check of a layer {} request failed: {}", layer,
                    s.ToString());
-      if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "failed");
+      metrics_->BudgetCheck(layer, "failed");
       continue;
     }
     if (full.bias_version() != c.bias_version || full.output().data().size() != c.output.size()) {
-      if (metrics_ != nullptr) metrics_->BudgetCheck(layer, "skipped");
+      metrics_->BudgetCheck(layer, "skipped");
       continue;
     }
     // The relative L2 difference of the outputs, and where the next-token head would point,
@@ -350,10 +353,8 @@ void AttentionCore::CheckLoop() {
     const int64_t tokens = static_cast<int64_t>(n) / cfg_.hidden;
     const double top1 =
         numerics::Top1Agreement(budgeted.data(), full_k.data(), tokens, cfg_.hidden);
-    if (metrics_ != nullptr) {
-      metrics_->BudgetCheck(layer, "measured", rel);
-      metrics_->BudgetQuality(layer, c.mass_kept, top1);
-    }
+    metrics_->BudgetCheck(layer, "measured", rel);
+    metrics_->BudgetQuality(layer, c.mass_kept, top1);
     stats_.AddCheck(layer, rel, c.mass_kept, top1);
   }
 }

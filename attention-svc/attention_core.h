@@ -39,6 +39,9 @@
 #include "services/common/model_config.h"
 #include "services/common/work_queue.h"
 
+namespace prometheus {
+class Registry;
+}
 namespace moe::metrics {
 class AttentionMetrics;
 }
@@ -62,7 +65,8 @@ class AttentionCore {
   static absl::StatusOr<std::unique_ptr<AttentionCore>> Load(const AttentionServerOptions& options);
   ~AttentionCore();
 
-  // Starts the data plane's half, the workers and dynamic k's threads. metrics may be null.
+  // Starts the data plane's half, the workers and dynamic k's threads. metrics: where the node
+  // counts (null: a registry of the core's own, not exported).
   absl::Status Start(metrics::AttentionMetrics* metrics, const LocalExperts& local = {});
   // Runs what is queued (bounded by deadlines), joins the threads, closes the expert channels.
   // Idempotent.
@@ -112,7 +116,9 @@ class AttentionCore {
   NodeStats stats_;
   ReplicaPicker picker_;
   std::unique_ptr<ExpertLinks> links_;
-  metrics::AttentionMetrics* metrics_ = nullptr;
+  std::unique_ptr<prometheus::Registry> own_registry_;  // metrics not exported
+  std::unique_ptr<metrics::AttentionMetrics> own_metrics_;
+  metrics::AttentionMetrics* metrics_ = nullptr;  // never null once started
   std::unique_ptr<WorkQueue> workers_;
   std::unique_ptr<BudgetGovernor> governor_;
 

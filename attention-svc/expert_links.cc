@@ -38,11 +38,9 @@ std::shared_ptr<ExpertChannel> ExpertLinks::ChannelFor(const ShardRef& s) {
   auto& channel = channels_[key];
   if (channel != nullptr) return channel;
   // Once per shard, not per message: its failover series starts at 0.
-  if (metrics_ != nullptr) {
-    metrics_->Failover(s.shard, 0);
-    metrics_->Hedge(s.shard, false, 0);  // the series exist at 0 from the shard's first use
-    metrics_->Hedge(s.shard, true, 0);
-  }
+  metrics_->Failover(s.shard, 0);
+  metrics_->Hedge(s.shard, false, 0);  // the series exist at 0 from the shard's first use
+  metrics_->Hedge(s.shard, true, 0);
   ExpertChannelConfig c;
   c.max_message_bytes = o_.max_message_bytes;
   c.cluster_token = o_.cluster_token;
@@ -55,13 +53,13 @@ std::shared_ptr<ExpertChannel> ExpertLinks::ChannelFor(const ShardRef& s) {
   c.pool = o_.pool;
   metrics::AttentionMetrics* m = metrics_;
   c.on_event = [m](const std::string& shard, const std::string& event) {
-    if (m != nullptr) m->DataPlaneEvent(shard, event);
+    m->DataPlaneEvent(shard, event);
   };
   c.on_lanes = [m](const std::string& shard, const dataplane::Lanes& lanes,
                    const std::string& shard_lanes) {
     MOE_LOG_INFO("data plane to {}: lanes {} (the shard's side: {})", shard, lanes.Describe(),
                  shard_lanes);
-    if (m != nullptr) m->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
+    m->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
   };
   channel = MakeExpertChannel(c, s);
   return channel;

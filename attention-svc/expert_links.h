@@ -4,7 +4,7 @@
 // no longer placed. Channels and the half go together: Close drops every channel before the
 // half goes. Thread-safe; what travels is the channels' business.
 //
-//   MOE_ASSIGN_OR_RETURN(auto links, ExpertLinks::Start(options, metrics));  // metrics may be null
+//   MOE_ASSIGN_OR_RETURN(auto links, ExpertLinks::Start(options, metrics));  // metrics required
 //   std::shared_ptr<ExpertChannel> ch = links->ChannelFor(shard_ref);
 //   links->KeepOnly([&](const std::string& key) { return view.Placed(key); });
 #ifndef MOE_ATTENTION_SVC_EXPERT_LINKS_H_

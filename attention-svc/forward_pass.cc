@@ -182,8 +182,7 @@ absl::StatusOr<ForwardPass::InFlight> ForwardPass::Start(int64_t lo, int64_t row
   // Finite inputs can still overflow the latent (|x| near the bf16 maximum): the caller's
   // error, said here, not a shard's refusal of non-finite activations.
   MOE_RETURN_IF_ERROR(CheckLatentFinite(f.batch.z, d_, lo));
-  if (!spec_.check && env_.stats != nullptr)
-    env_.stats->Accumulate(req_.layer(), *spec_.bias, f.batch);
+  if (!spec_.check) env_.stats->Accumulate(req_.layer(), *spec_.bias, f.batch);
   // The budget's or the request's rule (none: every pair kept, the routing untouched).
   const ModelConfig& cfg = *env_.cfg;
   routed_pairs_ +=
@@ -203,7 +202,7 @@ absl::StatusOr<ForwardPass::InFlight> ForwardPass::Start(int64_t lo, int64_t row
           ? tensor::Activations::FromMxfp8(numerics::QuantizeMxfp8Rows(f.batch.z.data(), rows, d_))
           : tensor::Activations::FromBf16(f.batch.z, rows, d_);
   MOE_ASSIGN_OR_RETURN(f.plan, PlanDispatch(f.batch.routing, z, *spec_.route, dispatch));
-  if (env_.metrics != nullptr && !spec_.check) {  // where the router's loads are counted
+  if (!spec_.check) {  // where the router's loads are counted
     env_.metrics->Routed(req_.layer(), f.plan.per_expert, f.plan.shard_rows);
   }
   if (!first_send_.has_value()) first_send_ = Clock::now();
@@ -243,10 +242,8 @@ absl::Status ForwardPass::Finish(InFlight& f) {
     const int64_t bytes = f32 ? static_cast<int64_t>(replies[i].f32.size() * sizeof(float))
                               : static_cast<int64_t>(replies[i].bf16.size() * sizeof(Bf16));
     bytes_received_ += bytes;
-    if (env_.metrics != nullptr) {
-      env_.metrics->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
-                             f.calls[i]->transport());
-    }
+    env_.metrics->wire.Add("received", f32 ? "f32" : "bf16", "expert", bytes, replies[i].rows,
+                           f.calls[i]->transport());
   }
   last_reply_ = Clock::now();
   if (!lost.empty()) {
@@ -307,7 +304,7 @@ void ForwardPass::Respond(v1::ForwardResponse* resp) const {
   if (degraded_pairs_ > 0) {
     *resp->mutable_missing_experts() = {missing_.begin(), missing_.end()};
     resp->set_degraded_pairs(degraded_pairs_);
-    if (env_.metrics != nullptr) env_.metrics->Degraded(req_.layer(), degraded_pairs_);
+    env_.metrics->Degraded(req_.layer(), degraded_pairs_);
   }
   v1::StageSeconds* sec = resp->mutable_seconds();
   sec->set_router(t_.router);
@@ -324,7 +321,7 @@ FailoverHooks ForwardPass::Hooks() {
   hooks.channel_for = [links = env_.links](const ShardRef& s) { return links->ChannelFor(s); };
   hooks.on_sent = [this](const DispatchMessage& m, const char* transport) {
     bytes_sent_ += m.activation_bytes();
-    if (env_.metrics != nullptr && *transport != '\0') {
+    if (*transport != '\0') {
       env_.metrics->wire.Add("sent", tensor::ActivationFormatName(m.z.format()), "expert",
                              m.activation_bytes(), static_cast<int64_t>(m.tokens.size()),
                              transport);
@@ -332,7 +329,7 @@ FailoverHooks ForwardPass::Hooks() {
   };
   hooks.hedge_share = env_.hedge_share;
   hooks.on_hedge = [this](const ShardRef& slow, const ShardRef& twin, bool twin_won) {
-    if (env_.metrics != nullptr) env_.metrics->Hedge(slow.shard, twin_won);
+    env_.metrics->Hedge(slow.shard, twin_won);
     if (twin_won) {
       MOE_LOG_INFO("layer {}: {} was silent, its twin {} answered first", req_.layer(), slow.shard,
                    twin.shard);
@@ -341,7 +338,7 @@ FailoverHooks ForwardPass::Hooks() {
   hooks.on_failover = [this](const ShardRef& from, const ShardRef& to, const absl::Status& why) {
     MOE_LOG_INFO("layer {}: {} failed over to {} ({})", req_.layer(), from.shard, to.shard,
                  why.ToString());
-    if (env_.metrics != nullptr) env_.metrics->Failover(from.shard);
+    env_.metrics->Failover(from.shard);
   };
   return hooks;
 }

@@ -88,7 +88,7 @@ absl::StatusOr<ForwardSpec> PrepareForward(const ForwardLimits& limits, const Ho
                                            const RoutingView& view, const v1::ForwardRequest& req,
                                            absl::Time deadline, bool check = false);
 
-// What a pass uses of the node. links and picker are required; stats and metrics may be null.
+// What a pass uses of the node, every pointer required (a full-k check counts nothing in stats).
 struct ForwardEnv {
   const ModelConfig* cfg = nullptr;
   ExpertLinks* links = nullptr;

@@ -8,6 +8,7 @@
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "prometheus/registry.h"
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/common/logging.h"
@@ -76,6 +77,7 @@ absl::StatusOr<std::unique_ptr<ExpertCore>> ExpertCore::Load(const ExpertServerO
   return core;
 }
 
+ExpertCore::ExpertCore(const ExpertServerOptions& o) : options_(o), precisions_(o.precisions) {}
 ExpertCore::~ExpertCore() { Stop(); }
 
 absl::Status ExpertCore::LoadWeights() {
@@ -184,12 +186,17 @@ absl::Status ExpertCore::LoadWeights() {
 
 void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,
                        std::chrono::microseconds idle_spin) {
-  metrics_ = metrics;
-  if (metrics_ != nullptr) {
-    metrics_->Backend(backends_.begin()->second->name(), backends_.begin()->second->note);
+  if (metrics == nullptr) {
+    // Not exported, but counted all the same: every component holds its stats as a value.
+    std::vector<int64_t> layers;
+    for (const auto& [l, w] : layers_) layers.push_back(l);
+    own_registry_ = std::make_unique<prometheus::Registry>();
+    own_metrics_ = std::make_unique<metrics::ExpertMetrics>(*own_registry_, layers, options_.shard);
+    metrics = own_metrics_.get();
   }
-  if (metrics_ != nullptr && kernel_choice_ != nullptr &&
-      backends_.begin()->second->name().rfind("cpu", 0) == 0) {
+  metrics_ = metrics;
+  metrics_->Backend(backends_.begin()->second->name(), backends_.begin()->second->note);
+  if (kernel_choice_ != nullptr && backends_.begin()->second->name().rfind("cpu", 0) == 0) {
     std::vector<metrics::ExpertMetrics::KernelProbe> probes;
     for (const numerics::cpu::KernelTiming& t : kernel_choice_->timings) {
       probes.push_back({numerics::cpu::IsaName(t.isa), t.panel ? "panel" : "rows", t.tokens,
@@ -201,7 +208,7 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,
         c.panel_from >= numerics::cpu::kNoPanel ? "never" : std::to_string(c.panel_from), c.source,
         probes);
   }
-  if (metrics_ != nullptr && limits_.threads > 0) {
+  if (limits_.threads > 0) {
     metrics_->LimitsProbed();
     metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
                                numerics::cpu::IsaName(limits_.isa));
@@ -218,7 +225,7 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,
             MOE_LOG_ERROR("shard {}: production check {}: {}", options_.shard, VerifyResultName(r),
                           detail);
           }
-          if (metrics_ != nullptr) metrics_->Verified(VerifyResultName(r));
+          metrics_->Verified(VerifyResultName(r));
         });
   }
   idle_poll_ = std::move(idle_poll);
@@ -248,12 +255,10 @@ int64_t ExpertCore::queued() const {
 
 void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activations,
                        std::unique_ptr<BatchReply> reply) {
-  if (metrics_ != nullptr) {
-    metrics_->wire.Add("received", WireDtype(req.activations()), "attention",
-                       static_cast<int64_t>(activations.size()),
-                       req.activations().shape_size() > 0 ? req.activations().shape(0) : 0,
-                       reply->transport());
-  }
+  metrics_->wire.Add("received", WireDtype(req.activations()), "attention",
+                     static_cast<int64_t>(activations.size()),
+                     req.activations().shape_size() > 0 ? req.activations().shape(0) : 0,
+                     reply->transport());
   const auto arrived = Clock::now() - std::chrono::duration_cast<Clock::duration>(
                                           std::chrono::duration<double>(reply->receive_seconds));
   absl::StatusOr<std::unique_ptr<Batch>> batch =
@@ -270,9 +275,7 @@ void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activati
     if (queued.ok()) return;
     batch = queued;
   }
-  if (metrics_ != nullptr) {
-    metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));
-  }
+  metrics_->common.Error("Dispatch", absl::StatusCodeToString(batch.status().code()));
   if (reply != nullptr) reply->Send(ErrorReply(req.batch_id(), options_.shard, batch.status()));
 }
 
@@ -317,7 +320,7 @@ absl::Status ExpertCore::Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<Batch
   }
   queue_.emplace_back(std::move(b), std::move(reply));
   has_work_.store(true);
-  if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
+  metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
   cv_.notify_one();
   return absl::OkStatus();
 }
@@ -336,8 +339,8 @@ void ExpertCore::ComputeLoop() {
         lock.lock();
       }
       while (!cv_.wait_for(lock, kIdleTick, [&] { return stopping_ || !queue_.empty(); })) {
-        if (metrics_ != nullptr) metrics_->Tick();  // the busy ratio decays while idle
-        lock.unlock();  // batches queue meanwhile; they wait at most one probe (~0.2 s)
+        metrics_->Tick();  // the busy ratio decays while idle
+        lock.unlock();     // batches queue meanwhile; they wait at most one probe (~0.2 s)
         RemeasureLimitsWhenIdle();
         lock.lock();
       }
@@ -346,7 +349,7 @@ void ExpertCore::ComputeLoop() {
       out = std::move(queue_.front().second);
       queue_.pop_front();
       has_work_.store(!queue_.empty() || stopping_);
-      if (metrics_ != nullptr) metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
+      metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
     }
     v1::DispatchReply reply;
     reply.set_batch_id(b->batch_id);
@@ -368,25 +371,23 @@ void ExpertCore::ComputeLoop() {
                                                  " waited past its deadline in the queue")),
                                 &reply);
     } else {
-      if (metrics_ != nullptr) metrics_->common.Started("Dispatch");
+      metrics_->common.Started("Dispatch");
       Compute(*b, &reply);
       reply.set_compute_seconds(Seconds(Clock::now() - start));
-      if (metrics_ != nullptr) metrics_->common.Finished("Dispatch", reply.code() == 0);
+      metrics_->common.Finished("Dispatch", reply.code() == 0);
     }
-    if (metrics_ != nullptr) {
-      if (reply.code() == 0) {
-        // Each distinct expert's weights stream once per batch (rows are grouped by expert).
-        metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(),
-                            b->rows, static_cast<double>(b->experts) * cfg_.ExpertBytes(),
-                            6.0 * cfg_.latent * cfg_.intermediate * b->rows);
-        metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
-                           static_cast<int64_t>(reply.outputs().data().size()),
-                           reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0,
-                           out->transport());
-      } else {
-        metrics_->common.Error(
-            "Dispatch", absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));
-      }
+    if (reply.code() == 0) {
+      // Each distinct expert's weights stream once per batch (rows are grouped by expert).
+      metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(), b->rows,
+                          static_cast<double>(b->experts) * cfg_.ExpertBytes(),
+                          6.0 * cfg_.latent * cfg_.intermediate * b->rows);
+      metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
+                         static_cast<int64_t>(reply.outputs().data().size()),
+                         reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0,
+                         out->transport());
+    } else {
+      metrics_->common.Error("Dispatch",
+                             absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));
     }
     out->Send(std::move(reply));
     last_batch_end_ = Clock::now();
@@ -409,7 +410,7 @@ void ExpertCore::RemeasureLimitsWhenIdle() {
   lo.fma_seconds = 0.03;
   const numerics::cpu::MachineLimits again =
       numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
-  if (metrics_ != nullptr) metrics_->LimitsProbed();
+  metrics_->LimitsProbed();
   if (again.read_bytes_per_second <= limits_.read_bytes_per_second &&
       again.fma_flops_per_second <= limits_.fma_flops_per_second) {
     return;
@@ -420,10 +421,8 @@ void ExpertCore::RemeasureLimitsWhenIdle() {
   MOE_LOG_INFO("shard {}: measured again while idle: read {:.1f} GB/s, FMA peak {:.1f} GFLOP/s",
                options_.shard, limits_.read_bytes_per_second / 1e9,
                limits_.fma_flops_per_second / 1e9);
-  if (metrics_ != nullptr) {
-    metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
-                               numerics::cpu::IsaName(limits_.isa));
-  }
+  metrics_->SetMachineLimits(limits_.read_bytes_per_second, limits_.fma_flops_per_second,
+                             numerics::cpu::IsaName(limits_.isa));
 }
 
 }  // namespace moe::expert_svc

@@ -38,6 +38,9 @@
 #include "services/numerics/cpu/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 
+namespace prometheus {
+class Registry;
+}
 namespace moe::metrics {
 class ExpertMetrics;
 }
@@ -75,7 +78,7 @@ class ExpertCore {
   int64_t queued() const;
 
  private:
-  explicit ExpertCore(const ExpertServerOptions& o) : options_(o), precisions_(o.precisions) {}
+  explicit ExpertCore(const ExpertServerOptions& o);
   absl::Status LoadWeights();
   // Runs one batch and fills the reply (outputs, timings).
   void Compute(const Batch& b, v1::DispatchReply* reply);
@@ -103,7 +106,9 @@ class ExpertCore {
   std::chrono::microseconds idle_spin_{0};
   std::chrono::steady_clock::time_point limits_measured_ = std::chrono::steady_clock::now();
   std::unique_ptr<BatchVerifier> verifier_;
-  metrics::ExpertMetrics* metrics_ = nullptr;
+  std::unique_ptr<prometheus::Registry> own_registry_;  // metrics not exported
+  std::unique_ptr<metrics::ExpertMetrics> own_metrics_;
+  metrics::ExpertMetrics* metrics_ = nullptr;  // never null once started
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -78,6 +78,7 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<ExpertCore> core_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  std::unique_ptr<prometheus::Registry> own_registry_;  // metrics_ when not exported
   std::unique_ptr<metrics::ExpertMetrics> metrics_;
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
   bool stopped_ = false;
@@ -110,6 +111,10 @@ absl::Status ExpertServer::Impl::Start() {
       MOE_RETURN_IF_ERROR(
           transport::WritePortFile(options_.metrics_port_file, metrics_server_->port()));
     }
+  } else {
+    // Counted all the same, not exported: the metrics are a value, never null.
+    own_registry_ = std::make_unique<prometheus::Registry>();
+    metrics_ = std::make_unique<metrics::ExpertMetrics>(*own_registry_, layers, options_.shard);
   }
   // Read before anything listens: with a token, Dispatch and OpenDataPlane need it from the
   // first call on.
@@ -193,10 +198,10 @@ absl::Status ExpertServer::Impl::CheckMember(const grpc::CallbackServerContext& 
     // With mutual TLS only attention nodes dispatch (another shard's certificate does not).
     absl::Status s = transport::CheckPeerMember(context, "attention", "",
                                                 absl::StrCat(what, " to shard ", options_.shard));
-    if (!s.ok() && metrics_ != nullptr) metrics_->common.Error(what, "PERMISSION_DENIED");
+    if (!s.ok()) metrics_->common.Error(what, "PERMISSION_DENIED");
     return s;
   }
-  if (metrics_ != nullptr) metrics_->common.Error(what, "UNAUTHENTICATED");
+  metrics_->common.Error(what, "UNAUTHENTICATED");
   return absl::UnauthenticatedError(absl::StrCat(
       what, " to shard ", options_.shard, " needs the cluster token of an attention member in the ",
       transport::kClusterTokenMetadata, " metadata",
@@ -223,7 +228,7 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   ctx.stream = stream;
   ctx.data_plane = dp_.get();
   ctx.on_error = [this](const absl::Status& s) {
-    if (metrics_ != nullptr) metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
+    metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
   };
   std::unique_ptr<BatchEndpoint> endpoint = MakeBatchEndpoint(req, ctx);
   endpoint->Receive(std::move(req), [this](v1::DispatchRequest& r, std::string_view bytes,
@@ -250,7 +255,7 @@ void ExpertServer::Impl::OnBatchMessage(const BatchSource& from, std::string_vie
         absl::StrCat("shard ", options_.shard, ", batch ", req.batch_id(),
                      ": a batch message whose header does not describe its payload (",
                      activations.size(), " activation bytes)"));
-    if (metrics_ != nullptr) metrics_->common.Error("Dispatch", "INVALID_ARGUMENT");
+    metrics_->common.Error("Dispatch", "INVALID_ARGUMENT");
     reply->Send(ErrorReply(req.batch_id(), options_.shard, s));
     return;
   }
@@ -293,7 +298,7 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
                                                             v1::OpenDataPlaneReply* response) {
   auto* reactor = context->DefaultReactor();
   auto finish = [&](const absl::Status& s) {
-    if (!s.ok() && metrics_ != nullptr) {
+    if (!s.ok()) {
       metrics_->common.Error("OpenDataPlane", absl::StatusCodeToString(s.code()));
     }
     reactor->Finish(transport::ToGrpc(s));
@@ -329,9 +334,7 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   o.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
   o.max_clients = options_.max_data_plane_clients;
   o.max_message_bytes = options_.max_message_bytes;
-  o.on_event = [this](const std::string& event) {
-    if (metrics_ != nullptr) metrics_->DataPlaneEvent(event);
-  };
+  o.on_event = [this](const std::string& event) { metrics_->DataPlaneEvent(event); };
   if (options_.ucx_batch_messages) {
     o.on_batch = [this](const BatchSource& from, std::string_view header,
                         std::string_view activations) {

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "prometheus/registry.h"
 #include "router-svc/router_proto.h"
 #include "services/common/logging.h"
 #include "services/common/status_macros.h"
@@ -37,6 +38,9 @@ absl::Status CheckShardName(const std::string& name) {
   }
   return absl::InvalidArgumentError("a shard name has letters, digits, '-', '.' and '_' only");
 }
+
+RouterCore::RouterCore(const RouterServerOptions& o) : options_(o) {}
+RouterCore::~RouterCore() = default;
 
 absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerOptions& o) {
   auto core = std::unique_ptr<RouterCore>(new RouterCore(o));
@@ -78,6 +82,12 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Load(const RouterServerO
                    LoadWindow(l, cfg_.num_experts, cfg_.top_k, options_.window_tokens), 0,
                    BudgetActivity{}});
   }
+  // Counted from the start, exported once SetMetrics hands a registry's: a value, never null.
+  std::vector<int64_t> layers;
+  for (const auto& [l, state] : core->layers_) layers.push_back(l);
+  core->own_registry_ = std::make_unique<prometheus::Registry>();
+  core->own_metrics_ = std::make_unique<metrics::RouterMetrics>(*core->own_registry_, layers);
+  core->metrics_ = core->own_metrics_.get();
   if (!options_.state_db.empty()) {
     MOE_ASSIGN_OR_RETURN(auto sqlite, OpenSqliteStore(options_.state_db, options_.initialize));
     MOE_RETURN_IF_ERROR(core->RestoreLocked(std::move(sqlite)));
@@ -92,8 +102,7 @@ void RouterCore::SetSinks(RouterCoreSinks sinks) {
 
 void RouterCore::SetMetrics(metrics::RouterMetrics* metrics) {
   std::lock_guard<std::mutex> lock(mu_);
-  metrics_ = metrics;
-  if (metrics_ == nullptr) return;
+  metrics_ = metrics != nullptr ? metrics : own_metrics_.get();
   for (const auto& [l, state] : layers_) UpdateLayerMetricsLocked(state);
   metrics_->State(origin_.store, origin_.start, origin_.initialized_unix_ms);
   metrics_->Shards(0, 0);
@@ -310,7 +319,7 @@ void RouterCore::ExpireStale(std::chrono::milliseconds stale) {
 
 void RouterCore::PublishPlacementLocked() {
   if (sinks_.placement) sinks_.placement(ToProto(registry_->Snapshot(Clock::now())));
-  if (metrics_ != nullptr) metrics_->Shards(registry_->shards(), registry_->healthy_shards());
+  metrics_->Shards(registry_->shards(), registry_->healthy_shards());
 }
 
 absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
@@ -343,7 +352,7 @@ absl::Status RouterCore::ReportStats(const v1::ReportStatsRequest& req,
     l->budget.mass_kept_sum += req.budget_mass_kept_sum();
     l->budget.top1_sum += req.budget_top1_agree_sum();
   }
-  if (metrics_ != nullptr) metrics_->Report(result == ReportResult::kCurrent);
+  metrics_->Report(result == ReportResult::kCurrent);
   if (result == ReportResult::kStale) return absl::OkStatus();
   MOE_RETURN_IF_ERROR(ResolveStaleBudgetLocked(*l));
   if (l->ledger.mode() == BiasMode::kContinuous &&
@@ -371,7 +380,6 @@ absl::Status RouterCore::PublishBiasLocked(LayerState& l) {
 }
 
 void RouterCore::UpdateLayerMetricsLocked(const LayerState& l) {
-  if (metrics_ == nullptr) return;
   // An empty window has no imbalance to speak of: NaN (a gap in a graph), never a false 0.
   const bool empty = l.window.window_tokens() == 0;
   const std::vector<int32_t> shard_of = registry_->ShardOfExpert(l.window.layer());
@@ -422,7 +430,7 @@ absl::Status RouterCore::RebalanceLocked(LayerState& l, bool dry_run, const std:
   l.ledger.Append(std::move(plan.bias), std::move(budget),
                   absl::StrCat(reason, " from ", plan.window_tokens, " tokens", note), UnixMs());
   ++l.rebalances;
-  if (metrics_ != nullptr) metrics_->Rebalanced(layer);
+  metrics_->Rebalanced(layer);
   MOE_RETURN_IF_ERROR(PublishBiasLocked(l));
   *resp->mutable_new_bias() = ToProto(l.ledger.current());
   resp->set_applied(true);

@@ -31,6 +31,9 @@
 #include "services/common/model_config.h"
 #include "services/placement/placement.h"
 
+namespace prometheus {
+class Registry;
+}
 namespace moe::metrics {
 class RouterMetrics;
 }
@@ -70,10 +73,14 @@ class RouterCore {
  public:
   // The checkpoint's config and bias per layer; with --state_db, the stored state restored.
   static absl::StatusOr<std::unique_ptr<RouterCore>> Load(const RouterServerOptions& options);
+  ~RouterCore();
 
   void SetSinks(RouterCoreSinks sinks);
-  // Metrics may be null; set once, before traffic (the layers' and shards' series start).
+  // The registry's metrics to count into from now (null: the core's own, not exported); set
+  // once, before traffic (the layers' and shards' series start).
   void SetMetrics(metrics::RouterMetrics* metrics);
+  // Where the router counts (the adapters' errors too); never null.
+  metrics::RouterMetrics* metrics() const { return metrics_; }
   // The shard holding a lease ("" for none).
   std::string LeaseOwner(uint64_t lease) const;
   // Where this router's state lives and how it began at this start.
@@ -108,7 +115,7 @@ class RouterCore {
 
  private:
   using Clock = std::chrono::steady_clock;
-  explicit RouterCore(const RouterServerOptions& o) : options_(o) {}
+  explicit RouterCore(const RouterServerOptions& o);
   absl::StatusOr<LayerState*> LayerLocked(int32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND naming the layer and the managed ones.
   absl::Status UnknownLayerLocked(int32_t layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -137,7 +144,9 @@ class RouterCore {
 
   const RouterServerOptions options_;
   ModelConfig cfg_;
-  metrics::RouterMetrics* metrics_ = nullptr;
+  std::unique_ptr<prometheus::Registry> own_registry_;  // metrics not exported
+  std::unique_ptr<metrics::RouterMetrics> own_metrics_;
+  metrics::RouterMetrics* metrics_ = nullptr;  // never null after Load
   RouterCoreSinks sinks_;
   mutable std::mutex mu_;
   std::unique_ptr<PlacementRegistry> registry_ ABSL_GUARDED_BY(mu_);

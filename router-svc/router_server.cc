@@ -177,9 +177,7 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
  private:
   grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const char* method,
                                  const absl::Status& s) {
-    if (!s.ok() && metrics_ != nullptr) {
-      metrics_->common.Error(method, absl::StatusCodeToString(s.code()));
-    }
+    if (!s.ok()) core_->metrics()->common.Error(method, absl::StatusCodeToString(s.code()));
     auto* r = ctx->DefaultReactor();
     r->Finish(transport::ToGrpc(s));
     return r;
