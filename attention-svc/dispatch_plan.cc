@@ -9,17 +9,6 @@ namespace moe::attention_svc {
 
 using tensor::Bf16;
 
-const char* ReplyModeName(ReplyMode m) {
-  return m == ReplyMode::kPartialSum ? "partial_sum" : "per_pair";
-}
-
-absl::StatusOr<ReplyMode> ParseReplyMode(const std::string& s) {
-  if (s == "per_pair") return ReplyMode::kPerPair;
-  if (s == "partial_sum") return ReplyMode::kPartialSum;
-  return absl::InvalidArgumentError(
-      absl::StrCat("reply mode '", s, "' is not per_pair or partial_sum"));
-}
-
 absl::StatusOr<DispatchPlan> PlanDispatch(const numerics::Routing& routing,
                                           const tensor::Activations& z, const LayerRoute& route,
                                           const DispatchSpec& spec) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/common/enum_names.h"
 #include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
 #include "services/placement/placement.h"
@@ -32,8 +33,12 @@
 namespace moe::attention_svc {
 
 enum class ReplyMode { kPerPair, kPartialSum };
-const char* ReplyModeName(ReplyMode m);  // "per_pair", "partial_sum"
-absl::StatusOr<ReplyMode> ParseReplyMode(const std::string& s);
+inline constexpr EnumNames<ReplyMode, 2> kReplyModes{
+    "reply mode", {{{ReplyMode::kPerPair, "per_pair"}, {ReplyMode::kPartialSum, "partial_sum"}}}};
+inline const char* ReplyModeName(ReplyMode m) { return kReplyModes.Name(m); }
+inline absl::StatusOr<ReplyMode> ParseReplyMode(const std::string& s) {
+  return kReplyModes.Parse(s);
+}
 
 using placement::BuildRoute;
 using placement::Covered;

@@ -18,9 +18,8 @@ int main(int argc, char** argv) {
   flags.String("cluster_token_file", &o.cluster_token_file,
                "file holding the cluster token router-svc asks of its members (chmod 600)");
   flags.String("node", &o.node, "this node's name in statistics");
-  flags.Typed("reply_mode", &o.reply_mode, moe::attention_svc::ReplyModeName,
-              moe::attention_svc::ParseReplyMode,
-              "per_pair|partial_sum: the default reply mode of the expert shards");
+  flags.Enum("reply_mode", &o.reply_mode, moe::attention_svc::kReplyModes,
+             "the default reply mode of the expert shards");
   flags.Typed(
       "precision", &o.precision, moe::numerics::PrecisionName,
       [](const std::string& s) { return moe::numerics::ParsePrecision(s); },

@@ -88,29 +88,6 @@ class EchoBackend final : public ExpertBackend {
 
 }  // namespace
 
-const char* BackendName(Backend b) {
-  switch (b) {
-    case Backend::kCpu:
-      return "cpu";
-    case Backend::kCuda:
-      return "cuda";
-    case Backend::kEcho:
-      return "echo";
-    case Backend::kAuto:
-      break;
-  }
-  return "auto";
-}
-
-absl::StatusOr<Backend> ParseBackend(const std::string& name) {
-  if (name == "auto") return Backend::kAuto;
-  if (name == "cpu") return Backend::kCpu;
-  if (name == "cuda") return Backend::kCuda;
-  if (name == "echo") return Backend::kEcho;
-  return absl::InvalidArgumentError(
-      absl::StrCat("backend '", name, "' is not one of auto, cpu, cuda, echo"));
-}
-
 absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
                                             const numerics::cuda::CudaDeviceInfo& gpu) {
   if (requested == Backend::kCpu || requested == Backend::kEcho)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/common/enum_names.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
@@ -46,8 +47,15 @@ class ExpertBackend {
 };
 
 enum class Backend { kAuto, kCpu, kCuda, kEcho };
-const char* BackendName(Backend b);  // "auto", "cpu", "cuda", "echo"
-absl::StatusOr<Backend> ParseBackend(const std::string& name);
+inline constexpr EnumNames<Backend, 4> kBackends{"backend",
+                                                 {{{Backend::kAuto, "auto"},
+                                                   {Backend::kCpu, "cpu"},
+                                                   {Backend::kCuda, "cuda"},
+                                                   {Backend::kEcho, "echo"}}}};
+inline const char* BackendName(Backend b) { return kBackends.Name(b); }
+inline absl::StatusOr<Backend> ParseBackend(const std::string& name) {
+  return kBackends.Parse(name);
+}
 
 // Where a requested backend runs, given device 0 (a pure rule, tested by table): auto picks CUDA
 // on a usable GPU of compute capability 8.0 (Ampere) or newer, else the CPU with the reason in

@@ -27,9 +27,9 @@ int main(int argc, char** argv) {
   flags.String("advertise", &o.advertise, "endpoint to register (default: host:port)");
   flags.Int("threads", &o.threads,
             "compute threads (0: the CPUs this process may use: its affinity and cgroup quota)");
-  flags.Typed("backend", &o.backend, moe::expert_svc::BackendName, moe::expert_svc::ParseBackend,
-              "auto|cpu|cuda|echo: where the experts run (echo: no compute, each row answered "
-              "with its activations, to measure the data plane alone)");
+  flags.Enum("backend", &o.backend, moe::expert_svc::kBackends,
+             "where the experts run (echo: no compute, each row answered with its activations, "
+             "to measure the data plane alone)");
   flags.Typed("isa", &o.isa, moe::numerics::cpu::KernelSetsName,
               moe::numerics::cpu::ParseKernelSets,
               "CPU kernel sets: auto (the fastest measured on this CPU, cached per CPU model: "

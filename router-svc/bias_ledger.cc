@@ -11,26 +11,6 @@
 
 namespace moe::router_svc {
 
-const char* BiasModeName(BiasMode m) {
-  switch (m) {
-    case BiasMode::kFrozen:
-      return "frozen";
-    case BiasMode::kContinuous:
-      return "continuous";
-    case BiasMode::kRebalance:
-      break;
-  }
-  return "rebalance";
-}
-
-absl::StatusOr<BiasMode> ParseBiasMode(const std::string& s) {
-  if (s == "frozen") return BiasMode::kFrozen;
-  if (s == "rebalance") return BiasMode::kRebalance;
-  if (s == "continuous") return BiasMode::kContinuous;
-  return absl::InvalidArgumentError(
-      absl::StrCat("bias mode '", s, "' is not one of frozen, rebalance, continuous"));
-}
-
 BiasLedger::BiasLedger(int32_t layer, std::vector<float> checkpoint_bias, BiasMode mode,
                        int64_t continuous_tokens, int64_t now_unix_ms, ExpertBudget budget)
     : layer_(layer), mode_(mode), continuous_tokens_(continuous_tokens) {

@@ -15,13 +15,18 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "services/common/enum_names.h"
 #include "services/common/model_config.h"
 
 namespace moe::router_svc {
 
 enum class BiasMode { kFrozen, kRebalance, kContinuous };
-const char* BiasModeName(BiasMode m);  // "frozen", "rebalance", "continuous"
-absl::StatusOr<BiasMode> ParseBiasMode(const std::string& s);
+inline constexpr EnumNames<BiasMode, 3> kBiasModes{"bias mode",
+                                                   {{{BiasMode::kFrozen, "frozen"},
+                                                     {BiasMode::kRebalance, "rebalance"},
+                                                     {BiasMode::kContinuous, "continuous"}}}};
+inline const char* BiasModeName(BiasMode m) { return kBiasModes.Name(m); }
+inline absl::StatusOr<BiasMode> ParseBiasMode(const std::string& s) { return kBiasModes.Parse(s); }
 
 // Dynamic k's parameters of a version (proto ExpertBudget; docs/math.md section 4.1).
 struct ExpertBudget {

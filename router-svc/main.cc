@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
   moe::AddServingFlags(flags, &o);
   flags.Int("web_port", &o.web_port, "load-balance page port (-1: off, 0: any)");
   flags.String("web_port_file", &o.web_port_file, "write the page's port here");
-  flags.Typed("bias_mode", &o.bias_mode, moe::router_svc::BiasModeName,
-              moe::router_svc::ParseBiasMode, "frozen|rebalance|continuous");
+  flags.Enum("bias_mode", &o.bias_mode, moe::router_svc::kBiasModes,
+             "every layer's mode at start (bias_ledger.h)");
   flags.Int64("continuous_tokens", &o.continuous_tokens, "continuous mode period in tokens");
   flags.Int64("window_tokens", &o.window_tokens, "load/QB window in tokens");
   flags.Int64("heartbeat_interval_ms", &o.heartbeat_interval_ms, "expert-svc heartbeat period");

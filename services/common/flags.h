@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "services/common/enum_names.h"
+
 namespace moe {
 
 class SvcFlags {
@@ -53,6 +55,18 @@ class SvcFlags {
       *v = *parsed;
       return true;
     });
+  }
+
+  // An enum by its table (enum_names.h): the value's name is the default's text, and the help
+  // starts with the choices.
+  //   flags.Enum("bias_mode", &o.bias_mode, kBiasModes, "how the bias moves");
+  template <typename E, size_t N>
+  void Enum(const std::string& name, E* v, const EnumNames<E, N>& names, const std::string& help) {
+    const EnumNames<E, N>* table = &names;  // a table is a constant of static storage
+    Typed(
+        name, v, [table](E e) { return std::string(table->Name(e)); },
+        [table](const std::string& text) { return table->Parse(text); },
+        table->Choices() + ": " + help);
   }
 
   // Parses argv[first..]. Returns -1 to go on; 0 after --help (or -h) printed the usage; 2

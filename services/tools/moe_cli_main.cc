@@ -86,22 +86,18 @@ struct Common {
   }
 };
 
-v1::ReplyMode ParseReplyMode(const std::string& s) {
-  if (s == "per_pair") return v1::REPLY_MODE_PER_PAIR;
-  if (s == "partial_sum") return v1::REPLY_MODE_PARTIAL_SUM;
-  return v1::REPLY_MODE_UNSPECIFIED;
-}
+// What a request asks of the server; "server": whatever the server's default is.
+constexpr EnumNames<v1::ReplyMode, 3> kReplyModeFlag{
+    "--reply_mode",
+    {{{v1::REPLY_MODE_UNSPECIFIED, "server"},
+      {v1::REPLY_MODE_PER_PAIR, "per_pair"},
+      {v1::REPLY_MODE_PARTIAL_SUM, "partial_sum"}}}};
+constexpr EnumNames<v1::Precision, 3> kPrecisionFlag{"--precision",
+                                                     {{{v1::PRECISION_UNSPECIFIED, "server"},
+                                                       {v1::PRECISION_W4A16, "w4a16"},
+                                                       {v1::PRECISION_W4A8, "w4a8"}}}};
 
 // --precision: "" (the server's), w4a16 or w4a8.
-const char* PrecisionFlagName(v1::Precision p) {
-  return p == v1::PRECISION_W4A8 ? "w4a8" : (p == v1::PRECISION_W4A16 ? "w4a16" : "");
-}
-absl::StatusOr<v1::Precision> ParsePrecisionFlag(const std::string& s) {
-  if (s.empty()) return v1::PRECISION_UNSPECIFIED;
-  if (s == "w4a16") return v1::PRECISION_W4A16;
-  if (s == "w4a8") return v1::PRECISION_W4A8;
-  return absl::InvalidArgumentError("--precision: '" + s + "' is not w4a16 or w4a8");
-}
 
 void PrintBalance(const char* what, const v1::Balance& b) {
   std::printf("  %-18s MaxVio %.3f  CV %.3f  min/q %.2f  dead %lld  shard max/mean %.3f\n", what,
@@ -166,17 +162,16 @@ absl::StatusOr<int64_t> HiddenOf(const std::string& checkpoint, const std::strin
 
 int Forward(int argc, char** argv) {
   Common c;
-  std::string input, tensor_name, output, reply_mode;
+  std::string input, tensor_name, output;
   bool routing = false;
   SvcFlags f("moe-cli forward", "One Forward call from a .npy or .safetensors file.");
   c.Register(f);
   f.String("input", &input, "x [T, H]: .npy (<f4 or <u2 bf16 bits) or .safetensors");
   f.String("tensor", &tensor_name, "tensor name inside a .safetensors file");
   f.String("output", &output, "write the output [T, H] as float32 .npy here");
-  f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
   client::ForwardOptions fo;
-  f.Typed("precision", &fo.precision, PrecisionFlagName, ParsePrecisionFlag,
-          "w4a16|w4a8 (default: the server's)");
+  f.Enum("reply_mode", &fo.reply_mode, kReplyModeFlag, "the experts' replies");
+  f.Enum("precision", &fo.precision, kPrecisionFlag, "the routed experts' precision");
   f.Int("expert_budget", &fo.expert_budget,
         "dynamic k: at most this many experts per token on average (0: the layer's budget)");
   f.Bool("routing", &routing, "print the experts of the first tokens");
@@ -186,7 +181,6 @@ int Forward(int argc, char** argv) {
   auto client = c.Client();
   if (!client.ok()) return Fail(client.status());
   fo.return_routing = routing;
-  fo.reply_mode = ParseReplyMode(reply_mode);
   auto y = (*client)->Forward(static_cast<int32_t>(c.layer), x->values, x->rows, x->cols, fo);
   if (!y.ok()) return Fail(y.status());
   const v1::StageSeconds& s = y->seconds;
@@ -407,7 +401,7 @@ struct LoadFlags {
   double duration_s = 10;
   uint64_t seed = 1;
   int batches = 16;
-  std::string reply_mode;
+  v1::ReplyMode reply_mode = v1::REPLY_MODE_UNSPECIFIED;
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
   int expert_budget = 0;
   void Register(SvcFlags& f) {
@@ -418,9 +412,8 @@ struct LoadFlags {
     f.Int64("tokens", &tokens, "tokens per request");
     f.Double("duration", &duration_s, "seconds of traffic");
     f.Uint64("seed", &seed, "input seed");
-    f.String("reply_mode", &reply_mode, "per_pair|partial_sum (default: the server's)");
-    f.Typed("precision", &precision, PrecisionFlagName, ParsePrecisionFlag,
-            "w4a16|w4a8 (default: the server's)");
+    f.Enum("reply_mode", &reply_mode, kReplyModeFlag, "the experts' replies");
+    f.Enum("precision", &precision, kPrecisionFlag, "the routed experts' precision");
   }
   LoadOptions Options(int64_t layer, int64_t hidden) const {
     LoadOptions o;
@@ -431,7 +424,7 @@ struct LoadFlags {
     o.duration = absl::Seconds(duration_s);
     o.seed = seed;
     o.distinct_batches = batches;
-    o.forward.reply_mode = ParseReplyMode(reply_mode);
+    o.forward.reply_mode = reply_mode;
     o.forward.precision = precision;
     o.forward.expert_budget = expert_budget;
     o.stop = &g_stop;

@@ -133,6 +133,39 @@ TEST(Flags, TypedValuesUseTheirOwnParser) {
   }
 }
 
+// One table names, parses and lists an enum: every entry round-trips, anything else is refused
+// naming the choices, and flags.Enum's help and default come from the same table.
+constexpr EnumNames<Color, 2> kColors{"color", {{{Color::kRed, "red"}, {Color::kBlue, "blue"}}}};
+
+TEST(EnumNames, OneTableNamesParsesAndListsAnEnum) {
+  for (const auto& e : kColors.entries) {
+    EXPECT_EQ(std::string(kColors.Name(e.value)), e.name);
+    auto back = kColors.Parse(e.name);
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, e.value);
+  }
+  EXPECT_EQ(kColors.Choices(), "red|blue");
+  auto bad = kColors.Parse("Red");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "color 'Red' is not one of red, blue");
+  Color c = Color::kBlue;
+  SvcFlags f("prog", "enum");
+  f.Enum("color", &c, kColors, "the color");
+  std::string a = "--color=red";
+  char* argv[] = {const_cast<char*>("prog"), a.data()};
+  EXPECT_EQ(f.Parse(2, argv), -1);
+  EXPECT_EQ(c, Color::kRed);
+  std::string h = "--help";
+  char* help[] = {const_cast<char*>("prog"), h.data()};
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(f.Parse(2, help), 0);
+  const std::string text =
+      ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(text.find("red|blue: the color"), std::string::npos) << text;
+}
+
 // The progress line's figures, from known values (and the edges: nothing done, all done).
 TEST(Progress, FormatsBytesPercentRateAndTimeLeft) {
   EXPECT_EQ(FormatProgress("writing k3", 4'200'000'000, 15'800'000'000, 13.5),

@@ -13,32 +13,6 @@
 
 namespace moe::numerics::cpu {
 
-const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Amx:
-      return "avx512amx";
-    case Isa::kAvx512Bf16:
-      return "avx512bf16";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kScalar:
-      break;
-  }
-  return "scalar";
-}
-
-absl::StatusOr<Isa> ParseIsa(absl::string_view name) {
-  if (name == "scalar") return Isa::kScalar;
-  if (name == "avx2") return Isa::kAvx2;
-  if (name == "avx512") return Isa::kAvx512;
-  if (name == "avx512bf16") return Isa::kAvx512Bf16;
-  if (name == "avx512amx") return Isa::kAvx512Amx;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown CPU ISA \"", name, "\"; use scalar, avx2, avx512, avx512bf16 or avx512amx"));
-}
-
 namespace {
 
 // AMX-TILE and AMX-BF16 in CPUID, the tile state enabled by the OS (XCR0 bits 17 and 18), and

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "services/common/enum_names.h"
 
 namespace moe::numerics::cpu {
 
@@ -19,8 +20,14 @@ enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Am
 // The SIMD sets, lowest first (every set above scalar; DetectIsa() says which this CPU has).
 inline constexpr Isa kSimdIsas[] = {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAvx512Amx};
 
-const char* IsaName(Isa isa);
-absl::StatusOr<Isa> ParseIsa(absl::string_view name);
+inline constexpr EnumNames<Isa, 5> kIsaNames{"CPU ISA",
+                                             {{{Isa::kScalar, "scalar"},
+                                               {Isa::kAvx2, "avx2"},
+                                               {Isa::kAvx512, "avx512"},
+                                               {Isa::kAvx512Bf16, "avx512bf16"},
+                                               {Isa::kAvx512Amx, "avx512amx"}}}};
+inline const char* IsaName(Isa isa) { return kIsaNames.Name(isa); }
+inline absl::StatusOr<Isa> ParseIsa(absl::string_view name) { return kIsaNames.Parse(name); }
 // The best the CPU supports (AVX2 needs FMA too; AVX-512 needs F, BW, DQ, VL; AMX needs the
 // OS to keep the tile state and to grant this process its use, which DetectIsa asks for once).
 Isa DetectIsa();
