@@ -80,17 +80,49 @@ absl::StatusOr<std::unique_ptr<ExpertCore>> ExpertCore::Load(const ExpertServerO
 ExpertCore::ExpertCore(const ExpertServerOptions& o) : options_(o), precisions_(o.precisions) {}
 ExpertCore::~ExpertCore() { Stop(); }
 
-absl::Status ExpertCore::LoadWeights() {
-  if (!options_.ranges_file.empty()) {
-    std::ifstream f(options_.ranges_file);
-    if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", options_.ranges_file));
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    const char* host = std::getenv("HOSTNAME");
-    MOE_ASSIGN_OR_RETURN(placement::Range range,
-                         placement::PodRange(text, options_.ordinal, host != nullptr ? host : ""));
-    options_.expert_lo = range.lo;
-    options_.expert_hi = range.hi;
+absl::Status ExpertCore::ResolveRangeFile() {
+  if (options_.ranges_file.empty()) return absl::OkStatus();
+  std::ifstream f(options_.ranges_file);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", options_.ranges_file));
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const char* host = std::getenv("HOSTNAME");
+  MOE_ASSIGN_OR_RETURN(placement::Range range,
+                       placement::PodRange(text, options_.ordinal, host != nullptr ? host : ""));
+  options_.expert_lo = range.lo;
+  options_.expert_hi = range.hi;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MoeLayerWeights> ExpertCore::LoadRange(int64_t layer, int64_t lo, int64_t hi) {
+  if (!cfg_.IsMoeLayer(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
   }
+  MoeLayerWeights w;
+  if (ckpt_ != nullptr) {
+    checkpoint::LoadOptions lo_opt;
+    lo_opt.dense = false;
+    lo_opt.expert_lo = lo;
+    lo_opt.expert_hi = hi;
+    Progress progress(absl::StrCat("shard ", options_.shard, ": loading layer ", layer,
+                                   " experts [", lo, ", ", hi, ")"),
+                      (hi - lo) * cfg_.ExpertBytes());
+    lo_opt.on_expert_loaded = [&](int64_t bytes) { progress.Add(bytes); };
+    MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt_, cfg_, layer, lo_opt));
+  } else {
+    checkpoint::SyntheticOptions so;
+    so.seed = options_.seed;
+    so.router_skew = options_.router_skew;
+    // Only this server's range (the whole k3 layer would be 15.7 GB).
+    w = checkpoint::SyntheticExperts(cfg_, layer, lo, hi, so);
+  }
+  // Checks the shapes of every expert of the range (need_experts would demand all E).
+  MOE_RETURN_IF_ERROR(numerics::ValidateLayerWeights(cfg_, w, /*need_dense=*/false,
+                                                     /*need_experts=*/false));
+  return w;
+}
+
+absl::Status ExpertCore::LoadWeights() {
+  MOE_RETURN_IF_ERROR(ResolveRangeFile());
   std::vector<int64_t> layers = options_.layers;
   if (!options_.checkpoint.empty()) {
     MOE_ASSIGN_OR_RETURN(ckpt_, checkpoint::Checkpoint::Open(options_.checkpoint));
@@ -107,32 +139,20 @@ absl::Status ExpertCore::LoadWeights() {
   }
   options_.expert_hi = hi;
   for (int64_t layer : layers) {
-    if (!cfg_.IsMoeLayer(layer)) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
-    }
-    MoeLayerWeights w;
-    if (ckpt_ != nullptr) {
-      checkpoint::LoadOptions lo_opt;
-      lo_opt.dense = false;
-      lo_opt.expert_lo = lo;
-      lo_opt.expert_hi = hi;
-      Progress progress(absl::StrCat("shard ", options_.shard, ": loading layer ", layer,
-                                     " experts [", lo, ", ", hi, ")"),
-                        (hi - lo) * cfg_.ExpertBytes());
-      lo_opt.on_expert_loaded = [&](int64_t bytes) { progress.Add(bytes); };
-      MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt_, cfg_, layer, lo_opt));
-    } else {
-      checkpoint::SyntheticOptions so;
-      so.seed = options_.seed;
-      so.router_skew = options_.router_skew;
-      // Only this server's range (the whole k3 layer would be 15.7 GB).
-      w = checkpoint::SyntheticExperts(cfg_, layer, lo, hi, so);
-    }
-    // Checks the shapes of every expert of the range (need_experts would demand all E).
-    MOE_RETURN_IF_ERROR(numerics::ValidateLayerWeights(cfg_, w, /*need_dense=*/false,
-                                                       /*need_experts=*/false));
-    layers_[layer] = std::move(w);
+    MOE_ASSIGN_OR_RETURN(layers_[layer], LoadRange(layer, lo, hi));
   }
+  MOE_RETURN_IF_ERROR(MakeBackends());
+  MOE_LOG_INFO("shard {}: experts [{}, {}) of layers {} loaded, backend {}", options_.shard,
+               options_.expert_lo, options_.expert_hi, fmt::join(layers, ","),
+               backends_.begin()->second->name());
+  if (!backends_.begin()->second->note.empty()) {
+    MOE_LOG_WARN("shard {}: {}", options_.shard, backends_.begin()->second->note);
+  }
+  MeasureLimits();
+  return absl::OkStatus();
+}
+
+absl::Status ExpertCore::MakeBackends() {
   pool_ = std::make_unique<numerics::cpu::ThreadPool>(options_.threads);
   if (options_.backend != Backend::kEcho) {
     // The kernel sets of this CPU timed at the served shape (or read from this machine's cache).
@@ -150,38 +170,32 @@ absl::Status ExpertCore::LoadWeights() {
     MOE_ASSIGN_OR_RETURN(backends_[layer], MakeExpertBackend(options_.backend, cfg_, w, *kernels_,
                                                              pool_.get(), options_.w4a8_h));
   }
-  {
-    const std::vector<numerics::Precision> can = backends_.begin()->second->precisions();
-    if (precisions_.empty()) precisions_ = can;
-    for (numerics::Precision p : precisions_) {
-      if (std::find(can.begin(), can.end(), p) == can.end()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "--precision ", PrecisionList(precisions_), ": backend ",
-            backends_.begin()->second->name(), " computes ", PrecisionList(can), " only"));
-      }
+  const std::vector<numerics::Precision> can = backends_.begin()->second->precisions();
+  if (precisions_.empty()) precisions_ = can;
+  for (numerics::Precision p : precisions_) {
+    if (std::find(can.begin(), can.end(), p) == can.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--precision ", PrecisionList(precisions_), ": backend ",
+          backends_.begin()->second->name(), " computes ", PrecisionList(can), " only"));
     }
   }
-  MOE_LOG_INFO("shard {}: experts [{}, {}) of layers {} loaded, backend {}", options_.shard,
-               options_.expert_lo, options_.expert_hi, fmt::join(layers, ","),
-               backends_.begin()->second->name());
-  if (!backends_.begin()->second->note.empty()) {
-    MOE_LOG_WARN("shard {}: {}", options_.shard, backends_.begin()->second->note);
-  }
+  return absl::OkStatus();
+}
+
+void ExpertCore::MeasureLimits() {
   // The limits of the CPU the kernels run on, before any traffic (bounded: 512 MiB read, 3 x
   // 50 ms of FMAs, about 0.4 s). A GPU backend's limits are not these.
-  if (options_.measure_limits && backends_.begin()->second->name().rfind("cpu", 0) == 0) {
-    numerics::cpu::LimitsOptions lo;
-    lo.read_bytes = int64_t{512} << 20;
-    lo.read_passes = 3;
-    lo.fma_seconds = 0.05;
-    limits_ = numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
-    MOE_LOG_INFO(
-        "shard {}: this machine: read {:.1f} GB/s, {} FMA peak {:.1f} GFLOP/s ({} threads, "
-        "measured in {:.2f} s)",
-        options_.shard, limits_.read_bytes_per_second / 1e9, numerics::cpu::IsaName(limits_.isa),
-        limits_.fma_flops_per_second / 1e9, limits_.threads, limits_.seconds);
-  }
-  return absl::OkStatus();
+  if (!options_.measure_limits || backends_.begin()->second->name().rfind("cpu", 0) != 0) return;
+  numerics::cpu::LimitsOptions lo;
+  lo.read_bytes = int64_t{512} << 20;
+  lo.read_passes = 3;
+  lo.fma_seconds = 0.05;
+  limits_ = numerics::cpu::MeasureMachineLimits(*kernels_, pool_.get(), lo);
+  MOE_LOG_INFO(
+      "shard {}: this machine: read {:.1f} GB/s, {} FMA peak {:.1f} GFLOP/s ({} threads, "
+      "measured in {:.2f} s)",
+      options_.shard, limits_.read_bytes_per_second / 1e9, numerics::cpu::IsaName(limits_.isa),
+      limits_.fma_flops_per_second / 1e9, limits_.threads, limits_.seconds);
 }
 
 void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,

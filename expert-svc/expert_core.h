@@ -80,6 +80,14 @@ class ExpertCore {
  private:
   explicit ExpertCore(const ExpertServerOptions& o);
   absl::Status LoadWeights();
+  // options.expert_lo/hi from the deployment's ranges file (the pod's ordinal), when given.
+  absl::Status ResolveRangeFile();
+  // One layer's experts [lo, hi): the checkpoint's or synthetic ones, shapes checked.
+  absl::StatusOr<numerics::MoeLayerWeights> LoadRange(int64_t layer, int64_t lo, int64_t hi);
+  // The thread pool, the kernels chosen for this CPU, a backend per layer; the precisions
+  // asked checked against what the backend computes.
+  absl::Status MakeBackends();
+  void MeasureLimits();
   // Runs one batch and fills the reply (outputs, timings).
   void Compute(const Batch& b, v1::DispatchReply* reply);
   // Queues a batch for the compute thread: RESOURCE_EXHAUSTED when the queue is full,

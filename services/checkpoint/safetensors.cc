@@ -39,6 +39,89 @@ absl::Status TensorError(const std::string& label, absl::string_view tensor,
 
 std::string ErrnoText() { return std::strerror(errno); }
 
+// One tensor's header entry: dtype, shape and data offsets, each checked (sizes against the
+// dtype and shape, offsets inside the data section of data_size bytes).
+absl::StatusOr<TensorInfo> ParseEntry(const std::string& label, const std::string& name,
+                                      const Json& entry, uint64_t data_size) {
+  if (!entry.is_object()) return TensorError(label, name, "entry is not an object");
+  TensorInfo info;
+  info.name = name;
+  auto dtype = entry.find("dtype");
+  if (dtype == entry.end() || !dtype->is_string()) {
+    return TensorError(label, name, "missing or non-string \"dtype\"");
+  }
+  auto parsed = tensor::ParseDType(dtype->get<std::string>());
+  if (!parsed.ok()) return TensorError(label, name, parsed.status().message());
+  info.dtype = *parsed;
+  auto shape = entry.find("shape");
+  if (shape == entry.end() || !shape->is_array()) {
+    return TensorError(label, name, "missing or non-array \"shape\"");
+  }
+  unsigned __int128 elements = 1;
+  for (const Json& d : *shape) {
+    if (!d.is_number_unsigned()) {
+      return TensorError(label, name,
+                         absl::StrCat("shape entry ", d.dump(), " is not a non-negative integer"));
+    }
+    const uint64_t dim = d.get<uint64_t>();
+    if (dim > kMaxDim) {
+      return TensorError(label, name, absl::StrCat("shape entry ", dim, " is too large"));
+    }
+    info.shape.push_back(static_cast<int64_t>(dim));
+    elements *= dim;
+    if (elements > (static_cast<unsigned __int128>(1) << 62)) {
+      return TensorError(label, name, "shape has too many elements");
+    }
+  }
+  auto offsets = entry.find("data_offsets");
+  if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
+      !(*offsets)[0].is_number_unsigned() || !(*offsets)[1].is_number_unsigned()) {
+    return TensorError(label, name, "\"data_offsets\" must be two non-negative integers");
+  }
+  info.begin = (*offsets)[0].get<uint64_t>();
+  info.end = (*offsets)[1].get<uint64_t>();
+  if (info.begin > info.end) {
+    return TensorError(
+        label, name, absl::StrCat("data_offsets [", info.begin, ", ", info.end, "] are reversed"));
+  }
+  const unsigned __int128 want = elements * tensor::DTypeSize(info.dtype);
+  if (want != info.end - info.begin) {
+    return TensorError(
+        label, name,
+        absl::StrCat("holds ", info.end - info.begin, " bytes but ", tensor::DTypeName(info.dtype),
+                     " ", ShapeString(info.shape), " needs ", static_cast<uint64_t>(want)));
+  }
+  if (info.end > data_size) {
+    return TensorError(
+        label, name,
+        absl::StrCat("data_offsets [", info.begin, ", ", info.end, "] run past the end of the ",
+                     data_size, "-byte data section (truncated?)"));
+  }
+  return info;
+}
+
+// No two non-empty byte ranges overlap.
+absl::Status CheckNoOverlap(const std::string& label, const std::vector<TensorInfo>& tensors) {
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return tensors[a].begin != tensors[b].begin ? tensors[a].begin < tensors[b].begin
+                                                : tensors[a].end < tensors[b].end;
+  });
+  const TensorInfo* prev = nullptr;
+  for (size_t i : order) {
+    const TensorInfo& t = tensors[i];
+    if (t.begin == t.end) continue;
+    if (prev != nullptr && t.begin < prev->end) {
+      return TensorError(label, t.name,
+                         absl::StrCat("bytes [", t.begin, ", ", t.end, ") overlap tensor \"",
+                                      prev->name, "\" [", prev->begin, ", ", prev->end, ")"));
+    }
+    prev = &t;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t TensorInfo::NumElements() const {
@@ -161,82 +244,11 @@ absl::Status SafetensorsFile::Parse() {
       }
       continue;
     }
-    if (!entry.is_object()) return TensorError(label_, name, "entry is not an object");
-    TensorInfo info;
-    info.name = name;
-    auto dtype = entry.find("dtype");
-    if (dtype == entry.end() || !dtype->is_string()) {
-      return TensorError(label_, name, "missing or non-string \"dtype\"");
-    }
-    auto parsed = tensor::ParseDType(dtype->get<std::string>());
-    if (!parsed.ok()) return TensorError(label_, name, parsed.status().message());
-    info.dtype = *parsed;
-    auto shape = entry.find("shape");
-    if (shape == entry.end() || !shape->is_array()) {
-      return TensorError(label_, name, "missing or non-array \"shape\"");
-    }
-    unsigned __int128 elements = 1;
-    for (const Json& d : *shape) {
-      if (!d.is_number_unsigned()) {
-        return TensorError(
-            label_, name, absl::StrCat("shape entry ", d.dump(), " is not a non-negative integer"));
-      }
-      const uint64_t dim = d.get<uint64_t>();
-      if (dim > kMaxDim) {
-        return TensorError(label_, name, absl::StrCat("shape entry ", dim, " is too large"));
-      }
-      info.shape.push_back(static_cast<int64_t>(dim));
-      elements *= dim;
-      if (elements > (static_cast<unsigned __int128>(1) << 62)) {
-        return TensorError(label_, name, "shape has too many elements");
-      }
-    }
-    auto offsets = entry.find("data_offsets");
-    if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
-        !(*offsets)[0].is_number_unsigned() || !(*offsets)[1].is_number_unsigned()) {
-      return TensorError(label_, name, "\"data_offsets\" must be two non-negative integers");
-    }
-    info.begin = (*offsets)[0].get<uint64_t>();
-    info.end = (*offsets)[1].get<uint64_t>();
-    if (info.begin > info.end) {
-      return TensorError(
-          label_, name,
-          absl::StrCat("data_offsets [", info.begin, ", ", info.end, "] are reversed"));
-    }
-    const unsigned __int128 want = elements * tensor::DTypeSize(info.dtype);
-    if (want != info.end - info.begin) {
-      return TensorError(label_, name,
-                         absl::StrCat("holds ", info.end - info.begin, " bytes but ",
-                                      tensor::DTypeName(info.dtype), " ", ShapeString(info.shape),
-                                      " needs ", static_cast<uint64_t>(want)));
-    }
-    if (info.end > data_size) {
-      return TensorError(
-          label_, name,
-          absl::StrCat("data_offsets [", info.begin, ", ", info.end, "] run past the end of the ",
-                       data_size, "-byte data section (truncated?)"));
-    }
+    MOE_ASSIGN_OR_RETURN(TensorInfo info, ParseEntry(label_, name, entry, data_size));
     tensors_.push_back(std::move(info));
   }
 
-  // No two non-empty ranges may overlap.
-  std::vector<size_t> order(tensors_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return tensors_[a].begin != tensors_[b].begin ? tensors_[a].begin < tensors_[b].begin
-                                                  : tensors_[a].end < tensors_[b].end;
-  });
-  const TensorInfo* prev = nullptr;
-  for (size_t i : order) {
-    const TensorInfo& t = tensors_[i];
-    if (t.begin == t.end) continue;
-    if (prev != nullptr && t.begin < prev->end) {
-      return TensorError(label_, t.name,
-                         absl::StrCat("bytes [", t.begin, ", ", t.end, ") overlap tensor \"",
-                                      prev->name, "\" [", prev->begin, ", ", prev->end, ")"));
-    }
-    prev = &t;
-  }
+  MOE_RETURN_IF_ERROR(CheckNoOverlap(label_, tensors_));
   for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
   return absl::OkStatus();
 }

@@ -49,6 +49,44 @@ uint64_t Fnv1a64(const void* data, size_t size) {
   return h;
 }
 
+namespace {
+
+// Dynamic k's thresholds for req.budget from a calibration batch routed with the layer's
+// checkpoint bias (the rule of docs/math.md section 4.1, solved exactly).
+absl::Status CalibrateBudget(const ForwardRequest& req, checkpoint::Checkpoint& ckpt,
+                             ForwardReport* rep, std::vector<Bf16>* calibration,
+                             std::vector<float>* thresholds, numerics::BudgetRule* rule) {
+  const int64_t k = rep->config.top_k, e = rep->config.num_experts;
+  if (req.budget < 1 || req.budget >= k) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--budget ", req.budget, " outside [1, top-k - 1 = ", k - 1, "]"));
+  }
+  if (!(req.budget_window_floor > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--budget_window_floor ", req.budget_window_floor, " must be > 0"));
+  }
+  const int64_t m = req.budget_calibration_tokens > 0
+                        ? req.budget_calibration_tokens
+                        : numerics::BudgetWindowTokens(e, req.budget, req.budget_window_floor);
+  rep->budget_calibration_tokens = m;
+  rep->budget_window_floor = numerics::BudgetWindowFloor(e, req.budget, m);
+  *calibration = checkpoint::SyntheticHiddenStates(rep->config, m, req.input_seed + 1000);
+  checkpoint::LoadOptions dense_only;  // the gate and bias (the layer's own may be moved)
+  dense_only.expert_hi = 0;
+  MOE_ASSIGN_OR_RETURN(numerics::MoeLayerWeights dense,
+                       checkpoint::LoadMoeLayer(ckpt, rep->config, rep->layer, dense_only));
+  std::vector<float> scores(static_cast<size_t>(m * e));
+  numerics::ref::RouterScores(calibration->data(), m, rep->config.hidden, dense.gate.data(), e,
+                              scores.data());
+  MOE_ASSIGN_OR_RETURN(*thresholds,
+                       numerics::ExactBudgetThresholds(scores, m, e, dense.bias, k, 1));
+  rule->k_min = 1;
+  rule->thresholds = numerics::BudgetRow(*thresholds, req.budget, e);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   ForwardReport rep;
   MOE_ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(req.checkpoint));
@@ -93,31 +131,7 @@ absl::StatusOr<ForwardReport> RunLayerForward(const ForwardRequest& req) {
   numerics::BudgetRule rule;
   const int64_t k = rep.config.top_k, e = rep.config.num_experts;
   if (req.budget != 0) {
-    if (req.budget < 1 || req.budget >= k) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--budget ", req.budget, " outside [1, top-k - 1 = ", k - 1, "]"));
-    }
-    if (!(req.budget_window_floor > 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--budget_window_floor ", req.budget_window_floor, " must be > 0"));
-    }
-    const int64_t m = req.budget_calibration_tokens > 0
-                          ? req.budget_calibration_tokens
-                          : numerics::BudgetWindowTokens(e, req.budget, req.budget_window_floor);
-    rep.budget_calibration_tokens = m;
-    rep.budget_window_floor = numerics::BudgetWindowFloor(e, req.budget, m);
-    calibration = checkpoint::SyntheticHiddenStates(rep.config, m, req.input_seed + 1000);
-    checkpoint::LoadOptions dense_only;  // the gate and bias (the layer's own may be moved)
-    dense_only.expert_hi = 0;
-    MOE_ASSIGN_OR_RETURN(numerics::MoeLayerWeights dense,
-                         checkpoint::LoadMoeLayer(*ckpt, rep.config, rep.layer, dense_only));
-    std::vector<float> scores(static_cast<size_t>(m * e));
-    numerics::ref::RouterScores(calibration.data(), m, rep.config.hidden, dense.gate.data(), e,
-                                scores.data());
-    MOE_ASSIGN_OR_RETURN(thresholds,
-                         numerics::ExactBudgetThresholds(scores, m, e, dense.bias, k, 1));
-    rule.k_min = 1;
-    rule.thresholds = numerics::BudgetRow(thresholds, req.budget, e);
+    MOE_RETURN_IF_ERROR(CalibrateBudget(req, *ckpt, &rep, &calibration, &thresholds, &rule));
   }
   if (req.top_p != 0) {
     if (req.budget != 0 || !(req.top_p > 0 && req.top_p <= 1)) {

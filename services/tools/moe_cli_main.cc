@@ -454,6 +454,45 @@ int Loadgen(int argc, char** argv) {
 
 // The main job: a local cluster, traffic, imbalance, then Rebalance and traffic again until
 // MaxVio is within 1.5x of the window's noise floor (at most --max_rebalances times), report.
+// Quantile Balancing converges in a few steps (docs/quantile-balancing.md): `moe-cli cluster`
+// rebalances on each window until its MaxVio is within kNearFloor of the window's noise floor.
+constexpr double kNearFloor = 1.5;
+struct RebalanceStep {
+  double max_vio, floor;
+  int64_t tokens;
+  uint64_t version;
+};
+
+// The floor of a window: the MaxVio the sampling noise alone gives its loads.
+double WindowFloor(const ModelConfig& cfg, const v1::LoadStats& st) {
+  return numerics::NoiseFloorMaxVio(
+      cfg.num_experts, static_cast<double>(st.window_tokens()) * cfg.top_k / cfg.num_experts);
+}
+
+void PrintConvergence(const std::vector<RebalanceStep>& steps, bool converged, int max_rebalances) {
+  std::printf("\n== summary: MaxVio per window (noise floor: what sampling alone gives)\n");
+  for (size_t i = 0; i < steps.size(); ++i) {
+    std::printf("  %-28s version %-3llu MaxVio %.3f  floor %.3f  (%.2fx)\n",
+                i == 0 ? "checkpoint's bias" : absl::StrCat("after Rebalance ", i).c_str(),
+                static_cast<unsigned long long>(steps[i].version), steps[i].max_vio, steps[i].floor,
+                steps[i].max_vio / steps[i].floor);
+  }
+  const RebalanceStep& last = steps.back();
+  if (converged) {
+    std::printf("converged: MaxVio within %.1fx of the noise floor after %zu Rebalance%s\n",
+                kNearFloor, steps.size() - 1, steps.size() == 2 ? "" : "s");
+  } else {
+    std::printf(
+        "not converged: MaxVio %.3f is %.2fx the floor after %zu Rebalances (at most %d, "
+        "--max_rebalances): each QB step re-routes tokens and so moves every token's cutoff, "
+        "and near the floor a step corrects about as much as it disturbs "
+        "(docs/quantile-balancing.md); a window of %lld tokens has a low floor that takes "
+        "more steps to reach than a short one\n",
+        last.max_vio, last.max_vio / last.floor, steps.size() - 1, max_rebalances,
+        static_cast<long long>(last.tokens));
+  }
+}
+
 int Cluster(int argc, char** argv) {
   LoadFlags l;
   LocalClusterOptions co;
@@ -519,24 +558,12 @@ int Cluster(int argc, char** argv) {
     PrintStats(*s);
     return s;
   };
-  // The floor of a window: the MaxVio sampling noise alone gives its loads.
-  auto floor_of = [&](const v1::LoadStats& st) {
-    return numerics::NoiseFloorMaxVio(
-        cfg->num_experts, static_cast<double>(st.window_tokens()) * cfg->top_k / cfg->num_experts);
-  };
+  auto floor_of = [&](const v1::LoadStats& st) { return WindowFloor(*cfg, st); };
   auto before = phase("traffic with the checkpoint's bias");
   if (!before.ok() && !g_stop.load()) return Fail(before.status());
   if (before.ok() && !g_stop.load()) {
-    // Quantile Balancing converges in a few steps (docs/quantile-balancing.md): rebalance on
-    // each window until its MaxVio is within kNearFloor of the window's noise floor.
-    constexpr double kNearFloor = 1.5;
-    struct Step {
-      double max_vio, floor;
-      int64_t tokens;
-      uint64_t version;
-    };
-    std::vector<Step> steps{{before->window_balance().max_vio(), floor_of(*before),
-                             before->window_tokens(), before->bias_version()}};
+    std::vector<RebalanceStep> steps{{before->window_balance().max_vio(), floor_of(*before),
+                                      before->window_tokens(), before->bias_version()}};
     bool converged = steps.back().max_vio <= kNearFloor * steps.back().floor;
     for (int i = 1; i <= max_rebalances && !converged && !g_stop.load(); ++i) {
       std::printf("\n== Rebalance %d (Quantile Balancing on the window)\n", i);
@@ -550,7 +577,7 @@ int Cluster(int argc, char** argv) {
       }
       steps.push_back({after->window_balance().max_vio(), floor_of(*after), after->window_tokens(),
                        after->bias_version()});
-      const Step& st = steps.back();
+      const RebalanceStep& st = steps.back();
       std::printf(
           "step %d: bias version %llu, MaxVio %.3f on %lld new tokens, %.2fx the "
           "window's noise floor %.3f\n",
@@ -558,29 +585,7 @@ int Cluster(int argc, char** argv) {
           static_cast<long long>(st.tokens), st.max_vio / st.floor, st.floor);
       converged = st.max_vio <= kNearFloor * st.floor;
     }
-    if (!g_stop.load()) {
-      std::printf("\n== summary: MaxVio per window (noise floor: what sampling alone gives)\n");
-      for (size_t i = 0; i < steps.size(); ++i) {
-        std::printf("  %-28s version %-3llu MaxVio %.3f  floor %.3f  (%.2fx)\n",
-                    i == 0 ? "checkpoint's bias" : absl::StrCat("after Rebalance ", i).c_str(),
-                    static_cast<unsigned long long>(steps[i].version), steps[i].max_vio,
-                    steps[i].floor, steps[i].max_vio / steps[i].floor);
-      }
-      const Step& last = steps.back();
-      if (converged) {
-        std::printf("converged: MaxVio within %.1fx of the noise floor after %zu Rebalance%s\n",
-                    kNearFloor, steps.size() - 1, steps.size() == 2 ? "" : "s");
-      } else {
-        std::printf(
-            "not converged: MaxVio %.3f is %.2fx the floor after %zu Rebalances (at most %d, "
-            "--max_rebalances): each QB step re-routes tokens and so moves every token's cutoff, "
-            "and near the floor a step corrects about as much as it disturbs "
-            "(docs/quantile-balancing.md); a window of %lld tokens has a low floor that takes "
-            "more steps to reach than a short one\n",
-            last.max_vio, last.max_vio / last.floor, steps.size() - 1, max_rebalances,
-            static_cast<long long>(last.tokens));
-      }
-    }
+    if (!g_stop.load()) PrintConvergence(steps, converged, max_rebalances);
   }
   if (g_stop.load()) std::printf("\ninterrupted: stopping the cluster\n");
   (*cluster)->Stop();

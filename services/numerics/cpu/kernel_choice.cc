@@ -676,6 +676,49 @@ absl::StatusOr<KernelChoice> ParseKernelChoice(absl::string_view text, KernelSet
   return c;
 }
 
+namespace {
+
+// Measured until the probes agree with themselves (at most o.max_attempts times; the steadiest
+// attempt is kept), with the machine's state at the time.
+KernelChoice MeasureChoice(const KernelChoiceOptions& o, const KernelSets& sets) {
+  const auto start = Clock::now();
+  std::unique_ptr<ThreadPool> own;
+  ThreadPool* pool = o.pool;
+  if (pool == nullptr) {
+    own = std::make_unique<ThreadPool>(0);
+    pool = own.get();
+  }
+  std::vector<KernelTiming> best;
+  Disagreement best_judged;
+  int attempts = 1;
+  for (;; ++attempts) {
+    std::vector<KernelTiming> t = MeasureKernels(sets, o.latent, o.intermediate, pool);
+    Disagreement judged = Judge(t, o.spread_bound);
+    if (!judged.why.empty()) {
+      MOE_LOG_WARN("CPU kernel probe {} of {} unsteady: {}", attempts, o.max_attempts, judged.why);
+    }
+    const bool steady = judged.why.empty();
+    if (attempts == 1 || judged.badness < best_judged.badness) {
+      best = std::move(t);
+      best_judged = std::move(judged);
+    }
+    if (steady || attempts >= o.max_attempts) break;
+  }
+  KernelChoice c = DecideKernels(sets, std::move(best));
+  c.steady = best_judged.why.empty();
+  c.unsteady = best_judged.why;
+  c.attempts = attempts;
+  c.load_average = LoadAverage();
+  // 128 MiB (4x the last-level cache of these machines), the better of 2 passes: ~0.05 s.
+  c.read_bytes_per_second = MeasureReadBandwidth(pool, int64_t{128} << 20, 2);
+  c.measured_at = static_cast<int64_t>(std::time(nullptr));
+  c.seconds = Since(start);
+  c.source = "measured";
+  return c;
+}
+
+}  // namespace
+
 const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
   static std::mutex mu;
   static std::map<Key, std::unique_ptr<KernelChoice>>* memo =
@@ -687,45 +730,6 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
   auto it = memo->find(key);
   if (it != memo->end()) return *it->second;
 
-  // Measured until the probes agree with themselves (at most max_attempts times; the
-  // steadiest attempt is kept), with the machine's state at the time.
-  auto measure = [&] {
-    const auto start = Clock::now();
-    std::unique_ptr<ThreadPool> own;
-    ThreadPool* pool = o.pool;
-    if (pool == nullptr) {
-      own = std::make_unique<ThreadPool>(0);
-      pool = own.get();
-    }
-    std::vector<KernelTiming> best;
-    Disagreement best_judged;
-    int attempts = 1;
-    for (;; ++attempts) {
-      std::vector<KernelTiming> t = MeasureKernels(sets, o.latent, o.intermediate, pool);
-      Disagreement judged = Judge(t, o.spread_bound);
-      if (!judged.why.empty()) {
-        MOE_LOG_WARN("CPU kernel probe {} of {} unsteady: {}", attempts, o.max_attempts,
-                     judged.why);
-      }
-      const bool steady = judged.why.empty();
-      if (attempts == 1 || judged.badness < best_judged.badness) {
-        best = std::move(t);
-        best_judged = std::move(judged);
-      }
-      if (steady || attempts >= o.max_attempts) break;
-    }
-    KernelChoice c = DecideKernels(sets, std::move(best));
-    c.steady = best_judged.why.empty();
-    c.unsteady = best_judged.why;
-    c.attempts = attempts;
-    c.load_average = LoadAverage();
-    // 128 MiB (4x the last-level cache of these machines), the better of 2 passes: ~0.05 s.
-    c.read_bytes_per_second = MeasureReadBandwidth(pool, int64_t{128} << 20, 2);
-    c.measured_at = static_cast<int64_t>(std::time(nullptr));
-    c.seconds = Since(start);
-    c.source = "measured";
-    return c;
-  };
   KernelChoice c;
   const bool single = !sets.automatic && !HasPanel(sets.only);
   if (single) {
@@ -733,7 +737,7 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
     c = DecideKernels(sets, {});
     c.source = "only set";
   } else if (o.cache_dir.empty()) {
-    c = measure();
+    c = MeasureChoice(o, sets);
     c.note = "no cache directory (MOE_KERNEL_CACHE=off or no HOME)";
   } else {
     const std::string path = KernelChoicePath(o.cache_dir, sets, o.latent, o.intermediate);
@@ -763,7 +767,7 @@ const KernelChoice& ChooseKernels(const KernelChoiceOptions& o) {
       c.source = c.pinned ? "pinned" : "cache";
     } else {
       const bool pinned = text.ok() && SaysPinned(*text);
-      c = measure();
+      c = MeasureChoice(o, sets);
       if (text.ok()) {
         c.note = absl::StrCat(pinned ? "pinned file not usable, kept: " : "replaced a file: ",
                               cached.status().message());
