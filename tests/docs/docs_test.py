@@ -112,6 +112,32 @@ class Docs(unittest.TestCase):
         self.assertGreater(count, 40)
         self.assertEqual(bad, [])
 
+    def test_tables_are_whole_and_links_unbroken(self):
+        # A formatter that took a page for code once split its tables and links (`](docs / x)`):
+        # every line after a table row up to a blank line is a row, with as many cells as the
+        # table's header, and no link's target holds a space.
+        bad = []
+        for page in self.pages:
+            with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+                lines = f.read().split("\n")
+            in_fence, cells = False, None
+            for n, line in enumerate(lines, 1):
+                if line.startswith("```"):
+                    in_fence = not in_fence
+                if in_fence:
+                    continue
+                row = line.startswith("|") and line.rstrip().endswith("|")
+                count = len(re.findall(r"(?<!\\)\|", re.sub(r"`[^`]*`", "", line))) - 1
+                if cells is not None and line.strip() and not row:
+                    bad.append(f"{page}:{n}: a line inside a table that is not a row")
+                elif row and cells is not None and count != cells:
+                    bad.append(f"{page}:{n}: {count} cells in a table of {cells}")
+                cells = (cells if cells is not None else count) if row else None
+                for target in re.findall(r"\]\(([^)]*)\)", without_code(line)):
+                    if re.search(r"\s", target):
+                        bad.append(f"{page}:{n}: link target '{target}' holds a space")
+        self.assertEqual(bad, [])
+
     def test_every_folder_readme_names_its_headers(self):
         bad = []
         for page in self.pages:
