@@ -118,10 +118,8 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
   lo.ucx_poll_us = options_.ucx_poll_us;
   lo.max_message_bytes = options_.max_message_bytes;
   lo.cluster_token = options_.cluster_token;
-  lo.local_weights = local.weights;
+  lo.local = local;
   lo.cfg = &cfg_;
-  lo.kernels = local.kernels;
-  lo.pool = local.pool;
   MOE_ASSIGN_OR_RETURN(links_, ExpertLinks::Start(lo, metrics_));
   workers_ = std::make_unique<WorkQueue>(options_.workers, options_.max_queued);
   // Dynamic k's automatic mode exists before the first request can arrive.
@@ -193,6 +191,7 @@ absl::Status AttentionCore::RunOne(const v1::ForwardRequest& req, absl::Time dea
   limits.reply_mode = options_.reply_mode;
   limits.precision = options_.precision;
   limits.auto_budget_cap = governor_ != nullptr && governor_->enabled() ? governor_->cap() : 0;
+  if (links_ == nullptr) return absl::FailedPreconditionError("the attention core is not started");
   MOE_ASSIGN_OR_RETURN(const ForwardSpec spec,
                        PrepareForward(limits, layers_, view_, req, deadline, check));
   ForwardEnv env;
@@ -203,8 +202,6 @@ absl::Status AttentionCore::RunOne(const v1::ForwardRequest& req, absl::Time dea
   env.metrics = metrics_;
   env.max_dispatch_bytes = options_.max_dispatch_bytes;
   env.hedge_share = options_.hedge_share;
-  if (env.links == nullptr)
-    return absl::FailedPreconditionError("the attention core is not started");
   return RunForward(env, req, spec, options_.micro_batches, resp);
 }
 

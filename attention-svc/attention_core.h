@@ -51,14 +51,6 @@ class Checkpoint;
 
 namespace moe::attention_svc {
 
-// Experts in this process (tests, without processes): the shards whose weights are here are
-// served by LocalExpertChannel (expert_channel_factory.h). Everything must outlive the core.
-struct LocalExperts {
-  std::function<const numerics::MoeLayerWeights*(const ShardRef&)> weights;
-  const numerics::cpu::KernelTable* kernels = nullptr;
-  numerics::cpu::ThreadPool* pool = nullptr;
-};
-
 class AttentionCore {
  public:
   // Loads the dense part of every hosted layer (the checkpoint's, or synthetic ones).

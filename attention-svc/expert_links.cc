@@ -5,14 +5,39 @@
 #include "absl/strings/str_cat.h"
 #include "attention-svc/dataplane/registry.h"
 #include "services/common/logging.h"
+#include "services/common/status_macros.h"
 #include "services/metrics/service_metrics.h"
 
 namespace moe::attention_svc {
 
 absl::StatusOr<std::unique_ptr<ExpertLinks>> ExpertLinks::Start(
     const ExpertLinksOptions& options, metrics::AttentionMetrics* metrics) {
-  std::unique_ptr<ExpertLinks> links(new ExpertLinks(options, metrics));
-  if (options.data_plane.in_band()) return links;
+  std::unique_ptr<ExpertLinks> links(new ExpertLinks(metrics));
+  MOE_RETURN_IF_ERROR(links->StartHalf(options));
+  ExpertChannelConfig& c = links->config_;
+  c.max_message_bytes = options.max_message_bytes;
+  c.cluster_token = options.cluster_token;
+  c.node = options.node;
+  c.data_plane = links->half_.get();
+  c.fallback_in_band = options.data_plane.automatic();
+  c.local_weights = options.local.weights;
+  c.cfg = options.cfg;
+  c.kernels = options.local.kernels;
+  c.pool = options.local.pool;
+  c.on_event = [metrics](const std::string& shard, const std::string& event) {
+    metrics->DataPlaneEvent(shard, event);
+  };
+  c.on_lanes = [metrics](const std::string& shard, const dataplane::Lanes& lanes,
+                         const std::string& shard_lanes) {
+    MOE_LOG_INFO("data plane to {}: lanes {} (the shard's side: {})", shard, lanes.Describe(),
+                 shard_lanes);
+    metrics->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
+  };
+  return links;
+}
+
+absl::Status ExpertLinks::StartHalf(const ExpertLinksOptions& options) {
+  if (options.data_plane.in_band()) return absl::OkStatus();
   const std::string backend = options.data_plane.backend();
   ClientHalfOptions co;
   co.node = options.node;
@@ -21,15 +46,15 @@ absl::StatusOr<std::unique_ptr<ExpertLinks>> ExpertLinks::Start(
   co.poll_spin = std::chrono::microseconds(std::max(0, options.ucx_poll_us));
   auto half = StartClientHalf(backend, co);
   if (half.ok()) {
-    links->half_ = std::move(*half);
-    MOE_LOG_INFO("{} data plane up ({})", links->half_->name(), links->half_->Describe());
+    half_ = std::move(*half);
+    MOE_LOG_INFO("{} data plane up ({})", half_->name(), half_->Describe());
   } else if (!options.data_plane.automatic()) {
     return absl::FailedPreconditionError(
         absl::StrCat("--data_plane=", backend, ": ", half.status().message()));
   } else {
     MOE_LOG_WARN("no {} data plane ({}): in band only", backend, half.status().ToString());
   }
-  return links;
+  return absl::OkStatus();
 }
 
 std::shared_ptr<ExpertChannel> ExpertLinks::ChannelFor(const ShardRef& s) {
@@ -41,27 +66,7 @@ std::shared_ptr<ExpertChannel> ExpertLinks::ChannelFor(const ShardRef& s) {
   metrics_->Failover(s.shard, 0);
   metrics_->Hedge(s.shard, false, 0);  // the series exist at 0 from the shard's first use
   metrics_->Hedge(s.shard, true, 0);
-  ExpertChannelConfig c;
-  c.max_message_bytes = o_.max_message_bytes;
-  c.cluster_token = o_.cluster_token;
-  c.node = o_.node;
-  c.data_plane = half_.get();
-  c.fallback_in_band = o_.data_plane.automatic();
-  c.local_weights = o_.local_weights;
-  c.cfg = o_.cfg;
-  c.kernels = o_.kernels;
-  c.pool = o_.pool;
-  metrics::AttentionMetrics* m = metrics_;
-  c.on_event = [m](const std::string& shard, const std::string& event) {
-    m->DataPlaneEvent(shard, event);
-  };
-  c.on_lanes = [m](const std::string& shard, const dataplane::Lanes& lanes,
-                   const std::string& shard_lanes) {
-    MOE_LOG_INFO("data plane to {}: lanes {} (the shard's side: {})", shard, lanes.Describe(),
-                 shard_lanes);
-    m->DataPlaneLanes(shard, lanes.kind, lanes.Describe(), shard_lanes);
-  };
-  channel = MakeExpertChannel(c, s);
+  channel = MakeExpertChannel(config_, s);
   return channel;
 }
 

@@ -29,6 +29,14 @@ class AttentionMetrics;
 
 namespace moe::attention_svc {
 
+// Experts in this process (tests, without processes): the shards whose weights are here are
+// served by LocalExpertChannel (expert_channel_factory.h). Everything must outlive the links.
+struct LocalExperts {
+  std::function<const numerics::MoeLayerWeights*(const ShardRef&)> weights;
+  const numerics::cpu::KernelTable* kernels = nullptr;
+  numerics::cpu::ThreadPool* pool = nullptr;
+};
+
 struct ExpertLinksOptions {
   std::string node = "attention-0";
   std::string bind_host = "127.0.0.1";  // the interface the data plane may listen on
@@ -37,11 +45,8 @@ struct ExpertLinksOptions {
   int ucx_poll_us = 100;
   int max_message_bytes = 256 << 20;
   std::string cluster_token;
-  // In process (tests): the experts of a shard when they are here; see ExpertChannelConfig.
-  std::function<const numerics::MoeLayerWeights*(const ShardRef&)> local_weights;
-  const ModelConfig* cfg = nullptr;
-  const numerics::cpu::KernelTable* kernels = nullptr;
-  numerics::cpu::ThreadPool* pool = nullptr;
+  LocalExperts local;
+  const ModelConfig* cfg = nullptr;  // required with local experts
 };
 
 class ExpertLinks {
@@ -50,8 +55,6 @@ class ExpertLinks {
   // cannot start is FAILED_PRECONDITION; under auto the node goes in band and says so.
   static absl::StatusOr<std::unique_ptr<ExpertLinks>> Start(const ExpertLinksOptions& options,
                                                             metrics::AttentionMetrics* metrics);
-  ~ExpertLinks() { Close(); }
-
   // The channel of one shard, made once per shard@endpoint (its failover and hedge series
   // start at 0 then).
   std::shared_ptr<ExpertChannel> ChannelFor(const ShardRef& s);
@@ -60,12 +63,15 @@ class ExpertLinks {
   // Drops every channel (calls in flight finish on their own references).
   void Close();
   ClientHalf* data_plane() const { return half_.get(); }
+  ~ExpertLinks() = default;  // the channels go before the half (declared after it)
 
  private:
-  ExpertLinks(const ExpertLinksOptions& o, metrics::AttentionMetrics* m) : o_(o), metrics_(m) {}
+  explicit ExpertLinks(metrics::AttentionMetrics* m) : metrics_(m) {}
+  absl::Status StartHalf(const ExpertLinksOptions& options);
 
-  const ExpertLinksOptions o_;
   metrics::AttentionMetrics* const metrics_;
+  // Every channel's configuration, made once at Start (the half, the callbacks).
+  ExpertChannelConfig config_;
   // Declared before the channels so that it outlives them.
   std::unique_ptr<ClientHalf> half_;
   std::mutex mu_;
