@@ -25,34 +25,23 @@
 #include "services/transport/tensor_codec.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::ClientFor;
-using testing::Concat;
-using testing::InProcessLayer;
-using testing::kGrpc;
 using testing::SameBits;
-using testing::TestCluster;
-using testing::UcxArgs;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 // The Open Inference Protocol's readiness follows the expert shards a layer needs, and
 // GetModelInfo says which shard is down: a killed shard makes ServerReady and ModelReady false
 // (once the router marks it unhealthy); its restart makes them true again.
-TEST(ClusterOpenInference, ReadinessFollowsTheShards) {
-  const std::string& dir = CheckpointFor("tiny");
-  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
-  o.router_args = {"--heartbeat_interval_ms=200"};
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto oip = inference::GRPCInferenceService::NewStub(
-      transport::MakeChannel((*cluster)->attention_endpoint()));
-  auto ready = [&](bool* server, bool* model) {
+class ClusterOpenInference : public testing::ClusterTest {
+ protected:
+  // ServerReady and ModelReady as a standard OIP client sees them.
+  void Ready(bool* server, bool* model) {
+    auto oip = inference::GRPCInferenceService::NewStub(
+        transport::MakeChannel(cluster().attention_endpoint()));
     grpc::ClientContext c1, c2;
     c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -64,55 +53,83 @@ TEST(ClusterOpenInference, ReadinessFollowsTheShards) {
     ASSERT_TRUE(oip->ModelReady(&c2, mreq, &mr).ok());
     *server = sr.ready();
     *model = mr.ready();
-  };
-  auto wait_until = [&](bool want) {
+  }
+  // Until both say `want` (bounded: 10 s).
+  void AwaitReady(bool want) {
     bool server = !want, model = !want;
-    for (int i = 0; i < 100 && (server != want || model != want); ++i) {  // bounded: 10 s
-      ready(&server, &model);
+    for (int i = 0; i < 100 && (server != want || model != want); ++i) {
+      ASSERT_NO_FATAL_FAILURE(Ready(&server, &model));
       if (server != want || model != want) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     }
     EXPECT_EQ(server, want);
     EXPECT_EQ(model, want);
-  };
-  wait_until(true);
-  auto client = ClientFor(**cluster);
-  auto info = client->GetModelInfo();
+  }
+};
+
+TEST_F(ClusterOpenInference, ReadinessFollowsTheShards) {
+  UsePreset("tiny", {{0, 8}, {8, 16}});
+  options().router_args = {"--heartbeat_interval_ms=200"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  AwaitReady(true);
+  auto info = user().GetModelInfo();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_TRUE(info->ready());
   EXPECT_EQ(info->shards_size(), 2);
-  ASSERT_TRUE((*cluster)->SignalShard(1, SIGKILL).ok());
-  wait_until(false);
-  info = client->GetModelInfo();
+  ASSERT_TRUE(cluster().SignalShard(1, SIGKILL).ok());
+  AwaitReady(false);
+  info = user().GetModelInfo();
   ASSERT_TRUE(info.ok());
   EXPECT_FALSE(info->ready());
   for (const v1::ShardSummary& s : info->shards()) {
     EXPECT_EQ(s.healthy(), s.shard() != "shard-1") << s.shard();
   }
-  ASSERT_TRUE((*cluster)->RestartShard(1).ok());
-  wait_until(true);
+  ASSERT_TRUE(cluster().RestartShard(1).ok());
+  AwaitReady(true);
 }
+
+// A mid cluster whose attention node has one worker and the given stream limits.
+class ClusterStreams : public testing::ClusterTest {
+ protected:
+  void StartStreams(std::vector<std::string> attention_args, uint64_t seed) {
+    UsePreset("mid", {{0, 64}, {64, 128}});
+    options().attention_args = std::move(attention_args);
+    options().attention_args.push_back("--workers=1");
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
+    x_ = Hidden(64, seed);
+    want_ = Want(x_, 64);
+  }
+  // Until the node has counted `at_least` ForwardStream requests CANCELLED (skipped, not
+  // computed); bounded by `tries` x 100 ms. Returns the count.
+  double AwaitSkipped(double at_least, int tries) {
+    double skipped = 0;
+    for (int i = 0; i < tries; ++i) {
+      skipped = AttentionMetric("moe_errors_total",
+                                {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
+      if (skipped >= at_least) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return skipped;
+  }
+  void ExpectServedBitExact() {
+    auto after = Forward(x_, 64);
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_TRUE(SameBits(after->out, want_));
+  }
+
+  std::vector<Bf16> x_, want_;
+};
 
 // One client cannot fill the attention node with work: a ForwardStream holds at most
 // --max_stream_in_flight requests (the rest get RESOURCE_EXHAUSTED, each with its own answer,
 // the stream going on), and the queued work of a stream the client cancelled is skipped.
-TEST(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
-  const std::string& dir = CheckpointFor("mid");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
-  o.attention_args = {"--max_stream_in_flight=4", "--workers=1"};
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto client = ClientFor(**cluster);
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 64, 17);
-  const std::vector<Bf16> want = local->Forward(x, 64, cfg.hidden)->out;
+TEST_F(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
+  ASSERT_NO_FATAL_FAILURE(StartStreams({"--max_stream_in_flight=4"}, 17));
   {
-    auto stream = client->OpenForwardStream(absl::Seconds(60));
+    auto stream = user().OpenForwardStream(absl::Seconds(60));
     ASSERT_TRUE(stream.ok());
-    for (int i = 0; i < 40; ++i) ASSERT_TRUE((*stream)->Send(layer, x, 64, cfg.hidden).ok());
+    for (int i = 0; i < 40; ++i) ASSERT_TRUE((*stream)->Send(layer(), x_, 64, hidden()).ok());
     ASSERT_TRUE((*stream)->CloseSend().ok());
     int ok = 0, refused = 0;
     for (int i = 0; i < 41; ++i) {  // 40 answers, then the end of the stream
@@ -120,14 +137,14 @@ TEST(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
       if (!r.ok()) break;
       if (r->second.ok()) {
         ++ok;
-        EXPECT_TRUE(SameBits(r->second->out, want));
-      } else {
-        EXPECT_EQ(r->second.status().code(), absl::StatusCode::kResourceExhausted);
-        EXPECT_NE(r->second.status().message().find("in flight on this stream"),
-                  absl::string_view::npos)
-            << r->second.status();
-        ++refused;
+        EXPECT_TRUE(SameBits(r->second->out, want_));
+        continue;
       }
+      EXPECT_EQ(r->second.status().code(), absl::StatusCode::kResourceExhausted);
+      EXPECT_NE(r->second.status().message().find("in flight on this stream"),
+                absl::string_view::npos)
+          << r->second.status();
+      ++refused;
     }
     std::printf("[one stream, 40 requests, limit 4] %d answered, %d refused\n", ok, refused);
     EXPECT_EQ(ok + refused, 40);
@@ -135,50 +152,33 @@ TEST(ClusterStreams, OneStreamCannotQueueUnboundedWork) {
     EXPECT_GE(refused, 1);
   }
   // Cancelled: what waited in the queue is not computed.
-  const std::vector<Bf16> big = checkpoint::SyntheticHiddenStates(cfg, 256, 18);
+  const std::vector<Bf16> big = Hidden(256, 18);
   {
-    auto stream = client->OpenForwardStream(absl::Seconds(60));
+    auto stream = user().OpenForwardStream(absl::Seconds(60));
     ASSERT_TRUE(stream.ok());
-    for (int i = 0; i < 4; ++i) ASSERT_TRUE((*stream)->Send(layer, big, 256, cfg.hidden).ok());
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE((*stream)->Send(layer(), big, 256, hidden()).ok());
     // The first answer means the node has read all four (one worker: the rest wait).
     auto first = (*stream)->Receive();
     ASSERT_TRUE(first.ok()) << first.status();
   }  // destroyed: cancelled
-  double skipped = 0;
-  for (int i = 0; i < 50 && skipped < 1; ++i) {  // bounded: 5 s
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    skipped = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_errors_total",
-                                      {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
-  }
-  EXPECT_GE(skipped, 1) << "the cancelled stream's queued work ran anyway";
-  // The node serves the next client at once.
-  auto after = client->Forward(layer, x, 64, cfg.hidden);
-  ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_TRUE(SameBits(after->out, want));
+  EXPECT_GE(AwaitSkipped(1, 50), 1) << "the cancelled stream's queued work ran anyway";
+  ExpectServedBitExact();  // the node serves the next client at once
 }
 
 // A client that sends on a ForwardStream and never reads: once its unread replies pass
 // --max_stream_outbox_bytes it is treated as gone (replies dropped, its queued work skipped),
 // not buffered and computed without end, and its stream ends RESOURCE_EXHAUSTED (never OK:
 // replies were lost); another client is served meanwhile.
-TEST(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
-  const std::string& dir = CheckpointFor("mid");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 64}, {64, 128}});
-  o.attention_args = {"--max_stream_outbox_bytes=2097152", "--max_stream_in_flight=1000",
-                      "--max_queued=1000", "--workers=1"};
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 64, 19);
-  const std::vector<Bf16> want = local->Forward(x, 64, cfg.hidden)->out;
+TEST_F(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
+  ASSERT_NO_FATAL_FAILURE(StartStreams(
+      {"--max_stream_outbox_bytes=2097152", "--max_stream_in_flight=1000", "--max_queued=1000"},
+      19));
   v1::ForwardRequest req;
-  req.set_layer(layer);
-  transport::EncodeBf16Into(x, 64, cfg.hidden, req.mutable_hidden_states());
+  req.set_layer(layer());
+  transport::EncodeBf16Into(x_, 64, hidden(), req.mutable_hidden_states());
   // A plain channel (default flow-control window): the replies back up in the server.
   auto stub = v1::AttentionService::NewStub(
-      grpc::CreateChannel((*cluster)->attention_endpoint(), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(cluster().attention_endpoint(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto rw = stub->ForwardStream(&ctx);
@@ -191,30 +191,13 @@ TEST(ClusterStreams, AClientThatDoesNotReadIsCutOff) {
     ++written;
   }
   EXPECT_GT(written, 16);
-  double skipped = 0;
-  for (int i = 0; i < 200 && skipped < 1; ++i) {  // bounded: 20 s
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    skipped = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_errors_total",
-                                      {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
-  }
-  EXPECT_GE(skipped, 1) << "the unread replies were buffered without bound";
+  EXPECT_GE(AwaitSkipped(1, 200), 1) << "the unread replies were buffered without bound";
   // Another client is served while that stream is still open.
-  auto client = ClientFor(**cluster);
-  auto canary = client->Forward(layer, x, 64, cfg.hidden);
-  ASSERT_TRUE(canary.ok()) << canary.status();
-  EXPECT_TRUE(SameBits(canary->out, want));
+  ASSERT_NO_FATAL_FAILURE(ExpectServedBitExact());
   // The rest of the non-reader's work is skipped, not computed (each reply is 128 KiB: about
-  // 16 fit in the outbox, a few more in flight).
-  for (int i = 0; i < 100; ++i) {  // bounded: 10 s, until every sent request is accounted for
-    skipped = moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_errors_total",
-                                      {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
-    if (skipped >= kSent / 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  const double computed =
-      moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_forward_tokens_total", {}) /
-          64 -
-      1;  // the canary
+  // 16 fit in the outbox, a few more in flight), until every sent request is accounted for.
+  const double skipped = AwaitSkipped(kSent / 2, 100);
+  const double computed = AttentionMetric("moe_forward_tokens_total") / 64 - 1;  // - the canary
   std::printf("[non-reading stream] %d sent, %.0f computed, %.0f skipped\n", kSent, computed,
               skipped);
   EXPECT_LT(computed, kSent / 2);

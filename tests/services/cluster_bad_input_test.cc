@@ -32,6 +32,7 @@
 #include "services/transport/tensor_codec.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
@@ -45,27 +46,21 @@ using testing::TestCluster;
 using tools::LocalCluster;
 using tools::LocalClusterOptions;
 
-class ClusterBadInput : public ::testing::Test {
+class ClusterBadInput : public testing::ClusterTest {
  protected:
   void SetUp() override {
-    const std::string& dir = CheckpointFor("tiny");
-    local_ = InProcessLayer(dir, &cfg_);
-    LocalClusterOptions o = TestCluster(dir, {{0, 7}, {7, 16}});
-    o.attention_args = {"--max_message_bytes=4194304", "--max_tokens=1024"};
-    auto cluster = LocalCluster::Start(o);
-    ASSERT_TRUE(cluster.ok()) << cluster.status();
-    cluster_ = std::move(*cluster);
-    client_ = ClientFor(*cluster_);
-    layer_ = static_cast<int32_t>(cfg_.first_moe_layer);
-    h_ = cfg_.hidden;
-    d_ = cfg_.latent;
-    x_ = checkpoint::SyntheticHiddenStates(cfg_, 8, 3);
-    ModelConfig latent = cfg_;
+    UsePreset("tiny", {{0, 7}, {7, 16}});
+    options().attention_args = {"--max_message_bytes=4194304", "--max_tokens=1024"};
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
+    h_ = cfg().hidden;
+    d_ = cfg().latent;
+    x_ = checkpoint::SyntheticHiddenStates(cfg(), 8, 3);
+    ModelConfig latent = cfg();
     latent.hidden = d_;
     z_ = checkpoint::SyntheticHiddenStates(latent, 3, 9);
     // Straight to shard-0 (experts [0, 7)) on one Dispatch stream, as a member (the token).
     stream_ = std::make_unique<transport::ExpertStream>(
-        "shard-0", cluster_->shard_endpoint(0), 64 << 20, moe::testing::AttentionToken(*cluster_));
+        "shard-0", cluster().shard_endpoint(0), 64 << 20, moe::testing::AttentionToken(cluster()));
     deadline_ = absl::Now() + absl::Seconds(10);
   }
 
@@ -107,15 +102,15 @@ class ClusterBadInput : public ::testing::Test {
     routing.top_k = 1;
     routing.expert_ids = std::move(experts);
     routing.weights.assign(routing.expert_ids.size(), 1.0f);
-    return numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg_.latent, cfg_.intermediate),
-                                     &pool_, cfg_, local_->weights(), routing, z_.data());
+    return numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg().latent, cfg().intermediate),
+                                     &pool_, cfg(), oracle().weights(), routing, z_.data());
   }
 
   // A Dispatch whose activations travel out of band (their bytes cleared here).
   v1::DispatchRequest OutOfBand(uint64_t client, uint64_t tag, int64_t bytes, int64_t timeout_ms,
                                 std::string mac = std::string(16, 'm'),
                                 uint64_t sequence = 1) const {
-    v1::DispatchRequest r = Batch(layer_, {{1, 3}}, z_);
+    v1::DispatchRequest r = Batch(layer(), {{1, 3}}, z_);
     r.mutable_activations()->clear_data();
     r.set_timeout_ms(timeout_ms);
     v1::OutOfBand* o = r.mutable_out_of_band();
@@ -129,18 +124,21 @@ class ClusterBadInput : public ::testing::Test {
     return r;
   }
 
+  void TearDown() override {  // the streams before the cluster they talk to
+    stream_.reset();
+    stub_.reset();
+    worker_.reset();
+    ClusterTest::TearDown();
+  }
+
   void CheckHealthAndReflection();
   void CheckForwardRefusals();
   void CheckDispatchRefusals();
   void CheckPartialSums();
   void OpenOwnDataPlane();
   void CheckOutOfBandHeaders();
+  void CheckReopenReplacesTheClient();
 
-  ModelConfig cfg_;
-  std::unique_ptr<numerics::cpu::CpuMoeLayer> local_;
-  std::unique_ptr<LocalCluster> cluster_;
-  std::unique_ptr<client::MoeClient> client_;
-  int32_t layer_ = 0;
   int64_t h_ = 0, d_ = 0;
   std::vector<Bf16> x_, z_;
   std::unique_ptr<transport::ExpertStream> stream_;
@@ -157,10 +155,10 @@ class ClusterBadInput : public ::testing::Test {
 // Every server: the standard health service says SERVING, reflection lists its service.
 void ClusterBadInput::CheckHealthAndReflection() {
   const std::vector<std::pair<std::string, std::string>> servers = {
-      {cluster_->router_endpoint(), "moe.v1.RouterService"},
-      {cluster_->attention_endpoint(), "moe.v1.AttentionService"},
-      {cluster_->shard_endpoint(0), "moe.v1.ExpertService"},
-      {cluster_->shard_endpoint(1), "moe.v1.ExpertService"}};
+      {cluster().router_endpoint(), "moe.v1.RouterService"},
+      {cluster().attention_endpoint(), "moe.v1.AttentionService"},
+      {cluster().shard_endpoint(0), "moe.v1.ExpertService"},
+      {cluster().shard_endpoint(1), "moe.v1.ExpertService"}};
   for (const auto& [endpoint, service] : servers) {
     auto serving = transport::CheckHealth(endpoint, absl::Seconds(5));
     ASSERT_TRUE(serving.ok()) << endpoint << ": " << serving.status();
@@ -179,55 +177,55 @@ void ClusterBadInput::CheckHealthAndReflection() {
 
 void ClusterBadInput::CheckForwardRefusals() {
   // Wrong width: 8 x 128 values sent as [16, 64].
-  ExpectError(client_->Forward(layer_, x_, 16, h_ / 2), absl::StatusCode::kInvalidArgument,
+  ExpectError(user().Forward(layer(), x_, 16, h_ / 2), absl::StatusCode::kInvalidArgument,
               "width 64 but this layer needs 128");
-  ExpectError(client_->Forward(layer_, {}, 0, h_), absl::StatusCode::kInvalidArgument, "T = 0");
-  ExpectError(client_->Forward(layer_ + 5, x_, 8, h_), absl::StatusCode::kNotFound,
-              absl::StrCat("layer ", layer_ + 5, " is not hosted"));
+  ExpectError(user().Forward(layer(), {}, 0, h_), absl::StatusCode::kInvalidArgument, "T = 0");
+  ExpectError(user().Forward(layer() + 5, x_, 8, h_), absl::StatusCode::kNotFound,
+              absl::StrCat("layer ", layer() + 5, " is not hosted"));
   std::vector<Bf16> nan_x = x_;
   nan_x[3 * h_ + 5] = Bf16::FromFloat(std::nanf(""));
-  ExpectError(client_->Forward(layer_, nan_x, 8, h_), absl::StatusCode::kInvalidArgument,
+  ExpectError(user().Forward(layer(), nan_x, 8, h_), absl::StatusCode::kInvalidArgument,
               "token 3");
   // Over max_tokens, and over the gRPC message limit (20000 x 128 bf16 = 5.1 MB > 4 MiB).
-  const std::vector<Bf16> many = checkpoint::SyntheticHiddenStates(cfg_, 2000, 4);
-  ExpectError(client_->Forward(layer_, many, 2000, h_), absl::StatusCode::kResourceExhausted,
+  const std::vector<Bf16> many = checkpoint::SyntheticHiddenStates(cfg(), 2000, 4);
+  ExpectError(user().Forward(layer(), many, 2000, h_), absl::StatusCode::kResourceExhausted,
               "at most 1024");
   const std::vector<Bf16> huge(static_cast<size_t>(20000 * h_), Bf16::FromFloat(0.5f));
-  auto too_big = client_->Forward(layer_, huge, 20000, h_);
+  auto too_big = user().Forward(layer(), huge, 20000, h_);
   ASSERT_FALSE(too_big.ok());
   EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted) << too_big.status();
   // Still serving, with the right numbers.
-  auto good = client_->Forward(layer_, x_, 8, h_);
+  auto good = user().Forward(layer(), x_, 8, h_);
   ASSERT_TRUE(good.ok()) << good.status();
-  EXPECT_TRUE(SameBits(good->out, local_->Forward(x_, 8, h_)->out));
+  EXPECT_TRUE(SameBits(good->out, oracle().Forward(x_, 8, h_)->out));
 }
 
 void ClusterBadInput::CheckDispatchRefusals() {
   {  // without the cluster token the stream is refused before any batch is read
-    transport::ExpertStream stranger("shard-0", cluster_->shard_endpoint(0), 64 << 20);
-    auto refused = stranger.Call(Batch(layer_, {{1, 3}}, z_), deadline_);
+    transport::ExpertStream stranger("shard-0", cluster().shard_endpoint(0), 64 << 20);
+    auto refused = stranger.Call(Batch(layer(), {{1, 3}}, z_), deadline_);
     ASSERT_FALSE(refused.ok());
     EXPECT_NE(refused.status().message().find("code 16: Dispatch to shard shard-0 needs the "
                                               "cluster token"),
               absl::string_view::npos)
         << refused.status();
   }
-  ExpectDispatchError(Batch(layer_ + 3, {{1, 3}}, z_), absl::StatusCode::kNotFound,
+  ExpectDispatchError(Batch(layer() + 3, {{1, 3}}, z_), absl::StatusCode::kNotFound,
                       "is not hosted here");
-  ExpectDispatchError(Batch(layer_, {{9, 3}}, z_), absl::StatusCode::kNotFound,
+  ExpectDispatchError(Batch(layer(), {{9, 3}}, z_), absl::StatusCode::kNotFound,
                       "expert 9 of layer 1 is not hosted here");
-  ExpectDispatchError(Batch(layer_, {{99, 3}}, z_), absl::StatusCode::kInvalidArgument,
+  ExpectDispatchError(Batch(layer(), {{99, 3}}, z_), absl::StatusCode::kInvalidArgument,
                       "outside [0, 16)");
-  ExpectDispatchError(Batch(layer_, {{2, 1}, {1, 2}}, z_), absl::StatusCode::kInvalidArgument,
+  ExpectDispatchError(Batch(layer(), {{2, 1}, {1, 2}}, z_), absl::StatusCode::kInvalidArgument,
                       "strictly ascending");
-  ExpectDispatchError(Batch(layer_, {{1, 4}}, z_), absl::StatusCode::kInvalidArgument,
+  ExpectDispatchError(Batch(layer(), {{1, 4}}, z_), absl::StatusCode::kInvalidArgument,
                       "needs " + std::to_string(4 * d_ * 2));
   std::vector<Bf16> z_nan = z_;
   z_nan[d_ + 2] = Bf16::FromFloat(std::numeric_limits<float>::infinity());
-  ExpectDispatchError(Batch(layer_, {{1, 3}}, z_nan), absl::StatusCode::kInvalidArgument,
+  ExpectDispatchError(Batch(layer(), {{1, 3}}, z_nan), absl::StatusCode::kInvalidArgument,
                       "row 1 (expert 1) column 2 is not finite");
   // The same stream then computes a good batch exactly like the in-process expert kernels.
-  auto reply = stream_->Call(Batch(layer_, {{1, 2}, {6, 1}}, z_), deadline_);
+  auto reply = stream_->Call(Batch(layer(), {{1, 2}, {6, 1}}, z_), deadline_);
   ASSERT_TRUE(reply.ok()) << reply.status();
   auto out = transport::DecodeBf16Matrix(reply->outputs(), "outputs", d_, false);
   ASSERT_TRUE(out.ok());
@@ -238,7 +236,7 @@ void ClusterBadInput::CheckDispatchRefusals() {
 // weights; one fp32 row per distinct token (0 and 2), experts summed in ascending id.
 void ClusterBadInput::CheckPartialSums() {
   const std::vector<Bf16> want = Kernels({1, 1, 6});
-  v1::DispatchRequest partial = Batch(layer_, {{1, 2}, {6, 1}}, z_);
+  v1::DispatchRequest partial = Batch(layer(), {{1, 2}, {6, 1}}, z_);
   partial.set_reply_mode(v1::REPLY_MODE_PARTIAL_SUM);
   partial.set_num_tokens(3);
   for (int32_t t : {0, 2, 0}) partial.add_token_index(t);
@@ -263,7 +261,7 @@ void ClusterBadInput::CheckPartialSums() {
   EXPECT_EQ(claimed->outputs().data(), sums->outputs().data());
   EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
   // One that claims 2^26 rows is refused before anything that size is allocated.
-  ExpectDispatchError(Batch(layer_, {{1, 1 << 26}}, z_), absl::StatusCode::kResourceExhausted,
+  ExpectDispatchError(Batch(layer(), {{1, 1 << 26}}, z_), absl::StatusCode::kResourceExhausted,
                       "exceed this server's limit");
   partial.set_token_index(1, 7);  // outside num_tokens
   ExpectDispatchError(partial, absl::StatusCode::kInvalidArgument, "token_index 7");
@@ -278,7 +276,7 @@ void ClusterBadInput::OpenOwnDataPlane() {
   auto worker = dataplane::UcxWorker::Create(uo);
   ASSERT_TRUE(worker.ok()) << worker.status();
   worker_ = std::move(*worker);
-  stub_ = v1::ExpertService::NewStub(transport::MakeChannel(cluster_->shard_endpoint(0)));
+  stub_ = v1::ExpertService::NewStub(transport::MakeChannel(cluster().shard_endpoint(0)));
   open_.set_node("cluster-test");
   {
     grpc::ClientContext stranger;
@@ -295,7 +293,7 @@ void ClusterBadInput::OpenOwnDataPlane() {
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(*cluster_));
+  ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(cluster()));
   ASSERT_TRUE(stub_->OpenDataPlane(&ctx, open_, &opened_).ok());
   const uint64_t me = opened_.client_id();
   ASSERT_GE(me, 1u);
@@ -373,18 +371,23 @@ void ClusterBadInput::CheckOutOfBandHeaders() {
   EXPECT_FALSE(mac->Verify(dataplane::Direction::kToAttention, 12, (*reply_buffer)->data(), bytes,
                            ok_reply->output_mac()));
   EXPECT_EQ(std::memcmp((*reply_buffer)->data(), Kernels({1, 1, 1}).data(), bytes), 0);
-  // Opening it again from the same node (a reconnect) replaces the old client.
+}
+
+// Opening the data plane again from the same node (a reconnect) replaces the old client; what
+// the shard counted: one rejected hello, one payload that failed its check.
+void ClusterBadInput::CheckReopenReplacesTheClient() {
+  const uint64_t me = opened_.client_id();
+  const int64_t bytes = 3 * d_ * 2;
   grpc::ClientContext again_ctx;
   again_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  again_ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(*cluster_));
+  again_ctx.AddMetadata(transport::kClusterTokenMetadata, moe::testing::AttentionToken(cluster()));
   v1::OpenDataPlaneReply again;
   ASSERT_TRUE(stub_->OpenDataPlane(&again_ctx, open_, &again).ok());
   EXPECT_NE(again.client_id(), me);
   ExpectDispatchError(OutOfBand(me, 12, bytes, 1000), absl::StatusCode::kFailedPrecondition,
                       absl::StrCat("unknown data-plane client ", me));
-  // What the shard counted: one rejected hello, one payload that failed its check.
   for (const char* event : {"event=\"hello_rejected\"", "event=\"integrity_failed\""}) {
-    EXPECT_EQ(moe::testing::ScrapeSum(cluster_->shard_metrics(0),
+    EXPECT_EQ(moe::testing::ScrapeSum(cluster().shard_metrics(0),
                                       "moe_expert_data_plane_events_total", {event}),
               1)
         << event;
@@ -401,6 +404,7 @@ TEST_F(ClusterBadInput, ClearErrorsAndTheServersKeepServing) {
                         "unknown data-plane client 999");
     OpenOwnDataPlane();
     if (!HasFatalFailure()) CheckOutOfBandHeaders();
+    if (!HasFatalFailure()) CheckReopenReplacesTheClient();
   }
   EXPECT_EQ(stream_->streams_opened(), 1);  // errors never broke the stream
 }

@@ -41,6 +41,7 @@
 #include "services/transport/tensor_codec.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
@@ -101,39 +102,37 @@ absl::StatusOr<numerics::LayerOutput> ForwardInMicroBatches(numerics::cpu::CpuMo
 // ctest names the instances by this, not by a dump of the struct's bytes.
 void PrintTo(const ClusterCase& c, std::ostream* os) { *os << c.name; }
 
-class ClusterEquivalence : public ::testing::TestWithParam<ClusterCase> {};
-
-TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
-  const ClusterCase& p = GetParam();
-  if (p.transport == "ucx" && !dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
-  const std::string& dir = CheckpointFor(p.preset);
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, p.shards);
-  o.attention_args = p.attention_args;
-  o.expert_args = p.expert_args;
-  if (!p.tls.empty()) {
-    const std::string pki = moe::testing::MakeTestPki(moe::testing::MakeTempDir("pki"));
-    ASSERT_FALSE(pki.empty());
-    o.tls = moe::testing::MemberTls(pki, "{name}");  // each process its own identity
-    o.tls.require_client_cert = p.tls == "mtls";
+class ClusterEquivalence : public testing::ClusterTestWithParam<ClusterCase> {
+ protected:
+  void StartCase() {
+    const ClusterCase& p = GetParam();
+    UsePreset(p.preset, p.shards);
+    options().attention_args = p.attention_args;
+    options().expert_args = p.expert_args;
+    if (!p.tls.empty()) {
+      const std::string pki = testing::MakeTestPki(testing::MakeTempDir("pki"));
+      ASSERT_FALSE(pki.empty());
+      options().tls = testing::MemberTls(pki, "{name}");  // each process its own identity
+      options().tls.require_client_cert = p.tls == "mtls";
+    }
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
   }
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto client = ClientFor(**cluster);
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  // 1 and 5 tokens take the decode kernels; 64 tokens gives hot experts >= 16 tokens (the
-  // prefill kernel), so both expert paths cross the wire.
-  for (int64_t tokens : {1, 5, 64, 256}) {
-    SCOPED_TRACE(absl::StrCat(p.preset, " T=", tokens));
-    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 100 + tokens);
-    auto want = ForwardInMicroBatches(*local, cfg, x, tokens, p.micro_batches);
-    ASSERT_TRUE(want.ok());
 
+  absl::StatusOr<numerics::LayerOutput> Oracle(const std::vector<Bf16>& x, int64_t tokens) {
+    return ForwardInMicroBatches(oracle(), cfg(), x, tokens, GetParam().micro_batches);
+  }
+
+  // Per-pair replies bit-exact with their routing, partial sums within their bounds, fp32 input
+  // rounded to bf16 on arrival (RNE): the same result.
+  void CheckForwards(int64_t tokens) {
+    SCOPED_TRACE(absl::StrCat(GetParam().preset, " T=", tokens));
+    const std::vector<Bf16> x = Hidden(tokens, 100 + tokens);
+    auto want = Oracle(x, tokens);
+    ASSERT_TRUE(want.ok());
     client::ForwardOptions per_pair;
     per_pair.return_routing = true;
     per_pair.reply_mode = v1::REPLY_MODE_PER_PAIR;
-    auto got = client->Forward(layer, x, tokens, cfg.hidden, per_pair);
+    auto got = Forward(x, tokens, per_pair);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->bias_version, 0u);
     EXPECT_EQ(got->expert_ids, want->routing.expert_ids);
@@ -142,92 +141,98 @@ TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
 
     client::ForwardOptions partial;
     partial.reply_mode = v1::REPLY_MODE_PARTIAL_SUM;
-    auto sum = client->Forward(layer, x, tokens, cfg.hidden, partial);
+    auto sum = Forward(x, tokens, partial);
     ASSERT_TRUE(sum.ok()) << sum.status();
     const auto [fraction, worst] =
-        testing::ExpectWithinPartialSumBounds(sum->out, want->out, tokens, cfg.hidden);
+        testing::ExpectWithinPartialSumBounds(sum->out, want->out, tokens, hidden());
     std::printf(
         "[partial sums %s T=%lld] %.4f of %zu outputs differ, worst %.2e of the row scale\n",
-        p.preset.c_str(), static_cast<long long>(tokens), fraction, sum->out.size(), worst);
+        GetParam().preset.c_str(), static_cast<long long>(tokens), fraction, sum->out.size(),
+        worst);
 
-    // fp32 input is accepted and rounded to bf16 on arrival (RNE): same result.
     std::vector<float> xf(x.size());
     for (size_t i = 0; i < x.size(); ++i) xf[i] = x[i].ToFloat();
-    auto from_f32 = client->ForwardF32(layer, xf, tokens, cfg.hidden, per_pair);
+    auto from_f32 = user().ForwardF32(layer(), xf, tokens, hidden(), per_pair);
     ASSERT_TRUE(from_f32.ok()) << from_f32.status();
     EXPECT_TRUE(SameBits(from_f32->out, want->out));
   }
 
-  // The streaming RPC: several batches on one stream, each with its own result.
-  auto stream = client->OpenForwardStream(absl::Seconds(60));
-  ASSERT_TRUE(stream.ok());
-  std::map<uint64_t, std::vector<Bf16>> expected;
-  for (int64_t tokens : {3, 9}) {
-    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 7 + tokens);
-    auto id = (*stream)->Send(layer, x, tokens, cfg.hidden);
-    ASSERT_TRUE(id.ok());
-    expected[*id] = ForwardInMicroBatches(*local, cfg, x, tokens, p.micro_batches)->out;
-  }
-  // A bad batch in the middle gets its own error and the stream goes on.
-  auto bad =
-      (*stream)->Send(layer + 100, checkpoint::SyntheticHiddenStates(cfg, 2, 1), 2, cfg.hidden);
-  ASSERT_TRUE(bad.ok());
-  ASSERT_TRUE((*stream)->CloseSend().ok());
-  int received = 0;
-  for (int i = 0; i < 10; ++i) {
-    auto r = (*stream)->Receive();
-    if (!r.ok()) {
-      EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << r.status();
-      break;
+  // The streaming RPC: several batches on one stream, each with its own result; a bad batch in
+  // the middle gets its own error and the stream goes on.
+  void CheckStream() {
+    auto stream = user().OpenForwardStream(absl::Seconds(60));
+    ASSERT_TRUE(stream.ok());
+    std::map<uint64_t, std::vector<Bf16>> expected;
+    for (int64_t tokens : {3, 9}) {
+      const std::vector<Bf16> x = Hidden(tokens, 7 + tokens);
+      auto id = (*stream)->Send(layer(), x, tokens, hidden());
+      ASSERT_TRUE(id.ok());
+      expected[*id] = Oracle(x, tokens)->out;
     }
-    ++received;
-    if (r->first == *bad) {
-      EXPECT_EQ(r->second.status().code(), absl::StatusCode::kNotFound);
-    } else {
-      ASSERT_TRUE(r->second.ok()) << r->second.status();
-      EXPECT_TRUE(SameBits(r->second->out, expected.at(r->first)));
+    auto bad = (*stream)->Send(layer() + 100, Hidden(2, 1), 2, hidden());
+    ASSERT_TRUE(bad.ok());
+    ASSERT_TRUE((*stream)->CloseSend().ok());
+    int received = 0;
+    for (int i = 0; i < 10; ++i) {
+      auto r = (*stream)->Receive();
+      if (!r.ok()) {
+        EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << r.status();
+        break;
+      }
+      ++received;
+      if (r->first == *bad) {
+        EXPECT_EQ(r->second.status().code(), absl::StatusCode::kNotFound);
+      } else {
+        ASSERT_TRUE(r->second.ok()) << r->second.status();
+        EXPECT_TRUE(SameBits(r->second->out, expected.at(r->first)));
+      }
     }
+    EXPECT_EQ(received, 3);
   }
-  EXPECT_EQ(received, 3);
 
-  // Every expert payload took the case's data plane, both ways.
-  const std::string other = p.transport == "ucx" ? "grpc" : "ucx";
-  for (const char* direction : {"sent", "received"}) {
-    SCOPED_TRACE(direction);
-    const std::vector<std::string> labels = {absl::StrCat("direction=\"", direction, "\""),
-                                             "peer=\"expert\""};
-    EXPECT_GT(
-        moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_wire_bytes_total",
+  // Every expert payload took the case's data plane, both ways; on UCX, the lanes UCX really
+  // selected (read from UCX, both sides): shared memory where the case says so, TCP where it
+  // says so (a "shared memory" case on TCP fails here), and the shards took their payloads from
+  // UCX too.
+  void CheckLanes() {
+    const ClusterCase& p = GetParam();
+    const std::string other = p.transport == "ucx" ? "grpc" : "ucx";
+    for (const char* direction : {"sent", "received"}) {
+      SCOPED_TRACE(direction);
+      const std::vector<std::string> labels = {absl::StrCat("direction=\"", direction, "\""),
+                                               "peer=\"expert\""};
+      EXPECT_GT(AttentionMetric("moe_wire_bytes_total",
                                 Concat(labels, {absl::StrCat("transport=\"", p.transport, "\"")})),
-        0);
-    EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_wire_bytes_total",
-                                      Concat(labels, {absl::StrCat("transport=\"", other, "\"")})),
-              0);
-  }
-  if (p.transport == "ucx") {
-    // The lanes UCX really selected (read from UCX, both sides): shared memory where the case
-    // says so, TCP where it says so; a "shared memory" case on TCP fails here.
+                0);
+      EXPECT_EQ(AttentionMetric("moe_wire_bytes_total",
+                                Concat(labels, {absl::StrCat("transport=\"", other, "\"")})),
+                0);
+    }
+    if (p.transport != "ucx") return;
     const std::string kind = p.name.find("_tcp") != std::string::npos ? "tcp" : "shm";
-    for (int i = 0; i < (*cluster)->num_shards(); ++i) {
+    const std::string theirs = kind == "tcp" ? "shard_lanes=\"tcp\"" : "shard_lanes=\"shm (posix)\"";
+    for (int i = 0; i < cluster().num_shards(); ++i) {
       const std::string shard = absl::StrCat("shard=\"shard-", i, "\"");
-      EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_data_plane_lane_info",
-                                        {shard, absl::StrCat("kind=\"", kind, "\"")}),
+      EXPECT_EQ(AttentionMetric("moe_data_plane_lane_info",
+                                {shard, absl::StrCat("kind=\"", kind, "\"")}),
                 1)
           << "shard-" << i << " is not on " << kind;
-      const std::string theirs =
-          kind == "tcp" ? "shard_lanes=\"tcp\"" : "shard_lanes=\"shm (posix)\"";
-      EXPECT_EQ(moe::testing::ScrapeSum((*cluster)->attention_metrics(), "moe_data_plane_lane_info",
-                                        {shard, theirs}),
-                1);
-    }
-  }
-  if (p.transport == "ucx") {  // ... and the shards took their payloads from UCX too
-    for (int i = 0; i < (*cluster)->num_shards(); ++i) {
-      EXPECT_GT(moe::testing::ScrapeSum((*cluster)->shard_metrics(i), "moe_wire_bytes_total",
-                                        {"direction=\"received\"", "transport=\"ucx\""}),
+      EXPECT_EQ(AttentionMetric("moe_data_plane_lane_info", {shard, theirs}), 1);
+      EXPECT_GT(ShardMetric(i, "moe_wire_bytes_total",
+                            {"direction=\"received\"", "transport=\"ucx\""}),
                 0);
     }
   }
+};
+
+TEST_P(ClusterEquivalence, MatchesTheInProcessLayer) {
+  if (GetParam().transport == "ucx" && !dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  ASSERT_NO_FATAL_FAILURE(StartCase());
+  // 1 and 5 tokens take the decode kernels; 64 tokens gives hot experts >= 16 tokens (the
+  // prefill kernel), so both expert paths cross the wire.
+  for (int64_t tokens : {1, 5, 64, 256}) ASSERT_NO_FATAL_FAILURE(CheckForwards(tokens));
+  ASSERT_NO_FATAL_FAILURE(CheckStream());
+  CheckLanes();
 }
 
 // mid_chunked: 64 KiB dispatch messages, so each shard's batch goes out in many messages split
@@ -280,154 +285,160 @@ INSTANTIATE_TEST_SUITE_P(
 
 // A killed shard gives UNAVAILABLE naming it within the deadline; after it restarts (new port)
 // and registers again, requests succeed. A stalled shard gives DEADLINE_EXCEEDED naming it.
-TEST(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
-  const std::string& dir = CheckpointFor("tiny");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
-  o.router_args = {"--heartbeat_interval_ms=200"};
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto client = ClientFor(**cluster);
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  const int64_t tokens = 32;  // with 16 experts and k = 4, both shards are needed
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 11);
-  auto in_process = local->Forward(x, tokens, cfg.hidden);
-  ASSERT_TRUE(in_process.ok());
-  const std::vector<Bf16> want = in_process->out;
-  // The batch needs both shards (else a stalled or dead shard would go unnoticed).
-  const auto& ids = in_process->routing.expert_ids;
-  ASSERT_TRUE(std::any_of(ids.begin(), ids.end(), [](int32_t e) { return e < 8; }));
-  ASSERT_TRUE(std::any_of(ids.begin(), ids.end(), [](int32_t e) { return e >= 8; }));
-  ASSERT_TRUE(client->Forward(layer, x, tokens, cfg.hidden).ok());
+class ClusterFailures : public testing::ClusterTest {
+ protected:
+  void SetUp() override {
+    UsePreset("tiny", {{0, 8}, {8, 16}});
+    options().router_args = {"--heartbeat_interval_ms=200"};
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
+    x_ = Hidden(kTokens, 11);
+    auto in_process = oracle().Forward(x_, kTokens, hidden());
+    ASSERT_TRUE(in_process.ok());
+    want_ = in_process->out;
+    // The batch needs both shards (else a stalled or dead shard would go unnoticed).
+    const auto& ids = in_process->routing.expert_ids;
+    ASSERT_TRUE(std::any_of(ids.begin(), ids.end(), [](int32_t e) { return e < 8; }));
+    ASSERT_TRUE(std::any_of(ids.begin(), ids.end(), [](int32_t e) { return e >= 8; }));
+    ASSERT_TRUE(Forward(x_, kTokens).ok());
+  }
 
-  client::ForwardOptions fo;
-  fo.timeout = absl::Seconds(5);
-  ASSERT_TRUE((*cluster)->SignalShard(1, SIGKILL).ok());
-  auto t0 = absl::Now();
-  auto dead = client->Forward(layer, x, tokens, cfg.hidden, fo);
-  ASSERT_FALSE(dead.ok());
-  EXPECT_EQ(dead.status().code(), absl::StatusCode::kUnavailable) << dead.status();
-  EXPECT_NE(dead.status().message().find("shard-1"), absl::string_view::npos) << dead.status();
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  // The batch fails with `code` naming `shard` within `bound`.
+  void ExpectNamedFailure(absl::StatusCode code, const std::string& shard, absl::Duration timeout,
+                          absl::Duration bound) {
+    client::ForwardOptions fo;
+    fo.timeout = timeout;
+    const absl::Time t0 = absl::Now();
+    auto r = Forward(x_, kTokens, fo);
+    const absl::Duration took = absl::Now() - t0;
+    ASSERT_FALSE(r.ok()) << "bias version " << r->bias_version << ", dispatch bytes "
+                         << r->dispatch_bytes_sent;
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_NE(r.status().message().find(shard), absl::string_view::npos) << r.status();
+    EXPECT_LT(took, bound);
+  }
+
+  // The batch is answered again, bit for bit (bounded: 100 x 100 ms).
+  void ExpectServedAgain() {
+    client::ForwardOptions fo;
+    fo.timeout = absl::Seconds(5);
+    absl::StatusOr<client::ForwardResult> back = absl::UnknownError("not tried");
+    for (int i = 0; i < 100 && !back.ok(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      back = Forward(x_, kTokens, fo);
+    }
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(SameBits(back->out, want_));
+  }
+
+  static constexpr int64_t kTokens = 32;  // with 16 experts and k = 4, both shards are needed
+  std::vector<Bf16> x_, want_;
+};
+
+TEST_F(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
+  ASSERT_TRUE(cluster().SignalShard(1, SIGKILL).ok());
+  ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5),
+                     absl::Seconds(5));
   // Once the heartbeats are missed the router marks it unhealthy; still named.
   std::this_thread::sleep_for(std::chrono::milliseconds(900));
-  auto unhealthy = client->Forward(layer, x, tokens, cfg.hidden, fo);
-  ASSERT_FALSE(unhealthy.ok());
-  EXPECT_EQ(unhealthy.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_NE(unhealthy.status().message().find("shard-1"), absl::string_view::npos)
-      << unhealthy.status();
-
-  ASSERT_TRUE((*cluster)->RestartShard(1).ok());
-  absl::StatusOr<client::ForwardResult> back = absl::UnknownError("not tried");
-  for (int i = 0; i < 100 && !back.ok(); ++i) {  // bounded: 100 x 100 ms
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    back = client->Forward(layer, x, tokens, cfg.hidden, fo);
-  }
-  ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_TRUE(SameBits(back->out, want));
+  ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5),
+                     absl::Seconds(5));
+  ASSERT_TRUE(cluster().RestartShard(1).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectServedAgain());
 
   // Stalled (SIGSTOP): the deadline fires and names the shard; after SIGCONT it serves again.
-  fo.timeout = absl::Milliseconds(800);
-  ASSERT_TRUE((*cluster)->SignalShard(0, SIGSTOP).ok());
-  t0 = absl::Now();
-  auto stalled = client->Forward(layer, x, tokens, cfg.hidden, fo);
-  const absl::Duration took = absl::Now() - t0;
-  ASSERT_TRUE((*cluster)->SignalShard(0, SIGCONT).ok());
-  ASSERT_FALSE(stalled.ok()) << "bias version " << stalled->bias_version << ", dispatch bytes "
-                             << stalled->dispatch_bytes_sent;
-  EXPECT_EQ(stalled.status().code(), absl::StatusCode::kDeadlineExceeded) << stalled.status();
-  EXPECT_NE(stalled.status().message().find("shard-0"), absl::string_view::npos)
-      << stalled.status();
-  EXPECT_LT(took, absl::Seconds(2));
-  fo.timeout = absl::Seconds(5);
-  back = absl::UnknownError("not tried");
-  for (int i = 0; i < 100 && !back.ok(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    back = client->Forward(layer, x, tokens, cfg.hidden, fo);
-  }
-  ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_TRUE(SameBits(back->out, want));
+  ASSERT_TRUE(cluster().SignalShard(0, SIGSTOP).ok());
+  ExpectNamedFailure(absl::StatusCode::kDeadlineExceeded, "shard-0", absl::Milliseconds(800),
+                     absl::Seconds(2));
+  ASSERT_TRUE(cluster().SignalShard(0, SIGCONT).ok());
+  ExpectServedAgain();
 }
 
 // Skewed traffic, Rebalance, fresh traffic: MaxVio over the next window falls. Admin calls need
 // the token; rollback restores the checkpoint's bias.
-TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
-  const std::string& dir = CheckpointFor("mid");
-  ModelConfig cfg = *PresetConfig("mid");
-  LocalClusterOptions o = TestCluster(dir, {{0, 40}, {40, 128}});
-  o.threads = 0;  // all cores: 400 requests of mid traffic
-  o.admin_token = "s3cret";
-  o.attention_args = {"--report_interval_ms=100"};
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto client = ClientFor(**cluster, "s3cret");
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+class ClusterRebalance : public testing::ClusterTest {
+ protected:
+  void SetUp() override {
+    UsePreset("mid", {{0, 40}, {40, 128}});
+    options().threads = 0;  // all cores: 400 requests of mid traffic
+    options().admin_token = "s3cret";
+    options().attention_args = {"--report_interval_ms=100"};
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
+  }
 
-  tools::LoadOptions lo;
-  lo.layer = layer;
-  lo.hidden = cfg.hidden;
-  lo.concurrency = 2;
-  lo.tokens = 64;
-  lo.duration = absl::Seconds(60);
-  lo.max_requests = 200;  // 12800 tokens: q = 800 per expert, noise floor MaxVio ~0.11
-  lo.distinct_batches = 200;
-  auto wait_for_window = [&](int64_t tokens) -> absl::StatusOr<v1::LoadStats> {
+  // 200 requests of 64 tokens (12800 tokens: q = 800 per expert, noise floor MaxVio ~0.11),
+  // then the router's window once it holds them all.
+  absl::StatusOr<v1::LoadStats> TrafficAndItsWindow(uint64_t seed) {
+    tools::LoadOptions lo;
+    lo.layer = layer();
+    lo.hidden = hidden();
+    lo.concurrency = 2;
+    lo.tokens = 64;
+    lo.duration = absl::Seconds(60);
+    lo.max_requests = 200;
+    lo.distinct_batches = 200;
+    lo.seed = seed;
+    auto r = tools::RunLoad(admin(), lo);
+    if (!r.ok()) return r.status();
+    EXPECT_EQ(r->ok, 200) << r->Format();
     for (int i = 0; i < 100; ++i) {  // bounded: reports arrive every 100 ms
-      auto s = client->GetLoadStats(layer);
-      if (!s.ok() || s->window_tokens() >= tokens) return s;
+      auto s = admin().GetLoadStats(layer());
+      if (!s.ok() || s->window_tokens() >= 200 * 64) return s;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     return absl::DeadlineExceededError("statistics did not arrive");
-  };
-  lo.seed = 1;
-  auto r1 = tools::RunLoad(*client, lo);
-  ASSERT_TRUE(r1.ok());
-  ASSERT_EQ(r1->ok, 200) << r1->Format();
-  auto before = wait_for_window(200 * 64);
+  }
+
+  // Without the token: refused; a dry run needs none and changes nothing.
+  void ExpectAnonymousRebalanceOnlyDryRuns() {
+    auto refused = user().Rebalance(layer(), false);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+    auto dry = user().Rebalance(layer(), true);
+    ASSERT_TRUE(dry.ok()) << dry.status();
+    EXPECT_FALSE(dry->applied());
+    EXPECT_EQ(admin().GetBias(layer())->version(), 0u);
+  }
+
+  // A rollback to version 0 is version 2 in the history and serves the checkpoint's bias.
+  void ExpectRollbackToTheCheckpoint() {
+    auto rolled = admin().RollbackBias(layer(), 0);
+    ASSERT_TRUE(rolled.ok()) << rolled.status();
+    EXPECT_EQ(rolled->version(), 2u);
+    auto v0 = admin().GetLoadStats(layer());
+    ASSERT_TRUE(v0.ok());
+    EXPECT_EQ(v0->history_size(), 3);
+    EXPECT_EQ(v0->history(2).reason(), "rollback to 0");
+    auto bias = admin().GetBias(layer());
+    ASSERT_TRUE(bias.ok());
+    EXPECT_EQ(std::vector<float>(bias->bias().begin(), bias->bias().end()),
+              oracle().weights().bias);
+  }
+};
+
+TEST_F(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
+  auto before = TrafficAndItsWindow(1);
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_EQ(before->window_tokens(), 200 * 64);
   int64_t sum = 0;
   for (int64_t v : before->window_loads()) sum += v;
-  EXPECT_EQ(sum, 200 * 64 * cfg.top_k);  // every routed pair counted once
+  EXPECT_EQ(sum, 200 * 64 * cfg().top_k);  // every routed pair counted once
   const double vio_before = before->window_balance().max_vio();
   // The router exports the shards' balancedness of the same window (mean / max, vLLM's form).
   ASSERT_GT(before->window_balance().shard_max_over_mean(), 1.0);
-  EXPECT_NEAR(moe::testing::ScrapeSum((*cluster)->router_metrics(), "moe_balancedness",
-                                      {absl::StrCat("layer=\"", layer, "\"")}),
+  EXPECT_NEAR(RouterMetric("moe_balancedness", {absl::StrCat("layer=\"", layer(), "\"")}),
               1.0 / before->window_balance().shard_max_over_mean(), 1e-6);
+  ASSERT_NO_FATAL_FAILURE(ExpectAnonymousRebalanceOnlyDryRuns());
 
-  // Without the token: refused; a dry run needs none and changes nothing.
-  auto anonymous = ClientFor(**cluster);
-  auto refused = anonymous->Rebalance(layer, false);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
-  auto dry = anonymous->Rebalance(layer, true);
-  ASSERT_TRUE(dry.ok()) << dry.status();
-  EXPECT_FALSE(dry->applied());
-  EXPECT_EQ(client->GetBias(layer)->version(), 0u);
-
-  auto rb = client->Rebalance(layer, false);
+  auto rb = admin().Rebalance(layer(), false);
   ASSERT_TRUE(rb.ok()) << rb.status();
   EXPECT_TRUE(rb->applied());
   EXPECT_EQ(rb->new_bias().version(), 1u);
   EXPECT_NEAR(rb->before().max_vio(), vio_before, 1e-12);
   EXPECT_LT(rb->predicted_after().max_vio(), 0.05);
 
-  // Wait until the attention node routes with version 1, then fresh inputs.
-  lo.seed = 2;
-  absl::StatusOr<client::ForwardResult> probe = absl::UnknownError("");
-  for (int i = 0; i < 100; ++i) {
-    probe = client->Forward(layer, checkpoint::SyntheticHiddenStates(cfg, 1, 1), 1, cfg.hidden);
-    if (probe.ok() && probe->bias_version == 1) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_TRUE(probe.ok());
-  ASSERT_EQ(probe->bias_version, 1u);
-  auto r2 = tools::RunLoad(*client, lo);
-  ASSERT_TRUE(r2.ok());
-  ASSERT_EQ(r2->ok, 200) << r2->Format();
-  auto after = wait_for_window(200 * 64);
+  // Once the attention node routes with version 1, fresh inputs.
+  ASSERT_TRUE(AwaitBiasVersion(1));
+  auto after = TrafficAndItsWindow(2);
   ASSERT_TRUE(after.ok()) << after.status();
   const double vio_after = after->window_balance().max_vio();
   std::printf(
@@ -437,20 +448,7 @@ TEST(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
   EXPECT_GT(vio_before, 1.0);  // the skewed checkpoint is far from balanced
   EXPECT_LT(vio_after, 0.5);
   EXPECT_LT(vio_after, vio_before / 3);
-
-  auto rolled = client->RollbackBias(layer, 0);
-  ASSERT_TRUE(rolled.ok()) << rolled.status();
-  EXPECT_EQ(rolled->version(), 2u);
-  auto v0 = client->GetLoadStats(layer);
-  ASSERT_TRUE(v0.ok());
-  EXPECT_EQ(v0->history_size(), 3);
-  EXPECT_EQ(v0->history(2).reason(), "rollback to 0");
-  auto bias = client->GetBias(layer);
-  ASSERT_TRUE(bias.ok());
-  ModelConfig unused;
-  auto ckpt_layer = InProcessLayer(dir, &unused);
-  EXPECT_EQ(std::vector<float>(bias->bias().begin(), bias->bias().end()),
-            ckpt_layer->weights().bias);
+  ExpectRollbackToTheCheckpoint();
 }
 
 }  // namespace

@@ -1,18 +1,24 @@
-// What the hostile-peer cluster tests share: a shard's UCX address as a member reads it, and a
+// What the hostile-peer cluster tests share: a shard's UCX address as a member reads it, a
 // canary that sends one request again and again through the whole cluster while an attack runs
-// and counts its answers against the in-process layer's.
+// and counts its answers against the in-process layer's, and the fixture of an attacked cluster.
 //
-//   Canary canary(**cluster, layer, x, tokens, cfg.hidden, want);
-//   ... attack ...
-//   canary.Stop();
-//   EXPECT_EQ(canary.wrong(), 0);
+//   class ClusterFoo : public AttackedClusterTest {};
+//   TEST_F(ClusterFoo, Bar) {
+//     ASSERT_NO_FATAL_FAILURE(StartAttackedCluster("tcp", 78));
+//     auto canary = StartCanary();
+//     ... attack ...
+//     ExpectCleanCanary(*canary, 3);
+//     ExpectEveryProcessUpAndServing();
+//   }
 #ifndef MOE_TESTS_SERVICES_HOSTILE_FIXTURES_H_
 #define MOE_TESTS_SERVICES_HOSTILE_FIXTURES_H_
 
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,34 +26,9 @@
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/transport/channel.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe::testing {
-
-// A tiny two-shard cluster on a UCX lane, with one request and the in-process layer's answer
-// to it: what an attack is run against.
-struct AttackedCluster {
-  ModelConfig cfg;
-  std::unique_ptr<LocalCluster> cluster;
-  int32_t layer = 0;
-  static constexpr int64_t kTokens = 16;
-  std::vector<Bf16> x, want;
-};
-
-inline AttackedCluster StartAttackedCluster(const std::string& ucx_tls, uint64_t seed) {
-  AttackedCluster a;
-  const std::string& dir = CheckpointFor("tiny");
-  auto local = InProcessLayer(dir, &a.cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
-  o.expert_args = UcxArgs(ucx_tls);
-  o.attention_args = UcxArgs(ucx_tls);
-  auto cluster = LocalCluster::Start(o);
-  EXPECT_TRUE(cluster.ok()) << cluster.status();
-  if (cluster.ok()) a.cluster = std::move(*cluster);
-  a.layer = static_cast<int32_t>(a.cfg.first_moe_layer);
-  a.x = checkpoint::SyntheticHiddenStates(a.cfg, AttackedCluster::kTokens, seed);
-  a.want = local->Forward(a.x, AttackedCluster::kTokens, a.cfg.hidden)->out;
-  return a;
-}
 
 // Shard i's UCX worker address, read with the members' token (what a stranger is not given);
 // empty when the shard offers none.
@@ -95,6 +76,44 @@ class Canary {
   std::atomic<bool> stop_{false};
   std::atomic<int> ok_{0}, wrong_{0}, failed_{0};
   std::thread thread_;
+};
+
+// A tiny two-shard cluster on a UCX lane, with one request and the in-process layer's answer
+// to it: what an attack is run against, and what is checked after it.
+class AttackedClusterTest : public ClusterTest {
+ protected:
+  static constexpr int64_t kTokens = 16;
+
+  void StartAttackedCluster(const std::string& ucx_tls, uint64_t seed) {
+    UsePreset("tiny", {{0, 8}, {8, 16}});
+    options().expert_args = UcxArgs(ucx_tls);
+    options().attention_args = UcxArgs(ucx_tls);
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
+    x_ = Hidden(kTokens, seed);
+    want_ = Want(x_, kTokens);
+  }
+  std::unique_ptr<Canary> StartCanary(int max_requests = 5000) {
+    return std::make_unique<Canary>(cluster(), layer(), x_, kTokens, hidden(), want_,
+                                    max_requests);
+  }
+  // Stops the canary: at least `min_ok` answers, every one bit-exact, none failed.
+  void ExpectCleanCanary(Canary& canary, int min_ok) {
+    canary.Stop();
+    EXPECT_GT(canary.ok(), min_ok);
+    EXPECT_EQ(canary.wrong(), 0) << "an attack changed an answer";
+    EXPECT_EQ(canary.failed(), 0);
+  }
+  // Every process is still there, and the cluster still answers bit-exact.
+  void ExpectEveryProcessUpAndServing() {
+    for (const auto& [name, pid] : cluster().Processes()) {
+      EXPECT_EQ(::kill(pid, 0), 0) << name << " died";
+    }
+    auto after = Forward(x_, kTokens);
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_TRUE(SameBits(after->out, want_));
+  }
+
+  std::vector<Bf16> x_, want_;
 };
 
 }  // namespace moe::testing

@@ -22,6 +22,7 @@
 #include "services/transport/local_pki.h"
 #include "services/transport/security.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
@@ -121,25 +122,19 @@ grpc::Status RegisterAs(const LocalCluster& c, const std::string& token,
   return router->RegisterExpertServer(&ctx, r, &resp);
 }
 
-class ARogue : public ::testing::TestWithParam<bool> {};  // true: moe-cli up's default (mTLS)
+// true: moe-cli up's default (mTLS)
+class ARogue : public testing::ClusterTestWithParam<bool> {};
 
 TEST_P(ARogue, NeverDisplacesALiveShard) {
   const bool tls = GetParam();
-  const std::string& dir = CheckpointFor("tiny");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 7}, {7, 16}});
-  o.local_pki = tls;
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  LocalCluster& c = **cluster;
+  UsePreset("tiny", {{0, 7}, {7, 16}});
+  options().local_pki = tls;
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  LocalCluster& c = cluster();
   ASSERT_EQ(c.client_options().tls.enabled(), tls);
-  const auto layer = static_cast<int32_t>(cfg.first_moe_layer);
-  const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 3, 11);
-  auto want = local->Forward(x, 3, cfg.hidden);
-  ASSERT_TRUE(want.ok());
+  const std::vector<tensor::Bf16> x = Hidden(3, 11);
   Traffic canary;
-  canary.Start(c, layer, x, 3, cfg.hidden, want->out);
+  canary.Start(c, layer(), x, 3, hidden(), Want(x, 3));
 
   const std::string shard0 = ReadWord(c.work_dir() + "/shard-0.token");
   const std::string shard1 = ReadWord(c.work_dir() + "/shard-1.token");
@@ -165,7 +160,7 @@ TEST_P(ARogue, NeverDisplacesALiveShard) {
   for (const Try& t : tries) {
     SCOPED_TRACE(t.what);
     for (int i = 0; i < 8; ++i) {  // as often as the rogue of the finding re-registered
-      const grpc::Status s = RegisterAs(c, t.token, t.cert, layer, 0, 7);
+      const grpc::Status s = RegisterAs(c, t.token, t.cert, layer(), 0, 7);
       EXPECT_EQ(s.error_code(), t.code) << s.error_message();
       EXPECT_THAT(s.error_message(), ::testing::HasSubstr(t.message));
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -174,7 +169,7 @@ TEST_P(ARogue, NeverDisplacesALiveShard) {
   // shard-0 is still the real one, and every answer meanwhile was right.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   canary.Stop();
-  auto placement = testing::ClientFor(c)->GetPlacement();
+  auto placement = user().GetPlacement();
   ASSERT_TRUE(placement.ok()) << placement.status();
   for (const v1::ShardInfo& s : placement->shards()) {
     EXPECT_NE(s.endpoint(), "127.0.0.1:1") << s.shard();

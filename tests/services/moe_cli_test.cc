@@ -12,6 +12,7 @@
 #include "services/tools/local_cluster.h"
 #include "services/tools/tensor_file.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
@@ -58,23 +59,22 @@ TEST(TensorFile, NpyRoundTripAndErrors) {
 
 // The CLI end to end: forward from a .npy file, output to .npy, equal to the in-process layer;
 // stats and a dry-run rebalance print their figures.
-TEST(MoeCli, ForwardFromNpyMatchesTheInProcessLayer) {
-  const std::string& dir = CheckpointFor("tiny");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir);
-  o.attention_args = {"--report_interval_ms=100"};
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
+class MoeCli : public testing::ClusterTest {};
+
+TEST_F(MoeCli, ForwardFromNpyMatchesTheInProcessLayer) {
+  UsePreset("tiny");
+  options().attention_args = {"--report_interval_ms=100"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  const ModelConfig& cfg = this->cfg();
   const int64_t tokens = 6;
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 21);
+  const std::vector<Bf16> x = Hidden(tokens, 21);
   std::vector<float> xf(x.size());
   for (size_t i = 0; i < x.size(); ++i) xf[i] = x[i].ToFloat();
   const std::string work = MakeTempDir("cli");
   ASSERT_TRUE(tools::WriteNpyF32(work + "/x.npy", xf, tokens, cfg.hidden).ok());
   const std::string cli = std::string(MOE_BIN_DIR) + "/moe-cli";
   std::string out;
-  ASSERT_EQ(RunCommand(absl::StrCat(cli, " forward --attention ", (*cluster)->attention_endpoint(),
+  ASSERT_EQ(RunCommand(absl::StrCat(cli, " forward --attention ", cluster().attention_endpoint(),
                                     " --layer 1 --input ", work, "/x.npy --output ", work,
                                     "/y.npy --routing"),
                        &out),
@@ -83,25 +83,25 @@ TEST(MoeCli, ForwardFromNpyMatchesTheInProcessLayer) {
   EXPECT_NE(out.find("output [6, 128]"), std::string::npos) << out;
   auto y = tools::ReadMatrix(work + "/y.npy", "");
   ASSERT_TRUE(y.ok()) << y.status();
-  EXPECT_TRUE(SameBits(y->values, local->Forward(x, tokens, cfg.hidden)->out));
+  EXPECT_TRUE(SameBits(y->values, Want(x, tokens)));
 
   std::this_thread::sleep_for(std::chrono::milliseconds(400));  // one statistics report
   out.clear();
   ASSERT_EQ(
-      RunCommand(absl::StrCat(cli, " stats --router ", (*cluster)->router_endpoint(), " --layer 1"),
+      RunCommand(absl::StrCat(cli, " stats --router ", cluster().router_endpoint(), " --layer 1"),
                  &out),
       0)
       << out;
   EXPECT_NE(out.find("window 6 tokens"), std::string::npos) << out;
   out.clear();
   ASSERT_EQ(RunCommand(absl::StrCat(cli, " rebalance --dry_run --router ",
-                                    (*cluster)->router_endpoint(), " --layer 1"),
+                                    cluster().router_endpoint(), " --layer 1"),
                        &out),
             0)
       << out;
   EXPECT_NE(out.find("dry run"), std::string::npos) << out;
   out.clear();
-  EXPECT_NE(RunCommand(absl::StrCat(cli, " forward --attention ", (*cluster)->attention_endpoint(),
+  EXPECT_NE(RunCommand(absl::StrCat(cli, " forward --attention ", cluster().attention_endpoint(),
                                     " --layer 1 --input ", work, "/missing.npy"),
                        &out),
             0);

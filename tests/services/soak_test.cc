@@ -17,6 +17,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
@@ -48,28 +49,25 @@ Sample Read(pid_t pid) {
   return s;
 }
 
-TEST(ClusterSoak, ResourcesStayFlatUnderSteadyTraffic) {
+class ClusterSoak : public testing::ClusterTest {};
+
+TEST_F(ClusterSoak, ResourcesStayFlatUnderSteadyTraffic) {
   const char* env = std::getenv("MOE_SOAK_SECONDS");
   const int seconds = env != nullptr ? std::max(30, std::atoi(env)) : 120;
   const int warmup = std::max(20, seconds / 5);
-  const std::string& dir = CheckpointFor("tiny");
-  ModelConfig cfg;
-  auto local = InProcessLayer(dir, &cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 8}, {8, 16}});
-  o.router_args = {"--window_tokens=4096"};  // windows roll over many times
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, 16, 61);
-  const std::vector<Bf16> want = local->Forward(x, 16, cfg.hidden)->out;
+  UsePreset("tiny", {{0, 8}, {8, 16}});
+  options().router_args = {"--window_tokens=4096"};  // windows roll over many times
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  const std::vector<Bf16> x = Hidden(16, 61);
+  const std::vector<Bf16> want = Want(x, 16);
   Traffic a, b;
-  a.Start(**cluster, layer, x, 16, cfg.hidden, want);
-  b.Start(**cluster, layer, x, 16, cfg.hidden, want);
+  a.Start(cluster(), layer(), x, 16, hidden(), want);
+  b.Start(cluster(), layer(), x, 16, hidden(), want);
   std::map<std::string, Sample> base, last, peak;
   const auto start = std::chrono::steady_clock::now();
   for (int t = 0; t <= seconds; t += 5) {
     std::this_thread::sleep_until(start + std::chrono::seconds(t));
-    for (const auto& [name, pid] : (*cluster)->Processes()) {
+    for (const auto& [name, pid] : cluster().Processes()) {
       const Sample s = Read(pid);
       if (t <= warmup) base[name] = s;  // the last sample of the warm-up
       last[name] = s;

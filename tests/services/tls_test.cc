@@ -24,6 +24,7 @@
 #include "services/transport/channel.h"
 #include "services/transport/security.h"
 #include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
 
 namespace moe {
 namespace {
@@ -60,176 +61,168 @@ void CopyFileAtomically(const std::string& from, const std::string& to) {
   ASSERT_EQ(std::rename(tmp.c_str(), to.c_str()), 0);
 }
 
-struct Fixture {
-  ModelConfig cfg;
-  std::unique_ptr<numerics::cpu::CpuMoeLayer> local;
-  std::string pki;
-  std::unique_ptr<LocalCluster> cluster;
-  int32_t layer = 0;
-  std::vector<Bf16> x;
-  std::vector<Bf16> want;
+// A tiny cluster on mutual TLS with the given member certificate files, one request and its
+// oracle answer, and the steps the TLS tests share.
+class ClusterTls : public testing::ClusterTest {
+ protected:
+  void MakePki(const std::string& tag) {
+    pki_ = MakeTestPki(MakeTempDir(tag));
+    ASSERT_FALSE(pki_.empty());
+  }
+  void StartMtlsCluster(const transport::TlsOptions& tls) {
+    UsePreset("tiny", {{0, 7}, {7, 16}});
+    options().tls = tls;
+    ASSERT_NO_FATAL_FAILURE(StartCluster());
+    x_ = Hidden(3, 11);
+    want_ = Want(x_, 3);
+  }
+
+  // A Forward with these client TLS options (none: plaintext), 5 s deadline.
+  absl::StatusOr<client::ForwardResult> ForwardWith(const transport::TlsOptions& tls) {
+    client::ClientOptions o = cluster().client_options();
+    o.tls = tls;
+    o.timeout = absl::Seconds(5);
+    auto c = client::MoeClient::Create(o);
+    if (!c.ok()) return c.status();
+    return (*c)->Forward(layer(), x_, 3, hidden());
+  }
+  void ExpectMembersServedBitExact() {
+    auto got = ForwardWith(MemberTls(pki_));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(SameBits(got->out, want_));
+  }
+
+  // A RegisterExpertServer of `shard` for experts [lo, hi) over a channel with certificate
+  // `cert` of the PKI, carrying `token`.
+  grpc::Status RegisterAs(const std::string& cert, const std::string& shard, int lo, int hi,
+                          const std::string& token = "") {
+    auto creds = transport::MakeChannelCredentials(MemberTls(pki_, cert));
+    EXPECT_TRUE(creds.ok());
+    auto router = v1::RouterService::NewStub(transport::MakeChannel(
+        cluster().router_endpoint(), transport::kDefaultMaxMessageBytes, *creds));
+    v1::RegisterExpertServerRequest r;
+    r.set_shard(shard);
+    r.set_endpoint("127.0.0.1:1");
+    auto* range = r.add_ranges();
+    range->set_layer(layer());
+    range->set_expert_lo(lo);
+    range->set_expert_hi(hi);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    // A TLS handshake slower than the channel's connect timeout (MakeChannel's 100 ms minimum
+    // reconnect backoff, which gRPC also takes as the minimum connect timeout) on a loaded
+    // machine is a transient failure: wait for the channel within the deadline instead of
+    // failing the call UNAVAILABLE, so what is asserted is the server's answer. (A peer the
+    // server refuses at the handshake still fails UNAVAILABLE at the deadline.)
+    if (cert != "rogue") ctx.set_wait_for_ready(true);
+    if (!token.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, token);
+    v1::RegisterExpertServerResponse resp;
+    return router->RegisterExpertServer(&ctx, r, &resp);
+  }
+
+  // The exec probe of a TLS deployment (kubelet's gRPC probe speaks plaintext only): SERVING
+  // with a member certificate, refused without.
+  void ExpectExecProbeNeedsACertificate() {
+    const transport::TlsOptions m = MemberTls(pki_);
+    const std::string probe = absl::StrCat(
+        MOE_BIN_DIR,
+        "/moe-cli health --service=moe.liveness --endpoint=", cluster().attention_endpoint());
+    EXPECT_THAT(RunShell(absl::StrCat(probe, " --tls_ca_file=", m.ca_file,
+                                      " --tls_cert_file=", m.cert_file,
+                                      " --tls_key_file=", m.key_file, " 2>&1; echo rc=$?")),
+                ::testing::HasSubstr("SERVING\nrc=0"));
+    EXPECT_THAT(RunShell(probe + " 2>&1; echo rc=$?"), ::testing::HasSubstr("rc=1"));
+  }
+
+  // Until `endpoint` presents a certificate of `subject` (bounded: 60 x 250 ms, the refresh is
+  // 1 s); returns the last subject seen.
+  std::string AwaitSubject(const std::string& endpoint, const std::string& subject) {
+    std::string seen;
+    for (int i = 0; i < 60; ++i) {
+      seen = PresentedSubject(endpoint, MemberTls(pki_));
+      if (seen == subject) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+    return seen;
+  }
+  // Each process's live certificate (or key) replaced by its `suffix` one.
+  void RotateLive(const char* ext, const std::string& suffix) {
+    for (const char* p : kProcesses) {
+      CopyFileAtomically(pki_ + "/" + p + suffix + ext, pki_ + "/live-" + p + ext);
+    }
+  }
+
+  static constexpr const char* kProcesses[] = {"router-svc", "attention-svc", "shard-0",
+                                               "shard-1", "client"};
+  std::string pki_;
+  std::vector<Bf16> x_, want_;
 };
 
-// A tiny cluster on mutual TLS with the given member certificate files.
-void StartMtlsCluster(Fixture* f, const transport::TlsOptions& tls) {
-  const std::string& dir = CheckpointFor("tiny");
-  f->local = InProcessLayer(dir, &f->cfg);
-  LocalClusterOptions o = TestCluster(dir, {{0, 7}, {7, 16}});
-  o.tls = tls;
-  auto cluster = LocalCluster::Start(o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  f->cluster = std::move(*cluster);
-  f->layer = static_cast<int32_t>(f->cfg.first_moe_layer);
-  f->x = checkpoint::SyntheticHiddenStates(f->cfg, 3, 11);
-  auto want = f->local->Forward(f->x, 3, f->cfg.hidden);
-  ASSERT_TRUE(want.ok());
-  f->want = want->out;
-}
-
-// A Forward with these client TLS options (none: plaintext), 5 s deadline.
-absl::StatusOr<client::ForwardResult> ForwardWith(const Fixture& f,
-                                                  const transport::TlsOptions& tls) {
-  client::ClientOptions o = f.cluster->client_options();
-  o.tls = tls;
-  o.timeout = absl::Seconds(5);
-  auto c = client::MoeClient::Create(o);
-  if (!c.ok()) return c.status();
-  return (*c)->Forward(f.layer, f.x, 3, f.cfg.hidden);
-}
-
-TEST(ClusterTls, RefusesPlaintextCertificateLessAndWrongCaPeers) {
-  Fixture f;
-  f.pki = MakeTestPki(MakeTempDir("tls"));
-  ASSERT_FALSE(f.pki.empty());
+TEST_F(ClusterTls, RefusesPlaintextCertificateLessAndWrongCaPeers) {
+  ASSERT_NO_FATAL_FAILURE(MakePki("tls"));
   // Each process with its own identity (tests/common/make_test_pki.sh).
-  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "{name}")));
-  auto ok = ForwardWith(f, MemberTls(f.pki));
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_TRUE(SameBits(ok->out, f.want));
-
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(MemberTls(pki_, "{name}")));
+  ASSERT_NO_FATAL_FAILURE(ExpectMembersServedBitExact());
   transport::TlsOptions ca_only;  // server verified, no certificate of our own
-  ca_only.ca_file = f.pki + "/ca.pem";
-  transport::TlsOptions wrong_trust = MemberTls(f.pki, "member", "other-ca");
+  ca_only.ca_file = pki_ + "/ca.pem";
   const struct {
     const char* name;
     transport::TlsOptions tls;
   } refused[] = {
       {"plaintext", transport::TlsOptions{}},
       {"no client certificate", ca_only},
-      {"a certificate from another CA", MemberTls(f.pki, "rogue", "ca")},
-      {"a client that does not trust the cluster CA", wrong_trust},
+      {"a certificate from another CA", MemberTls(pki_, "rogue", "ca")},
+      {"a client that does not trust the cluster CA", MemberTls(pki_, "member", "other-ca")},
   };
   for (const auto& r : refused) {
     SCOPED_TRACE(r.name);
     const absl::Time start = absl::Now();
-    auto got = ForwardWith(f, r.tls);
+    auto got = ForwardWith(r.tls);
     ASSERT_FALSE(got.ok());
     EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
     EXPECT_LT(absl::Now() - start, absl::Seconds(6)) << "a refused handshake must not hang";
   }
-
   // A rogue expert server with a certificate from another CA cannot even reach the router.
-  auto rogue_creds = transport::MakeChannelCredentials(MemberTls(f.pki, "rogue", "ca"));
-  ASSERT_TRUE(rogue_creds.ok());
-  auto router = v1::RouterService::NewStub(transport::MakeChannel(
-      f.cluster->router_endpoint(), transport::kDefaultMaxMessageBytes, *rogue_creds));
-  v1::RegisterExpertServerRequest reg;
-  reg.set_shard("a-rogue");
-  reg.set_endpoint("127.0.0.1:1");
-  auto* range = reg.add_ranges();
-  range->set_layer(f.layer);
-  range->set_expert_lo(0);
-  range->set_expert_hi(static_cast<int32_t>(f.cfg.num_experts));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  v1::RegisterExpertServerResponse resp;
-  EXPECT_EQ(router->RegisterExpertServer(&ctx, reg, &resp).error_code(),
+  EXPECT_EQ(RegisterAs("rogue", "a-rogue", 0, static_cast<int>(cfg().num_experts)).error_code(),
             grpc::StatusCode::UNAVAILABLE);
-
-  // The exec probe of a TLS deployment (kubelet's gRPC probe speaks plaintext only).
-  const transport::TlsOptions m = MemberTls(f.pki);
-  const std::string probe = absl::StrCat(
-      MOE_BIN_DIR,
-      "/moe-cli health --service=moe.liveness --endpoint=", f.cluster->attention_endpoint());
-  EXPECT_THAT(
-      RunShell(absl::StrCat(probe, " --tls_ca_file=", m.ca_file, " --tls_cert_file=", m.cert_file,
-                            " --tls_key_file=", m.key_file, " 2>&1; echo rc=$?")),
-      ::testing::HasSubstr("SERVING\nrc=0"));
-  EXPECT_THAT(RunShell(probe + " 2>&1; echo rc=$?"), ::testing::HasSubstr("rc=1"));
-
+  ExpectExecProbeNeedsACertificate();
   // Everything still serves members, with the same bits (the placement did not change).
-  auto again = ForwardWith(f, MemberTls(f.pki));
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_TRUE(SameBits(again->out, f.want));
+  ExpectMembersServedBitExact();
 }
 
 // A rotated certificate is served without a restart; a broken rotation (a key that does not
 // match its certificate) keeps the last good pair serving, and a good pair after it is taken.
-TEST(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
-  Fixture f;
-  f.pki = MakeTestPki(MakeTempDir("tls_rotate"));
-  ASSERT_FALSE(f.pki.empty());
+TEST_F(ClusterTls, RotatedCertificateIsServedWithoutARestart) {
+  ASSERT_NO_FATAL_FAILURE(MakePki("tls_rotate"));
   // Each process reads its own "live" files that the test rotates (as cert-manager rewrites
   // a pod's Secret): the same identity, a new certificate (CN moe-member -> moe-member-2).
-  const char* kProcesses[] = {"router-svc", "attention-svc", "shard-0", "shard-1", "client"};
-  for (const char* p : kProcesses) {
-    CopyFileAtomically(f.pki + "/" + p + ".pem", f.pki + "/live-" + p + ".pem");
-    CopyFileAtomically(f.pki + "/" + p + ".key", f.pki + "/live-" + p + ".key");
-  }
-  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "live-{name}")));
-  const transport::TlsOptions me = MemberTls(f.pki);
-  const std::string attention = f.cluster->attention_endpoint();
-  EXPECT_EQ(PresentedSubject(attention, me), "CN = moe-member");
-
-  for (const char* p : kProcesses) {
-    CopyFileAtomically(f.pki + "/" + p + "-2.key", f.pki + "/live-" + p + ".key");
-    CopyFileAtomically(f.pki + "/" + p + "-2.pem", f.pki + "/live-" + p + ".pem");
-  }
-  std::string subject;
-  for (int i = 0; i < 60 && subject != "CN = moe-member-2"; ++i) {  // refresh: 1 s
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    subject = PresentedSubject(attention, me);
-  }
-  EXPECT_EQ(subject, "CN = moe-member-2");
+  RotateLive(".pem", "");
+  RotateLive(".key", "");
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(MemberTls(pki_, "live-{name}")));
+  const std::string attention = cluster().attention_endpoint();
+  EXPECT_EQ(PresentedSubject(attention, MemberTls(pki_)), "CN = moe-member");
+  RotateLive(".key", "-2");
+  RotateLive(".pem", "-2");
+  EXPECT_EQ(AwaitSubject(attention, "CN = moe-member-2"), "CN = moe-member-2");
   // Each process takes its pair on its own refresh (a pair read half copied, the new key with
   // the old certificate, is refused and taken whole a refresh later).
-  subject.clear();
-  for (int i = 0; i < 60 && subject != "CN = moe-member-2"; ++i) {
-    subject = PresentedSubject(f.cluster->router_endpoint(), me);
-    if (subject != "CN = moe-member-2") std::this_thread::sleep_for(std::chrono::milliseconds(250));
-  }
-  EXPECT_EQ(subject, "CN = moe-member-2");
+  EXPECT_EQ(AwaitSubject(cluster().router_endpoint(), "CN = moe-member-2"), "CN = moe-member-2");
   // The rotated members still reach each other (attention -> shards over new connections).
-  auto got = ForwardWith(f, me);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_TRUE(SameBits(got->out, f.want));
+  ASSERT_NO_FATAL_FAILURE(ExpectMembersServedBitExact());
 
   // A broken rotation (each process's first certificate with its second key: they do not
   // match) is refused: the last good pair keeps serving new handshakes for 3 refreshes...
-  for (const char* p : kProcesses) {
-    CopyFileAtomically(f.pki + "/" + p + ".pem", f.pki + "/live-" + p + ".pem");
-  }
+  RotateLive(".pem", "");
   for (int i = 0; i < 12; ++i) {  // 3 s
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    ASSERT_EQ(PresentedSubject(attention, me), "CN = moe-member-2") << "after " << i;
+    ASSERT_EQ(PresentedSubject(attention, MemberTls(pki_)), "CN = moe-member-2") << "after " << i;
   }
-  EXPECT_EQ(PresentedSubject(f.cluster->router_endpoint(), me), "CN = moe-member-2");
-  auto during = ForwardWith(f, me);
-  ASSERT_TRUE(during.ok()) << during.status();
-  EXPECT_TRUE(SameBits(during->out, f.want));
+  EXPECT_EQ(PresentedSubject(cluster().router_endpoint(), MemberTls(pki_)), "CN = moe-member-2");
+  ASSERT_NO_FATAL_FAILURE(ExpectMembersServedBitExact());
   // ... and a good pair after it is taken as usual.
-  for (const char* p : kProcesses) {
-    CopyFileAtomically(f.pki + "/" + p + ".key", f.pki + "/live-" + p + ".key");
-  }
-  subject.clear();
-  for (int i = 0; i < 60 && subject != "CN = moe-member"; ++i) {  // refresh: 1 s
-    std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    subject = PresentedSubject(attention, me);
-  }
-  EXPECT_EQ(subject, "CN = moe-member");
-  auto after = ForwardWith(f, me);
-  ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_TRUE(SameBits(after->out, f.want));
+  RotateLive(".key", "");
+  EXPECT_EQ(AwaitSubject(attention, "CN = moe-member"), "CN = moe-member");
+  ExpectMembersServedBitExact();
 }
 
 // The member tokens are hex SHA-256 of "<secret>:expert:<shard>" for an expert and
@@ -290,44 +283,33 @@ TEST(TlsOptions, IncompleteOrUnsafeFilesAreClearErrors) {
 // only from the certificate naming that shard (spiffe://moe/expert/<shard>), ranges only from
 // the deployment's table, statistics only from attention identities, and a shard takes
 // Dispatch only from attention identities. The cluster token alone is not enough.
-TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
-  Fixture f;
-  f.pki = MakeTestPki(MakeTempDir("tls_identity"));
-  ASSERT_FALSE(f.pki.empty());
-  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(&f, MemberTls(f.pki, "{name}")));
+// What a shard's certificate gets when it dispatches to another shard.
+grpc::Status DispatchAs(const std::string& pki, const std::string& endpoint,
+                        const std::string& cert, const std::string& token) {
+  auto channel = transport::MakeChannel(endpoint, transport::kDefaultMaxMessageBytes,
+                                        *transport::MakeChannelCredentials(MemberTls(pki, cert)));
+  auto expert = v1::ExpertService::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  ctx.set_wait_for_ready(true);  // as in RegisterAs: a slow handshake is retried, not the answer
+  ctx.AddMetadata(transport::kClusterTokenMetadata, token);
+  auto stream = expert->Dispatch(&ctx);
+  stream->WritesDone();
+  v1::DispatchReply reply;
+  while (stream->Read(&reply)) {
+  }
+  return stream->Finish();
+}
+
+TEST_F(ClusterTls, AMemberCertificateActsOnlyAsItself) {
+  ASSERT_NO_FATAL_FAILURE(MakePki("tls_identity"));
+  ASSERT_NO_FATAL_FAILURE(StartMtlsCluster(MemberTls(pki_, "{name}")));
   // Every call below carries the member token of the shard it names: only the certificate is
   // wrong.
-  std::ifstream tf(f.cluster->work_dir() + "/cluster_token");
+  std::ifstream tf(cluster().work_dir() + "/cluster_token");
   std::string secret;
   tf >> secret;
-  const std::string attention_token = moe::testing::AttentionToken(*f.cluster);
-  auto call_as = [&](const std::string& cert) {
-    auto creds = transport::MakeChannelCredentials(MemberTls(f.pki, cert));
-    EXPECT_TRUE(creds.ok());
-    return transport::MakeChannel(f.cluster->router_endpoint(), transport::kDefaultMaxMessageBytes,
-                                  *creds);
-  };
-  auto reg = [&](const std::string& cert, const std::string& shard, int lo, int hi) {
-    auto router = v1::RouterService::NewStub(call_as(cert));
-    v1::RegisterExpertServerRequest r;
-    r.set_shard(shard);
-    r.set_endpoint("127.0.0.1:1");
-    auto* range = r.add_ranges();
-    range->set_layer(f.layer);
-    range->set_expert_lo(lo);
-    range->set_expert_hi(hi);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    // A TLS handshake slower than the channel's connect timeout (MakeChannel's 100 ms minimum
-    // reconnect backoff, which gRPC also takes as the minimum connect timeout) on a loaded
-    // machine is a transient failure: wait for the channel within the deadline instead of
-    // failing the call UNAVAILABLE, so what is asserted is the server's answer.
-    ctx.set_wait_for_ready(true);
-    ctx.AddMetadata(transport::kClusterTokenMetadata, transport::ExpertMemberToken(secret, shard));
-    v1::RegisterExpertServerResponse resp;
-    return router->RegisterExpertServer(&ctx, r, &resp);
-  };
-  const int E = static_cast<int>(f.cfg.num_experts);
+  const int E = static_cast<int>(cfg().num_experts);
   struct Case {
     const char* what;
     std::string cert, shard;
@@ -349,44 +331,29 @@ TEST(ClusterTls, AMemberCertificateActsOnlyAsItself) {
                 "needs the certificate of spiffe://moe/expert/shard-0"},
        }) {
     SCOPED_TRACE(c.what);
-    const grpc::Status s = reg(c.cert, c.shard, c.lo, c.hi);
+    const grpc::Status s =
+        RegisterAs(c.cert, c.shard, c.lo, c.hi, transport::ExpertMemberToken(secret, c.shard));
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
     EXPECT_THAT(s.error_message(), ::testing::HasSubstr(c.message));
   }
   // shard-0's own certificate and token from a second process while shard-0 lives: its lease
   // is never displaced (the same shard restarted registers once the old lease has died).
   for (int i = 0; i < 4; ++i) {
-    const grpc::Status s = reg("shard-0", "shard-0", 0, 7);
+    const grpc::Status s =
+        RegisterAs("shard-0", "shard-0", 0, 7, transport::ExpertMemberToken(secret, "shard-0"));
     EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
     EXPECT_THAT(s.error_message(), ::testing::HasSubstr("under a live lease"));
   }
-  // (The shards' own registrations, each under its certificate's name, made the placement the
-  // Forward below uses.)
-
   // A shard's certificate cannot dispatch to another shard (only attention identities can).
-  auto shard0 =
-      transport::MakeChannel(f.cluster->shard_endpoint(0), transport::kDefaultMaxMessageBytes,
-                             *transport::MakeChannelCredentials(MemberTls(f.pki, "shard-1")));
-  auto expert = v1::ExpertService::NewStub(shard0);
-  grpc::ClientContext dctx;
-  dctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  dctx.set_wait_for_ready(true);  // as above: a slow handshake is retried, not the answer
-  dctx.AddMetadata(transport::kClusterTokenMetadata, attention_token);
-  auto stream = expert->Dispatch(&dctx);
-  stream->WritesDone();
-  v1::DispatchReply reply;
-  while (stream->Read(&reply)) {
-  }
-  const grpc::Status ds = stream->Finish();
+  const grpc::Status ds = DispatchAs(pki_, cluster().shard_endpoint(0), "shard-1",
+                                     moe::testing::AttentionToken(cluster()));
   EXPECT_EQ(ds.error_code(), grpc::StatusCode::PERMISSION_DENIED) << ds.error_message();
   EXPECT_THAT(ds.error_message(), ::testing::HasSubstr("needs the certificate of "
                                                        "spiffe://moe/attention/<name>"));
-
-  // The cluster still serves bit-exact answers: the placement is the members' own.
+  // The cluster still serves bit-exact answers: the placement is the members' own (the shards'
+  // registrations, each under its certificate's name).
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  auto got = ForwardWith(f, MemberTls(f.pki));
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_TRUE(SameBits(got->out, f.want));
+  ExpectMembersServedBitExact();
 }
 
 }  // namespace
