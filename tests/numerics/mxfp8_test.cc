@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "services/numerics/precision.h"
 
 namespace moe::numerics {
 namespace {
@@ -120,6 +121,22 @@ TEST(Mxfp8, BlockScaleIsTheSmallestPowerOfTwoThatFitsAmaxUnder448) {
       EXPECT_LE(std::fabs(back[i] - v[i]), step / 2) << v[i];
     }
   }
+}
+
+// The precision modes are named once (precision_mode.h's names, precision.h's table): each
+// name parses to its mode and back; anything else is refused listing both.
+TEST(Precision, NamedParsedAndListedFromOneTable) {
+  for (Precision p : {Precision::kW4A16, Precision::kW4A8}) {
+    auto back = ParsePrecision(PrecisionName(p));
+    ASSERT_TRUE(back.ok()) << PrecisionName(p);
+    EXPECT_EQ(*back, p);
+    EXPECT_STREQ(kPrecisions.Name(p), PrecisionName(p));
+  }
+  EXPECT_EQ(kPrecisions.Choices(), "w4a16|w4a8");
+  auto bad = ParsePrecision("w4a4");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "precision 'w4a4' is not one of w4a16, w4a8");
 }
 
 }  // namespace

@@ -13,34 +13,18 @@
 #include "gtest/gtest.h"
 #include "services/common/random.h"
 #include "services/numerics/router.h"
+#include "tests/numerics/routing_scores.h"
 
 namespace moe::numerics {
 namespace {
 
+using testing::MakeHistogram;
+using testing::PowerLawOffsets;
+using testing::SkewedScores;
+
 // A margin s - alpha with alpha = s' + b is rounded twice in fp32, so the built-in tie of the
 // (k+1)-th expert (margin exactly -b_j) holds up to one fp32 ulp of values below 2.
 constexpr float kMarginRoundingTol = 0x1p-23f;
-
-// Sigmoid scores with per-expert logit offsets: offset > 0 makes an expert hot, very negative
-// makes it dead.
-std::vector<float> SkewedScores(int64_t m, int64_t n, const std::vector<float>& offsets,
-                                uint64_t seed) {
-  Rng rng(seed);
-  std::vector<float> s(static_cast<size_t>(m * n));
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      s[i * n + j] = 1.0f / (1.0f + std::exp(-(rng.Normal() + offsets[j])));
-    }
-  }
-  return s;
-}
-
-std::vector<float> PowerLawOffsets(int64_t n, float strength, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<float> o(static_cast<size_t>(n));
-  for (float& v : o) v = strength * static_cast<float>(std::pow(rng.Uniform(), 3.0));
-  return o;
-}
 
 TEST(TopK, MatchesAFullSortWithTheTieRule) {
   Rng rng(17);
@@ -250,190 +234,6 @@ TEST(QuantileBalancing, RevivesDeadExpertsInOneStepWhereTheSignRuleCannot) {
   // The sign rule with a typical gamma moves each bias by 1e-3 per step: still dead.
   const std::vector<float> signed_b = SignRuleStep(b, loads, 1e-3f);
   EXPECT_EQ(ComputeBalance(RouteLoads(s, m, n, signed_b, k)).dead, 10);
-}
-
-QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins, uint64_t window = 1,
-                          uint64_t version = 1) {
-  QbWindow w;
-  w.window_id = window;
-  w.bias_version = version;
-  w.layer = 3;
-  w.top_k = k;
-  w.bins = bins;
-  return *QbHistogram::Create(w, bias);
-}
-
-// A piece of a window counts in 16 bits and moves its counts to 32 bits every 65535 tokens: a
-// window of 200,000 tokens in one call (pieces past 65535 on any machine) counts exactly what the
-// same tokens in calls of 1000 do, with one bin holding every token (200,000 > 2^16) and with
-// 64 bins.
-TEST(QbHistogram, LargeWindowsCountPastSixteenBits) {
-  const int64_t m = 200000, n = 8, k = 2;
-  Rng rng(43);
-  std::vector<float> s(static_cast<size_t>(m * n));
-  for (float& v : s) v = static_cast<float>(rng.Uniform());
-  const std::vector<float> b(static_cast<size_t>(n), 0.0f);
-  for (int bins : {1, 64}) {
-    QbHistogram whole = MakeHistogram(b, k, bins), chunked = MakeHistogram(b, k, bins);
-    ASSERT_TRUE(whole.Accumulate(s, m).ok());
-    for (int64_t t0 = 0; t0 < m; t0 += 1000) {
-      ASSERT_TRUE(chunked.Accumulate(absl::MakeConstSpan(s.data() + t0 * n, 1000 * n), 1000).ok());
-    }
-    EXPECT_EQ(whole.tokens(), m);
-    EXPECT_EQ(whole.Serialize(), chunked.Serialize()) << bins << " bins";
-    if (bins == 1) {
-      for (int64_t j = 0; j < n; ++j) EXPECT_EQ(whole.counts()[j], static_cast<uint32_t>(m));
-    }
-  }
-}
-
-TEST(QbHistogram, RowsSumToTokensAndMergeIsExactForAnySharding) {
-  Rng rng(9);
-  const int64_t m = 3000, n = 96, k = 6;
-  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 2.0f, 1), 2);
-  std::vector<float> b(n);
-  for (float& v : b) v = 0.2f * rng.Normal();
-  QbHistogram pooled = MakeHistogram(b, k, 1000);
-  ASSERT_TRUE(pooled.Accumulate(s, m).ok());
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t row = 0;
-    for (int l = 0; l < 1000; ++l) row += pooled.counts()[j * 1000 + l];
-    ASSERT_EQ(row, m);
-  }
-  EXPECT_EQ(pooled.loads(), RouteLoads(s, m, n, b, k));
-  for (int trial = 0; trial < 5; ++trial) {
-    // Split the tokens at random cut points into 1..4 nodes, each accumulating in pieces.
-    std::vector<int64_t> cuts = {0, m};
-    const int nodes = 1 + trial % 4;
-    for (int c = 1; c < nodes; ++c) cuts.push_back(rng.Next() % m);
-    std::sort(cuts.begin(), cuts.end());
-    QbHistogram merged = MakeHistogram(b, k, 1000);
-    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-      QbHistogram node = MakeHistogram(b, k, 1000);
-      const int64_t lo = cuts[c], hi = cuts[c + 1], mid = lo + (hi - lo) / 2;
-      ASSERT_TRUE(
-          node.Accumulate(absl::MakeSpan(s).subspan(lo * n, (mid - lo) * n), mid - lo).ok());
-      ASSERT_TRUE(
-          node.Accumulate(absl::MakeSpan(s).subspan(mid * n, (hi - mid) * n), hi - mid).ok());
-      // Through the wire format, as attention nodes send it.
-      auto wire = QbHistogram::Deserialize(node.Serialize());
-      ASSERT_TRUE(wire.ok()) << wire.status();
-      ASSERT_TRUE(merged.Merge(*wire).ok());
-    }
-    EXPECT_EQ(merged.counts(), pooled.counts());
-    EXPECT_EQ(merged.loads(), pooled.loads());
-    EXPECT_EQ(merged.tokens(), m);
-    EXPECT_EQ(merged.Solve(), pooled.Solve());
-  }
-}
-
-TEST(QbHistogram, SolveIsWithinTwoBinWidthsOfExact) {
-  Rng rng(10);
-  for (int trial = 0; trial < 20; ++trial) {
-    const int64_t m = 500 + rng.Next() % 3000, n = 16 + rng.Next() % 200;
-    const int64_t k = 1 + rng.Next() % std::min<int64_t>(16, n - 1);
-    const std::vector<float> s =
-        SkewedScores(m, n, PowerLawOffsets(n, 2.5f, rng.Next()), rng.Next());
-    std::vector<float> b(n);
-    for (float& v : b) v = 0.3f * rng.Normal();
-    const int bins = trial % 2 ? 1000 : 100;
-    QbHistogram h = MakeHistogram(b, k, bins);
-    ASSERT_TRUE(h.Accumulate(s, m).ok());
-    const std::vector<float> hist = h.Solve();
-    auto exact = QbExactStep(s, m, n, b, k);
-    ASSERT_TRUE(exact.ok());
-    for (int64_t j = 0; j < n; ++j) {
-      ASSERT_LE(std::fabs(hist[j] - exact->bias[j]), 2 * h.bin_width())
-          << "trial " << trial << " expert " << j << " bins " << bins;
-    }
-  }
-}
-
-TEST(QbHistogram, PredictedLoadsMatchMeasuredAtTheRoutingBiasAndEvenOutAtTheSolvedOne) {
-  const int64_t m = 4096, n = 128, k = 8;
-  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 3.0f, 3), 4);
-  std::vector<float> b(n, 0.0f);
-  QbHistogram h = MakeHistogram(b, k, 1000);
-  ASSERT_TRUE(h.Accumulate(s, m).ok());
-  const double q = static_cast<double>(m) * k / n;
-  // At the routing bias: the measured loads, up to the mass of one bin per expert.
-  const std::vector<double> at_routing = h.PredictLoads(b);
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    sum += at_routing[j];
-    int64_t bin_max = 0;
-    for (int64_t l = 0; l < 1000; ++l)
-      bin_max = std::max<int64_t>(bin_max, h.counts()[j * 1000 + l]);
-    EXPECT_NEAR(at_routing[j], static_cast<double>(h.loads()[j]), bin_max + 1.0) << "expert " << j;
-  }
-  EXPECT_NEAR(sum, static_cast<double>(m * k), 1e-6 * m * k);
-  // The skewed window is far from even; the solved bias predicts every load within 2% of q.
-  EXPECT_GT(ComputeBalance(h.loads()).max_vio, 1.0);
-  const std::vector<double> after = h.PredictLoads(h.Solve());
-  for (int64_t j = 0; j < n; ++j) EXPECT_NEAR(after[j], q, 0.02 * q) << "expert " << j;
-  // Wrong size: all zero.
-  EXPECT_EQ(h.PredictLoads(std::vector<float>(3, 0.0f)), std::vector<double>(n, 0.0));
-}
-
-TEST(QbHistogram, RejectsMismatchedStatistics) {
-  const std::vector<float> b(8, 0.0f);
-  QbHistogram h = MakeHistogram(b, 2, 100, /*window=*/5, /*version=*/2);
-  auto expect_reject = [&](const QbHistogram& other, const char* word) {
-    const absl::Status st = h.Merge(other);
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_NE(std::string(st.message()).find(word), std::string::npos) << st;
-  };
-  expect_reject(MakeHistogram(b, 2, 100, 6, 2), "window 6");
-  expect_reject(MakeHistogram(b, 2, 100, 5, 3), "bias version 3");
-  expect_reject(MakeHistogram(b, 2, 50, 5, 2), "bins 50");
-  std::vector<float> shifted(8, 0.0f);
-  shifted[0] = 0.5f;  // another routing bias: another range
-  expect_reject(MakeHistogram(shifted, 2, 100, 5, 2), "range");
-  EXPECT_TRUE(h.Merge(MakeHistogram(b, 2, 100, 5, 2)).ok());
-}
-
-TEST(QbHistogram, SerializedFormRoundTripsAndRejectsCorruption) {
-  const int64_t m = 200, n = 32, k = 4;
-  const std::vector<float> s = SkewedScores(m, n, PowerLawOffsets(n, 2.0f, 3), 4);
-  QbHistogram h = MakeHistogram(std::vector<float>(n, 0.01f), k, 100);
-  ASSERT_TRUE(h.Accumulate(s, m).ok());
-  const std::string wire = h.Serialize();
-  auto back = QbHistogram::Deserialize(wire);
-  ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->counts(), h.counts());
-  EXPECT_EQ(back->loads(), h.loads());
-  EXPECT_EQ(back->window().layer, 3);
-  EXPECT_EQ(back->Solve(), h.Solve());
-  for (size_t len = 0; len < wire.size(); len += 7) {
-    EXPECT_FALSE(QbHistogram::Deserialize(wire.substr(0, len)).ok()) << len;
-  }
-  Rng rng(5);
-  int rejected = 0;
-  for (int trial = 0; trial < 500; ++trial) {
-    std::string bad = wire;
-    bad[rng.Next() % bad.size()] ^= static_cast<char>(1 + rng.Next() % 255);
-    rejected += !QbHistogram::Deserialize(bad).ok();  // must not crash either way
-  }
-  EXPECT_GT(rejected, 400);  // the row-sum and load-sum checks catch most flips
-
-  // A header that claims n x bins = 2^28 counts (1 GiB) with a few KB behind it is refused
-  // before anything that size is allocated (found by tests/fuzz/qb_histogram_fuzz.cc).
-  std::string claim = wire.substr(0, 4 + 8 + 8 + 4);
-  const uint32_t big_n = 1u << 14, big_bins = 1u << 14, top_k = 4;
-  for (uint32_t v : {big_n, top_k, big_bins}) claim.append(reinterpret_cast<const char*>(&v), 4);
-  claim.append(std::string(4 * big_n + 64, '\0'));
-  auto refused = QbHistogram::Deserialize(claim);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("need at least"), std::string::npos)
-      << refused.status();
-
-  // A histogram whose routing bias is 2.1e37 (finite) had bins of width 0 and sent
-  // PredictLoads into NaN indices (found by the fuzzer): such a bias is refused.
-  const std::vector<float> huge = {2.1e37f, 2.1e37f};
-  auto no = QbHistogram::Create(QbWindow{1, 0, 1, 1, 2}, huge);
-  ASSERT_FALSE(no.ok());
-  EXPECT_NE(no.status().message().find("|bias| must be at most"), std::string::npos) << no.status();
-  EXPECT_TRUE(QbHistogram::Create(QbWindow{1, 0, 1, 1, 2}, std::vector<float>{-5.0f, 7.0f}).ok());
 }
 
 TEST(QuantileBalancing, EdgeCases) {

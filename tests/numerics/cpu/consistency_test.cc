@@ -27,6 +27,8 @@
 #include "services/numerics/shared_expert.h"
 #include "services/numerics/situ.h"
 #include "services/numerics/tolerance.h"
+#include "tests/numerics/cpu/kernel_operands.h"
+#include "tests/numerics/cpu/layer_check.h"
 
 namespace moe::numerics::cpu {
 
@@ -37,16 +39,16 @@ void PrintTo(Isa isa, std::ostream* os) { *os << IsaName(isa); }
 namespace {
 
 using tensor::Bf16;
+using testing::AllIsas;
+using testing::CheckLayerOn;
+using testing::CpuHas;
+using testing::RandomBf16;
+using testing::RandomBf16Values;
+using testing::RandomMxfp4;
 
 // The named tolerances (kMxfp4SumRelBound, kSituTolerance, kExpertFfnTolerance,
 // kLayerTolerance) and the comparison (UlpStats) are services/numerics/tolerance.h, shared with
 // expert-svc's production check.
-
-// Every ISA the kernels have; those this CPU lacks are instantiated too and skip by name.
-std::vector<Isa> AllIsas() {
-  return {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAvx512Amx};
-}
-bool CpuHas(Isa isa) { return static_cast<int>(isa) <= static_cast<int>(DetectIsa()); }
 
 class Consistency : public ::testing::TestWithParam<Isa> {
  protected:
@@ -58,13 +60,6 @@ class Consistency : public ::testing::TestWithParam<Isa> {
   }
   const KernelTable& k() const { return KernelsFor(GetParam()); }
 };
-
-std::vector<Bf16> RandomBf16(int64_t n, float scale, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<Bf16> v(static_cast<size_t>(n));
-  for (Bf16& b : v) b = Bf16::FromFloat(scale * rng.Normal());
-  return v;
-}
 
 TEST_P(Consistency, PackedLinearIsBitExact) {
   ThreadPool pool(2);
@@ -95,46 +90,6 @@ TEST_P(Consistency, PackedLinearIsBitExact) {
       }
     }
   }
-}
-
-// A random MXFP4 matrix [rows, cols] (weights ~ N(0, 0.05^2)), quantized by the reference.
-struct RandomMxfp4 {
-  RandomMxfp4(int64_t rows, int64_t cols, Rng& rng)
-      : cols(cols), packed(rows * cols / 2), scales(rows * cols / 32) {
-    std::vector<float> wv(rows * cols);
-    for (float& v : wv) v = rng.Normal() * 0.05f;
-    for (int64_t r = 0; r < rows; ++r) {
-      QuantizeMxfp4Row(wv.data() + r * cols, cols, packed.data() + r * cols / 2,
-                       scales.data() + r * cols / 32);
-    }
-  }
-  // Asserts out[t * ld_out + (r - r0)] equals row r . x[t] (x: [tokens, cols]) within the fp32
-  // summation bound of any order, for rows [r0, r1).
-  void ExpectRows(int64_t r0, int64_t r1, const std::vector<float>& x, int64_t tokens,
-                  const std::vector<float>& out, int64_t ld_out) const {
-    std::vector<float> row(cols);
-    for (int64_t r = r0; r < r1; ++r) {
-      DequantizeMxfp4Row(packed.data() + r * cols / 2, scales.data() + r * cols / 32, cols,
-                         row.data());
-      for (int64_t t = 0; t < tokens; ++t) {
-        double exact = 0, abs_sum = 0;
-        for (int64_t i = 0; i < cols; ++i) {
-          exact += double(row[i]) * x[t * cols + i];
-          abs_sum += std::fabs(double(row[i]) * x[t * cols + i]);
-        }
-        ASSERT_NEAR(out[t * ld_out + (r - r0)], exact, cols * kMxfp4SumRelBound * abs_sum)
-            << "cols " << cols << " row " << r << " token " << t;
-      }
-    }
-  }
-  int64_t cols;
-  std::vector<uint8_t> packed, scales;
-};
-
-std::vector<float> RandomBf16Values(int64_t n, Rng& rng) {
-  std::vector<float> x(n);
-  for (float& v : x) v = tensor::RoundBf16(rng.Normal());
-  return x;
 }
 
 TEST_P(Consistency, Mxfp4RowsWithinTheSummationBound) {
@@ -303,73 +258,6 @@ TEST_P(Consistency, ExpertFfnW4A8MatchesReference) {
   }
 }
 
-// budget < k: dynamic k with thresholds solved exactly from another batch of the same layer
-// (dynamic_k.h); 0: every token keeps k.
-void CheckLayerOn(const KernelTable& kernels, const std::string& label, const char* preset,
-                  int64_t tokens, uint64_t seed, Precision precision = Precision::kW4A16,
-                  int64_t budget = 0) {
-  const ModelConfig cfg = *PresetConfig(preset);
-  checkpoint::SyntheticOptions opt;
-  opt.router_skew = 1.0;
-  opt.seed = seed;
-  MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, opt);
-  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, seed + 4);
-  std::vector<float> table;
-  BudgetRule rule;
-  if (budget > 0) {
-    const int64_t m = 512, e = cfg.num_experts;
-    const std::vector<Bf16> calib = checkpoint::SyntheticHiddenStates(cfg, m, seed + 40);
-    std::vector<float> scores(static_cast<size_t>(m * e));
-    ref::RouterScores(calib.data(), m, cfg.hidden, w.gate.data(), e, scores.data());
-    table = *ExactBudgetThresholds(scores, m, e, w.bias, cfg.top_k, /*k_min=*/1);
-    rule.thresholds = BudgetRow(table, budget, e);
-  }
-  const BudgetRule* r = budget > 0 ? &rule : nullptr;
-  // The scalar reference once per case (several tables are checked against the same one).
-  static std::map<std::tuple<std::string, int64_t, uint64_t, int, int64_t>, LayerOutput> refs;
-  const auto key =
-      std::make_tuple(std::string(preset), tokens, seed, static_cast<int>(precision), budget);
-  if (refs.count(key) == 0) {
-    auto ref = ref::MoeLayerForward(cfg, w, x, tokens, cfg.hidden, nullptr, nullptr, precision, r);
-    ASSERT_TRUE(ref.ok());
-    refs[key] = std::move(*ref);
-  }
-  const LayerOutput* want = &refs[key];
-  CpuLayerOptions o;
-  o.kernels = &kernels;
-  o.threads = 2;
-  auto layer = CpuMoeLayer::Create(cfg, std::move(w), o);
-  ASSERT_TRUE(layer.ok()) << layer.status();
-  auto got = (*layer)->Forward(x, tokens, cfg.hidden, nullptr, nullptr, precision, r);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->routing.expert_ids, want->routing.expert_ids);
-  EXPECT_EQ(got->routing.weights, want->routing.weights);
-  if (budget > 0) {  // the budget bites: about budget experts per token, not k
-    int64_t kept = 0;
-    for (int32_t id : got->routing.expert_ids) kept += id >= 0;
-    const double per_token = static_cast<double>(kept) / tokens;
-    std::printf("[ %s ] %s budget %lld of %lld: %.2f experts per token\n", label.c_str(), preset,
-                static_cast<long long>(budget), static_cast<long long>(cfg.top_k), per_token);
-    EXPECT_GT(per_token, budget * 0.7);
-    EXPECT_LT(per_token, budget * 1.3);
-  }
-  // The shared experts' part of the output, for the row scale.
-  const MoeLayerWeights sw = checkpoint::SyntheticLayer(cfg, 1, opt);
-  std::vector<Bf16> sh(static_cast<size_t>(tokens * cfg.hidden));
-  ref::SharedExpert(x.data(), tokens, cfg.hidden, sw.shared_gate.data(), sw.shared_up.data(),
-                    sw.shared_down.data(), cfg.shared_intermediate(), cfg.situ_beta,
-                    cfg.situ_linear_beta, sh.data());
-  UlpStats stats;
-  stats.AddRows(got->out.data(), want->out.data(), tokens, cfg.hidden, sh.data());
-  std::printf("[ %s ] %s layer %s, %lld tokens, seed %llu: %s\n", label.c_str(), preset,
-              PrecisionName(precision), static_cast<long long>(tokens),
-              static_cast<unsigned long long>(seed), stats.Str().c_str());
-  EXPECT_LE(double(stats.over1) / stats.total, kLayerTolerance.over1_fraction) << stats.Str();
-  EXPECT_LE(double(stats.differing) / stats.total, kLayerTolerance.differing_fraction)
-      << stats.Str();
-  EXPECT_LE(stats.max_row_ulps, kLayerTolerance.max_row_ulps) << stats.Str();
-}
-
 // The set's own table: its panel kernel from kPrefillTokens tokens per expert.
 void CheckLayer(Isa isa, const char* preset, int64_t tokens, uint64_t seed,
                 Precision precision = Precision::kW4A16, int64_t budget = 0) {
@@ -452,104 +340,6 @@ TEST_P(Consistency, BadInputIsRejected) {
   partial.expert_hi = 4;
   partial.experts.resize(4);
   EXPECT_FALSE(CpuMoeLayer::Create(cfg, std::move(partial), {}).ok());
-}
-
-// The prefill kernel (token-major activations: fp32 panels, bf16 pair panels on AVX512-BF16, or
-// bf16 tiles on AMX) where the ISA has one, on row and column counts that are no multiple of a
-// tile (29 rows from row 5; 37 tokens; 1216 columns: more than one block of each panel, the last
-// one partial). A plain test over the ISAs that have one (no skipped instances in the ctest
-// summary).
-//
-// 411 tokens (ld_t 432) run the kernels' token passes (192 at a time: two whole, one partial);
-// the tokens past 411 rounded up to 16 hold NaN, which no kernel may read.
-void CheckPanelRows(const KernelTable& k) {
-  Rng rng(17);
-  for (int64_t cols : {64, 448, 640, 1216, -448, 1088}) {
-    // -448: 448 columns with block scales far from trained ones (2^-97): the pair panels' fp32
-    // path.
-    const bool tiny_scales = cols < 0;
-    cols = tiny_scales ? -cols : cols;
-    const bool many = cols == 1088;
-    const int64_t rows = 29, tokens = many ? 411 : 37, ld_t = many ? 432 : 48,
-                  slots = TokenMajorSlots(k, cols);
-    RandomMxfp4 w(rows, cols, rng);
-    if (tiny_scales) {
-      for (uint8_t& s : w.scales) s = 30;
-    }
-    const std::vector<float> x = RandomBf16Values(tokens * cols, rng);
-    std::vector<float> xt(slots * ld_t, 0.0f);  // token-major, in the table's slot order
-    for (int64_t slot = 0; slot < slots; ++slot) {
-      for (int64_t t = (tokens + 15) / 16 * 16; t < ld_t; ++t) xt[slot * ld_t + t] = std::nanf("");
-    }
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t i = 0; i < cols; ++i) StoreTokenMajor(k, xt.data(), ld_t, i, t, x[t * cols + i]);
-    }
-    const int64_t r0 = 5, r1 = rows;
-    std::vector<float> out(tokens * (r1 - r0), -1.0f);
-    k.mxfp4_rows_tm(w.packed.data(), w.scales.data(), cols, r0, r1, xt.data(), ld_t, tokens,
-                    out.data(), r1 - r0);
-    w.ExpectRows(r0, r1, x, tokens, out, r1 - r0);
-  }
-}
-
-TEST(PrefillKernel, Mxfp4PanelRowsWithinTheSummationBound) {
-  int tested = 0;
-  for (Isa isa : AllIsas()) {
-    if (!CpuHas(isa)) {
-      std::printf("[ %s ] not on this CPU: its prefill kernel was not run\n", IsaName(isa));
-      continue;
-    }
-    const KernelTable& k = KernelsFor(isa);
-    if (k.mxfp4_rows_tm == nullptr) continue;
-    SCOPED_TRACE(IsaName(isa));
-    CheckPanelRows(k);
-    ++tested;
-  }
-  if (tested == 0) GTEST_SKIP() << "no ISA with a prefill kernel on this CPU";
-}
-
-// What a measured choice runs (kernel_choice.h): one set's row kernels with another set's panel
-// kernel, switching at any token count. Every pair of two sets this CPU has (one set's own
-// pairing is the Consistency suite's), through the whole layer, within the layer tolerance, on
-// both paths (the switch at 4 tokens puts the hot experts of 96 tokens on the panel kernel and
-// the cold ones on the rows).
-TEST(ComposedKernels, EveryPairOfSetsMatchesReference) {
-  int tested = 0;
-  // Distinct kernels only (AVX512-BF16 and AMX share their row kernels).
-  std::set<std::pair<const void*, const void*>> seen;
-  for (Isa isa : kSimdIsas) {  // each set's own table: the Consistency suite's
-    seen.insert({reinterpret_cast<const void*>(KernelsFor(isa).mxfp4_rows),
-                 reinterpret_cast<const void*>(KernelsFor(isa).mxfp4_rows_tm)});
-  }
-  for (Isa decode : kSimdIsas) {
-    for (Isa prefill : kSimdIsas) {
-      if (!CpuHas(decode) || !CpuHas(prefill)) continue;
-      const auto rows = reinterpret_cast<const void*>(KernelsFor(decode).mxfp4_rows);
-      const auto panel = reinterpret_cast<const void*>(KernelsFor(prefill).mxfp4_rows_tm);
-      if (!seen.insert({rows, panel}).second) continue;  // these kernels already ran
-      const KernelTable k = ComposeKernels(decode, prefill, 4);
-      ASSERT_EQ(k.mxfp4_rows, KernelsFor(decode).mxfp4_rows);
-      ASSERT_EQ(k.mxfp4_rows_tm, KernelsFor(prefill).mxfp4_rows_tm);
-      ASSERT_EQ(k.panel_from, 4);
-      const std::string label = KernelsName(k);
-      CheckLayerOn(k, label, "mid", 96, 5);
-      CheckLayerOn(k, label, "mid", 64, 6, Precision::kW4A8);
-      ++tested;
-    }
-  }
-  if (tested == 0) {
-    GTEST_SKIP() << "fewer than two SIMD kernel sets on this CPU (" << IsaName(DetectIsa()) << ")";
-  }
-  std::printf("%d pairs of kernel sets run\n", tested);
-}
-
-// A table whose switch is never reached runs the rows at every size, and agrees too.
-TEST(ComposedKernels, NoPanelRunsRowsEverywhere) {
-  const Isa best = DetectIsa();
-  if (best == Isa::kScalar) GTEST_SKIP() << "scalar only: no panel kernel to leave out";
-  const KernelTable k = ComposeKernels(best, best, kNoPanel);
-  EXPECT_EQ(KernelsName(k), IsaName(best));
-  CheckLayerOn(k, std::string(IsaName(best)) + " rows only", "mid", 160, 7);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, Consistency, ::testing::ValuesIn(AllIsas()),

@@ -261,149 +261,156 @@ TEST(KernelChoice, AProbeThatDisagreesWithItselfIsNamed) {
   EXPECT_EQ(ProbeDisagreement(t, kProbeSpreadBound), "");
 }
 
-// ChooseKernels over a file in each state: what it runs, what it leaves on disk.
-TEST(KernelChoice, CacheIsReadReplacedOrKept) {
-  if (DetectIsa() == Isa::kScalar) GTEST_SKIP() << "scalar only: nothing is chosen or cached";
-  auto choose = [](const std::string& dir) -> const KernelChoice& {
+// ChooseKernels over a file in each state: what it runs, what it leaves on disk. (Each test
+// runs in a process of its own under ctest; each uses directories of its own.)
+class KernelChoiceCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (DetectIsa() == Isa::kScalar) GTEST_SKIP() << "scalar only: nothing is chosen or cached";
+  }
+  static const KernelChoice& Choose(const std::string& dir) {
     KernelChoiceOptions o;
     o.sets = KernelSets{};
     o.latent = kLatent;
     o.intermediate = kInter;
     o.cache_dir = dir;
     return ChooseKernels(o);
-  };
-  // Empty directory (created, nested): measured and written.
+  }
+  static std::string PathIn(const std::string& dir) {
+    return KernelChoicePath(dir, KernelSets{}, kLatent, kInter);
+  }
+  // A directory of this test holding `text` as its choice file.
+  static std::string DirWith(const std::string& tag, const std::string& text) {
+    const std::string dir = TempDir(tag);
+    mkdir(dir.c_str(), 0755);
+    WriteAll(PathIn(dir), text);
+    return dir;
+  }
+  // A choice no measurement would make: decode avx2, prefill the best set, panel from 7.
+  static KernelChoice Hand() {
+    KernelChoice hand = DecideKernels(KernelSets{}, {});
+    hand.decode = Isa::kAvx2;
+    hand.prefill = DetectIsa();
+    hand.panel_from = 7;
+    return hand;
+  }
+};
+
+// Empty directory (created, nested): measured and written; the same process asking again gets
+// the same object, no second measurement.
+TEST_F(KernelChoiceCache, AnEmptyDirectoryIsMeasuredAndWritten) {
   const std::string fresh = TempDir("fresh") + "/a/b";
-  const KernelChoice& first = choose(fresh);
+  const KernelChoice& first = Choose(fresh);
   EXPECT_EQ(first.source, "measured");
   EXPECT_TRUE(first.note.empty()) << first.note;
-  const std::string path = KernelChoicePath(fresh, KernelSets{}, kLatent, kInter);
-  EXPECT_EQ(first.path, path);
-  auto on_disk = ParseKernelChoice(ReadAll(path), KernelSets{}, kLatent, kInter);
+  EXPECT_EQ(first.path, PathIn(fresh));
+  auto on_disk = ParseKernelChoice(ReadAll(PathIn(fresh)), KernelSets{}, kLatent, kInter);
   ASSERT_TRUE(on_disk.ok()) << on_disk.status();
   EXPECT_EQ(on_disk->decode, first.decode);
   EXPECT_EQ(on_disk->panel_from, first.panel_from);
-  // The same process asks again: the same object, no second measurement.
-  EXPECT_EQ(&choose(fresh), &first);
+  EXPECT_EQ(&Choose(fresh), &first);
+}
 
-  // A cached file (written by hand: a choice no measurement would make) is read, not measured.
-  const Isa best = DetectIsa();
-  KernelChoice hand = DecideKernels(KernelSets{}, {});
-  hand.decode = Isa::kAvx2;
-  hand.prefill = best;
-  hand.panel_from = 7;
-  const std::string cached = TempDir("cached");
-  mkdir(cached.c_str(), 0755);
-  WriteAll(KernelChoicePath(cached, KernelSets{}, kLatent, kInter),
-           FormatKernelChoice(hand, kLatent, kInter, false));
-  const KernelChoice& read = choose(cached);
+// A cached file (written by hand: a choice no measurement would make) is read, not measured.
+TEST_F(KernelChoiceCache, ACachedFileIsReadNotMeasured) {
+  const KernelChoice& read =
+      Choose(DirWith("cached", FormatKernelChoice(Hand(), kLatent, kInter, false)));
   EXPECT_EQ(read.source, "cache");
   EXPECT_EQ(read.decode, Isa::kAvx2);
-  EXPECT_EQ(read.prefill, best);
+  EXPECT_EQ(read.prefill, DetectIsa());
   EXPECT_EQ(read.table.panel_from, 7);
   EXPECT_EQ(read.table.mxfp4_rows, KernelsFor(Isa::kAvx2).mxfp4_rows);
   EXPECT_EQ(read.seconds, 0);
+}
 
-  // A malformed file is measured again and replaced by a valid one; the note says why.
-  const std::string bad = TempDir("bad");
-  mkdir(bad.c_str(), 0755);
-  const std::string bad_path = KernelChoicePath(bad, KernelSets{}, kLatent, kInter);
-  WriteAll(bad_path, "decode = avx1024\n");
-  const KernelChoice& redone = choose(bad);
+// A malformed file is measured again and replaced by a valid one; the note says why. A pinned
+// file that cannot be used (a key this build does not know) is kept as it is.
+TEST_F(KernelChoiceCache, AMalformedFileIsReplacedAndAnUnusablePinnedOneKept) {
+  const std::string bad = DirWith("bad", "decode = avx1024\n");
+  const KernelChoice& redone = Choose(bad);
   EXPECT_EQ(redone.source, "measured");
   EXPECT_NE(redone.note.find("replaced a file"), std::string::npos) << redone.note;
-  EXPECT_TRUE(ParseKernelChoice(ReadAll(bad_path), KernelSets{}, kLatent, kInter).ok());
-
-  // A pinned file that cannot be used (a key this build does not know) is kept as it is.
-  const std::string kept = TempDir("kept");
-  mkdir(kept.c_str(), 0755);
-  const std::string kept_path = KernelChoicePath(kept, KernelSets{}, kLatent, kInter);
+  EXPECT_TRUE(ParseKernelChoice(ReadAll(PathIn(bad)), KernelSets{}, kLatent, kInter).ok());
   const std::string pinned_text =
-      FormatKernelChoice(hand, kLatent, kInter, /*pinned=*/true) + "future_key = 1\n";
-  WriteAll(kept_path, pinned_text);
-  const KernelChoice& around = choose(kept);
+      FormatKernelChoice(Hand(), kLatent, kInter, /*pinned=*/true) + "future_key = 1\n";
+  const std::string kept = DirWith("kept", pinned_text);
+  const KernelChoice& around = Choose(kept);
   EXPECT_EQ(around.source, "measured");
   EXPECT_NE(around.note.find("pinned file not usable, kept"), std::string::npos) << around.note;
-  EXPECT_EQ(ReadAll(kept_path), pinned_text);
+  EXPECT_EQ(ReadAll(PathIn(kept)), pinned_text);
+}
 
-  // The file is a symlink to someone else's file: not followed, not written through.
+// The file is a symlink to someone else's file: not followed, not written through. A file
+// larger than 1 MiB: refused before parsing.
+TEST_F(KernelChoiceCache, ASymlinkIsNotFollowedAndAHugeFileNotParsed) {
   const std::string link = TempDir("link");
   mkdir(link.c_str(), 0755);
   const std::string victim = link + "/victim";
   WriteAll(victim, "precious\n");
-  ASSERT_EQ(symlink(victim.c_str(), KernelChoicePath(link, KernelSets{}, kLatent, kInter).c_str()),
-            0);
-  const KernelChoice& linked = choose(link);
+  ASSERT_EQ(symlink(victim.c_str(), PathIn(link).c_str()), 0);
+  const KernelChoice& linked = Choose(link);
   EXPECT_EQ(linked.source, "measured");
   EXPECT_EQ(ReadAll(victim), "precious\n");
-
-  // Larger than 1 MiB: refused before parsing.
-  const std::string big = TempDir("big");
-  mkdir(big.c_str(), 0755);
-  WriteAll(KernelChoicePath(big, KernelSets{}, kLatent, kInter), std::string(2 << 20, '#'));
-  const KernelChoice& huge = choose(big);
+  const KernelChoice& huge = Choose(DirWith("big", std::string(2 << 20, '#')));
   EXPECT_EQ(huge.source, "measured");
   EXPECT_NE(huge.note.find("larger than 1 MiB"), std::string::npos) << huge.note;
+}
 
-  // An unsteady choice is used by processes that start within the hour of it (every process of
-  // one start runs the same kernels), and measured again after.
-  const std::string recent = TempDir("unsteady_recent");
-  mkdir(recent.c_str(), 0755);
-  KernelChoice noisy = hand;
+// An unsteady choice is used by processes that start within the hour of it (every process of
+// one start runs the same kernels), and measured again after.
+TEST_F(KernelChoiceCache, AnUnsteadyChoiceIsUsedWithinTheHourAndMeasuredAfter) {
+  KernelChoice noisy = Hand();
   noisy.steady = false;
   noisy.unsteady = "avx2 rows at 8 tokens per expert: under half of both neighbours";
   noisy.measured_at = static_cast<int64_t>(std::time(nullptr)) - 60;
-  WriteAll(KernelChoicePath(recent, KernelSets{}, kLatent, kInter),
-           FormatKernelChoice(noisy, kLatent, kInter, false));
-  const KernelChoice& kept_noisy = choose(recent);
+  const KernelChoice& kept_noisy =
+      Choose(DirWith("unsteady_recent", FormatKernelChoice(noisy, kLatent, kInter, false)));
   EXPECT_EQ(kept_noisy.source, "cache");
   EXPECT_FALSE(kept_noisy.steady);
   EXPECT_EQ(kept_noisy.decode, Isa::kAvx2);
-  const std::string stale = TempDir("unsteady_stale");
-  mkdir(stale.c_str(), 0755);
   noisy.measured_at -= 2 * kUnsteadyKeepSeconds;
-  WriteAll(KernelChoicePath(stale, KernelSets{}, kLatent, kInter),
-           FormatKernelChoice(noisy, kLatent, kInter, false));
-  const KernelChoice& remeasured = choose(stale);
+  const KernelChoice& remeasured =
+      Choose(DirWith("unsteady_stale", FormatKernelChoice(noisy, kLatent, kInter, false)));
   EXPECT_EQ(remeasured.source, "measured");
   EXPECT_NE(remeasured.note.find("an unsteady measurement of"), std::string::npos)
       << remeasured.note;
+}
 
-  // A machine too noisy for the bound (0: every probe spreads more): measured max_attempts
-  // times, used, and written marked unsteady with its machine state.
-  {
-    const std::string dir = TempDir("never_steady");
-    KernelChoiceOptions o;
-    o.sets = KernelSets{};
-    o.latent = kLatent;
-    o.intermediate = kInter;
-    o.cache_dir = dir;
-    o.spread_bound = 0;
-    o.max_attempts = 2;
-    const KernelChoice& c = ChooseKernels(o);
-    EXPECT_EQ(c.source, "measured");
-    EXPECT_FALSE(c.steady);
-    EXPECT_EQ(c.attempts, 2);
-    EXPECT_NE(c.unsteady.find("repetitions spread"), std::string::npos) << c.unsteady;
-    EXPECT_NE(c.Summary().find("unsteady after 2 attempts"), std::string::npos) << c.Summary();
-    auto file = ParseKernelChoice(ReadAll(KernelChoicePath(dir, KernelSets{}, kLatent, kInter)),
-                                  KernelSets{}, kLatent, kInter);
-    ASSERT_TRUE(file.ok()) << file.status();
-    EXPECT_FALSE(file->steady);
-    EXPECT_EQ(file->attempts, 2);
-    EXPECT_GT(file->read_bytes_per_second, 1e8);
-    EXPECT_GE(file->load_average, 0);
-    EXPECT_NEAR(file->measured_at, std::time(nullptr), 120);
-  }
+// A machine too noisy for the bound (0: every probe spreads more): measured max_attempts
+// times, used, and written marked unsteady with its machine state.
+TEST_F(KernelChoiceCache, AMachineTooNoisyForTheBoundIsWrittenUnsteady) {
+  const std::string dir = TempDir("never_steady");
+  KernelChoiceOptions o;
+  o.sets = KernelSets{};
+  o.latent = kLatent;
+  o.intermediate = kInter;
+  o.cache_dir = dir;
+  o.spread_bound = 0;
+  o.max_attempts = 2;
+  const KernelChoice& c = ChooseKernels(o);
+  EXPECT_EQ(c.source, "measured");
+  EXPECT_FALSE(c.steady);
+  EXPECT_EQ(c.attempts, 2);
+  EXPECT_NE(c.unsteady.find("repetitions spread"), std::string::npos) << c.unsteady;
+  EXPECT_NE(c.Summary().find("unsteady after 2 attempts"), std::string::npos) << c.Summary();
+  auto file = ParseKernelChoice(ReadAll(PathIn(dir)), KernelSets{}, kLatent, kInter);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_FALSE(file->steady);
+  EXPECT_EQ(file->attempts, 2);
+  EXPECT_GT(file->read_bytes_per_second, 1e8);
+  EXPECT_GE(file->load_average, 0);
+  EXPECT_NEAR(file->measured_at, std::time(nullptr), 120);
+}
 
-  // A directory that cannot be written (a read-only mount): measured, used, said.
-  if (geteuid() != 0) {
-    const std::string ro = TempDir("ro");
-    mkdir(ro.c_str(), 0555);
-    const KernelChoice& unwritten = choose(ro);
-    EXPECT_EQ(unwritten.source, "measured");
-    EXPECT_NE(unwritten.note.find("not cached"), std::string::npos) << unwritten.note;
-  }
+// A directory that cannot be written (a read-only mount): measured, used, said. (As root every
+// directory is writable: not tried.)
+TEST_F(KernelChoiceCache, AReadOnlyDirectoryIsMeasuredAndSaid) {
+  if (geteuid() == 0) GTEST_SKIP() << "root writes a read-only directory";
+  const std::string ro = TempDir("ro");
+  mkdir(ro.c_str(), 0555);
+  const KernelChoice& unwritten = Choose(ro);
+  EXPECT_EQ(unwritten.source, "measured");
+  EXPECT_NE(unwritten.note.find("not cached"), std::string::npos) << unwritten.note;
 }
 
 // Processes started together on an empty cache: one measures, the others wait for its file and
@@ -457,9 +464,20 @@ TEST(KernelChoice, SetsParse) {
   EXPECT_TRUE(ParseKernelSets("auto")->automatic);
   EXPECT_EQ(ParseKernelSets("avx2")->only, Isa::kAvx2);
   EXPECT_FALSE(ParseKernelSets("avx2")->automatic);
-  EXPECT_FALSE(ParseKernelSets("fastest").ok());
   EXPECT_EQ(KernelSetsName(KernelSets{}), "auto");
   EXPECT_EQ(KernelSetsName({false, Isa::kAvx512}), "avx512");
+  // Every set by its name in the ISA table, and a bad one refused listing them all from it.
+  for (const auto& e : kIsaNames.entries) {
+    auto sets = ParseKernelSets(e.name);
+    ASSERT_TRUE(sets.ok()) << e.name;
+    EXPECT_EQ(sets->only, e.value);
+    EXPECT_EQ(KernelSetsName(*sets), e.name);
+  }
+  auto bad = ParseKernelSets("fastest");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(),
+            "unknown CPU kernel set \"fastest\"; use auto, scalar, avx2, avx512, avx512bf16, "
+            "avx512amx");
 }
 
 }  // namespace
