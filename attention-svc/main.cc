@@ -20,11 +20,8 @@ int main(int argc, char** argv) {
   flags.String("node", &o.node, "this node's name in statistics");
   flags.Enum("reply_mode", &o.reply_mode, moe::attention_svc::kReplyModes,
              "the default reply mode of the expert shards");
-  flags.Typed(
-      "precision", &o.precision, moe::numerics::PrecisionName,
-      [](const std::string& s) { return moe::numerics::ParsePrecision(s); },
-      "w4a16|w4a8: the routed experts' precision of requests that name none (w4a8 "
-      "sends z in MXFP8)");
+  flags.Enum("precision", &o.precision, moe::numerics::kPrecisions,
+             "the routed experts' precision of requests that name none (w4a8 sends z in MXFP8)");
   flags.Int(
       "threads", &o.threads,
       "dense compute threads (0: the CPUs this process may use: its affinity and cgroup quota)");

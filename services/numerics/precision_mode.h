@@ -11,7 +11,10 @@
 namespace moe::numerics {
 
 enum class Precision { kW4A16, kW4A8 };
-inline const char* PrecisionName(Precision p) { return p == Precision::kW4A8 ? "w4a8" : "w4a16"; }
+// Each mode's name, indexed by the enum: the one place they are spelled (precision.h's
+// kPrecisions table parses and lists them from here).
+inline constexpr const char* kPrecisionNames[] = {"w4a16", "w4a8"};
+inline const char* PrecisionName(Precision p) { return kPrecisionNames[static_cast<int>(p)]; }
 
 // Where W4A8 quantizes h (docs/math.md section 6): from the fp32 SiTU output, as the deployed
 // K3 stacks do (FlashInfer's MXFP8 reference, the fused SiTU + MXFP8 epilogues), the default; or

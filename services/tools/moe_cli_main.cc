@@ -92,10 +92,12 @@ constexpr EnumNames<v1::ReplyMode, 3> kReplyModeFlag{
     {{{v1::REPLY_MODE_UNSPECIFIED, "server"},
       {v1::REPLY_MODE_PER_PAIR, "per_pair"},
       {v1::REPLY_MODE_PARTIAL_SUM, "partial_sum"}}}};
-constexpr EnumNames<v1::Precision, 3> kPrecisionFlag{"--precision",
-                                                     {{{v1::PRECISION_UNSPECIFIED, "server"},
-                                                       {v1::PRECISION_W4A16, "w4a16"},
-                                                       {v1::PRECISION_W4A8, "w4a8"}}}};
+// The modes by the names precision_mode.h spells.
+constexpr EnumNames<v1::Precision, 3> kPrecisionFlag{
+    "--precision",
+    {{{v1::PRECISION_UNSPECIFIED, "server"},
+      {v1::PRECISION_W4A16, numerics::kPrecisionNames[0]},
+      {v1::PRECISION_W4A8, numerics::kPrecisionNames[1]}}}};
 
 // --precision: "" (the server's), w4a16 or w4a8.
 
