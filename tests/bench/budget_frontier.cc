@@ -38,6 +38,31 @@ std::vector<float> ToFloat(const std::vector<Bf16>& v) {
   return out;
 }
 
+// One table row: the rule's routing on the eval scores, its kept loads' balance, and the
+// output against the full top-k.
+void PrintRow(int64_t b, const char* mode, const numerics::BudgetRule& rule,
+              const ModelConfig& cfg, const std::vector<float>& se,
+              const numerics::Routing& full_routing, const std::vector<float>& o,
+              const std::vector<float>& full_out, const std::vector<int32_t>& shard_of) {
+  const int64_t e = cfg.num_experts, eval = full_routing.tokens;
+  numerics::Routing r = full_routing;
+  double mass = 0;
+  const int64_t pairs = numerics::ApplyBudget(se.data(), e, rule, cfg.renormalize,
+                                              cfg.routed_scaling_factor, &r, &mass);
+  std::vector<int64_t> loads(static_cast<size_t>(e), 0);
+  for (int32_t id : r.expert_ids) {
+    if (id >= 0) ++loads[id];
+  }
+  const numerics::BalanceMetrics bal = numerics::ComputeBalance(loads, shard_of);
+  std::printf("| %lld | %s | %s | %.2f | %.4f | %.3f | %.3f | %.3f | %.3f |\n",
+              static_cast<long long>(b), mode,
+              rule.top_p > 0 ? absl::StrFormat("%.4f", rule.top_p).c_str() : "-",
+              static_cast<double>(pairs) / eval,
+              numerics::RelativeL2(o.data(), full_out.data(), o.size()), mass / eval,
+              numerics::Top1Agreement(o.data(), full_out.data(), eval, cfg.hidden), bal.max_vio,
+              bal.shard_max_over_mean);
+}
+
 int Main(int argc, char** argv) {
   std::string checkpoint, preset = "mid", budgets_flag;
   int64_t calibration = 16384, eval = 1024;
@@ -117,23 +142,7 @@ int Main(int argc, char** argv) {
       auto out =
           (*layer)->Forward(xe, eval, h, bias.data(), nullptr, numerics::Precision::kW4A16, &rule);
       if (!out.ok()) return 1;
-      numerics::Routing r = full_routing;
-      double mass = 0;
-      const int64_t pairs = numerics::ApplyBudget(se.data(), e, rule, cfg->renormalize,
-                                                  cfg->routed_scaling_factor, &r, &mass);
-      std::vector<int64_t> loads(static_cast<size_t>(e), 0);
-      for (int32_t id : r.expert_ids) {
-        if (id >= 0) ++loads[id];
-      }
-      const numerics::BalanceMetrics bal = numerics::ComputeBalance(loads, shard_of);
-      const std::vector<float> o = ToFloat(out->out);
-      std::printf("| %lld | %s | %s | %.2f | %.4f | %.3f | %.3f | %.3f | %.3f |\n",
-                  static_cast<long long>(b), mode,
-                  rule.top_p > 0 ? absl::StrFormat("%.4f", rule.top_p).c_str() : "-",
-                  static_cast<double>(pairs) / eval,
-                  numerics::RelativeL2(o.data(), full_out.data(), o.size()), mass / eval,
-                  numerics::Top1Agreement(o.data(), full_out.data(), eval, h), bal.max_vio,
-                  bal.shard_max_over_mean);
+      PrintRow(b, mode, rule, *cfg, se, full_routing, ToFloat(out->out), full_out, shard_of);
     }
   }
   return 0;

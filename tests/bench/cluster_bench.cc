@@ -70,148 +70,130 @@ struct Point {
   double stages_ms[4] = {0, 0, 0, 0};  // router+down, dispatch, combine+norm, up+shared
 };
 
-int Main(int argc, char** argv) {
+struct Options {
   std::string checkpoint, preset = "mid", reply_mode = "per_pair";
   std::vector<int64_t> sizes = {1, 16, 64, 256};
   std::string data_planes = "grpc,ucx_shm,ucx_tcp,ucx_shm+mb2";
   double seconds = 4;
   int shards = 2;
   int expert_threads = 0;  // per expert-svc process (0: all cores)
-  SvcFlags f("cluster_bench", "The disaggregated layer on loopback vs in process.");
-  f.String("checkpoint", &checkpoint, "checkpoint directory (empty: synthetic --preset)");
-  f.String("preset", &preset, "synthetic preset when no checkpoint");
-  f.Double("seconds", &seconds, "seconds per point");
-  f.Int("shards", &shards, "expert shards");
-  f.Int("expert_threads", &expert_threads, "threads per expert-svc process (0: all cores)");
-  f.String("reply_mode", &reply_mode, "per_pair|partial_sum");
-  f.IntList("tokens", &sizes, "batch sizes, comma-separated");
-  f.String("data_planes", &data_planes,
-           "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2)");
-  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  if (absl::StatusOr<std::string> dir =
-          bench::BenchCheckpoint(checkpoint, preset, "moe_cluster_bench_");
-      dir.ok()) {
-    checkpoint = *dir;
-  } else {
-    std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
-    return 1;
-  }
-  auto ckpt = checkpoint::Checkpoint::Open(checkpoint);
-  if (!ckpt.ok()) return 1;
-  const ModelConfig cfg = *(*ckpt)->LoadConfig();
-  auto weights = checkpoint::LoadMoeLayer(**ckpt, cfg, cfg.first_moe_layer, {});
-  if (!weights.ok()) return 1;
-  auto local = numerics::cpu::CpuMoeLayer::Create(cfg, std::move(*weights), {});
-  if (!local.ok()) return 1;
+};
 
-  const double copy_bw = bench::MemcpyBandwidth();
-  std::printf("checkpoint %s (H %lld, D %lld, E %lld, k %lld), %d shards, %s replies\n",
-              checkpoint.c_str(), static_cast<long long>(cfg.hidden),
-              static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
-              static_cast<long long>(cfg.top_k), shards, reply_mode.c_str());
-  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", copy_bw / 1e9);
+// The in-process layer at every T: tokens/s, stage times and calls.
+struct InProcess {
+  std::map<int64_t, double> tps;
+  std::map<int64_t, numerics::LayerTimings> timings;
+  std::map<int64_t, int64_t> calls;
+};
 
-  // In process, once per T.
-  std::map<int64_t, double> local_tps;
-  std::map<int64_t, numerics::LayerTimings> local_t;
-  std::map<int64_t, int64_t> local_n;
-  for (int64_t t : sizes) {
+InProcess MeasureInProcess(numerics::cpu::CpuMoeLayer& local, const ModelConfig& cfg,
+                           const Options& o) {
+  InProcess r;
+  for (int64_t t : o.sizes) {
     const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
-    (void)(*local)->Forward(x, t, cfg.hidden);
+    (void)local.Forward(x, t, cfg.hidden);
     int64_t n = 0;
     numerics::LayerTimings lt;
     const auto t0 = Clock::now();
-    while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
-      (void)(*local)->Forward(x, t, cfg.hidden, nullptr, &lt);
+    while (std::chrono::duration<double>(Clock::now() - t0).count() < o.seconds) {
+      (void)local.Forward(x, t, cfg.hidden, nullptr, &lt);
       ++n;
     }
-    local_tps[t] = n * t / std::chrono::duration<double>(Clock::now() - t0).count();
-    local_t[t] = lt;
-    local_n[t] = n;
+    r.tps[t] = n * t / std::chrono::duration<double>(Clock::now() - t0).count();
+    r.timings[t] = lt;
+    r.calls[t] = n;
   }
+  return r;
+}
 
-  std::map<std::pair<std::string, int64_t>, Point> points;
-  std::vector<std::string> planes;
-  for (absl::string_view p : absl::StrSplit(data_planes, ',')) planes.emplace_back(p);
-  for (const std::string& plane : planes) {
-    tools::LocalClusterOptions co;
-    co.checkpoint = checkpoint;
-    co.num_shards = shards;
-    co.reply_mode = reply_mode;
-    co.expert_args = DataPlaneArgs(plane);
-    co.attention_args = DataPlaneArgs(plane);
-    for (const std::string& a : AttentionOnlyArgs(plane)) co.attention_args.push_back(a);
-    if (co.expert_args.empty()) {
-      std::fprintf(stderr, "unknown data plane %s\n", plane.c_str());
-      return 2;
-    }
-    if (expert_threads > 0) co.expert_args.push_back("--threads=" + std::to_string(expert_threads));
-    auto cluster = tools::LocalCluster::Start(co);
-    if (!cluster.ok()) {
-      std::fprintf(stderr, "%s: %s\n", plane.c_str(), cluster.status().ToString().c_str());
-      return 1;
-    }
-    client::ClientOptions clo;
-    clo.attention = (*cluster)->attention_endpoint();
-    auto client = client::MoeClient::Create(clo);
-    for (int64_t t : sizes) {
-      const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
-      (void)(*client)->Forward(static_cast<int32_t>(cfg.first_moe_layer), x, t, cfg.hidden);
-      int64_t n = 0;
-      double dispatch_s = 0, bytes = 0;
-      std::vector<double> dispatch_each;
-      Point pt;
-      const auto t0 = Clock::now();
-      while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
-        auto r = (*client)->Forward(static_cast<int32_t>(cfg.first_moe_layer), x, t, cfg.hidden);
-        if (!r.ok()) {
-          std::fprintf(stderr, "%s: %s\n", plane.c_str(), r.status().ToString().c_str());
-          return 1;
-        }
-        dispatch_s += r->seconds.dispatch();
-        dispatch_each.push_back(r->seconds.dispatch());
-        bytes += static_cast<double>(r->dispatch_bytes_sent + r->dispatch_bytes_received);
-        pt.stages_ms[0] += r->seconds.router() + r->seconds.down_proj();
-        pt.stages_ms[1] += r->seconds.dispatch();
-        pt.stages_ms[2] += r->seconds.combine_norm();
-        pt.stages_ms[3] += r->seconds.up_proj() + r->seconds.shared();
-        ++n;
-      }
-      const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-      pt.tps = n * t / wall;
-      pt.payload_gbs = bytes / dispatch_s / 1e9;
-      pt.p50_ms = 1e3 * Quantile(dispatch_each, 0.5);
-      pt.p99_ms = 1e3 * Quantile(dispatch_each, 0.99);
-      pt.dispatch_share = dispatch_s / wall;
-      for (double& v : pt.stages_ms) v = 1e3 * v / static_cast<double>(n);
-      tools::LoadOptions lo;
-      lo.layer = static_cast<int32_t>(cfg.first_moe_layer);
-      lo.hidden = cfg.hidden;
-      lo.concurrency = 2;
-      lo.tokens = t;
-      lo.duration = absl::Seconds(seconds);
-      lo.distinct_batches = 2;
-      auto two = tools::RunLoad(**client, lo);
-      pt.tps2 = two.ok() ? two->tokens_per_second : 0.0;
-      points[{plane, t}] = pt;
-      std::fprintf(stderr, "%s T=%lld: %.0f tok/s\n", plane.c_str(), static_cast<long long>(t),
-                   pt.tps);
-    }
+// One point: --seconds of one request at a time through the cluster (stage times from the
+// responses), then --seconds with 2 in flight.
+absl::StatusOr<Point> MeasurePoint(client::MoeClient& client, const ModelConfig& cfg,
+                                   const Options& o, int64_t t) {
+  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
+  const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
+  (void)client.Forward(layer, x, t, cfg.hidden);
+  int64_t n = 0;
+  double dispatch_s = 0, bytes = 0;
+  std::vector<double> dispatch_each;
+  Point pt;
+  const auto t0 = Clock::now();
+  while (std::chrono::duration<double>(Clock::now() - t0).count() < o.seconds) {
+    auto r = client.Forward(layer, x, t, cfg.hidden);
+    if (!r.ok()) return r.status();
+    dispatch_s += r->seconds.dispatch();
+    dispatch_each.push_back(r->seconds.dispatch());
+    bytes += static_cast<double>(r->dispatch_bytes_sent + r->dispatch_bytes_received);
+    pt.stages_ms[0] += r->seconds.router() + r->seconds.down_proj();
+    pt.stages_ms[1] += r->seconds.dispatch();
+    pt.stages_ms[2] += r->seconds.combine_norm();
+    pt.stages_ms[3] += r->seconds.up_proj() + r->seconds.shared();
+    ++n;
   }
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  pt.tps = n * t / wall;
+  pt.payload_gbs = bytes / dispatch_s / 1e9;
+  pt.p50_ms = 1e3 * Quantile(dispatch_each, 0.5);
+  pt.p99_ms = 1e3 * Quantile(dispatch_each, 0.99);
+  pt.dispatch_share = dispatch_s / wall;
+  for (double& v : pt.stages_ms) v = 1e3 * v / static_cast<double>(n);
+  tools::LoadOptions lo;
+  lo.layer = layer;
+  lo.hidden = cfg.hidden;
+  lo.concurrency = 2;
+  lo.tokens = t;
+  lo.duration = absl::Seconds(o.seconds);
+  lo.distinct_batches = 2;
+  auto two = tools::RunLoad(client, lo);
+  pt.tps2 = two.ok() ? two->tokens_per_second : 0.0;
+  return pt;
+}
 
+// Every T on a cluster of its own for the data plane `plane`.
+absl::Status MeasurePlane(const std::string& plane, const ModelConfig& cfg, const Options& o,
+                          std::map<std::pair<std::string, int64_t>, Point>* points) {
+  tools::LocalClusterOptions co;
+  co.checkpoint = o.checkpoint;
+  co.num_shards = o.shards;
+  co.reply_mode = o.reply_mode;
+  co.expert_args = DataPlaneArgs(plane);
+  co.attention_args = DataPlaneArgs(plane);
+  for (const std::string& a : AttentionOnlyArgs(plane)) co.attention_args.push_back(a);
+  if (co.expert_args.empty()) return absl::InvalidArgumentError("unknown data plane " + plane);
+  if (o.expert_threads > 0) {
+    co.expert_args.push_back("--threads=" + std::to_string(o.expert_threads));
+  }
+  auto cluster = tools::LocalCluster::Start(co);
+  if (!cluster.ok()) return cluster.status();
+  client::ClientOptions clo;
+  clo.attention = (*cluster)->attention_endpoint();
+  auto client = client::MoeClient::Create(clo);
+  if (!client.ok()) return client.status();
+  for (int64_t t : o.sizes) {
+    auto pt = MeasurePoint(**client, cfg, o, t);
+    if (!pt.ok()) return pt.status();
+    (*points)[{plane, t}] = *pt;
+    std::fprintf(stderr, "%s T=%lld: %.0f tok/s\n", plane.c_str(), static_cast<long long>(t),
+                 pt->tps);
+  }
+  return absl::OkStatus();
+}
+
+void PrintTables(const Options& o, const std::vector<std::string>& planes, InProcess& local,
+                 std::map<std::pair<std::string, int64_t>, Point>& points) {
   std::printf(
       "| T | data plane | in-process tok/s | cluster tok/s (1 in flight) | overhead | "
       "overhead / gRPC's | cluster tok/s (2 in flight) | payload GB/s (in dispatch) | "
       "dispatch p50 ms | dispatch p99 ms | dispatch share |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int64_t t : sizes) {
+  for (int64_t t : o.sizes) {
     const double grpc_over =
-        points.count({"grpc", t}) ? local_tps[t] / points[{"grpc", t}].tps - 1.0 : 0.0;
+        points.count({"grpc", t}) ? local.tps[t] / points[{"grpc", t}].tps - 1.0 : 0.0;
     for (const std::string& plane : planes) {
       const Point& pt = points[{plane, t}];
-      const double over = local_tps[t] / pt.tps - 1.0;
+      const double over = local.tps[t] / pt.tps - 1.0;
       std::printf("| %lld | %s | %.0f | %.0f | %+.1f%% | %s | %.0f | %.3f | %.2f | %.2f | %.2f |\n",
-                  static_cast<long long>(t), plane.c_str(), local_tps[t], pt.tps, 100.0 * over,
+                  static_cast<long long>(t), plane.c_str(), local.tps[t], pt.tps, 100.0 * over,
                   plane == "grpc" || grpc_over <= 0
                       ? "-"
                       : absl::StrFormat("%.2f", over / grpc_over).c_str(),
@@ -222,9 +204,9 @@ int Main(int argc, char** argv) {
       "\nms per batch, in-process (experts) / cluster (dispatch), 1 in flight:\n| T | data plane "
       "| router+down | experts / dispatch | combine+norm | up+shared "
       "|\n|---|---|---|---|---|---|\n");
-  for (int64_t t : sizes) {
-    const numerics::LayerTimings& lt = local_t[t];
-    const double n = static_cast<double>(local_n[t]);
+  for (int64_t t : o.sizes) {
+    const numerics::LayerTimings& lt = local.timings[t];
+    const double n = static_cast<double>(local.calls[t]);
     for (const std::string& plane : planes) {
       const Point& pt = points[{plane, t}];
       std::printf("| %lld | %s | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f |\n",
@@ -237,6 +219,52 @@ int Main(int argc, char** argv) {
       "\noverhead = in-process tok/s / cluster tok/s - 1. Targets (data-plane issue): UCX shared "
       "memory <= +5%% at T = 256 and <= +10%% at T = 16, and at most half of gRPC's overhead at "
       "every T (overhead / gRPC's <= 0.5)\n");
+}
+
+int Main(int argc, char** argv) {
+  Options o;
+  SvcFlags f("cluster_bench", "The disaggregated layer on loopback vs in process.");
+  f.String("checkpoint", &o.checkpoint, "checkpoint directory (empty: synthetic --preset)");
+  f.String("preset", &o.preset, "synthetic preset when no checkpoint");
+  f.Double("seconds", &o.seconds, "seconds per point");
+  f.Int("shards", &o.shards, "expert shards");
+  f.Int("expert_threads", &o.expert_threads, "threads per expert-svc process (0: all cores)");
+  f.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
+  f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
+  f.String("data_planes", &o.data_planes,
+           "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2)");
+  if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  absl::StatusOr<std::string> dir =
+      bench::BenchCheckpoint(o.checkpoint, o.preset, "moe_cluster_bench_");
+  if (!dir.ok()) {
+    std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
+    return 1;
+  }
+  o.checkpoint = *dir;
+  auto ckpt = checkpoint::Checkpoint::Open(o.checkpoint);
+  if (!ckpt.ok()) return 1;
+  const ModelConfig cfg = *(*ckpt)->LoadConfig();
+  auto weights = checkpoint::LoadMoeLayer(**ckpt, cfg, cfg.first_moe_layer, {});
+  if (!weights.ok()) return 1;
+  auto local = numerics::cpu::CpuMoeLayer::Create(cfg, std::move(*weights), {});
+  if (!local.ok()) return 1;
+  const double copy_bw = bench::MemcpyBandwidth();
+  std::printf("checkpoint %s (H %lld, D %lld, E %lld, k %lld), %d shards, %s replies\n",
+              o.checkpoint.c_str(), static_cast<long long>(cfg.hidden),
+              static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
+              static_cast<long long>(cfg.top_k), o.shards, o.reply_mode.c_str());
+  std::printf("memcpy bandwidth (read+write): %.1f GB/s\n\n", copy_bw / 1e9);
+  InProcess in_process = MeasureInProcess(**local, cfg, o);
+  std::map<std::pair<std::string, int64_t>, Point> points;
+  std::vector<std::string> planes;
+  for (absl::string_view p : absl::StrSplit(o.data_planes, ',')) planes.emplace_back(p);
+  for (const std::string& plane : planes) {
+    if (absl::Status st = MeasurePlane(plane, cfg, o, &points); !st.ok()) {
+      std::fprintf(stderr, "%s: %s\n", plane.c_str(), st.ToString().c_str());
+      return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+  }
+  PrintTables(o, planes, in_process, points);
   return 0;
 }
 

@@ -60,6 +60,99 @@ double Quantile(const std::vector<double>& t, double p) {
   return t[std::min(i, t.size() - 1)];
 }
 
+using Sets = std::vector<std::pair<std::string, const KernelTable*>>;
+
+// The sets to run: the chosen decode set, then every set this CPU runs; or those named.
+absl::StatusOr<Sets> ChooseSets(const std::string& isa_list, const moe::ModelConfig& cfg) {
+  namespace cpu = moe::numerics::cpu;
+  Sets sets;
+  if (isa_list.empty()) {
+    cpu::KernelChoiceOptions ko;
+    ko.latent = cfg.latent;
+    ko.intermediate = cfg.intermediate;
+    const cpu::KernelChoice& chosen = cpu::ChooseKernels(ko);
+    sets.push_back({"chosen " + cpu::KernelsName(chosen.table), &chosen.table});
+    for (Isa isa : cpu::kSimdIsas) {
+      if (cpu::CapIsa(isa) == isa) sets.push_back({cpu::IsaName(isa), &cpu::KernelsFor(isa)});
+    }
+    return sets;
+  }
+  for (absl::string_view name : absl::StrSplit(isa_list, ',', absl::SkipEmpty())) {
+    const absl::StatusOr<Isa> isa = cpu::ParseIsa(name);
+    if (!isa.ok() || cpu::CapIsa(*isa) != *isa) {
+      return absl::InvalidArgumentError("--isa " + std::string(name) + ": not a set this CPU runs");
+    }
+    sets.push_back({cpu::IsaName(*isa), &cpu::KernelsFor(*isa)});
+  }
+  return sets;
+}
+
+// Every expert once per token, weight 1/experts.
+moe::numerics::Routing EveryExpert(int64_t tokens, int experts) {
+  moe::numerics::Routing r;
+  r.tokens = tokens;
+  r.top_k = experts;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < experts; ++e) {
+      r.expert_ids.push_back(static_cast<int32_t>(e));
+      r.weights.push_back(1.0f / static_cast<float>(experts));
+    }
+  }
+  return r;
+}
+
+struct Row {
+  std::string name;
+  const KernelTable* table;
+  double fma_peak, bf16_peak;
+};
+
+// One table row: `runs` calls from DRAM and as many cache-resident, next to the read bandwidth
+// measured just before.
+void DecodeRow(const Row& row, ThreadPool& pool, const moe::ModelConfig& cfg, const ExpertSet& set,
+               const moe::numerics::MoeLayerWeights& cache_resident, int experts, int runs,
+               int64_t tokens) {
+  namespace cpu = moe::numerics::cpu;
+  const moe::numerics::Routing r = EveryExpert(tokens, experts);
+  moe::ModelConfig zc = cfg;
+  zc.hidden = cfg.latent;
+  const std::vector<moe::tensor::Bf16> z = moe::checkpoint::SyntheticHiddenStates(zc, tokens, 3);
+  const double read = cpu::MeasureReadBandwidth(&pool, int64_t{1} << 30, 3);
+  auto run = [&](const moe::numerics::MoeLayerWeights& w) {
+    return Times(runs, [&] {
+      auto y = cpu::RunExperts(*row.table, &pool, cfg, w, r, z.data());
+      volatile uint16_t sink = y[0].bits;
+      (void)sink;
+    });
+  };
+  const std::vector<double> dram = run(set.w), hot = run(cache_resident);
+  const double d10 = Quantile(dram, 0.1), h10 = Quantile(hot, 0.1);
+  const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * tokens * experts;
+  const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
+  // Bytes per second and their fraction of the read judge decode counts only (from 16 tokens
+  // per expert the arithmetic bounds a call): "-" there.
+  const bool decode = tokens <= 8;
+  // From 16 tokens, the fraction of the peak of the instruction that multiplies in the kernel
+  // that ran (the AMX panel's unit is not probed here: "-").
+  const KernelTable* table = row.table;
+  const bool panel = table->mxfp4_rows_tm != nullptr && tokens >= table->panel_from;
+  const bool dot = panel ? table->tm_layout == cpu::MxLayout::kBf16PairsTm
+                         : table->mx_layout == cpu::MxLayout::kBf16Pairs;
+  const bool amx = panel && table->mxfp4_rows_tm == cpu::AmxKernels().mxfp4_rows_tm;
+  const double peak = dot ? row.bf16_peak : row.fma_peak;
+  const std::string of_peak = decode || amx || peak <= 0
+                                  ? "-"
+                                  : absl::StrFormat("%.2f", flops / Quantile(dram, 0.5) / peak);
+  std::printf(
+      "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %s | %s | %.2f | %.0f | %.0f | %s |\n",
+      row.name.c_str(), static_cast<long long>(tokens), read / 1e9, 1e3 * d10,
+      1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5),
+      decode ? absl::StrFormat("%.1f", weight_bytes / d10 / 1e9).c_str() : "-",
+      decode ? absl::StrFormat("%.2f", weight_bytes / d10 / read).c_str() : "-", d10 / h10,
+      flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9, of_peak.c_str());
+  std::fflush(stdout);
+}
+
 }  // namespace
 }  // namespace moe::bench
 
@@ -81,25 +174,10 @@ int main(int argc, char** argv) {
   ThreadPool pool(threads);
   moe::ModelConfig cfg = *moe::PresetConfig("k3");
   cfg.num_experts = experts;
-  cpu::KernelChoiceOptions ko;
-  ko.latent = cfg.latent;
-  ko.intermediate = cfg.intermediate;
-  const cpu::KernelChoice& chosen = cpu::ChooseKernels(ko);
-  std::vector<std::pair<std::string, const KernelTable*>> sets;
-  if (isa_list.empty()) {
-    sets.push_back({"chosen " + cpu::KernelsName(chosen.table), &chosen.table});
-    for (Isa isa : cpu::kSimdIsas) {
-      if (cpu::CapIsa(isa) == isa) sets.push_back({cpu::IsaName(isa), &cpu::KernelsFor(isa)});
-    }
-  } else {
-    for (absl::string_view name : absl::StrSplit(isa_list, ',', absl::SkipEmpty())) {
-      const absl::StatusOr<Isa> isa = cpu::ParseIsa(name);
-      if (!isa.ok() || cpu::CapIsa(*isa) != *isa) {
-        std::fprintf(stderr, "--isa %s: not a set this CPU runs\n", std::string(name).c_str());
-        return 2;
-      }
-      sets.push_back({cpu::IsaName(*isa), &cpu::KernelsFor(*isa)});
-    }
+  const absl::StatusOr<Sets> sets = ChooseSets(isa_list, cfg);
+  if (!sets.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(sets.status().message()).c_str());
+    return 2;
   }
   std::printf("decode_bench: %d threads, %lld experts of %.1f MB (K3 shape), %lld runs per row\n",
               threads, static_cast<long long>(experts), cfg.ExpertBytes() / 1e6,
@@ -108,70 +186,23 @@ int main(int argc, char** argv) {
   // vdpbf16ps peak (the BF16 rows and pair panel multiply on it).
   const double bf16_peak = cpu::MeasureBf16DotPeak(&pool, 0.2);
   std::printf("limits: bf16 dot peak (vdpbf16ps) %.1f GFLOP/s", bf16_peak / 1e9);
-  std::vector<double> fma_peaks;
-  for (const auto& [name, table] : sets) {
-    fma_peaks.push_back(cpu::MeasureFmaPeak(*table, &pool, 0.2));
-    std::printf(", fp32 FMA %s %.1f", name.c_str(), fma_peaks.back() / 1e9);
+  std::vector<Row> rows;
+  for (const auto& [name, table] : *sets) {
+    rows.push_back({name, table, cpu::MeasureFmaPeak(*table, &pool, 0.2), bf16_peak});
+    std::printf(", fp32 FMA %s %.1f", name.c_str(), rows.back().fma_peak / 1e9);
   }
   std::printf(" GFLOP/s (%d threads)\n", threads);
   const ExpertSet set = RandomExperts(cfg, experts);
   // As many experts, every one pointing at expert 0's weights (17.3 MB: L3-resident here).
   moe::numerics::MoeLayerWeights cache_resident = set.w;
   cache_resident.experts.assign(cache_resident.experts.size(), set.w.experts[0]);
-  const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
   std::printf(
       "| set | tokens/expert | read GB/s | DRAM p10 ms | p50 ms | cache-resident p10 ms | p50 ms "
       "| DRAM p10 GB/s | of read | DRAM / cache-resident (p10) | GFLOP/s DRAM p50 | cache-resident "
       "| of the peak (p50) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (size_t si = 0; si < sets.size(); ++si) {
-    const std::string& name = sets[si].first;
-    const KernelTable* table = sets[si].second;
+  for (const Row& row : rows) {
     for (int64_t tokens : token_counts) {
-      moe::numerics::Routing r;
-      r.tokens = tokens;
-      r.top_k = experts;
-      for (int64_t t = 0; t < tokens; ++t) {
-        for (int64_t e = 0; e < experts; ++e) {
-          r.expert_ids.push_back(static_cast<int32_t>(e));
-          r.weights.push_back(1.0f / static_cast<float>(experts));
-        }
-      }
-      moe::ModelConfig zc = cfg;
-      zc.hidden = cfg.latent;
-      const std::vector<moe::tensor::Bf16> z =
-          moe::checkpoint::SyntheticHiddenStates(zc, tokens, 3);
-      const double read = cpu::MeasureReadBandwidth(&pool, int64_t{1} << 30, 3);
-      auto run = [&](const moe::numerics::MoeLayerWeights& w) {
-        return Times(static_cast<int>(runs), [&] {
-          auto y = cpu::RunExperts(*table, &pool, cfg, w, r, z.data());
-          volatile uint16_t sink = y[0].bits;
-          (void)sink;
-        });
-      };
-      const std::vector<double> dram = run(set.w), hot = run(cache_resident);
-      const double d10 = Quantile(dram, 0.1), h10 = Quantile(hot, 0.1);
-      const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * tokens * experts;
-      // Bytes per second and their fraction of the read judge decode counts only (from 16
-      // tokens per expert the arithmetic bounds a call): "-" there.
-      const bool decode = tokens <= 8;
-      // From 16 tokens, the fraction of the peak of the instruction that multiplies in the kernel
-      // that ran (the AMX panel's unit is not probed here: "-").
-      const bool panel = table->mxfp4_rows_tm != nullptr && tokens >= table->panel_from;
-      const bool dot = panel ? table->tm_layout == cpu::MxLayout::kBf16PairsTm
-                             : table->mx_layout == cpu::MxLayout::kBf16Pairs;
-      const bool amx = panel && table->mxfp4_rows_tm == cpu::AmxKernels().mxfp4_rows_tm;
-      const double peak = dot ? bf16_peak : fma_peaks[si];
-      const std::string of_peak = decode || amx || peak <= 0
-                                      ? "-"
-                                      : absl::StrFormat("%.2f", flops / Quantile(dram, 0.5) / peak);
-      std::printf(
-          "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %s | %s | %.2f | %.0f | %.0f | %s |\n",
-          name.c_str(), static_cast<long long>(tokens), read / 1e9, 1e3 * d10,
-          1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5),
-          decode ? absl::StrFormat("%.1f", weight_bytes / d10 / 1e9).c_str() : "-",
-          decode ? absl::StrFormat("%.2f", weight_bytes / d10 / read).c_str() : "-", d10 / h10,
-          flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9, of_peak.c_str());
-      std::fflush(stdout);
+      DecodeRow(row, pool, cfg, set, cache_resident, experts, runs, tokens);
     }
   }
   return 0;

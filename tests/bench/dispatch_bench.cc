@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -63,135 +64,136 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
 }
 
-int Main(int argc, char** argv) {
+struct Options {
   std::string preset = "mid", tokens_list = "1,16,64,256", planes = "grpc,ucx_shm,ucx_tcp";
   double seconds = 2;
   int64_t iterations = 20000;
   bool raw = true;
+};
+
+// The payload integrity check's cost on this machine: AES-256-GMAC over a k3 T = 16 reply.
+double GmacGbps() {
+  auto mac = dataplane::PayloadMac::Create(dataplane::RandomBytes(dataplane::kMacKeyBytes));
+  std::vector<uint8_t> payload(1835008, 3);
+  int64_t n = 0;
+  const auto t0 = Clock::now();
+  while (n < 10000 && std::chrono::duration<double>(Clock::now() - t0).count() < 0.3) {
+    (void)mac->Compute(dataplane::Direction::kToExpert, static_cast<uint64_t>(n), payload.data(),
+                       payload.size());
+    ++n;
+  }
+  return payload.size() * n / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
+}
+
+// The header alone: a batch the server refuses at once (a layer it does not host) travels the
+// Dispatch stream both ways with no payload and no compute. p50 us.
+double HeaderRoundTripUs(const std::string& endpoint, int64_t d, double seconds) {
+  attention_svc::DispatchMessage none;
+  none.z = tensor::Activations::FromBf16({}, 0, d);
+  attention_svc::DispatchHeader bad;
+  bad.layer = 9999;
+  bad.latent = d;
+  bad.timeout_ms = 20000;
+  auto stream_only =
+      std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", endpoint, 1 << 30, "");
+  std::vector<double> us;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < 20000; ++i) {
+    if (i >= 3 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
+    const auto s = Clock::now();
+    (void)stream_only->Send(bad, none)->Wait(absl::Now() + absl::Seconds(20));
+    if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+  }
+  return Percentile(us, 0.5);
+}
+
+// One (lane, T) row: round trips for --seconds after 3 warm-up ones (at least one timed,
+// however slow), their cost split by getrusage, the raw transport next to them.
+void RoundTripRow(testing::EchoShard& shard, const ModelConfig& cfg, const Options& o,
+                  const std::string& plane, int64_t t, double header_us, int* port) {
+  const bool ucx = plane != "grpc";
+  const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
+  const int64_t d = cfg.latent, k = cfg.top_k;
+  const testing::EchoBatch batch = testing::MakeEchoBatch(cfg, t);
+  std::vector<double> us;
+  Usage before;
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < o.iterations + 3; ++i) {
+    if (i == 3) before = Usage::Now();
+    if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > o.seconds) break;
+    const auto s = Clock::now();
+    auto reply = shard.channel().Send(batch.header, batch.message)->Wait(absl::Now() +
+                                                                         absl::Seconds(20));
+    const double e = std::chrono::duration<double, std::micro>(Clock::now() - s).count();
+    if (!reply.ok()) {
+      std::fprintf(stderr, "%s T %lld: %s\n", plane.c_str(), static_cast<long long>(t),
+                   reply.status().ToString().c_str());
+      return;
+    }
+    if (i >= 3) us.push_back(e);
+  }
+  const Usage per_rt = Usage::Now().PerRoundTrip(before, us.size());
+  const size_t zb = static_cast<size_t>(t * d * 2), yb = static_cast<size_t>(t * k * d * 2);
+  double raw_rtt = -1, raw_bw = -1;
+  const double worker_us = ucx ? bench::WorkerRoundTripUs(tls, zb, yb, o.seconds) : -1;
+  if (o.raw && ucx) {
+    const auto lz = bench::PerfTest(tls, "tag_lat", zb, (*port)++);
+    const auto ly = bench::PerfTest(tls, "tag_lat", yb, (*port)++);
+    const auto bw = bench::PerfTest(tls, "tag_bw", yb, (*port)++);
+    if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
+    raw_bw = bw.second > 0 ? bw.second * 1.048576e6 / 1e9 : -1;
+  }
+  const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
+  auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
+  std::printf(
+      "| %s | %s | %lld | %zu | %zu | %zu | %.1f | %.1f | %s | %s | %s | %s | %.2f | %s | %.0f | "
+      "%.1f | %.0f |\n",
+      plane.c_str(), shard.lanes().c_str(), static_cast<long long>(t), zb, yb, us.size(), p50, p99,
+      num(raw_rtt).c_str(), num(worker_us).c_str(), num(header_us).c_str(),
+      raw_rtt > 0 ? absl::StrFormat("%.1f", p50 - raw_rtt).c_str() : "-",
+      (zb + yb) / (p50 * 1e-6) / 1e9, raw_bw > 0 ? absl::StrFormat("%.2f", raw_bw).c_str() : "-",
+      per_rt.minor_faults, per_rt.switches, per_rt.cpu_us);
+  std::fflush(stdout);
+}
+
+int Main(int argc, char** argv) {
+  Options o;
   SvcFlags f("dispatch_bench", "The data plane's round trip against the raw UCX transport.");
-  f.String("preset", &preset, "model shape: mid or k3");
-  f.String("tokens", &tokens_list, "T values (tokens per message)");
-  f.String("data_planes", &planes, "grpc, ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp)");
-  f.Double("seconds", &seconds, "seconds per point (after 3 warm-up round trips)");
-  f.Int64("iterations", &iterations, "at most this many round trips per point");
-  f.Bool("raw", &raw, "also run ucx_perftest for the raw transport");
+  f.String("preset", &o.preset, "model shape: mid or k3");
+  f.String("tokens", &o.tokens_list, "T values (tokens per message)");
+  f.String("data_planes", &o.planes, "grpc, ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp)");
+  f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up round trips)");
+  f.Int64("iterations", &o.iterations, "at most this many round trips per point");
+  f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  auto cfg = PresetConfig(preset);
+  auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
     std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
     return 2;
   }
-  const int64_t d = cfg->latent, k = cfg->top_k;
   std::vector<int64_t> ts;
-  for (absl::string_view t : absl::StrSplit(tokens_list, ','))
+  for (absl::string_view t : absl::StrSplit(o.tokens_list, ','))
     ts.push_back(std::stoll(std::string(t)));
-  // The payload integrity check's cost on this machine: AES-256-GMAC over a k3 T = 16 reply.
-  double gmac_gbps = 0;
-  {
-    auto mac = dataplane::PayloadMac::Create(dataplane::RandomBytes(dataplane::kMacKeyBytes));
-    std::vector<uint8_t> payload(1835008, 3);
-    int64_t n = 0;
-    const auto t0 = Clock::now();
-    while (n < 10000 && std::chrono::duration<double>(Clock::now() - t0).count() < 0.3) {
-      (void)mac->Compute(dataplane::Direction::kToExpert, static_cast<uint64_t>(n), payload.data(),
-                         payload.size());
-      ++n;
-    }
-    gmac_gbps = payload.size() * n / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
-  }
   std::printf(
       "preset %s: D %lld, k %lld; memcpy %.1f GB/s; payload MAC (AES-256-GMAC) %.1f GB/s\n\n",
-      preset.c_str(), static_cast<long long>(d), static_cast<long long>(k),
-      bench::MemcpyBandwidth() / 1e9, gmac_gbps);
+      o.preset.c_str(), static_cast<long long>(cfg->latent), static_cast<long long>(cfg->top_k),
+      bench::MemcpyBandwidth() / 1e9, GmacGbps());
   std::printf(
       "| data plane | lanes | T | z bytes | y bytes | round trips | p50 us | p99 us | raw UCX "
       "RTT us | worker RTT us | gRPC header RTT us | added p50 us | service GB/s | raw tag_bw "
       "GB/s | faults per RT | switches per RT | CPU us per RT |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   int port = 14000 + static_cast<int>(getpid() % 1000) * 10;
-  for (absl::string_view plane_view : absl::StrSplit(planes, ',')) {
+  for (absl::string_view plane_view : absl::StrSplit(o.planes, ',')) {
     const std::string plane(plane_view);
-    const bool ucx = plane != "grpc";
     const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
-    auto shard = testing::EchoShard::Start(preset, ucx ? tls : "");
+    auto shard = testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "");
     if (!shard.ok()) {
       std::fprintf(stderr, "echo shard: %s\n", shard.status().ToString().c_str());
       return 1;
     }
-    const std::string& endpoint = (*shard)->endpoint();
-    attention_svc::ExpertChannel* channel = &(*shard)->channel();
-    // The header alone: a batch the server refuses at once (a layer it does not host) travels
-    // the Dispatch stream both ways with no payload and no compute.
-    double header_us = -1;
-    {
-      attention_svc::DispatchMessage none;
-      none.z = tensor::Activations::FromBf16({}, 0, d);
-      attention_svc::DispatchHeader bad;
-      bad.layer = 9999;
-      bad.latent = d;
-      bad.timeout_ms = 20000;
-      auto stream_only =
-          std::make_unique<attention_svc::GrpcExpertChannel>("echo-0", endpoint, 1 << 30, "");
-      std::vector<double> us;
-      const auto t0 = Clock::now();
-      for (int i = 0; i < 20000; ++i) {
-        if (i >= 3 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
-        const auto s = Clock::now();
-        (void)stream_only->Send(bad, none)->Wait(absl::Now() + absl::Seconds(20));
-        if (i >= 3)
-          us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
-      }
-      header_us = Percentile(us, 0.5);
-    }
-    for (int64_t t : ts) {
-      const testing::EchoBatch batch = testing::MakeEchoBatch(*cfg, t);
-      const attention_svc::DispatchHeader& h = batch.header;
-      const attention_svc::DispatchMessage& m = batch.message;
-      std::vector<double> us;
-      bool failed = false;
-      Usage before;
-      const auto t0 = Clock::now();
-      for (int64_t i = 0; i < iterations + 3; ++i) {
-        if (i == 3) before = Usage::Now();
-        // At least one timed round trip after the 3 warm-up ones, however slow.
-        if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
-        const auto s = Clock::now();
-        auto reply = channel->Send(h, m)->Wait(absl::Now() + absl::Seconds(20));
-        const double e = std::chrono::duration<double, std::micro>(Clock::now() - s).count();
-        if (!reply.ok()) {
-          std::fprintf(stderr, "%s T %lld: %s\n", plane.c_str(), static_cast<long long>(t),
-                       reply.status().ToString().c_str());
-          failed = true;
-          break;
-        }
-        if (i >= 3) us.push_back(e);
-      }
-      if (failed) continue;
-      const Usage per_rt = Usage::Now().PerRoundTrip(before, us.size());
-      const size_t zb = static_cast<size_t>(t * d * 2), yb = static_cast<size_t>(t * k * d * 2);
-      double raw_rtt = -1, raw_bw = -1;
-      const double worker_us = ucx ? bench::WorkerRoundTripUs(tls, zb, yb, seconds) : -1;
-      if (raw && ucx) {
-        const auto lz = bench::PerfTest(tls, "tag_lat", zb, port++);
-        const auto ly = bench::PerfTest(tls, "tag_lat", yb, port++);
-        const auto bw = bench::PerfTest(tls, "tag_bw", yb, port++);
-        if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
-        raw_bw = bw.second > 0 ? bw.second * 1.048576e6 / 1e9 : -1;
-      }
-      const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
-      auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
-      std::printf(
-          "| %s | %s | %lld | %zu | %zu | %zu | %.1f | %.1f | %s | %s | %s | %s | %.2f | %s | %.0f "
-          "| "
-          "%.1f | %.0f |\n",
-          plane.c_str(), (*shard)->lanes().c_str(), static_cast<long long>(t), zb, yb, us.size(),
-          p50, p99, num(raw_rtt).c_str(), num(worker_us).c_str(), num(header_us).c_str(),
-          raw_rtt > 0 ? absl::StrFormat("%.1f", p50 - raw_rtt).c_str() : "-",
-          (zb + yb) / (p50 * 1e-6) / 1e9,
-          raw_bw > 0 ? absl::StrFormat("%.2f", raw_bw).c_str() : "-", per_rt.minor_faults,
-          per_rt.switches, per_rt.cpu_us);
-      std::fflush(stdout);
-    }
+    const double header_us = HeaderRoundTripUs((*shard)->endpoint(), cfg->latent, o.seconds);
+    for (int64_t t : ts) RoundTripRow(**shard, *cfg, o, plane, t, header_us, &port);
   }
   return 0;
 }

@@ -105,150 +105,152 @@ bool Hop(Sender& s, int peers, const testing::EchoBatch& b) {
   return ok;
 }
 
-int Main(int argc, char** argv) {
+struct Options {
   std::string preset = "mid", tokens_list = "1,8,32,128,256", peers_list = "1,2,4",
               senders_list = "1,2,4,8", planes = "ucx_shm,ucx_tcp,grpc";
   double seconds = 1;
   int64_t sender_tokens = 8, layers = 92;
   bool raw = true;
+};
+
+// One (lane, P, T) row: hops for --seconds after 3 warm-up hops; with P = 1 on UCX, the raw
+// transport's and the bare worker's round trips next to it.
+void HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const std::string& plane,
+            const std::string& tls, int64_t p, int64_t t, int* port) {
+  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, t);
+  const size_t zb = static_cast<size_t>(t * cfg.latent * 2), yb = b.reply_bytes;
+  std::vector<double> us;
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < 200003; ++i) {
+    if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > o.seconds) break;
+    const auto s = Clock::now();
+    if (!Hop(sender, static_cast<int>(p), b)) return;
+    if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+  }
+  double raw_rtt = -1, worker_rtt = -1;
+  if (!tls.empty() && p == 1) {
+    if (o.raw) {
+      const auto lz = bench::PerfTest(tls, "tag_lat", zb, (*port)++);
+      const auto ly = bench::PerfTest(tls, "tag_lat", yb, (*port)++);
+      if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
+    }
+    worker_rtt = bench::WorkerRoundTripUs(tls, zb, yb, std::min(o.seconds, 0.5));
+  }
+  const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
+  auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
+  std::printf("| %s | %lld | %lld | %zu | %zu | %.1f | %.1f | %.1f | %.2f | %s | %s | %.2f |\n",
+              plane.c_str(), static_cast<long long>(p), static_cast<long long>(t),
+              static_cast<size_t>(p) * (zb + yb), us.size(), p50, p99, p99 / p50,
+              p * (zb + yb) / (p50 * 1e-6) / 1e9, num(raw_rtt).c_str(), num(worker_rtt).c_str(),
+              o.layers * p50 / 1e3);
+  std::fflush(stdout);
+}
+
+// Goodput of S senders (each its own worker and channel) hitting one shard at once, back to
+// back for --seconds: one table row per S.
+void Goodput(const ModelConfig& cfg, const Options& o, const std::string& plane,
+             const std::string& tls, const std::string& endpoint) {
+  std::printf(
+      "\n%s: S senders to one shard, T = %lld each, back to back for %.1f s\n\n"
+      "| lane | S | hops | goodput GB/s | vs one sender |\n|---|---|---|---|---|\n",
+      plane.c_str(), static_cast<long long>(o.sender_tokens), o.seconds);
+  const testing::EchoBatch sb = testing::MakeEchoBatch(cfg, o.sender_tokens);
+  const double bytes_per_hop = static_cast<double>(o.sender_tokens * cfg.latent * 2) + sb.reply_bytes;
+  const std::vector<int64_t> ss = Ints(o.senders_list);
+  double one = 0;
+  for (int64_t n : ss) {
+    std::vector<Sender> senders;
+    for (int64_t i = 0; i < n; ++i) {
+      auto s = MakeSender(tls, {endpoint}, absl::StrFormat("sender-%d", i));
+      if (!s.ok()) break;
+      senders.push_back(std::move(*s));
+    }
+    if (static_cast<int64_t>(senders.size()) < n) continue;
+    for (auto& s : senders) (void)Hop(s, 1, sb);  // open every data plane first
+    std::atomic<int64_t> hops{0};
+    std::atomic<bool> failed{false};
+    const auto start = Clock::now();
+    std::vector<std::thread> threads;
+    for (auto& s : senders) {
+      threads.emplace_back([&, sp = &s] {
+        while (std::chrono::duration<double>(Clock::now() - start).count() < o.seconds) {
+          if (!Hop(*sp, 1, sb)) {
+            failed.store(true);
+            return;
+          }
+          hops.fetch_add(1);
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    const double goodput = hops.load() * bytes_per_hop / secs / 1e9;
+    if (n == ss.front()) one = goodput;
+    std::printf("| %s | %lld | %lld | %.2f | %s |\n", plane.c_str(), static_cast<long long>(n),
+                static_cast<long long>(hops.load()), goodput,
+                failed.load() ? "failed" : absl::StrFormat("%.2f", goodput / one).c_str());
+    std::fflush(stdout);
+  }
+}
+
+// One lane: echo shards in this process, the hop table, then the goodput table.
+absl::Status Lane(const ModelConfig& cfg, const Options& o, const std::string& plane, int* port) {
+  const std::string tls = plane == "ucx_shm" ? "posix" : plane == "ucx_tcp" ? "tcp" : "";
+  if (!tls.empty() && !dataplane::UcxBuilt()) return absl::OkStatus();
+  const std::vector<int64_t> ts = Ints(o.tokens_list), ps = Ints(o.peers_list);
+  const int max_peers = static_cast<int>(*std::max_element(ps.begin(), ps.end()));
+  std::vector<std::unique_ptr<expert_svc::ExpertServer>> shards;
+  std::vector<std::string> endpoints;
+  for (int i = 0; i < max_peers; ++i) {
+    auto s = expert_svc::ExpertServer::Start(
+        testing::EchoServerOptions(o.preset, cfg.top_k, tls, absl::StrFormat("echo-%d", i)));
+    if (!s.ok()) return s.status();
+    endpoints.push_back(absl::StrFormat("127.0.0.1:%d", (*s)->port()));
+    shards.push_back(std::move(*s));
+  }
+  auto sender = MakeSender(tls, endpoints, "hop-0");
+  if (!sender.ok()) return sender.status();
+  std::printf(
+      "\n%s: one hop = dispatch + combine to P shards (T tokens x k experts each)\n\n"
+      "| lane | P | T | bytes on the wire | hops | p50 us | p99 us | p99/p50 | GB/s | raw UCX "
+      "RTT us (one peer) | worker RTT us (one peer) | %lld-layer decode step ms |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+      plane.c_str(), static_cast<long long>(o.layers));
+  for (int64_t p : ps) {
+    for (int64_t t : ts) HopRow(*sender, cfg, o, plane, tls, p, t, port);
+  }
+  Goodput(cfg, o, plane, tls, endpoints[0]);
+  for (auto& s : shards) s->Shutdown(absl::Seconds(1));
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  Options o;
   SvcFlags f("hop_bench", "The attention-to-shards hop: dispatch + combine per lane and peers.");
-  f.String("preset", &preset, "model shape: mid or k3");
-  f.String("tokens", &tokens_list, "tokens per peer (T)");
-  f.String("peers", &peers_list, "shards one hop reaches (P)");
-  f.String("senders", &senders_list, "senders hitting one shard at once (goodput)");
-  f.Int64("sender_tokens", &sender_tokens, "T of the senders' batches");
-  f.String("data_planes", &planes, "ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp), grpc");
-  f.Double("seconds", &seconds, "seconds per point (after 3 warm-up hops)");
-  f.Int64("layers", &layers, "MoE layers of the projected decode step (K3: 92)");
-  f.Bool("raw", &raw, "also run ucx_perftest for the raw transport");
+  f.String("preset", &o.preset, "model shape: mid or k3");
+  f.String("tokens", &o.tokens_list, "tokens per peer (T)");
+  f.String("peers", &o.peers_list, "shards one hop reaches (P)");
+  f.String("senders", &o.senders_list, "senders hitting one shard at once (goodput)");
+  f.Int64("sender_tokens", &o.sender_tokens, "T of the senders' batches");
+  f.String("data_planes", &o.planes, "ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp), grpc");
+  f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up hops)");
+  f.Int64("layers", &o.layers, "MoE layers of the projected decode step (K3: 92)");
+  f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  auto cfg = PresetConfig(preset);
+  auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
     std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
     return 2;
   }
-  const std::vector<int64_t> ts = Ints(tokens_list), ps = Ints(peers_list), ss = Ints(senders_list);
-  const int64_t d = cfg->latent, k = cfg->top_k;
-  const int max_peers = static_cast<int>(*std::max_element(ps.begin(), ps.end()));
-  std::printf("preset %s: D %lld, k %lld; memcpy %.1f GB/s; %u CPUs\n", preset.c_str(),
-              static_cast<long long>(d), static_cast<long long>(k), bench::MemcpyBandwidth() / 1e9,
-              std::thread::hardware_concurrency());
-  struct Point {
-    std::string lane;
-    int64_t peers, tokens;
-    double p50;
-  };
-  std::vector<Point> points;
+  std::printf("preset %s: D %lld, k %lld; memcpy %.1f GB/s; %u CPUs\n", o.preset.c_str(),
+              static_cast<long long>(cfg->latent), static_cast<long long>(cfg->top_k),
+              bench::MemcpyBandwidth() / 1e9, std::thread::hardware_concurrency());
   int port = 13500;
-  for (absl::string_view pv : absl::StrSplit(planes, ',')) {
-    const std::string plane(pv);
-    const std::string tls = plane == "ucx_shm" ? "posix" : plane == "ucx_tcp" ? "tcp" : "";
-    if (!tls.empty() && !dataplane::UcxBuilt()) continue;
-    std::vector<std::unique_ptr<expert_svc::ExpertServer>> shards;
-    std::vector<std::string> endpoints;
-    for (int i = 0; i < max_peers; ++i) {
-      auto s = expert_svc::ExpertServer::Start(
-          testing::EchoServerOptions(preset, k, tls, absl::StrFormat("echo-%d", i)));
-      if (!s.ok()) {
-        std::fprintf(stderr, "echo shard: %s\n", s.status().ToString().c_str());
-        return 1;
-      }
-      endpoints.push_back(absl::StrFormat("127.0.0.1:%d", (*s)->port()));
-      shards.push_back(std::move(*s));
-    }
-    auto sender = MakeSender(tls, endpoints, "hop-0");
-    if (!sender.ok()) {
-      std::fprintf(stderr, "sender: %s\n", sender.status().ToString().c_str());
+  for (absl::string_view pv : absl::StrSplit(o.planes, ',')) {
+    if (absl::Status st = Lane(*cfg, o, std::string(pv), &port); !st.ok()) {
+      std::fprintf(stderr, "%s: %s\n", std::string(pv).c_str(), st.ToString().c_str());
       return 1;
     }
-    std::printf(
-        "\n%s: one hop = dispatch + combine to P shards (T tokens x k experts each)\n\n"
-        "| lane | P | T | bytes on the wire | hops | p50 us | p99 us | p99/p50 | GB/s | raw UCX "
-        "RTT us (one peer) | worker RTT us (one peer) | %lld-layer decode step ms |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
-        plane.c_str(), static_cast<long long>(layers));
-    for (int64_t p : ps) {
-      for (int64_t t : ts) {
-        const testing::EchoBatch b = testing::MakeEchoBatch(*cfg, t);
-        const size_t zb = static_cast<size_t>(t * d * 2), yb = b.reply_bytes;
-        std::vector<double> us;
-        bool failed = false;
-        const auto t0 = Clock::now();
-        for (int64_t i = 0; i < 200003; ++i) {
-          if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
-          const auto s = Clock::now();
-          if (!Hop(*sender, static_cast<int>(p), b)) {
-            failed = true;
-            break;
-          }
-          if (i >= 3)
-            us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
-        }
-        if (failed) continue;
-        double raw_rtt = -1, worker_rtt = -1;
-        if (!tls.empty() && p == 1) {
-          if (raw) {
-            const auto lz = bench::PerfTest(tls, "tag_lat", zb, port++);
-            const auto ly = bench::PerfTest(tls, "tag_lat", yb, port++);
-            if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
-          }
-          worker_rtt = bench::WorkerRoundTripUs(tls, zb, yb, std::min(seconds, 0.5));
-        }
-        const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
-        auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
-        std::printf(
-            "| %s | %lld | %lld | %zu | %zu | %.1f | %.1f | %.1f | %.2f | %s | %s | %.2f |\n",
-            plane.c_str(), static_cast<long long>(p), static_cast<long long>(t),
-            static_cast<size_t>(p) * (zb + yb), us.size(), p50, p99, p99 / p50,
-            p * (zb + yb) / (p50 * 1e-6) / 1e9, num(raw_rtt).c_str(), num(worker_rtt).c_str(),
-            layers * p50 / 1e3);
-        std::fflush(stdout);
-        points.push_back({plane, p, t, p50});
-      }
-    }
-    // Goodput of S senders (each its own worker and channel) hitting shard 0 at once.
-    std::printf(
-        "\n%s: S senders to one shard, T = %lld each, back to back for %.1f s\n\n"
-        "| lane | S | hops | goodput GB/s | vs one sender |\n|---|---|---|---|---|\n",
-        plane.c_str(), static_cast<long long>(sender_tokens), seconds);
-    const testing::EchoBatch sb = testing::MakeEchoBatch(*cfg, sender_tokens);
-    const double bytes_per_hop = static_cast<double>(sender_tokens * d * 2) + sb.reply_bytes;
-    double one = 0;
-    for (int64_t n : ss) {
-      std::vector<Sender> senders;
-      bool ok = true;
-      for (int64_t i = 0; i < n && ok; ++i) {
-        auto s = MakeSender(tls, {endpoints[0]}, absl::StrFormat("sender-%d", i));
-        ok = s.ok();
-        if (ok) senders.push_back(std::move(*s));
-      }
-      if (!ok) continue;
-      for (auto& s : senders) (void)Hop(s, 1, sb);  // open every data plane first
-      std::atomic<int64_t> hops{0};
-      std::atomic<bool> failed{false};
-      const auto start = Clock::now();
-      std::vector<std::thread> threads;
-      for (auto& s : senders) {
-        threads.emplace_back([&, sp = &s] {
-          while (std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
-            if (!Hop(*sp, 1, sb)) {
-              failed.store(true);
-              return;
-            }
-            hops.fetch_add(1);
-          }
-        });
-      }
-      for (auto& th : threads) th.join();
-      const double secs = std::chrono::duration<double>(Clock::now() - start).count();
-      const double goodput = hops.load() * bytes_per_hop / secs / 1e9;
-      if (n == ss.front()) one = goodput;
-      std::printf("| %s | %lld | %lld | %.2f | %s |\n", plane.c_str(), static_cast<long long>(n),
-                  static_cast<long long>(hops.load()), goodput,
-                  failed.load() ? "failed" : absl::StrFormat("%.2f", goodput / one).c_str());
-      std::fflush(stdout);
-    }
-    for (auto& s : shards) s->Shutdown(absl::Seconds(1));
   }
   return 0;
 }

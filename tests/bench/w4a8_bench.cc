@@ -38,6 +38,72 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+absl::StatusOr<client::ForwardResult> ForwardIn(client::MoeClient& client, const ModelConfig& cfg,
+                                                const std::vector<Bf16>& x, int64_t tokens,
+                                                v1::Precision p, bool routing) {
+  client::ForwardOptions o;
+  o.precision = p;
+  o.return_routing = routing;
+  return client.Forward(static_cast<int32_t>(cfg.first_moe_layer), x, tokens, cfg.hidden, o);
+}
+
+// Quality on the same inputs: W4A8 against W4A16 through the cluster.
+absl::Status Quality(client::MoeClient& client, const ModelConfig& cfg, int64_t tokens) {
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 77);
+  auto a16 = ForwardIn(client, cfg, x, tokens, v1::PRECISION_W4A16, true);
+  if (!a16.ok()) return a16.status();
+  auto a8 = ForwardIn(client, cfg, x, tokens, v1::PRECISION_W4A8, true);
+  if (!a8.ok()) return a8.status();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a16->out.size(); ++i) {
+    const double d = double{a8->out[i].ToFloat()} - a16->out[i].ToFloat();
+    num += d * d;
+    den += double{a16->out[i].ToFloat()} * a16->out[i].ToFloat();
+  }
+  numerics::UlpStats stats;
+  stats.AddRows(a8->out.data(), a16->out.data(), tokens, cfg.hidden);
+  const bool same_routing = a8->expert_ids == a16->expert_ids && a8->weights == a16->weights;
+  std::printf(
+      "quality, W4A8 vs W4A16, %lld tokens: relative RMS error %.3e, max error %.1f bf16 ulps "
+      "of the row RMS, %.1f%% of outputs differ, routing identical: %s\n",
+      static_cast<long long>(tokens), std::sqrt(num / den), stats.max_row_ulps,
+      100.0 * static_cast<double>(stats.differing) / static_cast<double>(stats.total),
+      same_routing ? "yes" : "NO");
+  return absl::OkStatus();
+}
+
+// One speed row per mode at T tokens: --seconds (at least 2 calls) after a warm-up.
+absl::Status SpeedRows(client::MoeClient& client, const ModelConfig& cfg, int64_t t,
+                       double seconds) {
+  const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
+  int64_t bytes16 = 0;
+  for (v1::Precision p : {v1::PRECISION_W4A16, v1::PRECISION_W4A8}) {
+    if (auto w = ForwardIn(client, cfg, x, t, p, false); !w.ok()) return w.status();
+    int64_t n = 0, bytes = 0;
+    std::vector<double> dispatch;
+    const auto t0 = Clock::now();
+    while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds || n < 2) {
+      auto r = ForwardIn(client, cfg, x, t, p, false);
+      if (!r.ok()) return r.status();
+      bytes = r->dispatch_bytes_sent;
+      dispatch.push_back(r->seconds.dispatch());
+      ++n;
+    }
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (p == v1::PRECISION_W4A16) bytes16 = bytes;
+    char share[32] = "";
+    if (p == v1::PRECISION_W4A8) {
+      std::snprintf(share, sizeof(share), " (%.4f of W4A16)",
+                    static_cast<double>(bytes) / static_cast<double>(bytes16));
+    }
+    std::printf("| %lld | %s | %.1f | %lld%s | %.2f |\n", static_cast<long long>(t),
+                p == v1::PRECISION_W4A8 ? "W4A8" : "W4A16", static_cast<double>(n * t) / wall,
+                static_cast<long long>(bytes), share, 1e3 * Median(dispatch));
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
   std::string checkpoint, preset = "mid", data_plane = "grpc";
   std::vector<int64_t> sizes = {16, 64, 256};
@@ -53,23 +119,7 @@ int Main(int argc, char** argv) {
   f.Int("shards", &shards, "expert shards");
   f.String("data_plane", &data_plane, "grpc or ucx_shm");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  if (absl::StatusOr<std::string> dir = BenchCheckpoint(checkpoint, preset, "moe_w4a8_bench_");
-      dir.ok()) {
-    checkpoint = *dir;
-  } else {
-    std::fprintf(stderr, "%s\n", dir.status().ToString().c_str());
-    return 1;
-  }
-  auto ckpt = checkpoint::Checkpoint::Open(checkpoint);
-  if (!ckpt.ok()) {
-    std::fprintf(stderr, "%s\n", ckpt.status().ToString().c_str());
-    return 1;
-  }
-  const ModelConfig cfg = *(*ckpt)->LoadConfig();
-  const int32_t layer = static_cast<int32_t>(cfg.first_moe_layer);
-
   tools::LocalClusterOptions co;
-  co.checkpoint = checkpoint;
   co.num_shards = shards;
   if (data_plane == "ucx_shm") {
     co.expert_args = co.attention_args = {"--data_plane=ucx", "--ucx_tls=posix"};
@@ -79,87 +129,36 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "--data_plane must be grpc or ucx_shm\n");
     return 2;
   }
-  co.start_timeout = absl::Minutes(10);  // k3 shards map 7.9 GB each
-  auto cluster = tools::LocalCluster::Start(co);
-  if (!cluster.ok()) {
-    std::fprintf(stderr, "%s\n", cluster.status().ToString().c_str());
-    return 1;
-  }
-  client::ClientOptions clo = (*cluster)->client_options();
-  clo.timeout = absl::Minutes(5);
-  auto client = client::MoeClient::Create(clo);
-  if (!client.ok()) return 1;
-  std::printf("%s (H %lld, D %lld, E %lld, k %lld), %d shards, %s, per-pair replies\n",
-              checkpoint.c_str(), static_cast<long long>(cfg.hidden),
-              static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
-              static_cast<long long>(cfg.top_k), shards, data_plane.c_str());
-
-  auto forward = [&](const std::vector<Bf16>& x, int64_t tokens, v1::Precision p,
-                     bool routing) -> absl::StatusOr<client::ForwardResult> {
-    client::ForwardOptions o;
-    o.precision = p;
-    o.return_routing = routing;
-    return (*client)->Forward(layer, x, tokens, cfg.hidden, o);
-  };
-
-  {  // Quality on the same inputs.
-    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, quality_tokens, 77);
-    auto a16 = forward(x, quality_tokens, v1::PRECISION_W4A16, true);
-    auto a8 = forward(x, quality_tokens, v1::PRECISION_W4A8, true);
-    if (!a16.ok() || !a8.ok()) {
-      std::fprintf(stderr, "%s\n", (!a16.ok() ? a16 : a8).status().ToString().c_str());
-      return 1;
-    }
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a16->out.size(); ++i) {
-      const double d = double{a8->out[i].ToFloat()} - a16->out[i].ToFloat();
-      num += d * d;
-      den += double{a16->out[i].ToFloat()} * a16->out[i].ToFloat();
-    }
-    numerics::UlpStats stats;
-    stats.AddRows(a8->out.data(), a16->out.data(), quality_tokens, cfg.hidden);
-    const bool same_routing = a8->expert_ids == a16->expert_ids && a8->weights == a16->weights;
+  absl::Status st = [&]() -> absl::Status {
+    absl::StatusOr<std::string> dir = BenchCheckpoint(checkpoint, preset, "moe_w4a8_bench_");
+    if (!dir.ok()) return dir.status();
+    auto ckpt = checkpoint::Checkpoint::Open(*dir);
+    if (!ckpt.ok()) return ckpt.status();
+    const ModelConfig cfg = *(*ckpt)->LoadConfig();
+    co.checkpoint = *dir;
+    co.start_timeout = absl::Minutes(10);  // k3 shards map 7.9 GB each
+    auto cluster = tools::LocalCluster::Start(co);
+    if (!cluster.ok()) return cluster.status();
+    client::ClientOptions clo = (*cluster)->client_options();
+    clo.timeout = absl::Minutes(5);
+    auto client = client::MoeClient::Create(clo);
+    if (!client.ok()) return client.status();
+    std::printf("%s (H %lld, D %lld, E %lld, k %lld), %d shards, %s, per-pair replies\n",
+                dir->c_str(), static_cast<long long>(cfg.hidden),
+                static_cast<long long>(cfg.latent), static_cast<long long>(cfg.num_experts),
+                static_cast<long long>(cfg.top_k), shards, data_plane.c_str());
+    if (absl::Status q = Quality(**client, cfg, quality_tokens); !q.ok()) return q;
     std::printf(
-        "quality, W4A8 vs W4A16, %lld tokens: relative RMS error %.3e, max error %.1f bf16 ulps "
-        "of the row RMS, %.1f%% of outputs differ, routing identical: %s\n",
-        static_cast<long long>(quality_tokens), std::sqrt(num / den), stats.max_row_ulps,
-        100.0 * static_cast<double>(stats.differing) / static_cast<double>(stats.total),
-        same_routing ? "yes" : "NO");
-  }
-
-  std::printf(
-      "\n| T | mode | tokens/s | activation bytes sent per forward | dispatch ms (median) |\n"
-      "|---:|---|---:|---:|---:|\n");
-  for (int64_t t : sizes) {
-    const std::vector<Bf16> x = checkpoint::SyntheticHiddenStates(cfg, t, 1000 + t);
-    int64_t bytes16 = 0;
-    for (v1::Precision p : {v1::PRECISION_W4A16, v1::PRECISION_W4A8}) {
-      if (!forward(x, t, p, false).ok()) return 1;  // warm-up
-      int64_t n = 0, bytes = 0;
-      std::vector<double> dispatch;
-      const auto t0 = Clock::now();
-      while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds || n < 2) {
-        auto r = forward(x, t, p, false);
-        if (!r.ok()) {
-          std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
-          return 1;
-        }
-        bytes = r->dispatch_bytes_sent;
-        dispatch.push_back(r->seconds.dispatch());
-        ++n;
-      }
-      const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (p == v1::PRECISION_W4A16) bytes16 = bytes;
-      char share[32] = "";
-      if (p == v1::PRECISION_W4A8) {
-        std::snprintf(share, sizeof(share), " (%.4f of W4A16)",
-                      static_cast<double>(bytes) / static_cast<double>(bytes16));
-      }
-      std::printf("| %lld | %s | %.1f | %lld%s | %.2f |\n", static_cast<long long>(t),
-                  p == v1::PRECISION_W4A8 ? "W4A8" : "W4A16", static_cast<double>(n * t) / wall,
-                  static_cast<long long>(bytes), share, 1e3 * Median(dispatch));
-      std::fflush(stdout);
+        "\n| T | mode | tokens/s | activation bytes sent per forward | dispatch ms (median) |\n"
+        "|---:|---|---:|---:|---:|\n");
+    for (int64_t t : sizes) {
+      if (absl::Status r = SpeedRows(**client, cfg, t, seconds); !r.ok()) return r;
     }
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s\n", st.ToString().c_str());
+    return 1;
   }
   return 0;
 }
