@@ -18,6 +18,9 @@ import fs from 'node:fs';
 import { createRequire } from 'node:module';
 import yaml from 'js-yaml';
 
+import { mutationsOf } from './mutations.mjs';
+import { checkNetworkPolicies } from './network_policy_checks.mjs';
+
 const require = createRequire(import.meta.url);
 const models = {
   'v1/ConfigMap': require('kubernetes-models/v1/ConfigMap').ConfigMap,
@@ -51,40 +54,9 @@ function check(cond, message) { if (!cond) failures.push(message); }
 const docs = yaml.loadAll(fs.readFileSync(arg('manifests'), 'utf8')).filter((d) => d);
 console.log(`${docs.length} objects`);
 
-// --mutate NAME breaks the manifests on purpose, so the test can show each check failing.
-const mutations = {
-  'sts-replicas': () => { docs.find((d) => d.kind === 'StatefulSet' && d.metadata.labels['app.kubernetes.io/component'] === 'expert').spec.replicas += 1; },
-  'range-gap': () => {
-    const cm = docs.find((d) => d.data && d.data['ranges.json']);
-    const t = JSON.parse(cm.data['ranges.json']);
-    t.ranges[0][1] -= 1;
-    cm.data['ranges.json'] = JSON.stringify(t);
-  },
-  'no-resources': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].resources; },
-  'probe-port': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].readinessProbe.grpc.port += 1; },
-  'service-selector': () => { docs.find((d) => d.kind === 'Service').spec.selector['app.kubernetes.io/component'] = 'nobody'; },
-  'port-type': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].ports[0].containerPort = 'grpc'; },
-  'root': () => { docs.find((d) => d.kind === 'StatefulSet' && d.metadata.labels['app.kubernetes.io/component'] === 'expert').spec.template.spec.securityContext.runAsNonRoot = false; },
-  'writable-root': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.containers[0].securityContext.readOnlyRootFilesystem = false; },
-  'router-state-lost': () => {
-    const r = docs.find((d) => d.metadata?.labels?.['app.kubernetes.io/component'] === 'router' && d.kind === 'StatefulSet');
-    r.spec.template.spec.containers[0].args = r.spec.template.spec.containers[0].args.filter((a) => !a.startsWith('--state_db'));
-  },
-  'pdb-range': () => {
-    const p = docs.find((d) => d.kind === 'PodDisruptionBudget');
-    p.spec.selector.matchExpressions[0].values.pop();
-    p.spec.selector.matchExpressions[0].values.push('nobody-7');
-  },
-  'extras-leak': () => { docs.find((d) => d.kind === 'Deployment').spec.template.spec.runtimeClassName = 'x'; },
-  'no-checksum': () => { delete docs.find((d) => d.kind === 'Deployment').spec.template.metadata.annotations['checksum/config']; },
-  // The experts' gRPC and data-plane ports open to every pod.
-  'netpol-open': () => { delete docs.find((d) => d.kind === 'NetworkPolicy').spec.ingress[0].from; },
-  // UCX listening outside the ports the policies admit.
-  'ucx-ports': () => {
-    const box = docs.find((d) => d.kind === 'StatefulSet' && d.metadata.labels['app.kubernetes.io/component'] === 'expert').spec.template.spec.containers[0];
-    box.env = box.env.filter((e) => e.name !== 'UCX_TCP_PORT_RANGE');
-  },
-};
+// --mutate NAME breaks the manifests on purpose, so the test can show each check failing
+// (mutations.mjs).
+const mutations = mutationsOf(docs);
 const mutation = arg('mutate');
 if (mutation) {
   if (!mutations[mutation]) { console.error(`unknown mutation ${mutation}`); process.exit(2); }
@@ -460,55 +432,9 @@ if (flag('expect-pod-extras')) {
           `${w.metadata.name}: pod extras without values`);
   }
 }
-// NetworkPolicies (unless --expect-no-networkpolicy): the expert pods admit their gRPC
-// port and the UCX ports only from the attention pods, the attention pods the UCX ports only from
-// the expert pods; the UCX ports are the range every attention and expert container gives UCX
-// (UCX_TCP_PORT_RANGE), so UCX listens nowhere the policies do not name.
-{
-  const policies = byKind('NetworkPolicy');
-  const podsOf = (c) => workloads.find((w) => w.metadata.labels['app.kubernetes.io/component'] === c);
-  const range = (c) => {
-    const w = podsOf(c);
-    const e = (w?.spec.template.spec.containers[0].env || []).find((x) => x.name === 'UCX_TCP_PORT_RANGE');
-    return e ? e.value.split('-').map(Number) : undefined;
-  };
-  if (!flag('expect-no-networkpolicy')) {
-    check(policies.length === 2, `${policies.length} NetworkPolicies (expected the expert and attention ones)`);
-    const ucx = !(flagValue(podsOf('expert')?.spec.template.spec.containers[0].args, 'data_plane') === 'grpc');
-    for (const [c, peer] of [['expert', 'attention'], ['attention', 'expert']]) {
-      const np = policies.find((p) => matches(p.spec.podSelector.matchLabels, podsOf(c)?.spec.template.metadata.labels));
-      check(np, `no NetworkPolicy selects the ${c} pods`);
-      if (!np) continue;
-      check(JSON.stringify(np.spec.policyTypes) === '["Ingress"]', `${np.metadata.name}: policyTypes ${np.spec.policyTypes}`);
-      const r = range(c);
-      check(r && r.length === 2 && r[0] < r[1], `${c} pods give UCX no port range (UCX_TCP_PORT_RANGE)`);
-      // Every rule that names a UCX port, or an expert's gRPC port, admits only the peer's pods.
-      const grpc = Number(flagValue(podsOf(c).spec.template.spec.containers[0].args, 'port'));
-      let ucxRule = false;
-      for (const rule of np.spec.ingress || []) {
-        for (const port of rule.ports || []) {
-          const isUcx = r && port.port === r[0] && port.endPort === r[1];
-          const guarded = isUcx || (c === 'expert' && port.port === grpc);
-          if (!guarded) continue;
-          ucxRule ||= isUcx;
-          const from = rule.from || [];
-          check(from.length > 0 && from.every((f) => f.podSelector &&
-                  matches(f.podSelector.matchLabels, podsOf(peer).spec.template.metadata.labels) &&
-                  !f.namespaceSelector && !f.ipBlock),
-                `${np.metadata.name}: port ${port.port} admits more than the ${peer} pods`);
-        }
-        // No rule opens a port range wider than UCX's.
-        for (const port of rule.ports || []) {
-          check(port.endPort === undefined || (r && port.port === r[0] && port.endPort === r[1]),
-                `${np.metadata.name}: a port range ${port.port}-${port.endPort} that is not UCX's`);
-        }
-      }
-      check(ucxRule === ucx, `${np.metadata.name}: the UCX ports are ${ucxRule ? '' : 'not '}admitted with data plane ${ucx ? 'on' : 'off'}`);
-    }
-  } else {
-    check(policies.length === 0, `${policies.length} NetworkPolicies with networkPolicy.enabled=false`);
-  }
-}
+// NetworkPolicies (network_policy_checks.mjs).
+checkNetworkPolicies({ byKind, workloads, flagValue, matches, check,
+                       expectNone: flag('expect-no-networkpolicy') });
 
 // --expect-name-prefix: every object's name (fullnameOverride).
 if (arg('expect-name-prefix')) {

@@ -14,6 +14,19 @@ LAYER = 1
 LIMIT = 128 << 20
 OPTIONS = [("grpc.max_receive_message_length", LIMIT), ("grpc.max_send_message_length", LIMIT)]
 C = grpc.StatusCode
+CANARY_TOKENS = 4
+ADMIN = "hostile-test-admin"
+MAX_WATCHERS = 32
+
+# The catalogue: (name, case) in the order the case modules register them.
+CASES = []
+
+
+def case(name):
+    def register(fn):
+        CASES.append((name, fn))
+        return fn
+    return register
 
 
 class Ctx:
