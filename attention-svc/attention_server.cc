@@ -22,6 +22,7 @@
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
 #include "services/common/version.h"
+#include "services/metrics/http_routes.h"
 #include "services/metrics/http_server.h"
 #include "services/metrics/metrics_server.h"
 #include "services/metrics/process_collector.h"
@@ -58,7 +59,6 @@ class AttentionServer::Impl {
   std::shared_ptr<metrics::ScrapedCounter> dp_drops_;
   std::unique_ptr<AttentionGrpcFront> grpc_front_;
   std::unique_ptr<OipService> oip_;    // the Open Inference Protocol front
-  std::unique_ptr<OipRest> oip_rest_;  // its REST/JSON form (--http_port)
   std::unique_ptr<metrics::HttpServer> http_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
@@ -150,7 +150,9 @@ OipService::Hooks AttentionServer::Impl::OipHooks() {
 
 absl::Status AttentionServer::Impl::StartHttp() {
   if (options_.http_port < 0) return absl::OkStatus();
-  oip_rest_ = std::make_unique<OipRest>(oip_.get(), options_.default_timeout_ms);
+  // The REST fronts, one line each (http_routes.h): a second flavour is its adapter and a line.
+  metrics::HttpRoutes routes;
+  routes.Add("v2", std::make_shared<OipRest>(oip_.get(), options_.default_timeout_ms));
   // Event-driven (http_server.h): idle and slow clients hold sockets, not threads. The handler
   // threads each run one ModelInfer at a time; a body may take up to 30 s to arrive.
   metrics::HttpServerOptions ho;
@@ -159,9 +161,7 @@ absl::Status AttentionServer::Impl::StartHttp() {
   ho.request_deadline = absl::Seconds(30);
   MOE_ASSIGN_OR_RETURN(
       http_,
-      metrics::HttpServer::Start(
-          options_.host, options_.http_port,
-          [rest = oip_rest_.get()](const metrics::HttpRequest& r) { return rest->Handle(r); }, ho));
+      metrics::HttpServer::Start(options_.host, options_.http_port, routes.AsHandler(), ho));
   MOE_LOG_INFO("Open Inference Protocol REST front on port {}", http_->port());
   if (!options_.http_port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.http_port_file, http_->port()));

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "router-svc/router_server.h"
 #include "services/checkpoint/synthetic.h"
+#include "services/metrics/http_routes.h"
 #include "services/metrics/metrics_server.h"
 #include "tests/common/http_client.h"
 
@@ -68,6 +70,43 @@ TEST(HttpServer, ParsesRequestsAndBoundsThem) {
   EXPECT_EQ(HttpStatusOf(HttpExchange(port, "GET / HTTP/1.1\r\nHost: h\r\n\r\n")), 200);
   EXPECT_EQ((*server)->stats().requests, 2);
   (*server)->Stop();
+}
+
+// A front that answers with its name and the path it was handed.
+struct NamedFront {
+  std::string name;
+  HttpResponse Handle(const HttpRequest& r) const { return {200, "text/plain", name + r.path}; }
+};
+
+// The routes hand each path to the front of its first segment, over a real server; a path no
+// front serves is 404 naming the served ones, with the path's hostile bytes neutralized; the
+// fronts outlive the routes object that registered them (the server holds them).
+TEST(HttpRoutes, HandEachPathToTheFrontOfItsFirstSegment) {
+  std::unique_ptr<HttpServer> server;
+  {
+    HttpRoutes routes;
+    routes.Add("v2", std::make_shared<NamedFront>(NamedFront{"oip:"}));
+    routes.Add("v1", std::make_shared<NamedFront>(NamedFront{"other:"}));
+    auto s = HttpServer::Start("127.0.0.1", 0, routes.AsHandler());
+    ASSERT_TRUE(s.ok()) << s.status();
+    server = std::move(*s);
+  }
+  const int port = server->port();
+  auto get = [&](const std::string& path) {
+    return HttpExchange(port, "GET " + path + " HTTP/1.1\r\nHost: h\r\n\r\n");
+  };
+  EXPECT_EQ(HttpBodyOf(get("/v2/health/live")), "oip:/v2/health/live");
+  EXPECT_EQ(HttpBodyOf(get("/v2")), "oip:/v2");
+  EXPECT_EQ(HttpBodyOf(get("//v1/models")), "other://v1/models");
+  for (const std::string path : {"/", "/v3/x", "/v2x", "/%22%5C%0A"}) {
+    SCOPED_TRACE(path);
+    const std::string r = get(path);
+    EXPECT_EQ(HttpStatusOf(r), 404);
+    EXPECT_NE(HttpBodyOf(r).find("(this server serves /v1, /v2)"), std::string::npos)
+        << HttpBodyOf(r);
+    EXPECT_EQ(HttpBodyOf(r).find_first_of("\\\n"), std::string::npos) << HttpBodyOf(r);
+  }
+  server->Stop();
 }
 
 // Framing by the rules of RFC 9112 and 9110 (the finding: two conflicting Content-Length headers
