@@ -58,7 +58,7 @@ class AttentionServer::Impl {
   // before the core goes).
   std::shared_ptr<metrics::ScrapedCounter> dp_drops_;
   std::unique_ptr<AttentionGrpcFront> grpc_front_;
-  std::unique_ptr<OipService> oip_;    // the Open Inference Protocol front
+  std::unique_ptr<OipService> oip_;  // the Open Inference Protocol front
   std::unique_ptr<metrics::HttpServer> http_;
   std::unique_ptr<transport::GrpcServer> server_;
   std::unique_ptr<client::RouterLink> router_;  // placement and bias watches, reports
@@ -160,8 +160,7 @@ absl::Status AttentionServer::Impl::StartHttp() {
   ho.max_body_bytes = static_cast<size_t>(std::max<int64_t>(options_.max_http_body_bytes, 1));
   ho.request_deadline = absl::Seconds(30);
   MOE_ASSIGN_OR_RETURN(
-      http_,
-      metrics::HttpServer::Start(options_.host, options_.http_port, routes.AsHandler(), ho));
+      http_, metrics::HttpServer::Start(options_.host, options_.http_port, routes.AsHandler(), ho));
   MOE_LOG_INFO("Open Inference Protocol REST front on port {}", http_->port());
   if (!options_.http_port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.http_port_file, http_->port()));

@@ -31,19 +31,22 @@ class HttpRoutes {
     const size_t begin = r.path.find_first_not_of('/');
     const size_t end = begin == std::string::npos ? begin : r.path.find('/', begin);
     const std::string first =
-        begin == std::string::npos ? "" : r.path.substr(begin, end == std::string::npos
-                                                                   ? std::string::npos
-                                                                   : end - begin);
+        begin == std::string::npos
+            ? ""
+            : r.path.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
     auto it = fronts_.find(first);
     if (it != fronts_.end()) return it->second(r);
     std::string served;
-    for (const auto& [segment, unused] : fronts_) served += (served.empty() ? "/" : ", /") + segment;
+    for (const auto& [segment, unused] : fronts_)
+      served += (served.empty() ? "/" : ", /") + segment;
     std::string path = r.path.substr(0, 64);
     for (char& c : path) {  // the path as JSON text without escapes: printable ASCII, no quotes
       if (c < 0x20 || c > 0x7e || c == '"' || c == '\\') c = '?';
     }
-    return {404, "application/json",
-            "{\"error\":\"no such path " + path + " (this server serves " + served + ")\"}", {}};
+    return {404,
+            "application/json",
+            "{\"error\":\"no such path " + path + " (this server serves " + served + ")\"}",
+            {}};
   }
 
   // What HttpServer::Start takes: the routes, shared with the server.

@@ -179,8 +179,8 @@ absl::Status OverloadStep(client::MoeClient& client, const std::string& metrics,
   for (const auto& [code, n] : r->errors) errors += n;
   std::printf("| %.1f | %d | %.0f | %.2f | %.0f | %.1f | %lld |\n", t + 0.5, in_flight,
               testing::ScrapeSum(metrics, "moe_auto_expert_budget", {}),
-              tok1 > tok0 ? (pair1 - pair0) / (tok1 - tok0) : 0.0, r->tokens_per_second,
-              r->p99_ms, static_cast<long long>(errors));
+              tok1 > tok0 ? (pair1 - pair0) / (tok1 - tok0) : 0.0, r->tokens_per_second, r->p99_ms,
+              static_cast<long long>(errors));
   std::fflush(stdout);
   return absl::OkStatus();
 }

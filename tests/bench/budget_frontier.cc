@@ -40,10 +40,10 @@ std::vector<float> ToFloat(const std::vector<Bf16>& v) {
 
 // One table row: the rule's routing on the eval scores, its kept loads' balance, and the
 // output against the full top-k.
-void PrintRow(int64_t b, const char* mode, const numerics::BudgetRule& rule,
-              const ModelConfig& cfg, const std::vector<float>& se,
-              const numerics::Routing& full_routing, const std::vector<float>& o,
-              const std::vector<float>& full_out, const std::vector<int32_t>& shard_of) {
+void PrintRow(int64_t b, const char* mode, const numerics::BudgetRule& rule, const ModelConfig& cfg,
+              const std::vector<float>& se, const numerics::Routing& full_routing,
+              const std::vector<float>& o, const std::vector<float>& full_out,
+              const std::vector<int32_t>& shard_of) {
   const int64_t e = cfg.num_experts, eval = full_routing.tokens;
   numerics::Routing r = full_routing;
   double mass = 0;
@@ -54,13 +54,12 @@ void PrintRow(int64_t b, const char* mode, const numerics::BudgetRule& rule,
     if (id >= 0) ++loads[id];
   }
   const numerics::BalanceMetrics bal = numerics::ComputeBalance(loads, shard_of);
-  std::printf("| %lld | %s | %s | %.2f | %.4f | %.3f | %.3f | %.3f | %.3f |\n",
-              static_cast<long long>(b), mode,
-              rule.top_p > 0 ? absl::StrFormat("%.4f", rule.top_p).c_str() : "-",
-              static_cast<double>(pairs) / eval,
-              numerics::RelativeL2(o.data(), full_out.data(), o.size()), mass / eval,
-              numerics::Top1Agreement(o.data(), full_out.data(), eval, cfg.hidden), bal.max_vio,
-              bal.shard_max_over_mean);
+  std::printf(
+      "| %lld | %s | %s | %.2f | %.4f | %.3f | %.3f | %.3f | %.3f |\n", static_cast<long long>(b),
+      mode, rule.top_p > 0 ? absl::StrFormat("%.4f", rule.top_p).c_str() : "-",
+      static_cast<double>(pairs) / eval, numerics::RelativeL2(o.data(), full_out.data(), o.size()),
+      mass / eval, numerics::Top1Agreement(o.data(), full_out.data(), eval, cfg.hidden),
+      bal.max_vio, bal.shard_max_over_mean);
 }
 
 int Main(int argc, char** argv) {

@@ -94,8 +94,8 @@ struct Row {
 };
 inline std::vector<Row> g_rows;  // every row printed, for the table at the end
 
-inline void Add(std::string what, std::string value, std::string limit = "", std::string fraction = "",
-         std::string target = "") {
+inline void Add(std::string what, std::string value, std::string limit = "",
+                std::string fraction = "", std::string target = "") {
   std::printf("  %-46s %-22s %-30s %-12s %s\n", what.c_str(), value.c_str(), limit.c_str(),
               fraction.c_str(), target.c_str());
   std::fflush(stdout);

@@ -122,8 +122,8 @@ void RoundTripRow(testing::EchoShard& shard, const ModelConfig& cfg, const Optio
     if (i == 3) before = Usage::Now();
     if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > o.seconds) break;
     const auto s = Clock::now();
-    auto reply = shard.channel().Send(batch.header, batch.message)->Wait(absl::Now() +
-                                                                         absl::Seconds(20));
+    auto reply =
+        shard.channel().Send(batch.header, batch.message)->Wait(absl::Now() + absl::Seconds(20));
     const double e = std::chrono::duration<double, std::micro>(Clock::now() - s).count();
     if (!reply.ok()) {
       std::fprintf(stderr, "%s T %lld: %s\n", plane.c_str(), static_cast<long long>(t),

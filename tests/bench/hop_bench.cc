@@ -155,7 +155,8 @@ void Goodput(const ModelConfig& cfg, const Options& o, const std::string& plane,
       "| lane | S | hops | goodput GB/s | vs one sender |\n|---|---|---|---|---|\n",
       plane.c_str(), static_cast<long long>(o.sender_tokens), o.seconds);
   const testing::EchoBatch sb = testing::MakeEchoBatch(cfg, o.sender_tokens);
-  const double bytes_per_hop = static_cast<double>(o.sender_tokens * cfg.latent * 2) + sb.reply_bytes;
+  const double bytes_per_hop =
+      static_cast<double>(o.sender_tokens * cfg.latent * 2) + sb.reply_bytes;
   const std::vector<int64_t> ss = Ints(o.senders_list);
   double one = 0;
   for (int64_t n : ss) {

@@ -303,8 +303,8 @@ W4A8Batch MakeW4A8Batch(const ModelConfig& cfg) {
   routing.weights.assign(4, 1.0f);
   numerics::cpu::ThreadPool pool(1);
   const auto& kernels = numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate);
-  b.want = numerics::cpu::RunExperts(kernels, &pool, cfg, full, routing,
-                                     z8.Gather(source.data(), 4));
+  b.want =
+      numerics::cpu::RunExperts(kernels, &pool, cfg, full, routing, z8.Gather(source.data(), 4));
   return b;
 }
 

@@ -388,8 +388,7 @@ double CopyBandwidth() {
 
 // The grouped FFN of `experts` random K3 experts, `per_expert` rows each: best of 5 in ms, and
 // the weight bytes/s and FLOP/s that makes.
-float TimeFfn(std::mt19937& rng, int experts, int per_expert, double* weight_bytes,
-              double* flops) {
+float TimeFfn(std::mt19937& rng, int experts, int per_expert, double* weight_bytes, double* flops) {
   std::vector<HostExpert> host;
   std::vector<mc::DeviceExpert> dev;
   for (int g = 0; g < experts; ++g) {

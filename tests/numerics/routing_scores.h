@@ -21,7 +21,7 @@ namespace moe::numerics::testing {
 // Sigmoid scores with per-expert logit offsets: offset > 0 makes an expert hot, very negative
 // makes it dead.
 inline std::vector<float> SkewedScores(int64_t m, int64_t n, const std::vector<float>& offsets,
-                                uint64_t seed) {
+                                       uint64_t seed) {
   Rng rng(seed);
   std::vector<float> s(static_cast<size_t>(m * n));
   for (int64_t i = 0; i < m; ++i) {
@@ -46,7 +46,8 @@ inline std::vector<float> SkewedScores(int64_t m, int64_t n, uint64_t seed, floa
 }
 
 // The QB bias of a window, so that the full top-k loads are even before any budget.
-inline std::vector<float> BalancedBias(const std::vector<float>& s, int64_t m, int64_t n, int64_t k) {
+inline std::vector<float> BalancedBias(const std::vector<float>& s, int64_t m, int64_t n,
+                                       int64_t k) {
   std::vector<float> bias(static_cast<size_t>(n), 0.0f);
   for (int step = 0; step < 2; ++step) bias = QbExactStep(s, m, n, bias, k)->bias;
   return bias;
@@ -115,8 +116,8 @@ inline void MakeColumnsDistinct(std::vector<float>* s, int64_t m, int64_t n) {
 }
 
 // An empty histogram of layer 3 over `bias` (window and bias version 1 unless told).
-inline QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins, uint64_t window = 1,
-                          uint64_t version = 1) {
+inline QbHistogram MakeHistogram(const std::vector<float>& bias, int64_t k, int bins,
+                                 uint64_t window = 1, uint64_t version = 1) {
   QbWindow w;
   w.window_id = window;
   w.bias_version = version;

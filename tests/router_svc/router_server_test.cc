@@ -141,11 +141,12 @@ v1::ReportStatsRequest Report(const numerics::QbHistogram& h) {
 // Rebalance, the modes and rollback, one step per method.
 class RouterWindows : public ::testing::Test {
  protected:
-  RouterWindows() : r_([] {
-    RouterServerOptions o;
-    o.admin_token = "t0k";
-    return o;
-  }()) {
+  RouterWindows()
+      : r_([] {
+          RouterServerOptions o;
+          o.admin_token = "t0k";
+          return o;
+        }()) {
     gs_.set_layer(1);
     rb_.set_layer(1);
     sm_.set_layer(1);

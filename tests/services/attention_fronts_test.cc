@@ -105,8 +105,8 @@ class ClusterStreams : public testing::ClusterTest {
   double AwaitSkipped(double at_least, int tries) {
     double skipped = 0;
     for (int i = 0; i < tries; ++i) {
-      skipped = AttentionMetric("moe_errors_total",
-                                {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
+      skipped =
+          AttentionMetric("moe_errors_total", {"method=\"ForwardStream\"", "code=\"CANCELLED\""});
       if (skipped >= at_least) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }

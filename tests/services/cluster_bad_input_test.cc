@@ -184,8 +184,7 @@ void ClusterBadInput::CheckForwardRefusals() {
               absl::StrCat("layer ", layer() + 5, " is not hosted"));
   std::vector<Bf16> nan_x = x_;
   nan_x[3 * h_ + 5] = Bf16::FromFloat(std::nanf(""));
-  ExpectError(user().Forward(layer(), nan_x, 8, h_), absl::StatusCode::kInvalidArgument,
-              "token 3");
+  ExpectError(user().Forward(layer(), nan_x, 8, h_), absl::StatusCode::kInvalidArgument, "token 3");
   // Over max_tokens, and over the gRPC message limit (20000 x 128 bf16 = 5.1 MB > 4 MiB).
   const std::vector<Bf16> many = checkpoint::SyntheticHiddenStates(cfg(), 2000, 4);
   ExpectError(user().Forward(layer(), many, 2000, h_), absl::StatusCode::kResourceExhausted,

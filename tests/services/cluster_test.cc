@@ -210,17 +210,18 @@ class ClusterEquivalence : public testing::ClusterTestWithParam<ClusterCase> {
     }
     if (p.transport != "ucx") return;
     const std::string kind = p.name.find("_tcp") != std::string::npos ? "tcp" : "shm";
-    const std::string theirs = kind == "tcp" ? "shard_lanes=\"tcp\"" : "shard_lanes=\"shm (posix)\"";
+    const std::string theirs =
+        kind == "tcp" ? "shard_lanes=\"tcp\"" : "shard_lanes=\"shm (posix)\"";
     for (int i = 0; i < cluster().num_shards(); ++i) {
       const std::string shard = absl::StrCat("shard=\"shard-", i, "\"");
-      EXPECT_EQ(AttentionMetric("moe_data_plane_lane_info",
-                                {shard, absl::StrCat("kind=\"", kind, "\"")}),
-                1)
+      EXPECT_EQ(
+          AttentionMetric("moe_data_plane_lane_info", {shard, absl::StrCat("kind=\"", kind, "\"")}),
+          1)
           << "shard-" << i << " is not on " << kind;
       EXPECT_EQ(AttentionMetric("moe_data_plane_lane_info", {shard, theirs}), 1);
-      EXPECT_GT(ShardMetric(i, "moe_wire_bytes_total",
-                            {"direction=\"received\"", "transport=\"ucx\""}),
-                0);
+      EXPECT_GT(
+          ShardMetric(i, "moe_wire_bytes_total", {"direction=\"received\"", "transport=\"ucx\""}),
+          0);
     }
   }
 };
@@ -336,12 +337,10 @@ class ClusterFailures : public testing::ClusterTest {
 
 TEST_F(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
   ASSERT_TRUE(cluster().SignalShard(1, SIGKILL).ok());
-  ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5),
-                     absl::Seconds(5));
+  ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5), absl::Seconds(5));
   // Once the heartbeats are missed the router marks it unhealthy; still named.
   std::this_thread::sleep_for(std::chrono::milliseconds(900));
-  ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5),
-                     absl::Seconds(5));
+  ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5), absl::Seconds(5));
   ASSERT_TRUE(cluster().RestartShard(1).ok());
   ASSERT_NO_FATAL_FAILURE(ExpectServedAgain());
 

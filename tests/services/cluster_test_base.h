@@ -36,8 +36,7 @@ class ClusterTest : public ::testing::Test {
  public:  // what helpers of a test (traffic threads, canaries) read too
   // The checkpoint of `preset` (written once per binary), the oracle layer on it, and the
   // cluster's options over it (TestCluster: one thread per process; empty ranges: two equal).
-  void UsePreset(const std::string& preset,
-                 std::vector<std::pair<int64_t, int64_t>> ranges = {}) {
+  void UsePreset(const std::string& preset, std::vector<std::pair<int64_t, int64_t>> ranges = {}) {
     checkpoint_ = CheckpointFor(preset);
     oracle_ = InProcessLayer(checkpoint_, &cfg_);
     options_ = TestCluster(checkpoint_, std::move(ranges));
@@ -73,8 +72,7 @@ class ClusterTest : public ::testing::Test {
     return checkpoint::SyntheticHiddenStates(cfg_, tokens, seed);
   }
   // The oracle's output for x (bias of the checkpoint, or `bias` when given).
-  std::vector<Bf16> Want(const std::vector<Bf16>& x, int64_t tokens,
-                         const float* bias = nullptr) {
+  std::vector<Bf16> Want(const std::vector<Bf16>& x, int64_t tokens, const float* bias = nullptr) {
     auto r = oracle_->Forward(x, tokens, cfg_.hidden, bias);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->out : std::vector<Bf16>();

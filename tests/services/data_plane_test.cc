@@ -12,8 +12,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <utility>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -45,8 +45,7 @@ using testing::UcxArgs;
 // `shard` (UNAVAILABLE or DEADLINE_EXCEEDED), failed otherwise, or hung past its deadline.
 class ShardFailureTraffic {
  public:
-  ShardFailureTraffic(testing::ClusterTest& f, std::string shard, int clients,
-                      int64_t tokens)
+  ShardFailureTraffic(testing::ClusterTest& f, std::string shard, int clients, int64_t tokens)
       : shard_(std::move(shard)) {
     for (int c = 0; c < clients; ++c) {
       xs_.push_back(f.Hidden(tokens, 300 + c));
@@ -121,7 +120,8 @@ class ClusterDataPlane : public testing::AttackedClusterTest {
     }
   }
   // x is answered again, bit for bit (bounded: 100 x 100 ms).
-  void ExpectServedAgain(const std::vector<Bf16>& x, int64_t tokens, const std::vector<Bf16>& want) {
+  void ExpectServedAgain(const std::vector<Bf16>& x, int64_t tokens,
+                         const std::vector<Bf16>& want) {
     absl::StatusOr<client::ForwardResult> back = absl::UnknownError("not tried");
     for (int i = 0; i < 100 && !back.ok(); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -168,9 +168,9 @@ TEST_F(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
             0)
       << "the restarted shard must be on UCX again";
   EXPECT_EQ(AttentionMetric("moe_wire_bytes_total", {"peer=\"expert\"", "transport=\"grpc\""}), 0);
-  EXPECT_GE(AttentionMetric("moe_data_plane_events_total",
-                            {"shard=\"shard-1\"", "event=\"connected\""}),
-            2);
+  EXPECT_GE(
+      AttentionMetric("moe_data_plane_events_total", {"shard=\"shard-1\"", "event=\"connected\""}),
+      2);
 }
 
 // auto falls back to in-band gRPC where a shard offers no UCX (counted), and stays exact.

@@ -308,9 +308,11 @@ class ClusterDynamicKAuto : public ClusterDynamicK {
     EXPECT_GT(load->ok, 0);
     EXPECT_EQ(load->ok, load->requests) << "no request fails while the budget steps";
     const std::string during = cluster().attention_metrics();
-    const double down = testing::ScrapeSum(during, "moe_budget_steps_total", {"direction=\"down\""});
+    const double down =
+        testing::ScrapeSum(during, "moe_budget_steps_total", {"direction=\"down\""});
     EXPECT_GE(down, 1) << "the overload stepped the cap down";
-    const double tokens = testing::ScrapeSum(during, "moe_budget_tokens_total", {"kind=\"tokens\""});
+    const double tokens =
+        testing::ScrapeSum(during, "moe_budget_tokens_total", {"kind=\"tokens\""});
     const double pairs = testing::ScrapeSum(during, "moe_budget_tokens_total", {"kind=\"pairs\""});
     std::printf("[dynamic k auto] %.0f steps down, %.2f experts per token over the run\n", down,
                 pairs / tokens);
@@ -352,7 +354,8 @@ TEST_F(ClusterDynamicKAuto, TheAutomaticModeStepsDownUnderOverloadAndBackUp) {
   ASSERT_NO_FATAL_FAILURE(StartBudgetCluster(
       {{0, 64}, {64, 128}}, {"--workers=1", "--budget_auto_floor=3", "--budget_auto_queue=2",
                              "--budget_auto_interval_ms=100", "--budget_check_every=2"}));
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(admin().Forward(layer(), Hidden(128, 700 + i), 128, hidden()).ok());
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(admin().Forward(layer(), Hidden(128, 700 + i), 128, hidden()).ok());
   // Thresholds solved, the layer's own budget the full top-k: only the automatic mode limits.
   absl::StatusOr<v1::LayerBias> set = absl::UnknownError("not set");
   for (int i = 0; i < 100 && !set.ok(); ++i) {

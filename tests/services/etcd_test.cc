@@ -98,11 +98,11 @@ class ClusterEtcd : public testing::ClusterTest {
     const int client_port = FreePort(), peer_port = FreePort();
     etcd_ = absl::StrCat("127.0.0.1:", client_port);
     const std::string peer = absl::StrCat("http://127.0.0.1:", peer_port);
-    ASSERT_TRUE(Spawn({"/usr/bin/etcd", "--data-dir", work_ + "/etcd", "--listen-client-urls",
-                       "http://" + etcd_, "--advertise-client-urls", "http://" + etcd_,
-                       "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                       "--initial-cluster", "default=" + peer},
-                      work_ + "/etcd.log", &etcd_proc_));
+    ASSERT_TRUE(Spawn(
+        {"/usr/bin/etcd", "--data-dir", work_ + "/etcd", "--listen-client-urls", "http://" + etcd_,
+         "--advertise-client-urls", "http://" + etcd_, "--listen-peer-urls", peer,
+         "--initial-advertise-peer-urls", peer, "--initial-cluster", "default=" + peer},
+        work_ + "/etcd.log", &etcd_proc_));
     bool up = false;
     for (int i = 0; i < 100 && !up; ++i) {  // 10 s
       up = router_svc::EtcdStore::Connect(etcd_, "/probe").ok();
@@ -136,14 +136,14 @@ class ClusterEtcd : public testing::ClusterTest {
 
   // router-b joins as a standby: not ready, and its admin calls refused naming it.
   void StartStandby() {
-    ASSERT_TRUE(Spawn(testing::Concat({MOE_BIN_DIR "/router-svc", "--checkpoint=" + checkpoint_dir(),
-                                       "--port=0", "--port_file=" + work_ + "/router-b.port",
-                                       "--metrics_port=-1", "--web_port=-1", "--name=router-b",
-                                       "--heartbeat_interval_ms=200",
-                                       "--cluster_token_file=" + work_ + "/cluster_token",
-                                       "--admin_token_file=" + work_ + "/admin_token"},
-                                      OnEtcd()),
-                      work_ + "/router-b.log", &b_));
+    ASSERT_TRUE(Spawn(
+        testing::Concat({MOE_BIN_DIR "/router-svc", "--checkpoint=" + checkpoint_dir(), "--port=0",
+                         "--port_file=" + work_ + "/router-b.port", "--metrics_port=-1",
+                         "--web_port=-1", "--name=router-b", "--heartbeat_interval_ms=200",
+                         "--cluster_token_file=" + work_ + "/cluster_token",
+                         "--admin_token_file=" + work_ + "/admin_token"},
+                        OnEtcd()),
+        work_ + "/router-b.log", &b_));
     const int b_port = ReadPort(work_ + "/router-b.port");
     ASSERT_GT(b_port, 0);
     b_endpoint_ = absl::StrCat("127.0.0.1:", b_port);

@@ -93,8 +93,7 @@ class AttackedClusterTest : public ClusterTest {
     want_ = Want(x_, kTokens);
   }
   std::unique_ptr<Canary> StartCanary(int max_requests = 5000) {
-    return std::make_unique<Canary>(cluster(), layer(), x_, kTokens, hidden(), want_,
-                                    max_requests);
+    return std::make_unique<Canary>(cluster(), layer(), x_, kTokens, hidden(), want_, max_requests);
   }
   // Stops the canary: at least `min_ok` answers, every one bit-exact, none failed.
   void ExpectCleanCanary(Canary& canary, int min_ok) {

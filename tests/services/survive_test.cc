@@ -33,8 +33,8 @@ void Sleep(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 // request and its oracle answer, and two traffic threads of it.
 class SurviveTest : public testing::ClusterTest {
  protected:
-  void StartTiny(std::vector<std::pair<int64_t, int64_t>> ranges, int heartbeat_ms,
-                 uint64_t seed, int64_t tokens = 4) {
+  void StartTiny(std::vector<std::pair<int64_t, int64_t>> ranges, int heartbeat_ms, uint64_t seed,
+                 int64_t tokens = 4) {
     UsePreset("tiny", std::move(ranges));
     options().router_args = {absl::StrCat("--heartbeat_interval_ms=", heartbeat_ms)};
     tokens_ = tokens;

@@ -127,10 +127,10 @@ class ClusterTls : public testing::ClusterTest {
     const std::string probe = absl::StrCat(
         MOE_BIN_DIR,
         "/moe-cli health --service=moe.liveness --endpoint=", cluster().attention_endpoint());
-    EXPECT_THAT(RunShell(absl::StrCat(probe, " --tls_ca_file=", m.ca_file,
-                                      " --tls_cert_file=", m.cert_file,
-                                      " --tls_key_file=", m.key_file, " 2>&1; echo rc=$?")),
-                ::testing::HasSubstr("SERVING\nrc=0"));
+    EXPECT_THAT(
+        RunShell(absl::StrCat(probe, " --tls_ca_file=", m.ca_file, " --tls_cert_file=", m.cert_file,
+                              " --tls_key_file=", m.key_file, " 2>&1; echo rc=$?")),
+        ::testing::HasSubstr("SERVING\nrc=0"));
     EXPECT_THAT(RunShell(probe + " 2>&1; echo rc=$?"), ::testing::HasSubstr("rc=1"));
   }
 
@@ -152,8 +152,8 @@ class ClusterTls : public testing::ClusterTest {
     }
   }
 
-  static constexpr const char* kProcesses[] = {"router-svc", "attention-svc", "shard-0",
-                                               "shard-1", "client"};
+  static constexpr const char* kProcesses[] = {"router-svc", "attention-svc", "shard-0", "shard-1",
+                                               "client"};
   std::string pki_;
   std::vector<Bf16> x_, want_;
 };

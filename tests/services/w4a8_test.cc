@@ -49,7 +49,8 @@ class ClusterW4A8 : public testing::ClusterTestWithParam<W4A8Case> {
     SCOPED_TRACE(absl::StrCat("T=", tokens));
     const int64_t d = cfg().latent;
     const std::vector<Bf16> x = Hidden(tokens, 300 + tokens);
-    auto want8 = oracle().Forward(x, tokens, hidden(), nullptr, nullptr, numerics::Precision::kW4A8);
+    auto want8 =
+        oracle().Forward(x, tokens, hidden(), nullptr, nullptr, numerics::Precision::kW4A8);
     auto want16 = oracle().Forward(x, tokens, hidden());
     ASSERT_TRUE(want8.ok() && want16.ok());
     // The mode matters: the two in-process outputs differ.
@@ -91,10 +92,9 @@ class ClusterW4A8 : public testing::ClusterTestWithParam<W4A8Case> {
     const int64_t d = cfg().latent;
     for (const char* dtype : {"mxfp8", "bf16"}) {
       SCOPED_TRACE(dtype);
-      const std::vector<std::string> labels = {"direction=\"sent\"", "peer=\"expert\"",
-                                               absl::StrCat("dtype=\"", dtype, "\""),
-                                               absl::StrCat("transport=\"", GetParam().transport,
-                                                            "\"")};
+      const std::vector<std::string> labels = {
+          "direction=\"sent\"", "peer=\"expert\"", absl::StrCat("dtype=\"", dtype, "\""),
+          absl::StrCat("transport=\"", GetParam().transport, "\"")};
       const double bytes = AttentionMetric("moe_wire_bytes_total", labels);
       const double rows = AttentionMetric("moe_wire_tokens_total", labels);
       ASSERT_GT(rows, 0);

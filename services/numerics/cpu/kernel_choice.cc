@@ -222,8 +222,8 @@ absl::StatusOr<KernelSets> ParseKernelSets(absl::string_view text) {
   if (text == "auto") return KernelSets{};
   auto isa = ParseIsa(text);
   if (!isa.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown CPU kernel set \"", text,
-                                                   "\"; use auto, ", kIsaNames.Choices(", ")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown CPU kernel set \"", text, "\"; use auto, ", kIsaNames.Choices(", ")));
   }
   return KernelSets{false, *isa};
 }

@@ -28,8 +28,8 @@ using tensor::Bf16;
 // budget < k: dynamic k with thresholds solved exactly from another batch of the same layer
 // (dynamic_k.h); 0: every token keeps k.
 inline void CheckLayerOn(const KernelTable& kernels, const std::string& label, const char* preset,
-                  int64_t tokens, uint64_t seed, Precision precision = Precision::kW4A16,
-                  int64_t budget = 0) {
+                         int64_t tokens, uint64_t seed, Precision precision = Precision::kW4A16,
+                         int64_t budget = 0) {
   const ModelConfig cfg = *PresetConfig(preset);
   checkpoint::SyntheticOptions opt;
   opt.router_skew = 1.0;
