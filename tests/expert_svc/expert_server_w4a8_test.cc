@@ -1,8 +1,6 @@
 // expert-svc in W4A8 (docs/w4a8.md): MXFP8 activations on the wire, BF16 rows quantized by the
 // server, the production check on W4A8 batches, bad MXFP8 refused by name. A real server in this
 // process, driven through its Dispatch stream.
-#include "expert-svc/expert_server.h"
-
 #include <grpcpp/grpcpp.h>
 #include <stdlib.h>
 
@@ -12,6 +10,7 @@
 #include <fstream>
 #include <thread>
 
+#include "expert-svc/expert_server.h"
 #include "gtest/gtest.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/checkpoint/synthetic.h"

@@ -16,7 +16,7 @@ namespace moe::expert_svc::testing {
 // The value of the first sample of `name` whose labels contain every part of `labels` in a
 // Prometheus text page; NaN when there is none.
 inline double Sample(const std::string& page, const std::string& name,
-              const std::vector<std::string>& labels) {
+                     const std::vector<std::string>& labels) {
   size_t pos = 0;
   while ((pos = page.find(name, pos)) != std::string::npos) {
     const size_t eol = page.find('\n', pos);
