@@ -47,6 +47,9 @@ inline constexpr int kMissedHeartbeats = 3;
 // INVALID_ARGUMENT unless name is a member name (transport::IsMemberName), saying what is wrong.
 absl::Status CheckShardName(const std::string& name);
 
+// Milliseconds since the Unix epoch (the time stamps of ledgers, leases and the state's origin).
+int64_t UnixMs();
+
 struct LayerState {
   BiasLedger ledger;
   LoadWindow window;

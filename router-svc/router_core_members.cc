@@ -1,0 +1,104 @@
+// RouterCore's membership operations (router_core.h): a registration bound to its member's
+// identity and to the deployment's ranges, heartbeats on a live lease, the silent expired and
+// the long silent removed.
+#include "router-svc/router_core.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "router-svc/router_proto.h"
+#include "services/common/logging.h"
+#include "services/common/status_macros.h"
+#include "services/metrics/service_metrics.h"
+#include "services/numerics/dynamic_k.h"
+#include "services/transport/security.h"
+
+namespace moe::router_svc {
+
+namespace {
+
+constexpr size_t kMaxEndpointBytes = 256;
+
+}  // namespace
+
+absl::Status RouterCore::Register(const v1::RegisterExpertServerRequest& req,
+                                  v1::RegisterExpertServerResponse* resp) {
+  const std::vector<LayerRange> ranges = FromProto(req.ranges());
+  const std::string data_plane = req.data_plane().empty() ? "grpc" : req.data_plane();
+  MOE_RETURN_IF_ERROR(CheckShardName(req.shard()));
+  if (req.endpoint().size() > kMaxEndpointBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("registration of ", req.shard(),
+                                                   ": endpoint of ", req.endpoint().size(),
+                                                   " bytes (at most ", kMaxEndpointBytes, ")"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // One range per managed layer at most, each within what the deployment lets this shard serve.
+  std::set<int32_t> seen;
+  for (const LayerRange& r : ranges) {
+    if (layers_.count(r.layer) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("registration of ", req.shard(), ": ",
+                                                     UnknownLayerLocked(r.layer).message()));
+    }
+    if (!seen.insert(r.layer).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("registration of ", req.shard(), ": two ranges for layer ", r.layer));
+    }
+    if (allowance_ != nullptr) {
+      absl::Status allowed = placement::CheckShardRange(*allowance_, req.shard(), {r.lo, r.hi});
+      if (!allowed.ok()) {
+        return absl::PermissionDeniedError(absl::StrCat(allowed.message(), " for layer ", r.layer));
+      }
+    }
+  }
+  MOE_ASSIGN_OR_RETURN(uint64_t lease, registry_->Register(req.shard(), req.endpoint(), ranges,
+                                                           Clock::now(), data_plane));
+  if (store_ != nullptr) {
+    MOE_RETURN_IF_ERROR(store_->PutShard({req.shard(), req.endpoint(), data_plane, lease, ranges}));
+  }
+  resp->set_lease_id(lease);
+  resp->set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  PublishPlacementLocked();
+  MOE_LOG_INFO("shard {} registered at {}", req.shard(), req.endpoint());
+  return absl::OkStatus();
+}
+
+absl::Status RouterCore::Heartbeat(const v1::HeartbeatRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MOE_ASSIGN_OR_RETURN(bool revived,
+                       registry_->Heartbeat(req.lease_id(), Clock::now(), req.data_plane_lanes()));
+  if (revived) PublishPlacementLocked();
+  return absl::OkStatus();
+}
+
+void RouterCore::ExpireStale(std::chrono::milliseconds stale) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = Clock::now();
+  const std::vector<std::string> expired = registry_->ExpireStale(now, stale);
+  for (const std::string& name : expired) {
+    MOE_LOG_WARN("shard {} missed its heartbeats, unhealthy", name);
+  }
+  // Long silent: gone from the placement, the page, errors and the store (a shard that comes
+  // back registers again).
+  const std::vector<std::string> gone =
+      registry_->RemoveGone(now, std::chrono::seconds(options_.shard_expiry_seconds));
+  for (const std::string& name : gone) {
+    MOE_LOG_WARN("shard {} silent for {} s, its registration removed", name,
+                 options_.shard_expiry_seconds);
+    if (store_ != nullptr) {
+      if (absl::Status s = store_->DeleteShard(name); !s.ok()) {
+        MOE_LOG_ERROR("removing shard {} from the router state: {}", name, s.ToString());
+      }
+    }
+  }
+  if (!expired.empty() || !gone.empty()) PublishPlacementLocked();
+}
+
+void RouterCore::PublishPlacementLocked() {
+  if (sinks_.placement) sinks_.placement(ToProto(registry_->Snapshot(Clock::now())));
+  metrics_->Shards(registry_->shards(), registry_->healthy_shards());
+}
+
+}  // namespace moe::router_svc
