@@ -1,14 +1,13 @@
 // RouterCore's dynamic-k operations (router_core.h, docs/dynamic-k.md): the budget's thresholds
 // solved from the window, stamped on a bias version, solved again when a bias step left them
 // stale, and set by an operator.
-#include "router-svc/router_core.h"
-
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "router-svc/router_core.h"
 #include "router-svc/router_proto.h"
 #include "services/common/logging.h"
 #include "services/common/status_macros.h"

@@ -1,14 +1,13 @@
 // RouterCore's membership operations (router_core.h): a registration bound to its member's
 // identity and to the deployment's ranges, heartbeats on a live lease, the silent expired and
 // the long silent removed.
-#include "router-svc/router_core.h"
-
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "router-svc/router_core.h"
 #include "router-svc/router_proto.h"
 #include "services/common/logging.h"
 #include "services/common/status_macros.h"
