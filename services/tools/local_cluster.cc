@@ -297,7 +297,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     std::ifstream h(http_file);
     if (!(h >> c->attention_http_port_)) c->attention_http_port_ = 0;
   }
-  MOE_RETURN_IF_ERROR(c->WaitReady(o.start_timeout));
+  if (o.wait_ready) MOE_RETURN_IF_ERROR(c->WaitReady(o.start_timeout));
   return c;
 }
 
@@ -323,7 +323,9 @@ absl::Status LocalCluster::WaitReady(absl::Duration timeout) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return absl::DeadlineExceededError(
-      absl::StrCat("attention-svc not SERVING (placement incomplete?): ", last.ToString()));
+      absl::StrCat("attention-svc not SERVING (placement incomplete, or its readiness canary "
+                   "failing: see its log): ",
+                   last.ToString()));
 }
 
 absl::Status LocalCluster::SignalShard(int i, int sig) {

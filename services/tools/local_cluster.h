@@ -57,6 +57,9 @@ struct LocalClusterOptions {
   // identities. What `moe-cli up` does unless told --insecure.
   bool local_pki = false;
   absl::Duration start_timeout = absl::Seconds(120);
+  // Start returns once attention-svc is ready (placed on healthy shards and its readiness
+  // canary matched); false: once every process is up (a cluster that cannot be ready, tested).
+  bool wait_ready = true;
 };
 
 // Client options from a cluster's cluster.json (LocalCluster::DescribeJson, what `moe-cli up`
