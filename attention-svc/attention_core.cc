@@ -18,6 +18,12 @@
 namespace moe::attention_svc {
 
 namespace {
+// The readiness canary's batch: 4 tokens of a fixed seed (readiness_canary.h).
+constexpr int64_t kCanaryTokens = 4;
+constexpr uint64_t kCanarySeed = 9;
+}  // namespace
+
+namespace {
 
 using Clock = std::chrono::steady_clock;
 using tensor::Bf16;
@@ -63,22 +69,39 @@ absl::Status AttentionCore::LoadLayers(checkpoint::Checkpoint* ckpt) {
     if (!cfg_.IsMoeLayer(layer)) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
     }
+    // The canary's layer: its weights kept whole for the canary's reference (the CPU layer
+    // packs its dense part for itself), the experts as views of the mapped checkpoint, read only
+    // for the experts the canary routes to. (Synthetic weights are generated in memory: kept
+    // only up to 2 GiB of experts.)
+    const bool canary = options_.canary_interval_ms > 0 && layer == layers.front() &&
+                        (ckpt != nullptr || cfg_.ExpertBytes() * cfg_.num_experts <= (int64_t{2} << 30));
+    if (options_.canary_interval_ms > 0 && layer == layers.front() && !canary) {
+      MOE_LOG_WARN("readiness canary off: synthetic {} experts are too large to keep in memory "
+                   "(run on a checkpoint)",
+                   options_.preset);
+    }
     numerics::MoeLayerWeights w;
     if (ckpt != nullptr) {
       checkpoint::LoadOptions opt;
       opt.dense = true;
       opt.expert_lo = 0;
-      opt.expert_hi = 0;
+      opt.expert_hi = canary ? -1 : 0;
       MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt, cfg_, layer, opt));
     } else {
       checkpoint::SyntheticOptions so;
       so.seed = options_.seed;
       so.router_skew = options_.router_skew;
       w = checkpoint::SyntheticLayer(cfg_, layer, so);
-      w.experts.clear();
-      w.backing.clear();
-      w.expert_lo = w.expert_hi = 0;
     }
+    if (canary) {
+      canary_layer_ = static_cast<int32_t>(layer);
+      canary_weights_ = std::make_unique<numerics::MoeLayerWeights>(w);
+      canary_ = std::make_unique<CanaryOracle>(cfg_, canary_weights_.get(), kCanaryTokens,
+                                               kCanarySeed);
+    }
+    w.experts.clear();
+    w.backing.clear();
+    w.expert_lo = w.expert_hi = 0;
     const size_t dense_bytes =
         2 * (w.gate.size() + w.down_proj.size() + w.norm.size() + w.up_proj.size() +
              w.shared_gate.size() + w.shared_up.size() + w.shared_down.size());
@@ -136,6 +159,8 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
     governor_thread_ = std::thread([this] { GovernorLoop(); });
   }
   if (options_.budget_check_every > 0) check_thread_ = std::thread([this] { CheckLoop(); });
+  metrics_->Canary("", canary_ == nullptr);
+  if (canary_ != nullptr) canary_thread_ = std::thread([this] { CanaryLoop(); });
   return absl::OkStatus();
 }
 
@@ -146,6 +171,7 @@ void AttentionCore::Stop() {
     stopping_ = true;
   }
   stop_cv_.notify_all();
+  if (canary_thread_.joinable()) canary_thread_.join();  // a canary in flight: its timeout
   workers_.reset();  // runs what is queued (bounded by deadlines), then joins
   if (governor_thread_.joinable()) governor_thread_.join();
   {
@@ -269,7 +295,64 @@ void AttentionCore::FillModelInfo(v1::ModelInfo* resp) const {
       out->set_data_plane(s.data_plane());
     }
   }
-  resp->set_ready(view_.AllReady());
+  resp->set_ready(Ready());
+}
+
+void AttentionCore::OnReadinessChange(std::function<void(bool)> f) {
+  std::lock_guard<std::mutex> lock(readiness_mu_);
+  on_readiness_ = std::move(f);
+}
+
+CanaryOutcome AttentionCore::RunCanary(std::string* detail) {
+  const RoutingView::Snapshot s = view_.Get(canary_layer_);
+  if (s.bias == nullptr) return CanaryOutcome::kError;
+  v1::ForwardResponse resp;
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.canary_timeout_ms);
+  // As a full-k check: the whole top-k, no statistics, no request metrics (forward_pass.h).
+  const absl::Status st = RunOne(canary_->Request(canary_layer_), deadline, &resp, /*check=*/true);
+  if (!st.ok()) {
+    *detail = st.ToString();
+    return st.code() == absl::StatusCode::kDeadlineExceeded || absl::Now() >= deadline
+               ? CanaryOutcome::kTimeout
+               : CanaryOutcome::kError;
+  }
+  return canary_->Judge(resp, *s.bias, detail);
+}
+
+void AttentionCore::CanaryLoop() {
+  // Until a canary matches, and while the placement is not ready, look every 250 ms (bounded
+  // by the interval); after a match, wait the interval.
+  const auto interval = std::chrono::milliseconds(options_.canary_interval_ms);
+  const auto retry = std::min(interval, std::chrono::milliseconds(250));
+  bool first = true;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(stop_mu_);
+      const auto wait = first ? std::chrono::milliseconds(0) : canary_ok_ ? interval : retry;
+      if (stop_cv_.wait_for(lock, wait, [&] { return stopping_; })) return;
+    }
+    first = false;
+    const bool was = Ready();
+    if (!view_.AllReady()) {
+      canary_ok_ = false;  // a placement that comes back is checked again before it is ready
+      continue;
+    }
+    std::string detail;
+    const CanaryOutcome o = RunCanary(&detail);
+    if (o != CanaryOutcome::kSkipped) canary_ok_ = o == CanaryOutcome::kMatch;
+    metrics_->Canary(CanaryOutcomeName(o), Ready());
+    if (o != CanaryOutcome::kMatch && o != CanaryOutcome::kSkipped) {
+      MOE_LOG_WARN("readiness canary on layer {}: {} ({}); not ready", canary_layer_,
+                   CanaryOutcomeName(o), detail);
+    } else if (!was && Ready()) {
+      MOE_LOG_INFO("readiness canary on layer {}: {} ({}); ready", canary_layer_,
+                   CanaryOutcomeName(o), detail);
+    }
+    if (was != Ready()) {
+      std::lock_guard<std::mutex> lock(readiness_mu_);
+      if (on_readiness_) on_readiness_(Ready());
+    }
+  }
 }
 
 void AttentionCore::GovernorLoop() {

@@ -14,6 +14,7 @@
 #ifndef MOE_ATTENTION_SVC_ATTENTION_CORE_H_
 #define MOE_ATTENTION_SVC_ATTENTION_CORE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -32,6 +33,7 @@
 #include "attention-svc/expert_links.h"
 #include "attention-svc/forward_pass.h"
 #include "attention-svc/node_stats.h"
+#include "attention-svc/readiness_canary.h"
 #include "attention-svc/replica_picker.h"
 #include "attention-svc/routing_view.h"
 #include "moe/v1/attention.pb.h"
@@ -82,7 +84,15 @@ class AttentionCore {
 
   // GetModelInfo's answer but the OIP model names (the OIP front's: oip_service.h).
   void FillModelInfo(v1::ModelInfo* info) const;
+  // The layer placed on healthy shards (the routing view's readiness).
   bool LayerReady(int32_t layer) const { return view_.LayerReady(layer); }
+  // The readiness canary's last outcome was a match (always true with the canary off).
+  bool CanaryReady() const { return canary_ == nullptr || canary_ok_.load(); }
+  // Every hosted layer placed on healthy shards and the last canary matched: what the gRPC
+  // health service, the OIP readiness and GetModelInfo say.
+  bool Ready() const { return view_.AllReady() && CanaryReady(); }
+  // Called (from the canary's thread) whenever Ready() may have changed by a canary's outcome.
+  void OnReadinessChange(std::function<void(bool)> f);
   std::vector<int32_t> layers() const;
   const ModelConfig& config() const { return cfg_; }
   const AttentionServerOptions& options() const { return options_; }
@@ -100,6 +110,9 @@ class AttentionCore {
   void GovernorLoop();
   void CheckLoop();
   void MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardResponse& resp);
+  // The readiness canary: one canary through the node now, and the loop that runs them.
+  CanaryOutcome RunCanary(std::string* detail);
+  void CanaryLoop();
 
   const AttentionServerOptions options_;
   const ModelConfig cfg_;
@@ -131,6 +144,16 @@ class AttentionCore {
   bool checks_stopping_ ABSL_GUARDED_BY(check_mu_) = false;
   uint64_t budgeted_ ABSL_GUARDED_BY(check_mu_) = 0;
   std::thread check_thread_;
+
+  // The readiness canary (null: off) on the first hosted layer, and that layer's weights (dense
+  // part and every expert as a view of the checkpoint) its reference reads.
+  std::unique_ptr<numerics::MoeLayerWeights> canary_weights_;
+  std::unique_ptr<CanaryOracle> canary_;
+  int32_t canary_layer_ = 0;
+  std::atomic<bool> canary_ok_{false};
+  std::mutex readiness_mu_;
+  std::function<void(bool)> on_readiness_ ABSL_GUARDED_BY(readiness_mu_);
+  std::thread canary_thread_;
 };
 
 }  // namespace moe::attention_svc

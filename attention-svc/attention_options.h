@@ -90,6 +90,11 @@ struct AttentionServerOptions {
   dataplane::DataPlane data_plane;
   std::string ucx_tls;    // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;  // UcxOptions::poll_spin: a thread waiting for a shard's reply
+  // The readiness canary (readiness_canary.h): every canary_interval_ms a 4-token batch through
+  // the whole path, answered within canary_timeout_ms and within the layer's tolerance of its
+  // in-process reference, or the node is not ready. 0: off (readiness is the placement alone).
+  int64_t canary_interval_ms = 10000;
+  int64_t canary_timeout_ms = 3000;
 };
 
 }  // namespace moe::attention_svc

@@ -96,9 +96,12 @@ absl::Status AttentionServer::Impl::Start() {
   so.max_send_message_bytes = options_.max_message_bytes;
   so.services = {grpc_front_.get(), oip_.get()};
   MOE_ASSIGN_OR_RETURN(server_, transport::GrpcServer::Start(so));
+  // Ready: every hosted layer placed on healthy shards and the last readiness canary matched
+  // (readiness_canary.h); a placement and a canary's outcome each may change it.
+  core_->OnReadinessChange([this](bool ready) { server_->SetServing(ready); });
   router_->WatchPlacement([this](const v1::Placement& p) {
-    const bool ready = core_->ApplyPlacement(p);
-    if (server_ != nullptr) server_->SetServing(ready);
+    core_->ApplyPlacement(p);
+    if (server_ != nullptr) server_->SetServing(core_->Ready());
   });
   router_->WatchBias(core_->layers(), [this](const v1::LayerBias& b) { core_->ApplyBias(b); });
   report_thread_ = std::thread([this] { ReportLoop(); });
@@ -144,7 +147,9 @@ OipService::Hooks AttentionServer::Impl::OipHooks() {
   hooks.on_error = [core](const char* method, const absl::Status& s) {
     core->CountRefusal(method, s);
   };
-  hooks.layer_ready = [core](int32_t layer) { return core->LayerReady(layer); };
+  hooks.layer_ready = [core](int32_t layer) {
+    return core->LayerReady(layer) && core->CanaryReady();
+  };
   return hooks;
 }
 
@@ -176,6 +181,7 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
   }
   stop_cv_.notify_all();
   if (router_ != nullptr) router_->Stop();  // ends the watches; reports still go out
+  if (core_ != nullptr) core_->OnReadinessChange(nullptr);  // no canary reaches a stopped server
   if (server_ != nullptr) server_->Shutdown(grace);
   if (http_ != nullptr) http_->Stop();  // its inferences wait on the workers: before them
   if (core_ != nullptr) core_->Stop();  // runs what is queued, joins, closes the channels

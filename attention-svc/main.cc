@@ -78,6 +78,11 @@ int main(int argc, char** argv) {
   flags.Int("ucx_poll_us", &o.ucx_poll_us,
             "a thread waiting for a shard's UCX reply polls for it this long before it sleeps "
             "(0: it sleeps at once; docs/data-plane.md)");
+  flags.Int64("canary_interval_ms", &o.canary_interval_ms,
+              "readiness canary: a 4-token batch through the whole path this often, compared "
+              "with its in-process reference; ready only while it matches (0: off)");
+  flags.Int64("canary_timeout_ms", &o.canary_timeout_ms,
+              "readiness canary: an answer later than this is a failed canary");
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;

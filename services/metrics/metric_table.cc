@@ -96,6 +96,19 @@ constexpr MetricInfo kMetrics[] = {
      "dynamic k: the automatic mode's cap on this node's budgets (top-k: not "
      "limiting)",
      "", ""},
+    {"moe_canary_ready", "gauge", "",
+     "1 while the last readiness canary through the whole path matched the in-process "
+     "reference, else 0",
+     "the readiness canary (`--canary_interval_ms`): 1 while the last small fixed batch sent "
+     "through the whole path (this node, the shards, back) matched the layer's reference "
+     "computed in process within the layer's tolerance; the node is not ready at 0",
+     "", ""},
+    {"moe_canary_checks_total", "counter", "outcome",
+     "Readiness canaries by outcome: match, mismatch, timeout, error, skipped",
+     "readiness canaries by outcome: `match`, `mismatch` (a wrong answer: a shard serving other "
+     "weights), `timeout` (no answer within `--canary_timeout_ms`), `error` (the batch failed), "
+     "`skipped` (the bias version moved during the canary)",
+     "", ""},
     {"moe_budget_steps_total", "counter", "direction",
      "Dynamic k: steps of the automatic mode's cap, by direction",
      "dynamic k: the automatic mode's steps, `down` (overloaded) or `up`", "", ""},

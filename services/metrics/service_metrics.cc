@@ -191,6 +191,18 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                     .Register(registry);
   steps_down_ = &steps.Add({{"direction", "down"}});
   steps_up_ = &steps.Add({{"direction", "up"}});
+  canary_ready_ = &BuildGauge()
+                       .Name("moe_canary_ready")
+                       .Help(HelpOf("moe_canary_ready"))
+                       .Register(registry)
+                       .Add({});
+  auto& canary = BuildCounter()
+                     .Name("moe_canary_checks_total")
+                     .Help(HelpOf("moe_canary_checks_total"))
+                     .Register(registry);
+  for (const char* outcome : {"match", "mismatch", "timeout", "error", "skipped"}) {
+    canary_checks_[outcome] = &canary.Add({{"outcome", outcome}});
+  }
   for (int64_t layer : layers) {
     Layer& l = layers_[layer];
     l.budgeted_tokens = &budgeted.Add({{"layer", L(layer)}, {"kind", "tokens"}});
@@ -228,6 +240,12 @@ void AttentionMetrics::Budgeted(int64_t layer, int64_t tokens, int64_t pairs) {
 void AttentionMetrics::AutoBudget(int64_t cap) { auto_budget_->Set(static_cast<double>(cap)); }
 
 void AttentionMetrics::BudgetStep(bool down) { (down ? steps_down_ : steps_up_)->Increment(); }
+
+void AttentionMetrics::Canary(const std::string& outcome, bool ready) {
+  auto it = canary_checks_.find(outcome);
+  if (it != canary_checks_.end()) it->second->Increment();
+  canary_ready_->Set(ready ? 1.0 : 0.0);
+}
 
 void AttentionMetrics::BudgetCheck(int64_t layer, const std::string& outcome, double rel_diff) {
   auto it = layers_.find(layer);

@@ -119,6 +119,9 @@ class AttentionMetrics {
   // What a measured check kept of the full layer: the routing weight mass of the kept experts
   // and the share of tokens whose top-1 direction (numerics::Top1Agreement) stayed.
   void BudgetQuality(int64_t layer, double mass_kept, double top1_agreement);
+  // A readiness canary's outcome ("match", "mismatch", "timeout", "error", "skipped") and the
+  // readiness it leaves (readiness_canary.h).
+  void Canary(const std::string& outcome, bool ready);
 
  private:
   struct Layer {
@@ -140,6 +143,8 @@ class AttentionMetrics {
   prometheus::Gauge* auto_budget_ = nullptr;
   prometheus::Counter* steps_down_ = nullptr;
   prometheus::Counter* steps_up_ = nullptr;
+  prometheus::Gauge* canary_ready_ = nullptr;
+  std::map<std::string, prometheus::Counter*> canary_checks_;
   prometheus::Family<prometheus::Counter>& shard_tokens_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
   prometheus::Family<prometheus::Counter>& failovers_;

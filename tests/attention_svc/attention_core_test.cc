@@ -11,6 +11,10 @@
 #include <cstring>
 #include <future>
 #include <numeric>
+#include <vector>
+#include <thread>
+#include <mutex>
+#include <chrono>
 
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/kernel_choice.h"
@@ -42,13 +46,18 @@ class CoreTest : public ::testing::Test {
     o.workers = 2;
     o.max_tokens = 64;
     o.budget_check_every = 0;
+    o.canary_interval_ms = canary_interval_ms_;
     auto core = AttentionCore::Load(o);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = std::move(*core);
+    // A shard serving other weights under its own name (a lying member): another seed.
+    checkpoint::SyntheticOptions other = so_;
+    other.seed = so_.seed + 1;
+    hi_lie_ = checkpoint::SyntheticExperts(cfg_, layer_, kSplit, cfg_.num_experts, other);
     LocalExperts local;
     local.weights = [this](const ShardRef& s) -> const numerics::MoeLayerWeights* {
       if (s.shard == "shard-0") return &lo_;
-      if (s.shard == "shard-1") return &hi_;
+      if (s.shard == "shard-1") return lying_.load() ? &hi_lie_ : &hi_;
       return nullptr;
     };
     local.kernels = &numerics::cpu::ChosenKernels(cfg_.latent, cfg_.intermediate);
@@ -56,14 +65,16 @@ class CoreTest : public ::testing::Test {
     ASSERT_TRUE(core_->Start(/*metrics=*/nullptr, local).ok());
   }
 
-  v1::Placement TwoShards(bool healthy = true) const {
+  // shard-1_at: its endpoint's suffix (a restarted shard-1 is somewhere else).
+  v1::Placement TwoShards(bool healthy = true, const std::string& shard1_at = "") const {
     v1::Placement p;
     p.set_version(1);
     for (auto [name, lo, hi] : {std::tuple<const char*, int64_t, int64_t>{"shard-0", 0, kSplit},
                                 {"shard-1", kSplit, cfg_.num_experts}}) {
       v1::ShardInfo* s = p.add_shards();
       s->set_shard(name);
-      s->set_endpoint(std::string("local:") + name);
+      s->set_endpoint(std::string("local:") + name +
+                      (std::string(name) == "shard-1" ? shard1_at : ""));
       s->set_healthy(healthy);
       v1::ExpertRange* r = s->add_ranges();
       r->set_layer(static_cast<int32_t>(layer_));
@@ -103,10 +114,12 @@ class CoreTest : public ::testing::Test {
     return done.get_future().get();
   }
 
+  int64_t canary_interval_ms_ = 0;  // the readiness canary: off but in its own tests
   ModelConfig cfg_;
   int64_t layer_ = 0;
   checkpoint::SyntheticOptions so_;
-  numerics::MoeLayerWeights lo_, hi_;
+  numerics::MoeLayerWeights lo_, hi_, hi_lie_;
+  std::atomic<bool> lying_{false};  // shard-1 answers with hi_lie_
   numerics::cpu::ThreadPool pool_{2};
   std::unique_ptr<AttentionCore> core_;
   mutable std::vector<Bf16> x_;
@@ -243,6 +256,71 @@ TEST_F(CoreTest, StopRunsWhatIsQueuedAndRefusesMore) {
   core_->Stop();
   EXPECT_EQ(ok.load(), 6);
   EXPECT_FALSE(core_->Submit([] {}));
+}
+
+// The readiness canary on (every 50 ms): ready only once a canary through the whole path
+// matched the layer's in-process reference; a shard that starts serving other weights under its
+// own name makes the node not ready within a few canaries, and ready again once it answers
+// right (readiness_canary.h).
+class CanaryCoreTest : public CoreTest {
+ protected:
+  CanaryCoreTest() { canary_interval_ms_ = 50; }
+
+  // Until core_->Ready() == want (bounded: 10 s).
+  bool AwaitReady(bool want) {
+    for (int i = 0; i < 400; ++i) {
+      if (core_->Ready() == want) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return core_->Ready() == want;
+  }
+};
+
+TEST_F(CanaryCoreTest, ReadyOnlyWhileTheCanaryAnswersRight) {
+  std::vector<bool> told;
+  std::mutex told_mu;
+  core_->OnReadinessChange([&](bool ready) {
+    std::lock_guard<std::mutex> lock(told_mu);
+    told.push_back(ready);
+  });
+  EXPECT_FALSE(core_->Ready());  // no placement
+  ASSERT_TRUE(core_->ApplyPlacement(TwoShards()));
+  ASSERT_TRUE(AwaitReady(true)) << "the first canary never matched";
+  v1::ModelInfo info;
+  core_->FillModelInfo(&info);
+  EXPECT_TRUE(info.ready());
+
+  // shard-1 restarted serving other weights under its own name (a new endpoint: a new channel).
+  lying_ = true;
+  ASSERT_TRUE(core_->ApplyPlacement(TwoShards(true, "-restarted")));
+  ASSERT_TRUE(AwaitReady(false)) << "a lying shard was not caught";
+  EXPECT_TRUE(core_->LayerReady(static_cast<int32_t>(layer_)));  // placed, but not answering right
+  EXPECT_FALSE(core_->CanaryReady());
+  core_->FillModelInfo(&info);
+  EXPECT_FALSE(info.ready());
+  // Requests are still served (readiness steers new traffic away; it does not refuse it).
+  v1::ForwardResponse resp;
+  EXPECT_TRUE(Serve(Request(3, 1), &resp).ok());
+
+  lying_ = false;  // and again, with the right weights
+  ASSERT_TRUE(core_->ApplyPlacement(TwoShards(true, "-fixed")));
+  ASSERT_TRUE(AwaitReady(true)) << "the node did not come back";
+  core_->OnReadinessChange(nullptr);
+  std::lock_guard<std::mutex> lock(told_mu);
+  EXPECT_EQ(told, (std::vector<bool>{true, false, true}));
+}
+
+// The canary adds nothing to the load statistics router-svc balances with.
+TEST_F(CanaryCoreTest, CanariesAreNotCountedInTheReports) {
+  ASSERT_TRUE(core_->ApplyPlacement(TwoShards()));
+  ASSERT_TRUE(AwaitReady(true));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a few more canaries
+  EXPECT_TRUE(core_->TakeReports().empty());
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(Serve(Request(5, 2), &resp).ok());
+  const std::vector<v1::ReportStatsRequest> reports = core_->TakeReports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].tokens(), 5);
 }
 
 }  // namespace

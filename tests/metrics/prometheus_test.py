@@ -133,10 +133,22 @@ def main():
         print(f"PromQL {q_experts}: {len(per_expert)} series equal to the router's loads "
               f"(hottest {max(per_expert.values()):.0f}, coldest {min(per_expert.values()):.0f})")
 
-        for q in ['sum(moe_shard_tokens_total{layer="1"})', 'sum(moe_expert_rows_total{layer="1"})']:
-            v = float(promql(prom, q)[0]["value"][1])
-            assert v == sum(total_loads), f"{q} = {v}, router {sum(total_loads)}"
-            print(f"PromQL {q} = {v:.0f} (= routed pairs)")
+        q = 'sum(moe_shard_tokens_total{layer="1"})'
+        v = float(promql(prom, q)[0]["value"][1])
+        assert v == sum(total_loads), f"{q} = {v}, router {sum(total_loads)}"
+        print(f"PromQL {q} = {v:.0f} (= routed pairs)")
+        # The shards also computed the attention node's readiness canaries (4 tokens at the full
+        # top-k each, not in the router's loads): what they counted beyond the routed pairs is a
+        # whole number of canaries, at most one more than the node counted (scraped apart).
+        q = 'sum(moe_expert_rows_total{layer="1"})'
+        v = float(promql(prom, q)[0]["value"][1])
+        answered = promql(prom, 'sum(moe_canary_checks_total{outcome=~"match|mismatch|skipped"})')
+        canaries = float(answered[0]["value"][1]) if answered else 0.0
+        per_canary = 4 * (sum(total_loads) // forwarded)  # every request at the full top-k
+        extra = v - sum(total_loads)
+        assert extra >= 0 and extra % per_canary == 0 and extra / per_canary <= canaries + 1, (
+            f"{q} = {v}, router {sum(total_loads)}, {canaries:.0f} canaries of {per_canary} rows")
+        print(f"PromQL {q} = {v:.0f} (= routed pairs + {extra / per_canary:.0f} readiness canaries)")
 
         q_err = 'moe_errors_total{service="attention-svc",method="Forward"}'
         errors = {r["metric"]["code"]: float(r["value"][1]) for r in promql(prom, q_err)}

@@ -89,6 +89,31 @@ TEST_F(ClusterOpenInference, ReadinessFollowsTheShards) {
   AwaitReady(true);
 }
 
+// The readiness canary on a real cluster (every 200 ms, 1 s timeout): ready once a canary
+// matched; a shard stopped past the timeout makes the node not ready (the standard readiness
+// says so) and a canary that matches after SIGCONT makes it ready again; every outcome counted.
+class ClusterCanary : public ClusterOpenInference {};
+
+TEST_F(ClusterCanary, AStalledShardMakesTheNodeNotReadyUntilACanaryMatches) {
+  UsePreset("tiny", {{0, 8}, {8, 16}});
+  options().router_args = {"--heartbeat_interval_ms=2000"};  // the router notices after 6 s
+  options().attention_args = {"--canary_interval_ms=200", "--canary_timeout_ms=1000"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  AwaitReady(true);
+  EXPECT_GE(AttentionMetric("moe_canary_checks_total", {"outcome=\"match\""}), 1);
+  EXPECT_EQ(AttentionMetric("moe_canary_ready"), 1);
+  ASSERT_TRUE(cluster().SignalShard(1, SIGSTOP).ok());
+  AwaitReady(false);  // within the canary's timeout and interval, before the router notices
+  const double timeouts = AttentionMetric("moe_canary_checks_total", {"outcome=\"timeout\""});
+  const double ready_while_stopped = AttentionMetric("moe_canary_ready");
+  ASSERT_TRUE(cluster().SignalShard(1, SIGCONT).ok());
+  EXPECT_GE(timeouts, 1);
+  EXPECT_EQ(ready_while_stopped, 0);
+  AwaitReady(true);
+  EXPECT_EQ(AttentionMetric("moe_canary_checks_total", {"outcome=\"mismatch\""}), 0);
+  ExpectOracleAnswer(8, 3);
+}
+
 // A mid cluster whose attention node has one worker and the given stream limits.
 class ClusterStreams : public testing::ClusterTest {
  protected:

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_inference.grpc.pb.h"
@@ -185,23 +186,34 @@ TEST_F(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
   EXPECT_GE(AttentionMetric("moe_data_plane_events_total", {"event=\"fallback\""}), 1);
 }
 
-// --data_plane=ucx refuses to fall back: the batch fails UNAVAILABLE naming the shard.
+// --data_plane=ucx refuses to fall back: the batch fails UNAVAILABLE naming the shard, and the
+// node never says it is ready (its readiness canary fails the same way).
 TEST_F(ClusterDataPlane, UcxOnlyRefusesAShardWithoutUcx) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   UsePreset("tiny", {{0, 8}, {8, 16}});
   options().expert_args = kGrpc;
-  options().attention_args = {"--data_plane=ucx"};
+  options().attention_args = {"--data_plane=ucx", "--canary_interval_ms=200"};
+  options().wait_ready = false;
   ASSERT_NO_FATAL_FAILURE(StartCluster());
   client::ForwardOptions fo;
   fo.timeout = absl::Seconds(5);
-  const absl::Time t0 = absl::Now();
-  auto got = Forward(Hidden(16, 21), 16, fo);
+  absl::StatusOr<client::ForwardResult> got = absl::UnknownError("not tried");
+  for (int i = 0; i < 50; ++i) {  // until the placement reaches the node (bounded: 5 s)
+    const absl::Time t0 = absl::Now();
+    got = Forward(Hidden(16, 21), 16, fo);
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+    if (absl::StrContains(got.status().message(), "no out-of-band data plane")) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
   EXPECT_NE(got.status().message().find("no out-of-band data plane"), absl::string_view::npos)
       << got.status();
   EXPECT_NE(got.status().message().find("shard-"), absl::string_view::npos) << got.status();
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a few canaries
+  EXPECT_GE(AttentionMetric("moe_canary_checks_total", {"outcome=\"error\""}), 1);
+  EXPECT_EQ(AttentionMetric("moe_canary_ready"), 0);
+  EXPECT_FALSE(user().AttentionServing().value_or(true));
 }
 
 // Payloads of the sizes a canary batch can have, from a worker of the test's own.

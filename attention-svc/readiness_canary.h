@@ -1,0 +1,74 @@
+// Readiness means "answers right" (Dynamo's canary health checks): a small fixed batch goes
+// through the whole path (this node's router and down-projection, the shards, the combine, the
+// norm, the up-projection and the shared experts) every --canary_interval_ms, and its answer is
+// compared with the layer's scalar reference computed in this process from the checkpoint's
+// weights (the expert weights are views of the mapped checkpoint, read only for the experts the
+// canary routes to). The node is ready only while the last canary matched within the layer's
+// tolerance (docs/math.md: differences within summation order); a wrong answer (a shard with a
+// valid identity that serves other weights), an error or no answer within --canary_timeout_ms
+// makes it not ready until a canary matches again. The reference is computed once per bias
+// version, off the request path.
+//
+//   CanaryOracle oracle(cfg, &weights, /*tokens=*/4, /*seed=*/9);
+//   v1::ForwardRequest req = oracle.Request(layer);
+//   ... resp = the node's answer to req ...
+//   CanaryOutcome o = oracle.Judge(resp, *snapshot.bias, &detail);
+#ifndef MOE_ATTENTION_SVC_READINESS_CANARY_H_
+#define MOE_ATTENTION_SVC_READINESS_CANARY_H_
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "attention-svc/routing_view.h"
+#include "moe/v1/attention.pb.h"
+#include "services/common/model_config.h"
+#include "services/numerics/layer_weights.h"
+#include "services/tensor/bf16.h"
+
+namespace moe::attention_svc {
+
+// What one canary found (moe_canary_checks_total{outcome}).
+enum class CanaryOutcome { kMatch, kMismatch, kTimeout, kError, kSkipped };
+const char* CanaryOutcomeName(CanaryOutcome o);
+
+class CanaryOracle {
+ public:
+  // w: the layer's dense part and all its experts (views), kept alive by the caller.
+  CanaryOracle(const ModelConfig& cfg, const numerics::MoeLayerWeights* w, int64_t tokens,
+               uint64_t seed);
+
+  // The canary's request: its fixed hidden states, per-pair replies, W4A16. The node runs it as
+  // a full-k check (forward_pass.h): the whole top-k whatever the budgets, nothing added to the
+  // load statistics or the request metrics.
+  v1::ForwardRequest Request(int32_t layer) const;
+
+  // The layer's answer to the canary under `bias` (the full top-k), by the scalar reference;
+  // cached per bias version.
+  absl::StatusOr<std::vector<tensor::Bf16>> Want(const BiasEntry& bias);
+
+  // The node's response against the reference under the bias entry of the version it was served
+  // with: kMatch within the layer's tolerance, kMismatch otherwise (detail: the ULP statistics),
+  // kSkipped when `bias` is not the version the response names (the bias moved in between),
+  // kError when the response is not a [tokens, hidden] bf16 answer.
+  CanaryOutcome Judge(const v1::ForwardResponse& resp, const BiasEntry& bias, std::string* detail);
+
+  int64_t tokens() const { return tokens_; }
+
+ private:
+  const ModelConfig cfg_;
+  const numerics::MoeLayerWeights* const w_;
+  const int64_t tokens_;
+  const std::vector<tensor::Bf16> x_;
+  std::vector<tensor::Bf16> shared_;  // the shared experts' part of the output: the row scale
+  std::mutex mu_;
+  std::map<uint64_t, std::vector<tensor::Bf16>> want_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace moe::attention_svc
+
+#endif  // MOE_ATTENTION_SVC_READINESS_CANARY_H_
