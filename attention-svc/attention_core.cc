@@ -73,12 +73,14 @@ absl::Status AttentionCore::LoadLayers(checkpoint::Checkpoint* ckpt) {
     // packs its dense part for itself), the experts as views of the mapped checkpoint, read only
     // for the experts the canary routes to. (Synthetic weights are generated in memory: kept
     // only up to 2 GiB of experts.)
-    const bool canary = options_.canary_interval_ms > 0 && layer == layers.front() &&
-                        (ckpt != nullptr || cfg_.ExpertBytes() * cfg_.num_experts <= (int64_t{2} << 30));
+    const bool canary =
+        options_.canary_interval_ms > 0 && layer == layers.front() &&
+        (ckpt != nullptr || cfg_.ExpertBytes() * cfg_.num_experts <= (int64_t{2} << 30));
     if (options_.canary_interval_ms > 0 && layer == layers.front() && !canary) {
-      MOE_LOG_WARN("readiness canary off: synthetic {} experts are too large to keep in memory "
-                   "(run on a checkpoint)",
-                   options_.preset);
+      MOE_LOG_WARN(
+          "readiness canary off: synthetic {} experts are too large to keep in memory "
+          "(run on a checkpoint)",
+          options_.preset);
     }
     numerics::MoeLayerWeights w;
     if (ckpt != nullptr) {
@@ -96,8 +98,8 @@ absl::Status AttentionCore::LoadLayers(checkpoint::Checkpoint* ckpt) {
     if (canary) {
       canary_layer_ = static_cast<int32_t>(layer);
       canary_weights_ = std::make_unique<numerics::MoeLayerWeights>(w);
-      canary_ = std::make_unique<CanaryOracle>(cfg_, canary_weights_.get(), kCanaryTokens,
-                                               kCanarySeed);
+      canary_ =
+          std::make_unique<CanaryOracle>(cfg_, canary_weights_.get(), kCanaryTokens, kCanarySeed);
     }
     w.experts.clear();
     w.backing.clear();

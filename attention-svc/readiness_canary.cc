@@ -33,9 +33,8 @@ CanaryOracle::CanaryOracle(const ModelConfig& cfg, const numerics::MoeLayerWeigh
       x_(checkpoint::SyntheticHiddenStates(cfg, tokens, seed)),
       shared_(static_cast<size_t>(tokens * cfg.hidden)) {
   numerics::ref::SharedExpert(x_.data(), tokens, cfg.hidden, w->shared_gate.data(),
-                              w->shared_up.data(), w->shared_down.data(),
-                              cfg.shared_intermediate(), cfg.situ_beta, cfg.situ_linear_beta,
-                              shared_.data());
+                              w->shared_up.data(), w->shared_down.data(), cfg.shared_intermediate(),
+                              cfg.situ_beta, cfg.situ_linear_beta, shared_.data());
 }
 
 v1::ForwardRequest CanaryOracle::Request(int32_t layer) const {
@@ -63,8 +62,8 @@ absl::StatusOr<std::vector<tensor::Bf16>> CanaryOracle::Want(const BiasEntry& bi
 CanaryOutcome CanaryOracle::Judge(const v1::ForwardResponse& resp, const BiasEntry& bias,
                                   std::string* detail) {
   if (resp.bias_version() != bias.version) {
-    *detail = absl::StrCat("served under bias version ", resp.bias_version(), ", not ",
-                           bias.version);
+    *detail =
+        absl::StrCat("served under bias version ", resp.bias_version(), ", not ", bias.version);
     return CanaryOutcome::kSkipped;
   }
   auto got = transport::DecodeBf16Matrix(resp.output(), "output", cfg_.hidden, false);
@@ -80,8 +79,7 @@ CanaryOutcome CanaryOracle::Judge(const v1::ForwardResponse& resp, const BiasEnt
   numerics::UlpStats stats;
   stats.AddRows(got->values.data(), want->data(), tokens_, cfg_.hidden, shared_.data());
   *detail = stats.Str();
-  return stats.Within(numerics::kLayerTolerance) ? CanaryOutcome::kMatch
-                                                 : CanaryOutcome::kMismatch;
+  return stats.Within(numerics::kLayerTolerance) ? CanaryOutcome::kMatch : CanaryOutcome::kMismatch;
 }
 
 }  // namespace moe::attention_svc

@@ -8,13 +8,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <future>
-#include <numeric>
-#include <vector>
-#include <thread>
 #include <mutex>
-#include <chrono>
+#include <numeric>
+#include <thread>
+#include <vector>
 
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/kernel_choice.h"
