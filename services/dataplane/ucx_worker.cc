@@ -113,12 +113,10 @@ absl::Status UcxWorkerImpl::Init(const UcxOptions& o, std::string* address, std:
     absl::StatusOr<std::string> iface = InterfaceOf(o.bind_host);
     if (!iface.ok()) {
       ucp_config_release(config);
-      return absl::InvalidArgumentError(
-          absl::StrCat("UCX data plane: ", iface.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("UCX data plane: ", iface.status().message()));
     }
     if (!iface->empty()) {
-      if (ucs_status_t s = ucp_config_modify(config, "NET_DEVICES", iface->c_str());
-          s != UCS_OK) {
+      if (ucs_status_t s = ucp_config_modify(config, "NET_DEVICES", iface->c_str()); s != UCS_OK) {
         ucp_config_release(config);
         return FromUcs(s, absl::StrCat("UCX_NET_DEVICES=", *iface));
       }
@@ -138,8 +136,7 @@ absl::Status UcxWorkerImpl::Init(const UcxOptions& o, std::string* address, std:
   if (s = ucp_worker_create(context_, &wp, &worker_); s != UCS_OK) {
     return FromUcs(s, "ucp_worker_create");
   }
-  if (s = ucp_worker_get_efd(worker_, &efd_); s != UCS_OK)
-    return FromUcs(s, "ucp_worker_get_efd");
+  if (s = ucp_worker_get_efd(worker_, &efd_); s != UCS_OK) return FromUcs(s, "ucp_worker_get_efd");
   MOE_RETURN_IF_ERROR(SetAmHandlers());
   ucp_address_t* addr = nullptr;
   size_t len = 0;
@@ -233,7 +230,8 @@ void UcxWorkerImpl::EndPolling() {
   if (wake) Wake();
 }
 
-void UcxWorkerImpl::PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop) {
+void UcxWorkerImpl::PollUntil(std::chrono::steady_clock::time_point until,
+                              const std::function<bool()>& stop) {
   if (t_holder == this) return;
   BeginPolling();
   // Between empty polls the CPU goes to whoever else is runnable on it (the peer's threads
@@ -244,8 +242,9 @@ void UcxWorkerImpl::PollUntil(std::chrono::steady_clock::time_point until, const
   EndPolling();
 }
 
-absl::StatusOr<size_t> UcxWorkerImpl::Await(UcxTransfer& t, absl::Time deadline, std::chrono::microseconds spin,
-                             const std::function<bool()>& stop_polling) {
+absl::StatusOr<size_t> UcxWorkerImpl::Await(UcxTransfer& t, absl::Time deadline,
+                                            std::chrono::microseconds spin,
+                                            const std::function<bool()>& stop_polling) {
   if (spin.count() > 0) {
     PollUntil(std::chrono::steady_clock::now() + spin,
               [&] { return t.done() || (stop_polling && stop_polling()); });
@@ -260,8 +259,9 @@ void UcxWorkerImpl::SetMessageHandler(UcxWorker::MessageFn fn) {
   });
 }
 
-std::shared_ptr<UcxTransfer> UcxWorkerImpl::Expect(uint64_t token, std::shared_ptr<UcxBuffer> buffer,
-                                    absl::Time deadline) {
+std::shared_ptr<UcxTransfer> UcxWorkerImpl::Expect(uint64_t token,
+                                                   std::shared_ptr<UcxBuffer> buffer,
+                                                   absl::Time deadline) {
   auto t = std::make_shared<UcxTransfer>();
   t->buffer_ = std::move(buffer);
   t->deadline_ = deadline;
@@ -302,7 +302,7 @@ void UcxWorkerImpl::SetHelloDropped(UcxWorker::HelloDroppedFn fn) {
 }
 
 absl::StatusOr<uint64_t> UcxWorkerImpl::Connect(const std::string& peer,
-                                 std::function<void(const absl::Status&)> on_error) {
+                                                std::function<void(const absl::Status&)> on_error) {
   return Run<absl::StatusOr<uint64_t>>([&]() -> absl::StatusOr<uint64_t> {
     if (stopping_) return absl::UnavailableError("UCX worker is stopping");
     if (peer.empty()) return absl::InvalidArgumentError("empty UCX worker address");

@@ -14,8 +14,9 @@
 
 namespace moe::dataplane {
 
-absl::StatusOr<uint64_t> UcxWorkerImpl::Create(const std::string& peer, bool peer_mode,
-                                const std::function<void(const absl::Status&)>& on_error) {
+absl::StatusOr<uint64_t> UcxWorkerImpl::Create(
+    const std::string& peer, bool peer_mode,
+    const std::function<void(const absl::Status&)>& on_error) {
   auto e = std::make_unique<Endpoint>();
   e->id = next_ep_++;
   e->on_error = on_error;
@@ -72,13 +73,13 @@ uint64_t UcxWorkerImpl::Adopt(ucp_ep_h h) {
 }
 
 ucs_status_t UcxWorkerImpl::OnStrayAm(void* arg, const void*, size_t, void*, size_t,
-                              const ucp_am_recv_param_t*) {
+                                      const ucp_am_recv_param_t*) {
   static_cast<UcxWorkerImpl*>(arg)->stray_dropped_.fetch_add(1);
   return UCS_OK;
 }
 
-ucs_status_t UcxWorkerImpl::OnAm(void* arg, const void* header, size_t header_length, void* /*data*/,
-                         size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxWorkerImpl::OnAm(void* arg, const void* header, size_t header_length,
+                                 void* /*data*/, size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxWorkerImpl*>(arg);
   // A hello has a header and no data; a reply endpoint is what it is for. Anything else is
   // dropped (data, eager or rendezvous, is released by UCX when we return UCS_OK).
@@ -92,8 +93,8 @@ ucs_status_t UcxWorkerImpl::OnAm(void* arg, const void* header, size_t header_le
           length != 0          ? absl::StrCat("a UCX hello carrying ", length, " bytes of data")
           : !has_reply         ? std::string("a UCX hello without a reply endpoint")
           : header_length == 0 ? std::string("an empty UCX hello")
-                               : absl::StrCat("a UCX hello of ", header_length,
-                                              " bytes (at most ", kMaxHelloBytes, ")"));
+                               : absl::StrCat("a UCX hello of ", header_length, " bytes (at most ",
+                                              kMaxHelloBytes, ")"));
     }
     return UCS_OK;
   }
@@ -103,15 +104,16 @@ ucs_status_t UcxWorkerImpl::OnAm(void* arg, const void* header, size_t header_le
   return UCS_OK;
 }
 
-ucs_status_t UcxWorkerImpl::OnRequestAm(void* arg, const void* header, size_t header_length, void* data,
-                                size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxWorkerImpl::OnRequestAm(void* arg, const void* header, size_t header_length,
+                                        void* data, size_t length,
+                                        const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxWorkerImpl*>(arg);
   if (!self->on_message_ || self->stopping_ || header_length > UcxWorker::kMaxMessageHeader) {
     self->messages_dropped_.fetch_add(1);
     return UCS_OK;
   }
-  UcxWorker::MessageSink sink = self->on_message_(
-      std::string_view(static_cast<const char*>(header), header_length), length);
+  UcxWorker::MessageSink sink =
+      self->on_message_(std::string_view(static_cast<const char*>(header), header_length), length);
   if (sink.buffer == nullptr) {
     self->messages_dropped_.fetch_add(1);
     return UCS_OK;
@@ -126,8 +128,8 @@ ucs_status_t UcxWorkerImpl::OnRequestAm(void* arg, const void* header, size_t he
   return UCS_OK;
 }
 
-ucs_status_t UcxWorkerImpl::OnReplyAm(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxWorkerImpl::OnReplyAm(void* arg, const void* header, size_t header_length,
+                                      void* data, size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxWorkerImpl*>(arg);
   uint64_t token = 0;
   if (header_length >= 8 && header_length <= UcxWorker::kMaxMessageHeader) {
@@ -150,7 +152,7 @@ ucs_status_t UcxWorkerImpl::OnReplyAm(void* arg, const void* header, size_t head
 }
 
 void UcxWorkerImpl::Land(const std::shared_ptr<UcxTransfer>& t, void* data, size_t length,
-          const ucp_am_recv_param_t* param) {
+                         const ucp_am_recv_param_t* param) {
   if (length > t->buffer_->capacity()) {
     Finish(t,
            absl::InternalError(absl::StrCat(t->what_, ": ", length, " bytes do not fit the ",
@@ -177,12 +179,11 @@ void UcxWorkerImpl::Land(const std::shared_ptr<UcxTransfer>& t, void* data, size
 }
 
 void UcxWorkerImpl::OnAmData(void* request, ucs_status_t status, size_t length, void* user_data) {
-  static_cast<UcxWorkerImpl*>(user_data)->Completed(request, status,
-                                                    status == UCS_OK ? length : 0);
+  static_cast<UcxWorkerImpl*>(user_data)->Completed(request, status, status == UCS_OK ? length : 0);
 }
 
-void UcxWorkerImpl::StartMessage(const std::shared_ptr<UcxTransfer>& t, uint16_t id, const std::string& header,
-                  size_t bytes) {
+void UcxWorkerImpl::StartMessage(const std::shared_ptr<UcxTransfer>& t, uint16_t id,
+                                 const std::string& header, size_t bytes) {
   auto it = eps_.find(t->ep_);
   if (stopping_ || it == eps_.end() || it->second->failed) {
     Finish(t, absl::UnavailableError(absl::StrCat(t->what_, ": the endpoint is closed")), 0);

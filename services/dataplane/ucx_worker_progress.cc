@@ -64,10 +64,9 @@ absl::Duration UcxWorkerImpl::CheckDeadlines() {
   for (auto& t : to_abandon) {
     if (t->finished_) continue;
     t->cancelled_for_deadline_ = true;
-    Finish(
-        t,
-        absl::DeadlineExceededError(absl::StrCat(t->what_, " did not complete by its deadline")),
-        0);
+    Finish(t,
+           absl::DeadlineExceededError(absl::StrCat(t->what_, " did not complete by its deadline")),
+           0);
   }
   for (auto& [id, e] : eps_) Pump(*e);
   return std::max(next, absl::Milliseconds(1));

@@ -14,21 +14,20 @@
 namespace moe::dataplane {
 
 std::shared_ptr<UcxTransfer> UcxWorkerImpl::Start(Kind kind, uint64_t ep, uint64_t tag,
-                                   std::shared_ptr<UcxBuffer> buffer, size_t bytes,
-                                   absl::Time deadline, UcxWorker::Done done, size_t chunk,
-                                   std::string hello) {
+                                                  std::shared_ptr<UcxBuffer> buffer, size_t bytes,
+                                                  absl::Time deadline, UcxWorker::Done done,
+                                                  size_t chunk, std::string hello) {
   auto t = std::make_shared<UcxTransfer>();
   t->buffer_ = std::move(buffer);
   t->on_done_ = std::move(done);
   t->deadline_ = deadline;
   t->ep_ = ep;
   t->tag_ = tag;
-  t->what_ =
-      kind == Kind::kHello     ? std::string("UCX hello")
-      : kind == Kind::kRequest ? std::string("UCX request message")
-      : kind == Kind::kReply
-          ? std::string("UCX reply message")
-          : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive", " of tag ", tag);
+  t->what_ = kind == Kind::kHello     ? std::string("UCX hello")
+             : kind == Kind::kRequest ? std::string("UCX request message")
+             : kind == Kind::kReply
+                 ? std::string("UCX reply message")
+                 : absl::StrCat("UCX ", kind == Kind::kSend ? "send" : "receive", " of tag ", tag);
   if (chunk == 0) chunk = options_.chunk_bytes;
   if ((kind == Kind::kRequest || kind == Kind::kReply) &&
       hello.size() > UcxWorker::kMaxMessageHeader) {
@@ -290,7 +289,7 @@ void UcxWorkerImpl::OnSend(void* request, ucs_status_t status, void* user_data) 
 }
 
 void UcxWorkerImpl::OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
-                   void* user_data) {
+                           void* user_data) {
   static_cast<UcxWorkerImpl*>(user_data)->Completed(request, status,
                                                     status == UCS_OK ? info->length : 0);
 }
@@ -326,8 +325,7 @@ void UcxWorkerImpl::CloseEp(uint64_t id) {
   for (Chunk& c : waiting) {
     if (!c.t->finished_) {
       CancelParts(c.t);
-      Finish(c.t, absl::UnavailableError(absl::StrCat(c.t->what_, ": the endpoint is closed")),
-             0);
+      Finish(c.t, absl::UnavailableError(absl::StrCat(c.t->what_, ": the endpoint is closed")), 0);
     }
     PartsGone(*c.t, 1);
   }
