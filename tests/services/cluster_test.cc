@@ -367,13 +367,7 @@ class ClusterRebalance : public testing::ClusterTest {
   // 200 requests of 64 tokens (12800 tokens: q = 800 per expert, noise floor MaxVio ~0.11),
   // then the router's window once it holds them all.
   absl::StatusOr<v1::LoadStats> TrafficAndItsWindow(uint64_t seed) {
-    tools::LoadOptions lo;
-    lo.layer = layer();
-    lo.hidden = hidden();
-    lo.concurrency = 2;
-    lo.tokens = 64;
-    lo.duration = absl::Seconds(60);
-    lo.max_requests = 200;
+    tools::LoadOptions lo = Load(2, 64, absl::Seconds(60), 200);
     lo.distinct_batches = 200;
     lo.seed = seed;
     auto r = tools::RunLoad(admin(), lo);

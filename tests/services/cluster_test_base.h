@@ -26,6 +26,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
 #include "services/numerics/cpu/moe_layer.h"
+#include "services/tools/load_generator.h"
 #include "services/tools/local_cluster.h"
 #include "tests/common/metrics_text.h"
 #include "tests/services/cluster_fixtures.h"
@@ -88,6 +89,21 @@ class ClusterTest : public ::testing::Test {
     auto got = Forward(x, tokens, o);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(SameBits(got->out, Want(x, tokens))) << "T=" << tokens << " seed " << seed;
+  }
+
+  // Closed-loop load on the hosted layer: `concurrency` clients sending `tokens`-token batches
+  // until `duration` or `max_requests` (tools/load_generator.h; the rest of its options as they
+  // default).
+  tools::LoadOptions Load(int concurrency, int64_t tokens, absl::Duration duration,
+                          int64_t max_requests) const {
+    tools::LoadOptions lo;
+    lo.layer = layer();
+    lo.hidden = hidden();
+    lo.concurrency = concurrency;
+    lo.tokens = tokens;
+    lo.duration = duration;
+    lo.max_requests = max_requests;
+    return lo;
   }
 
   // Forward `probe` until the cluster answers under bias version `version` (the WatchBias push

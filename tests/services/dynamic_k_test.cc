@@ -295,14 +295,7 @@ class ClusterDynamicKAuto : public ClusterDynamicK {
   // Eight requests in flight for 4 s: none fails, the cap steps down, fewer than k pairs per
   // token over the run.
   void Overload() {
-    tools::LoadOptions lo;
-    lo.layer = layer();
-    lo.hidden = hidden();
-    lo.concurrency = 8;
-    lo.tokens = 32;
-    lo.duration = absl::Seconds(4);
-    lo.max_requests = 2000;
-    auto load = tools::RunLoad(admin(), lo);
+    auto load = tools::RunLoad(admin(), Load(8, 32, absl::Seconds(4), 2000));
     ASSERT_TRUE(load.ok()) << load.status();
     std::printf("[dynamic k auto] overload: %s\n", load->Format().c_str());
     EXPECT_GT(load->ok, 0);
