@@ -1,17 +1,24 @@
 // The attention node's public fronts as a caller meets them, with real processes on loopback:
 // the Open Inference Protocol's readiness following the shards, and the bounds one client meets
 // on a ForwardStream (in flight, cancelled, not reading).
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_inference.grpc.pb.h"
@@ -111,6 +118,82 @@ TEST_F(ClusterCanary, AStalledShardMakesTheNodeNotReadyUntilACanaryMatches) {
   EXPECT_EQ(ready_while_stopped, 0);
   AwaitReady(true);
   EXPECT_EQ(AttentionMetric("moe_canary_checks_total", {"outcome=\"mismatch\""}), 0);
+  ExpectOracleAnswer(8, 3);
+}
+
+// The process's own command line (/proc/PID/cmdline), one argument each.
+std::vector<std::string> CommandLine(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  for (size_t at = 0; at < all.size();) {
+    const size_t end = all.find('\0', at);
+    args.push_back(all.substr(at, end - at));
+    at = end == std::string::npos ? all.size() : end + 1;
+  }
+  return args;
+}
+
+// A lying member, as an attacker with a member's credentials makes one: shard-1 killed and the
+// same binary started again with shard-1's own flags and token, but on a checkpoint of other
+// weights (another seed). It registers as shard-1 once the dead one's lease has gone, and every
+// answer it gives is wrong: the node's readiness canary finds it at the next canary and the
+// node is not ready (standard OIP readiness) until the real shard is back.
+TEST_F(ClusterCanary, AShardServingOtherWeightsUnderItsOwnNameIsCaught) {
+  UsePreset("tiny", {{0, 8}, {8, 16}});
+  options().router_args = {"--heartbeat_interval_ms=200"};
+  options().attention_args = {"--canary_interval_ms=200"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  AwaitReady(true);
+  const std::string other = testing::MakeTempDir("ckpt_other");
+  checkpoint::SyntheticOptions so;
+  so.seed = 6;  // CheckpointFor's is 5
+  so.router_skew = 1.0;
+  so.single_file = true;
+  ASSERT_TRUE(checkpoint::WriteSyntheticCheckpoint(cfg(), other, so).ok());
+  pid_t shard1 = 0;
+  for (const auto& [name, pid] : cluster().Processes()) {
+    if (name == "shard-1") shard1 = pid;
+  }
+  ASSERT_GT(shard1, 0);
+  std::vector<std::string> args = CommandLine(shard1);
+  ASSERT_FALSE(args.empty());
+  for (std::string& a : args) {  // its own flags and token; other weights, files of its own
+    const size_t eq = a.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string flag = a.substr(0, eq + 1), value = a.substr(eq + 1);
+    if (flag == "--checkpoint=") a = flag + other;
+    if (flag == "--port_file=" || flag == "--metrics_port_file=") {
+      a = flag + other + "/" + value.substr(value.rfind('/') + 1);
+    }
+  }
+  ASSERT_TRUE(cluster().SignalShard(1, SIGKILL).ok());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  const std::string log = other + "/rogue.log";
+  posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  pid_t rogue = 0;
+  const int rc = posix_spawn(&rogue, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  ASSERT_EQ(rc, 0);
+  // Once the dead shard's lease has gone the rogue holds shard-1's place; its first canary is a
+  // mismatch (bounded: 15 s), and the node is not ready.
+  double mismatches = 0;
+  for (int i = 0; i < 150 && mismatches < 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    mismatches = AttentionMetric("moe_canary_checks_total", {"outcome=\"mismatch\""});
+  }
+  AwaitReady(false);
+  const double ready = AttentionMetric("moe_canary_ready");
+  ::kill(rogue, SIGKILL);
+  ::waitpid(rogue, nullptr, 0);
+  EXPECT_GE(mismatches, 1) << "the rogue's wrong answers were not caught (" << log << ")";
+  EXPECT_EQ(ready, 0);
+  ASSERT_TRUE(cluster().RestartShard(1).ok());
+  AwaitReady(true);
   ExpectOracleAnswer(8, 3);
 }
 
