@@ -38,13 +38,7 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::ClientFor;
-using testing::InProcessLayer;
 using testing::SameBits;
-using testing::TestCluster;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 class ClusterBadInput : public testing::ClusterTest {
  protected:

@@ -47,17 +47,12 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::ClientFor;
 using testing::Concat;
-using testing::InProcessLayer;
 using testing::kGrpc;
 using testing::MakeTempDir;
 using testing::SameBits;
-using testing::TestCluster;
 using testing::UcxArgs;
 using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 struct ClusterCase {
   std::string name;

@@ -35,12 +35,7 @@ extern char** environ;
 namespace moe {
 namespace {
 
-using testing::CheckpointFor;
-using testing::ClientFor;
 using testing::MakeTempDir;
-using testing::TestCluster;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 // A child process (killed with SIGKILL when the test ends).
 struct Child {

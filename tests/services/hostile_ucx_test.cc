@@ -39,7 +39,6 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::SameBits;
 
 int PortOf(const std::string& endpoint) {
   return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));

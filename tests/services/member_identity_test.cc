@@ -27,14 +27,10 @@
 namespace moe {
 namespace {
 
-using testing::CheckpointFor;
-using testing::InProcessLayer;
 using testing::MakeTempDir;
 using testing::RunShell;
-using testing::TestCluster;
 using testing::Traffic;
 using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 std::string ReadWord(const std::string& path) {
   std::ifstream f(path);

@@ -18,13 +18,8 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::InProcessLayer;
 using testing::MakeTempDir;
 using testing::SameBits;
-using testing::TestCluster;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 // Runs a command line, returns its exit status and stdout.
 int RunCommand(const std::string& cmd, std::string* out) {

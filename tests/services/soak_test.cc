@@ -23,12 +23,7 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::InProcessLayer;
-using testing::TestCluster;
 using testing::Traffic;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 struct Sample {
   int64_t rss = 0, threads = 0, fds = 0;

@@ -30,16 +30,11 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::InProcessLayer;
 using testing::MakeTempDir;
 using testing::MakeTestPki;
 using testing::MemberTls;
 using testing::RunShell;
 using testing::SameBits;
-using testing::TestCluster;
-using tools::LocalCluster;
-using tools::LocalClusterOptions;
 
 // The subject of the certificate a TLS server presents, as openssl prints it ("CN = ...").
 std::string PresentedSubject(const std::string& endpoint, const transport::TlsOptions& me) {

@@ -22,15 +22,10 @@ namespace moe {
 namespace {
 
 using tensor::Bf16;
-using testing::CheckpointFor;
-using testing::ClientFor;
 using testing::Concat;
-using testing::InProcessLayer;
 using testing::kGrpc;
 using testing::SameBits;
-using testing::TestCluster;
 using testing::UcxArgs;
-using tools::LocalCluster;
 
 struct W4A8Case {
   std::string name;
