@@ -342,13 +342,13 @@ void AttentionCore::CanaryLoop() {
     std::string detail;
     const CanaryOutcome o = RunCanary(&detail);
     if (o != CanaryOutcome::kSkipped) canary_ok_ = o == CanaryOutcome::kMatch;
-    metrics_->Canary(CanaryOutcomeName(o), Ready());
+    metrics_->Canary(kCanaryOutcomes.Name(o), Ready());
     if (o != CanaryOutcome::kMatch && o != CanaryOutcome::kSkipped) {
       MOE_LOG_WARN("readiness canary on layer {}: {} ({}); not ready", canary_layer_,
-                   CanaryOutcomeName(o), detail);
+                   kCanaryOutcomes.Name(o), detail);
     } else if (!was && Ready()) {
       MOE_LOG_INFO("readiness canary on layer {}: {} ({}); ready", canary_layer_,
-                   CanaryOutcomeName(o), detail);
+                   kCanaryOutcomes.Name(o), detail);
     }
     if (was != Ready()) {
       std::lock_guard<std::mutex> lock(readiness_mu_);

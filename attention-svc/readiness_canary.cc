@@ -9,22 +9,6 @@
 
 namespace moe::attention_svc {
 
-const char* CanaryOutcomeName(CanaryOutcome o) {
-  switch (o) {
-    case CanaryOutcome::kMatch:
-      return "match";
-    case CanaryOutcome::kMismatch:
-      return "mismatch";
-    case CanaryOutcome::kTimeout:
-      return "timeout";
-    case CanaryOutcome::kError:
-      return "error";
-    case CanaryOutcome::kSkipped:
-      return "skipped";
-  }
-  return "?";
-}
-
 CanaryOracle::CanaryOracle(const ModelConfig& cfg, const numerics::MoeLayerWeights* w,
                            int64_t tokens, uint64_t seed)
     : cfg_(cfg),

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "attention-svc/routing_view.h"
 #include "moe/v1/attention.pb.h"
+#include "services/common/enum_names.h"
 #include "services/common/model_config.h"
 #include "services/numerics/layer_weights.h"
 #include "services/tensor/bf16.h"
@@ -34,7 +35,13 @@ namespace moe::attention_svc {
 
 // What one canary found (moe_canary_checks_total{outcome}).
 enum class CanaryOutcome { kMatch, kMismatch, kTimeout, kError, kSkipped };
-const char* CanaryOutcomeName(CanaryOutcome o);
+inline constexpr EnumNames<CanaryOutcome, 5> kCanaryOutcomes{
+    "canary outcome",
+    {{{CanaryOutcome::kMatch, "match"},
+      {CanaryOutcome::kMismatch, "mismatch"},
+      {CanaryOutcome::kTimeout, "timeout"},
+      {CanaryOutcome::kError, "error"},
+      {CanaryOutcome::kSkipped, "skipped"}}}};
 
 class CanaryOracle {
  public:
