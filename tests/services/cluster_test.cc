@@ -313,19 +313,6 @@ class ClusterFailures : public testing::ClusterTest {
     EXPECT_LT(took, bound);
   }
 
-  // The batch is answered again, bit for bit (bounded: 100 x 100 ms).
-  void ExpectServedAgain() {
-    client::ForwardOptions fo;
-    fo.timeout = absl::Seconds(5);
-    absl::StatusOr<client::ForwardResult> back = absl::UnknownError("not tried");
-    for (int i = 0; i < 100 && !back.ok(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      back = Forward(x_, kTokens, fo);
-    }
-    ASSERT_TRUE(back.ok()) << back.status();
-    EXPECT_TRUE(SameBits(back->out, want_));
-  }
-
   static constexpr int64_t kTokens = 32;  // with 16 experts and k = 4, both shards are needed
   std::vector<Bf16> x_, want_;
 };
@@ -337,14 +324,14 @@ TEST_F(ClusterFailures, DeadAndStalledShardsAreNamedAndRecovered) {
   std::this_thread::sleep_for(std::chrono::milliseconds(900));
   ExpectNamedFailure(absl::StatusCode::kUnavailable, "shard-1", absl::Seconds(5), absl::Seconds(5));
   ASSERT_TRUE(cluster().RestartShard(1).ok());
-  ASSERT_NO_FATAL_FAILURE(ExpectServedAgain());
+  ASSERT_NO_FATAL_FAILURE(ExpectServedAgain(x_, kTokens, want_));
 
   // Stalled (SIGSTOP): the deadline fires and names the shard; after SIGCONT it serves again.
   ASSERT_TRUE(cluster().SignalShard(0, SIGSTOP).ok());
   ExpectNamedFailure(absl::StatusCode::kDeadlineExceeded, "shard-0", absl::Milliseconds(800),
                      absl::Seconds(2));
   ASSERT_TRUE(cluster().SignalShard(0, SIGCONT).ok());
-  ExpectServedAgain();
+  ExpectServedAgain(x_, kTokens, want_);
 }
 
 // Skewed traffic, Rebalance, fresh traffic: MaxVio over the next window falls. Admin calls need

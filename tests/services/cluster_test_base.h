@@ -106,6 +106,21 @@ class ClusterTest : public ::testing::Test {
     return lo;
   }
 
+  // Until x is answered again (a shard restarted, a router back; bounded: `tries` x 100 ms, each
+  // Forward within 5 s), then bit for bit `want`.
+  void ExpectServedAgain(const std::vector<Bf16>& x, int64_t tokens, const std::vector<Bf16>& want,
+                         int tries = 100) {
+    client::ForwardOptions fo;
+    fo.timeout = absl::Seconds(5);
+    absl::StatusOr<client::ForwardResult> r = absl::UnavailableError("not tried");
+    for (int i = 0; i < tries && !r.ok(); ++i) {
+      r = Forward(x, tokens, fo);
+      if (!r.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(SameBits(r->out, want));
+  }
+
   // Forward `probe` until the cluster answers under bias version `version` (the WatchBias push
   // reaching the attention node); false after `tries` tries 50 ms apart.
   bool AwaitBiasVersion(uint64_t version, int tries = 100) {

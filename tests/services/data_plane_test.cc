@@ -120,17 +120,6 @@ class ClusterDataPlane : public testing::AttackedClusterTest {
       EXPECT_TRUE(info.ucx_address().empty());
     }
   }
-  // x is answered again, bit for bit (bounded: 100 x 100 ms).
-  void ExpectServedAgain(const std::vector<Bf16>& x, int64_t tokens,
-                         const std::vector<Bf16>& want) {
-    absl::StatusOr<client::ForwardResult> back = absl::UnknownError("not tried");
-    for (int i = 0; i < 100 && !back.ok(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      back = Forward(x, tokens);
-    }
-    ASSERT_TRUE(back.ok()) << back.status();
-    EXPECT_TRUE(SameBits(back->out, want));
-  }
 };
 
 // The UCX data plane under a kill -9: requests in flight while shard-1 dies come back OK and

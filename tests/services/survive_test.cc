@@ -55,16 +55,6 @@ class SurviveTest : public testing::ClusterTest {
   std::string FirstError() const {
     return a_.errors.empty() ? (b_.errors.empty() ? "" : b_.errors[0]) : a_.errors[0];
   }
-  // Until x_ is answered (bounded: `tries` x 100 ms), bit for bit.
-  void ExpectAnsweredWithin(int tries, const client::ForwardOptions& o = {}) {
-    absl::StatusOr<client::ForwardResult> r = absl::UnavailableError("not yet");
-    for (int i = 0; i < tries && !r.ok(); ++i) {
-      r = Forward(x_, tokens_, o);
-      if (!r.ok()) Sleep(100);
-    }
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_TRUE(SameBits(r->out, want_));
-  }
 
   int64_t tokens_ = 4;
   std::vector<Bf16> x_, want_;
@@ -149,7 +139,7 @@ TEST_F(ClusterSurvive, RouterKilledUnderLoadLosesNothing) {
   ASSERT_TRUE(cluster().SignalShard(1, SIGCONT).ok());
   absl::Status ready = cluster().WaitReady(absl::Seconds(20));
   ASSERT_TRUE(ready.ok()) << ready;
-  ASSERT_NO_FATAL_FAILURE(ExpectAnsweredWithin(100));  // 10 s
+  ASSERT_NO_FATAL_FAILURE(ExpectServedAgain(x_, tokens_, want_));
   auto placement = admin().GetBias(layer());
   ASSERT_TRUE(placement.ok());
   EXPECT_EQ(placement->version(), 1u);
