@@ -9,13 +9,14 @@
 #   target_link_libraries(app PRIVATE moe::moe_client)
 #
 # The SDK is moe_client (MoeClient, RouterLink) on moe_transport_client, moe_proto and
-# moe_tensor; it needs gRPC, protobuf and Abseil (found again by the package), not gRPC's
-# reflection library.
+# moe_tensor (and moe_temp_dir, which its TLS uses); it needs gRPC, protobuf and Abseil (found
+# again by the package), not gRPC's reflection library.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(TARGETS router-svc attention-svc expert-svc moe-cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(TARGETS moe_client moe_transport_client moe_proto moe_tensor EXPORT MoeClientTargets
+install(TARGETS moe_client moe_transport_client moe_temp_dir moe_proto moe_tensor
+        EXPORT MoeClientTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/moe-serving)
 install(FILES services/client/moe_client.h services/client/router_link.h

@@ -26,6 +26,7 @@
 #include "services/common/logging.h"
 #include "services/common/secret_file.h"
 #include "services/common/status_macros.h"
+#include "services/common/temp_dir.h"
 #include "services/placement/placement.h"
 #include "services/transport/local_pki.h"
 
@@ -140,9 +141,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   LocalClusterOptions& o = c->options_;
   if (o.bin_dir.empty()) o.bin_dir = DefaultBinDir();
   if (o.work_dir.empty()) {
-    char tmpl[] = "/tmp/moe-cluster-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
-    o.work_dir = tmpl;
+    MOE_ASSIGN_OR_RETURN(o.work_dir, MakeTempDir("moe-cluster"));
+    c->made_work_dir_ = true;  // holds tokens and the local CA's key: removed by Stop()
   } else {
     ::mkdir(o.work_dir.c_str(), 0755);
   }
@@ -438,6 +438,7 @@ void LocalCluster::Stop(absl::Duration grace) {
       }
     }
   }
+  if (made_work_dir_) RemoveTree(options_.work_dir);
 }
 
 std::string LocalCluster::DescribeJson() const {

@@ -34,7 +34,9 @@ struct LocalClusterOptions {
   // Expert ranges [lo, hi) of the shards; empty: num_shards equal ranges over all experts.
   std::vector<std::pair<int64_t, int64_t>> shard_ranges;
   int num_shards = 2;
-  std::string work_dir;  // port files and logs (created); empty: a fresh temp dir
+  // Port files, logs, tokens, the local CA (created); empty: a fresh temp dir under $TMPDIR,
+  // removed by Stop() (give one to keep the logs).
+  std::string work_dir;
   std::string reply_mode = "per_pair";
   std::string admin_token;  // empty: router-svc refuses admin calls
   // MoE layers every process serves (--layers of each service); empty: the checkpoint's first.
@@ -108,7 +110,8 @@ class LocalCluster {
   std::vector<std::pair<std::string, pid_t>> Processes() const;
   // Waits until attention-svc reports SERVING (every expert has a healthy shard).
   absl::Status WaitReady(absl::Duration timeout);
-  // SIGTERM to every child, SIGKILL after `grace`; waits for all. Idempotent.
+  // SIGTERM to every child, SIGKILL after `grace`; waits for all; removes a work dir it made.
+  // Idempotent.
   void Stop(absl::Duration grace = absl::Seconds(10));
 
  private:
@@ -127,6 +130,7 @@ class LocalCluster {
   absl::Status RestartOnItsPort(Child* c, int port);
 
   LocalClusterOptions options_;
+  bool made_work_dir_ = false;
   Child router_;
   std::vector<Child> shards_;
   Child attention_;

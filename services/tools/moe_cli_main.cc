@@ -274,7 +274,9 @@ int Up(int argc, char** argv) {
   SvcFlags f("moe-cli up", "Start a local cluster and keep it running.");
   f.String("checkpoint", &co.checkpoint, "checkpoint directory");
   f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
-  f.String("work_dir", &work_dir, "logs, port files and cluster.json (default: a temp dir)");
+  f.String("work_dir", &work_dir,
+           "logs, port files and cluster.json (default: a temp dir, removed when the cluster "
+           "stops)");
   std::string admin_token_file;
   f.String("admin_token_file", &admin_token_file,
            "file with router-svc's admin token (chmod 600; empty: admin calls refused)");
@@ -511,7 +513,8 @@ int Cluster(int argc, char** argv) {
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
   f.String("bin_dir", &co.bin_dir,
            "where the service binaries are (default: next to moe-cli, else the build's)");
-  f.String("work_dir", &work_dir, "logs and port files (default: a temp dir)");
+  f.String("work_dir", &work_dir,
+           "logs and port files (default: a temp dir, removed when the cluster stops)");
   f.Int64("layer", &layer, "MoE layer to drive");
   f.Double("settle", &settle_s, "seconds to wait for the last statistics report");
   int max_rebalances = 4;

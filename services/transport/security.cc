@@ -23,6 +23,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "services/common/temp_dir.h"
 
 namespace moe::transport {
 namespace {
@@ -88,9 +89,11 @@ class PairKeeper {
     const std::string id = tls.cert_file + "\n" + tls.key_file;
     auto it = keepers->find(id);
     if (it != keepers->end()) return it->second;
-    char tmpl[] = "/tmp/moe-tls-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp for the TLS pair failed");
-    auto k = std::shared_ptr<PairKeeper>(new PairKeeper(tls, tmpl));
+    // A copy of the private key lives here: removed when the process ends normally.
+    absl::StatusOr<std::string> dir = MakeTempDir("moe-tls");
+    if (!dir.ok()) return dir.status();
+    RemoveTreeAtExit(*dir);
+    auto k = std::shared_ptr<PairKeeper>(new PairKeeper(tls, *dir));
     const std::string cert = ReadAll(tls.cert_file), key = ReadAll(tls.key_file);
     if (absl::Status s = CheckPair(cert, key); !s.ok()) {
       return absl::InvalidArgumentError(
