@@ -15,6 +15,7 @@
 #define MOE_TESTS_SERVICES_CLUSTER_TEST_BASE_H_
 
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -149,7 +150,12 @@ class ClusterTest : public ::testing::Test {
   void TearDown() override {
     user_.reset();
     admin_.reset();
-    if (cluster_ != nullptr) cluster_->Stop();
+    if (cluster_ == nullptr) return;
+    cluster_->Stop();
+    // A work dir the cluster made (tokens, the local CA's key, logs) is gone with it.
+    if (options_.work_dir.empty()) {
+      EXPECT_FALSE(std::filesystem::exists(cluster_->work_dir()));
+    }
   }
 
  private:
