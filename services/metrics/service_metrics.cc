@@ -431,7 +431,8 @@ ExpertMetrics::ExpertMetrics(prometheus::Registry& registry, const std::vector<i
 }
 
 void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double compute_seconds,
-                              int64_t rows, double weight_bytes, double flops) {
+                              int64_t rows, double weight_bytes, double flops,
+                              std::chrono::steady_clock::time_point now) {
   auto it = layers_.find(layer);
   if (it != layers_.end()) {
     it->second.compute->Observe(compute_seconds);
@@ -442,8 +443,16 @@ void ExpertMetrics::BatchDone(int64_t layer, double queue_seconds, double comput
   weight_bytes_.Increment(weight_bytes);
   flops_.Increment(flops);
   std::lock_guard<std::mutex> lock(mu_);
-  const auto now = std::chrono::steady_clock::now();
-  recent_.push_back({now, compute_seconds, weight_bytes, flops});
+  const int64_t slot = now.time_since_epoch() / kSlot;
+  if (recent_.empty() || recent_.back().slot != slot) recent_.push_back({slot, 0, 0, 0});
+  const int64_t ns = std::llround(compute_seconds * 1e9), b = std::llround(weight_bytes),
+                f = std::llround(flops);
+  recent_.back().ns += ns;
+  recent_.back().weight_bytes += b;
+  recent_.back().flops += f;
+  window_ns_ += ns;
+  window_bytes_ += b;
+  window_flops_ += f;
   UpdateWindowLocked(now);
 }
 
@@ -489,20 +498,23 @@ void ExpertMetrics::DataPlaneEvent(const std::string& event) {
   data_plane_events_.Add({{"shard", shard_}, {"event", event}}).Increment();
 }
 
-void ExpertMetrics::Tick() {
+void ExpertMetrics::Tick(std::chrono::steady_clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
-  UpdateWindowLocked(std::chrono::steady_clock::now());
+  UpdateWindowLocked(now);
 }
 
 void ExpertMetrics::UpdateWindowLocked(std::chrono::steady_clock::time_point now) {
-  const auto window = std::chrono::seconds(10);
-  while (!recent_.empty() && now - recent_.front().end > window) recent_.pop_front();
-  double busy = 0, bytes = 0, flops = 0;
-  for (const Recent& r : recent_) {
-    busy += r.seconds;
-    bytes += r.weight_bytes;
-    flops += r.flops;
+  // Slots that ended more than the window (10 s) ago leave it.
+  const int64_t oldest = (now - std::chrono::seconds(10)).time_since_epoch() / kSlot;
+  while (!recent_.empty() && recent_.front().slot < oldest) {
+    window_ns_ -= recent_.front().ns;
+    window_bytes_ -= recent_.front().weight_bytes;
+    window_flops_ -= recent_.front().flops;
+    recent_.pop_front();
   }
+  const double busy = static_cast<double>(window_ns_) * 1e-9,
+               bytes = static_cast<double>(window_bytes_),
+               flops = static_cast<double>(window_flops_);
   busy_ratio_.Set(std::min(1.0, busy / 10.0));
   // Only a window with compute and measured limits has fractions: none before (the series are
   // absent, not NaN), the latest after (an idle window keeps them).

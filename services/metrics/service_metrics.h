@@ -168,8 +168,10 @@ class ExpertMetrics {
   WireMetrics wire;
   // weight_bytes: MXFP4 bytes of the batch's distinct experts (each streams once per batch);
   // flops: 2 per multiply-add of the expert FFNs.
+  // now: when the batch ended (tests pass their own clock).
   void BatchDone(int64_t layer, double queue_seconds, double compute_seconds, int64_t rows,
-                 double weight_bytes, double flops);
+                 double weight_bytes, double flops,
+                 std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // This machine's limits, measured once at start (numerics/cpu/machine_limits.h); the achieved
   // weight bytes/s and FLOP/s of the last window are exported as fractions of them.
   void SetMachineLimits(double read_bytes_per_second, double fma_flops_per_second,
@@ -196,13 +198,17 @@ class ExpertMetrics {
   void DataPlaneEvent(const std::string& event);
   // Fraction of the last window (10 s) the compute thread was busy; updated on each batch and
   // by Tick() (call it periodically so an idle server decays to 0).
-  void Tick();
+  void Tick(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
 
  private:
+  // The window's batches in 100 ms slots (at most ~100 kept whatever the batch rate), and
+  // their sums kept as they come and go: a batch costs O(1), not a pass over the window (which
+  // at tens of thousands of small batches a second was a fifth of a shard's CPU).
   struct Recent {
-    std::chrono::steady_clock::time_point end;
-    double seconds, weight_bytes, flops;
+    int64_t slot;  // steady clock / 100 ms
+    int64_t ns, weight_bytes, flops;
   };
+  static constexpr std::chrono::milliseconds kSlot{100};
   void UpdateWindowLocked(std::chrono::steady_clock::time_point now);
   struct Layer {
     prometheus::Histogram* compute = nullptr;
@@ -231,6 +237,7 @@ class ExpertMetrics {
   prometheus::Family<prometheus::Gauge>& kernel_probe_;
   std::mutex mu_;
   std::deque<Recent> recent_;
+  int64_t window_ns_ = 0, window_bytes_ = 0, window_flops_ = 0;  // sums over recent_
   double limit_bandwidth_ = 0, limit_flops_ = 0;
 };
 
