@@ -221,25 +221,34 @@ void UcxWorkerImpl::BeginPolling() {
   ++pollers_;
 }
 
-void UcxWorkerImpl::EndPolling() {
+void UcxWorkerImpl::EndPolling(bool hand_off) {
   bool wake = false;
   {
     std::lock_guard<std::mutex> lock(progress_mu_);
-    wake = --pollers_ == 0 && (disarmed_ || !inflight_.empty());
+    const bool last = --pollers_ == 0;
+    if (last) {
+      // Handed back: the grace is over at once.
+      last_poll_end_ns_.store(
+          hand_off ? 0 : std::chrono::steady_clock::now().time_since_epoch().count(),
+          std::memory_order_relaxed);
+    }
+    wake = last && hand_off && (disarmed_ || !inflight_.empty());
   }
   if (wake) Wake();
 }
 
-void UcxWorkerImpl::PollUntil(std::chrono::steady_clock::time_point until,
+bool UcxWorkerImpl::PollUntil(std::chrono::steady_clock::time_point until,
                               const std::function<bool()>& stop) {
-  if (t_holder == this) return;
+  if (t_holder == this) return false;
   BeginPolling();
   // Between empty polls the CPU goes to whoever else is runnable on it (the peer's threads
   // where processes share cores): a poll costs no one a time slice.
-  while (!stop() && std::chrono::steady_clock::now() < until) {
+  bool stopped = false;
+  while (!(stopped = stop()) && std::chrono::steady_clock::now() < until) {
     if (!TryProgress()) std::this_thread::yield();
   }
-  EndPolling();
+  EndPolling(/*hand_off=*/!stopped);
+  return stopped;
 }
 
 absl::StatusOr<size_t> UcxWorkerImpl::Await(UcxTransfer& t, absl::Time deadline,
@@ -429,9 +438,9 @@ std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t token,
 }
 int64_t UcxWorker::messages_dropped() const { return impl_->messages_dropped(); }
 bool UcxWorker::Progress() { return impl_->TryProgress(); }
-void UcxWorker::PollUntil(std::chrono::steady_clock::time_point until,
+bool UcxWorker::PollUntil(std::chrono::steady_clock::time_point until,
                           const std::function<bool()>& stop) {
-  impl_->PollUntil(until, stop);
+  return impl_->PollUntil(until, stop);
 }
 absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline,
                                         std::chrono::microseconds spin,

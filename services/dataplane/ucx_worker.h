@@ -95,6 +95,12 @@ struct UcxOptions {
   // 2 vCPUs (tests/bench/dispatch_bench.cc): a bounded poll by a thread that waits anyway beat
   // both sleeping and a spinning progress thread.
   std::chrono::microseconds poll_spin{100};
+  // After a poller that got what it waited for leaves, the progress thread stays asleep and
+  // unarmed this long for the next poll (PollUntil): a round trip then wakes no thread, where
+  // waking it to arm the worker, and the peer's signal on the next message, cost two sleeping
+  // wake-ups per side per round trip (tests/bench/hop_bench.cc). Events nobody polls for in
+  // that window (a hello, an endpoint error) wait at most twice this (at least 1 ms more).
+  std::chrono::microseconds handoff_grace{2000};
 };
 
 class UcxWorkerImpl;
@@ -253,14 +259,19 @@ class UcxWorker {
   // Polls the worker from this thread until `until` or until stop() (a thread that would
   // otherwise sleep: an expert server's compute thread between batches, so the next batch
   // message lands on it). Meanwhile the progress thread sleeps unarmed: peers do not signal
-  // this worker per message, and nobody wakes that thread for requests this one progresses;
-  // it takes over again when the last poller leaves. A batch message's sender is expected to
-  // poll (Await, PollUntil) after SendMessage; one that does not is progressed within 1 ms.
-  void PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop);
+  // this worker per message, and nobody wakes that thread for requests this one progresses.
+  // A poller whose stop() came true (it got what it waited for) is taken to come back soon (the
+  // next batch, the next hop): the progress thread is not woken and takes over by itself only
+  // when no thread has polled for `UcxOptions::handoff_grace`. One whose time ran out hands the
+  // worker back at once (the progress thread arms it and sleeps on its event fd). A batch
+  // message's sender is expected to poll (Await, PollUntil) after SendMessage; one that does
+  // not is progressed within the grace. Returns whether stop() ended the poll.
+  bool PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop);
 
   // Waits for `t` like t.Wait, but first polls the worker from this thread for up to `spin`
   // (or until `stop_polling` says so): the completion runs here without waking the progress
-  // thread. A spin of 0 is t.Wait. The progress thread takes over when the spin ends.
+  // thread. A spin of 0 is t.Wait. The progress thread takes over when the spin ends without
+  // the completion (at once) or after the hand-off grace (PollUntil).
   absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline, std::chrono::microseconds spin,
                                const std::function<bool()>& stop_polling = nullptr);
 

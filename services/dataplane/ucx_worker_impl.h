@@ -152,10 +152,12 @@ class UcxWorkerImpl {
 
   // A thread polls the worker from Begin to End: meanwhile nobody wakes the progress thread for
   // requests in flight (the poller progresses them); the last poller to leave hands them back.
+  // hand_off: wake the progress thread now (the poller goes to sleep); otherwise it takes over
+  // by itself after options_.handoff_grace without a poller (SleepWhilePolled).
   void BeginPolling();
-  void EndPolling();
+  void EndPolling(bool hand_off);
 
-  void PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop);
+  bool PollUntil(std::chrono::steady_clock::time_point until, const std::function<bool()>& stop);
 
   absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline, std::chrono::microseconds spin,
                                const std::function<bool()>& stop_polling);
@@ -297,6 +299,11 @@ class UcxWorkerImpl {
   bool RunCommands(bool drain_fd = true);
 
   void Loop();
+  // The progress thread's sleep while threads poll the worker (unarmed, on the wake fd only):
+  // returns when woken, when `next` (a deadline) comes, or when no thread has polled for the
+  // hand-off grace.
+  void SleepWhilePolled(absl::Duration next);
+  std::chrono::steady_clock::time_point LastPollEnd() const;
 
   UcxOptions options_;
   ucp_context_h context_ = nullptr;
@@ -317,7 +324,9 @@ class UcxWorkerImpl {
   std::atomic<int64_t> reply_endpoints_reused_{0};
   std::atomic<int64_t> messages_dropped_{0};
   std::atomic<bool> has_commands_{false};  // commands_ is not empty (set under mu_)
-  int pollers_ = 0;                        // threads between BeginPolling and EndPolling
+  std::atomic<int> pollers_{0};            // threads between BeginPolling and EndPolling
+  // When the last poller left (steady clock, ns): the hand-off grace counts from it.
+  std::atomic<int64_t> last_poll_end_ns_{0};
   bool disarmed_ = false;                  // the progress thread sleeps without arming
   // Worker-held (progress_mu_).
   UcxWorker::MessageFn on_message_;

@@ -88,6 +88,34 @@ bool UcxWorkerImpl::RunCommands(bool drain_fd) {
   return !todo.empty();
 }
 
+std::chrono::steady_clock::time_point UcxWorkerImpl::LastPollEnd() const {
+  return std::chrono::steady_clock::time_point(
+      std::chrono::steady_clock::duration(last_poll_end_ns_.load(std::memory_order_relaxed)));
+}
+
+void UcxWorkerImpl::SleepWhilePolled(absl::Duration next) {
+  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(next);
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) return;
+    // While a thread polls, look again once per grace (at least 1 ms); once none does, when
+    // the grace ends: the worker is unarmed for at most twice the grace after the last poll.
+    const std::chrono::steady_clock::duration slice = std::max<std::chrono::steady_clock::duration>(
+        options_.handoff_grace, std::chrono::milliseconds(1));
+    auto wait = std::min<std::chrono::steady_clock::duration>(until - now, slice);
+    if (pollers_.load() == 0) {
+      const auto grace_end = LastPollEnd() + options_.handoff_grace;
+      if (now >= grace_end) return;
+      wait = std::min<std::chrono::steady_clock::duration>(wait, grace_end - now);
+    }
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait).count();
+    const timespec ts = {static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    pollfd fd = {wake_fd_, POLLIN, 0};
+    // Woken (a command, a hand-off, Stop): back to the loop, which drains the wake fd.
+    if (ppoll(&fd, 1, &ts, nullptr) != 0) return;
+  }
+}
+
 void UcxWorkerImpl::Loop() {
   absl::Time stop_by = absl::InfiniteFuture();
   // After any activity the thread may keep polling for options_.spin before it sleeps: a round
@@ -131,14 +159,15 @@ void UcxWorkerImpl::Loop() {
       if ((inflight_.empty() && closing_.empty()) || absl::Now() > stop_by) break;
     }
     if (now - last_activity < options_.spin) continue;
-    if (pollers_ > 0) {
-      // A waiter polls the worker: the progress thread sleeps unarmed (no peer signals this
-      // worker per message) until the last poller leaves (EndPolling wakes it).
+    if (pollers_.load() > 0 ||
+        std::chrono::steady_clock::now() - LastPollEnd() < options_.handoff_grace) {
+      // A waiter polls the worker, or one did a moment ago and comes back: the progress thread
+      // sleeps unarmed (no peer signals this worker per message) until the pollers are gone
+      // for the grace or one hands the worker back (EndPolling wakes it).
       disarmed_ = true;
       t_holder = nullptr;
       lock.unlock();
-      pollfd fd = {wake_fd_, POLLIN, 0};
-      (void)poll(&fd, 1, static_cast<int>(absl::ToInt64Milliseconds(next)) + 1);
+      SleepWhilePolled(next);
       continue;
     }
     disarmed_ = false;

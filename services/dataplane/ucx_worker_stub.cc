@@ -66,7 +66,9 @@ std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t, std::shared_ptr<
 }
 int64_t UcxWorker::messages_dropped() const { return 0; }
 bool UcxWorker::Progress() { return false; }
-void UcxWorker::PollUntil(std::chrono::steady_clock::time_point, const std::function<bool()>&) {}
+bool UcxWorker::PollUntil(std::chrono::steady_clock::time_point, const std::function<bool()>&) {
+  return false;
+}
 absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer&, absl::Time, std::chrono::microseconds,
                                         const std::function<bool()>&) {
   return absl::UnimplementedError("built without UCX");
