@@ -327,7 +327,7 @@ class UcxWorkerImpl {
   std::atomic<int> pollers_{0};            // threads between BeginPolling and EndPolling
   // When the last poller left (steady clock, ns): the hand-off grace counts from it.
   std::atomic<int64_t> last_poll_end_ns_{0};
-  bool disarmed_ = false;                  // the progress thread sleeps without arming
+  bool disarmed_ = false;  // the progress thread sleeps without arming
   // Worker-held (progress_mu_).
   UcxWorker::MessageFn on_message_;
   std::unordered_map<uint64_t, std::shared_ptr<UcxTransfer>> expected_;  // replies, by token
