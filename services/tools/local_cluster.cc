@@ -405,6 +405,26 @@ absl::Status LocalCluster::Signal(Child* c, int sig) {
   return absl::OkStatus();
 }
 
+absl::Status LocalCluster::StopShard(int i, absl::Duration grace) {
+  if (i < 0 || i >= num_shards() || shards_[i].pid <= 0) {
+    return absl::NotFoundError(absl::StrCat("no running shard ", i));
+  }
+  Child& c = shards_[i];
+  ::kill(c.pid, SIGCONT);  // a stopped process cannot handle SIGTERM
+  ::kill(c.pid, SIGTERM);
+  const absl::Time until = absl::Now() + grace;
+  while (::waitpid(c.pid, nullptr, WNOHANG) != c.pid) {
+    if (absl::Now() > until) {
+      ::kill(c.pid, SIGKILL);
+      ::waitpid(c.pid, nullptr, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  c.pid = -1;
+  return absl::OkStatus();
+}
+
 absl::Status LocalCluster::RestartShard(int i) {
   if (i < 0 || i >= num_shards()) return absl::NotFoundError(absl::StrCat("no shard ", i));
   if (shards_[i].pid > 0) return absl::FailedPreconditionError("shard is still running");

@@ -100,6 +100,9 @@ class LocalCluster {
   absl::Status SignalShard(int i, int sig);
   // Starts shard i again (after a kill), on a new free port, and waits for its port file.
   absl::Status RestartShard(int i);
+  // SIGTERM to shard i (a graceful stop, as a rolling restart does), SIGKILL after `grace`;
+  // waits for it, so that RestartShard can start it again.
+  absl::Status StopShard(int i, absl::Duration grace = absl::Seconds(10));
   // The same for router-svc, on its old port (the members know it by that).
   absl::Status SignalRouter(int sig);
   absl::Status RestartRouter();

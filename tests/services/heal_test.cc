@@ -1,0 +1,213 @@
+// The expert tier heals itself (docs/survive.md): 4 shards, 2 replicas per range, a durable
+// router, two clients sending Forward requests with a 3 s deadline, and a campaign of random
+// faults on one replica at a time, each one of: kill -9 and a restart, SIGSTOP for 1 s then
+// SIGCONT, a graceful stop (SIGTERM) and a restart. No admin acts: a restarted shard registers
+// by itself and the attention node opens its data plane to it again. Counted: answers right,
+// failed, wrong (must be 0) and past their deadline (must be 0); the time from a replica's
+// restart until the router counts every shard healthy again (must be <= 5 s); p99 steady vs
+// during faults, printed. MOE_HEAL_FAULTS sets the campaign's length (8 here; scripts/soak.sh
+// runs 100), MOE_HEAL_SEED its faults.
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/services/cluster_fixtures.h"
+#include "tests/services/cluster_test_base.h"
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using tensor::Bf16;
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
+// Closed-loop clients whose every request is kept: when it started, how long it took, how it
+// ended.
+class TimedTraffic {
+ public:
+  enum Outcome { kOk, kFailed, kWrong };
+  struct Sample {
+    Clock::time_point start;
+    double ms;
+    Outcome outcome;
+    bool past_deadline;
+  };
+  void Start(const tools::LocalCluster& c, int32_t layer, std::vector<Bf16> x, int64_t tokens,
+             int64_t hidden, std::vector<Bf16> want, int clients) {
+    for (int i = 0; i < clients; ++i) {
+      threads_.emplace_back([this, &c, layer, x, tokens, hidden, want] {
+        auto client = testing::ClientFor(c);
+        client::ForwardOptions o;
+        o.timeout = kDeadline;
+        const auto until = Clock::now() + std::chrono::seconds(900);
+        while (!stop_.load() && Clock::now() < until) {
+          const auto start = Clock::now();
+          auto r = client->Forward(layer, x, tokens, hidden, o);
+          const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+          const Outcome out = !r.ok() ? kFailed : testing::SameBits(r->out, want) ? kOk : kWrong;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            samples_.push_back({start, ms, out, ms > absl::ToDoubleMilliseconds(kDeadline) + 1000});
+            if (out == kFailed && errors_.size() < 5) errors_.push_back(r.status().ToString());
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(out == kFailed ? 50 : 10));
+        }
+      });
+    }
+  }
+  std::vector<Sample> Stop() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+    return samples_;
+  }
+  std::vector<std::string> errors() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return errors_;
+  }
+  static constexpr absl::Duration kDeadline = absl::Seconds(3);
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::vector<Sample> samples_;
+  std::vector<std::string> errors_;
+};
+
+double P99(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(0.99 * v.size()))];
+}
+
+class ClusterHeal : public testing::ClusterTest {
+ public:
+  struct Fault {
+    Clock::time_point start, end;  // end: every shard healthy again
+  };
+
+ protected:
+  double Healthy() { return RouterMetric("moe_expert_shards", {"health=\"healthy\""}); }
+
+  // Seconds from `from` until the router counts all 4 shards healthy (bounded: 30 s).
+  double SecondsToHealthy(Clock::time_point from) {
+    while (Healthy() != 4 && Clock::now() - from < std::chrono::seconds(30)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return std::chrono::duration<double>(Clock::now() - from).count();
+  }
+
+  // One fault on shard i; returns the seconds from its replacement's start (or SIGCONT) until
+  // every shard is healthy again.
+  double Inject(int kind, int i) {
+    tools::LocalCluster& c = cluster();
+    if (kind == 0) {
+      EXPECT_TRUE(c.SignalShard(i, SIGKILL).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    } else if (kind == 1) {
+      EXPECT_TRUE(c.SignalShard(i, SIGSTOP).ok());
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      EXPECT_TRUE(c.SignalShard(i, SIGCONT).ok());
+      return SecondsToHealthy(Clock::now());
+    } else {
+      EXPECT_TRUE(c.StopShard(i).ok());
+    }
+    EXPECT_TRUE(c.RestartShard(i).ok());
+    return SecondsToHealthy(Clock::now());
+  }
+};
+
+// What the campaign's requests saw: counts, and p99 of the answered ones started in the steady
+// window and during a fault (from its injection until every shard was healthy again).
+struct Tally {
+  int64_t ok = 0, failed = 0, wrong = 0, late = 0;
+  double p99_steady = 0, p99_during = 0, max_during = 0;
+  size_t n_steady = 0, n_during = 0;
+};
+
+Tally Count(const std::vector<TimedTraffic::Sample>& samples, Clock::time_point steady_end,
+            const std::vector<ClusterHeal::Fault>& windows) {
+  Tally t;
+  std::vector<double> steady, during;
+  for (const auto& s : samples) {
+    t.ok += s.outcome == TimedTraffic::kOk;
+    t.failed += s.outcome == TimedTraffic::kFailed;
+    t.wrong += s.outcome == TimedTraffic::kWrong;
+    t.late += s.past_deadline;
+    if (s.outcome != TimedTraffic::kOk) continue;
+    if (s.start < steady_end) steady.push_back(s.ms);
+    if (std::any_of(windows.begin(), windows.end(), [&](const ClusterHeal::Fault& w) {
+          return s.start >= w.start && s.start < w.end;
+        })) {
+      during.push_back(s.ms);
+    }
+  }
+  t.p99_steady = P99(steady);
+  t.p99_during = P99(during);
+  t.max_during = during.empty() ? 0 : *std::max_element(during.begin(), during.end());
+  t.n_steady = steady.size();
+  t.n_during = during.size();
+  return t;
+}
+
+TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
+  UsePreset("tiny", {{0, 8}, {8, 16}, {0, 8}, {8, 16}});
+  options().router_args = {"--heartbeat_interval_ms=200"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  const int faults = EnvInt("MOE_HEAL_FAULTS", 8);
+  const unsigned seed = static_cast<unsigned>(EnvInt("MOE_HEAL_SEED", 43));
+  const std::vector<Bf16> x = Hidden(4, 51);
+  TimedTraffic load;
+  load.Start(cluster(), layer(), x, 4, hidden(), Want(x, 4), 2);
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // the steady window
+  const Clock::time_point steady_end = Clock::now();
+  std::mt19937 rng(seed);
+  std::vector<Fault> windows;
+  int kinds[3] = {0, 0, 0};
+  double worst_back = 0;
+  for (int f = 0; f < faults; ++f) {
+    const int kind = static_cast<int>(rng() % 3), shard = static_cast<int>(rng() % 4);
+    ++kinds[kind];
+    const Clock::time_point start = Clock::now();
+    const double back = Inject(kind, shard);
+    worst_back = std::max(worst_back, back);
+    EXPECT_LE(back, 5.0) << "fault " << f << " (kind " << kind << ") on shard-" << shard;
+    windows.push_back({start, Clock::now()});
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // steady again between faults
+  }
+  const std::vector<TimedTraffic::Sample> samples = load.Stop();
+  const Tally t = Count(samples, steady_end, windows);
+  std::printf(
+      "[heal] %d faults (kill -9 + restart %d, SIGSTOP 1 s %d, SIGTERM + restart %d), seed %u\n"
+      "[heal] requests %zu: ok %lld, failed %lld, wrong %lld, past deadline %lld\n"
+      "[heal] p99 steady %.1f ms (%zu), during faults %.1f ms (%zu): %.2fx (slowest %.1f ms); "
+      "every shard healthy at most %.2f s after a replacement started\n",
+      faults, kinds[0], kinds[1], kinds[2], seed, samples.size(), static_cast<long long>(t.ok),
+      static_cast<long long>(t.failed), static_cast<long long>(t.wrong),
+      static_cast<long long>(t.late), t.p99_steady, t.n_steady, t.p99_during, t.n_during,
+      t.p99_during / std::max(t.p99_steady, 1e-9), t.max_during, worst_back);
+  for (const std::string& e : load.errors()) std::printf("[heal] a failure: %s\n", e.c_str());
+  EXPECT_EQ(t.wrong, 0);
+  EXPECT_EQ(t.late, 0);
+  EXPECT_GT(t.ok, faults);
+  for (const auto& [name, pid] : cluster().Processes()) {  // every process up, answers right
+    EXPECT_EQ(::kill(pid, 0), 0) << name << " is gone";
+  }
+  ExpectOracleAnswer(4, 52);
+}
+
+}  // namespace
+}  // namespace moe
