@@ -513,8 +513,7 @@ int Cluster(int argc, char** argv) {
   f.Int("threads", &co.threads, "compute threads per process (0: all cores)");
   f.String("bin_dir", &co.bin_dir,
            "where the service binaries are (default: next to moe-cli, else the build's)");
-  f.String("work_dir", &work_dir,
-           "logs and port files (default: a temp dir, removed when the cluster stops)");
+  f.String("work_dir", &work_dir, "logs and port files (default: a temp dir, removed at stop)");
   f.Int64("layer", &layer, "MoE layer to drive");
   f.Double("settle", &settle_s, "seconds to wait for the last statistics report");
   int max_rebalances = 4;
