@@ -26,6 +26,7 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
+#include "services/common/temp_dir.h"
 #include "services/numerics/cpu/moe_layer.h"
 #include "services/tools/local_cluster.h"
 
@@ -35,10 +36,12 @@ using tensor::Bf16;
 using tools::LocalCluster;
 using tools::LocalClusterOptions;
 
+// A fresh directory under the test process's own ($TMPDIR: tests/common/test_main.cc), removed
+// with it; "" when it could not be made.
 inline std::string MakeTempDir(const std::string& tag) {
-  std::string tmpl = ::testing::TempDir() + "/moe_" + tag + "_XXXXXX";
-  char* dir = ::mkdtemp(tmpl.data());
-  return dir != nullptr ? std::string(dir) : std::string();
+  absl::StatusOr<std::string> dir = moe::MakeTempDir("moe_" + tag);
+  EXPECT_TRUE(dir.ok()) << dir.status();
+  return dir.ok() ? *dir : std::string();
 }
 
 // One synthetic checkpoint per preset for the whole test binary.
@@ -187,6 +190,15 @@ struct Traffic {
   std::atomic<int64_t> ok{0}, failed{0}, wrong{0}, hung{0};
   std::vector<std::string> errors;  // the first few
   std::thread thread;
+  // With record set before Start: every request's start and latency, answered right or not
+  // (read after Stop).
+  struct Sample {
+    std::chrono::steady_clock::time_point start;
+    double ms;
+    bool ok;
+  };
+  bool record = false;
+  std::vector<Sample> samples;
 
   void Start(const LocalCluster& c, int32_t layer, const std::vector<Bf16>& x, int64_t tokens,
              int64_t hidden, const std::vector<Bf16>& want,
@@ -198,13 +210,22 @@ struct Traffic {
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(600);
       while (!stop.load() && std::chrono::steady_clock::now() < until) {
         const absl::Time start = absl::Now();
+        const auto started = std::chrono::steady_clock::now();
         auto r = client->Forward(layer, x, tokens, hidden, o);
         if (absl::Now() - start > timeout + absl::Seconds(1)) ++hung;
+        const bool right = r.ok() && SameBits(r->out, want);
+        if (record) {
+          samples.push_back(
+              {started,
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+                   .count(),
+               right});
+        }
         if (!r.ok()) {
           if (errors.size() < 5) errors.push_back(r.status().ToString());
           ++failed;
           std::this_thread::sleep_for(std::chrono::milliseconds(50));  // no hot loop on errors
-        } else if (!SameBits(r->out, want)) {
+        } else if (!right) {
           ++wrong;
         } else {
           ++ok;

@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -33,59 +32,6 @@ int EnvInt(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
-
-// Closed-loop clients whose every request is kept: when it started, how long it took, how it
-// ended.
-class TimedTraffic {
- public:
-  enum Outcome { kOk, kFailed, kWrong };
-  struct Sample {
-    Clock::time_point start;
-    double ms;
-    Outcome outcome;
-    bool past_deadline;
-  };
-  void Start(const tools::LocalCluster& c, int32_t layer, std::vector<Bf16> x, int64_t tokens,
-             int64_t hidden, std::vector<Bf16> want, int clients) {
-    for (int i = 0; i < clients; ++i) {
-      threads_.emplace_back([this, &c, layer, x, tokens, hidden, want] {
-        auto client = testing::ClientFor(c);
-        client::ForwardOptions o;
-        o.timeout = kDeadline;
-        const auto until = Clock::now() + std::chrono::seconds(900);
-        while (!stop_.load() && Clock::now() < until) {
-          const auto start = Clock::now();
-          auto r = client->Forward(layer, x, tokens, hidden, o);
-          const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-          const Outcome out = !r.ok() ? kFailed : testing::SameBits(r->out, want) ? kOk : kWrong;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            samples_.push_back({start, ms, out, ms > absl::ToDoubleMilliseconds(kDeadline) + 1000});
-            if (out == kFailed && errors_.size() < 5) errors_.push_back(r.status().ToString());
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(out == kFailed ? 50 : 10));
-        }
-      });
-    }
-  }
-  std::vector<Sample> Stop() {
-    stop_ = true;
-    for (auto& t : threads_) t.join();
-    return samples_;
-  }
-  std::vector<std::string> errors() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return errors_;
-  }
-  static constexpr absl::Duration kDeadline = absl::Seconds(3);
-
- private:
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::vector<Sample> samples_;
-  std::vector<std::string> errors_;
-};
 
 double P99(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -130,24 +76,19 @@ class ClusterHeal : public testing::ClusterTest {
   }
 };
 
-// What the campaign's requests saw: counts, and p99 of the answered ones started in the steady
-// window and during a fault (from its injection until every shard was healthy again).
-struct Tally {
-  int64_t ok = 0, failed = 0, wrong = 0, late = 0;
+// p99 of the requests answered right that started before steady_end, and of those that started
+// during a fault (from its injection until every shard was healthy again), with their counts
+// and the slowest of the latter.
+struct Latencies {
   double p99_steady = 0, p99_during = 0, max_during = 0;
   size_t n_steady = 0, n_during = 0;
 };
 
-Tally Count(const std::vector<TimedTraffic::Sample>& samples, Clock::time_point steady_end,
-            const std::vector<ClusterHeal::Fault>& windows) {
-  Tally t;
+Latencies Split(const std::vector<testing::Traffic::Sample>& samples, Clock::time_point steady_end,
+                const std::vector<ClusterHeal::Fault>& windows) {
   std::vector<double> steady, during;
   for (const auto& s : samples) {
-    t.ok += s.outcome == TimedTraffic::kOk;
-    t.failed += s.outcome == TimedTraffic::kFailed;
-    t.wrong += s.outcome == TimedTraffic::kWrong;
-    t.late += s.past_deadline;
-    if (s.outcome != TimedTraffic::kOk) continue;
+    if (!s.ok) continue;
     if (s.start < steady_end) steady.push_back(s.ms);
     if (std::any_of(windows.begin(), windows.end(), [&](const ClusterHeal::Fault& w) {
           return s.start >= w.start && s.start < w.end;
@@ -155,12 +96,13 @@ Tally Count(const std::vector<TimedTraffic::Sample>& samples, Clock::time_point 
       during.push_back(s.ms);
     }
   }
-  t.p99_steady = P99(steady);
-  t.p99_during = P99(during);
-  t.max_during = during.empty() ? 0 : *std::max_element(during.begin(), during.end());
-  t.n_steady = steady.size();
-  t.n_during = during.size();
-  return t;
+  Latencies l;
+  l.p99_steady = P99(steady);
+  l.p99_during = P99(during);
+  l.max_during = during.empty() ? 0 : *std::max_element(during.begin(), during.end());
+  l.n_steady = steady.size();
+  l.n_during = during.size();
+  return l;
 }
 
 TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
@@ -169,9 +111,11 @@ TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
   ASSERT_NO_FATAL_FAILURE(StartCluster());
   const int faults = EnvInt("MOE_HEAL_FAULTS", 8);
   const unsigned seed = static_cast<unsigned>(EnvInt("MOE_HEAL_SEED", 43));
-  const std::vector<Bf16> x = Hidden(4, 51);
-  TimedTraffic load;
-  load.Start(cluster(), layer(), x, 4, hidden(), Want(x, 4), 2);
+  const std::vector<Bf16> x = Hidden(4, 51), want = Want(x, 4);
+  testing::Traffic a, b;
+  a.record = b.record = true;
+  a.Start(cluster(), layer(), x, 4, hidden(), want, absl::Seconds(3));
+  b.Start(cluster(), layer(), x, 4, hidden(), want, absl::Seconds(3));
   std::this_thread::sleep_for(std::chrono::seconds(3));  // the steady window
   const Clock::time_point steady_end = Clock::now();
   std::mt19937 rng(seed);
@@ -188,21 +132,28 @@ TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
     windows.push_back({start, Clock::now()});
     std::this_thread::sleep_for(std::chrono::milliseconds(500));  // steady again between faults
   }
-  const std::vector<TimedTraffic::Sample> samples = load.Stop();
-  const Tally t = Count(samples, steady_end, windows);
+  a.Stop();
+  b.Stop();
+  std::vector<testing::Traffic::Sample> samples = a.samples;
+  samples.insert(samples.end(), b.samples.begin(), b.samples.end());
+  const Latencies l = Split(samples, steady_end, windows);
+  const int64_t ok = a.ok + b.ok, failed = a.failed + b.failed, wrong = a.wrong + b.wrong,
+                late = a.hung + b.hung;
   std::printf(
       "[heal] %d faults (kill -9 + restart %d, SIGSTOP 1 s %d, SIGTERM + restart %d), seed %u\n"
       "[heal] requests %zu: ok %lld, failed %lld, wrong %lld, past deadline %lld\n"
       "[heal] p99 steady %.1f ms (%zu), during faults %.1f ms (%zu): %.2fx (slowest %.1f ms); "
       "every shard healthy at most %.2f s after a replacement started\n",
-      faults, kinds[0], kinds[1], kinds[2], seed, samples.size(), static_cast<long long>(t.ok),
-      static_cast<long long>(t.failed), static_cast<long long>(t.wrong),
-      static_cast<long long>(t.late), t.p99_steady, t.n_steady, t.p99_during, t.n_during,
-      t.p99_during / std::max(t.p99_steady, 1e-9), t.max_during, worst_back);
-  for (const std::string& e : load.errors()) std::printf("[heal] a failure: %s\n", e.c_str());
-  EXPECT_EQ(t.wrong, 0);
-  EXPECT_EQ(t.late, 0);
-  EXPECT_GT(t.ok, faults);
+      faults, kinds[0], kinds[1], kinds[2], seed, samples.size(), static_cast<long long>(ok),
+      static_cast<long long>(failed), static_cast<long long>(wrong), static_cast<long long>(late),
+      l.p99_steady, l.n_steady, l.p99_during, l.n_during,
+      l.p99_during / std::max(l.p99_steady, 1e-9), l.max_during, worst_back);
+  for (const auto* t : {&a, &b}) {
+    for (const std::string& e : t->errors) std::printf("[heal] a failure: %s\n", e.c_str());
+  }
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(late, 0);
+  EXPECT_GT(ok, faults);
   for (const auto& [name, pid] : cluster().Processes()) {  // every process up, answers right
     EXPECT_EQ(::kill(pid, 0), 0) << name << " is gone";
   }
