@@ -501,13 +501,65 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
   }
 }
 
-// Decode (one or two tokens): R x TT = 8 independent vdpbf16ps chains; the scales are built at
-// the end of each chunk instead of being held in registers, and decoded weights are used at
-// once, so 8 rows fit for one token.
+// One 128-column chunk c (kFull: all 128 columns, read with plain loads; a masked load cost
+// 0.9 of the 8 cycles per 128 weights on Zen 4) of R rows x TT tokens, its sums scaled by the
+// chunk's lanes of row_scales (spread: lane l of the chunk -> its block among those 16) into acc.
+template <int R, int TT, bool kFull>
+inline __attribute__((always_inline)) void DecodeChunk(const uint8_t* packed, int64_t row_bytes,
+                                                       int64_t cols, int64_t r, int64_t c,
+                                                       const float* xp, int64_t ld_xp,
+                                                       const __m512i& lut, const __m512* row_scales,
+                                                       const __m512i& spread,
+                                                       __m512 (&acc)[R][TT]) {
+  const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
+  const __mmask16 lane_mask = static_cast<__mmask16>((1u << (width / 8)) - 1);
+  __m512i words[R];
+  __m512 part[R][TT];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
+    words[i] = kFull ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi32(lane_mask, row);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
+  }
+  const float* x = xp + c * 64;
+#pragma GCC unroll 4
+  for (int n = 0; n < 4; ++n) {
+    __m512bh xv[TT];
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * ld_xp + n * 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m512i idx = n == 0 ? words[i] : _mm512_srli_epi16(words[i], 4 * n);
+      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) part[i][t] = _mm512_dpbf16_ps(part[i][t], w, xv[t]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    const __m512 scale = _mm512_permutexvar_ps(spread, row_scales[i]);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_fmadd_ps(part[i][t], scale, acc[i][t]);
+  }
+}
+
+// Decode (one or two tokens): R x TT independent vdpbf16ps chains, decoded weights used at
+// once. The block scales are read for 4 chunks at a time (16 scale bytes of a row zero-extended
+// to 16 fp32 lanes, one per block) and spread to each chunk's lanes with one vpermps: building
+// them per chunk (a byte shuffle, a widening and a shift) cost more, and the sums keep their
+// order (the same part, scale and FMA per chunk as before). 6 rows x 1 token: 8.0 cycles per 128
+// weights on Zen 4, L2-resident (9.1 before: per-chunk scales, masked loads, 8 rows).
 template <int R, int TT>
 void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r,
                        const float* xp, int64_t ld_xp, float* out_r, int64_t ld_out) {
   const __m512i lut = _mm512_loadu_si512(kE2M1Bf16x2);
+  const __m512i spread[4] = {
+      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+      _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+      _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
+      _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
   __m512 acc[R][TT];
 #pragma GCC unroll 16
@@ -515,41 +567,24 @@ void MxBlockBf16Decode(const uint8_t* packed, const uint8_t* scales, int64_t col
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_setzero_ps();
   }
-  for (int64_t c = 0; c * 128 < cols; ++c) {
-    const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask =
-        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
-    const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
-    __m512i words[R];
-    __m512 part[R][TT];
+  for (int64_t c4 = 0; c4 * 128 < cols; c4 += 4) {
+    // The blocks of these (up to) 4 chunks (cols is a multiple of 32: Mxfp4Matrix).
+    const int64_t blocks = scale_bytes - c4 * 4 < 16 ? scale_bytes - c4 * 4 : 16;
+    const __mmask16 block_mask = static_cast<__mmask16>((1u << blocks) - 1);
+    __m512 row_scales[R];
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
-      words[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
+      const __m128i s = _mm_maskz_loadu_epi8(block_mask, scales + (r + i) * scale_bytes + c4 * 4);
+      row_scales[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(s), 23));
     }
-    const float* x = xp + c * 64;
-#pragma GCC unroll 4
-    for (int n = 0; n < 4; ++n) {
-      __m512bh xv[TT];
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(x + t * ld_xp + n * 16);
-#pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) {
-        const __m512i idx =
-            n == 0 ? words[i] : _mm512_srl_epi16(words[i], _mm_cvtsi32_si128(4 * n));
-        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
-#pragma GCC unroll 16
-        for (int t = 0; t < TT; ++t) part[i][t] = _mm512_dpbf16_ps(part[i][t], w, xv[t]);
+    for (int64_t c = c4; c < c4 + 4 && c * 128 < cols; ++c) {
+      if ((c + 1) * 128 <= cols) {
+        DecodeChunk<R, TT, true>(packed, row_bytes, cols, r, c, xp, ld_xp, lut, row_scales,
+                                 spread[c - c4], acc);
+      } else {
+        DecodeChunk<R, TT, false>(packed, row_bytes, cols, r, c, xp, ld_xp, lut, row_scales,
+                                  spread[c - c4], acc);
       }
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) {
-      const __m512 scale = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_fmadd_ps(part[i][t], scale, acc[i][t]);
     }
   }
 #pragma GCC unroll 16
@@ -575,8 +610,13 @@ void Mxfp4RowsBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, i
     t += 2;
   }
   if (tokens - t >= 1) {
-    MxRows<8, 1, MxBlockBf16Decode<8, 1>, MxBlockBf16Decode<1, 1>>(
-        packed, scales, cols, r0, r1, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+    // 6 rows (7.9 cycles per 128 weights on Zen 4 against 8.4 for 8, which spill), the rest
+    // of a work item (128 = 6 x 21 + 2) in pairs rather than one latency-bound row at a time.
+    const int64_t r6 = r0 + (r1 - r0) / 6 * 6;
+    MxRows<6, 1, MxBlockBf16Decode<6, 1>, MxBlockBf16Decode<1, 1>>(
+        packed, scales, cols, r0, r6, xp + t * ld_xp, ld_xp, out + t * ld_out, ld_out);
+    MxRows<2, 1, MxBlockBf16Decode<2, 1>, MxBlockBf16Decode<1, 1>>(
+        packed, scales, cols, r6, r1, xp + t * ld_xp, ld_xp, out + t * ld_out + (r6 - r0), ld_out);
   }
 }
 
