@@ -9,8 +9,11 @@
 // per tokens per expert, at the K3 expert shape on the threaded expert path (RunExperts, all
 // threads): `runs` timed calls over `experts` experts whose weights (17.3 MB each, 1.1 GB for
 // 64) stream from DRAM, and as many over the same number of experts that all point at one
-// expert's weights (17.3 MB: L3-resident here, so the arithmetic alone). Reported: p10 and p50
-// of each, weight bytes per second, the DRAM time over the cache-resident time (1.0 is perfect
+// expert's weights (17.3 MB: L3-resident, not L2: it is streamed from L3, so it bounds the
+// decode by the L3's bandwidth as well as by the arithmetic). Decode rows add the arithmetic
+// alone: the table's row kernel on one work item (128 rows of w1, 230 KB at the K3 shape)
+// per thread, L2-resident, repeated, in weight bytes per second. Reported: p10 and p50 of
+// each, weight bytes per second, the DRAM time over the cache-resident time (1.0 is perfect
 // overlap of memory and arithmetic), p10 over the read bandwidth, and GFLOP/s at p50 of both
 // (what prefill counts are judged by: `--experts 4 --tokens 64,...,4096`). The read bandwidth is
 // measured before each row (the best of 3 passes of 1 GiB), because a neighbour on a shared
@@ -101,6 +104,37 @@ moe::numerics::Routing EveryExpert(int64_t tokens, int experts) {
   return r;
 }
 
+// The decode's arithmetic alone: every thread runs the table's row kernel over its own 128 rows
+// of expert 0's w1 (L2-resident after the first call) `reps` times; weight bytes per second of
+// all threads, the best of 3 passes.
+double ArithmeticAlone(const KernelTable& k, ThreadPool& pool, const moe::numerics::Mxfp4Matrix& m,
+                       const moe::tensor::Bf16* z, int64_t tokens) {
+  namespace cpu = moe::numerics::cpu;
+  constexpr int64_t kRows = 128, kReps = 200;
+  std::vector<float> x(static_cast<size_t>(tokens * m.cols));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = z[i].ToFloat();
+  const int64_t ld = cpu::ActivationSlots(k, m.cols);
+  std::vector<float> xp(static_cast<size_t>(tokens * ld));
+  cpu::PrepareActivations(k, x.data(), tokens, m.cols, xp.data());
+  const int items = pool.size();
+  std::vector<std::vector<float>> out(static_cast<size_t>(items),
+                                      std::vector<float>(static_cast<size_t>(tokens * kRows)));
+  double best = 0;
+  for (int pass = 0; pass < 3; ++pass) {
+    const auto start = Clock::now();
+    pool.ParallelFor(items, [&](int64_t i) {
+      const int64_t r0 = (i * kRows) % m.rows;
+      for (int64_t rep = 0; rep < kReps; ++rep) {
+        k.mxfp4_rows(m.packed, m.scales, m.cols, r0, r0 + kRows, xp.data(), ld, tokens,
+                     out[static_cast<size_t>(i)].data(), kRows);
+      }
+    });
+    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    best = std::max(best, items * kReps * kRows * (m.cols / 2.0 + m.cols / 32.0) / s);
+  }
+  return best;
+}
+
 struct Row {
   std::string name;
   const KernelTable* table;
@@ -126,6 +160,10 @@ void DecodeRow(const Row& row, ThreadPool& pool, const moe::ModelConfig& cfg, co
     });
   };
   const std::vector<double> dram = run(set.w), hot = run(cache_resident);
+  const bool rows_kernel = tokens < row.table->panel_from || row.table->mxfp4_rows_tm == nullptr;
+  const double alone = rows_kernel ? ArithmeticAlone(*row.table, pool, cache_resident.experts[0].w1,
+                                                     z.data(), tokens)
+                                   : 0;
   const double d10 = Quantile(dram, 0.1), h10 = Quantile(hot, 0.1);
   const double flops = 2.0 * 3 * cfg.latent * cfg.intermediate * tokens * experts;
   const double weight_bytes = static_cast<double>(experts) * cfg.ExpertBytes();
@@ -144,11 +182,13 @@ void DecodeRow(const Row& row, ThreadPool& pool, const moe::ModelConfig& cfg, co
                                   ? "-"
                                   : absl::StrFormat("%.2f", flops / Quantile(dram, 0.5) / peak);
   std::printf(
-      "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %s | %s | %.2f | %.0f | %.0f | %s |\n",
+      "| %s | %lld | %.1f | %.2f | %.2f | %.2f | %.2f | %s | %s | %.2f | %s | %.0f | %.0f | %s "
+      "|\n",
       row.name.c_str(), static_cast<long long>(tokens), read / 1e9, 1e3 * d10,
       1e3 * Quantile(dram, 0.5), 1e3 * h10, 1e3 * Quantile(hot, 0.5),
       decode ? absl::StrFormat("%.1f", weight_bytes / d10 / 1e9).c_str() : "-",
       decode ? absl::StrFormat("%.2f", weight_bytes / d10 / read).c_str() : "-", d10 / h10,
+      decode && alone > 0 ? absl::StrFormat("%.1f (%.2f)", alone / 1e9, alone / read).c_str() : "-",
       flops / Quantile(dram, 0.5) / 1e9, flops / Quantile(hot, 0.5) / 1e9, of_peak.c_str());
   std::fflush(stdout);
 }
@@ -198,8 +238,9 @@ int main(int argc, char** argv) {
   cache_resident.experts.assign(cache_resident.experts.size(), set.w.experts[0]);
   std::printf(
       "| set | tokens/expert | read GB/s | DRAM p10 ms | p50 ms | cache-resident p10 ms | p50 ms "
-      "| DRAM p10 GB/s | of read | DRAM / cache-resident (p10) | GFLOP/s DRAM p50 | cache-resident "
-      "| of the peak (p50) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| DRAM p10 GB/s | of read | DRAM / cache-resident (p10) | arithmetic alone GB/s (of read) "
+      "| GFLOP/s DRAM p50 | cache-resident | of the peak (p50) |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Row& row : rows) {
     for (int64_t tokens : token_counts) {
       DecodeRow(row, pool, cfg, set, cache_resident, experts, runs, tokens);
