@@ -197,7 +197,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       // loop waiting on memory at the start of every row: decode 10 -> 13 GB/s in
       // cpu_layer_bench). A prefetch never faults, also past the end of the matrix.
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
-      lanes[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
+      lanes[i] = width == 128 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi32(lane_mask, row);
       scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
     const float* x = xp + c * 128;
@@ -462,7 +462,7 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
-      words[i] = _mm512_maskz_loadu_epi32(lane_mask, row);
+      words[i] = width == 128 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi32(lane_mask, row);
       scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
     const float* x = xp + c * 64;
