@@ -20,8 +20,8 @@
 #        shape)
 #        scripts/bench.sh --kernels  (the routed experts' kernels alone, no checkpoint: the
 #        kernel choice with each probe's spread; the 1-8 token decode per set from DRAM and
-#        cache-resident, p10 / p50 of 10 calls, next to the read bandwidth measured before each
-#        row; prefill GFLOP/s per set from 64 to 4,096 tokens per expert; about 7 min)
+#        L3-resident, p10 / p50 of 10 calls, and its arithmetic alone (L2-resident rows), next
+#        to the read bandwidth measured before each row; prefill GFLOP/s per set from 64 to 4,096 tokens per expert; about 7 min)
 #        scripts/bench.sh --model_loop [examples/model_loop.py flags]  (a decode loop through
 #        every MoE layer of a mid checkpoint on one cluster, B = 1, 4, 16, 64: where a decode
 #        step's time goes, tokens/s, projected to 92 MoE layers; writes out/model-loop.png;
