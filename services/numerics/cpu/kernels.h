@@ -135,6 +135,15 @@ bool PairPanelFits(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1);
 void PairPanelExact(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0,
                     int64_t r1, const float* xt, int64_t ld_t, int64_t tokens, float* out,
                     int64_t ld_out);
+// The AVX-512 tables' SiTU (rounded to bf16, and fp32), fp32 FMA and vdpbf16ps peak probes and
+// MXFP8 round trip, with the tables' signatures (kernels_avx512_elementwise.cc; called only
+// from kernels_avx512.cc's tables).
+void Avx512Situ(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h);
+void Avx512SituF32(const float* g, const float* u, int64_t n, float beta, float linear_beta,
+                   float* h);
+double Avx512FmaProbe(int64_t iters);
+double Avx512Bf16DotProbe(int64_t iters);
+void Avx512RoundTripMxfp8(float* values, int64_t n);
 // A kBf16PairsTm slot from its two bf16 values (the even column's in the low half).
 inline uint32_t Bf16PairBits(float even, float odd) {
   return (tensor::FloatBits(odd) & 0xFFFF0000u) | (tensor::FloatBits(even) >> 16);

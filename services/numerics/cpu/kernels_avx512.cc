@@ -1,7 +1,9 @@
-// AVX-512 kernels (F, BW, DQ, VL; the BF16 table also AVX512_BF16). This file alone is compiled
-// with -mavx512*; it holds no inline code shared with other files (everything here has internal
-// linkage but the tables and the pair panels' helpers, which only the BF16 and AMX kernels
-// call), so no AVX-512 instruction can leak into code that runs before the CPUID check.
+// AVX-512 kernels (F, BW, DQ, VL; the BF16 table also AVX512_BF16): the dense GEMM, the MXFP4
+// rows and panels, and the tables (SiTU, the peak probes and the MXFP8 round trip are in
+// kernels_avx512_elementwise.cc). Only these two files are compiled with -mavx512*; they hold
+// no inline code shared with other files (everything has internal linkage but the tables and
+// the helpers kernels.h declares for the AVX-512 kernels alone), so no AVX-512 instruction can
+// leak into code that runs before the CPUID check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -163,6 +165,15 @@ inline __m512 ChunkScales(const uint8_t* s, __mmask16 mask) {
       _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(s4, repeat4)), 23));
 }
 
+// The 64 packed bytes of a 128-column chunk, `width` columns of it (a multiple of 8) and zeros
+// past them: whole chunks with a plain load (a masked one cost 0.9 of the BF16 decode's 8
+// cycles per 128 weights on Zen 4), only a partial last chunk masked.
+inline __m512i LoadChunk(const uint8_t* p, int64_t width) {
+  return width == 128
+             ? _mm512_loadu_si512(p)
+             : _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (width / 8)) - 1), p);
+}
+
 // R rows x TT tokens. Each 128-column chunk is 64 packed bytes = 16 u32 lanes; lane i holds
 // columns 8i..8i+7, nibble n of the lane is column 8i+n, and vpermps reads only the low 4
 // bits of each index, so (lanes >> 4n) indexes the E2M1 table directly. The block scales
@@ -184,8 +195,6 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
     const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask =
-        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i lanes[R];
     __m512 scale[R];
@@ -197,7 +206,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       // loop waiting on memory at the start of every row: decode 10 -> 13 GB/s in
       // cpu_layer_bench). A prefetch never faults, also past the end of the matrix.
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
-      lanes[i] = width == 128 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi32(lane_mask, row);
+      lanes[i] = LoadChunk(row, width);
       scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
     const float* x = xp + c * 128;
@@ -292,9 +301,7 @@ void DecodeChunks(const uint8_t* packed, const uint8_t* scales, int64_t cols, in
                                     -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask =
-        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
-    const __m512i lanes = _mm512_maskz_loadu_epi32(lane_mask, packed + c * 64);
+    const __m512i lanes = LoadChunk(packed + c * 64, width);
     const __m512 scale =
         ChunkScales(scales + c * 4, static_cast<__mmask16>((1u << (width / 32)) - 1));
 #pragma GCC unroll 8
@@ -453,8 +460,6 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
   }
   for (int64_t c = 0; c * 128 < cols; ++c) {
     const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-    const __mmask16 lane_mask =
-        width == 128 ? 0xFFFF : static_cast<__mmask16>((1u << (width / 8)) - 1);
     const __mmask16 scale_mask = static_cast<__mmask16>((1u << (width / 32)) - 1);
     __m512i words[R];
     __m512 scale[R];
@@ -462,7 +467,7 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
-      words[i] = width == 128 ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi32(lane_mask, row);
+      words[i] = LoadChunk(row, width);
       scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
     const float* x = xp + c * 64;
@@ -501,9 +506,9 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
   }
 }
 
-// One 128-column chunk c (kFull: all 128 columns, read with plain loads; a masked load cost
-// 0.9 of the 8 cycles per 128 weights on Zen 4) of R rows x TT tokens, its sums scaled by the
-// chunk's lanes of row_scales (spread: lane l of the chunk -> its block among those 16) into acc.
+// One 128-column chunk c (kFull: all 128 columns, so LoadChunk's test folds away) of R rows x TT
+// tokens, its sums scaled by the chunk's lanes of row_scales (spread: lane l of the chunk -> its
+// block among those 16) into acc.
 template <int R, int TT, bool kFull>
 inline __attribute__((always_inline)) void DecodeChunk(const uint8_t* packed, int64_t row_bytes,
                                                        int64_t cols, int64_t r, int64_t c,
@@ -512,14 +517,13 @@ inline __attribute__((always_inline)) void DecodeChunk(const uint8_t* packed, in
                                                        const __m512i& spread,
                                                        __m512 (&acc)[R][TT]) {
   const int64_t width = cols - c * 128 < 128 ? cols - c * 128 : 128;
-  const __mmask16 lane_mask = static_cast<__mmask16>((1u << (width / 8)) - 1);
   __m512i words[R];
   __m512 part[R][TT];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
     _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
-    words[i] = kFull ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi32(lane_mask, row);
+    words[i] = LoadChunk(row, kFull ? 128 : width);
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
   }
@@ -658,165 +662,13 @@ void PairPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64
   MxPanel<true>(packed, scales, cols, r0, r1, xt, ld_t, tokens, out, ld_out);
 }
 
-// ---------------------------------------------------------------- SiTU
-
-inline __m512 RoundBf16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-// exp(x): n = round(x log2 e), r = x - n ln 2 (two-part ln 2), Taylor to r^7 (|r| <= 0.35:
-// truncation below 1e-8 relative), times 2^n with vscalefps. Inputs clamped to [-104, 89], so
-// results underflow to 0 (through subnormals) and overflow to +Inf where fp32 exp does: a tiny
-// nonzero where the reference has 0 would be hundreds of bf16 ulps away.
-inline __m512 Exp(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// tanh: odd Taylor polynomial to y^13 for |y| < 0.3 (error < 1e-10), else
-// sign(y) (1 - 2 / (exp(2|y|) + 1)).
-inline __m512 Tanh(__m512 y) {
-  const __m512 a = _mm512_abs_ps(y);
-  const __m512 y2 = _mm512_mul_ps(y, y);
-  __m512 p = _mm512_set1_ps(21844.0f / 6081075.0f);
-  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1382.0f / 155925.0f));
-  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(62.0f / 2835.0f));
-  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-17.0f / 315.0f));
-  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
-  p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
-  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, y2), y, y);
-  const __m512 e = Exp(_mm512_add_ps(a, a));
-  __m512 big =
-      _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                    _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-  big = _mm512_or_ps(big, _mm512_and_ps(y, _mm512_set1_ps(-0.0f)));  // copy the sign of y
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.3f), _CMP_LT_OQ), big, small);
-}
-
-// kRound: the result rounded to bf16 (situ), else left in fp32 (situ_f32).
-template <bool kRound>
-void SituT(const float* g, const float* u, int64_t n, float beta, float linear_beta, float* h) {
-  const __m512 b1 = _mm512_set1_ps(beta), b2 = _mm512_set1_ps(linear_beta);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 gv = RoundBf16(_mm512_maskz_loadu_ps(m, g + i));
-    const __m512 uv = RoundBf16(_mm512_maskz_loadu_ps(m, u + i));
-    const __m512 sig =
-        _mm512_div_ps(one, _mm512_add_ps(one, Exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    const __m512 gate = _mm512_mul_ps(_mm512_mul_ps(b1, Tanh(_mm512_div_ps(gv, b1))), sig);
-    const __m512 up = _mm512_mul_ps(b2, Tanh(_mm512_div_ps(uv, b2)));
-    const __m512 hv = _mm512_mul_ps(gate, up);
-    _mm512_mask_storeu_ps(h + i, m, kRound ? RoundBf16(hv) : hv);
-  }
-}
-
-// 12 independent register-resident chains (2 ports x 4-6 cycles of latency) of vfmadd (16
-// multiply-adds each) or, kDot, of vdpbf16ps (32 each); returns the flops done.
-template <bool kDot>
-double ChainProbe(int64_t iters) {
-  __m512 acc[12];
-#pragma GCC unroll 12
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
-  const __m512bh ha = (__m512bh)_mm512_set1_epi16(0x3f80), hb = (__m512bh)_mm512_set1_epi16(0x3a80);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 12  // the accumulators must live in registers
-    for (int i = 0; i < 12; ++i) {
-      if constexpr (kDot) {
-        acc[i] = _mm512_dpbf16_ps(acc[i], ha, hb);
-      } else {
-        acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-      }
-    }
-  }
-  __m512 sum = acc[0];
-#pragma GCC unroll 12
-  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
-  volatile float sink = _mm512_reduce_add_ps(sum);
-  (void)sink;
-  return 2.0 * (kDot ? 32 : 16) * 12 * static_cast<double>(iters);
-}
-
-// ---------------------------------------------------------------- MXFP8 round trip (W4A8's h)
-
-// The MXFP8 block exponent e of amax (finite, >= 0): the smallest e with amax <= 448 x 2^e,
-// clamped to [-127, 127], from the bits (as in kernels_avx2.cc; each ISA file keeps its own
-// copy: no inline code is shared across differently compiled files).
-inline int Mxfp8Exponent(float amax) {
-  uint32_t u;
-  std::memcpy(&u, &amax, sizeof(u));
-  const int biased = static_cast<int>(u >> 23);
-  if (biased == 0) return -127;
-  const int e = biased - 127 - 8 + ((u & 0x7FFFFFu) > 0x600000u ? 1 : 0);
-  return e < -127 ? -127 : (e > 127 ? 127 : e);
-}
-
-inline float Pow2(int k) {
-  const uint32_t u = k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 0x00400000u;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// E4M3 rounding of 16 values already divided by the block scale (see kernels_avx2.cc).
-inline __m512 RoundE4M3(__m512 y) {
-  const __m512i u = _mm512_castps_si512(y);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
-  const __m512i r =
-      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFFF)), lsb),
-                       _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-  const __m512 sub =
-      _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(512.0f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                    _mm512_set1_ps(1.0f / 512.0f));
-  const __mmask16 small =
-      _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(1.0f / 64.0f), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(small, _mm512_castsi512_ps(r), sub);
-}
-
-void RoundTripMxfp8(float* v, int64_t n) {
-  for (int64_t b = 0; b < n; b += 32) {
-    const __m512 x0 = _mm512_loadu_ps(v + b), x1 = _mm512_loadu_ps(v + b + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const int e = amax > 0.0f ? Mxfp8Exponent(amax) : -127;
-    const __m512 inv = _mm512_set1_ps(Pow2(-e)), scale = _mm512_set1_ps(Pow2(e));
-    _mm512_storeu_ps(v + b, _mm512_mul_ps(RoundE4M3(_mm512_mul_ps(x0, inv)), scale));
-    _mm512_storeu_ps(v + b + 16, _mm512_mul_ps(RoundE4M3(_mm512_mul_ps(x1, inv)), scale));
-  }
-}
-
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
-  static const KernelTable table = {Isa::kAvx512,
-                                    "avx512",
-                                    MxLayout::kFloat,
-                                    128,
-                                    Gemm,
-                                    Mxfp4Rows,
-                                    SituT<true>,
-                                    MxPanel<false>,
-                                    MxLayout::kFloat,
-                                    128,
-                                    ChainProbe<false>,
-                                    RoundTripMxfp8,
-                                    SituT<false>};
+  static const KernelTable table = {
+      Isa::kAvx512, "avx512",       MxLayout::kFloat, 128, Gemm,           Mxfp4Rows,
+      Avx512Situ,   MxPanel<false>, MxLayout::kFloat, 128, Avx512FmaProbe, Avx512RoundTripMxfp8,
+      Avx512SituF32};
   return table;
 }
 
@@ -827,15 +679,15 @@ const KernelTable& Avx512Bf16Kernels() {
                                     128,
                                     Gemm,
                                     Mxfp4RowsBf16,
-                                    SituT<true>,
+                                    Avx512Situ,
                                     PairPanel,
                                     MxLayout::kBf16PairsTm,
                                     32,
-                                    ChainProbe<false>,
-                                    RoundTripMxfp8,
-                                    SituT<false>,
+                                    Avx512FmaProbe,
+                                    Avx512RoundTripMxfp8,
+                                    Avx512SituF32,
                                     kPrefillTokens,
-                                    ChainProbe<true>};
+                                    Avx512Bf16DotProbe};
   return table;
 }
 
