@@ -147,6 +147,7 @@ nlohmann::json LayerStateJson(const BiasLedger& ledger, const LoadWindow& w,
                            {"hi", x.hi},
                            {"load", x.load},
                            {"healthy", x.healthy},
+                           {"quarantined", x.quarantined},
                            {"data_plane", x.data_plane},
                            {"lanes", x.lanes}});
   }

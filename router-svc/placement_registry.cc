@@ -144,19 +144,57 @@ PlacementSnapshot PlacementRegistry::Snapshot(Clock::time_point now) const {
   PlacementSnapshot p;
   p.version = version_;
   for (const auto& [name, s] : shards_) {
+    auto q = quarantine_.find(name);
     p.shards.push_back(
-        {name, s.endpoint, s.ranges, s.lease, s.healthy,
+        {name, s.endpoint, s.ranges, s.lease, Serving(name, s),
          std::max<int64_t>(
              0, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count()),
-         s.data_plane, s.lanes});
+         s.data_plane, s.lanes, q != quarantine_.end(), q != quarantine_.end() ? q->second : ""});
   }
   return p;
 }
 
 int64_t PlacementRegistry::healthy_shards() const {
   int64_t n = 0;
-  for (const auto& [name, s] : shards_) n += s.healthy ? 1 : 0;
+  for (const auto& [name, s] : shards_) n += Serving(name, s) ? 1 : 0;
   return n;
+}
+
+absl::StatusOr<bool> PlacementRegistry::Quarantine(const std::string& shard,
+                                                   const std::string& reason) {
+  auto it = shards_.find(shard);
+  if (it == shards_.end()) {
+    return absl::NotFoundError(absl::StrCat("shard ", shard, " is not registered"));
+  }
+  if (quarantine_.count(shard) != 0) return false;
+  // Every expert of its ranges keeps another serving replica.
+  for (const LayerRange& r : it->second.ranges) {
+    for (int32_t e = r.lo; e < r.hi; ++e) {
+      bool covered = false;
+      for (const auto& [name, o] : shards_) {
+        if (name == shard || !Serving(name, o)) continue;
+        for (const LayerRange& x : o.ranges) {
+          covered |= x.layer == r.layer && x.lo <= e && e < x.hi;
+        }
+        if (covered) break;
+      }
+      if (!covered) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "shard ", shard, " is the last healthy replica of expert ", e, " of layer ", r.layer,
+            ": not quarantined (one report takes a replica "
+            "out, never a range down)"));
+      }
+    }
+  }
+  quarantine_[shard] = reason;
+  ++version_;
+  return true;
+}
+
+bool PlacementRegistry::Release(const std::string& shard) {
+  if (quarantine_.erase(shard) == 0) return false;
+  ++version_;
+  return true;
 }
 
 std::vector<int32_t> PlacementRegistry::ShardOfExpert(int32_t layer,
@@ -165,7 +203,7 @@ std::vector<int32_t> PlacementRegistry::ShardOfExpert(int32_t layer,
   std::vector<placement::ShardRef> refs;
   for (const auto& [name, s] : shards_) {
     for (const LayerRange& r : s.ranges) {
-      if (r.layer == layer) refs.push_back({name, s.endpoint, r.lo, r.hi, s.healthy, 0});
+      if (r.layer == layer) refs.push_back({name, s.endpoint, r.lo, r.hi, Serving(name, s), 0});
     }
   }
   const placement::LayerRoute route =
@@ -188,7 +226,8 @@ std::vector<ShardLoad> PlacementRegistry::ShardLoads(int32_t layer,
       if (r.layer != layer) continue;
       int64_t load = 0;
       for (int32_t e = r.lo; e < r.hi; ++e) load += loads[e];
-      out.push_back({name, r.lo, r.hi, load, s.healthy, s.data_plane, s.lanes});
+      out.push_back({name, r.lo, r.hi, load, Serving(name, s), s.data_plane, s.lanes,
+                     quarantine_.count(name) != 0});
     }
   }
   return out;

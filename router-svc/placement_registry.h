@@ -35,6 +35,8 @@ struct ShardEntry {
   int64_t last_seen_ms = 0;  // ago, at the snapshot
   std::string data_plane;    // what the shard offers: "ucx" or "grpc"
   std::string lanes;         // the UCX lanes it reports ("shm (posix)"), "" before any
+  bool quarantined = false;  // caught answering wrong bytes (healthy is then false)
+  std::string quarantine_reason;
 };
 
 struct PlacementSnapshot {
@@ -50,6 +52,7 @@ struct ShardLoad {
   bool healthy = false;
   std::string data_plane;
   std::string lanes;
+  bool quarantined = false;
 };
 
 class PlacementRegistry {
@@ -89,7 +92,16 @@ class PlacementRegistry {
   // NOT_FOUND and the shard registers again); returns their names.
   std::vector<std::string> RemoveGone(Clock::time_point now, Clock::duration gone);
 
-  // Every change (registration, health) makes a new version.
+  // A shard caught answering wrong bytes leaves the placement under its name (unhealthy while
+  // its lease lives on; across heartbeats, re-registrations and removal) until Release. Returns
+  // whether it was newly quarantined; NOT_FOUND for an unregistered name; FAILED_PRECONDITION
+  // when an expert of one of its ranges would be left without another healthy replica.
+  absl::StatusOr<bool> Quarantine(const std::string& shard, const std::string& reason);
+  // Whether a quarantine was lifted.
+  bool Release(const std::string& shard);
+  int64_t quarantined_shards() const { return static_cast<int64_t>(quarantine_.size()); }
+
+  // Every change (registration, health, quarantine) makes a new version.
   uint64_t version() const { return version_; }
   PlacementSnapshot Snapshot(Clock::time_point now) const;
   int64_t shards() const { return static_cast<int64_t>(shards_.size()); }
@@ -116,6 +128,11 @@ class PlacementRegistry {
   const int64_t max_shards_;
   const Clock::duration lease_lifetime_;
   std::map<std::string, Shard> shards_;
+  std::map<std::string, std::string> quarantine_;  // name -> why
+  // Alive (heartbeats arrive) and not quarantined: what the placement calls healthy.
+  bool Serving(const std::string& name, const Shard& s) const {
+    return s.healthy && quarantine_.count(name) == 0;
+  }
   // Leases are random 64-bit numbers (never 0, never one in use): a lease cannot be guessed,
   // and one from before a restart does not name another shard's registration after it.
   uint64_t NewLease() const;

@@ -102,6 +102,13 @@ class RouterCore {
   // window has none). FAILED_PRECONDITION for k_avg < k with neither.
   absl::Status SetBudget(int32_t layer, int32_t k_avg, const std::string& reason,
                          v1::LayerBias* resp);
+  // An attention node's report of a shard caught answering wrong bytes (reporter: its identity
+  // from its certificate, "" without mutual TLS): the shard is quarantined (placement_registry.h)
+  // and the placement published; the evidence is logged.
+  absl::Status Quarantine(const v1::QuarantineShardRequest& req, const std::string& reporter,
+                          v1::QuarantineShardResponse* resp);
+  // Lifts a quarantine (admin); whether there was one.
+  bool Release(const std::string& shard);
   v1::Placement Placement() const;
   absl::StatusOr<v1::LayerBias> Bias(int32_t layer) const;
   absl::Status LoadStats(int32_t layer, v1::LoadStats* resp) const;

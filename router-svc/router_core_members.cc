@@ -95,9 +95,48 @@ void RouterCore::ExpireStale(std::chrono::milliseconds stale) {
   if (!expired.empty() || !gone.empty()) PublishPlacementLocked();
 }
 
+absl::Status RouterCore::Quarantine(const v1::QuarantineShardRequest& req,
+                                    const std::string& reporter,
+                                    v1::QuarantineShardResponse* resp) {
+  MOE_RETURN_IF_ERROR(CheckShardName(req.shard()));
+  // The evidence is the reporter's words: kept short and printable (it reaches logs and the page).
+  std::string evidence = req.evidence().substr(0, 1024);
+  for (char& c : evidence) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+  }
+  const std::string by = reporter.empty() ? "an attention member" : reporter;
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::StatusOr<bool> fresh = registry_->Quarantine(
+      req.shard(),
+      absl::StrCat("wrong answers (layer ", req.layer(), ", reported by ", by, "): ", evidence));
+  if (!fresh.ok()) {
+    MOE_LOG_ERROR("shard {} reported answering wrong bytes by {}, not quarantined: {}", req.shard(),
+                  by, fresh.status().ToString());
+    return fresh.status();
+  }
+  resp->set_newly_quarantined(*fresh);
+  if (*fresh) {
+    MOE_LOG_ERROR(
+        "shard {} at {} quarantined: {} caught it answering wrong bytes on layer {} ({} of its "
+        "answers served since its last passed audit are suspect): {}",
+        req.shard(), req.endpoint(), by, req.layer(), req.suspect_answers(), evidence);
+    PublishPlacementLocked();
+  }
+  return absl::OkStatus();
+}
+
+bool RouterCore::Release(const std::string& shard) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!registry_->Release(shard)) return false;
+  MOE_LOG_WARN("shard {}: quarantine lifted by an admin", shard);
+  PublishPlacementLocked();
+  return true;
+}
+
 void RouterCore::PublishPlacementLocked() {
   if (sinks_.placement) sinks_.placement(ToProto(registry_->Snapshot(Clock::now())));
-  metrics_->Shards(registry_->shards(), registry_->healthy_shards());
+  metrics_->Shards(registry_->shards(), registry_->healthy_shards(),
+                   registry_->quarantined_shards());
 }
 
 }  // namespace moe::router_svc

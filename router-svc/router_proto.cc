@@ -69,6 +69,8 @@ v1::Placement ToProto(const PlacementSnapshot& s) {
     info->set_last_seen_ms(e.last_seen_ms);
     info->set_data_plane(e.data_plane);
     info->set_data_plane_lanes(e.lanes);
+    info->set_quarantined(e.quarantined);
+    info->set_quarantine_reason(e.quarantine_reason);
   }
   return p;
 }

@@ -167,6 +167,22 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     if (s.ok()) s = core_->SetBudget(req->layer(), req->k_avg(), "budget", resp);
     return Done(ctx, "SetExpertBudget", s);
   }
+  grpc::ServerUnaryReactor* QuarantineShard(grpc::CallbackServerContext* ctx,
+                                            const v1::QuarantineShardRequest* req,
+                                            v1::QuarantineShardResponse* resp) override {
+    std::string who;
+    absl::Status s = CheckMember(ctx, "QuarantineShard", "attention");
+    if (s.ok()) s = transport::CheckPeerMember(*ctx, "attention", "", "QuarantineShard", &who);
+    if (s.ok()) s = core_->Quarantine(*req, who, resp);
+    return Done(ctx, "QuarantineShard", s);
+  }
+  grpc::ServerUnaryReactor* ReleaseShard(grpc::CallbackServerContext* ctx,
+                                         const v1::ReleaseShardRequest* req,
+                                         v1::ReleaseShardResponse* resp) override {
+    absl::Status s = CheckAdmin(ctx, "ReleaseShard");
+    if (s.ok()) resp->set_released(core_->Release(req->shard()));
+    return Done(ctx, "ReleaseShard", s);
+  }
   grpc::ServerUnaryReactor* GetLoadStats(grpc::CallbackServerContext* ctx,
                                          const v1::GetLoadStatsRequest* req,
                                          v1::LoadStats* resp) override {

@@ -141,7 +141,7 @@ function render(s) {
   const total = s.shards.reduce((a, x) => a + x.load, 0) || 1;
   $('shards').tBodies[0].innerHTML = s.shards.map((x) =>
     `<tr><td>${esc(x.name)}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +
-    `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.healthy ? 'healthy' : 'UNHEALTHY'}</td><td class="lanes">${esc(x.data_plane)}${x.lanes ? ' · ' + esc(x.lanes) : ''}</td></tr>`).join('');
+    `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.quarantined ? 'QUARANTINED (wrong answers)' : x.healthy ? 'healthy' : 'UNHEALTHY'}</td><td class="lanes">${esc(x.data_plane)}${x.lanes ? ' · ' + esc(x.lanes) : ''}</td></tr>`).join('');
   $('history').tBodies[0].innerHTML = s.history.slice().reverse().map((h) =>
     `<tr><td>${h.version}</td><td>${esc(h.reason)}</td><td>${new Date(h.created_unix_ms).toLocaleTimeString()}</td></tr>`).join('');
 }

@@ -160,6 +160,15 @@ class GrpcMoeClient final : public MoeClient {
     return RouterCall<v1::LayerBias>(&v1::RouterService::Stub::RollbackBias, req, true);
   }
 
+  absl::StatusOr<bool> ReleaseShard(const std::string& shard) override {
+    v1::ReleaseShardRequest req;
+    req.set_shard(shard);
+    auto r =
+        RouterCall<v1::ReleaseShardResponse>(&v1::RouterService::Stub::ReleaseShard, req, true);
+    if (!r.ok()) return r.status();
+    return r->released();
+  }
+
   absl::StatusOr<v1::LayerBias> SetBiasMode(int32_t layer, v1::BiasMode mode,
                                             int64_t continuous_tokens) override {
     v1::SetBiasModeRequest req;

@@ -107,6 +107,8 @@ class MoeClient {
   virtual absl::StatusOr<v1::LayerBias> SetExpertBudget(int32_t layer, int32_t k_avg) = 0;
   virtual absl::StatusOr<v1::LayerBias> GetBias(int32_t layer) = 0;
   virtual absl::StatusOr<v1::Placement> GetPlacement() = 0;
+  // Lifts the quarantine of a shard caught answering wrong bytes (admin): whether it had one.
+  virtual absl::StatusOr<bool> ReleaseShard(const std::string& shard) = 0;
   // grpc.health.v1 status of the attention node ("" service): true when SERVING.
   virtual absl::StatusOr<bool> AttentionServing() = 0;
   // What the attention node serves: widths, layers, dtypes, modes, the shards.

@@ -93,6 +93,17 @@ absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::Report
   return resp;
 }
 
+absl::StatusOr<v1::QuarantineShardResponse> RouterLink::QuarantineShard(
+    const v1::QuarantineShardRequest& req) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timings_.call_timeout);
+  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
+  v1::QuarantineShardResponse resp;
+  const grpc::Status s = stub_->QuarantineShard(&ctx, req, &resp);
+  if (!s.ok()) return transport::FromGrpc(s);
+  return resp;
+}
+
 void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
                                 std::function<int64_t()> queued, std::function<std::string()> lanes,
                                 std::function<void(const absl::Status&)> refused) {

@@ -49,6 +49,9 @@ class RouterLink {
   void WatchPlacement(std::function<void(const v1::Placement&)> on_placement);
   void WatchBias(std::vector<int32_t> layers, std::function<void(const v1::LayerBias&)> on_bias);
   absl::StatusOr<v1::ReportStatsResponse> ReportStats(const v1::ReportStatsRequest& req);
+  // A shard caught answering wrong bytes (twin_audit.h), for router-svc to quarantine.
+  absl::StatusOr<v1::QuarantineShardResponse> QuarantineShard(
+      const v1::QuarantineShardRequest& req);
 
   // Expert servers: registers `req` and heartbeats on a thread until Stop(); queued() gives the
   // queue length each heartbeat carries.

@@ -109,6 +109,24 @@ constexpr MetricInfo kMetrics[] = {
      "weights), `timeout` (no answer within `--canary_timeout_ms`), `error` (the batch failed), "
      "`skipped` (the bias version moved during the canary)",
      "", ""},
+    {"moe_twin_audits_total", "counter", "outcome",
+     "Twin audits (a sampled message also sent to another replica) by outcome",
+     "twin audits (`--audit_share`: one message in that many also goes to another healthy replica of "
+     "its range, when it has one, and the two replies are compared) by outcome: `agree` (bit-identical), "
+     "`within_bound` (they differ, both within the expert FFN bound of the reference), `caught` "
+     "(one outside it: that shard is quarantined), `unresolved` (neither within it, or no "
+     "reference here: the message failed), `skipped` (the twin failed or was too slow)",
+     "", ""},
+    {"moe_quarantines_total", "counter", "shard",
+     "Shards this node caught answering wrong bytes and stopped sending to",
+     "shards this node caught answering wrong bytes in a twin audit (it stops sending to them "
+     "and asks router-svc to quarantine them)",
+     "", ""},
+    {"moe_suspect_answers_total", "counter", "shard",
+     "Answers of a quarantined shard served since its last passed audit",
+     "answers of a shard caught by a twin audit that this node served since that shard's last "
+     "passed audit (any of them may have been wrong)",
+     "", ""},
     {"moe_budget_steps_total", "counter", "direction",
      "Dynamic k: steps of the automatic mode's cap, by direction",
      "dynamic k: the automatic mode's steps, `down` (overloaded) or `up`", "", ""},
@@ -300,7 +318,9 @@ constexpr MetricInfo kMetrics[] = {
      "window (routed with the current bias) or were stale",
      "attention-node reports that joined the window (`current`) or were `stale`", "", ""},
     {"moe_expert_shards", "gauge", "health", "Registered expert shards, by health",
-     "registered shards (`all`, `healthy`)", "", ""},
+     "registered shards (`all`, `healthy`, `quarantined`: caught answering wrong bytes by a "
+     "twin audit, out of the placement until an admin's ReleaseShard)",
+     "", ""},
     {"moe_router_state_info", "gauge", "store, start",
      "Where the router's state lives (store: sqlite, etcd, memory) and how it began "
      "at this start (start: restored, initialized = a new cluster's state by "

@@ -203,6 +203,7 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
   for (const char* outcome : {"match", "mismatch", "timeout", "error", "skipped"}) {
     canary_checks_[outcome] = &canary.Add({{"outcome", outcome}});
   }
+  AddTwinAudits(registry);
   for (int64_t layer : layers) {
     Layer& l = layers_[layer];
     l.budgeted_tokens = &budgeted.Add({{"layer", L(layer)}, {"kind", "tokens"}});
@@ -245,6 +246,37 @@ void AttentionMetrics::Canary(const std::string& outcome, bool ready) {
   auto it = canary_checks_.find(outcome);
   if (it != canary_checks_.end()) it->second->Increment();
   canary_ready_->Set(ready ? 1.0 : 0.0);
+}
+
+void AttentionMetrics::AddTwinAudits(prometheus::Registry& registry) {
+  auto& audits = BuildCounter()
+                     .Name("moe_twin_audits_total")
+                     .Help(HelpOf("moe_twin_audits_total"))
+                     .Register(registry);
+  for (const char* outcome : {"agree", "within_bound", "caught", "unresolved", "skipped"}) {
+    twin_audits_[outcome] = &audits.Add({{"outcome", outcome}});
+  }
+}
+
+void AttentionMetrics::TwinAudit(const std::string& outcome) {
+  auto it = twin_audits_.find(outcome);
+  if (it != twin_audits_.end()) it->second->Increment();
+}
+
+void AttentionMetrics::Quarantined(const std::string& shard, int64_t suspect_answers, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (quarantines_ == nullptr) {
+    quarantines_ = &BuildCounter()
+                        .Name("moe_quarantines_total")
+                        .Help(HelpOf("moe_quarantines_total"))
+                        .Register(registry_);
+    suspect_answers_ = &BuildCounter()
+                            .Name("moe_suspect_answers_total")
+                            .Help(HelpOf("moe_suspect_answers_total"))
+                            .Register(registry_);
+  }
+  quarantines_->Add({{"shard", shard}}).Increment(static_cast<double>(n));
+  suspect_answers_->Add({{"shard", shard}}).Increment(static_cast<double>(suspect_answers));
 }
 
 void AttentionMetrics::BudgetCheck(int64_t layer, const std::string& outcome, double rel_diff) {
@@ -540,6 +572,7 @@ RouterMetrics::RouterMetrics(prometheus::Registry& registry, const std::vector<i
       BuildGauge().Name("moe_expert_shards").Help(HelpOf("moe_expert_shards")).Register(registry);
   shards_ = &shards.Add({{"health", "all"}});
   shards_healthy_ = &shards.Add({{"health", "healthy"}});
+  shards_quarantined_ = &shards.Add({{"health", "quarantined"}});
   auto& max_vio = BuildGauge()
                       .Name("moe_imbalance_max_vio")
                       .Help(HelpOf("moe_imbalance_max_vio"))
@@ -615,9 +648,10 @@ void RouterMetrics::Report(bool accepted) {
   (accepted ? reports_accepted_ : reports_stale_)->Increment();
 }
 
-void RouterMetrics::Shards(int64_t total, int64_t healthy) {
+void RouterMetrics::Shards(int64_t total, int64_t healthy, int64_t quarantined) {
   shards_->Set(static_cast<double>(total));
   shards_healthy_->Set(static_cast<double>(healthy));
+  shards_quarantined_->Set(static_cast<double>(quarantined));
 }
 
 void RouterMetrics::State(const std::string& store, const std::string& start,

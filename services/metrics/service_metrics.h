@@ -122,6 +122,13 @@ class AttentionMetrics {
   // A readiness canary's outcome ("match", "mismatch", "timeout", "error", "skipped") and the
   // readiness it leaves (readiness_canary.h).
   void Canary(const std::string& outcome, bool ready);
+  // A twin audit's outcome ("agree", "within_bound", "caught", "unresolved", "skipped";
+  // twin_audit.h).
+  void TwinAudit(const std::string& outcome);
+  // n times a shard this node caught answering wrong bytes (quarantined here), with the answers
+  // of it that served messages since its last passed audit (suspect); n = 0, suspect 0: the
+  // series exist at 0 from the shard's first use.
+  void Quarantined(const std::string& shard, int64_t suspect_answers, int64_t n = 1);
 
  private:
   struct Layer {
@@ -145,6 +152,10 @@ class AttentionMetrics {
   prometheus::Counter* steps_up_ = nullptr;
   prometheus::Gauge* canary_ready_ = nullptr;
   std::map<std::string, prometheus::Counter*> canary_checks_;
+  void AddTwinAudits(prometheus::Registry& registry);  // moe_twin_audits_total, every outcome at 0
+  std::map<std::string, prometheus::Counter*> twin_audits_;
+  prometheus::Family<prometheus::Counter>* quarantines_ = nullptr;
+  prometheus::Family<prometheus::Counter>* suspect_answers_ = nullptr;
   prometheus::Family<prometheus::Counter>& shard_tokens_;
   prometheus::Family<prometheus::Counter>& data_plane_events_;
   prometheus::Family<prometheus::Counter>& failovers_;
@@ -256,7 +267,8 @@ class RouterMetrics {
   void BudgetThresholds(int64_t layer, bool stale, double window_floor);
   void Rebalanced(int64_t layer);
   void Report(bool accepted);
-  void Shards(int64_t total, int64_t healthy);
+  // quarantined: caught answering wrong bytes (registry's Quarantine), not healthy.
+  void Shards(int64_t total, int64_t healthy, int64_t quarantined = 0);
   // The router's state at this start (router_core.h StateOrigin); set once.
   void State(const std::string& store, const std::string& start, int64_t initialized_unix_ms);
 
@@ -277,6 +289,7 @@ class RouterMetrics {
   prometheus::Counter* reports_stale_ = nullptr;
   prometheus::Gauge* shards_ = nullptr;
   prometheus::Gauge* shards_healthy_ = nullptr;
+  prometheus::Gauge* shards_quarantined_ = nullptr;
 };
 
 }  // namespace moe::metrics

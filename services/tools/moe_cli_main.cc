@@ -4,6 +4,7 @@
 //   moe-cli stats     --router HOST:PORT --layer L
 //   moe-cli rebalance --router HOST:PORT --layer L [--dry_run] [--admin_token_file F]
 //   moe-cli rollback  --router HOST:PORT --layer L --to V [--admin_token_file F]
+//   moe-cli release   --router HOST:PORT --shard NAME [--admin_token_file F]
 //   moe-cli mode      --router HOST:PORT --layer L --mode frozen|rebalance|continuous
 //   moe-cli loadgen   --attention HOST:PORT --layer L --checkpoint DIR [--concurrency --tokens ...]
 //   moe-cli cluster   --checkpoint DIR [--shards N --duration S ...]   (the main job)
@@ -358,6 +359,23 @@ int Rollback(int argc, char** argv) {
   return 0;
 }
 
+int Release(int argc, char** argv) {
+  Common c;
+  std::string shard;
+  SvcFlags f("moe-cli release",
+             "Lift the quarantine of a shard a twin audit caught answering wrong bytes (after "
+             "its weights were fixed; docs/operations.md). Needs the admin token.");
+  c.Register(f);
+  f.String("shard", &shard, "the shard's name");
+  if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  auto client = c.Client();
+  if (!client.ok()) return Fail(client.status());
+  auto r = (*client)->ReleaseShard(shard);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("shard %s: %s\n", shard.c_str(), *r ? "released" : "was not quarantined");
+  return 0;
+}
+
 int Budget(int argc, char** argv) {
   Common c;
   int k_avg = 0;
@@ -598,10 +616,10 @@ int Cluster(int argc, char** argv) {
 }
 
 int Usage() {
-  std::fprintf(
-      stderr,
-      "usage: moe-cli forward|stats|rebalance|rollback|mode|budget|loadgen|cluster|up|health "
-      "[flags] (--help on each)\n");
+  std::fprintf(stderr,
+               "usage: moe-cli "
+               "forward|stats|rebalance|rollback|release|mode|budget|loadgen|cluster|up|health "
+               "[flags] (--help on each)\n");
   return 2;
 }
 
@@ -618,7 +636,8 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "--help" || cmd == "-h") {
     std::printf(
-        "usage: moe-cli forward|stats|rebalance|rollback|mode|budget|loadgen|cluster|up|health "
+        "usage: moe-cli "
+        "forward|stats|rebalance|rollback|release|mode|budget|loadgen|cluster|up|health "
         "[flags] (--help on each)\n");
     return 0;
   }
@@ -630,6 +649,7 @@ int main(int argc, char** argv) {
   if (cmd == "stats") return Stats(argc, argv);
   if (cmd == "rebalance") return Rebalance(argc, argv);
   if (cmd == "rollback") return Rollback(argc, argv);
+  if (cmd == "release") return Release(argc, argv);
   if (cmd == "mode") return Mode(argc, argv);
   if (cmd == "budget") return Budget(argc, argv);
   if (cmd == "loadgen") return Loadgen(argc, argv);

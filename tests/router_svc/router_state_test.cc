@@ -119,6 +119,62 @@ TEST(PlacementRegistry, HeartbeatsCarryTheLanesUcxSelected) {
   EXPECT_EQ(*reg.Heartbeat(*a, t0, "mixed (posix, tcp)"), true);
 }
 
+// A shard caught answering wrong bytes: out of the placement under its name until released,
+// never the last replica of an expert.
+TEST(PlacementRegistry, QuarantineKeepsALiarOutButNeverARangeDown) {
+  using std::chrono::milliseconds;
+  PlacementRegistry reg(16);
+  const Clock::time_point t0;
+  auto a = reg.Register("shard-0", "h:1", {{1, 0, 8}}, t0);
+  auto b = reg.Register("shard-1", "h:2", {{1, 8, 16}}, t0);
+  auto c = reg.Register("shard-1b", "h:3", {{1, 8, 16}}, t0);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(reg.Quarantine("nobody", "x").status().code(), absl::StatusCode::kNotFound);
+  // shard-0 alone serves [0, 8): refused, and nothing changed.
+  const uint64_t v0 = reg.version();
+  EXPECT_EQ(reg.Quarantine("shard-0", "x").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg.version(), v0);
+  EXPECT_EQ(reg.healthy_shards(), 3);
+  ASSERT_EQ(*reg.Quarantine("shard-1b", "wrong answers"), true);
+  EXPECT_EQ(*reg.Quarantine("shard-1b", "again"), false);
+  EXPECT_EQ(reg.version(), v0 + 1);
+  EXPECT_EQ(reg.healthy_shards(), 2);
+  EXPECT_EQ(reg.quarantined_shards(), 1);
+  // Now shard-1 is the last serving replica of [8, 16).
+  EXPECT_EQ(reg.Quarantine("shard-1", "x").status().code(), absl::StatusCode::kFailedPrecondition);
+  auto find = [&](Clock::time_point now, const std::string& name) {
+    for (const ShardEntry& e : reg.Snapshot(now).shards) {
+      if (e.name == name) return e;
+    }
+    ADD_FAILURE() << name << " not in the snapshot";
+    return ShardEntry{};
+  };
+  ShardEntry q = find(t0, "shard-1b");
+  EXPECT_FALSE(q.healthy);
+  EXPECT_TRUE(q.quarantined);
+  EXPECT_EQ(q.quarantine_reason, "wrong answers");
+  std::vector<std::string> names;
+  const std::vector<int32_t> owner = reg.ShardOfExpert(1, &names);
+  ASSERT_EQ(owner.size(), 16u);
+  for (int32_t o : owner) EXPECT_NE(names[static_cast<size_t>(o)], "shard-1b");
+  // Heartbeats keep its lease alive, not its health.
+  EXPECT_EQ(*reg.Heartbeat(*c, t0 + milliseconds(500)), false);
+  EXPECT_FALSE(find(t0 + milliseconds(500), "shard-1b").healthy);
+  // Removed as silent, then registered again: still quarantined.
+  reg.RemoveGone(t0 + milliseconds(10000), milliseconds(5000));
+  auto again = reg.Register("shard-1b", "h:4", {{1, 8, 16}}, t0 + milliseconds(10001));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(find(t0 + milliseconds(10001), "shard-1b").quarantined);
+  EXPECT_FALSE(find(t0 + milliseconds(10001), "shard-1b").healthy);
+  for (const ShardLoad& l : reg.ShardLoads(1, std::vector<int64_t>(16, 1))) {
+    EXPECT_EQ(l.quarantined, l.name == "shard-1b") << l.name;
+  }
+  EXPECT_TRUE(reg.Release("shard-1b"));
+  EXPECT_FALSE(reg.Release("shard-1b"));
+  EXPECT_TRUE(find(t0 + milliseconds(10001), "shard-1b").healthy);
+  EXPECT_EQ(reg.quarantined_shards(), 0);
+}
+
 TEST(PlacementRegistry, ShardMapsAndLoads) {
   PlacementRegistry reg(8);
   const Clock::time_point t0;
