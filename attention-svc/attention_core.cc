@@ -65,41 +65,48 @@ absl::Status AttentionCore::LoadLayers(checkpoint::Checkpoint* ckpt) {
   lo.threads = options_.threads;
   lo.isa = options_.isa;
   lo.experts = false;
+  int64_t kept_synthetic = 0;  // bytes of synthetic experts kept for the references
   for (int64_t layer : layers) {
     if (!cfg_.IsMoeLayer(layer)) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not a MoE layer"));
     }
-    // The canary's layer: its weights kept whole for the canary's reference (the CPU layer
-    // packs its dense part for itself), the experts as views of the mapped checkpoint, read only
-    // for the experts the canary routes to. (Synthetic weights are generated in memory: kept
-    // only up to 2 GiB of experts.)
-    const bool canary =
-        options_.canary_interval_ms > 0 && layer == layers.front() &&
-        (ckpt != nullptr || cfg_.ExpertBytes() * cfg_.num_experts <= (int64_t{2} << 30));
-    if (options_.canary_interval_ms > 0 && layer == layers.front() && !canary) {
+    // The references' weights (readiness_canary.h, twin_audit.h): the dense part and the
+    // experts as views of the mapped checkpoint, read only for the experts a canary routes to or
+    // an audit recomputes. (Synthetic weights are generated in memory: kept only up to 2 GiB of
+    // experts over all layers.)
+    const bool canary = options_.canary_interval_ms > 0 && layer == layers.front();
+    const bool want_experts = canary || options_.audit_share > 0;
+    const int64_t synthetic_bytes = cfg_.ExpertBytes() * cfg_.num_experts;
+    const bool keep =
+        want_experts && (ckpt != nullptr || kept_synthetic + synthetic_bytes <= (int64_t{2} << 30));
+    if (want_experts && !keep) {
       MOE_LOG_WARN(
-          "readiness canary off: synthetic {} experts are too large to keep in memory "
-          "(run on a checkpoint)",
-          options_.preset);
+          "layer {}: synthetic {} experts are too large to keep in memory: {}{}(run on a "
+          "checkpoint)",
+          layer, options_.preset, canary ? "readiness canary off, " : "",
+          options_.audit_share > 0 ? "twin audits cannot judge replies that differ " : "");
     }
     numerics::MoeLayerWeights w;
     if (ckpt != nullptr) {
       checkpoint::LoadOptions opt;
       opt.dense = true;
       opt.expert_lo = 0;
-      opt.expert_hi = canary ? -1 : 0;
+      opt.expert_hi = keep ? -1 : 0;
       MOE_ASSIGN_OR_RETURN(w, checkpoint::LoadMoeLayer(*ckpt, cfg_, layer, opt));
     } else {
       checkpoint::SyntheticOptions so;
       so.seed = options_.seed;
       so.router_skew = options_.router_skew;
       w = checkpoint::SyntheticLayer(cfg_, layer, so);
+      if (keep) kept_synthetic += synthetic_bytes;
     }
-    if (canary) {
+    if (keep) {
+      reference_[static_cast<int32_t>(layer)] = std::make_unique<numerics::MoeLayerWeights>(w);
+    }
+    if (canary && keep) {
       canary_layer_ = static_cast<int32_t>(layer);
-      canary_weights_ = std::make_unique<numerics::MoeLayerWeights>(w);
-      canary_ =
-          std::make_unique<CanaryOracle>(cfg_, canary_weights_.get(), kCanaryTokens, kCanarySeed);
+      canary_ = std::make_unique<CanaryOracle>(cfg_, reference_[canary_layer_].get(), kCanaryTokens,
+                                               kCanarySeed);
     }
     w.experts.clear();
     w.backing.clear();
@@ -115,6 +122,26 @@ absl::Status AttentionCore::LoadLayers(checkpoint::Checkpoint* ckpt) {
     layers_[static_cast<int32_t>(layer)] = std::move(hosted);
   }
   return absl::OkStatus();
+}
+
+void AttentionCore::OnQuarantine(std::function<void(const ShardQuarantine&)> f) {
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  on_quarantine_ = std::move(f);
+}
+
+TwinAuditor::Counts AttentionCore::AuditCounts() const {
+  return audit_ != nullptr ? audit_->counts() : TwinAuditor::Counts{};
+}
+
+void AttentionCore::Quarantine(const ShardQuarantine& q) {
+  picker_.Quarantine(q.shard);
+  metrics_->Quarantined(q.shard.shard, q.suspect_answers);
+  MOE_LOG_ERROR(
+      "shard {} at {} quarantined on this node: {}; {} of its answers served since its last "
+      "passed audit are suspect",
+      q.shard.shard, q.shard.endpoint, q.evidence, q.suspect_answers);
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  if (on_quarantine_) on_quarantine_(q);
 }
 
 std::vector<int32_t> AttentionCore::layers() const {
@@ -161,6 +188,18 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
     governor_thread_ = std::thread([this] { GovernorLoop(); });
   }
   if (options_.budget_check_every > 0) check_thread_ = std::thread([this] { CheckLoop(); });
+  if (options_.audit_share > 0) {
+    TwinAuditOptions ao;
+    ao.share = options_.audit_share;
+    audit_ = std::make_unique<TwinAuditor>(
+        cfg_, ao,
+        [this](int32_t layer) -> const numerics::MoeLayerWeights* {
+          auto it = reference_.find(layer);
+          return it == reference_.end() ? nullptr : it->second.get();
+        },
+        [this](const ShardQuarantine& q) { Quarantine(q); },
+        [this](TwinOutcome o) { metrics_->TwinAudit(kTwinOutcomes.Name(o)); });
+  }
   metrics_->Canary("", canary_ == nullptr);
   if (canary_ != nullptr) canary_thread_ = std::thread([this] { CanaryLoop(); });
   return absl::OkStatus();
@@ -230,6 +269,7 @@ absl::Status AttentionCore::RunOne(const v1::ForwardRequest& req, absl::Time dea
   env.metrics = metrics_;
   env.max_dispatch_bytes = options_.max_dispatch_bytes;
   env.hedge_share = options_.hedge_share;
+  env.audit = audit_.get();
   return RunForward(env, req, spec, options_.micro_batches, resp);
 }
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,6 +37,7 @@
 #include "attention-svc/readiness_canary.h"
 #include "attention-svc/replica_picker.h"
 #include "attention-svc/routing_view.h"
+#include "attention-svc/twin_audit.h"
 #include "moe/v1/attention.pb.h"
 #include "moe/v1/router.pb.h"
 #include "services/common/model_config.h"
@@ -93,6 +95,12 @@ class AttentionCore {
   bool Ready() const { return view_.AllReady() && CanaryReady(); }
   // Called (from the canary's thread) whenever Ready() may have changed by a canary's outcome.
   void OnReadinessChange(std::function<void(bool)> f);
+  // Called (from a request's worker, once per shard) when a twin audit caught a shard answering
+  // wrong bytes: the node has stopped sending to it; the server tells router-svc. Set before
+  // traffic.
+  void OnQuarantine(std::function<void(const ShardQuarantine&)> f);
+  // The twin audits' counts (zero with audits off).
+  TwinAuditor::Counts AuditCounts() const;
   std::vector<int32_t> layers() const;
   const ModelConfig& config() const { return cfg_; }
   const AttentionServerOptions& options() const { return options_; }
@@ -112,6 +120,8 @@ class AttentionCore {
   void MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardResponse& resp);
   // The readiness canary: one canary through the node now, and the loop that runs them.
   CanaryOutcome RunCanary(std::string* detail);
+  // A twin audit caught q.shard: picked no more here, counted, logged, the sink told.
+  void Quarantine(const ShardQuarantine& q);
   void CanaryLoop();
 
   const AttentionServerOptions options_;
@@ -145,9 +155,14 @@ class AttentionCore {
   uint64_t budgeted_ ABSL_GUARDED_BY(check_mu_) = 0;
   std::thread check_thread_;
 
-  // The readiness canary (null: off) on the first hosted layer, and that layer's weights (dense
-  // part and every expert as a view of the checkpoint) its reference reads.
-  std::unique_ptr<numerics::MoeLayerWeights> canary_weights_;
+  // Each hosted layer's weights as the in-process references read them (dense part and every
+  // expert as a view of the checkpoint), where they are kept: the readiness canary's (the first
+  // hosted layer) and the twin audits' (every layer).
+  std::map<int32_t, std::unique_ptr<numerics::MoeLayerWeights>> reference_;
+  std::unique_ptr<TwinAuditor> audit_;
+  std::mutex quarantine_mu_;
+  std::function<void(const ShardQuarantine&)> on_quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
+  // The readiness canary (null: off) on the first hosted layer.
   std::unique_ptr<CanaryOracle> canary_;
   int32_t canary_layer_ = 0;
   std::atomic<bool> canary_ok_{false};

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -49,6 +50,7 @@ class AttentionServer::Impl {
   OipService::Hooks OipHooks();
   void ReportLoop();
   void ReportNow();
+  void SendQuarantine(const v1::QuarantineShardRequest& q);
 
   AttentionServerOptions options_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
@@ -66,6 +68,7 @@ class AttentionServer::Impl {
   std::mutex mu_;
   std::condition_variable stop_cv_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<v1::QuarantineShardRequest> quarantines_ ABSL_GUARDED_BY(mu_);  // to router-svc
 };
 
 absl::Status AttentionServer::Impl::Start() {
@@ -104,6 +107,21 @@ absl::Status AttentionServer::Impl::Start() {
     if (server_ != nullptr) server_->SetServing(core_->Ready());
   });
   router_->WatchBias(core_->layers(), [this](const v1::LayerBias& b) { core_->ApplyBias(b); });
+  // A shard a twin audit caught: the core stopped sending to it; router-svc hears of it from the
+  // report thread at once (not on a request's worker).
+  core_->OnQuarantine([this](const ShardQuarantine& q) {
+    v1::QuarantineShardRequest req;
+    req.set_shard(q.shard.shard);
+    req.set_endpoint(q.shard.endpoint);
+    req.set_layer(q.layer);
+    req.set_evidence(q.evidence.substr(0, 1024));
+    req.set_suspect_answers(q.suspect_answers);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quarantines_.push_back(std::move(req));
+    }
+    stop_cv_.notify_all();
+  });
   report_thread_ = std::thread([this] { ReportLoop(); });
   if (!options_.port_file.empty()) {
     MOE_RETURN_IF_ERROR(transport::WritePortFile(options_.port_file, server_->port()));
@@ -201,12 +219,32 @@ void AttentionServer::Impl::ReportNow() {
 
 void AttentionServer::Impl::ReportLoop() {
   const auto every = std::chrono::milliseconds(options_.report_interval_ms);
+  auto next = std::chrono::steady_clock::now() + every;
   for (;;) {
+    std::deque<v1::QuarantineShardRequest> quarantines;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (stop_cv_.wait_for(lock, every, [&] { return stopping_; })) return;
+      stop_cv_.wait_until(lock, next, [&] { return stopping_ || !quarantines_.empty(); });
+      if (stopping_) return;
+      quarantines.swap(quarantines_);
     }
-    ReportNow();
+    for (const v1::QuarantineShardRequest& q : quarantines) SendQuarantine(q);
+    if (std::chrono::steady_clock::now() >= next) {
+      ReportNow();
+      next = std::chrono::steady_clock::now() + every;
+    }
+  }
+}
+
+void AttentionServer::Impl::SendQuarantine(const v1::QuarantineShardRequest& q) {
+  absl::StatusOr<v1::QuarantineShardResponse> r = router_->QuarantineShard(q);
+  if (r.ok()) {
+    MOE_LOG_WARN("router-svc {} shard {}", r->newly_quarantined() ? "quarantined" : "already had",
+                 q.shard());
+  } else {
+    // This node keeps it out either way; router-svc refuses e.g. to take a range's last
+    // replica out.
+    MOE_LOG_ERROR("router-svc did not quarantine shard {}: {}", q.shard(), r.status().ToString());
   }
 }
 

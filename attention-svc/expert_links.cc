@@ -66,6 +66,7 @@ std::shared_ptr<ExpertChannel> ExpertLinks::ChannelFor(const ShardRef& s) {
   metrics_->Failover(s.shard, 0);
   metrics_->Hedge(s.shard, false, 0);  // the series exist at 0 from the shard's first use
   metrics_->Hedge(s.shard, true, 0);
+  metrics_->Quarantined(s.shard, 0, 0);
   channel = MakeExpertChannel(config_, s);
   return channel;
 }

@@ -7,7 +7,9 @@
 // channel); any other error is the answer. Every call is counted as outstanding on its replica
 // while it lives (the picker's load), and a replica that answered UNAVAILABLE is avoided a while.
 // A replica that has not answered after hedge_share of the time to the deadline (a stall) gets
-// a twin call on another replica; the first answer wins and the other is discarded.
+// a twin call on another replica; the first answer wins and the other is discarded. With a
+// TwinAuditor (twin_audit.h), one message in its share goes also to
+// another healthy replica of its range (when it has one), and the auditor judges the two replies (the message is answered with the right one).
 //
 //   FailoverChannel replicas(route, &picker, hooks);  // per request: hooks count its bytes
 //   std::unique_ptr<ExpertCall> call = replicas.Send(header, plan.messages[i]);
@@ -22,6 +24,7 @@
 #include "attention-svc/dispatch_plan.h"
 #include "attention-svc/expert_channel.h"
 #include "attention-svc/replica_picker.h"
+#include "attention-svc/twin_audit.h"
 
 namespace moe::attention_svc {
 
@@ -38,6 +41,8 @@ struct FailoverHooks {
   // another healthy replica, the first answer wins (0: off). on_hedge says which won.
   double hedge_share = 0;
   std::function<void(const ShardRef& slow, const ShardRef& twin, bool twin_won)> on_hedge;
+  // Twin audits (null: none); it must outlive the channel's calls.
+  TwinAuditor* audit = nullptr;
 };
 
 class FailoverChannel {
@@ -52,6 +57,7 @@ class FailoverChannel {
 
  private:
   friend class FailoverCall;
+  friend class AuditedCall;
   // One send to route_.shards[target], counted on the picker.
   std::unique_ptr<ExpertCall> SendTo(size_t target, const DispatchHeader& header,
                                      const DispatchMessage& m);

@@ -328,6 +328,7 @@ FailoverHooks ForwardPass::Hooks() {
     }
   };
   hooks.hedge_share = env_.hedge_share;
+  hooks.audit = env_.audit;
   hooks.on_hedge = [this](const ShardRef& slow, const ShardRef& twin, bool twin_won) {
     env_.metrics->Hedge(slow.shard, twin_won);
     if (twin_won) {

@@ -97,6 +97,7 @@ struct ForwardEnv {
   metrics::AttentionMetrics* metrics = nullptr;
   int64_t max_dispatch_bytes = 64 << 20;
   double hedge_share = 0.5;
+  TwinAuditor* audit = nullptr;  // twin audits (twin_audit.h); null: none
 };
 
 // One Forward's state over its micro-batches.

@@ -27,6 +27,7 @@ size_t ReplicaPicker::Pick(const placement::LayerRoute& route, const std::vector
     const size_t i = replicas[(first + k) % n];
     if (tried.count(i) != 0) continue;
     const std::string key = Key(route.shards[i]);
+    if (quarantined_.count(key) != 0) continue;
     auto a = avoid_until_.find(key);
     const bool avoided = a != avoid_until_.end() && a->second > now;
     auto o = outstanding_.find(key);
@@ -49,6 +50,11 @@ void ReplicaPicker::Finished(const placement::ShardRef& shard, bool failed) {
   const std::string key = Key(shard);
   --outstanding_[key];
   if (failed) avoid_until_[key] = Clock::now() + avoid_;
+}
+
+void ReplicaPicker::Quarantine(const placement::ShardRef& shard) {
+  std::lock_guard<std::mutex> lock(mu_);
+  quarantined_.insert(Key(shard));
 }
 
 int64_t ReplicaPicker::outstanding(const placement::ShardRef& shard) const {

@@ -32,13 +32,17 @@ class ReplicaPicker {
       : avoid_(avoid_after_failure) {}
 
   // The replica (an index of route.shards) not in `tried` with the least outstanding calls,
-  // preferring ones that did not just fail; route.shards.size() when every one was tried.
+  // preferring ones that did not just fail, never a quarantined one; route.shards.size() when
+  // every one was tried.
   size_t Pick(const placement::LayerRoute& route, const std::vector<size_t>& replicas,
               const std::set<size_t>& tried);
   void Started(const placement::ShardRef& shard);
   // failed: the call ended UNAVAILABLE (the replica is avoided for a while).
   void Finished(const placement::ShardRef& shard, bool failed);
   int64_t outstanding(const placement::ShardRef& shard) const;
+  // A replica caught answering wrong bytes (twin_audit.h): never picked again at this endpoint
+  // (a shard restarted elsewhere is a new endpoint; router-svc's quarantine keeps its name out).
+  void Quarantine(const placement::ShardRef& shard);
 
  private:
   static std::string Key(const placement::ShardRef& s) { return s.shard + "@" + s.endpoint; }
@@ -46,6 +50,7 @@ class ReplicaPicker {
   mutable std::mutex mu_;
   std::map<std::string, int64_t> outstanding_;
   std::map<std::string, Clock::time_point> avoid_until_;
+  std::set<std::string> quarantined_;
   uint64_t turn_ = 0;
 };
 

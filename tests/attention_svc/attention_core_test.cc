@@ -47,6 +47,7 @@ class CoreTest : public ::testing::Test {
     o.max_tokens = 64;
     o.budget_check_every = 0;
     o.canary_interval_ms = canary_interval_ms_;
+    o.audit_share = audit_share_;
     auto core = AttentionCore::Load(o);
     ASSERT_TRUE(core.ok()) << core.status();
     core_ = std::move(*core);
@@ -58,6 +59,8 @@ class CoreTest : public ::testing::Test {
     local.weights = [this](const ShardRef& s) -> const numerics::MoeLayerWeights* {
       if (s.shard == "shard-0") return &lo_;
       if (s.shard == "shard-1") return lying_.load() ? &hi_lie_ : &hi_;
+      if (s.shard == "shard-1r") return &hi_;        // an honest replica of shard-1
+      if (s.shard == "shard-liar") return &hi_lie_;  // a lying one (a valid identity)
       return nullptr;
     };
     local.kernels = &numerics::cpu::ChosenKernels(cfg_.latent, cfg_.intermediate);
@@ -115,6 +118,7 @@ class CoreTest : public ::testing::Test {
   }
 
   int64_t canary_interval_ms_ = 0;  // the readiness canary: off but in its own tests
+  int64_t audit_share_ = 64;        // twin audits: the default
   ModelConfig cfg_;
   int64_t layer_ = 0;
   checkpoint::SyntheticOptions so_;
@@ -308,6 +312,51 @@ TEST_F(CanaryCoreTest, ReadyOnlyWhileTheCanaryAnswersRight) {
   core_->OnReadinessChange(nullptr);
   std::lock_guard<std::mutex> lock(told_mu);
   EXPECT_EQ(told, (std::vector<bool>{true, false, true}));
+}
+
+// Twin audits on every message (share 1) with shard-1's range on three replicas, one of them
+// serving other weights under its own name: the liar is caught at its first audited reply, the
+// sink hears of it once, and no answer is wrong (an audited message is answered with the reply
+// within the reference's bound); afterwards the liar gets nothing and the two honest replicas
+// agree bit for bit.
+class AuditCoreTest : public CoreTest {
+ protected:
+  AuditCoreTest() { audit_share_ = 1; }
+};
+
+TEST_F(AuditCoreTest, ALyingReplicaIsCaughtAndNoAnswerIsWrong) {
+  std::mutex mu;
+  std::vector<ShardQuarantine> caught;
+  core_->OnQuarantine([&](const ShardQuarantine& q) {
+    std::lock_guard<std::mutex> lock(mu);
+    caught.push_back(q);
+  });
+  v1::Placement p = TwoShards();
+  for (const char* name : {"shard-1r", "shard-liar"}) {
+    v1::ShardInfo* s = p.add_shards();
+    *s = p.shards(1);
+    s->set_shard(name);
+    s->set_endpoint(std::string("local:") + name);
+  }
+  ASSERT_TRUE(core_->ApplyPlacement(p));
+  for (int i = 0; i < 8; ++i) {
+    SCOPED_TRACE(i);
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(Serve(Request(13, 300 + i), &resp).ok());
+    const numerics::LayerOutput want = InProcess(13);
+    ASSERT_EQ(resp.output().data().size(), want.out.size() * sizeof(Bf16));
+    EXPECT_EQ(std::memcmp(resp.output().data().data(), want.out.data(), want.out.size() * 2), 0);
+  }
+  const TwinAuditor::Counts c = core_->AuditCounts();
+  EXPECT_EQ(c.quarantined, 1);
+  EXPECT_GE(c.outcomes.count(TwinOutcome::kCaught) ? c.outcomes.at(TwinOutcome::kCaught) : 0, 1);
+  EXPECT_GE(c.outcomes.count(TwinOutcome::kAgree) ? c.outcomes.at(TwinOutcome::kAgree) : 0, 1);
+  EXPECT_EQ(c.outcomes.count(TwinOutcome::kUnresolved), 0u);
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(caught.size(), 1u);
+  EXPECT_EQ(caught[0].shard.shard, "shard-liar");
+  EXPECT_EQ(caught[0].layer, layer_);
+  EXPECT_NE(caught[0].evidence.find("shard-liar"), std::string::npos) << caught[0].evidence;
 }
 
 // The canary adds nothing to the load statistics router-svc balances with.
