@@ -270,6 +270,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     MOE_ASSIGN_OR_RETURN(const std::vector<std::string> shard_tls, tls_for(s.name));
     s.args.insert(s.args.end(), shard_tls.begin(), shard_tls.end());
     s.args.insert(s.args.end(), o.expert_args.begin(), o.expert_args.end());
+    if (auto own = o.shard_args.find(static_cast<int>(i)); own != o.shard_args.end()) {
+      s.args.insert(s.args.end(), own->second.begin(), own->second.end());
+    }
     c->shards_.push_back(std::move(s));
   }
   for (Child& s : c->shards_) MOE_RETURN_IF_ERROR(c->Launch(&s, o.start_timeout));
@@ -425,9 +428,10 @@ absl::Status LocalCluster::StopShard(int i, absl::Duration grace) {
   return absl::OkStatus();
 }
 
-absl::Status LocalCluster::RestartShard(int i) {
+absl::Status LocalCluster::RestartShard(int i, const std::vector<std::string>& more_args) {
   if (i < 0 || i >= num_shards()) return absl::NotFoundError(absl::StrCat("no shard ", i));
   if (shards_[i].pid > 0) return absl::FailedPreconditionError("shard is still running");
+  shards_[i].args.insert(shards_[i].args.end(), more_args.begin(), more_args.end());
   return Launch(&shards_[i], options_.start_timeout);
 }
 

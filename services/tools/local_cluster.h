@@ -14,6 +14,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -43,6 +44,9 @@ struct LocalClusterOptions {
   std::vector<int64_t> layers;
   int threads = 0;  // per process (0: the CPUs this process may use over the cluster processes)
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
+  // Extra flags of shard i alone, after expert_args (a later flag wins: e.g. another
+  // --checkpoint, a shard serving other weights in a test).
+  std::map<int, std::vector<std::string>> shard_args;
   // router-svc keeps its state in <work_dir>/router.db (--state_db), made with --initialize when
   // the file does not exist yet at Start (never on RestartRouter): a router restart, or a new
   // `up` on the same work_dir, keeps the bias. Off: in memory. Ignored when router_args name a
@@ -98,8 +102,9 @@ class LocalCluster {
 
   // Sends a signal to shard i (SIGKILL to crash it, SIGSTOP/SIGCONT to stall it).
   absl::Status SignalShard(int i, int sig);
-  // Starts shard i again (after a kill), on a new free port, and waits for its port file.
-  absl::Status RestartShard(int i);
+  // Starts shard i again (after a kill), on a new free port, and waits for its port file;
+  // more_args are added to its flags from now on (a later flag wins: e.g. another --checkpoint).
+  absl::Status RestartShard(int i, const std::vector<std::string>& more_args = {});
   // SIGTERM to shard i (a graceful stop, as a rolling restart does), SIGKILL after `grace`;
   // waits for it, so that RestartShard can start it again.
   absl::Status StopShard(int i, absl::Duration grace = absl::Seconds(10));

@@ -196,6 +196,7 @@ struct Traffic {
     std::chrono::steady_clock::time_point start;
     double ms;
     bool ok;
+    bool wrong;  // answered, with other bytes than want
   };
   bool record = false;
   std::vector<Sample> samples;
@@ -219,7 +220,7 @@ struct Traffic {
               {started,
                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
                    .count(),
-               right});
+               right, r.ok() && !right});
         }
         if (!r.ok()) {
           if (errors.size() < 5) errors.push_back(r.status().ToString());
