@@ -95,10 +95,10 @@ struct AttentionServerOptions {
   // in-process reference, or the node is not ready. 0: off (readiness is the placement alone).
   int64_t canary_interval_ms = 10000;
   int64_t canary_timeout_ms = 3000;
-  // Twin audits (twin_audit.h): one message in audit_share also goes to another healthy replica
-  // of its range (when it has one), and the replies are compared; a shard whose reply is outside the
-  // reference's bound is quarantined. 0: off. The reference needs the layer's experts (views of
-  // the checkpoint; synthetic ones only up to 2 GiB).
+  // Twin audits (twin_audit.h): one message in audit_share also goes to another healthy
+  // replica of its range (when it has one), and the replies are compared; a shard whose reply is
+  // outside the reference's bound is quarantined. 0: off. The reference needs the layer's
+  // experts (views of the checkpoint; synthetic ones only up to 2 GiB).
   int64_t audit_share = 64;
 };
 

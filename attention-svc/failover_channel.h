@@ -8,8 +8,9 @@
 // while it lives (the picker's load), and a replica that answered UNAVAILABLE is avoided a while.
 // A replica that has not answered after hedge_share of the time to the deadline (a stall) gets
 // a twin call on another replica; the first answer wins and the other is discarded. With a
-// TwinAuditor (twin_audit.h), one message in its share goes also to
-// another healthy replica of its range (when it has one), and the auditor judges the two replies (the message is answered with the right one).
+// TwinAuditor (twin_audit.h), one message in its share also goes to another healthy replica of
+// its range (when it has one), and the auditor judges the two replies (the message is answered
+// with the right one).
 //
 //   FailoverChannel replicas(route, &picker, hooks);  // per request: hooks count its bytes
 //   std::unique_ptr<ExpertCall> call = replicas.Send(header, plan.messages[i]);

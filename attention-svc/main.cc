@@ -85,8 +85,8 @@ int main(int argc, char** argv) {
               "readiness canary: an answer later than this is a failed canary");
   flags.Int64("audit_share", &o.audit_share,
               "twin audits: one message in this many also goes to another healthy replica "
-              "of its range (when it has one); replies that differ are judged against the in-process reference and "
-              "a shard outside its bound is quarantined (0: off)");
+              "of its range (when it has one); replies that differ are judged against the "
+              "in-process reference and a shard outside its bound is quarantined (0: off)");
   moe::transport::TlsOptions tls;
   moe::AddTlsFlags(flags, &tls);
   if (int rc = flags.Parse(argc, argv); rc >= 0) return rc;

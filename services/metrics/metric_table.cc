@@ -111,9 +111,10 @@ constexpr MetricInfo kMetrics[] = {
      "", ""},
     {"moe_twin_audits_total", "counter", "outcome",
      "Twin audits (a sampled message also sent to another replica) by outcome",
-     "twin audits (`--audit_share`: one message in that many also goes to another healthy replica of "
-     "its range, when it has one, and the two replies are compared) by outcome: `agree` (bit-identical), "
-     "`within_bound` (they differ, both within the expert FFN bound of the reference), `caught` "
+     "twin audits (`--audit_share`: one message in that many also goes to another healthy "
+     "replica of its range, when it has one, and the two replies are compared) by outcome: "
+     "`agree` (bit-identical), `within_bound` (they differ, both within the expert FFN bound of "
+     "the reference), `caught` "
      "(one outside it: that shard is quarantined), `unresolved` (neither within it, or no "
      "reference here: the message failed), `skipped` (the twin failed or was too slow)",
      "", ""},
