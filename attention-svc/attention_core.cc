@@ -141,7 +141,36 @@ void AttentionCore::Quarantine(const ShardQuarantine& q) {
       "passed audit are suspect",
       q.shard.shard, q.shard.endpoint, q.evidence, q.suspect_answers);
   std::lock_guard<std::mutex> lock(quarantine_mu_);
+  if (quarantined_.size() < 64) quarantined_.push_back(q.shard.shard);
   if (on_quarantine_) on_quarantine_(q);
+}
+
+v1::ReportNodeRequest AttentionCore::NodeReport() const {
+  v1::ReportNodeRequest r;
+  r.set_node(options_.node);
+  {
+    std::lock_guard<std::mutex> lock(canary_mu_);
+    r.set_canary_outcome(canary_ == nullptr ? "off" : canary_last_);
+    if (canary_ != nullptr && canary_last_ != "pending") {
+      r.set_canary_age_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::steady_clock::now() - canary_at_)
+                              .count());
+    }
+  }
+  r.set_canary_ready(CanaryReady());
+  const TwinAuditor::Counts c = AuditCounts();
+  auto n = [&](TwinOutcome o) {
+    auto it = c.outcomes.find(o);
+    return it == c.outcomes.end() ? int64_t{0} : it->second;
+  };
+  r.set_audits_agree(n(TwinOutcome::kAgree));
+  r.set_audits_within_bound(n(TwinOutcome::kWithinBound));
+  r.set_audits_caught(n(TwinOutcome::kCaught));
+  r.set_audits_unresolved(n(TwinOutcome::kUnresolved));
+  r.set_audits_skipped(n(TwinOutcome::kSkipped));
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  for (const std::string& q : quarantined_) r.add_quarantined(q);
+  return r;
 }
 
 std::vector<int32_t> AttentionCore::layers() const {
@@ -383,6 +412,11 @@ void AttentionCore::CanaryLoop() {
     const CanaryOutcome o = RunCanary(&detail);
     if (o != CanaryOutcome::kSkipped) canary_ok_ = o == CanaryOutcome::kMatch;
     metrics_->Canary(kCanaryOutcomes.Name(o), Ready());
+    {
+      std::lock_guard<std::mutex> lock(canary_mu_);
+      canary_last_ = kCanaryOutcomes.Name(o);
+      canary_at_ = std::chrono::steady_clock::now();
+    }
     if (o != CanaryOutcome::kMatch && o != CanaryOutcome::kSkipped) {
       MOE_LOG_WARN("readiness canary on layer {}: {} ({}); not ready", canary_layer_,
                    kCanaryOutcomes.Name(o), detail);

@@ -15,6 +15,7 @@
 #define MOE_ATTENTION_SVC_ATTENTION_CORE_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -101,6 +102,8 @@ class AttentionCore {
   void OnQuarantine(std::function<void(const ShardQuarantine&)> f);
   // The twin audits' counts (zero with audits off).
   TwinAuditor::Counts AuditCounts() const;
+  // This node's own state for router-svc's page (ReportNode): its canary and twin audits.
+  v1::ReportNodeRequest NodeReport() const;
   std::vector<int32_t> layers() const;
   const ModelConfig& config() const { return cfg_; }
   const AttentionServerOptions& options() const { return options_; }
@@ -160,8 +163,13 @@ class AttentionCore {
   // hosted layer) and the twin audits' (every layer).
   std::map<int32_t, std::unique_ptr<numerics::MoeLayerWeights>> reference_;
   std::unique_ptr<TwinAuditor> audit_;
-  std::mutex quarantine_mu_;
+  mutable std::mutex quarantine_mu_;
   std::function<void(const ShardQuarantine&)> on_quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
+  std::vector<std::string> quarantined_ ABSL_GUARDED_BY(quarantine_mu_);  // names, at most 64
+  // The last canary's outcome and when it ran (NodeReport).
+  mutable std::mutex canary_mu_;
+  std::string canary_last_ ABSL_GUARDED_BY(canary_mu_) = "pending";
+  std::chrono::steady_clock::time_point canary_at_ ABSL_GUARDED_BY(canary_mu_);
   // The readiness canary (null: off) on the first hosted layer.
   std::unique_ptr<CanaryOracle> canary_;
   int32_t canary_layer_ = 0;

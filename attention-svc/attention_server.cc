@@ -210,6 +210,9 @@ void AttentionServer::Impl::Shutdown(absl::Duration grace) {
 
 void AttentionServer::Impl::ReportNow() {
   if (core_ == nullptr || router_ == nullptr) return;
+  if (absl::Status s = router_->ReportNode(core_->NodeReport()); !s.ok()) {
+    MOE_LOG_WARN("ReportNode failed: {}", s.ToString());
+  }
   for (const v1::ReportStatsRequest& req : core_->TakeReports()) {
     if (auto r = router_->ReportStats(req); !r.ok()) {
       MOE_LOG_WARN("ReportStats failed: {}", r.status().ToString());

@@ -409,9 +409,11 @@ PageCallbacks RouterCore::PageApi() {
   cb.state = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
     std::lock_guard<std::mutex> lock(mu_);
     MOE_ASSIGN_OR_RETURN(LayerState * l, LayerLocked(layer));
-    return LayerStateJson(l->ledger, l->window,
-                          registry_->ShardLoads(layer, l->window.window_loads()),
-                          registry_->ShardOfExpert(layer), l->rebalances, l->budget);
+    nlohmann::json j =
+        LayerStateJson(l->ledger, l->window, registry_->ShardLoads(layer, l->window.window_loads()),
+                       registry_->ShardOfExpert(layer), l->rebalances, l->budget);
+    j["nodes"] = NodesJsonLocked();
+    return j;
   };
   cb.rebalance = [this](int32_t layer) -> absl::StatusOr<nlohmann::json> {
     std::lock_guard<std::mutex> lock(mu_);

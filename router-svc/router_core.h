@@ -109,6 +109,9 @@ class RouterCore {
                           v1::QuarantineShardResponse* resp);
   // Lifts a quarantine (admin); whether there was one.
   bool Release(const std::string& shard);
+  // An attention node's own state (its canary and twin audits) for the page; INVALID_ARGUMENT
+  // for a malformed one, RESOURCE_EXHAUSTED past kMaxNodes nodes heard within a minute.
+  absl::Status ReportNode(const v1::ReportNodeRequest& req);
   v1::Placement Placement() const;
   absl::StatusOr<v1::LayerBias> Bias(int32_t layer) const;
   absl::Status LoadStats(int32_t layer, v1::LoadStats* resp) const;
@@ -165,6 +168,14 @@ class RouterCore {
   std::unique_ptr<StateStore> store_ ABSL_GUARDED_BY(mu_);  // null: nothing survives a restart
   StateOrigin origin_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, LayerState> layers_ ABSL_GUARDED_BY(mu_);
+  // The attention nodes' last ReportNode and when it came (the page's node table).
+  static constexpr size_t kMaxNodes = 64;
+  struct NodeReport {
+    v1::ReportNodeRequest report;
+    int64_t unix_ms = 0;
+  };
+  std::map<std::string, NodeReport> nodes_ ABSL_GUARDED_BY(mu_);
+  nlohmann::json NodesJsonLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace moe::router_svc

@@ -1,8 +1,10 @@
 // RouterCore's membership operations (router_core.h): a registration bound to its member's
 // identity and to the deployment's ranges, heartbeats on a live lease, the silent expired and
 // the long silent removed.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <set>
 
@@ -131,6 +133,59 @@ bool RouterCore::Release(const std::string& shard) {
   MOE_LOG_WARN("shard {}: quarantine lifted by an admin", shard);
   PublishPlacementLocked();
   return true;
+}
+
+absl::Status RouterCore::ReportNode(const v1::ReportNodeRequest& req) {
+  MOE_RETURN_IF_ERROR(CheckShardName(req.node()));
+  static const std::set<std::string> kOutcomes = {"match",   "mismatch", "timeout", "error",
+                                                  "skipped", "off",      "pending"};
+  const int64_t counts[] = {req.audits_agree(),   req.audits_within_bound(),
+                            req.audits_caught(),  req.audits_unresolved(),
+                            req.audits_skipped(), req.canary_age_ms()};
+  const bool counts_ok = std::all_of(std::begin(counts), std::end(counts),
+                                     [](int64_t c) { return c >= 0 && c < (int64_t{1} << 53); });
+  if (kOutcomes.count(req.canary_outcome()) == 0 || !counts_ok || req.quarantined_size() > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node report from ", req.node(), ": canary outcome '", req.canary_outcome().substr(0, 32),
+        "' (match, mismatch, timeout, error, skipped, off, pending), counts >= 0, at most 64 "
+        "quarantined shards"));
+  }
+  for (const std::string& q : req.quarantined()) MOE_RETURN_IF_ERROR(CheckShardName(q));
+  const int64_t now = UnixMs();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (nodes_.count(req.node()) == 0 && nodes_.size() >= kMaxNodes) {
+    for (auto it = nodes_.begin(); it != nodes_.end();) {  // a minute silent: forgotten
+      it = now - it->second.unix_ms > 60000 ? nodes_.erase(it) : std::next(it);
+    }
+    if (nodes_.size() >= kMaxNodes) {
+      return absl::ResourceExhaustedError(absl::StrCat("node report from ", req.node(), ": ",
+                                                       kMaxNodes, " nodes reported already"));
+    }
+  }
+  nodes_[req.node()] = {req, now};
+  return absl::OkStatus();
+}
+
+nlohmann::json RouterCore::NodesJsonLocked() const {
+  const int64_t now = UnixMs();
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [name, n] : nodes_) {
+    const v1::ReportNodeRequest& r = n.report;
+    out.push_back(
+        {{"node", name},
+         {"canary", r.canary_outcome()},
+         {"canary_ready", r.canary_ready()},
+         {"canary_age_ms", r.canary_age_ms()},
+         {"audits",
+          {{"agree", r.audits_agree()},
+           {"within_bound", r.audits_within_bound()},
+           {"caught", r.audits_caught()},
+           {"unresolved", r.audits_unresolved()},
+           {"skipped", r.audits_skipped()}}},
+         {"quarantined", std::vector<std::string>(r.quarantined().begin(), r.quarantined().end())},
+         {"seen_ms_ago", std::max<int64_t>(0, now - n.unix_ms)}});
+  }
+  return out;
 }
 
 void RouterCore::PublishPlacementLocked() {

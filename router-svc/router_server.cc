@@ -183,6 +183,15 @@ class RouterServer::Impl final : public v1::RouterService::CallbackService {
     if (s.ok()) resp->set_released(core_->Release(req->shard()));
     return Done(ctx, "ReleaseShard", s);
   }
+  grpc::ServerUnaryReactor* ReportNode(grpc::CallbackServerContext* ctx,
+                                       const v1::ReportNodeRequest* req,
+                                       v1::ReportNodeResponse*) override {
+    absl::Status s = CheckMember(ctx, "ReportNode", "attention");
+    // As ReportStats: any attention member (the node name is its word; docs/security.md).
+    if (s.ok()) s = transport::CheckPeerMember(*ctx, "attention", "", "ReportNode");
+    if (s.ok()) s = core_->ReportNode(*req);
+    return Done(ctx, "ReportNode", s);
+  }
   grpc::ServerUnaryReactor* GetLoadStats(grpc::CallbackServerContext* ctx,
                                          const v1::GetLoadStatsRequest* req,
                                          v1::LoadStats* resp) override {

@@ -142,6 +142,16 @@ function render(s) {
   $('shards').tBodies[0].innerHTML = s.shards.map((x) =>
     `<tr><td>${esc(x.name)}</td><td>[${x.lo}, ${x.hi})</td><td>${x.load}</td>` +
     `<td>${(100 * x.load / total).toFixed(1)}%</td><td>${x.quarantined ? 'QUARANTINED (wrong answers)' : x.healthy ? 'healthy' : 'UNHEALTHY'}</td><td class="lanes">${esc(x.data_plane)}${x.lanes ? ' · ' + esc(x.lanes) : ''}</td></tr>`).join('');
+  // Each attention node's readiness canary (a fixed batch through the whole path against its
+  // in-process reference) and twin audits (replicas compared), as the node last reported them.
+  $('nodes').tBodies[0].innerHTML = (s.nodes || []).map((n) => {
+    const canary = n.canary === 'off' || n.canary === 'pending' ? n.canary :
+      `${n.canary_ready ? 'ready' : 'NOT READY'} (${esc(n.canary)}, ${(n.canary_age_ms / 1000).toFixed(0)} s ago)`;
+    const a = n.audits;
+    return `<tr><td>${esc(n.node)}</td><td class="canary">${canary}</td>` +
+      `<td class="audits">${a.agree} agree, ${a.within_bound} within bound, ${a.caught} caught, ${a.unresolved} unresolved, ${a.skipped} skipped</td>` +
+      `<td>${n.quarantined.map(esc).join(', ') || '-'}</td><td>${(n.seen_ms_ago / 1000).toFixed(1)} s ago</td></tr>`;
+  }).join('');
   $('history').tBodies[0].innerHTML = s.history.slice().reverse().map((h) =>
     `<tr><td>${h.version}</td><td>${esc(h.reason)}</td><td>${new Date(h.created_unix_ms).toLocaleTimeString()}</td></tr>`).join('');
 }

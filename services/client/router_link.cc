@@ -104,6 +104,14 @@ absl::StatusOr<v1::QuarantineShardResponse> RouterLink::QuarantineShard(
   return resp;
 }
 
+absl::Status RouterLink::ReportNode(const v1::ReportNodeRequest& req) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timings_.call_timeout);
+  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
+  v1::ReportNodeResponse resp;
+  return transport::FromGrpc(stub_->ReportNode(&ctx, req, &resp));
+}
+
 void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
                                 std::function<int64_t()> queued, std::function<std::string()> lanes,
                                 std::function<void(const absl::Status&)> refused) {

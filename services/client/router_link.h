@@ -52,6 +52,8 @@ class RouterLink {
   // A shard caught answering wrong bytes (twin_audit.h), for router-svc to quarantine.
   absl::StatusOr<v1::QuarantineShardResponse> QuarantineShard(
       const v1::QuarantineShardRequest& req);
+  // The attention node's own state (canary, twin audits) for the page.
+  absl::Status ReportNode(const v1::ReportNodeRequest& req);
 
   // Expert servers: registers `req` and heartbeats on a thread until Stop(); queued() gives the
   // queue length each heartbeat carries.

@@ -156,3 +156,61 @@ TEST_F(RouterCoreTest, TheAttentionCoresReportsRebalanceAndARollbackRestoresTheC
 
 }  // namespace
 }  // namespace moe::router_svc
+
+namespace moe::router_svc {
+namespace {
+
+// The attention nodes' own state on the page: what a node reported, and nothing malformed.
+TEST_F(RouterCoreTest, NodeReportsReachThePageAndMalformedOnesAreRefused) {
+  v1::ReportNodeRequest r;
+  r.set_node("attention-0");
+  r.set_canary_outcome("match");
+  r.set_canary_ready(true);
+  r.set_canary_age_ms(1200);
+  r.set_audits_agree(5);
+  r.set_audits_caught(1);
+  r.add_quarantined("shard-3");
+  ASSERT_TRUE(core_->ReportNode(r).ok());
+  auto state = core_->PageApi().state(1);
+  ASSERT_TRUE(state.ok()) << state.status();
+  const nlohmann::json& nodes = (*state)["nodes"];
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0]["node"], "attention-0");
+  EXPECT_EQ(nodes[0]["canary"], "match");
+  EXPECT_EQ(nodes[0]["canary_ready"], true);
+  EXPECT_EQ(nodes[0]["audits"]["agree"], 5);
+  EXPECT_EQ(nodes[0]["audits"]["caught"], 1);
+  EXPECT_EQ(nodes[0]["quarantined"][0], "shard-3");
+
+  auto refused = [&](v1::ReportNodeRequest bad) {
+    return core_->ReportNode(bad).code() == absl::StatusCode::kInvalidArgument;
+  };
+  v1::ReportNodeRequest bad = r;
+  bad.set_node("<script>");
+  EXPECT_TRUE(refused(bad));
+  bad = r;
+  bad.set_canary_outcome("<b>ok</b>");
+  EXPECT_TRUE(refused(bad));
+  bad = r;
+  bad.set_audits_skipped(-1);
+  EXPECT_TRUE(refused(bad));
+  bad = r;
+  bad.add_quarantined("a b");
+  EXPECT_TRUE(refused(bad));
+  bad = r;
+  for (int i = 0; i < 65; ++i) bad.add_quarantined("shard-" + std::to_string(i));
+  EXPECT_TRUE(refused(bad));
+  // At most 64 nodes at once.
+  for (int i = 1; i < 64; ++i) {
+    r.set_node("attention-" + std::to_string(i));
+    ASSERT_TRUE(core_->ReportNode(r).ok()) << i;
+  }
+  r.set_node("attention-64");
+  EXPECT_EQ(core_->ReportNode(r).code(), absl::StatusCode::kResourceExhausted);
+  r.set_node("attention-0");  // a known one still reports
+  EXPECT_TRUE(core_->ReportNode(r).ok());
+  EXPECT_EQ((*core_->PageApi().state(1))["nodes"].size(), 64u);
+}
+
+}  // namespace
+}  // namespace moe::router_svc

@@ -162,6 +162,18 @@ try {
   }
   console.log(`data plane: ${lanesCells.join('; ')}`);
 
+  // The attention node's readiness canary on the page, as its own metrics say it: ready after a
+  // match (the cluster was started ready, so its first canary matched); its twin audits' row.
+  const canaryCell = await waitFor('the attention node\'s canary on the page', async () => {
+    const cells = await page.$$eval('#nodes td.canary', (t) => t.map((x) => x.textContent));
+    return cells.length === 1 && /^ready \(match, \d+ s ago\)$/.test(cells[0]) ? cells[0] : null;
+  }, 30);
+  assert(/^moe_canary_ready 1(\.0)?$/m.test(metricsText), 'the node\'s moe_canary_ready is not 1');
+  const audits = await page.$eval('#nodes td.audits', (t) => t.textContent);
+  assert(/^\d+ agree, \d+ within bound, 0 caught, 0 unresolved, \d+ skipped$/.test(audits),
+         `the twin audits cell reads "${audits}"`);
+  console.log(`attention node: canary ${canaryCell}; audits ${audits}`);
+
   // The mean distance of the bars from the even line, in pixels (the "queue" the toy shows).
   const spread = () => page.$eval('#bars-id', (el) => {
     const line = el.querySelector(':scope > .target').getBoundingClientRect().top;
