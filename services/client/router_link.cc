@@ -83,33 +83,34 @@ void RouterLink::WatchBias(std::vector<int32_t> layers,
   });
 }
 
-absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::ReportStatsRequest& req) {
+// One unary member call: the call timeout and the cluster token, the status converted.
+template <typename Resp, typename Call>
+absl::StatusOr<Resp> RouterLink::Unary(Call call) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timings_.call_timeout);
   if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
-  v1::ReportStatsResponse resp;
-  const grpc::Status s = stub_->ReportStats(&ctx, req, &resp);
+  Resp resp;
+  const grpc::Status s = call(&ctx, &resp);
   if (!s.ok()) return transport::FromGrpc(s);
   return resp;
+}
+
+absl::StatusOr<v1::ReportStatsResponse> RouterLink::ReportStats(const v1::ReportStatsRequest& req) {
+  return Unary<v1::ReportStatsResponse>(
+      [&](grpc::ClientContext* ctx, auto* resp) { return stub_->ReportStats(ctx, req, resp); });
 }
 
 absl::StatusOr<v1::QuarantineShardResponse> RouterLink::QuarantineShard(
     const v1::QuarantineShardRequest& req) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, timings_.call_timeout);
-  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
-  v1::QuarantineShardResponse resp;
-  const grpc::Status s = stub_->QuarantineShard(&ctx, req, &resp);
-  if (!s.ok()) return transport::FromGrpc(s);
-  return resp;
+  return Unary<v1::QuarantineShardResponse>(
+      [&](grpc::ClientContext* ctx, auto* resp) { return stub_->QuarantineShard(ctx, req, resp); });
 }
 
 absl::Status RouterLink::ReportNode(const v1::ReportNodeRequest& req) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, timings_.call_timeout);
-  if (!cluster_token_.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token_);
-  v1::ReportNodeResponse resp;
-  return transport::FromGrpc(stub_->ReportNode(&ctx, req, &resp));
+  return Unary<v1::ReportNodeResponse>([&](grpc::ClientContext* ctx, auto* resp) {
+           return stub_->ReportNode(ctx, req, resp);
+         })
+      .status();
 }
 
 void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,

@@ -69,6 +69,8 @@ class RouterLink {
   void Stop();
 
  private:
+  template <typename Resp, typename Call>
+  absl::StatusOr<Resp> Unary(Call call);
   template <typename Msg, typename OpenFn, typename ApplyFn>
   void WatchLoop(OpenFn open, ApplyFn apply);
   // Waits d; false when stopping.
