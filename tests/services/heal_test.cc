@@ -6,13 +6,19 @@
 // failed, wrong (must be 0) and past their deadline (must be 0); the time from a replica's
 // restart until the router counts every shard healthy again (must be <= 5 s); p99 steady vs
 // during faults, printed. MOE_HEAL_FAULTS sets the campaign's length (8 here; scripts/soak.sh
-// runs 100), MOE_HEAL_SEED its faults.
+// runs 100), MOE_HEAL_SEED its faults. MOE_HEAL_LOAD=0.8 replaces the two closed-loop clients
+// by an open-loop generator at that share of the capacity measured first (8 closed-loop clients
+// without pauses for 3 s): requests start on a fixed schedule whatever the answers, and each
+// latency counts from its scheduled start (a request that waits for a free sender is late by
+// that wait too).
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -38,6 +44,56 @@ double P99(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(0.99 * v.size()))];
 }
+
+// Requests on a fixed schedule at `rate` per second, sent by `senders` threads (each takes the
+// next scheduled start, waits for it, sends), until Stop; every sample's latency from its
+// scheduled start. Bounded: 600 s.
+struct OpenLoop {
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> ok{0}, failed{0}, wrong{0}, hung{0};
+  std::vector<std::string> errors;
+  std::mutex mu;
+  std::vector<testing::Traffic::Sample> samples;
+  std::vector<std::thread> threads;
+  std::atomic<int64_t> next{0};
+
+  void Start(const tools::LocalCluster& c, int32_t layer, const std::vector<Bf16>& x,
+             int64_t tokens, int64_t hidden, const std::vector<Bf16>& want, double rate,
+             int senders, absl::Duration timeout) {
+    const Clock::time_point t0 = Clock::now();
+    const auto until = t0 + std::chrono::seconds(600);
+    for (int t = 0; t < senders; ++t) {
+      threads.emplace_back([=, &c] {
+        auto client = testing::ClientFor(c);
+        client::ForwardOptions o;
+        o.timeout = timeout;
+        while (!stop.load() && Clock::now() < until) {
+          const int64_t i = next++;
+          const Clock::time_point at = t0 + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(i / rate));
+          std::this_thread::sleep_until(at);
+          if (stop.load()) break;
+          auto r = client->Forward(layer, x, tokens, hidden, o);
+          const double ms = std::chrono::duration<double, std::milli>(Clock::now() - at).count();
+          const bool right = r.ok() && testing::SameBits(r->out, want);
+          if (ms > absl::ToDoubleMilliseconds(timeout) + 1000) ++hung;
+          std::lock_guard<std::mutex> lock(mu);
+          samples.push_back({at, ms, right, r.ok() && !right});
+          if (!r.ok()) {
+            if (errors.size() < 5) errors.push_back(r.status().ToString());
+            ++failed;
+          } else {
+            ++(right ? ok : wrong);
+          }
+        }
+      });
+    }
+  }
+  void Stop() {
+    stop = true;
+    for (std::thread& t : threads) t.join();
+  }
+};
 
 class ClusterHeal : public testing::ClusterTest {
  public:
@@ -112,10 +168,24 @@ TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
   const int faults = EnvInt("MOE_HEAL_FAULTS", 8);
   const unsigned seed = static_cast<unsigned>(EnvInt("MOE_HEAL_SEED", 43));
   const std::vector<Bf16> x = Hidden(4, 51), want = Want(x, 4);
+  const char* load_env = std::getenv("MOE_HEAL_LOAD");
+  const double load = load_env != nullptr ? std::atof(load_env) : 0.0;
   testing::Traffic a, b;
-  a.record = b.record = true;
-  a.Start(cluster(), layer(), x, 4, hidden(), want, absl::Seconds(3));
-  b.Start(cluster(), layer(), x, 4, hidden(), want, absl::Seconds(3));
+  OpenLoop open;
+  double capacity = 0;
+  if (load > 0) {
+    OpenLoop probe;  // 8 senders, every start already due: closed loop without pauses
+    probe.Start(cluster(), layer(), x, 4, hidden(), want, 1e9, 8, absl::Seconds(3));
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    probe.Stop();
+    capacity = static_cast<double>(probe.ok.load()) / 3.0;
+    ASSERT_GT(capacity, 0);
+    open.Start(cluster(), layer(), x, 4, hidden(), want, load * capacity, 16, absl::Seconds(3));
+  } else {
+    a.record = b.record = true;
+    a.Start(cluster(), layer(), x, 4, hidden(), want, absl::Seconds(3));
+    b.Start(cluster(), layer(), x, 4, hidden(), want, absl::Seconds(3));
+  }
   std::this_thread::sleep_for(std::chrono::seconds(3));  // the steady window
   const Clock::time_point steady_end = Clock::now();
   std::mt19937 rng(seed);
@@ -134,11 +204,17 @@ TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
   }
   a.Stop();
   b.Stop();
+  open.Stop();
   std::vector<testing::Traffic::Sample> samples = a.samples;
   samples.insert(samples.end(), b.samples.begin(), b.samples.end());
+  samples.insert(samples.end(), open.samples.begin(), open.samples.end());
   const Latencies l = Split(samples, steady_end, windows);
-  const int64_t ok = a.ok + b.ok, failed = a.failed + b.failed, wrong = a.wrong + b.wrong,
-                late = a.hung + b.hung;
+  const int64_t ok = a.ok + b.ok + open.ok, failed = a.failed + b.failed + open.failed,
+                wrong = a.wrong + b.wrong + open.wrong, late = a.hung + b.hung + open.hung;
+  if (load > 0) {
+    std::printf("[heal] open loop at %.2f of a measured capacity of %.1f requests/s (%.1f/s)\n",
+                load, capacity, load * capacity);
+  }
   std::printf(
       "[heal] %d faults (kill -9 + restart %d, SIGSTOP 1 s %d, SIGTERM + restart %d), seed %u\n"
       "[heal] requests %zu: ok %lld, failed %lld, wrong %lld, past deadline %lld\n"
@@ -151,6 +227,7 @@ TEST_F(ClusterHeal, RandomFaultsOnReplicasUnderLoadLoseNothing) {
   for (const auto* t : {&a, &b}) {
     for (const std::string& e : t->errors) std::printf("[heal] a failure: %s\n", e.c_str());
   }
+  for (const std::string& e : open.errors) std::printf("[heal] a failure: %s\n", e.c_str());
   EXPECT_EQ(wrong, 0);
   EXPECT_EQ(late, 0);
   EXPECT_GT(ok, faults);
