@@ -155,7 +155,7 @@ class AuditedCall final : public ExpertCall {
         twin_(channel->SendTo(twin, header, m)) {}
 
   bool Answered(absl::Time until) override {
-    return primary_.Answered(until) && twin_->Answered(until);
+    return primary_.Answered(until) && (twin_ == nullptr || twin_->Answered(until));
   }
   const char* transport() const override { return primary_.transport(); }
 
