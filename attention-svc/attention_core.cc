@@ -141,7 +141,6 @@ void AttentionCore::Quarantine(const ShardQuarantine& q) {
       "passed audit are suspect",
       q.shard.shard, q.shard.endpoint, q.evidence, q.suspect_answers);
   std::lock_guard<std::mutex> lock(quarantine_mu_);
-  if (quarantined_.size() < 64) quarantined_.push_back(q.shard.shard);
   if (on_quarantine_) on_quarantine_(q);
 }
 
@@ -168,8 +167,8 @@ v1::ReportNodeRequest AttentionCore::NodeReport() const {
   r.set_audits_caught(n(TwinOutcome::kCaught));
   r.set_audits_unresolved(n(TwinOutcome::kUnresolved));
   r.set_audits_skipped(n(TwinOutcome::kSkipped));
-  std::lock_guard<std::mutex> lock(quarantine_mu_);
-  for (const std::string& q : quarantined_) r.add_quarantined(q);
+  // At most 64 (ReportNode's bound): the first caught.
+  for (size_t i = 0; i < c.quarantined.size() && i < 64; ++i) r.add_quarantined(c.quarantined[i]);
   return r;
 }
 

@@ -163,9 +163,8 @@ class AttentionCore {
   // hosted layer) and the twin audits' (every layer).
   std::map<int32_t, std::unique_ptr<numerics::MoeLayerWeights>> reference_;
   std::unique_ptr<TwinAuditor> audit_;
-  mutable std::mutex quarantine_mu_;
+  std::mutex quarantine_mu_;
   std::function<void(const ShardQuarantine&)> on_quarantine_ ABSL_GUARDED_BY(quarantine_mu_);
-  std::vector<std::string> quarantined_ ABSL_GUARDED_BY(quarantine_mu_);  // names, at most 64
   // The last canary's outcome and when it ran (NodeReport).
   mutable std::mutex canary_mu_;
   std::string canary_last_ ABSL_GUARDED_BY(canary_mu_) = "pending";

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -50,8 +49,9 @@ std::vector<int64_t> MostDifferent(const std::vector<T>& a, const std::vector<T>
       } else {
         x = a[i], y = b[i];
       }
-      const double e = std::isnan(x) != std::isnan(y) ? INFINITY : std::fabs(x - y);
-      if (e > worst || (std::isnan(e) && worst == 0)) worst = std::isnan(e) ? INFINITY : e;
+      double e = std::fabs(x - y);
+      if (std::isnan(e)) e = std::isnan(x) && std::isnan(y) ? 0 : INFINITY;  // NaN on one side
+      worst = std::max(worst, e);
     }
     if (worst > 0) diff.push_back({worst, r});
   }
@@ -273,7 +273,7 @@ TwinVerdict TwinAuditor::Judge(const DispatchHeader& header, const DispatchMessa
     auto it = suspect_.find(Key(liar));
     q.suspect_answers = it != suspect_.end() ? it->second : 0;
     first = quarantined_.insert(Key(liar)).second;
-    if (first) ++counts_.quarantined;
+    if (first) counts_.quarantined.push_back(liar.shard);
   }
   Count(TwinOutcome::kCaught);
   if (first && sink_) sink_(q);

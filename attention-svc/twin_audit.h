@@ -27,6 +27,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "attention-svc/dispatch_plan.h"
@@ -108,7 +109,7 @@ class TwinAuditor {
 
   struct Counts {
     std::map<TwinOutcome, int64_t> outcomes;
-    int64_t quarantined = 0;
+    std::vector<std::string> quarantined;  // shards caught, first caught first
   };
   Counts counts() const;
 

@@ -348,7 +348,7 @@ TEST_F(AuditCoreTest, ALyingReplicaIsCaughtAndNoAnswerIsWrong) {
     EXPECT_EQ(std::memcmp(resp.output().data().data(), want.out.data(), want.out.size() * 2), 0);
   }
   const TwinAuditor::Counts c = core_->AuditCounts();
-  EXPECT_EQ(c.quarantined, 1);
+  EXPECT_EQ(c.quarantined, std::vector<std::string>{"shard-liar"});
   EXPECT_GE(c.outcomes.count(TwinOutcome::kCaught) ? c.outcomes.at(TwinOutcome::kCaught) : 0, 1);
   EXPECT_GE(c.outcomes.count(TwinOutcome::kAgree) ? c.outcomes.at(TwinOutcome::kAgree) : 0, 1);
   EXPECT_EQ(c.outcomes.count(TwinOutcome::kUnresolved), 0u);

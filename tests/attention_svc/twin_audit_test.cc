@@ -144,6 +144,8 @@ TEST_F(TwinAuditTest, TheLiarIsCaughtWhicheverSideItIsOn) {
     EXPECT_EQ(caught_[0].layer, layer_);
     EXPECT_EQ(caught_[0].suspect_answers, 3);
     EXPECT_TRUE(audit.Quarantined(liar_first ? a_ : b_));
+    EXPECT_EQ(audit.counts().quarantined,
+              std::vector<std::string>{liar_first ? "shard-a" : "shard-b"});
     EXPECT_FALSE(audit.Quarantined(liar_first ? b_ : a_));
     // Caught again: counted, but the sink hears of a shard once.
     audit.Judge(header_, m_, {&a_, &b_}, {&good, &bad});
