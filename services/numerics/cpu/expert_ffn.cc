@@ -52,25 +52,33 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   const bool fp32_h = precision == Precision::kW4A8 && h_order == W4A8H::kFromFp32;
   (fp32_h ? k.situ_f32 : k.situ)(g.get(), u.get(), n * rows, beta, linear_beta, h.get());
   if (precision == Precision::kW4A8) k.mxfp8_roundtrip(h.get(), n * rows);
-  // h into the FC2 activations: the slot of each row once, not once per element.
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* hr = h.get() + (r - r0);
-    if (e.token_major && k.tm_layout == MxLayout::kBf16PairsTm) {
-      // Rows in pairs (a work item starts at an even row): both halves of a slot at once.
-      if ((r - r0) % 2 == 1) continue;
-      const bool odd = r + 1 < r1;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(e.hp.data()) + TokenMajorSlot(k, r) * e.ld_t;
-      for (int64_t t = 0; t < n; ++t) {
-        dst[t] = Bf16PairBits(hr[t * rows], odd ? hr[t * rows + 1] : 0.0f);
+  // h into the FC2 activations: the slot of each row once, not once per element; in tiles of
+  // 16 tokens, so the lines of h a tile reads (16 rows each) stay in L1 across its rows
+  // (walking all tokens per row missed once per (row, token) when h exceeds L2).
+  constexpr int64_t kTile = 16;
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t t1 = std::min(n, t0 + kTile);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* hr = h.get() + (r - r0);
+      if (e.token_major && k.tm_layout == MxLayout::kBf16PairsTm) {
+        // Rows in pairs (a work item starts at an even row): both halves of a slot at once.
+        if ((r - r0) % 2 == 1) continue;
+        const bool odd = r + 1 < r1;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(e.hp.data()) + TokenMajorSlot(k, r) * e.ld_t;
+        for (int64_t t = t0; t < t1; ++t) {
+          dst[t] = Bf16PairBits(hr[t * rows], odd ? hr[t * rows + 1] : 0.0f);
+        }
+      } else if (e.token_major) {
+        float* dst = e.hp.data() + TokenMajorSlot(k, r) * e.ld_t;
+        for (int64_t t = t0; t < t1; ++t) dst[t] = hr[t * rows];
+      } else if (k.mx_layout != MxLayout::kBf16Pairs) {
+        float* dst = e.hp.data() + ActivationSlot(k, r);
+        for (int64_t t = t0; t < t1; ++t) dst[t * ld_h] = hr[t * rows];
+      } else {
+        for (int64_t t = t0; t < t1; ++t) {
+          StoreActivation(k, e.hp.data() + t * ld_h, r, hr[t * rows]);
+        }
       }
-    } else if (e.token_major) {
-      float* dst = e.hp.data() + TokenMajorSlot(k, r) * e.ld_t;
-      for (int64_t t = 0; t < n; ++t) dst[t] = hr[t * rows];
-    } else if (k.mx_layout != MxLayout::kBf16Pairs) {
-      float* dst = e.hp.data() + ActivationSlot(k, r);
-      for (int64_t t = 0; t < n; ++t) dst[t * ld_h] = hr[t * rows];
-    } else {
-      for (int64_t t = 0; t < n; ++t) StoreActivation(k, e.hp.data() + t * ld_h, r, hr[t * rows]);
     }
   }
 }
@@ -114,45 +122,58 @@ void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>
   });
 }
 
-// The expert's z rows as fp32, then in the kernels' layout. MXFP8 rows are decoded here, once
-// per (token, expert): every weight row of the expert then reads the same exact fp32 values
-// from L1/L2 (decoding them again next to each weight chunk would cost more instructions per
-// weight than the MXFP4 decode itself; docs/math.md section 6).
+// Token t's z row (of the expert's tokens) as fp32. MXFP8 rows are decoded here, once per
+// (token, expert): every weight row of the expert then reads the same exact fp32 values from
+// L1/L2 (decoding them again next to each weight chunk would cost more instructions per weight
+// than the MXFP4 decode itself; docs/math.md section 6).
+void ZRow(const ActiveExpert& e, const ExpertInput& z, int64_t k_slots, int64_t d, int64_t t,
+          float* dst) {
+  const int64_t row = e.pairs[t] / k_slots;
+  if (z.mxfp8 != nullptr) {
+    DequantizeMxfp8Row(*z.mxfp8, row, dst);
+    return;
+  }
+  const Bf16* src = z.bf16 + row * d;
+  for (int64_t i = 0; i < d; ++i) dst[i] = src[i].ToFloat();
+}
+
+// The expert's z rows in the kernels' layout. Token-major (prefill) in tiles of 16 tokens: a
+// tile's fp32 rows (16 x d) stay in L2 while they are written slot by slot, where the whole
+// [n, d] fp32 copy (58 MB at 4,096 tokens of K3) was read a column at a time from DRAM.
 void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_t k_slots,
              int64_t d, int64_t inter) {
   const int64_t n = static_cast<int64_t>(e.pairs.size());
-  std::vector<float> zf(static_cast<size_t>(n * d));
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t row = e.pairs[t] / k_slots;
-    if (z.mxfp8 != nullptr) {
-      DequantizeMxfp8Row(*z.mxfp8, row, zf.data() + t * d);
-      continue;
-    }
-    const Bf16* src = z.bf16 + row * d;
-    for (int64_t i = 0; i < d; ++i) zf[t * d + i] = src[i].ToFloat();
-  }
   e.token_major = k.mxfp4_rows_tm != nullptr && n >= k.panel_from;
-  if (e.token_major) {
-    e.ld_t = (n + 15) / 16 * 16;
-    e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);
+  if (!e.token_major) {
+    std::vector<float> zf(static_cast<size_t>(n * d));
+    for (int64_t t = 0; t < n; ++t) ZRow(e, z, k_slots, d, t, zf.data() + t * d);
+    e.zp.resize(static_cast<size_t>(n * ActivationSlots(k, d)));
+    PrepareActivations(k, zf.data(), n, d, e.zp.data());
+    e.hp.assign(static_cast<size_t>(n * ActivationSlots(k, inter)), 0.0f);
+    return;
+  }
+  constexpr int64_t kTile = 16;
+  e.ld_t = (n + 15) / 16 * 16;
+  e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);
+  std::vector<float> zf(static_cast<size_t>(kTile * d));
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t t1 = std::min(n, t0 + kTile);
+    for (int64_t t = t0; t < t1; ++t) ZRow(e, z, k_slots, d, t, zf.data() + (t - t0) * d);
     for (int64_t i = 0; i < d; ++i) {
       if (k.tm_layout == MxLayout::kBf16PairsTm) {  // columns in pairs: whole slots
         if (i % 2 == 1) continue;
         uint32_t* dst = reinterpret_cast<uint32_t*>(e.zp.data()) + TokenMajorSlot(k, i) * e.ld_t;
-        for (int64_t t = 0; t < n; ++t) {
-          dst[t] = Bf16PairBits(zf[t * d + i], i + 1 < d ? zf[t * d + i + 1] : 0.0f);
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* zr = zf.data() + (t - t0) * d;
+          dst[t] = Bf16PairBits(zr[i], i + 1 < d ? zr[i + 1] : 0.0f);
         }
         continue;
       }
-      const int64_t slot = TokenMajorSlot(k, i);
-      for (int64_t t = 0; t < n; ++t) e.zp[slot * e.ld_t + t] = zf[t * d + i];
+      float* dst = e.zp.data() + TokenMajorSlot(k, i) * e.ld_t;
+      for (int64_t t = t0; t < t1; ++t) dst[t] = zf[(t - t0) * d + i];
     }
-    e.hp.assign(static_cast<size_t>(TokenMajorSlots(k, inter) * e.ld_t), 0.0f);
-    return;
   }
-  e.zp.resize(static_cast<size_t>(n * ActivationSlots(k, d)));
-  PrepareActivations(k, zf.data(), n, d, e.zp.data());
-  e.hp.assign(static_cast<size_t>(n * ActivationSlots(k, inter)), 0.0f);
+  e.hp.assign(static_cast<size_t>(TokenMajorSlots(k, inter) * e.ld_t), 0.0f);
 }
 
 std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,

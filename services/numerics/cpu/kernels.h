@@ -117,6 +117,13 @@ int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
 // Column i of token t into token-major activations (xt[slot * ld_t + t]; v must be a bf16 value
 // for kBf16PairsTm, which stores its half of a pair).
 void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v);
+// The panels' sums [rows, ld_t] into mxfp4_rows_tm's output: out[t * ld_out + r] =
+// acc[r * ld_t + t]. In tiles of 16 tokens (one cache line of each row's sums), so the lines of
+// out that a tile writes stay in L1 across its rows: walking all tokens per row missed once
+// per (row, token) when out exceeds L2 (from about 2,048 tokens per expert). The panels call
+// it per token pass of their last column block, while that pass's sums are in L2.
+void StoreTokenRows(const float* acc, int64_t ld_t, int64_t rows, int64_t tokens, float* out,
+                    int64_t ld_out);
 // The bf16 pair panels (mxfp4_rows_tm of the AVX512-BF16 set on vdpbf16ps and of the AMX set on
 // tiles), called only from the BF16 and AMX kernels.
 // 32-column chunks [k0, k1) of one MXFP4 row (packed bytes `row`, E8M0 scales `srow`) as bf16 in

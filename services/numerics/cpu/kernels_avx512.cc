@@ -422,10 +422,12 @@ void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       for (; r < rows; ++r) {
         PanelRows<1, kPairs>(panels + r * kn, kn, xb, ld_t, t0, t1, acc_buf + r * ld_t);
       }
+      // The last block's pass has its sums final: out while they are still in L2.
+      if (c1 == chunks && t0 < tokens) {
+        StoreTokenRows(acc_buf + t0, ld_t, rows, (t1 < tokens ? t1 : tokens) - t0,
+                       out + t0 * ld_out, ld_out);
+      }
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t t = 0; t < tokens; ++t) out[t * ld_out + r] = acc_buf[r * ld_t + t];
   }
   std::free(panels);
   std::free(acc_buf);
