@@ -55,9 +55,8 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   // h into the FC2 activations: the slot of each row once, not once per element; in tiles of
   // 16 tokens, so the lines of h a tile reads (16 rows each) stay in L1 across its rows
   // (walking all tokens per row missed once per (row, token) when h exceeds L2).
-  constexpr int64_t kTile = 16;
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t t1 = std::min(n, t0 + kTile);
+  for (int64_t t0 = 0; t0 < n; t0 += kTokenTile) {
+    const int64_t t1 = std::min(n, t0 + kTokenTile);
     for (int64_t r = r0; r < r1; ++r) {
       const float* hr = h.get() + (r - r0);
       if (e.token_major && k.tm_layout == MxLayout::kBf16PairsTm) {
@@ -152,12 +151,11 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
     e.hp.assign(static_cast<size_t>(n * ActivationSlots(k, inter)), 0.0f);
     return;
   }
-  constexpr int64_t kTile = 16;
   e.ld_t = (n + 15) / 16 * 16;
   e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);
-  std::vector<float> zf(static_cast<size_t>(kTile * d));
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t t1 = std::min(n, t0 + kTile);
+  std::vector<float> zf(static_cast<size_t>(kTokenTile * d));
+  for (int64_t t0 = 0; t0 < n; t0 += kTokenTile) {
+    const int64_t t1 = std::min(n, t0 + kTokenTile);
     for (int64_t t = t0; t < t1; ++t) ZRow(e, z, k_slots, d, t, zf.data() + (t - t0) * d);
     for (int64_t i = 0; i < d; ++i) {
       if (k.tm_layout == MxLayout::kBf16PairsTm) {  // columns in pairs: whole slots

@@ -117,6 +117,9 @@ int64_t TokenMajorSlot(const KernelTable& k, int64_t i);
 // Column i of token t into token-major activations (xt[slot * ld_t + t]; v must be a bf16 value
 // for kBf16PairsTm, which stores its half of a pair).
 void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, int64_t t, float v);
+// Tokens per tile of the prefill's data movements (StoreTokenRows, and expert_ffn.cc's h and z
+// into token-major activations): 16 fp32 values, one cache line of each row.
+inline constexpr int64_t kTokenTile = 16;
 // The panels' sums [rows, ld_t] into mxfp4_rows_tm's output: out[t * ld_out + r] =
 // acc[r * ld_t + t]. In tiles of 16 tokens (one cache line of each row's sums), so the lines of
 // out that a tile writes stay in L1 across its rows: walking all tokens per row missed once

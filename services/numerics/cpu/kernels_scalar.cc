@@ -98,9 +98,8 @@ bool PairPanelFits(const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1) 
 
 void StoreTokenRows(const float* acc, int64_t ld_t, int64_t rows, int64_t tokens, float* out,
                     int64_t ld_out) {
-  constexpr int64_t kTile = 16;
-  for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
-    const int64_t t1 = std::min(tokens, t0 + kTile);
+  for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
+    const int64_t t1 = std::min(tokens, t0 + kTokenTile);
     for (int64_t r = 0; r < rows; ++r) {
       const float* src = acc + r * ld_t;
       for (int64_t t = t0; t < t1; ++t) out[t * ld_out + r] = src[t];
