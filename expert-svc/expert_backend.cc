@@ -72,7 +72,13 @@ class EchoBackend final : public ExpertBackend {
   std::string name() const override { return "echo"; }
   absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing&,
                                                 const tensor::Activations& z) override {
-    if (z.format() == tensor::ActivationFormat::kBf16) return z.bf16();
+    if (z.format() == tensor::ActivationFormat::kBf16) {
+      // One memcpy: a copy of the vector itself went two bytes at a time (Bf16's member
+      // initializer keeps it from being trivial): 10% of the CPU samples of a 2 MiB round trip.
+      std::vector<tensor::Bf16> y(z.bf16().size());
+      if (!y.empty()) std::memcpy(y.data(), z.bf16().data(), y.size() * sizeof(tensor::Bf16));
+      return y;
+    }
     std::vector<tensor::Bf16> y(static_cast<size_t>(z.rows() * z.cols()));
     std::vector<float> row(static_cast<size_t>(z.cols()));
     for (int64_t r = 0; r < z.rows(); ++r) {
