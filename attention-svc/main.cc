@@ -78,6 +78,10 @@ int main(int argc, char** argv) {
   flags.Int("ucx_poll_us", &o.ucx_poll_us,
             "a thread waiting for a shard's UCX reply polls for it this long before it sleeps "
             "(0: it sleeps at once; docs/data-plane.md)");
+  flags.Int("ucx_progress_spin_us", &o.ucx_progress_spin_us,
+            "the UCX progress thread keeps polling this long after its last activity before it "
+            "sleeps (0: at once; at most 10000): worth it where the data plane has a core to "
+            "itself (docs/data-plane.md)");
   flags.Int64("canary_interval_ms", &o.canary_interval_ms,
               "readiness canary: a 4-token batch through the whole path this often, compared "
               "with its in-process reference; ready only while it matches (0: off)");

@@ -40,6 +40,9 @@ struct ServerHalfOptions {
   std::string tls;        // the backend's transports (UCX: UCX_TLS syntax); empty: its default
   // A thread that waits anyway (the compute thread between batches) polls this long.
   std::chrono::microseconds poll_spin{100};
+  // The backend's own progress thread keeps polling this long after its last activity before
+  // it sleeps (UcxOptions::spin; 0: at once).
+  std::chrono::microseconds progress_spin{0};
   int max_clients = 256;                  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   int64_t max_message_bytes = 256 << 20;  // the largest payload either way
   // Runs once per request message that authenticated (a bound client, its MAC right, its

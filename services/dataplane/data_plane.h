@@ -24,6 +24,10 @@
 namespace moe::dataplane {
 
 // The --data_plane choice of a service.
+// The longest a backend's progress thread may be asked to keep polling after its last activity
+// (--ucx_progress_spin_us), microseconds: a spin is for the gaps inside a transfer.
+inline constexpr int kMaxProgressSpinUs = 10000;
+
 struct DataPlane {
   static constexpr const char* kDefaultBackend = "ucx";
   std::string name = "auto";  // "auto", "grpc" or a backend's name

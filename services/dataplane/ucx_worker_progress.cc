@@ -119,21 +119,32 @@ void UcxWorkerImpl::SleepWhilePolled(absl::Duration next) {
 void UcxWorkerImpl::Loop() {
   absl::Time stop_by = absl::InfiniteFuture();
   // After any activity the thread may keep polling for options_.spin before it sleeps: a round
-  // trip is a chain of small steps (rendezvous handshakes, a reply right after a request), and
-  // waking from poll() costs tens of microseconds per step in a VM. Off by default: on a
-  // machine whose cores the experts need (2 here) spinning measured slower
-  // (tests/bench/dispatch_bench.cc); bounded, so an idle data plane costs no CPU.
+  // trip is a chain of small steps (rendezvous fragments and handshakes, a reply right after a
+  // request), and waking from poll() costs tens of microseconds per step in a VM. Off by
+  // default: where processes share the cores (2 here) spinning cost 8 senders goodput
+  // (docs/data-plane.md); bounded, so an idle data plane costs no CPU. A turn of the spin makes
+  // no syscall: the wake fd is drained only after a sleep, and the deadlines (absl::Now, whose
+  // lock two spinning threads contend) are looked at every kSpinCheckEvery.
+  constexpr auto kSpinCheckEvery = std::chrono::microseconds(200);
   auto last_activity = std::chrono::steady_clock::now();
+  auto next_check = last_activity;
+  absl::Duration next = absl::Milliseconds(1);
   std::unique_lock<std::mutex> lock(progress_mu_, std::defer_lock);
+  bool slept = true;
   for (;;) {
     if (!lock.owns_lock()) lock.lock();
     t_holder = this;
-    bool active = RunCommands();
+    bool active = RunCommands(/*drain_fd=*/slept);
+    slept = false;
     while (ucp_worker_progress(worker_) != 0) active = true;
     const auto now = std::chrono::steady_clock::now();
     if (active) last_activity = now;
-    const absl::Duration next = CheckDeadlines();
-    ReapClosing();
+    const bool spinning = now - last_activity < options_.spin;
+    if (!spinning || now >= next_check || stopping_) {
+      next = CheckDeadlines();
+      ReapClosing();
+      next_check = now + kSpinCheckEvery;
+    }
     if (stopping_) {
       if (stop_by == absl::InfiniteFuture()) {
         stop_by = absl::Now() + kShutdownGrace;
@@ -158,7 +169,7 @@ void UcxWorkerImpl::Loop() {
       }
       if ((inflight_.empty() && closing_.empty()) || absl::Now() > stop_by) break;
     }
-    if (now - last_activity < options_.spin) continue;
+    if (spinning) continue;
     if (pollers_.load() > 0 ||
         std::chrono::steady_clock::now() - LastPollEnd() < options_.handoff_grace) {
       // A waiter polls the worker, or one did a moment ago and comes back: the progress thread
@@ -168,6 +179,7 @@ void UcxWorkerImpl::Loop() {
       t_holder = nullptr;
       lock.unlock();
       SleepWhilePolled(next);
+      slept = true;
       continue;
     }
     disarmed_ = false;
@@ -180,6 +192,7 @@ void UcxWorkerImpl::Loop() {
         inflight_.empty() ? static_cast<int>(absl::ToInt64Milliseconds(next)) + 1 : 1;
     pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     (void)poll(fds, 2, timeout_ms);
+    slept = true;
   }
   t_holder = nullptr;
   // Whatever UCX did not give back in time: failed here, never left waiting.

@@ -69,6 +69,7 @@ struct Options {
   double seconds = 2;
   int64_t iterations = 20000;
   bool raw = true;
+  int progress_spin_us = 0;
 };
 
 // The payload integrity check's cost on this machine: AES-256-GMAC over a k3 T = 16 reply.
@@ -165,6 +166,8 @@ int Main(int argc, char** argv) {
   f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up round trips)");
   f.Int64("iterations", &o.iterations, "at most this many round trips per point");
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
+  f.Int("progress_spin_us", &o.progress_spin_us,
+        "both ends' UCX progress threads poll this long after activity (--ucx_progress_spin_us)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
@@ -187,7 +190,8 @@ int Main(int argc, char** argv) {
   for (absl::string_view plane_view : absl::StrSplit(o.planes, ',')) {
     const std::string plane(plane_view);
     const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
-    auto shard = testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "");
+    auto shard = testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
+                                           /*batch_messages=*/true, o.progress_spin_us);
     if (!shard.ok()) {
       std::fprintf(stderr, "echo shard: %s\n", shard.status().ToString().c_str());
       return 1;

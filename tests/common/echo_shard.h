@@ -11,6 +11,7 @@
 #ifndef MOE_TESTS_COMMON_ECHO_SHARD_H_
 #define MOE_TESTS_COMMON_ECHO_SHARD_H_
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
@@ -84,9 +85,11 @@ struct UcxNode {
 };
 inline absl::StatusOr<UcxNode> MakeUcxNode(const std::string& endpoint, const std::string& tls,
                                            const std::string& node,
-                                           attention_svc::DataPlaneLanesFn on_lanes = {}) {
+                                           attention_svc::DataPlaneLanesFn on_lanes = {},
+                                           std::chrono::microseconds progress_spin = {}) {
   dataplane::UcxOptions uo;
   uo.tls = tls;
+  uo.spin = progress_spin;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   UcxNode n;
@@ -106,16 +109,19 @@ class EchoShard {
  public:
   // ucx_tls empty: the gRPC in-band lane; else UCX with that UCX_TLS on both ends.
   // batch_messages false: the shard answers like one of the previous release (the header on the
-  // Dispatch stream, the payloads as tagged messages).
+  // Dispatch stream, the payloads as tagged messages). progress_spin_us: both ends' UCX progress
+  // threads (the server's through its --ucx_progress_spin_us).
   static absl::StatusOr<std::unique_ptr<EchoShard>> Start(const std::string& preset,
                                                           const std::string& ucx_tls,
-                                                          bool batch_messages = true) {
+                                                          bool batch_messages = true,
+                                                          int progress_spin_us = 0) {
     auto cfg = PresetConfig(preset);
     if (!cfg.ok()) return cfg.status();
     auto s = std::unique_ptr<EchoShard>(new EchoShard);
     const bool ucx = !ucx_tls.empty();
     expert_svc::ExpertServerOptions o = EchoServerOptions(preset, cfg->top_k, ucx_tls);
     o.ucx_batch_messages = batch_messages;
+    o.ucx_progress_spin_us = progress_spin_us;
     auto server = expert_svc::ExpertServer::Start(o);
     if (!server.ok()) return server.status();
     s->server_ = std::move(*server);
@@ -126,9 +132,12 @@ class EchoShard {
       return s;
     }
     EchoShard* self = s.get();
-    auto node = MakeUcxNode(s->endpoint_, ucx_tls, "echo",
-                            [self](const std::string&, const dataplane::UcxLanes& l,
-                                   const std::string&) { self->lanes_ = l.Describe(); });
+    auto node = MakeUcxNode(
+        s->endpoint_, ucx_tls, "echo",
+        [self](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
+          self->lanes_ = l.Describe();
+        },
+        std::chrono::microseconds(progress_spin_us));
     if (!node.ok()) return node.status();
     s->worker_ = std::move(node->worker);
     s->ucx_channel_ = node->channel.get();

@@ -26,6 +26,7 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Start(UcxDataPlaneOp
   uo.tls = dp->options_.tls;
   uo.bind_host = dp->options_.bind_host;
   uo.poll_spin = dp->options_.poll_spin;
+  uo.spin = dp->options_.progress_spin;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   dp->worker_ = std::move(*w);
