@@ -8,6 +8,32 @@
 #include "services/numerics/precision.h"
 #include "services/transport/security.h"
 
+namespace {
+
+// Where expert payloads travel (docs/data-plane.md).
+void AddDataPlaneFlags(moe::SvcFlags& flags, moe::attention_svc::AttentionServerOptions* o) {
+  flags.Typed(
+      "data_plane", &o->data_plane, moe::dataplane::DataPlaneName,
+      [](const std::string& name) {
+        return moe::dataplane::ParseDataPlane(name, moe::attention_svc::ClientBackendNames());
+      },
+      "auto|grpc|ucx|fake: expert payloads on UCX where the shard offers it (auto), never, or "
+      "always on the named backend (fake: shards in this process only; "
+      "attention-svc/dataplane/registry.h)");
+  flags.Int("micro_batches", &o->micro_batches,
+            "split each request into this many micro-batches, two in flight (1: off)");
+  flags.String("ucx_tls", &o->ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
+  flags.Int("ucx_poll_us", &o->ucx_poll_us,
+            "a thread waiting for a shard's UCX reply polls for it this long before it sleeps "
+            "(0: it sleeps at once; docs/data-plane.md)");
+  flags.Int("ucx_progress_spin_us", &o->ucx_progress_spin_us,
+            "the UCX progress thread keeps polling this long after its last activity before it "
+            "sleeps (0: at once; at most 10000): worth it where the data plane has a core to "
+            "itself (docs/data-plane.md)");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   moe::attention_svc::AttentionServerOptions o;
   moe::SvcFlags flags("attention-svc", "MoE layer entry point; routed experts remote.");
@@ -64,24 +90,7 @@ int main(int argc, char** argv) {
   flags.Double("hedge_share", &o.hedge_share,
                "send a message also to another replica when its own has not answered after this "
                "share of the time to the deadline (0: never)");
-  flags.Typed(
-      "data_plane", &o.data_plane, moe::dataplane::DataPlaneName,
-      [](const std::string& name) {
-        return moe::dataplane::ParseDataPlane(name, moe::attention_svc::ClientBackendNames());
-      },
-      "auto|grpc|ucx|fake: expert payloads on UCX where the shard offers it (auto), never, or "
-      "always on the named backend (fake: shards in this process only; "
-      "attention-svc/dataplane/registry.h)");
-  flags.Int("micro_batches", &o.micro_batches,
-            "split each request into this many micro-batches, two in flight (1: off)");
-  flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
-  flags.Int("ucx_poll_us", &o.ucx_poll_us,
-            "a thread waiting for a shard's UCX reply polls for it this long before it sleeps "
-            "(0: it sleeps at once; docs/data-plane.md)");
-  flags.Int("ucx_progress_spin_us", &o.ucx_progress_spin_us,
-            "the UCX progress thread keeps polling this long after its last activity before it "
-            "sleeps (0: at once; at most 10000): worth it where the data plane has a core to "
-            "itself (docs/data-plane.md)");
+  AddDataPlaneFlags(flags, &o);
   flags.Int64("canary_interval_ms", &o.canary_interval_ms,
               "readiness canary: a 4-token batch through the whole path this often, compared "
               "with its in-process reference; ready only while it matches (0: off)");
