@@ -333,8 +333,7 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   o.tls = options_.ucx_tls;
   o.bind_host = options_.host;
   o.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
-  o.progress_spin = std::chrono::microseconds(
-      std::clamp(options_.ucx_progress_spin_us, 0, dataplane::kMaxProgressSpinUs));
+  o.progress_spin = dataplane::ProgressSpin(options_.ucx_progress_spin_us);
   o.max_clients = options_.max_data_plane_clients;
   o.max_message_bytes = options_.max_message_bytes;
   o.on_event = [this](const std::string& event) { metrics_->DataPlaneEvent(event); };

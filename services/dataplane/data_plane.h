@@ -13,6 +13,8 @@
 #ifndef MOE_SERVICES_DATAPLANE_DATA_PLANE_H_
 #define MOE_SERVICES_DATAPLANE_DATA_PLANE_H_
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -27,6 +29,10 @@ namespace moe::dataplane {
 // The longest a backend's progress thread may be asked to keep polling after its last activity
 // (--ucx_progress_spin_us), microseconds: a spin is for the gaps inside a transfer.
 inline constexpr int kMaxProgressSpinUs = 10000;
+// --ucx_progress_spin_us as both services hand it to their backend: within [0, the maximum].
+inline std::chrono::microseconds ProgressSpin(int us) {
+  return std::chrono::microseconds(std::clamp(us, 0, kMaxProgressSpinUs));
+}
 
 struct DataPlane {
   static constexpr const char* kDefaultBackend = "ucx";

@@ -46,6 +46,10 @@ TEST(DataPlaneRegistry, BothSidesNameTheSameBackends) {
   EXPECT_EQ(dataplane::DataPlane{}.backend(), "ucx");  // auto: the default backend
   EXPECT_EQ(dataplane::DataPlane{"grpc"}.backend(), "");
   EXPECT_EQ(dataplane::DataPlane{"fake"}.backend(), "fake");
+  // --ucx_progress_spin_us reaches the backends within [0, 10 ms].
+  EXPECT_EQ(dataplane::ProgressSpin(-5).count(), 0);
+  EXPECT_EQ(dataplane::ProgressSpin(30).count(), 30);
+  EXPECT_EQ(dataplane::ProgressSpin(1 << 30).count(), 10000);
 }
 
 // An echo shard on the fake data plane, with its metrics.
