@@ -174,6 +174,12 @@ std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing*
   return scale;
 }
 
+void ExpertReply::Own(std::vector<Bf16> values) {
+  auto v = std::make_shared<const std::vector<Bf16>>(std::move(values));
+  bf16 = absl::MakeConstSpan(*v);
+  held = std::move(v);
+}
+
 ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t latent) {
   ExpertReply r;
   if (partial_sums) {
@@ -181,7 +187,7 @@ ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t laten
     r.f32.assign(static_cast<size_t>(r.rows * latent), 0.0f);
   } else {
     r.rows = m.rows();
-    r.bf16.assign(static_cast<size_t>(r.rows * latent), Bf16());
+    r.Own(std::vector<Bf16>(static_cast<size_t>(r.rows * latent)));
   }
   return r;
 }

@@ -18,11 +18,13 @@
 #define MOE_ATTENTION_SVC_DISPATCH_PLAN_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "services/common/enum_names.h"
 #include "services/numerics/precision_mode.h"
 #include "services/numerics/router.h"
@@ -110,11 +112,15 @@ std::vector<float> DegradeLost(const std::vector<bool>& lost, numerics::Routing*
                                int64_t* degraded_pairs, std::vector<int32_t>* missing);
 
 // A shard's answer to one message: per-pair, `bf16` [rows, latent]; partial sums, `f32`
-// [tokens.size(), latent].
+// [tokens.size(), latent]. The per-pair rows are read where `held` keeps them: a vector of the
+// reply's own (Own) or the data plane's buffer they arrived in, read there without a copy.
 struct ExpertReply {
   int64_t rows = 0;
-  std::vector<tensor::Bf16> bf16;
+  absl::Span<const tensor::Bf16> bf16;
+  std::shared_ptr<const void> held;
   std::vector<float> f32;
+  // bf16 over `values`, held by the reply.
+  void Own(std::vector<tensor::Bf16> values);
 };
 
 // The reply a lost message contributes under DEGRADE: zeros of the shape it would have had.

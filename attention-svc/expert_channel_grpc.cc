@@ -44,7 +44,7 @@ class GrpcCall final : public ExpertCall {
             absl::StrCat("shard ", stream_->shard(), " returned ", m.rows, " rows for ", rows_));
       }
       out.rows = m.rows;
-      out.bf16 = std::move(m.values);
+      out.Own(std::move(m.values));
       return out;
     }
     MOE_ASSIGN_OR_RETURN(out.f32,

@@ -62,7 +62,7 @@ absl::StatusOr<ExpertReply> LocalExpertChannel::Run(const DispatchHeader& header
   ExpertReply reply;
   if (header.mode == ReplyMode::kPerPair) {
     reply.rows = rows;
-    reply.bf16 = std::move(y);
+    reply.Own(std::move(y));
     return reply;
   }
   const std::vector<int64_t> tokens = numerics::PartialSums(

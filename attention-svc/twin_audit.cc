@@ -36,7 +36,7 @@ std::vector<int32_t> RowExperts(const DispatchMessage& m) {
 
 // Up to n rows of [rows, d] where a and b differ most (largest max |a - b|), ascending.
 template <typename T>
-std::vector<int64_t> MostDifferent(const std::vector<T>& a, const std::vector<T>& b, int64_t rows,
+std::vector<int64_t> MostDifferent(absl::Span<const T> a, absl::Span<const T> b, int64_t rows,
                                    int64_t d, int64_t n) {
   std::vector<std::pair<double, int64_t>> diff;
   for (int64_t r = 0; r < rows; ++r) {
@@ -143,9 +143,9 @@ absl::StatusOr<TwinAuditor::Disputed> TwinAuditor::Recompute(
   const std::vector<int32_t> experts = RowExperts(m);
   Disputed out;
   const int64_t n = std::max<int64_t>(1, options_.max_rows);
-  out.rows = partial ? MostDifferent(replies[0]->f32, replies[1]->f32,
-                                     static_cast<int64_t>(m.tokens.size()), d, n)
-                     : MostDifferent(replies[0]->bf16, replies[1]->bf16, m.rows(), d, n);
+  out.rows = partial ? MostDifferent<float>(replies[0]->f32, replies[1]->f32,
+                                            static_cast<int64_t>(m.tokens.size()), d, n)
+                     : MostDifferent<Bf16>(replies[0]->bf16, replies[1]->bf16, m.rows(), d, n);
   out.tolerance = HardBound(partial ? kPartialSumAuditTolerance
                             : w4a8  ? numerics::kExpertFfnW4A8Tolerance
                                     : numerics::kExpertFfnTolerance);

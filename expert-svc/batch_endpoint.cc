@@ -44,7 +44,21 @@ class MessageReply final : public BatchReply {
         shard_(std::move(shard)),
         deadline_(deadline) {}
 
+  uint8_t* OutputBuffer(size_t bytes) override {
+    if (static_cast<int64_t>(bytes) != reply_bytes_) return nullptr;  // Send says why
+    buffer_ = data_plane_->NewReplyBuffer(bytes);
+    return buffer_ != nullptr ? buffer_->payload() : nullptr;
+  }
+
   void Send(v1::DispatchReply reply) override {
+    if (reply.code() == 0 && buffer_ != nullptr && reply.outputs().data().empty()) {
+      // The outputs are in the data plane's buffer already (OutputBuffer).
+      reply.set_out_of_band(true);
+      reply.set_output_bytes(reply_bytes_);
+      Sent(reply, data_plane_->ReplyBatchFrom(from_, Header(reply), std::move(buffer_), deadline_));
+      return;
+    }
+    buffer_.reset();
     std::string payload;
     if (reply.code() == 0) {
       payload = std::move(*reply.mutable_outputs()->mutable_data());
@@ -61,25 +75,32 @@ class MessageReply final : public BatchReply {
         reply.set_output_bytes(static_cast<int64_t>(payload.size()));
       }
     }
+    Sent(reply, data_plane_->ReplyBatch(from_, Header(reply), payload, deadline_));
+  }
+  const char* transport() const override { return data_plane_->name(); }
+
+ private:
+  static std::string Header(v1::DispatchReply& reply) {
     std::string header = reply.SerializeAsString();
     if (header.size() > dataplane::kMaxReplyHeaderBytes) {  // a very long error message
       reply.set_message(reply.message().substr(0, 1024));
       header = reply.SerializeAsString();
     }
-    const absl::Status s = data_plane_->ReplyBatch(from_, header, payload, deadline_);
+    return header;
+  }
+  void Sent(const v1::DispatchReply& reply, const absl::Status& s) const {
     if (!s.ok()) {
       MOE_LOG_WARN("shard {}, batch {}: the reply could not be sent: {}", shard_, reply.batch_id(),
                    s.ToString());
     }
   }
-  const char* transport() const override { return data_plane_->name(); }
 
- private:
   ServerHalf* const data_plane_;
   const BatchSource from_;
   const int64_t reply_bytes_;
   const std::string shard_;
   const absl::Time deadline_;
+  std::unique_ptr<ReplyBuffer> buffer_;  // OutputBuffer's, until Send
 };
 
 class InBandEndpoint final : public BatchEndpoint {

@@ -3,6 +3,7 @@
 #ifndef MOE_EXPERT_SVC_BATCH_REPLY_H_
 #define MOE_EXPERT_SVC_BATCH_REPLY_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -20,6 +21,11 @@ class BatchReply {
   virtual void Send(v1::DispatchReply reply) = 0;
   // "grpc", "local" or the data plane's name ("ucx"): the transport label of the wire metrics.
   virtual const char* transport() const = 0;
+  // Where the answer's outputs of `bytes` may be written instead of into the reply's
+  // outputs.data: the memory the data plane sends from (one copy less), valid until Send. Null
+  // where there is none. An answer whose outputs were written there goes to Send with their
+  // shape and no data.
+  virtual uint8_t* OutputBuffer(size_t bytes) { return nullptr; }
   // Seconds the activations took to arrive after the header (out of band; 0 in band).
   double receive_seconds = 0;
 };

@@ -293,7 +293,7 @@ void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activati
   if (reply != nullptr) reply->Send(ErrorReply(req.batch_id(), options_.shard, batch.status()));
 }
 
-void ExpertCore::Compute(const Batch& b, v1::DispatchReply* reply) {
+void ExpertCore::Compute(const Batch& b, BatchReply& out, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;
   // y: [rows, D], row i from expert routing.expert_ids[i].
   ExpertBackend& backend = *backends_.at(b.layer->layer);
@@ -310,8 +310,12 @@ void ExpertCore::Compute(const Batch& b, v1::DispatchReply* reply) {
   if (verifier_ != nullptr) {
     verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y.data());
   }
+  // The outputs go straight to where the reply is sent from when the transport has such a
+  // place (a data plane's registered buffer), else into the reply.
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
-    transport::EncodeBf16Into(y, b.rows, d, reply->mutable_outputs());
+    const size_t n = y.size() * sizeof(Bf16);
+    transport::EncodeRawInto(y.data(), n, v1::DTYPE_BF16, b.rows, d, out.OutputBuffer(n),
+                             reply->mutable_outputs());
     return;
   }
   // Partial sums per distinct token (ascending), over the token's experts in ascending expert
@@ -319,7 +323,9 @@ void ExpertCore::Compute(const Batch& b, v1::DispatchReply* reply) {
   std::vector<float> acc;
   const std::vector<int64_t> distinct = numerics::PartialSums(
       y.data(), b.rows, d, b.token_index.data(), b.weights.data(), b.num_tokens, &acc);
-  *reply->mutable_outputs() = transport::EncodeF32(acc, static_cast<int64_t>(distinct.size()), d);
+  const size_t n = acc.size() * sizeof(float);
+  transport::EncodeRawInto(acc.data(), n, v1::DTYPE_F32, static_cast<int64_t>(distinct.size()), d,
+                           out.OutputBuffer(n), reply->mutable_outputs());
 }
 
 absl::Status ExpertCore::Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<BatchReply>& reply) {
@@ -386,7 +392,7 @@ void ExpertCore::ComputeLoop() {
                                 &reply);
     } else {
       metrics_->common.Started("Dispatch");
-      Compute(*b, &reply);
+      Compute(*b, *out, &reply);
       reply.set_compute_seconds(Seconds(Clock::now() - start));
       metrics_->common.Finished("Dispatch", reply.code() == 0);
     }
@@ -395,10 +401,12 @@ void ExpertCore::ComputeLoop() {
       metrics_->BatchDone(b->layer->layer, reply.queue_seconds(), reply.compute_seconds(), b->rows,
                           static_cast<double>(b->experts) * cfg_.ExpertBytes(),
                           6.0 * cfg_.latent * cfg_.intermediate * b->rows);
-      metrics_->wire.Add("sent", b->mode == v1::REPLY_MODE_PER_PAIR ? "bf16" : "f32", "attention",
-                         static_cast<int64_t>(reply.outputs().data().size()),
-                         reply.outputs().shape_size() > 0 ? reply.outputs().shape(0) : 0,
-                         out->transport());
+      // The outputs' bytes may be in the data plane's buffer: counted from their shape.
+      const v1::Tensor& y = reply.outputs();
+      const bool bf16 = b->mode == v1::REPLY_MODE_PER_PAIR;
+      const int64_t rows = y.shape_size() == 2 ? y.shape(0) : 0;
+      metrics_->wire.Add("sent", bf16 ? "bf16" : "f32", "attention",
+                         rows * cfg_.latent * (bf16 ? 2 : 4), rows, out->transport());
     } else {
       metrics_->common.Error("Dispatch",
                              absl::StatusCodeToString(static_cast<absl::StatusCode>(reply.code())));

@@ -89,7 +89,7 @@ class ExpertCore {
   absl::Status MakeBackends();
   void MeasureLimits();
   // Runs one batch and fills the reply (outputs, timings).
-  void Compute(const Batch& b, v1::DispatchReply* reply);
+  void Compute(const Batch& b, BatchReply& out, v1::DispatchReply* reply);
   // Queues a batch for the compute thread: RESOURCE_EXHAUSTED when the queue is full,
   // UNAVAILABLE when stopping.
   absl::Status Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<BatchReply>& reply);

@@ -87,22 +87,28 @@ ReplyShape ShapeOf(const DispatchHeader& header, const DispatchMessage& m) {
   return s;
 }
 
-ExpertReply ReplyRows(const void* payload, int64_t rows, int64_t latent, bool f32) {
+ExpertReply ReplyRows(const void* payload, int64_t rows, int64_t latent, bool f32,
+                      std::shared_ptr<const void> buffer) {
   ExpertReply out;
   out.rows = rows;
   const size_t n = static_cast<size_t>(rows * latent);
   if (f32) {
-    out.f32.resize(n);
+    out.f32.resize(n);  // a copy: DEGRADE may scale it in place
     std::memcpy(out.f32.data(), payload, n * 4);
+  } else if (buffer != nullptr) {
+    out.bf16 = absl::MakeConstSpan(static_cast<const tensor::Bf16*>(payload), n);
+    out.held = std::move(buffer);
   } else {
-    out.bf16.resize(n);
-    std::memcpy(out.bf16.data(), payload, n * 2);
+    std::vector<tensor::Bf16> v(n);
+    std::memcpy(v.data(), payload, n * 2);
+    out.Own(std::move(v));
   }
   return out;
 }
 
 absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& b,
-                                           const char* d, size_t n, uint32_t header_bytes) {
+                                           const char* d, size_t n, uint32_t header_bytes,
+                                           std::shared_ptr<const void> buffer) {
   v1::DispatchReply reply;
   if (header_bytes > n || !reply.ParseFromArray(d, static_cast<int>(header_bytes))) {
     return absl::InternalError(absl::StrCat(who, " sent a reply header that does not parse"));
@@ -122,7 +128,7 @@ absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplySh
         t.shape_size() > 0 ? t.shape(0) : -1, ", ", t.shape_size() > 1 ? t.shape(1) : -1,
         "] (expected ", want, " bytes, [", rows, ", ", b.latent, "])"));
   }
-  return ReplyRows(d + header_bytes, rows, b.latent, f32);
+  return ReplyRows(d + header_bytes, rows, b.latent, f32, std::move(buffer));
 }
 
 }  // namespace moe::attention_svc

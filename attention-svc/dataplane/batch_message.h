@@ -63,16 +63,20 @@ ReplyShape ShapeOf(const DispatchHeader& header, const DispatchMessage& m);
 
 // The answer in a reply message that authenticated (`message` holds n bytes: the reply's
 // protobuf header, header_bytes of it, then the rows): the shard's error, or the rows when the
-// header and the byte count match `shape`; INTERNAL naming `who` otherwise.
+// header and the byte count match `shape`; INTERNAL naming `who` otherwise. Per-pair rows are
+// read in place when `buffer` keeps the message alive (the reply holds it), else copied.
 absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& shape,
-                                           const char* message, size_t n, uint32_t header_bytes);
+                                           const char* message, size_t n, uint32_t header_bytes,
+                                           std::shared_ptr<const void> buffer = nullptr);
 
 // A call that failed before anything left (no data plane where one is required, no buffer, a
 // wire that refused): its Wait answers `status` at once.
 std::unique_ptr<ExpertCall> FailedExpertCall(absl::Status status);
 
-// The rows of a checked payload: [rows, latent] f32 (partial sums) or bf16.
-ExpertReply ReplyRows(const void* payload, int64_t rows, int64_t latent, bool f32);
+// The rows of a checked payload: [rows, latent] f32 (partial sums, copied) or bf16 (read in
+// place when `buffer` keeps the payload alive, else copied).
+ExpertReply ReplyRows(const void* payload, int64_t rows, int64_t latent, bool f32,
+                      std::shared_ptr<const void> buffer = nullptr);
 
 }  // namespace moe::attention_svc
 

@@ -58,6 +58,15 @@ struct ServerHalfOptions {
   std::function<void(const std::string& event)> on_event;
 };
 
+// A reply payload's place in a backend's own memory (UCX: registered), from
+// ServerHalf::NewReplyBuffer: the outputs are written at payload() and sent from there.
+class ReplyBuffer {
+ public:
+  virtual ~ReplyBuffer() = default;
+  virtual uint8_t* payload() = 0;
+  virtual size_t payload_bytes() const = 0;
+};
+
 class ServerHalf {
  public:
   virtual ~ServerHalf() = default;
@@ -79,6 +88,12 @@ class ServerHalf {
   // nothing.
   virtual absl::Status ReplyBatch(const BatchSource& to, std::string_view header,
                                   std::string_view payload, absl::Time deadline) = 0;
+  // Where a reply's payload of `bytes` can be written so that ReplyBatchFrom sends it without
+  // a copy; null where the backend has no such place (ReplyBatch copies the payload).
+  virtual std::unique_ptr<ReplyBuffer> NewReplyBuffer(size_t bytes) { return nullptr; }
+  // ReplyBatch of a payload already written into `filled` (this half's NewReplyBuffer).
+  virtual absl::Status ReplyBatchFrom(const BatchSource& to, std::string_view header,
+                                      std::unique_ptr<ReplyBuffer> filled, absl::Time deadline);
 
   // Polls the backend from the calling thread until `until` or `stop()`, and how long a thread
   // that waits anyway should (0: this backend delivers on its own threads; nobody polls).

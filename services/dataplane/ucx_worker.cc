@@ -448,10 +448,10 @@ std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t tag, std::shared_ptr<Uc
 }
 std::shared_ptr<UcxTransfer> UcxWorker::SendMessage(uint64_t ep, Message kind, std::string header,
                                                     std::shared_ptr<UcxBuffer> buffer, size_t bytes,
-                                                    absl::Time deadline, Done done) {
+                                                    absl::Time deadline, Done done, size_t offset) {
   return impl_->Start(
       kind == Message::kRequest ? UcxWorkerImpl::Kind::kRequest : UcxWorkerImpl::Kind::kReply, ep,
-      0, std::move(buffer), bytes, deadline, std::move(done), 0, std::move(header));
+      0, std::move(buffer), bytes, deadline, std::move(done), 0, std::move(header), offset);
 }
 void UcxWorker::OnMessage(MessageFn fn) { impl_->SetMessageHandler(std::move(fn)); }
 std::shared_ptr<UcxTransfer> UcxWorker::ExpectMessage(uint64_t token,

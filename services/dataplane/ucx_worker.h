@@ -157,6 +157,7 @@ class UcxTransfer {
   bool finished_ = false;     // Complete ran (abandoned transfers finish before UCX is done)
   std::string header_;        // a hello's or message's header (read by UCX until a send completes)
   std::shared_ptr<UcxBuffer> buffer_;
+  size_t offset_ = 0;  // of a message's bytes in buffer_
   std::function<void(const absl::Status&, size_t)> on_done_;
   absl::Time deadline_ = absl::InfiniteFuture();
   bool cancelled_for_deadline_ = false;
@@ -222,14 +223,16 @@ class UcxWorker {
   int64_t stray_messages_dropped() const;
 
   // Batch messages. SendMessage sends header (at most kMaxMessageHeader bytes) and
-  // buffer[0, bytes) as one active message: kRequest to OnMessage's handler at the peer, kReply
-  // to the peer's ExpectMessage of the token that opens the header. UCX picks eager or
-  // rendezvous by size; the transfer holds the buffer until UCX is done.
+  // buffer[offset, offset + bytes) as one active message: kRequest to OnMessage's handler at the
+  // peer, kReply to the peer's ExpectMessage of the token that opens the header. UCX picks eager
+  // or rendezvous by size; the transfer holds the buffer until UCX is done. (An offset lets a
+  // payload be written into the buffer before the bytes that precede it are known.)
   static constexpr size_t kMaxMessageHeader = 256;
   enum class Message { kRequest, kReply };
   std::shared_ptr<UcxTransfer> SendMessage(uint64_t ep, Message kind, std::string header,
                                            std::shared_ptr<UcxBuffer> buffer, size_t bytes,
-                                           absl::Time deadline, Done done = nullptr);
+                                           absl::Time deadline, Done done = nullptr,
+                                           size_t offset = 0);
   // Where a request's payload lands and what runs once it did (done: OK with its length, or the
   // failure). A sink without a buffer drops the message (counted in messages_dropped).
   struct MessageSink {

@@ -188,7 +188,7 @@ class UcxWorkerImpl {
   std::shared_ptr<UcxTransfer> Start(Kind kind, uint64_t ep, uint64_t tag,
                                      std::shared_ptr<UcxBuffer> buffer, size_t bytes,
                                      absl::Time deadline, UcxWorker::Done done, size_t chunk,
-                                     std::string hello = {});
+                                     std::string hello = {}, size_t offset = 0);
 
   int64_t in_flight() const { return in_flight_.load(); }
   int64_t registered() const { return pool_ != nullptr ? pool_->registered.load() : 0; }

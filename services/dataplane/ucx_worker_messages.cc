@@ -202,7 +202,7 @@ void UcxWorkerImpl::StartMessage(const std::shared_ptr<UcxTransfer>& t, uint16_t
   starting_ = true;
   starting_part_ = part;
   AdoptRequest(part, ucp_am_send_nbx(it->second->ep, id, t->header_.data(), t->header_.size(),
-                                     t->buffer_->data(), bytes, &p));
+                                     t->buffer_->data() + t->offset_, bytes, &p));
 }
 
 }  // namespace moe::dataplane

@@ -56,7 +56,7 @@ std::shared_ptr<UcxTransfer> UcxWorker::RecvAny(uint64_t, std::shared_ptr<UcxBuf
 }
 std::shared_ptr<UcxTransfer> UcxWorker::SendMessage(uint64_t, Message, std::string,
                                                     std::shared_ptr<UcxBuffer>, size_t, absl::Time,
-                                                    Done) {
+                                                    Done, size_t) {
   return std::make_shared<UcxTransfer>();
 }
 void UcxWorker::OnMessage(MessageFn) {}

@@ -16,9 +16,10 @@ namespace moe::dataplane {
 std::shared_ptr<UcxTransfer> UcxWorkerImpl::Start(Kind kind, uint64_t ep, uint64_t tag,
                                                   std::shared_ptr<UcxBuffer> buffer, size_t bytes,
                                                   absl::Time deadline, UcxWorker::Done done,
-                                                  size_t chunk, std::string hello) {
+                                                  size_t chunk, std::string hello, size_t offset) {
   auto t = std::make_shared<UcxTransfer>();
   t->buffer_ = std::move(buffer);
+  t->offset_ = offset;
   t->on_done_ = std::move(done);
   t->deadline_ = deadline;
   t->ep_ = ep;
@@ -38,10 +39,11 @@ std::shared_ptr<UcxTransfer> UcxWorkerImpl::Start(Kind kind, uint64_t ep, uint64
                 0);
     return t;
   }
-  if (kind != Kind::kHello && (t->buffer_ == nullptr || bytes > t->buffer_->capacity())) {
+  if (kind != Kind::kHello && (t->buffer_ == nullptr || offset > t->buffer_->capacity() ||
+                               bytes > t->buffer_->capacity() - offset)) {
     t->finished_ = true;
-    t->Complete(absl::InvalidArgumentError(
-                    absl::StrCat(t->what_, ": ", bytes, " bytes do not fit the buffer")),
+    t->Complete(absl::InvalidArgumentError(absl::StrCat(t->what_, ": ", bytes, " bytes at ", offset,
+                                                        " do not fit the buffer")),
                 0);
     return t;
   }

@@ -54,6 +54,17 @@ void EncodeBf16Into(absl::Span<const Bf16> values, int64_t rows, int64_t cols, v
                               values.size() * sizeof(Bf16));
 }
 
+void EncodeRawInto(const void* bytes, size_t n, v1::DType dtype, int64_t rows, int64_t cols,
+                   uint8_t* to, v1::Tensor* out) {
+  SetShape(out, dtype, rows, cols);
+  if (to == nullptr) {
+    out->mutable_data()->assign(static_cast<const char*>(bytes), n);
+  } else {
+    out->clear_data();
+    if (n > 0) std::memcpy(to, bytes, n);
+  }
+}
+
 v1::Tensor EncodeBf16(absl::Span<const Bf16> values, int64_t rows, int64_t cols) {
   v1::Tensor t;
   EncodeBf16Into(values, rows, cols, &t);

@@ -8,6 +8,7 @@
 #ifndef MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
 #define MOE_SERVICES_TRANSPORT_TENSOR_CODEC_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -26,6 +27,11 @@ v1::Tensor EncodeF32(absl::Span<const float> values, int64_t rows, int64_t cols)
 // Moves the bytes into the message without another copy where the message allows it.
 void EncodeBf16Into(absl::Span<const tensor::Bf16> values, int64_t rows, int64_t cols,
                     v1::Tensor* out);
+// Writes `bytes` (a [rows, cols] tensor of dtype) to `to` when it is not null, leaving the
+// message's data empty (the bytes travel beside the message, in a data plane's buffer), else
+// into the message; the dtype and shape into the message either way.
+void EncodeRawInto(const void* bytes, size_t n, v1::DType dtype, int64_t rows, int64_t cols,
+                   uint8_t* to, v1::Tensor* out);
 
 struct Bf16Matrix {
   int64_t rows = 0;

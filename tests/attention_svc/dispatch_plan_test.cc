@@ -163,9 +163,9 @@ TEST(Gather, RefusesARepliesOfTheWrongShape) {
   ASSERT_TRUE(plan.ok());
   std::vector<ExpertReply> replies(2);
   replies[0].rows = 2;
-  replies[0].bf16.resize(2 * d);
+  replies[0].Own(std::vector<Bf16>(2 * d));
   replies[1].rows = 3;  // 4 expected
-  replies[1].bf16.resize(3 * d);
+  replies[1].Own(std::vector<Bf16>(3 * d));
   auto r = Gather(*plan, HandRouting(), route, replies);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
   EXPECT_NE(r.status().message().find("shard shard-1 returned 3 rows for 4"),

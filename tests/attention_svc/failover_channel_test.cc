@@ -52,7 +52,7 @@ class ScriptedChannel final : public ExpertChannel {
       }
       ExpertReply r;
       r.rows = 1;
-      r.bf16.resize(1);
+      r.Own(std::vector<tensor::Bf16>(1));
       return r;
     }
     const char* transport() const override { return "fake"; }
@@ -165,7 +165,7 @@ class DelayedChannel final : public ExpertChannel {
       }
       ExpertReply r;
       r.rows = 1;
-      r.bf16.assign(1, tensor::Bf16::FromFloat(shard_ == "a" ? 1.0f : 2.0f));
+      r.Own({tensor::Bf16::FromFloat(shard_ == "a" ? 1.0f : 2.0f)});
       return r;
     }
     const char* transport() const override { return "fake"; }

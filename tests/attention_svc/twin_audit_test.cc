@@ -60,7 +60,7 @@ class TwinAuditTest : public ::testing::Test {
   ExpertReply PerPair(std::vector<Bf16> y) const {
     ExpertReply r;
     r.rows = 3;
-    r.bf16 = std::move(y);
+    r.Own(std::move(y));
     return r;
   }
   ExpertReply Partial(const std::vector<Bf16>& y) const {

@@ -246,13 +246,25 @@ TEST_P(UcxTransports, StrangeBatchMessagesAreDroppedOrFailTheirOwnTransferOnly) 
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   EXPECT_EQ(b->messages_dropped(), 3);  // unknown token, no handler, late
-  // The worker still delivers an honest reply.
-  auto ok_buf = b->Buffer(4096);
-  auto ok = b->ExpectMessage(9, *ok_buf, deadline);
-  (void)a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(9), payload, 4000, deadline);
-  auto n = b->Await(*ok, deadline, std::chrono::microseconds(100));
-  ASSERT_TRUE(n.ok()) << n.status();
-  EXPECT_EQ(std::memcmp((*ok_buf)->data(), payload->data(), 4000), 0);
+  // Bytes at an offset past the buffer's end, or running past it: refused before UCX sees them.
+  const size_t cap = payload->capacity();
+  for (auto [offset, bytes] : {std::pair<size_t, size_t>{cap + 1, 0}, {cap - 10, 11}, {1, cap}}) {
+    auto outside = a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(11), payload, bytes,
+                                  deadline, nullptr, offset);
+    EXPECT_EQ(outside->Wait(deadline).status().code(), absl::StatusCode::kInvalidArgument)
+        << offset << " + " << bytes;
+  }
+  // The worker still delivers an honest reply, from the start of a buffer and from an offset.
+  for (size_t offset : {size_t{0}, size_t{12345}}) {
+    auto ok_buf = b->Buffer(4096);
+    auto ok = b->ExpectMessage(9 + offset, *ok_buf, deadline);
+    (void)a->SendMessage(*ep, UcxWorker::Message::kReply, TokenHeader(9 + offset), payload, 4000,
+                         deadline, nullptr, offset);
+    auto n = b->Await(*ok, deadline, std::chrono::microseconds(100));
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(*n, 4000u);
+    EXPECT_EQ(std::memcmp((*ok_buf)->data(), payload->data() + offset, 4000), 0) << offset;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxTransports,

@@ -137,6 +137,53 @@ TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
   }
 }
 
+// Per-pair rows are read in the registered buffer they arrived in (ExpertReply::held keeps it),
+// and a shard writes them into the buffer its reply leaves from: a reply's rows stay what the
+// shard sent after its call is gone and 20 later batches of other values went through the same
+// pools on both sides, and each of those is right too.
+TEST(EchoDataPlane, RowsReadInPlaceStayTheRepliesAcrossLaterBatches) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  const int64_t d = cfg.latent;
+  auto wrong_rows = [&](const attention_svc::ExpertReply& r, const testing::EchoBatch& b) {
+    size_t wrong = 0;
+    const auto& z = b.message.z.bf16();
+    for (size_t i = 0; i < b.message.row_source.size(); ++i) {
+      wrong += std::memcmp(&r.bf16[i * d], &z[b.message.row_source[i] * d], d * 2) != 0;
+    }
+    return wrong;
+  };
+  for (const char* tls : {"posix", "tcp"}) {
+    SCOPED_TRACE(tls);
+    auto shard = testing::EchoShard::Start("mid", tls);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    const testing::EchoBatch first = testing::MakeEchoBatch(cfg, 64);
+    testing::EchoBatch later = testing::MakeEchoBatch(cfg, 64);
+    std::vector<tensor::Bf16> other(static_cast<size_t>(64 * d));
+    for (size_t i = 0; i < other.size(); ++i) {
+      other[i] = tensor::Bf16::FromFloat(-1.0f - (i % 991) / 991.0f);
+    }
+    later.message.z = tensor::Activations::FromBf16(std::move(other), 64, d);
+    absl::StatusOr<attention_svc::ExpertReply> kept = absl::UnknownError("not sent");
+    {
+      auto call = (*shard)->channel().Send(first.header, first.message);
+      kept = call->Wait(absl::Now() + absl::Seconds(30));
+      EXPECT_STREQ(call->transport(), "ucx");
+    }
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    ASSERT_EQ(kept->bf16.size() * 2, first.reply_bytes);
+    for (int i = 0; i < 20; ++i) {
+      auto call = (*shard)->channel().Send(later.header, later.message);
+      auto r = call->Wait(absl::Now() + absl::Seconds(30));
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_EQ(r->bf16.size() * 2, later.reply_bytes);
+      EXPECT_EQ(wrong_rows(*r, later), 0u) << "batch " << i;
+    }
+    EXPECT_EQ(wrong_rows(*kept, first), 0u);
+    EXPECT_EQ((*shard)->worker()->messages_dropped(), 0);
+  }
+}
+
 // Attention nodes come and go (a worker dies, a node reconnects under its name) while others keep
 // sending: every batch of every live node is answered. UCX may hand a new peer the endpoint of
 // one that died; the shard once closed that endpoint when the dead peer's node reconnected, and

@@ -115,7 +115,7 @@ class UcxCall final : public ExpertCall {
           "expert shard ", shard,
           ": the reply payload failed its integrity check (AES-GMAC of the connection)"));
     }
-    return ReplyRows(reply_buffer_->data(), rows, latent_, f32);
+    return ReplyRows(reply_buffer_->data(), rows, latent_, f32, reply_buffer_);
   }
 
  private:
@@ -187,8 +187,9 @@ class MessageCall final : public ExpertCall {
       if (on_integrity_failed_) on_integrity_failed_();
       return absl::DataLossError(absl::StrCat(who_, ": ", frame.status().message()));
     }
+    // The rows stay in the registered buffer they landed in; the reply holds it.
     return ReadBatchReply(who_, b_.shape, reinterpret_cast<const char*>(reply_buffer_->data()), *n,
-                          frame->header_bytes);
+                          frame->header_bytes, reply_buffer_);
   }
 
  private:

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "services/common/logging.h"
+#include "services/common/status_macros.h"
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
 
@@ -205,30 +206,48 @@ dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame
   return sink;
 }
 
-absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view header,
-                                      std::string_view payload, absl::Time deadline, Sent sent) {
-  if (header.size() > dataplane::kMaxReplyHeaderBytes) {
-    return absl::InternalError(absl::StrCat("a reply header of ", header.size(), " bytes"));
-  }
-  absl::StatusOr<DataPlaneClient> c = clients_.Get(to.client_id);
-  if (!c.ok()) return absl::UnavailableError(c.status().message());
-  const size_t total = header.size() + payload.size();
-  auto buffer = worker_->Buffer(std::max<size_t>(total, 1));
+absl::StatusOr<std::shared_ptr<dataplane::UcxBuffer>> UcxDataPlane::ReplyBuffer(size_t bytes) {
+  auto buffer = worker_->Buffer(kReplyPayloadOffset + bytes);
   if (!buffer.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("no reply buffer: ", buffer.status().message()));
   }
-  uint8_t* d = (*buffer)->data();
+  return buffer;
+}
+
+absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view header,
+                                      std::string_view payload, absl::Time deadline, Sent sent) {
+  MOE_ASSIGN_OR_RETURN(std::shared_ptr<dataplane::UcxBuffer> buffer, ReplyBuffer(payload.size()));
+  if (!payload.empty()) {
+    std::memcpy(buffer->data() + kReplyPayloadOffset, payload.data(), payload.size());
+  }
+  return ReplyBatchFrom(to, header, std::move(buffer), payload.size(), deadline, std::move(sent));
+}
+
+absl::Status UcxDataPlane::ReplyBatchFrom(const BatchSource& to, std::string_view header,
+                                          std::shared_ptr<dataplane::UcxBuffer> buffer,
+                                          size_t bytes, absl::Time deadline, Sent sent) {
+  if (header.size() > dataplane::kMaxReplyHeaderBytes) {
+    return absl::InternalError(absl::StrCat("a reply header of ", header.size(), " bytes"));
+  }
+  if (buffer == nullptr || buffer->capacity() < kReplyPayloadOffset + bytes) {
+    return absl::InternalError(absl::StrCat("a reply of ", bytes, " bytes outside its buffer"));
+  }
+  absl::StatusOr<DataPlaneClient> c = clients_.Get(to.client_id);
+  if (!c.ok()) return absl::UnavailableError(c.status().message());
+  // The header goes right before the payload: one message from there.
+  const size_t offset = kReplyPayloadOffset - header.size();
+  const size_t total = header.size() + bytes;
+  uint8_t* d = buffer->data() + offset;
   if (!header.empty()) std::memcpy(d, header.data(), header.size());
-  if (!payload.empty()) std::memcpy(d + header.size(), payload.data(), payload.size());
   const dataplane::BatchFrame f{to.token,    dataplane::BatchKind::kReply,         to.client_id,
                                 to.sequence, static_cast<uint32_t>(header.size()), {}};
   // A reply that does not go out is counted and logged (its batch then fails at the caller's
   // deadline).
   worker_->SendMessage(
       c->endpoint, dataplane::UcxWorker::Message::kReply,
-      dataplane::SealBatchFrame(*c->mac, dataplane::Direction::kToAttention, f, d, total), *buffer,
-      total, deadline,
+      dataplane::SealBatchFrame(*c->mac, dataplane::Direction::kToAttention, f, d, total),
+      std::move(buffer), total, deadline,
       [this, sent = std::move(sent), peer = absl::StrCat("client ", c->id, " (", c->node, ")")](
           const absl::Status& s, size_t) {
         if (!s.ok()) {
@@ -237,7 +256,8 @@ absl::Status UcxDataPlane::ReplyBatch(const BatchSource& to, std::string_view he
                                 " did not go out: ", s.ToString()));
         }
         if (sent) sent(s);
-      });
+      },
+      offset);
   return absl::OkStatus();
 }
 

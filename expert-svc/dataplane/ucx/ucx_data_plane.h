@@ -65,6 +65,14 @@ class UcxDataPlane {
   // once UCX is done (any thread). An error (unknown client, no buffer) runs nothing.
   absl::Status ReplyBatch(const BatchSource& to, std::string_view header, std::string_view payload,
                           absl::Time deadline, Sent sent);
+  // A registered buffer for a reply's payload of `bytes`, written at
+  // data() + kReplyPayloadOffset (the header goes in the room before it), then sent by
+  // ReplyBatchFrom without a copy. RESOURCE_EXHAUSTED when the pool has none.
+  static constexpr size_t kReplyPayloadOffset = dataplane::kMaxReplyHeaderBytes;
+  absl::StatusOr<std::shared_ptr<dataplane::UcxBuffer>> ReplyBuffer(size_t bytes);
+  absl::Status ReplyBatchFrom(const BatchSource& to, std::string_view header,
+                              std::shared_ptr<dataplane::UcxBuffer> buffer, size_t bytes,
+                              absl::Time deadline, Sent sent);
 
   // Polls the worker from the calling thread (UcxWorker::PollUntil), and how long a thread that
   // waits anyway should keep doing so (UcxOptions::poll_spin).

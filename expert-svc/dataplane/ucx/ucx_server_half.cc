@@ -111,6 +111,18 @@ class UcxEndpoint final : public BatchEndpoint {
   UcxDataPlane* const ucx_;
 };
 
+// A reply's registered buffer, its payload after the header's room.
+class UcxReplyBuffer final : public ReplyBuffer {
+ public:
+  UcxReplyBuffer(std::shared_ptr<dataplane::UcxBuffer> buffer, size_t bytes)
+      : buffer(std::move(buffer)), bytes(bytes) {}
+  uint8_t* payload() override { return buffer->data() + UcxDataPlane::kReplyPayloadOffset; }
+  size_t payload_bytes() const override { return bytes; }
+
+  std::shared_ptr<dataplane::UcxBuffer> buffer;
+  const size_t bytes;
+};
+
 class UcxServerHalf final : public ServerHalf {
  public:
   UcxServerHalf(std::unique_ptr<UcxDataPlane> ucx, bool batch_messages)
@@ -140,6 +152,18 @@ class UcxServerHalf final : public ServerHalf {
   absl::Status ReplyBatch(const BatchSource& to, std::string_view header, std::string_view payload,
                           absl::Time deadline) override {
     return ucx_->ReplyBatch(to, header, payload, deadline, nullptr);
+  }
+  std::unique_ptr<ReplyBuffer> NewReplyBuffer(size_t bytes) override {
+    absl::StatusOr<std::shared_ptr<dataplane::UcxBuffer>> b = ucx_->ReplyBuffer(bytes);
+    if (!b.ok()) return nullptr;  // ReplyBatch then finds none either and says so
+    return std::make_unique<UcxReplyBuffer>(std::move(*b), bytes);
+  }
+  absl::Status ReplyBatchFrom(const BatchSource& to, std::string_view header,
+                              std::unique_ptr<ReplyBuffer> filled, absl::Time deadline) override {
+    auto* mine = dynamic_cast<UcxReplyBuffer*>(filled.get());
+    if (mine == nullptr) return ServerHalf::ReplyBatchFrom(to, header, nullptr, deadline);
+    return ucx_->ReplyBatchFrom(to, header, std::move(mine->buffer), mine->bytes, deadline,
+                                nullptr);
   }
 
   void PollUntil(std::chrono::steady_clock::time_point until,
