@@ -133,6 +133,13 @@ absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view b, BatchKind kind,
   return f;
 }
 
+bool UsesSharedMemoryFifo(const UcxLanes& lanes) {
+  for (const std::string& t : lanes.transports) {
+    if (t == "posix" || t == "sysv" || t == "xpmem") return true;
+  }
+  return false;
+}
+
 const char* TransportClass(std::string_view t) {
   static constexpr const char* kShm[] = {"posix", "sysv", "cma", "xpmem", "knem", "self"};
   for (const char* s : kShm) {

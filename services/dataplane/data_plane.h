@@ -110,6 +110,9 @@ absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_vie
 // query for them). kind: "shm" when every lane is a shared-memory transport (posix, sysv, cma,
 // xpmem, knem, self), "tcp" when every lane is tcp, "rdma" when every lane is verbs (rc, ud, dc,
 // their mlx5 variants), "mixed" otherwise, "none" for text without lanes.
+// UCX 1.13's own shared-memory FIFO shape (UcxWorker::shared_memory_fifo): a peer that does not
+// say what it uses (an expert server before it did) uses this.
+inline constexpr char kUcxDefaultFifo[] = "64x8256";
 struct UcxLanes {
   std::vector<std::string> transports;  // distinct, in lane order: {"posix"}, {"posix", "tcp"}
   std::string kind = "none";
@@ -117,6 +120,8 @@ struct UcxLanes {
   std::string Describe() const;
 };
 UcxLanes ParseUcxLanes(std::string_view print_info);
+// Whether the lanes include a transport that writes into the peer's FIFO (posix, sysv, xpmem).
+bool UsesSharedMemoryFifo(const UcxLanes& lanes);
 // The lanes of any backend's connection (the fake's: {"fake"}, kind "fake").
 using Lanes = UcxLanes;
 // The class of one UCX transport name: "shm", "tcp", "rdma" or "other".

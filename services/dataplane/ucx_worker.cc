@@ -13,12 +13,15 @@
 #include <future>
 #include <map>
 #include <set>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/net_interface.h"
 #include "services/dataplane/ucx_buffer_pool.h"
@@ -43,6 +46,86 @@ absl::Status CheckUcxVersion() {
                    " is not the version this project tested (1.13): how it treats "
                    "hostile active messages is unchecked (docs/security.md)"));
 }
+
+namespace {
+
+// UCX's shared-memory FIFO (the posix and sysv lanes), sized here where the environment does not
+// say: UCX's own 64 elements of 8 KiB move a 2 MiB reply in 256 fragments and stop the sender
+// every 64 until the receiver drains them, each stop a sleeping wake-up on both sides (31-39
+// context switches per T = 256 round trip of dispatch_bench); 128 elements of 32 KiB keep 4 MiB
+// in flight (11-17 switches, p99 3.1-5.0 ms against 8.1-9.3: docs/data-plane.md).
+// The MM_ names reach the shared-memory transports only (posix, sysv, xpmem: their common table);
+// each is left alone where the user set it for any of them (UCX_POSIX_FIFO_SIZE...).
+struct UcxSetting {
+  const char* name;  // as ucp_config_modify takes it
+  const char* value;
+  std::vector<const char*> user_env;  // any of them set: the user's choice stands
+};
+const UcxSetting kSharedMemoryFifo[] = {
+    {"MM_FIFO_SIZE", "128", {"UCX_POSIX_FIFO_SIZE", "UCX_SYSV_FIFO_SIZE", "UCX_XPMEM_FIFO_SIZE"}},
+    {"MM_SEG_SIZE", "32832", {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_XPMEM_SEG_SIZE"}},
+};
+// UCX 1.13 keeps a fragment's length in 16 bits (uct_mm_fifo_element's `length`): with a larger
+// segment, fragments are lost without an error and the message never arrives.
+constexpr uint64_t kMaxSharedMemorySegment = 65535;
+
+bool EnvSet(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0';
+}
+
+// Whether UCX_TLS (as UcxWorker reports it: "default" for UCX's choice) may select a
+// shared-memory transport; elsewhere the MM_ names would only be warned about.
+bool MaySelectSharedMemory(const std::string& tls) {
+  if (tls == "default" || tls.empty() || tls[0] == '^') return true;  // UCX's choice, exclusions
+  for (const char* t : {"posix", "sysv", "xpmem", "sm", "shm", "mm", "all"}) {
+    for (absl::string_view item : absl::StrSplit(tls, ',')) {
+      if (absl::StripAsciiWhitespace(item) == t) return true;
+    }
+  }
+  return false;
+}
+
+// The posix FIFO's shape a worker with UCX_TLS `tls` asks for (UcxWorker::shared_memory_fifo).
+std::string SharedMemoryFifoShape(const std::string& tls) {
+  auto value = [&](const char* env, const char* ours, const char* ucx) -> std::string {
+    if (EnvSet(env)) return std::getenv(env);
+    return MaySelectSharedMemory(tls) ? ours : ucx;
+  };
+  return absl::StrCat(value("UCX_POSIX_FIFO_SIZE", kSharedMemoryFifo[0].value, "64"), "x",
+                      value("UCX_POSIX_SEG_SIZE", kSharedMemoryFifo[1].value, "8256"));
+}
+
+absl::Status SizeSharedMemoryFifo(ucp_config_t* config, const std::string& tls) {
+  for (const char* seg : {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE"}) {
+    if (!EnvSet(seg)) continue;
+    const char* env = std::getenv(seg);
+    char* end = nullptr;
+    const uint64_t v = std::strtoull(env, &end, 10);
+    // UCX also takes suffixes (32k, 1m): counted as their value.
+    const uint64_t scale = (*end == 'k' || *end == 'K')   ? uint64_t{1} << 10
+                           : (*end == 'm' || *end == 'M') ? uint64_t{1} << 20
+                                                          : 1;
+    if (v > kMaxSharedMemorySegment / scale) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          seg, "=", env, ": UCX 1.13 loses shared-memory fragments over ", kMaxSharedMemorySegment,
+          " bytes without an error (their length is 16 bits); use at most that"));
+    }
+  }
+  for (const UcxSetting& s : kSharedMemoryFifo) {
+    if (!MaySelectSharedMemory(tls)) break;
+    bool user = false;
+    for (const char* e : s.user_env) user = user || EnvSet(e);
+    if (user) continue;
+    if (ucs_status_t st = ucp_config_modify(config, s.name, s.value); st != UCS_OK) {
+      return absl::InternalError(
+          absl::StrCat("UCX ", s.name, "=", s.value, ": ", ucs_status_string(st)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<size_t> UcxTransfer::Wait(absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
@@ -108,6 +191,10 @@ absl::Status UcxWorkerImpl::Init(const UcxOptions& o, std::string* address, std:
     *tls = env;
   } else {
     *tls = "default";
+  }
+  if (absl::Status s = SizeSharedMemoryFifo(config, *tls); !s.ok()) {
+    ucp_config_release(config);
+    return s;
   }
   if (!o.bind_host.empty() && !NamesVerbs(*tls)) {
     absl::StatusOr<std::string> iface = InterfaceOf(o.bind_host);
@@ -400,6 +487,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   if (absl::Status s = impl->Init(options, &address, &tls); !s.ok()) return s;
   auto w = std::unique_ptr<UcxWorker>(new UcxWorker(std::move(impl)));
   w->address_ = std::move(address);
+  w->shm_fifo_ = SharedMemoryFifoShape(tls);
   w->tls_ = std::move(tls);
   w->chunk_bytes_ = w->impl_->chunk_bytes();
   w->poll_spin_ = options.poll_spin;

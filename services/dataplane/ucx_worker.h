@@ -90,8 +90,9 @@ struct UcxOptions {
   // The progress thread polls this long after its last activity before it sleeps (0: it sleeps
   // at once; worth it only where the data plane has a core to itself). A rendezvous over shared
   // memory moves in FIFO-sized fragments, and without a spin each one that finds the thread
-  // asleep wakes it (36-56 context switches per 2.3 MB round trip, 11-25 with 30 us; on 2 vCPUs
-  // shared with the callers it cost latency and goodput as often: docs/data-plane.md).
+  // asleep wakes it (with UCX's own FIFO 36-56 context switches per 2.3 MB round trip, 11-25
+  // with 30 us; on 2 vCPUs shared with the callers it cost latency and goodput as often; the
+  // FIFO every worker now asks for leaves 10-17: docs/data-plane.md).
   std::chrono::microseconds spin{0};
   // A thread waiting for a batch's reply polls the worker itself this long before it sleeps
   // (Await; the services' callers): a reply that comes within it costs no wake-up. Measured on
@@ -181,6 +182,12 @@ class UcxWorker {
   // The transports UCX was asked for ("posix,self", or "default").
   const std::string& tls() const { return tls_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
+  // The shape of UCX's posix shared-memory FIFO in this worker, "<elements>x<segment bytes>":
+  // what it asked UCX for ("128x32832") or the user's UCX_POSIX_FIFO_SIZE / UCX_POSIX_SEG_SIZE.
+  // Two ends of a shared-memory lane must agree: UCX 1.13 writes into a peer's FIFO with its own
+  // element count and segment size (with different ones, messages stop at the first wrap of the
+  // FIFO, or overrun the peer's segments), and nothing in UCX checks it.
+  const std::string& shared_memory_fifo() const { return shm_fifo_; }
   std::chrono::microseconds poll_spin() const { return poll_spin_; }
 
   // An endpoint to a peer worker whose address came from a trusted source (UCX may abort on a
@@ -307,7 +314,7 @@ class UcxWorker {
  private:
   explicit UcxWorker(std::unique_ptr<UcxWorkerImpl> impl);
   std::unique_ptr<UcxWorkerImpl> impl_;
-  std::string address_, tls_;
+  std::string address_, tls_, shm_fifo_;
   size_t chunk_bytes_ = 0;
   std::chrono::microseconds poll_spin_{0};
 };

@@ -10,6 +10,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -34,7 +35,16 @@ TEST_P(StrayActiveMessages, EveryIdWithAndWithoutReplyIsDroppedAndCounted) {
   o.name = "victim";
   auto victim = UcxWorker::Create(o);
   ASSERT_TRUE(victim.ok()) << victim.status();
+  // A peer on shared memory reaches the victim only with the victim's FIFO shape (UCX writes into
+  // a peer's FIFO with its own): a hostile one that wants its bytes read uses it too.
+  const std::string fifo = (*victim)->shared_memory_fifo();
+  const size_t x = fifo.find('x');
+  ASSERT_NE(x, std::string::npos) << fifo;
+  setenv("UCX_POSIX_FIFO_SIZE", fifo.substr(0, x).c_str(), 1);
+  setenv("UCX_POSIX_SEG_SIZE", fifo.substr(x + 1).c_str(), 1);
   moe::testing::RawUcpPeer peer(GetParam());
+  unsetenv("UCX_POSIX_FIFO_SIZE");
+  unsetenv("UCX_POSIX_SEG_SIZE");
   ASSERT_TRUE(peer.Connect((*victim)->address()));
 
   constexpr int kIds = 65536;

@@ -6,14 +6,17 @@
 // nobody polls for is still answered.
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <atomic>
 #include <chrono>
 #include <deque>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "services/dataplane/ucx_worker.h"
 #include "tests/dataplane/ucx_test_util.h"
@@ -228,6 +231,69 @@ TEST_P(UcxPolling, ProgressSpinKeepsTheProgressThreadsAwakeBetweenFragments) {
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxPolling, ::testing::Values("posix", "tcp"),
                          [](const auto& info) { return info.param; });
+
+// The sizes of this process's mappings of UCX's posix shared memory (its FIFOs and receive
+// descriptors), read from the kernel.
+std::multiset<size_t> PosixShmMappings() {
+  std::multiset<size_t> sizes;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("ucx_shm_posix") == std::string::npos) continue;
+    const size_t dash = line.find('-'), space = line.find(' ');
+    sizes.insert(std::stoull(line.substr(dash + 1, space - dash - 1), nullptr, 16) -
+                 std::stoull(line.substr(0, dash), nullptr, 16));
+  }
+  return sizes;
+}
+
+// The posix mappings a new worker adds (smallest first: its FIFO, then its descriptors).
+std::vector<size_t> NewWorkerMappings(absl::Status* status) {
+  const std::multiset<size_t> before = PosixShmMappings();
+  UcxOptions o;
+  o.tls = "posix";
+  auto w = UcxWorker::Create(o);
+  *status = w.status();
+  std::multiset<size_t> added = PosixShmMappings();
+  for (size_t b : before) {
+    if (auto it = added.find(b); it != added.end()) added.erase(it);
+  }
+  return std::vector<size_t>(added.begin(), added.end());
+}
+
+// A worker sizes UCX's shared-memory FIFO for large batches (128 elements of 32 KiB + 64, where
+// UCX's own is 64 of 8 KiB + 64: docs/data-plane.md), as UCX really mapped it; a user's
+// UCX_POSIX_* settings stand; a segment UCX 1.13 would lose fragments of is refused.
+TEST(UcxSharedMemoryFifo, SizedForLargeBatchesUnlessTheUserSetsIt) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  absl::Status s;
+  const std::vector<size_t> ours = NewWorkerMappings(&s);
+  ASSERT_TRUE(s.ok()) << s;
+  setenv("UCX_POSIX_FIFO_SIZE", "64", 1);
+  setenv("UCX_POSIX_SEG_SIZE", "8256", 1);
+  const std::vector<size_t> users = NewWorkerMappings(&s);
+  ASSERT_TRUE(s.ok()) << s;
+  for (const char* v : {"65600", "64k", "1m"}) {
+    setenv("UCX_POSIX_SEG_SIZE", v, 1);
+    const std::vector<size_t> none = NewWorkerMappings(&s);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << v << ": " << s;
+    EXPECT_NE(s.message().find("16 bits"), std::string::npos) << s;
+    EXPECT_TRUE(none.empty()) << v;
+  }
+  unsetenv("UCX_POSIX_FIFO_SIZE");
+  unsetenv("UCX_POSIX_SEG_SIZE");
+  std::string seen;
+  for (size_t b : ours) seen += std::to_string(b) + " ";
+  seen += "| user's: ";
+  for (size_t b : users) seen += std::to_string(b) + " ";
+  std::printf("[fifo] posix mappings of a new worker: %s\n", seen.c_str());
+  ASSERT_GE(ours.size(), 2u) << seen;
+  ASSERT_GE(users.size(), 2u) << seen;
+  // The FIFO: 128-byte elements, 64 more of them.
+  EXPECT_EQ(ours.front() - users.front(), 64u * 128u) << seen;
+  // The receive descriptors: segments four times as large, as many per chunk.
+  EXPECT_GE(ours.back(), 3 * users.back()) << seen;
+  EXPECT_GE(ours.back(), 128u * 32832u) << seen;
+}
 
 }  // namespace
 }  // namespace moe::dataplane

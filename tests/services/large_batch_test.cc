@@ -9,6 +9,7 @@
 // faults, 13 MiB faulted in, per round trip on the gRPC lane; with tcmalloc 0-260;
 // services/common/allocator.h).
 #include <gtest/gtest.h>
+#include <stdlib.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -181,6 +182,63 @@ TEST(EchoDataPlane, RowsReadInPlaceStayTheRepliesAcrossLaterBatches) {
     }
     EXPECT_EQ(wrong_rows(*kept, first), 0u);
     EXPECT_EQ((*shard)->worker()->messages_dropped(), 0);
+  }
+}
+
+// Two ends of a shared-memory lane must use one FIFO shape (UCX writes into the peer's FIFO with
+// its own and checks nothing: with UCX's own 64 x 8 KiB against this project's 128 x 32 KiB a
+// raw peer's messages stopped after the first 64). A node whose shape differs from the shard's
+// (said in OpenDataPlane) does not use the lane: its batch fails (UNAVAILABLE, as every data plane
+// that does not open) naming both shapes and the variables to set, or goes in band where the node
+// may fall back; the shard keeps serving a node that matches, bit for bit.
+TEST(EchoDataPlane, ANodeWithAnotherSharedMemoryFifoDoesNotUseTheLane) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  auto shard = testing::EchoShard::Start("mid", "posix");
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  setenv("UCX_POSIX_FIFO_SIZE", "64", 1);
+  setenv("UCX_POSIX_SEG_SIZE", "8256", 1);
+  auto other = testing::MakeUcxNode((*shard)->endpoint(), "posix", "other-node");
+  unsetenv("UCX_POSIX_FIFO_SIZE");
+  unsetenv("UCX_POSIX_SEG_SIZE");
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->worker->shared_memory_fifo(), "64x8256");
+  EXPECT_NE((*shard)->worker()->shared_memory_fifo(), "64x8256");
+  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 100);
+  for (int i = 0; i < 2; ++i) {  // the second is refused from what the first found
+    auto refused = other->channel->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+    EXPECT_NE(refused.status().message().find("shared-memory FIFO is " +
+                                              (*shard)->worker()->shared_memory_fifo() +
+                                              ", this node's 64x8256"),
+              std::string::npos)
+        << refused.status();
+    EXPECT_NE(refused.status().message().find("UCX_POSIX_FIFO_SIZE"), std::string::npos);
+  }
+  attention_svc::ChannelOptions co;
+  co.shard = "echo-0";
+  co.endpoint = (*shard)->endpoint();
+  co.max_message_bytes = 1 << 30;
+  co.node = "other-node-in-band";
+  co.fallback_in_band = true;
+  attention_svc::UcxExpertChannel falls_back(std::move(co), other->worker.get());
+  // The node with the shard's shape: 70 batches (past any FIFO's wrap); the other one, in band.
+  for (int i = 0; i < 70; ++i) {
+    const bool in_band = i % 7 == 3;
+    auto call =
+        (in_band ? static_cast<attention_svc::ExpertChannel&>(falls_back) : (*shard)->channel())
+            .Send(b.header, b.message);
+    auto r = call->Wait(absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_STREQ(call->transport(), in_band ? "grpc" : "ucx");
+    const auto& z = b.message.z.bf16();
+    size_t wrong = 0;
+    for (size_t row = 0; row < b.message.row_source.size(); ++row) {
+      wrong += std::memcmp(&r->bf16[row * cfg.latent], &z[b.message.row_source[row] * cfg.latent],
+                           cfg.latent * 2) != 0;
+    }
+    ASSERT_EQ(wrong, 0u) << "batch " << i;
   }
 }
 

@@ -31,6 +31,23 @@ constexpr absl::Duration kRetryWithoutUcx = absl::Seconds(10);
 // lands in our buffer (then dropped) instead of staying unexpected in the worker.
 constexpr absl::Duration kLateReplyGrace = absl::Seconds(5);
 
+// Over shared memory each end writes into the other's FIFO with its own shape, and UCX checks
+// nothing: with different ones the lane would stop after its first wrap or overrun the shard's
+// segments. FAILED_PRECONDITION naming both shapes when the lanes are such and the shard's
+// (OpenDataPlane's shm_fifo; empty from earlier servers: UCX's own) is not ours.
+absl::Status SameFifoShape(const std::string& who, const std::string& shard_fifo,
+                           const std::string& ours,
+                           const absl::StatusOr<dataplane::UcxLanes>& lanes) {
+  const std::string theirs = shard_fifo.empty() ? dataplane::kUcxDefaultFifo : shard_fifo;
+  if (!lanes.ok() || !dataplane::UsesSharedMemoryFifo(*lanes) || theirs == ours) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      who, ": its UCX shared-memory FIFO is ", theirs, ", this node's ", ours,
+      " (elements x segment bytes): UCX would lose messages on the lane (", lanes->Describe(),
+      "); set UCX_POSIX_FIFO_SIZE and UCX_POSIX_SEG_SIZE alike on both, or neither"));
+}
+
 class UcxCall final : public ExpertCall {
  public:
   UcxCall(std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -322,6 +339,15 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
         absl::StrCat(who, ": the UCX hello was not acknowledged: ", acked.status().message()));
   }
   absl::StatusOr<dataplane::UcxLanes> lanes = worker_->Lanes(*ep);
+  // A shard with another shared-memory FIFO is not used over UCX (in band where allowed).
+  if (absl::Status same =
+          SameFifoShape(who, reply.shm_fifo(), worker_->shared_memory_fifo(), lanes);
+      !same.ok()) {
+    worker_->Disconnect(*ep);
+    retry_after_ = absl::Now() + kRetryWithoutUcx;
+    without_ucx_ = std::string(same.message());
+    return same;
+  }
   {
     std::lock_guard<std::mutex> l(lanes_mu_);
     lanes_ = lanes.ok() ? *lanes : dataplane::UcxLanes{};
