@@ -86,16 +86,6 @@ bool MaySelectSharedMemory(const std::string& tls) {
   return false;
 }
 
-// The posix FIFO's shape a worker with UCX_TLS `tls` asks for (UcxWorker::shared_memory_fifo).
-std::string SharedMemoryFifoShape(const std::string& tls) {
-  auto value = [&](const char* env, const char* ours, const char* ucx) -> std::string {
-    if (EnvSet(env)) return std::getenv(env);
-    return MaySelectSharedMemory(tls) ? ours : ucx;
-  };
-  return absl::StrCat(value("UCX_POSIX_FIFO_SIZE", kSharedMemoryFifo[0].value, "64"), "x",
-                      value("UCX_POSIX_SEG_SIZE", kSharedMemoryFifo[1].value, "8256"));
-}
-
 absl::Status SizeSharedMemoryFifo(ucp_config_t* config, const std::string& tls) {
   for (const char* seg : {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE"}) {
     if (!EnvSet(seg)) continue;
@@ -126,6 +116,15 @@ absl::Status SizeSharedMemoryFifo(ucp_config_t* config, const std::string& tls) 
 }
 
 }  // namespace
+
+std::string SharedMemoryFifoShape(const std::string& tls) {
+  auto value = [&](const char* env, const char* ours, const char* ucx) -> std::string {
+    if (EnvSet(env)) return std::getenv(env);
+    return MaySelectSharedMemory(tls) ? ours : ucx;
+  };
+  return absl::StrCat(value("UCX_POSIX_FIFO_SIZE", kSharedMemoryFifo[0].value, "64"), "x",
+                      value("UCX_POSIX_SEG_SIZE", kSharedMemoryFifo[1].value, "8256"));
+}
 
 absl::StatusOr<size_t> UcxTransfer::Wait(absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);

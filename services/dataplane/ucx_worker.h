@@ -69,6 +69,9 @@ bool UcxBuilt();
 // OK without UCX): the services log both at start.
 std::string UcxVersion();
 absl::Status CheckUcxVersion();
+// The posix shared-memory FIFO shape a worker with UCX_TLS `tls` ("" or "default": UCX's choice)
+// asks for, as UcxWorker::shared_memory_fifo says it ("128x32832"; empty without UCX).
+std::string SharedMemoryFifoShape(const std::string& tls);
 
 struct UcxOptions {
   std::string name = "moe";

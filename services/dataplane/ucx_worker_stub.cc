@@ -6,6 +6,7 @@ namespace moe::dataplane {
 bool UcxBuilt() { return false; }
 std::string UcxVersion() { return ""; }
 absl::Status CheckUcxVersion() { return absl::OkStatus(); }
+std::string SharedMemoryFifoShape(const std::string&) { return ""; }
 
 class UcxWorkerImpl {};
 class UcxBufferPool {};

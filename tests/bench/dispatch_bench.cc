@@ -178,9 +178,11 @@ int Main(int argc, char** argv) {
   for (absl::string_view t : absl::StrSplit(o.tokens_list, ','))
     ts.push_back(std::stoll(std::string(t)));
   std::printf(
-      "preset %s: D %lld, k %lld; memcpy %.1f GB/s; payload MAC (AES-256-GMAC) %.1f GB/s\n\n",
+      "preset %s: D %lld, k %lld; memcpy %.1f GB/s; payload MAC (AES-256-GMAC) %.1f GB/s; the "
+      "services' UCX shared-memory FIFO %s (ucx_perftest's: the environment's or UCX's own)\n\n",
       o.preset.c_str(), static_cast<long long>(cfg->latent), static_cast<long long>(cfg->top_k),
-      bench::MemcpyBandwidth() / 1e9, GmacGbps());
+      bench::MemcpyBandwidth() / 1e9, GmacGbps(),
+      dataplane::SharedMemoryFifoShape("posix").c_str());
   std::printf(
       "| data plane | lanes | T | z bytes | y bytes | round trips | p50 us | p99 us | raw UCX "
       "RTT us | worker RTT us | gRPC header RTT us | added p50 us | service GB/s | raw tag_bw "

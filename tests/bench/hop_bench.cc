@@ -243,9 +243,12 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
     return 2;
   }
-  std::printf("preset %s: D %lld, k %lld; memcpy %.1f GB/s; %u CPUs\n", o.preset.c_str(),
-              static_cast<long long>(cfg->latent), static_cast<long long>(cfg->top_k),
-              bench::MemcpyBandwidth() / 1e9, std::thread::hardware_concurrency());
+  std::printf(
+      "preset %s: D %lld, k %lld; memcpy %.1f GB/s; %u CPUs; the services' UCX shared-memory FIFO "
+      "%s\n",
+      o.preset.c_str(), static_cast<long long>(cfg->latent), static_cast<long long>(cfg->top_k),
+      bench::MemcpyBandwidth() / 1e9, std::thread::hardware_concurrency(),
+      dataplane::SharedMemoryFifoShape("posix").c_str());
   int port = 13500;
   for (absl::string_view pv : absl::StrSplit(o.planes, ',')) {
     if (absl::Status st = Lane(*cfg, o, std::string(pv), &port); !st.ok()) {

@@ -16,7 +16,8 @@ class UcxClientHalf final : public ClientHalf {
 
   const char* name() const override { return "ucx"; }
   std::string Describe() const override {
-    return absl::StrCat("UCX ", dataplane::UcxVersion(), ", UCX_TLS ", worker_->tls());
+    return absl::StrCat("UCX ", dataplane::UcxVersion(), ", UCX_TLS ", worker_->tls(),
+                        ", shared-memory FIFO ", worker_->shared_memory_fifo());
   }
   std::shared_ptr<ExpertChannel> MakeChannel(ChannelOptions options) override {
     return std::make_shared<UcxExpertChannel>(std::move(options), worker_.get());

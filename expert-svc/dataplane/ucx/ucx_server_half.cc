@@ -130,7 +130,8 @@ class UcxServerHalf final : public ServerHalf {
 
   const char* name() const override { return "ucx"; }
   std::string Describe() const override {
-    return absl::StrCat("UCX ", dataplane::UcxVersion(), ", UCX_TLS ", ucx_->tls());
+    return absl::StrCat("UCX ", dataplane::UcxVersion(), ", UCX_TLS ", ucx_->tls(),
+                        ", shared-memory FIFO ", ucx_->worker().shared_memory_fifo());
   }
   std::string tls() const override { return ucx_->tls(); }
   const std::string& address() const override { return ucx_->address(); }
