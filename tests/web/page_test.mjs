@@ -100,11 +100,13 @@ try {
   page.on('pageerror', (e) => consoleErrors.push(String(e)));
   await page.goto(url);
 
-  const read = async () => ({
-    vio: parseFloat(await page.getAttribute('#maxvio', 'data-value')),
-    window: parseInt((await page.textContent('#window-tokens')).replace(/[^0-9]/g, ''), 10),
-    version: (await page.textContent('#bias-version')).trim(),
-  });
+  // The three in one turn of the page's script: read one by one, a render between them paired a
+  // full window with the MaxVio of the page before its first render (NaN, seen once in CI).
+  const read = async () => page.evaluate(() => ({
+    vio: parseFloat(document.getElementById('maxvio').dataset.value),
+    window: parseInt(document.getElementById('window-tokens').textContent.replace(/[^0-9]/g, ''), 10),
+    version: document.getElementById('bias-version').textContent.trim(),
+  }));
 
   const before = await waitFor('a full window before Rebalance', async () => {
     const s = await read();
