@@ -64,7 +64,6 @@ class ReplyBuffer {
  public:
   virtual ~ReplyBuffer() = default;
   virtual uint8_t* payload() = 0;
-  virtual size_t payload_bytes() const = 0;
 };
 
 class ServerHalf {

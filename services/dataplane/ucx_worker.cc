@@ -13,7 +13,6 @@
 #include <future>
 #include <map>
 #include <set>
-#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -59,19 +58,26 @@ namespace {
 struct UcxSetting {
   const char* name;  // as ucp_config_modify takes it
   const char* value;
-  std::vector<const char*> user_env;  // any of them set: the user's choice stands
+  const char* ucx_default;            // UCX 1.13's own (kUcxDefaultFifo)
+  std::vector<const char*> user_env;  // posix's first; any of them set: the user's choice stands
 };
 const UcxSetting kSharedMemoryFifo[] = {
-    {"MM_FIFO_SIZE", "128", {"UCX_POSIX_FIFO_SIZE", "UCX_SYSV_FIFO_SIZE", "UCX_XPMEM_FIFO_SIZE"}},
-    {"MM_SEG_SIZE", "32832", {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_XPMEM_SEG_SIZE"}},
+    {"MM_FIFO_SIZE",
+     "128",
+     "64",
+     {"UCX_POSIX_FIFO_SIZE", "UCX_SYSV_FIFO_SIZE", "UCX_XPMEM_FIFO_SIZE"}},
+    {"MM_SEG_SIZE",
+     "32832",
+     "8256",
+     {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE", "UCX_XPMEM_SEG_SIZE"}},
 };
 // UCX 1.13 keeps a fragment's length in 16 bits (uct_mm_fifo_element's `length`): with a larger
 // segment, fragments are lost without an error and the message never arrives.
 constexpr uint64_t kMaxSharedMemorySegment = 65535;
 
-bool EnvSet(const char* name) {
+const char* Env(const char* name) {
   const char* env = std::getenv(name);
-  return env != nullptr && *env != '\0';
+  return env != nullptr && *env != '\0' ? env : nullptr;
 }
 
 // Whether UCX_TLS (as UcxWorker reports it: "default" for UCX's choice) may select a
@@ -86,10 +92,27 @@ bool MaySelectSharedMemory(const std::string& tls) {
   return false;
 }
 
+// What posix's FIFO gets for setting `s` under UCX_TLS `tls`, and whether it is ours to ask UCX
+// for: the user's UCX_POSIX_* value; UCX's own where the user set only another transport's or
+// shared memory cannot be picked; else ours. Both the sizing and the shape a worker reports
+// come from here, so the shape is what UCX was asked for.
+struct Resolved {
+  std::string value;
+  bool ours = false;
+};
+Resolved Resolve(const UcxSetting& s, const std::string& tls) {
+  if (const char* posix = Env(s.user_env[0])) return {posix, false};
+  for (const char* e : s.user_env) {
+    if (Env(e) != nullptr) return {s.ucx_default, false};
+  }
+  if (!MaySelectSharedMemory(tls)) return {s.ucx_default, false};
+  return {s.value, true};
+}
+
 absl::Status SizeSharedMemoryFifo(ucp_config_t* config, const std::string& tls) {
   for (const char* seg : {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE"}) {
-    if (!EnvSet(seg)) continue;
-    const char* env = std::getenv(seg);
+    const char* env = Env(seg);
+    if (env == nullptr) continue;
     char* end = nullptr;
     const uint64_t v = std::strtoull(env, &end, 10);
     // UCX also takes suffixes (32k, 1m): counted as their value.
@@ -103,10 +126,7 @@ absl::Status SizeSharedMemoryFifo(ucp_config_t* config, const std::string& tls) 
     }
   }
   for (const UcxSetting& s : kSharedMemoryFifo) {
-    if (!MaySelectSharedMemory(tls)) break;
-    bool user = false;
-    for (const char* e : s.user_env) user = user || EnvSet(e);
-    if (user) continue;
+    if (!Resolve(s, tls).ours) continue;
     if (ucs_status_t st = ucp_config_modify(config, s.name, s.value); st != UCS_OK) {
       return absl::InternalError(
           absl::StrCat("UCX ", s.name, "=", s.value, ": ", ucs_status_string(st)));
@@ -118,12 +138,8 @@ absl::Status SizeSharedMemoryFifo(ucp_config_t* config, const std::string& tls) 
 }  // namespace
 
 std::string SharedMemoryFifoShape(const std::string& tls) {
-  auto value = [&](const char* env, const char* ours, const char* ucx) -> std::string {
-    if (EnvSet(env)) return std::getenv(env);
-    return MaySelectSharedMemory(tls) ? ours : ucx;
-  };
-  return absl::StrCat(value("UCX_POSIX_FIFO_SIZE", kSharedMemoryFifo[0].value, "64"), "x",
-                      value("UCX_POSIX_SEG_SIZE", kSharedMemoryFifo[1].value, "8256"));
+  return absl::StrCat(Resolve(kSharedMemoryFifo[0], tls).value, "x",
+                      Resolve(kSharedMemoryFifo[1], tls).value);
 }
 
 absl::StatusOr<size_t> UcxTransfer::Wait(absl::Time deadline) {

@@ -48,12 +48,6 @@ absl::Status CheckRank2(const v1::Tensor& t, const std::string& what) {
 
 }  // namespace
 
-void EncodeBf16Into(absl::Span<const Bf16> values, int64_t rows, int64_t cols, v1::Tensor* out) {
-  SetShape(out, v1::DTYPE_BF16, rows, cols);
-  out->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
-                              values.size() * sizeof(Bf16));
-}
-
 void EncodeRawInto(const void* bytes, size_t n, v1::DType dtype, int64_t rows, int64_t cols,
                    uint8_t* to, v1::Tensor* out) {
   SetShape(out, dtype, rows, cols);
@@ -63,6 +57,11 @@ void EncodeRawInto(const void* bytes, size_t n, v1::DType dtype, int64_t rows, i
     out->clear_data();
     if (n > 0) std::memcpy(to, bytes, n);
   }
+}
+
+void EncodeBf16Into(absl::Span<const Bf16> values, int64_t rows, int64_t cols, v1::Tensor* out) {
+  EncodeRawInto(values.data(), values.size() * sizeof(Bf16), v1::DTYPE_BF16, rows, cols, nullptr,
+                out);
 }
 
 v1::Tensor EncodeBf16(absl::Span<const Bf16> values, int64_t rows, int64_t cols) {

@@ -247,12 +247,14 @@ std::multiset<size_t> PosixShmMappings() {
 }
 
 // The posix mappings a new worker adds (smallest first: its FIFO, then its descriptors).
-std::vector<size_t> NewWorkerMappings(absl::Status* status) {
+// *shape: the shape the worker says it has (shared_memory_fifo), "" when it was not made.
+std::vector<size_t> NewWorkerMappings(absl::Status* status, std::string* shape = nullptr) {
   const std::multiset<size_t> before = PosixShmMappings();
   UcxOptions o;
   o.tls = "posix";
   auto w = UcxWorker::Create(o);
   *status = w.status();
+  if (shape != nullptr) *shape = w.ok() ? (*w)->shared_memory_fifo() : "";
   std::multiset<size_t> added = PosixShmMappings();
   for (size_t b : before) {
     if (auto it = added.find(b); it != added.end()) added.erase(it);
@@ -261,17 +263,28 @@ std::vector<size_t> NewWorkerMappings(absl::Status* status) {
 }
 
 // A worker sizes UCX's shared-memory FIFO for large batches (128 elements of 32 KiB + 64, where
-// UCX's own is 64 of 8 KiB + 64: docs/data-plane.md), as UCX really mapped it; a user's
+// UCX's own is 64 of 8 KiB + 64: docs/data-plane.md), as UCX really mapped it, and says the
+// shape it got (what OpenDataPlane hands the attention node to compare with its own); a user's
 // UCX_POSIX_* settings stand; a segment UCX 1.13 would lose fragments of is refused.
 TEST(UcxSharedMemoryFifo, SizedForLargeBatchesUnlessTheUserSetsIt) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
   absl::Status s;
-  const std::vector<size_t> ours = NewWorkerMappings(&s);
+  std::string ours_shape, users_shape, sysv_shape;
+  const std::vector<size_t> ours = NewWorkerMappings(&s, &ours_shape);
   ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(ours_shape, "128x32832");
+  // A user's setting for another shared-memory transport only: UCX's own FIFO for posix too
+  // (this project's names reach all of them), and the worker says so.
+  setenv("UCX_SYSV_FIFO_SIZE", "64", 1);
+  const std::vector<size_t> sysv_only = NewWorkerMappings(&s, &sysv_shape);
+  unsetenv("UCX_SYSV_FIFO_SIZE");
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(sysv_shape, "64x32832");
   setenv("UCX_POSIX_FIFO_SIZE", "64", 1);
   setenv("UCX_POSIX_SEG_SIZE", "8256", 1);
-  const std::vector<size_t> users = NewWorkerMappings(&s);
+  const std::vector<size_t> users = NewWorkerMappings(&s, &users_shape);
   ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(users_shape, "64x8256");
   for (const char* v : {"65600", "64k", "1m"}) {
     setenv("UCX_POSIX_SEG_SIZE", v, 1);
     const std::vector<size_t> none = NewWorkerMappings(&s);
@@ -288,6 +301,8 @@ TEST(UcxSharedMemoryFifo, SizedForLargeBatchesUnlessTheUserSetsIt) {
   std::printf("[fifo] posix mappings of a new worker: %s\n", seen.c_str());
   ASSERT_GE(ours.size(), 2u) << seen;
   ASSERT_GE(users.size(), 2u) << seen;
+  ASSERT_GE(sysv_only.size(), 2u) << seen;
+  EXPECT_EQ(sysv_only.front(), users.front()) << seen;  // 64 elements, as the shape says
   // The FIFO: 128-byte elements, 64 more of them.
   EXPECT_EQ(ours.front() - users.front(), 64u * 128u) << seen;
   // The receive descriptors: segments four times as large, as many per chunk.

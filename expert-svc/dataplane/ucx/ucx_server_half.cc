@@ -117,7 +117,6 @@ class UcxReplyBuffer final : public ReplyBuffer {
   UcxReplyBuffer(std::shared_ptr<dataplane::UcxBuffer> buffer, size_t bytes)
       : buffer(std::move(buffer)), bytes(bytes) {}
   uint8_t* payload() override { return buffer->data() + UcxDataPlane::kReplyPayloadOffset; }
-  size_t payload_bytes() const override { return bytes; }
 
   std::shared_ptr<dataplane::UcxBuffer> buffer;
   const size_t bytes;
