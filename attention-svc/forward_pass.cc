@@ -21,15 +21,12 @@ using Clock = std::chrono::steady_clock;
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64_t first_token) {
-  for (size_t i = 0; i < z.size(); ++i) {
-    if ((z[i].bits & 0x7f80) == 0x7f80) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the hidden states of token ", first_token + static_cast<int64_t>(i) / latent,
-          " are too large: their latent projection overflows bf16 (column ",
-          static_cast<int64_t>(i) % latent, "); scale the input down"));
-    }
-  }
-  return absl::OkStatus();
+  const size_t i = tensor::FirstNonFinite(z.data(), z.size());
+  if (i == z.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the hidden states of token ", first_token + static_cast<int64_t>(i) / latent,
+      " are too large: their latent projection overflows bf16 (column ",
+      static_cast<int64_t>(i) % latent, "); scale the input down"));
 }
 
 }  // namespace

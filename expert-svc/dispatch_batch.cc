@@ -171,19 +171,14 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   // NaN policy: non-finite activations are rejected (they would poison every partial sum;
   // MXFP8's NaN codes and scales are refused by its decoder).
   const int64_t d = limits.latent;
-  // bf16 is finite unless all 8 exponent bits are set: one test per value, no conversion.
-  uint16_t any_bad = 0;
-  for (const Bf16& v : z.values) any_bad |= static_cast<uint16_t>((v.bits & 0x7f80u) == 0x7f80u);
-  for (int64_t r = 0; any_bad != 0 && r < z.rows; ++r) {
-    for (int64_t c = 0; c < d; ++c) {
-      if (!std::isfinite(z.values[r * d + c].ToFloat())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": activations row ", r,
-            req.row_source_size() == 0 ? absl::StrCat(" (expert ", b->routing.expert_ids[r], ")")
-                                       : std::string(),
-            " column ", c, " is not finite"));
-      }
-    }
+  const size_t bad = tensor::FirstNonFinite(z.values.data(), z.values.size());
+  if (bad < z.values.size()) {
+    const int64_t r = static_cast<int64_t>(bad) / d, c = static_cast<int64_t>(bad) % d;
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": activations row ", r,
+        req.row_source_size() == 0 ? absl::StrCat(" (expert ", b->routing.expert_ids[r], ")")
+                                   : std::string(),
+        " column ", c, " is not finite"));
   }
   // row_source: the activations row of each batch row (none: row r is row r).
   const bool gathered = req.row_source_size() != 0;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "services/tensor/dtype.h"
@@ -53,6 +54,33 @@ TEST(Bf16, RoundTripOfEveryBf16IsExact) {
     const float f = Bf16BitsToFloat(static_cast<uint16_t>(b));
     if (std::isnan(f)) continue;
     ASSERT_EQ(Bits(f), b);
+  }
+}
+
+// Against std::isfinite of every bf16 bit pattern, alone and at each position of arrays of
+// finite neighbours (the largest finite values included, whose exponent bits are 0xfe), so every
+// lane of a word and every tail length is tried.
+TEST(Bf16, FirstNonFiniteFindsEveryInfinityAndNaN) {
+  const uint16_t finite_fill[] = {0x7f7f, 0xff7f, 0x0000, 0x8000, 0x3f80, 0x0001, 0x7f00};
+  for (uint32_t b = 0; b <= 0xffff; ++b) {
+    const Bf16 v = Bf16::FromBits(static_cast<uint16_t>(b));
+    const bool finite = std::isfinite(v.ToFloat());
+    ASSERT_EQ(FirstNonFinite(&v, 1), finite ? 1u : 0u) << std::hex << b;
+  }
+  for (size_t n = 0; n <= 13; ++n) {
+    std::vector<Bf16> row(n);
+    for (size_t i = 0; i < n; ++i) row[i] = Bf16::FromBits(finite_fill[i % 7]);
+    EXPECT_EQ(FirstNonFinite(row.data(), n), n) << n;
+    for (uint16_t bad : {0x7f80, 0xff80, 0x7fc0, 0xffff, 0x7f81}) {
+      for (size_t at = 0; at < n; ++at) {
+        std::vector<Bf16> r = row;
+        r[at] = Bf16::FromBits(bad);
+        EXPECT_EQ(FirstNonFinite(r.data(), n), at) << n << " " << at << " " << std::hex << bad;
+        if (at + 2 >= n) continue;
+        r[at + 2] = Bf16::FromBits(0x7f80);  // only the first is reported
+        EXPECT_EQ(FirstNonFinite(r.data(), n), at) << n << " " << at << " " << std::hex << bad;
+      }
+    }
   }
 }
 
