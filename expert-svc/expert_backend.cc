@@ -1,5 +1,7 @@
 #include "expert-svc/expert_backend.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/numerics/cpu/cpu_isa.h"
@@ -14,6 +16,19 @@ namespace moe::expert_svc {
 
 namespace {
 
+// y holds [routing.tokens * routing.top_k, D] values, z [routing.tokens, D] (echo: y = z).
+absl::Status CheckOutputSize(const numerics::Routing& routing, const tensor::Activations& z,
+                             absl::Span<const tensor::Bf16> y) {
+  const int64_t want = routing.tokens * routing.top_k * z.cols();
+  if (static_cast<int64_t>(y.size()) != want || z.rows() != routing.tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert backend: ", routing.tokens, " tokens x ", routing.top_k, " experts of ",
+        z.cols(), " values need ", want, " outputs, given ", y.size(), " (activations: ",
+        z.rows(), " rows)"));
+  }
+  return absl::OkStatus();
+}
+
 class CpuBackend final : public ExpertBackend {
  public:
   CpuBackend(const ModelConfig& cfg, const numerics::MoeLayerWeights& w,
@@ -21,13 +36,16 @@ class CpuBackend final : public ExpertBackend {
              numerics::W4A8H w4a8_h)
       : cfg_(cfg), w_(w), k_(k), pool_(pool), w4a8_h_(w4a8_h) {}
   std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::KernelsName(k_)); }
-  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
-                                                const tensor::Activations& z) override {
+  absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
+                   absl::Span<tensor::Bf16> y) override {
+    MOE_RETURN_IF_ERROR(CheckOutputSize(routing, z, y));
     switch (z.format()) {
       case tensor::ActivationFormat::kMxfp8:
-        return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8(), w4a8_h_);
+        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8(), y.data(), w4a8_h_);
+        return absl::OkStatus();
       case tensor::ActivationFormat::kBf16:
-        return numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data());
+        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data(), y.data());
+        return absl::OkStatus();
     }
     return absl::InternalError("unknown activation format");
   }
@@ -49,13 +67,21 @@ class CudaBackend final : public ExpertBackend {
       : experts_(std::move(experts)), name_(numerics::cuda::CudaDeviceName()) {}
   std::string name() const override { return name_; }
   // The CUDA kernels read bf16 activations only (W4A8 on the GPU is not built).
-  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
-                                                const tensor::Activations& z) override {
+  absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
+                   absl::Span<tensor::Bf16> y) override {
     if (z.format() != tensor::ActivationFormat::kBf16) {
       return absl::UnimplementedError(
           absl::StrCat("backend ", name_, " computes w4a16 only; w4a8 needs the cpu backend"));
     }
-    return experts_->Run(routing, z.bf16().data());
+    MOE_RETURN_IF_ERROR(CheckOutputSize(routing, z, y));
+    MOE_ASSIGN_OR_RETURN(std::vector<tensor::Bf16> computed,
+                         experts_->Run(routing, z.bf16().data()));
+    if (computed.size() != y.size()) {
+      return absl::InternalError(absl::StrCat("backend ", name_, " answered ", computed.size(),
+                                              " values for ", y.size()));
+    }
+    std::memcpy(y.data(), computed.data(), y.size() * sizeof(tensor::Bf16));
+    return absl::OkStatus();
   }
   std::vector<numerics::Precision> precisions() const override {
     return {numerics::Precision::kW4A16};
@@ -70,22 +96,33 @@ class CudaBackend final : public ExpertBackend {
 class EchoBackend final : public ExpertBackend {
  public:
   std::string name() const override { return "echo"; }
-  absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing&,
-                                                const tensor::Activations& z) override {
-    if (z.format() == tensor::ActivationFormat::kBf16) {
-      // One memcpy: a copy of the vector itself went two bytes at a time (Bf16's member
-      // initializer keeps it from being trivial): 10% of the CPU samples of a 2 MiB round trip.
-      std::vector<tensor::Bf16> y(z.bf16().size());
+  absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
+                   absl::Span<tensor::Bf16> y) override {
+    MOE_RETURN_IF_ERROR(CheckOutputSize(routing, z, y));
+    const int64_t d = z.cols(), k = routing.top_k;
+    if (z.format() == tensor::ActivationFormat::kBf16 && k == 1) {
+      // One memcpy (a shard's batch: one expert per row): a copy of a vector went two bytes at
+      // a time (Bf16's member initializer keeps it from being trivial): 10% of the CPU samples
+      // of a 2 MiB round trip.
       if (!y.empty()) std::memcpy(y.data(), z.bf16().data(), y.size() * sizeof(tensor::Bf16));
-      return y;
+      return absl::OkStatus();
     }
-    std::vector<tensor::Bf16> y(static_cast<size_t>(z.rows() * z.cols()));
-    std::vector<float> row(static_cast<size_t>(z.cols()));
+    std::vector<tensor::Bf16> row(static_cast<size_t>(d));
+    std::vector<float> decoded(static_cast<size_t>(d));
     for (int64_t r = 0; r < z.rows(); ++r) {
-      numerics::DequantizeMxfp8Row(z.mxfp8(), r, row.data());
-      for (int64_t c = 0; c < z.cols(); ++c) y[r * z.cols() + c] = tensor::Bf16::FromFloat(row[c]);
+      const tensor::Bf16* src = nullptr;
+      if (z.format() == tensor::ActivationFormat::kBf16) {
+        src = z.bf16().data() + r * d;
+      } else {
+        numerics::DequantizeMxfp8Row(z.mxfp8(), r, decoded.data());
+        for (int64_t c = 0; c < d; ++c) row[c] = tensor::Bf16::FromFloat(decoded[c]);
+        src = row.data();
+      }
+      for (int64_t j = 0; j < k; ++j) {  // every slot of the token answers its activations
+        std::memcpy(y.data() + (r * k + j) * d, src, static_cast<size_t>(d) * sizeof(tensor::Bf16));
+      }
     }
-    return y;
+    return absl::OkStatus();
   }
   std::vector<numerics::Precision> precisions() const override {
     return {numerics::Precision::kW4A16, numerics::Precision::kW4A8};

@@ -4,11 +4,13 @@
 //   "auto"  CUDA when a device is usable, else the CPU (the default);
 //   "echo"  no expert compute: each row is answered with its own activations (bf16), so a
 //           cluster measures its data plane alone (tests/bench/dispatch_bench.cc).
-// Both honour RunExperts' contract: y [T, k, D] in the routing's slot order.
+// Both honour RunExperts' contract: y [T, k, D] in the routing's slot order, written where the
+// caller says (a data plane's registered send buffer: no copy after the compute).
 //
 //   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend(Backend::kAuto, cfg, weights, kernels,
 //                                                        &pool));
-//   MOE_ASSIGN_OR_RETURN(std::vector<Bf16> y, backend->Run(routing, z));  // z: Activations
+//   std::vector<Bf16> y(routing.tokens * routing.top_k * cfg.latent);
+//   MOE_RETURN_IF_ERROR(backend->Run(routing, z, absl::MakeSpan(y)));  // z: Activations
 #ifndef MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 #define MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "services/common/enum_names.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
@@ -36,10 +39,11 @@ class ExpertBackend {
   virtual ~ExpertBackend() = default;
   // e.g. "cpu/avx512", "cuda/NVIDIA H200".
   virtual std::string name() const = 0;
-  // z: [routing.tokens, D]; its format is the mode (bf16: W4A16, MXFP8: W4A8). UNIMPLEMENTED
-  // for a format whose mode precisions() lacks.
-  virtual absl::StatusOr<std::vector<tensor::Bf16>> Run(const numerics::Routing& routing,
-                                                        const tensor::Activations& z) = 0;
+  // z: [routing.tokens, D]; its format is the mode (bf16: W4A16, MXFP8: W4A8). y: exactly
+  // routing.tokens * routing.top_k * D values, each written (INVALID_ARGUMENT for another size).
+  // UNIMPLEMENTED for a format whose mode precisions() lacks.
+  virtual absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
+                           absl::Span<tensor::Bf16> y) = 0;
   // The precision modes this backend computes (W4A16 always).
   virtual std::vector<numerics::Precision> precisions() const = 0;
   // Why this backend and not the one asked for (auto's fallback to the CPU), or "".

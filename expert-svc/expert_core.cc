@@ -295,37 +295,41 @@ void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activati
 
 void ExpertCore::Compute(const Batch& b, BatchReply& out, v1::DispatchReply* reply) {
   const int64_t d = cfg_.latent;
-  // y: [rows, D], row i from expert routing.expert_ids[i].
+  // y: [rows, D], row i from expert routing.expert_ids[i]. Per pair, the backend writes it
+  // where the reply is sent from when the transport has such a place (a data plane's
+  // registered buffer), else into the reply itself: no copy after the compute.
   ExpertBackend& backend = *backends_.at(b.layer->layer);
-  absl::StatusOr<std::vector<Bf16>> computed = backend.Run(b.routing, b.z);
-  if (!computed.ok()) {
-    transport::SetBatchStatus(
-        absl::Status(computed.status().code(),
-                     absl::StrCat("shard ", options_.shard, ": ", computed.status().message())),
-        reply);
-    return;
-  }
-  const std::vector<Bf16>& y = *computed;
-  reply->set_precision(transport::PrecisionToProto(b.precision));
-  if (verifier_ != nullptr) {
-    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y.data());
-  }
-  // The outputs go straight to where the reply is sent from when the transport has such a
-  // place (a data plane's registered buffer), else into the reply.
+  const size_t n = static_cast<size_t>(b.rows * d) * sizeof(Bf16);
+  std::vector<Bf16> per_pair;  // partial sums: y is an intermediate
+  Bf16* y = nullptr;
   if (b.mode == v1::REPLY_MODE_PER_PAIR) {
-    const size_t n = y.size() * sizeof(Bf16);
-    transport::EncodeRawInto(y.data(), n, v1::DTYPE_BF16, b.rows, d, out.OutputBuffer(n),
-                             reply->mutable_outputs());
+    y = reinterpret_cast<Bf16*>(transport::EncodeRawPlace(
+        n, v1::DTYPE_BF16, b.rows, d, out.OutputBuffer(n), reply->mutable_outputs()));
+  } else {
+    per_pair.resize(static_cast<size_t>(b.rows * d));
+    y = per_pair.data();
+  }
+  const absl::Status computed =
+      backend.Run(b.routing, b.z, absl::MakeSpan(y, static_cast<size_t>(b.rows * d)));
+  if (!computed.ok()) {
+    reply->clear_outputs();
+    transport::SetBatchStatus(absl::Status(computed.code(), absl::StrCat("shard ", options_.shard,
+                                                                         ": ", computed.message())),
+                              reply);
     return;
   }
+  reply->set_precision(transport::PrecisionToProto(b.precision));
+  if (verifier_ != nullptr) verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y);
+  if (b.mode == v1::REPLY_MODE_PER_PAIR) return;
   // Partial sums per distinct token (ascending), over the token's experts in ascending expert
   // id (the groups' order): numerics/combine.h.
   std::vector<float> acc;
   const std::vector<int64_t> distinct = numerics::PartialSums(
-      y.data(), b.rows, d, b.token_index.data(), b.weights.data(), b.num_tokens, &acc);
-  const size_t n = acc.size() * sizeof(float);
-  transport::EncodeRawInto(acc.data(), n, v1::DTYPE_F32, static_cast<int64_t>(distinct.size()), d,
-                           out.OutputBuffer(n), reply->mutable_outputs());
+      y, b.rows, d, b.token_index.data(), b.weights.data(), b.num_tokens, &acc);
+  const size_t sum_bytes = acc.size() * sizeof(float);
+  transport::EncodeRawInto(acc.data(), sum_bytes, v1::DTYPE_F32,
+                           static_cast<int64_t>(distinct.size()), d, out.OutputBuffer(sum_bytes),
+                           reply->mutable_outputs());
 }
 
 absl::Status ExpertCore::Enqueue(std::unique_ptr<Batch> b, std::unique_ptr<BatchReply>& reply) {

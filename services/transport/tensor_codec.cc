@@ -48,15 +48,21 @@ absl::Status CheckRank2(const v1::Tensor& t, const std::string& what) {
 
 }  // namespace
 
+uint8_t* EncodeRawPlace(size_t n, v1::DType dtype, int64_t rows, int64_t cols, uint8_t* to,
+                        v1::Tensor* out) {
+  SetShape(out, dtype, rows, cols);
+  if (to != nullptr) {
+    out->clear_data();
+    return to;
+  }
+  out->mutable_data()->resize(n);
+  return reinterpret_cast<uint8_t*>(out->mutable_data()->data());
+}
+
 void EncodeRawInto(const void* bytes, size_t n, v1::DType dtype, int64_t rows, int64_t cols,
                    uint8_t* to, v1::Tensor* out) {
-  SetShape(out, dtype, rows, cols);
-  if (to == nullptr) {
-    out->mutable_data()->assign(static_cast<const char*>(bytes), n);
-  } else {
-    out->clear_data();
-    if (n > 0) std::memcpy(to, bytes, n);
-  }
+  uint8_t* place = EncodeRawPlace(n, dtype, rows, cols, to, out);
+  if (n > 0) std::memcpy(place, bytes, n);
 }
 
 void EncodeBf16Into(absl::Span<const Bf16> values, int64_t rows, int64_t cols, v1::Tensor* out) {

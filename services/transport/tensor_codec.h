@@ -32,6 +32,11 @@ void EncodeBf16Into(absl::Span<const tensor::Bf16> values, int64_t rows, int64_t
 // into the message; the dtype and shape into the message either way.
 void EncodeRawInto(const void* bytes, size_t n, v1::DType dtype, int64_t rows, int64_t cols,
                    uint8_t* to, v1::Tensor* out);
+// Where those n bytes are to be written by the caller (so that they are produced in place, not
+// copied): `to` when it is not null (the message's data left empty), else the message's own
+// data, sized n; the dtype and shape into the message either way.
+uint8_t* EncodeRawPlace(size_t n, v1::DType dtype, int64_t rows, int64_t cols, uint8_t* to,
+                        v1::Tensor* out);
 
 struct Bf16Matrix {
   int64_t rows = 0;

@@ -4,7 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
 #include "services/checkpoint/synthetic.h"
+#include "services/numerics/cpu/expert_ffn.h"
 #include "services/numerics/cpu/kernels.h"
 
 namespace moe::expert_svc {
@@ -61,6 +67,70 @@ TEST(MakeExpertBackend, AutoFallsBackToTheCpuAndSaysWhyWhereCudaIsUnusable) {
   EXPECT_NE((*b)->note.find("auto chose the CPU"), std::string::npos) << (*b)->note;
   auto forced = MakeExpertBackend(Backend::kCuda, cfg, w, numerics::cpu::ScalarKernels(), &pool);
   EXPECT_FALSE(forced.ok());
+}
+
+// Backends write y where the caller says (a data plane's registered send buffer): every value,
+// whatever the memory held before. CPU: the same bits as numerics::cpu::RunExperts' own zeroed
+// vector, into memory filled with NaN; echo: each slot is its token's row; a span of another
+// size is refused before anything is written.
+TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
+  const ModelConfig cfg = *PresetConfig("tiny");
+  const int64_t d = cfg.latent, tokens = 5, k = 2;
+  const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 4, {});
+  numerics::cpu::ThreadPool pool(2);
+  numerics::Routing routing;
+  routing.tokens = tokens;
+  routing.top_k = k;
+  routing.expert_ids = {0, 3, 1, 2, 3, 0, 2, 1, 0, 1};
+  routing.weights.assign(static_cast<size_t>(tokens * k), 1.0f);
+  std::vector<tensor::Bf16> zv(static_cast<size_t>(tokens * d));
+  for (size_t i = 0; i < zv.size(); ++i) {
+    zv[i] = tensor::Bf16::FromFloat(static_cast<float>((i * 37) % 29) / 16.0f - 0.9f);
+  }
+  const tensor::Activations z = tensor::Activations::FromBf16(zv, tokens, d);
+  const tensor::Bf16 nan = tensor::Bf16::FromBits(0xffff);
+
+  const std::vector<tensor::Bf16> oracle = numerics::cpu::RunExperts(
+      numerics::cpu::ScalarKernels(), &pool, cfg, w, routing, zv.data());
+  auto cpu = MakeExpertBackend(Backend::kCpu, cfg, w, numerics::cpu::ScalarKernels(), &pool);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  std::vector<tensor::Bf16> y(oracle.size(), nan);
+  ASSERT_TRUE((*cpu)->Run(routing, z, absl::MakeSpan(y)).ok());
+  for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i].bits, oracle[i].bits) << i;
+
+  auto echo = MakeExpertBackend(Backend::kEcho, cfg, w, numerics::cpu::ScalarKernels(), &pool);
+  ASSERT_TRUE(echo.ok()) << echo.status();
+  std::fill(y.begin(), y.end(), nan);
+  ASSERT_TRUE((*echo)->Run(routing, z, absl::MakeSpan(y)).ok());
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      for (int64_t c = 0; c < d; ++c) {
+        ASSERT_EQ(y[(t * k + j) * d + c].bits, zv[t * d + c].bits) << t << " " << j << " " << c;
+      }
+    }
+  }
+  numerics::Routing one = routing;  // a shard's batch: one expert per row, one copy
+  one.tokens = tokens * k;
+  one.top_k = 1;
+  std::vector<tensor::Bf16> rows(y.size()), y1(y.size(), nan);
+  for (int64_t r = 0; r < tokens * k; ++r) {
+    std::copy_n(zv.begin() + (r / k) * d, d, rows.begin() + r * d);
+  }
+  ASSERT_TRUE((*echo)
+                  ->Run(one, tensor::Activations::FromBf16(rows, tokens * k, d),
+                        absl::MakeSpan(y1))
+                  .ok());
+  EXPECT_EQ(0, std::memcmp(y1.data(), y.data(), y.size() * sizeof(tensor::Bf16)));
+
+  for (ExpertBackend* b : {cpu->get(), echo->get()}) {
+    std::vector<tensor::Bf16> short_y(oracle.size() - 1, nan);
+    const absl::Status s = b->Run(routing, z, absl::MakeSpan(short_y));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b->name() << ": " << s;
+    EXPECT_NE(s.message().find("need " + std::to_string(oracle.size()) + " outputs"),
+              std::string::npos)
+        << s;
+    for (const tensor::Bf16& v : short_y) ASSERT_EQ(v.bits, 0xffff) << b->name();
+  }
 }
 
 }  // namespace

@@ -174,11 +174,10 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
   e.hp.assign(static_cast<size_t>(TokenMajorSlots(k, inter) * e.ld_t), 0.0f);
 }
 
-std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
-                      const MoeLayerWeights& w, const Routing& routing, const ExpertInput& z,
-                      Precision precision, W4A8H h_order) {
+void Run(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+         const MoeLayerWeights& w, const Routing& routing, const ExpertInput& z,
+         Precision precision, W4A8H h_order, Bf16* y) {
   const int64_t d = cfg.latent, k = routing.top_k;
-  std::vector<Bf16> y(static_cast<size_t>(routing.tokens * k * d));
   std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
   std::vector<ActiveExpert> active;
   for (int64_t e = 0; e < cfg.num_experts; ++e) {
@@ -190,27 +189,46 @@ std::vector<Bf16> Run(const KernelTable& kernels, ThreadPool* pool, const ModelC
   }
   pool->ParallelFor(static_cast<int64_t>(active.size()),
                     [&](int64_t i) { Prepare(kernels, active[i], z, k, d, cfg.intermediate); });
-  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, precision, h_order,
-            y.data());
-  return y;
+  RunPhases(kernels, pool, active, cfg.situ_beta, cfg.situ_linear_beta, precision, h_order, y);
+}
+
+std::vector<Bf16> OutputFor(const ModelConfig& cfg, const Routing& routing) {
+  return std::vector<Bf16>(static_cast<size_t>(routing.tokens * routing.top_k * cfg.latent));
 }
 
 }  // namespace
 
+void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                const MoeLayerWeights& w, const Routing& routing, const Bf16* z, Bf16* y,
+                Precision precision, W4A8H h_order) {
+  if (precision == Precision::kW4A8) {
+    const Mxfp8Rows z8 = QuantizeMxfp8Rows(z, routing.tokens, cfg.latent);
+    RunExperts(kernels, pool, cfg, w, routing, z8, y, h_order);
+    return;
+  }
+  Run(kernels, pool, cfg, w, routing, {z, nullptr}, Precision::kW4A16, h_order, y);
+}
+
+void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z, Bf16* y,
+                W4A8H h_order) {
+  Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8, h_order, y);
+}
+
 std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                              const MoeLayerWeights& w, const Routing& routing, const Bf16* z,
                              Precision precision, W4A8H h_order) {
-  if (precision == Precision::kW4A8) {
-    const Mxfp8Rows z8 = QuantizeMxfp8Rows(z, routing.tokens, cfg.latent);
-    return RunExperts(kernels, pool, cfg, w, routing, z8, h_order);
-  }
-  return Run(kernels, pool, cfg, w, routing, {z, nullptr}, Precision::kW4A16, h_order);
+  std::vector<Bf16> y = OutputFor(cfg, routing);
+  RunExperts(kernels, pool, cfg, w, routing, z, y.data(), precision, h_order);
+  return y;
 }
 
 std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                              const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z,
                              W4A8H h_order) {
-  return Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8, h_order);
+  std::vector<Bf16> y = OutputFor(cfg, routing);
+  RunExperts(kernels, pool, cfg, w, routing, z, y.data(), h_order);
+  return y;
 }
 
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const Bf16* z, int64_t tokens,

@@ -46,6 +46,16 @@ std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* poo
                                      const Routing& routing, const Mxfp8Rows& z,
                                      W4A8H h_order = W4A8H::kFromFp32);
 
+// The same, writing y where the caller says (every one of its T * k * D values is written:
+// each output element by one work item, whatever the memory held before).
+void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                const MoeLayerWeights& w, const Routing& routing, const tensor::Bf16* z,
+                tensor::Bf16* y, Precision precision = Precision::kW4A16,
+                W4A8H h_order = W4A8H::kFromFp32);
+void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
+                const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z,
+                tensor::Bf16* y, W4A8H h_order = W4A8H::kFromFp32);
+
 // One expert for `tokens` rows of z [tokens, D] -> y [tokens, D] (single-threaded; tests).
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const tensor::Bf16* z,
                int64_t tokens, float beta, float linear_beta, tensor::Bf16* y,
