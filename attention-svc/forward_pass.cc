@@ -23,10 +23,10 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 absl::Status CheckLatentFinite(const std::vector<Bf16>& z, int64_t latent, int64_t first_token) {
   const size_t i = tensor::FirstNonFinite(z.data(), z.size());
   if (i == z.size()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "the hidden states of token ", first_token + static_cast<int64_t>(i) / latent,
-      " are too large: their latent projection overflows bf16 (column ",
-      static_cast<int64_t>(i) % latent, "); scale the input down"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("the hidden states of token ", first_token + static_cast<int64_t>(i) / latent,
+                   " are too large: their latent projection overflows bf16 (column ",
+                   static_cast<int64_t>(i) % latent, "); scale the input down"));
 }
 
 }  // namespace

@@ -21,10 +21,10 @@ absl::Status CheckOutputSize(const numerics::Routing& routing, const tensor::Act
                              absl::Span<const tensor::Bf16> y) {
   const int64_t want = routing.tokens * routing.top_k * z.cols();
   if (static_cast<int64_t>(y.size()) != want || z.rows() != routing.tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "expert backend: ", routing.tokens, " tokens x ", routing.top_k, " experts of ",
-        z.cols(), " values need ", want, " outputs, given ", y.size(), " (activations: ",
-        z.rows(), " rows)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert backend: ", routing.tokens, " tokens x ", routing.top_k,
+                     " experts of ", z.cols(), " values need ", want, " outputs, given ", y.size(),
+                     " (activations: ", z.rows(), " rows)"));
   }
   return absl::OkStatus();
 }
@@ -77,8 +77,8 @@ class CudaBackend final : public ExpertBackend {
     MOE_ASSIGN_OR_RETURN(std::vector<tensor::Bf16> computed,
                          experts_->Run(routing, z.bf16().data()));
     if (computed.size() != y.size()) {
-      return absl::InternalError(absl::StrCat("backend ", name_, " answered ", computed.size(),
-                                              " values for ", y.size()));
+      return absl::InternalError(
+          absl::StrCat("backend ", name_, " answered ", computed.size(), " values for ", y.size()));
     }
     std::memcpy(y.data(), computed.data(), y.size() * sizeof(tensor::Bf16));
     return absl::OkStatus();

@@ -324,8 +324,8 @@ void ExpertCore::Compute(const Batch& b, BatchReply& out, v1::DispatchReply* rep
   // Partial sums per distinct token (ascending), over the token's experts in ascending expert
   // id (the groups' order): numerics/combine.h.
   std::vector<float> acc;
-  const std::vector<int64_t> distinct = numerics::PartialSums(
-      y, b.rows, d, b.token_index.data(), b.weights.data(), b.num_tokens, &acc);
+  const std::vector<int64_t> distinct = numerics::PartialSums(y, b.rows, d, b.token_index.data(),
+                                                              b.weights.data(), b.num_tokens, &acc);
   const size_t sum_bytes = acc.size() * sizeof(float);
   transport::EncodeRawInto(acc.data(), sum_bytes, v1::DTYPE_F32,
                            static_cast<int64_t>(distinct.size()), d, out.OutputBuffer(sum_bytes),

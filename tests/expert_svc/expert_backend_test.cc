@@ -90,8 +90,8 @@ TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
   const tensor::Activations z = tensor::Activations::FromBf16(zv, tokens, d);
   const tensor::Bf16 nan = tensor::Bf16::FromBits(0xffff);
 
-  const std::vector<tensor::Bf16> oracle = numerics::cpu::RunExperts(
-      numerics::cpu::ScalarKernels(), &pool, cfg, w, routing, zv.data());
+  const std::vector<tensor::Bf16> oracle =
+      numerics::cpu::RunExperts(numerics::cpu::ScalarKernels(), &pool, cfg, w, routing, zv.data());
   auto cpu = MakeExpertBackend(Backend::kCpu, cfg, w, numerics::cpu::ScalarKernels(), &pool);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   std::vector<tensor::Bf16> y(oracle.size(), nan);
@@ -117,8 +117,7 @@ TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
     std::copy_n(zv.begin() + (r / k) * d, d, rows.begin() + r * d);
   }
   ASSERT_TRUE((*echo)
-                  ->Run(one, tensor::Activations::FromBf16(rows, tokens * k, d),
-                        absl::MakeSpan(y1))
+                  ->Run(one, tensor::Activations::FromBf16(rows, tokens * k, d), absl::MakeSpan(y1))
                   .ok());
   EXPECT_EQ(0, std::memcmp(y1.data(), y.data(), y.size() * sizeof(tensor::Bf16)));
 
