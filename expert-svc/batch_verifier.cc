@@ -44,7 +44,8 @@ BatchVerifier::~BatchVerifier() {
 }
 
 void BatchVerifier::OnBatch(uint64_t batch_id, int64_t layer, const numerics::Routing& routing,
-                            const tensor::Activations& z, const Bf16* y) {
+                            const tensor::Activations& z, const Bf16* y,
+                            absl::Span<const int32_t> z_rows) {
   const int64_t rows = static_cast<int64_t>(routing.expert_ids.size());
   if (options_.fraction <= 0 || rows == 0) return;
   int64_t sample_index;
@@ -73,7 +74,9 @@ void BatchVerifier::OnBatch(uint64_t batch_id, int64_t layer, const numerics::Ro
   s.rows = std::min(end - first, options_.max_rows);
   const int64_t d = cfg_.latent;
   std::vector<int32_t> rows_of(static_cast<size_t>(s.rows));
-  for (int64_t r = 0; r < s.rows; ++r) rows_of[r] = static_cast<int32_t>(first + r);
+  for (int64_t r = 0; r < s.rows; ++r) {
+    rows_of[r] = z_rows.empty() ? static_cast<int32_t>(first + r) : z_rows[first + r];
+  }
   s.z = z.Gather(rows_of.data(), s.rows);
   s.y.assign(y + first * d, y + (first + s.rows) * d);
   {

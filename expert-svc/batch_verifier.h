@@ -28,6 +28,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "services/common/model_config.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/precision_mode.h"
@@ -64,10 +65,12 @@ class BatchVerifier {
   BatchVerifier& operator=(const BatchVerifier&) = delete;
 
   // After a computed batch. routing: one row per (token, expert) pair (top_k 1, rows grouped by
-  // expert); z, y: [rows, D] the batch's inputs and the backend's outputs. MXFP8 inputs (W4A8)
-  // are checked against the reference's W4A8 within kExpertFfnW4A8Tolerance.
+  // expert); z, y: [rows, D] the batch's inputs and the backend's outputs (with z_rows: row r's
+  // input is z's row z_rows[r], as Batch holds them). MXFP8 inputs (W4A8) are checked against
+  // the reference's W4A8 within kExpertFfnW4A8Tolerance.
   void OnBatch(uint64_t batch_id, int64_t layer, const numerics::Routing& routing,
-               const tensor::Activations& z, const tensor::Bf16* y);
+               const tensor::Activations& z, const tensor::Bf16* y,
+               absl::Span<const int32_t> z_rows = {});
   // Waits until every queued sample has been checked (tests, shutdown).
   void Drain();
 

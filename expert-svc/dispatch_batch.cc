@@ -223,7 +223,8 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
       b->precision == numerics::Precision::kW4A8
           ? tensor::Activations::FromMxfp8(std::move(z8))
           : tensor::Activations::FromBf16(std::move(z.values), z.rows, d);
-  b->z = gathered ? distinct.Gather(source, rows) : std::move(distinct);
+  b->z = std::move(distinct);
+  if (gathered) b->z_rows.assign(source, source + rows);
   if (b->mode == v1::REPLY_MODE_PARTIAL_SUM) {
     if (req.token_index_size() != rows || req.weights_size() != rows) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -39,7 +39,11 @@ struct Batch {
   int64_t experts = 0;        // distinct experts (the request's groups, strictly ascending)
   numerics::Routing routing;  // one row per (token, expert) pair: tokens = rows, top_k = 1
   numerics::Precision precision = numerics::Precision::kW4A16;
-  tensor::Activations z;  // [rows, D]: bf16 (W4A16) or MXFP8 (W4A8)
+  // The activations as they arrived: bf16 (W4A16) or MXFP8 (W4A8), [rows, D], or with z_rows
+  // the distinct rows (tokens) the batch's rows read, z_rows[r] for row r (read in place: no
+  // gathered [rows, D] copy on the data plane's receive path).
+  tensor::Activations z;
+  std::vector<int32_t> z_rows;
   std::vector<int32_t> token_index;
   std::vector<float> weights;
   int32_t num_tokens = 0;

@@ -16,15 +16,23 @@ namespace moe::expert_svc {
 
 namespace {
 
-// y holds [routing.tokens * routing.top_k, D] values, z [routing.tokens, D] (echo: y = z).
-absl::Status CheckOutputSize(const numerics::Routing& routing, const tensor::Activations& z,
-                             absl::Span<const tensor::Bf16> y) {
+// y holds [routing.tokens * routing.top_k, D] values; z [routing.tokens, D], or with z_rows
+// one row of z per routing token.
+absl::Status CheckShapes(const numerics::Routing& routing, const tensor::Activations& z,
+                         absl::Span<const int32_t> z_rows, absl::Span<const tensor::Bf16> y) {
   const int64_t want = routing.tokens * routing.top_k * z.cols();
-  if (static_cast<int64_t>(y.size()) != want || z.rows() != routing.tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("expert backend: ", routing.tokens, " tokens x ", routing.top_k,
-                     " experts of ", z.cols(), " values need ", want, " outputs, given ", y.size(),
-                     " (activations: ", z.rows(), " rows)"));
+  const int64_t inputs = z_rows.empty() ? z.rows() : static_cast<int64_t>(z_rows.size());
+  if (static_cast<int64_t>(y.size()) != want || inputs != routing.tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert backend: ", routing.tokens, " tokens x ", routing.top_k, " experts of ", z.cols(),
+        " values need ", want, " outputs, given ", y.size(), " (activations: ", inputs,
+        " rows)"));
+  }
+  for (size_t i = 0; i < z_rows.size(); ++i) {
+    if (z_rows[i] < 0 || z_rows[i] >= z.rows()) {
+      return absl::InvalidArgumentError(absl::StrCat("expert backend: token ", i, " reads row ",
+                                                     z_rows[i], " of ", z.rows()));
+    }
   }
   return absl::OkStatus();
 }
@@ -37,14 +45,16 @@ class CpuBackend final : public ExpertBackend {
       : cfg_(cfg), w_(w), k_(k), pool_(pool), w4a8_h_(w4a8_h) {}
   std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::KernelsName(k_)); }
   absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
-                   absl::Span<tensor::Bf16> y) override {
-    MOE_RETURN_IF_ERROR(CheckOutputSize(routing, z, y));
+                   absl::Span<const int32_t> z_rows, absl::Span<tensor::Bf16> y) override {
+    MOE_RETURN_IF_ERROR(CheckShapes(routing, z, z_rows, y));
     switch (z.format()) {
       case tensor::ActivationFormat::kMxfp8:
-        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8(), y.data(), w4a8_h_);
+        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.mxfp8(), z_rows, y.data(),
+                                  w4a8_h_);
         return absl::OkStatus();
       case tensor::ActivationFormat::kBf16:
-        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data(), y.data());
+        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data(), z_rows,
+                                  y.data());
         return absl::OkStatus();
     }
     return absl::InternalError("unknown activation format");
@@ -68,14 +78,18 @@ class CudaBackend final : public ExpertBackend {
   std::string name() const override { return name_; }
   // The CUDA kernels read bf16 activations only (W4A8 on the GPU is not built).
   absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
-                   absl::Span<tensor::Bf16> y) override {
+                   absl::Span<const int32_t> z_rows, absl::Span<tensor::Bf16> y) override {
     if (z.format() != tensor::ActivationFormat::kBf16) {
       return absl::UnimplementedError(
           absl::StrCat("backend ", name_, " computes w4a16 only; w4a8 needs the cpu backend"));
     }
-    MOE_RETURN_IF_ERROR(CheckOutputSize(routing, z, y));
+    MOE_RETURN_IF_ERROR(CheckShapes(routing, z, z_rows, y));
+    // The CUDA kernels read one row per token: rows shared by several pairs gathered here.
+    const tensor::Activations gathered =
+        z_rows.empty() ? tensor::Activations()
+                       : z.Gather(z_rows.data(), static_cast<int64_t>(z_rows.size()));
     MOE_ASSIGN_OR_RETURN(std::vector<tensor::Bf16> computed,
-                         experts_->Run(routing, z.bf16().data()));
+                         experts_->Run(routing, (z_rows.empty() ? z : gathered).bf16().data()));
     if (computed.size() != y.size()) {
       return absl::InternalError(
           absl::StrCat("backend ", name_, " answered ", computed.size(), " values for ", y.size()));
@@ -97,19 +111,20 @@ class EchoBackend final : public ExpertBackend {
  public:
   std::string name() const override { return "echo"; }
   absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
-                   absl::Span<tensor::Bf16> y) override {
-    MOE_RETURN_IF_ERROR(CheckOutputSize(routing, z, y));
+                   absl::Span<const int32_t> z_rows, absl::Span<tensor::Bf16> y) override {
+    MOE_RETURN_IF_ERROR(CheckShapes(routing, z, z_rows, y));
     const int64_t d = z.cols(), k = routing.top_k;
-    if (z.format() == tensor::ActivationFormat::kBf16 && k == 1) {
-      // One memcpy (a shard's batch: one expert per row): a copy of a vector went two bytes at
-      // a time (Bf16's member initializer keeps it from being trivial): 10% of the CPU samples
-      // of a 2 MiB round trip.
+    const size_t row_bytes = static_cast<size_t>(d) * sizeof(tensor::Bf16);
+    if (z.format() == tensor::ActivationFormat::kBf16 && k == 1 && z_rows.empty()) {
+      // One memcpy: a copy of a vector went two bytes at a time (Bf16's member initializer
+      // keeps it from being trivial): 10% of the CPU samples of a 2 MiB round trip.
       if (!y.empty()) std::memcpy(y.data(), z.bf16().data(), y.size() * sizeof(tensor::Bf16));
       return absl::OkStatus();
     }
     std::vector<tensor::Bf16> row(static_cast<size_t>(d));
     std::vector<float> decoded(static_cast<size_t>(d));
-    for (int64_t r = 0; r < z.rows(); ++r) {
+    for (int64_t t = 0; t < routing.tokens; ++t) {
+      const int64_t r = z_rows.empty() ? t : z_rows[t];
       const tensor::Bf16* src = nullptr;
       if (z.format() == tensor::ActivationFormat::kBf16) {
         src = z.bf16().data() + r * d;
@@ -119,7 +134,7 @@ class EchoBackend final : public ExpertBackend {
         src = row.data();
       }
       for (int64_t j = 0; j < k; ++j) {  // every slot of the token answers its activations
-        std::memcpy(y.data() + (r * k + j) * d, src, static_cast<size_t>(d) * sizeof(tensor::Bf16));
+        std::memcpy(y.data() + (t * k + j) * d, src, row_bytes);
       }
     }
     return absl::OkStatus();

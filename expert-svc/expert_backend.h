@@ -10,7 +10,7 @@
 //   MOE_ASSIGN_OR_RETURN(auto backend, MakeExpertBackend(Backend::kAuto, cfg, weights, kernels,
 //                                                        &pool));
 //   std::vector<Bf16> y(routing.tokens * routing.top_k * cfg.latent);
-//   MOE_RETURN_IF_ERROR(backend->Run(routing, z, absl::MakeSpan(y)));  // z: Activations
+//   MOE_RETURN_IF_ERROR(backend->Run(routing, z, {}, absl::MakeSpan(y)));  // z: Activations
 #ifndef MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 #define MOE_EXPERT_SVC_EXPERT_BACKEND_H_
 
@@ -39,11 +39,13 @@ class ExpertBackend {
   virtual ~ExpertBackend() = default;
   // e.g. "cpu/avx512", "cuda/NVIDIA H200".
   virtual std::string name() const = 0;
-  // z: [routing.tokens, D]; its format is the mode (bf16: W4A16, MXFP8: W4A8). y: exactly
-  // routing.tokens * routing.top_k * D values, each written (INVALID_ARGUMENT for another size).
-  // UNIMPLEMENTED for a format whose mode precisions() lacks.
+  // z: [routing.tokens, D], or with z_rows (one per routing token: the row of z it reads) the
+  // distinct rows they read, as an expert server's batch arrives (no gathered copy); its format
+  // is the mode (bf16: W4A16, MXFP8: W4A8). y: exactly routing.tokens * routing.top_k * D
+  // values, each written. INVALID_ARGUMENT for another size or a row outside z; UNIMPLEMENTED
+  // for a format whose mode precisions() lacks.
   virtual absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
-                           absl::Span<tensor::Bf16> y) = 0;
+                           absl::Span<const int32_t> z_rows, absl::Span<tensor::Bf16> y) = 0;
   // The precision modes this backend computes (W4A16 always).
   virtual std::vector<numerics::Precision> precisions() const = 0;
   // Why this backend and not the one asked for (auto's fallback to the CPU), or "".

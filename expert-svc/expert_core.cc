@@ -310,7 +310,7 @@ void ExpertCore::Compute(const Batch& b, BatchReply& out, v1::DispatchReply* rep
     y = per_pair.data();
   }
   const absl::Status computed =
-      backend.Run(b.routing, b.z, absl::MakeSpan(y, static_cast<size_t>(b.rows * d)));
+      backend.Run(b.routing, b.z, b.z_rows, absl::MakeSpan(y, static_cast<size_t>(b.rows * d)));
   if (!computed.ok()) {
     reply->clear_outputs();
     transport::SetBatchStatus(absl::Status(computed.code(), absl::StrCat("shard ", options_.shard,
@@ -319,7 +319,7 @@ void ExpertCore::Compute(const Batch& b, BatchReply& out, v1::DispatchReply* rep
     return;
   }
   reply->set_precision(transport::PrecisionToProto(b.precision));
-  if (verifier_ != nullptr) verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y);
+  if (verifier_ != nullptr) verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y, b.z_rows);
   if (b.mode == v1::REPLY_MODE_PER_PAIR) return;
   // Partial sums per distinct token (ascending), over the token's experts in ascending expert
   // id (the groups' order): numerics/combine.h.

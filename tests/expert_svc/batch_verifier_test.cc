@@ -4,6 +4,7 @@
 // bound and reference errors are counted exactly.
 #include "expert-svc/batch_verifier.h"
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 
@@ -93,6 +94,35 @@ TEST(BatchVerifier, CleanBatchesMatchTheReference) {
   EXPECT_NE(res.all[0].second.find("expert 11"), std::string::npos) << res.all[0].second;
   EXPECT_NE(res.all[1].second.find("expert 14"), std::string::npos) << res.all[1].second;
   EXPECT_NE(res.all[2].second.find("expert 19"), std::string::npos) << res.all[2].second;
+}
+
+// A shard's batch keeps the activations as they arrived (distinct rows) and reads each batch
+// row through z_rows: the check samples the same inputs as from a gathered copy. Here the rows
+// are stored in reverse order; read through the map they match, read as if in order they do not.
+TEST(BatchVerifier, RowsReadThroughZRowsAreTheBatchRows) {
+  Fixture f;
+  Results res;
+  BatchVerifierOptions o;
+  o.fraction = 1.0;
+  BatchVerifier v(f.cfg, o, f.Regenerate(), res.Sink());
+  const auto b = f.Run({11, 14, 19}, 5);
+  const int64_t n = b.routing.tokens, d = f.cfg.latent;
+  std::vector<Bf16> stored(b.z.size());
+  std::vector<int32_t> z_rows(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    z_rows[r] = static_cast<int32_t>(n - 1 - r);
+    std::copy_n(b.z.begin() + r * d, d, stored.begin() + (n - 1 - r) * d);
+  }
+  const tensor::Activations z = tensor::Activations::FromBf16(stored, n, d);
+  for (uint64_t id = 0; id < 3; ++id) {
+    v.OnBatch(id, 1, b.routing, z, b.y.data(), z_rows);
+    v.Drain();
+  }
+  EXPECT_EQ(v.counts().match, 3);
+  EXPECT_EQ(v.counts().mismatch, 0);
+  v.OnBatch(3, 1, b.routing, z, b.y.data());  // the stored order taken for the batch's
+  v.Drain();
+  EXPECT_EQ(v.counts().mismatch, 1);
 }
 
 TEST(BatchVerifier, ACorruptedWeightByteIsCountedAsAMismatch) {

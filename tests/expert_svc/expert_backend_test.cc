@@ -71,8 +71,8 @@ TEST(MakeExpertBackend, AutoFallsBackToTheCpuAndSaysWhyWhereCudaIsUnusable) {
 
 // Backends write y where the caller says (a data plane's registered send buffer): every value,
 // whatever the memory held before. CPU: the same bits as numerics::cpu::RunExperts' own zeroed
-// vector, into memory filled with NaN; echo: each slot is its token's row; a span of another
-// size is refused before anything is written.
+// vector, into memory filled with NaN; echo: each slot is its token's row; rows read in place
+// through z_rows as from a gathered copy; a span of another size or a row outside z refused.
 TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
   const ModelConfig cfg = *PresetConfig("tiny");
   const int64_t d = cfg.latent, tokens = 5, k = 2;
@@ -95,13 +95,13 @@ TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
   auto cpu = MakeExpertBackend(Backend::kCpu, cfg, w, numerics::cpu::ScalarKernels(), &pool);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   std::vector<tensor::Bf16> y(oracle.size(), nan);
-  ASSERT_TRUE((*cpu)->Run(routing, z, absl::MakeSpan(y)).ok());
+  ASSERT_TRUE((*cpu)->Run(routing, z, {}, absl::MakeSpan(y)).ok());
   for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i].bits, oracle[i].bits) << i;
 
   auto echo = MakeExpertBackend(Backend::kEcho, cfg, w, numerics::cpu::ScalarKernels(), &pool);
   ASSERT_TRUE(echo.ok()) << echo.status();
   std::fill(y.begin(), y.end(), nan);
-  ASSERT_TRUE((*echo)->Run(routing, z, absl::MakeSpan(y)).ok());
+  ASSERT_TRUE((*echo)->Run(routing, z, {}, absl::MakeSpan(y)).ok());
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < k; ++j) {
       for (int64_t c = 0; c < d; ++c) {
@@ -109,21 +109,37 @@ TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
       }
     }
   }
-  numerics::Routing one = routing;  // a shard's batch: one expert per row, one copy
+  // A shard's batch: one expert per (token, expert) row, each row reading its token's
+  // activations in place (z_rows) or from a gathered copy; both the same bits.
+  numerics::Routing one = routing;
   one.tokens = tokens * k;
   one.top_k = 1;
-  std::vector<tensor::Bf16> rows(y.size()), y1(y.size(), nan);
+  std::vector<int32_t> z_rows(static_cast<size_t>(tokens * k));
+  std::vector<tensor::Bf16> rows(y.size());
   for (int64_t r = 0; r < tokens * k; ++r) {
+    z_rows[r] = static_cast<int32_t>(r / k);
     std::copy_n(zv.begin() + (r / k) * d, d, rows.begin() + r * d);
   }
-  ASSERT_TRUE((*echo)
-                  ->Run(one, tensor::Activations::FromBf16(rows, tokens * k, d), absl::MakeSpan(y1))
-                  .ok());
-  EXPECT_EQ(0, std::memcmp(y1.data(), y.data(), y.size() * sizeof(tensor::Bf16)));
+  const tensor::Activations gathered = tensor::Activations::FromBf16(rows, tokens * k, d);
+  for (ExpertBackend* b : {cpu->get(), echo->get()}) {
+    std::vector<tensor::Bf16> from_copy(y.size(), nan), in_place(y.size(), nan);
+    ASSERT_TRUE(b->Run(one, gathered, {}, absl::MakeSpan(from_copy)).ok()) << b->name();
+    ASSERT_TRUE(b->Run(one, z, z_rows, absl::MakeSpan(in_place)).ok()) << b->name();
+    EXPECT_EQ(0, std::memcmp(from_copy.data(), in_place.data(), y.size() * sizeof(tensor::Bf16)))
+        << b->name();
+    if (b == echo->get()) {  // every slot of a token is its row, whichever way it is read
+      EXPECT_EQ(0, std::memcmp(in_place.data(), y.data(), y.size() * sizeof(tensor::Bf16)));
+    }
+    std::vector<int32_t> bad = z_rows;
+    bad[3] = static_cast<int32_t>(tokens);  // one past z's rows
+    const absl::Status s = b->Run(one, z, bad, absl::MakeSpan(in_place));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b->name() << ": " << s;
+    EXPECT_NE(s.message().find("token 3 reads row 5 of 5"), std::string::npos) << s;
+  }
 
   for (ExpertBackend* b : {cpu->get(), echo->get()}) {
     std::vector<tensor::Bf16> short_y(oracle.size() - 1, nan);
-    const absl::Status s = b->Run(routing, z, absl::MakeSpan(short_y));
+    const absl::Status s = b->Run(routing, z, {}, absl::MakeSpan(short_y));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b->name() << ": " << s;
     EXPECT_NE(s.message().find("need " + std::to_string(oracle.size()) + " outputs"),
               std::string::npos)

@@ -53,20 +53,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (++uses[s] > limits.top_k) __builtin_trap();
     }
   }
+  // z holds the rows as they arrived: one per batch row, or the distinct ones that z_rows (one
+  // per batch row) points into.
+  const int64_t z_count = batch.z.rows();
+  if (batch.z_rows.empty() ? z_count != batch.rows
+                           : static_cast<int64_t>(batch.z_rows.size()) != batch.rows) {
+    __builtin_trap();
+  }
+  for (int32_t r : batch.z_rows) {
+    if (r < 0 || r >= z_count) __builtin_trap();
+  }
   if (batch.precision == moe::numerics::Precision::kW4A8) {
     const moe::tensor::Mxfp8Rows& z8 = batch.z.mxfp8();
-    if (batch.z.format() != moe::tensor::ActivationFormat::kMxfp8 || z8.rows != batch.rows ||
+    if (batch.z.format() != moe::tensor::ActivationFormat::kMxfp8 || z8.rows != z_count ||
         z8.cols != limits.latent ||
-        static_cast<int64_t>(z8.codes.size()) != batch.rows * limits.latent ||
-        static_cast<int64_t>(z8.scales.size()) != batch.rows * limits.latent / 32) {
+        static_cast<int64_t>(z8.codes.size()) != z_count * limits.latent ||
+        static_cast<int64_t>(z8.scales.size()) != z_count * limits.latent / 32) {
       __builtin_trap();
     }
     for (uint8_t c : z8.codes) {
       if ((c & 0x7F) == 0x7F) __builtin_trap();  // NaN codes are refused
     }
   } else if (batch.z.format() != moe::tensor::ActivationFormat::kBf16 ||
-             batch.z.rows() != batch.rows ||
-             static_cast<int64_t>(batch.z.bf16().size()) != batch.rows * limits.latent) {
+             static_cast<int64_t>(batch.z.bf16().size()) != z_count * limits.latent) {
     __builtin_trap();
   }
   if (static_cast<int64_t>(batch.routing.expert_ids.size()) != batch.rows) __builtin_trap();

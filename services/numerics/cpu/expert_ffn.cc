@@ -15,6 +15,7 @@ namespace {
 struct ExpertInput {
   const Bf16* bf16 = nullptr;
   const Mxfp8Rows* mxfp8 = nullptr;
+  const int32_t* rows = nullptr;  // the z row of each routed token; null: its own
 };
 
 struct ActiveExpert {
@@ -127,7 +128,8 @@ void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>
 // than the MXFP4 decode itself; docs/math.md section 6).
 void ZRow(const ActiveExpert& e, const ExpertInput& z, int64_t k_slots, int64_t d, int64_t t,
           float* dst) {
-  const int64_t row = e.pairs[t] / k_slots;
+  const int64_t token = e.pairs[t] / k_slots;
+  const int64_t row = z.rows != nullptr ? z.rows[token] : token;
   if (z.mxfp8 != nullptr) {
     DequantizeMxfp8Row(*z.mxfp8, row, dst);
     return;
@@ -199,27 +201,32 @@ std::vector<Bf16> OutputFor(const ModelConfig& cfg, const Routing& routing) {
 }  // namespace
 
 void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
-                const MoeLayerWeights& w, const Routing& routing, const Bf16* z, Bf16* y,
-                Precision precision, W4A8H h_order) {
+                const MoeLayerWeights& w, const Routing& routing, const Bf16* z,
+                absl::Span<const int32_t> z_rows, Bf16* y, Precision precision,
+                W4A8H h_order) {
   if (precision == Precision::kW4A8) {
-    const Mxfp8Rows z8 = QuantizeMxfp8Rows(z, routing.tokens, cfg.latent);
-    RunExperts(kernels, pool, cfg, w, routing, z8, y, h_order);
+    int64_t n = routing.tokens;  // the rows of z read
+    if (!z_rows.empty()) n = *std::max_element(z_rows.begin(), z_rows.end()) + 1;
+    const Mxfp8Rows z8 = QuantizeMxfp8Rows(z, n, cfg.latent);
+    RunExperts(kernels, pool, cfg, w, routing, z8, z_rows, y, h_order);
     return;
   }
-  Run(kernels, pool, cfg, w, routing, {z, nullptr}, Precision::kW4A16, h_order, y);
+  Run(kernels, pool, cfg, w, routing, {z, nullptr, z_rows.empty() ? nullptr : z_rows.data()},
+      Precision::kW4A16, h_order, y);
 }
 
 void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
-                const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z, Bf16* y,
-                W4A8H h_order) {
-  Run(kernels, pool, cfg, w, routing, {nullptr, &z}, Precision::kW4A8, h_order, y);
+                const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z,
+                absl::Span<const int32_t> z_rows, Bf16* y, W4A8H h_order) {
+  Run(kernels, pool, cfg, w, routing, {nullptr, &z, z_rows.empty() ? nullptr : z_rows.data()},
+      Precision::kW4A8, h_order, y);
 }
 
 std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                              const MoeLayerWeights& w, const Routing& routing, const Bf16* z,
                              Precision precision, W4A8H h_order) {
   std::vector<Bf16> y = OutputFor(cfg, routing);
-  RunExperts(kernels, pool, cfg, w, routing, z, y.data(), precision, h_order);
+  RunExperts(kernels, pool, cfg, w, routing, z, {}, y.data(), precision, h_order);
   return y;
 }
 
@@ -227,7 +234,7 @@ std::vector<Bf16> RunExperts(const KernelTable& kernels, ThreadPool* pool, const
                              const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z,
                              W4A8H h_order) {
   std::vector<Bf16> y = OutputFor(cfg, routing);
-  RunExperts(kernels, pool, cfg, w, routing, z, y.data(), h_order);
+  RunExperts(kernels, pool, cfg, w, routing, z, {}, y.data(), h_order);
   return y;
 }
 

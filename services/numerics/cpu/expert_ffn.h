@@ -14,6 +14,8 @@
 
 #include <vector>
 
+#include "absl/types/span.h"
+
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
@@ -47,14 +49,18 @@ std::vector<tensor::Bf16> RunExperts(const KernelTable& kernels, ThreadPool* poo
                                      W4A8H h_order = W4A8H::kFromFp32);
 
 // The same, writing y where the caller says (every one of its T * k * D values is written:
-// each output element by one work item, whatever the memory held before).
+// each output element by one work item, whatever the memory held before). z_rows: the row of z
+// each of routing's tokens reads (an expert server's batch: its (token, expert) pairs over the
+// distinct tokens that arrived, read in place instead of gathered first); empty: token t
+// reads row t. The caller checks that each lies within z.
 void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                 const MoeLayerWeights& w, const Routing& routing, const tensor::Bf16* z,
-                tensor::Bf16* y, Precision precision = Precision::kW4A16,
-                W4A8H h_order = W4A8H::kFromFp32);
+                absl::Span<const int32_t> z_rows, tensor::Bf16* y,
+                Precision precision = Precision::kW4A16, W4A8H h_order = W4A8H::kFromFp32);
 void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                 const MoeLayerWeights& w, const Routing& routing, const Mxfp8Rows& z,
-                tensor::Bf16* y, W4A8H h_order = W4A8H::kFromFp32);
+                absl::Span<const int32_t> z_rows, tensor::Bf16* y,
+                W4A8H h_order = W4A8H::kFromFp32);
 
 // One expert for `tokens` rows of z [tokens, D] -> y [tokens, D] (single-threaded; tests).
 void ExpertFfn(const KernelTable& kernels, const ExpertWeights& w, const tensor::Bf16* z,
