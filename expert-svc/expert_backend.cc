@@ -25,13 +25,12 @@ absl::Status CheckShapes(const numerics::Routing& routing, const tensor::Activat
   if (static_cast<int64_t>(y.size()) != want || inputs != routing.tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         "expert backend: ", routing.tokens, " tokens x ", routing.top_k, " experts of ", z.cols(),
-        " values need ", want, " outputs, given ", y.size(), " (activations: ", inputs,
-        " rows)"));
+        " values need ", want, " outputs, given ", y.size(), " (activations: ", inputs, " rows)"));
   }
   for (size_t i = 0; i < z_rows.size(); ++i) {
     if (z_rows[i] < 0 || z_rows[i] >= z.rows()) {
-      return absl::InvalidArgumentError(absl::StrCat("expert backend: token ", i, " reads row ",
-                                                     z_rows[i], " of ", z.rows()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert backend: token ", i, " reads row ", z_rows[i], " of ", z.rows()));
     }
   }
   return absl::OkStatus();
@@ -53,8 +52,7 @@ class CpuBackend final : public ExpertBackend {
                                   w4a8_h_);
         return absl::OkStatus();
       case tensor::ActivationFormat::kBf16:
-        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data(), z_rows,
-                                  y.data());
+        numerics::cpu::RunExperts(k_, pool_, cfg_, w_, routing, z.bf16().data(), z_rows, y.data());
         return absl::OkStatus();
     }
     return absl::InternalError("unknown activation format");

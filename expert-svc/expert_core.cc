@@ -319,7 +319,8 @@ void ExpertCore::Compute(const Batch& b, BatchReply& out, v1::DispatchReply* rep
     return;
   }
   reply->set_precision(transport::PrecisionToProto(b.precision));
-  if (verifier_ != nullptr) verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y, b.z_rows);
+  if (verifier_ != nullptr)
+    verifier_->OnBatch(b.batch_id, b.layer->layer, b.routing, b.z, y, b.z_rows);
   if (b.mode == v1::REPLY_MODE_PER_PAIR) return;
   // Partial sums per distinct token (ascending), over the token's experts in ascending expert
   // id (the groups' order): numerics/combine.h.

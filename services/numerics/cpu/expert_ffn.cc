@@ -202,8 +202,7 @@ std::vector<Bf16> OutputFor(const ModelConfig& cfg, const Routing& routing) {
 
 void RunExperts(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
                 const MoeLayerWeights& w, const Routing& routing, const Bf16* z,
-                absl::Span<const int32_t> z_rows, Bf16* y, Precision precision,
-                W4A8H h_order) {
+                absl::Span<const int32_t> z_rows, Bf16* y, Precision precision, W4A8H h_order) {
   if (precision == Precision::kW4A8) {
     int64_t n = routing.tokens;  // the rows of z read
     if (!z_rows.empty()) n = *std::max_element(z_rows.begin(), z_rows.end()) + 1;

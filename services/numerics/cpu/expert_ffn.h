@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "absl/types/span.h"
-
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/thread_pool.h"
