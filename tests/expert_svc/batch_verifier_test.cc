@@ -73,12 +73,17 @@ struct Results {
   }
 };
 
+// Every batch sampled.
+BatchVerifierOptions EveryBatch() {
+  BatchVerifierOptions o;
+  o.fraction = 1.0;
+  return o;
+}
+
 TEST(BatchVerifier, CleanBatchesMatchTheReference) {
   Fixture f;
   Results res;
-  BatchVerifierOptions o;
-  o.fraction = 1.0;
-  BatchVerifier v(f.cfg, o, f.Regenerate(), res.Sink());
+  BatchVerifier v(f.cfg, EveryBatch(), f.Regenerate(), res.Sink());
   for (uint64_t id = 0; id < 3; ++id) {
     const auto b = f.Run({11, 14, 19}, 5);
     v.OnBatch(id, 1, b.routing, tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent),
@@ -102,9 +107,7 @@ TEST(BatchVerifier, CleanBatchesMatchTheReference) {
 TEST(BatchVerifier, RowsReadThroughZRowsAreTheBatchRows) {
   Fixture f;
   Results res;
-  BatchVerifierOptions o;
-  o.fraction = 1.0;
-  BatchVerifier v(f.cfg, o, f.Regenerate(), res.Sink());
+  BatchVerifier v(f.cfg, EveryBatch(), f.Regenerate(), res.Sink());
   const auto b = f.Run({11, 14, 19}, 5);
   const int64_t n = b.routing.tokens, d = f.cfg.latent;
   std::vector<Bf16> stored(b.z.size());
@@ -132,9 +135,7 @@ TEST(BatchVerifier, ACorruptedWeightByteIsCountedAsAMismatch) {
   numerics::ExpertWeights& e14 = f.serving.experts[14 - kLo];
   const_cast<uint8_t*>(e14.w2.scales)[5 * (e14.w2.cols / 32)] += 4;
   Results res;
-  BatchVerifierOptions o;
-  o.fraction = 1.0;
-  BatchVerifier v(f.cfg, o, f.Regenerate(), res.Sink());
+  BatchVerifier v(f.cfg, EveryBatch(), f.Regenerate(), res.Sink());
   const auto b = f.Run({14}, 6);
   v.OnBatch(42, 1, b.routing, tensor::Activations::FromBf16(b.z, b.routing.tokens, f.cfg.latent),
             b.y.data());
@@ -183,8 +184,7 @@ TEST(BatchVerifier, AFullQueueAndAMissingReferenceAreCounted) {
   std::shared_future<void> go = release.get_future().share();
   std::atomic<int> calls{0};
   Results res;
-  BatchVerifierOptions o;
-  o.fraction = 1.0;
+  BatchVerifierOptions o = EveryBatch();
   o.max_pending = 2;
   auto regen = f.Regenerate();
   BatchVerifier v(
