@@ -49,14 +49,17 @@ absl::StatusOr<ExpertReply> LocalExpertChannel::Run(const DispatchHeader& header
     routing.expert_ids.insert(routing.expert_ids.end(), static_cast<size_t>(n), expert);
   }
   routing.weights.assign(static_cast<size_t>(rows), 1.0f);
-  const tensor::Activations z = m.z.Gather(m.row_source.data(), rows);  // [rows, D]
-  std::vector<tensor::Bf16> y;
-  switch (z.format()) {
+  // Each (token, expert) row reads its token's z in place through row_source (no gathered
+  // [rows, D] copy), as an expert server does.
+  std::vector<tensor::Bf16> y(static_cast<size_t>(rows * cfg_.latent));
+  switch (m.z.format()) {
     case tensor::ActivationFormat::kMxfp8:
-      y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.mxfp8());
+      numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, m.z.mxfp8(),
+                                m.row_source, y.data());
       break;
     case tensor::ActivationFormat::kBf16:
-      y = numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, z.bf16().data());
+      numerics::cpu::RunExperts(kernels_, pool_, cfg_, *weights_, routing, m.z.bf16().data(),
+                                m.row_source, y.data());
       break;
   }
   ExpertReply reply;
