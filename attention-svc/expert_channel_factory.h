@@ -17,7 +17,7 @@
 #include "attention-svc/expert_channel.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 
 namespace moe::attention_svc {
@@ -37,7 +37,7 @@ struct ExpertChannelConfig {
   std::function<const numerics::MoeLayerWeights*(const ShardRef&)> local_weights;
   const ModelConfig* cfg = nullptr;
   const numerics::cpu::KernelTable* kernels = nullptr;
-  numerics::cpu::ThreadPool* pool = nullptr;
+  ThreadPool* pool = nullptr;
 };
 
 std::shared_ptr<ExpertChannel> MakeExpertChannel(const ExpertChannelConfig& config,

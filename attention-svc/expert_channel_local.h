@@ -13,7 +13,7 @@
 #include "attention-svc/expert_channel.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 
 namespace moe::attention_svc {
@@ -23,7 +23,7 @@ class LocalExpertChannel final : public ExpertChannel {
   // weights, kernels and pool must outlive the channel.
   LocalExpertChannel(std::string shard, const ModelConfig& cfg,
                      const numerics::MoeLayerWeights* weights,
-                     const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool);
+                     const numerics::cpu::KernelTable& kernels, ThreadPool* pool);
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
                                    const DispatchMessage& message) override;
@@ -37,7 +37,7 @@ class LocalExpertChannel final : public ExpertChannel {
   const ModelConfig cfg_;
   const numerics::MoeLayerWeights* weights_;
   const numerics::cpu::KernelTable& kernels_;
-  numerics::cpu::ThreadPool* pool_;
+  ThreadPool* pool_;
 };
 
 }  // namespace moe::attention_svc

@@ -34,7 +34,7 @@ namespace moe::attention_svc {
 struct LocalExperts {
   std::function<const numerics::MoeLayerWeights*(const ShardRef&)> weights;
   const numerics::cpu::KernelTable* kernels = nullptr;
-  numerics::cpu::ThreadPool* pool = nullptr;
+  ThreadPool* pool = nullptr;
 };
 
 struct ExpertLinksOptions {

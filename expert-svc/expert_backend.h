@@ -23,7 +23,7 @@
 #include "services/common/enum_names.h"
 #include "services/common/model_config.h"
 #include "services/numerics/cpu/kernels.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/cuda/cuda_backend.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
@@ -80,7 +80,7 @@ absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
 // w4a8_h: where the CPU backend's W4A8 quantizes h (precision_mode.h).
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
-    const numerics::cpu::KernelTable& kernels, numerics::cpu::ThreadPool* pool,
+    const numerics::cpu::KernelTable& kernels, ThreadPool* pool,
     numerics::W4A8H w4a8_h = numerics::W4A8H::kFromFp32);
 
 }  // namespace moe::expert_svc

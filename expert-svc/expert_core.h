@@ -35,7 +35,7 @@
 #include "expert-svc/expert_options.h"
 #include "services/checkpoint/checkpoint.h"
 #include "services/numerics/cpu/machine_limits.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 
 namespace prometheus {
@@ -103,7 +103,7 @@ class ExpertCore {
   std::vector<numerics::Precision> precisions_;                 // served, the default first
   const numerics::cpu::KernelTable* kernels_ = nullptr;
   const numerics::cpu::KernelChoice* kernel_choice_ = nullptr;  // null: echo backend
-  std::unique_ptr<numerics::cpu::ThreadPool> pool_;
+  std::unique_ptr<ThreadPool> pool_;
   numerics::cpu::MachineLimits limits_;  // zero when not measured
   // The limits again while idle (the start-up probe may have shared the machine with a busy
   // neighbour): the best of every measurement is kept. Compute thread only.

@@ -19,7 +19,7 @@
 #include "services/checkpoint/synthetic.h"
 #include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/moe_layer.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe::attention_svc {
@@ -124,7 +124,7 @@ class CoreTest : public ::testing::Test {
   checkpoint::SyntheticOptions so_;
   numerics::MoeLayerWeights lo_, hi_, hi_lie_;
   std::atomic<bool> lying_{false};  // shard-1 answers with hi_lie_
-  numerics::cpu::ThreadPool pool_{2};
+  ThreadPool pool_{2};
   std::unique_ptr<AttentionCore> core_;
   mutable std::vector<Bf16> x_;
 };

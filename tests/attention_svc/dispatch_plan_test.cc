@@ -190,7 +190,7 @@ TEST(DispatchRoundTrip, EqualsTheInProcessCombine) {
   const numerics::MoeLayerWeights hi =
       checkpoint::SyntheticExperts(cfg, 1, 40, cfg.num_experts, so);
   const auto& kernels = numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate);
-  numerics::cpu::ThreadPool pool(2);
+  ThreadPool pool(2);
   LocalExpertChannel ch0("shard-0", cfg, &lo, kernels, &pool);
   LocalExpertChannel ch1("shard-1", cfg, &hi, kernels, &pool);
   const LayerRoute route = BuildRoute(
@@ -248,7 +248,7 @@ TEST(DispatchRoundTrip, EqualsTheInProcessCombine) {
 TEST(LocalExpertChannel, RefusesAnExpertOutsideItsRange) {
   const ModelConfig cfg = *PresetConfig("tiny");
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 5, {});
-  numerics::cpu::ThreadPool pool(1);
+  ThreadPool pool(1);
   LocalExpertChannel ch("shard-0", cfg, &w, numerics::cpu::ScalarKernels(), &pool);
   DispatchMessage m;
   m.groups = {{7, 1}};

@@ -281,7 +281,7 @@ TEST(FailoverChannel, APassedDeadlineEndsTheFailover) {
 TEST(MakeExpertChannel, ChoosesInProcessThenTheDataPlaneThenGrpc) {
   const ModelConfig cfg = *PresetConfig("tiny");
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 8, {});
-  numerics::cpu::ThreadPool pool(1);
+  ThreadPool pool(1);
   ExpertChannelConfig c;
   c.cfg = &cfg;
   c.kernels = &numerics::cpu::ScalarKernels();

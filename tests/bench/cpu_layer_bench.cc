@@ -63,7 +63,6 @@ using numerics::cpu::CpuMoeLayer;
 using numerics::cpu::Isa;
 using numerics::cpu::IsaName;
 using numerics::cpu::KernelsFor;
-using numerics::cpu::ThreadPool;
 using tensor::Bf16;
 
 // Routed experts at the K3 shape on the threaded expert path (RunExperts), for one ISA and
@@ -380,7 +379,7 @@ int main(int argc, char** argv) {
               IsaName(DetectIsa()));
   Limits lim;
   {
-    ThreadPool all(kThreads), one(1);
+    moe::ThreadPool all(kThreads), one(1);
     lim.bandwidth = moe::numerics::cpu::MeasureReadBandwidth(&all, int64_t{1} << 30, 5);
     lim.bandwidth_one = moe::numerics::cpu::MeasureReadBandwidth(&one, int64_t{1} << 30, 3);
     Add("limit: streaming read, 1 GiB, all threads", F("%.1f GB/s", lim.bandwidth / 1e9),

@@ -41,7 +41,6 @@ namespace {
 
 using numerics::cpu::Isa;
 using numerics::cpu::KernelTable;
-using numerics::cpu::ThreadPool;
 using Clock = std::chrono::steady_clock;
 
 // Sorted wall times of `runs` calls (after one warm-up).
@@ -211,7 +210,7 @@ int main(int argc, char** argv) {
   f.Int("threads", &threads, "threads of the expert pool (default: every hardware thread)");
   f.String("isa", &isa_list, "sets to run (default: the chosen decode set, then every set)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
-  ThreadPool pool(threads);
+  moe::ThreadPool pool(threads);
   moe::ModelConfig cfg = *moe::PresetConfig("k3");
   cfg.num_experts = experts;
   const absl::StatusOr<Sets> sets = ChooseSets(isa_list, cfg);

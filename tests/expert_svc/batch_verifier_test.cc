@@ -24,7 +24,7 @@ struct Fixture {
   ModelConfig cfg = *PresetConfig("mid");
   checkpoint::SyntheticOptions so;
   numerics::MoeLayerWeights serving;  // the server's copy (writable memory in synthetic mode)
-  numerics::cpu::ThreadPool pool{2};
+  ThreadPool pool{2};
 
   Fixture() {
     so.seed = 3;

@@ -60,7 +60,7 @@ TEST(MakeExpertBackend, AutoFallsBackToTheCpuAndSaysWhyWhereCudaIsUnusable) {
   if (numerics::cuda::CudaDeviceStatus().ok()) GTEST_SKIP() << "this machine has a usable GPU";
   const ModelConfig cfg = *PresetConfig("tiny");
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 4, {});
-  numerics::cpu::ThreadPool pool(1);
+  ThreadPool pool(1);
   auto b = MakeExpertBackend(Backend::kAuto, cfg, w, numerics::cpu::ScalarKernels(), &pool);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ((*b)->name().rfind("cpu/", 0), 0u) << (*b)->name();
@@ -77,7 +77,7 @@ TEST(ExpertBackendRun, WritesEveryOutputWhereTheCallerSays) {
   const ModelConfig cfg = *PresetConfig("tiny");
   const int64_t d = cfg.latent, tokens = 5, k = 2;
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 0, 4, {});
-  numerics::cpu::ThreadPool pool(2);
+  ThreadPool pool(2);
   numerics::Routing routing;
   routing.tokens = tokens;
   routing.top_k = k;

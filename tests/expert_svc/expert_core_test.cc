@@ -90,7 +90,7 @@ TEST(ExpertCore, AnswersThroughTheLocalEndpointLikeTheKernels) {
   routing.top_k = 1;
   routing.expert_ids = {4, 4, 8};
   routing.weights = {1, 1, 1};
-  numerics::cpu::ThreadPool pool(1);
+  ThreadPool pool(1);
   checkpoint::SyntheticOptions so;
   so.seed = 5;
   const numerics::MoeLayerWeights w = checkpoint::SyntheticExperts(cfg, 1, 3, 9, so);

@@ -89,7 +89,7 @@ TEST(ExpertServer, SyntheticRangeFromASeedServesTheSameExperts) {
   std::vector<Bf16> rows;
   for (int r : {0, 2, 1, 2, 3})
     rows.insert(rows.end(), z.begin() + r * cfg.latent, z.begin() + (r + 1) * cfg.latent);
-  numerics::cpu::ThreadPool pool(1);
+  ThreadPool pool(1);
   const std::vector<Bf16> want =
       numerics::cpu::RunExperts(numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate), &pool,
                                 cfg, full, routing, rows.data());

@@ -84,7 +84,7 @@ W4A8Batch MakeW4A8Batch(const ModelConfig& cfg) {
   routing.top_k = 1;
   routing.expert_ids = {4, 4, 20, 20};
   routing.weights.assign(4, 1.0f);
-  numerics::cpu::ThreadPool pool(1);
+  ThreadPool pool(1);
   const auto& kernels = numerics::cpu::ChosenKernels(cfg.latent, cfg.intermediate);
   b.want =
       numerics::cpu::RunExperts(kernels, &pool, cfg, full, routing, z8.Gather(source.data(), 4));

@@ -137,7 +137,7 @@ class ClusterBadInput : public testing::ClusterTest {
   std::vector<Bf16> x_, z_;
   std::unique_ptr<transport::ExpertStream> stream_;
   absl::Time deadline_;
-  numerics::cpu::ThreadPool pool_{1};
+  ThreadPool pool_{1};
   // The data plane of our own (OpenOwnDataPlane), as attention-svc opens one.
   std::unique_ptr<dataplane::UcxWorker> worker_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;

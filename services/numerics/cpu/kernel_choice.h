@@ -38,7 +38,7 @@
 #include "absl/strings/string_view.h"
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/kernels.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 
 namespace moe::numerics::cpu {
 

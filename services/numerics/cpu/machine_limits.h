@@ -4,7 +4,7 @@
 // once at start (bounded, well under a second) and exports what its kernels achieve as
 // fractions of them.
 //
-//   cpu::ThreadPool pool(2);
+//   ThreadPool pool(2);
 //   const cpu::MachineLimits lim = cpu::MeasureMachineLimits(cpu::KernelsFor(isa), &pool, {});
 //   // lim.read_bytes_per_second, lim.fma_flops_per_second
 #ifndef MOE_SERVICES_NUMERICS_CPU_MACHINE_LIMITS_H_
@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "services/numerics/cpu/kernels.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 
 namespace moe::numerics::cpu {
 

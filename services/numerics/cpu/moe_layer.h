@@ -25,7 +25,7 @@
 #include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/kernels.h"
 #include "services/numerics/cpu/packed_linear.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/moe_layer.h"
 #include "services/numerics/mxfp8.h"

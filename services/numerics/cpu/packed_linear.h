@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "services/numerics/cpu/kernels.h"
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::numerics::cpu {

@@ -1,11 +1,12 @@
-// A fixed pool of worker threads for the CPU kernels. ParallelFor hands out item indices
-// dynamically; the calling thread works too. Every item is computed by exactly one thread with a
-// fixed internal order, so results never depend on the thread count.
+// A fixed pool of worker threads (the CPU kernels; the payload MAC of large messages).
+// ParallelFor hands out item indices dynamically; the calling thread works too. Every item is
+// computed by exactly one thread with a fixed internal order, so results never depend on the
+// thread count.
 //
 //   ThreadPool pool(2);
 //   pool.ParallelFor(num_tiles, [&](int64_t tile) { ... });
-#ifndef MOE_SERVICES_NUMERICS_CPU_THREAD_POOL_H_
-#define MOE_SERVICES_NUMERICS_CPU_THREAD_POOL_H_
+#ifndef MOE_SERVICES_COMMON_THREAD_POOL_H_
+#define MOE_SERVICES_COMMON_THREAD_POOL_H_
 
 #include <atomic>
 #include <condition_variable>
@@ -15,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-namespace moe::numerics::cpu {
+namespace moe {
 
 class ThreadPool {
  public:
@@ -30,10 +31,14 @@ class ThreadPool {
   // Runs fn(i) for i in [0, n) and returns when all are done. Calls from several threads take
   // turns; a call from inside fn deadlocks (not reentrant).
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+  // ParallelFor, unless another call holds the pool: then nothing runs and it returns false (the
+  // caller does the work itself rather than wait its turn).
+  bool TryParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
   void WorkerLoop();
   void RunItems();
+  void RunLocked(int64_t n, const std::function<void(int64_t)>& fn);  // holds call_mu_
 
   std::vector<std::thread> workers_;
   std::mutex call_mu_;  // one ParallelFor at a time
@@ -47,6 +52,6 @@ class ThreadPool {
   std::atomic<int64_t> next_{0};
 };
 
-}  // namespace moe::numerics::cpu
+}  // namespace moe
 
-#endif  // MOE_SERVICES_NUMERICS_CPU_THREAD_POOL_H_
+#endif  // MOE_SERVICES_COMMON_THREAD_POOL_H_

@@ -1,8 +1,8 @@
-#include "services/numerics/cpu/thread_pool.h"
+#include "services/common/thread_pool.h"
 
 #include "services/common/cpus.h"
 
-namespace moe::numerics::cpu {
+namespace moe {
 
 ThreadPool::ThreadPool(int threads) {
   // 0: the CPUs this process may use (its affinity and cgroup quota, not the machine's cores).
@@ -48,6 +48,22 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   }
   // Callers from several threads take turns (the pool runs one ParallelFor at a time).
   std::lock_guard<std::mutex> turn(call_mu_);
+  RunLocked(n, fn);
+}
+
+bool ThreadPool::TryParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return true;
+  if (workers_.empty() || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return true;
+  }
+  std::unique_lock<std::mutex> turn(call_mu_, std::try_to_lock);
+  if (!turn.owns_lock()) return false;
+  RunLocked(n, fn);
+  return true;
+}
+
+void ThreadPool::RunLocked(int64_t n, const std::function<void(int64_t)>& fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     fn_ = &fn;
@@ -63,4 +79,4 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
   fn_ = nullptr;
 }
 
-}  // namespace moe::numerics::cpu
+}  // namespace moe
