@@ -25,8 +25,7 @@ class DoneCall final : public ExpertCall {
 
 LocalExpertChannel::LocalExpertChannel(std::string shard, const ModelConfig& cfg,
                                        const numerics::MoeLayerWeights* weights,
-                                       const numerics::cpu::KernelTable& kernels,
-                                       ThreadPool* pool)
+                                       const numerics::cpu::KernelTable& kernels, ThreadPool* pool)
     : shard_(std::move(shard)), cfg_(cfg), weights_(weights), kernels_(kernels), pool_(pool) {}
 
 std::unique_ptr<ExpertCall> LocalExpertChannel::Send(const DispatchHeader& header,

@@ -12,8 +12,8 @@
 
 #include "attention-svc/expert_channel.h"
 #include "services/common/model_config.h"
-#include "services/numerics/cpu/kernels.h"
 #include "services/common/thread_pool.h"
+#include "services/numerics/cpu/kernels.h"
 #include "services/numerics/layer_weights.h"
 
 namespace moe::attention_svc {

@@ -39,8 +39,7 @@ absl::Status CheckShapes(const numerics::Routing& routing, const tensor::Activat
 class CpuBackend final : public ExpertBackend {
  public:
   CpuBackend(const ModelConfig& cfg, const numerics::MoeLayerWeights& w,
-             const numerics::cpu::KernelTable& k, ThreadPool* pool,
-             numerics::W4A8H w4a8_h)
+             const numerics::cpu::KernelTable& k, ThreadPool* pool, numerics::W4A8H w4a8_h)
       : cfg_(cfg), w_(w), k_(k), pool_(pool), w4a8_h_(w4a8_h) {}
   std::string name() const override { return absl::StrCat("cpu/", numerics::cpu::KernelsName(k_)); }
   absl::Status Run(const numerics::Routing& routing, const tensor::Activations& z,
@@ -167,8 +166,7 @@ absl::StatusOr<BackendChoice> ChooseBackend(Backend requested,
 
 absl::StatusOr<std::unique_ptr<ExpertBackend>> MakeExpertBackend(
     Backend backend, const ModelConfig& cfg, const numerics::MoeLayerWeights& weights,
-    const numerics::cpu::KernelTable& kernels, ThreadPool* pool,
-    numerics::W4A8H w4a8_h) {
+    const numerics::cpu::KernelTable& kernels, ThreadPool* pool, numerics::W4A8H w4a8_h) {
   const numerics::cuda::CudaDeviceInfo gpu = backend == Backend::kCuda || backend == Backend::kAuto
                                                  ? numerics::cuda::QueryCudaDevice()
                                                  : numerics::cuda::CudaDeviceInfo{};

@@ -34,8 +34,8 @@
 #include "expert-svc/expert_backend.h"
 #include "expert-svc/expert_options.h"
 #include "services/checkpoint/checkpoint.h"
-#include "services/numerics/cpu/machine_limits.h"
 #include "services/common/thread_pool.h"
+#include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/layer_weights.h"
 
 namespace prometheus {

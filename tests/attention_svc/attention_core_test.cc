@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "services/checkpoint/synthetic.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/cpu/kernel_choice.h"
 #include "services/numerics/cpu/moe_layer.h"
-#include "services/common/thread_pool.h"
 #include "services/transport/tensor_codec.h"
 
 namespace moe::attention_svc {

@@ -16,8 +16,8 @@
 
 #include "absl/types/span.h"
 #include "services/common/model_config.h"
-#include "services/numerics/cpu/kernels.h"
 #include "services/common/thread_pool.h"
+#include "services/numerics/cpu/kernels.h"
 #include "services/numerics/layer_weights.h"
 #include "services/numerics/mxfp8.h"
 #include "services/numerics/precision_mode.h"

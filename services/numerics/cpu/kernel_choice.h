@@ -36,9 +36,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/cpu/cpu_isa.h"
 #include "services/numerics/cpu/kernels.h"
-#include "services/common/thread_pool.h"
 
 namespace moe::numerics::cpu {
 

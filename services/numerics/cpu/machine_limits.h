@@ -12,8 +12,8 @@
 
 #include <cstdint>
 
-#include "services/numerics/cpu/kernels.h"
 #include "services/common/thread_pool.h"
+#include "services/numerics/cpu/kernels.h"
 
 namespace moe::numerics::cpu {
 

@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "services/numerics/cpu/kernels.h"
 #include "services/common/thread_pool.h"
+#include "services/numerics/cpu/kernels.h"
 #include "services/tensor/bf16.h"
 
 namespace moe::numerics::cpu {
