@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "services/common/cpus.h"
 #include "services/common/flags.h"
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
@@ -37,21 +38,35 @@ int Main(int argc, char** argv) {
     return 0;
   }
   std::printf("memcpy bandwidth (read+write): %.1f GB/s\n", bench::MemcpyBandwidth() / 1e9);
-  {
-    // The payload integrity check's cost (AES-256-GMAC), per byte, on a k3 T = 16 reply.
-    auto mac = dataplane::PayloadMac::Create(dataplane::RandomBytes(dataplane::kMacKeyBytes));
-    std::vector<uint8_t> payload(1835008, 3);
-    int64_t n = 0;
-    const auto t0 = Clock::now();
-    while (n < 100000 && std::chrono::duration<double>(Clock::now() - t0).count() < 0.5) {
-      (void)mac->Compute(dataplane::Direction::kToExpert, static_cast<uint64_t>(n), payload.data(),
-                         payload.size());
-      ++n;
+  // The payload integrity check's cost (AES-256-GMAC): one pass on this thread, and what
+  // Compute does (in pieces on the MAC pool from kParallelMacBytes), on a k3 T = 16 reply of one
+  // shard, the mid preset's T = 256 reply and a k3 T = 256 reply.
+  auto mac = dataplane::PayloadMac::Create(dataplane::RandomBytes(dataplane::kMacKeyBytes));
+  std::printf(
+      "| payload MAC (AES-256-GMAC) | one pass: GB/s, us | Compute (%d CPUs): GB/s, us |\n"
+      "|---|---|---|\n",
+      UsableCpus());
+  for (size_t bytes : {size_t{1835008}, size_t{2} << 20, size_t{29360128}}) {
+    std::vector<uint8_t> payload(bytes, 3);
+    double rate[2], us[2];
+    for (int way = 0; way < 2; ++way) {
+      int64_t n = 0;
+      const auto t0 = Clock::now();
+      while (n < 100000 && std::chrono::duration<double>(Clock::now() - t0).count() < 0.5) {
+        const auto d = dataplane::Direction::kToExpert;
+        const uint64_t seq = static_cast<uint64_t>(n);
+        (void)(way == 0 ? mac->ComputeInPieces(d, seq, payload.data(), bytes, {}, bytes, nullptr)
+                        : mac->Compute(d, seq, payload.data(), bytes));
+        ++n;
+      }
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      rate[way] = bytes * n / s / 1e9;
+      us[way] = 1e6 * s / n;
     }
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::printf("payload MAC (AES-256-GMAC, 1.8 MB): %.2f GB/s, %.1f us per payload\n\n",
-                payload.size() * n / s / 1e9, 1e6 * s / n);
+    std::printf("| %.1f MB | %.2f, %.1f | %.2f, %.1f |\n", bytes / 1e6, rate[0], us[0], rate[1],
+                us[1]);
   }
+  std::printf("\n");
   std::printf(
       "| UCX_TLS | lanes UCX selected | bytes | round trips | us per round trip | GB/s (both "
       "ways) |\n"
