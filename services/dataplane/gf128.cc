@@ -41,17 +41,14 @@ Gf128 MulReference(Gf128 x, Gf128 y) {
 namespace {
 
 #if defined(__x86_64__)
-// In a 128-bit register holding (hi, lo) as one integer, bit k is the coefficient of x^(127-k):
-// GCM's order reflected. The carry-less product of two reflected values is the reflected
-// 255-bit product one bit short, hence the shift left by one before the reduction, which folds
-// the low half into the high half modulo the reflected x^128 + x^7 + x^2 + x + 1.
-__attribute__((target("pclmul,sse4.1"))) Gf128 MulClmul(Gf128 x, Gf128 y) {
-  const __m128i a = _mm_set_epi64x(static_cast<int64_t>(x.hi), static_cast<int64_t>(x.lo));
-  const __m128i b = _mm_set_epi64x(static_cast<int64_t>(y.hi), static_cast<int64_t>(y.lo));
-  __m128i low = _mm_clmulepi64_si128(a, b, 0x00);
-  __m128i high = _mm_clmulepi64_si128(a, b, 0x11);
-  const __m128i mid =
-      _mm_xor_si128(_mm_clmulepi64_si128(a, b, 0x10), _mm_clmulepi64_si128(a, b, 0x01));
+// In a 128-bit register holding (hi, lo) as one integer (a block's bytes reversed), bit k is the
+// coefficient of x^(127-k): GCM's order reflected. The carry-less product of two reflected
+// values is the reflected 255-bit product one bit short, hence the shift left by one before the
+// reduction, which folds the low half into the high half modulo the reflected
+// x^128 + x^7 + x^2 + x + 1. Both steps are linear: a sum of products is reduced once.
+inline __attribute__((always_inline, target("pclmul,sse4.1"))) __m128i Reduce(__m128i low,
+                                                                              __m128i high,
+                                                                              __m128i mid) {
   low = _mm_xor_si128(low, _mm_slli_si128(mid, 8));
   high = _mm_xor_si128(high, _mm_srli_si128(mid, 8));
 
@@ -62,8 +59,8 @@ __attribute__((target("pclmul,sse4.1"))) Gf128 MulClmul(Gf128 x, Gf128 y) {
   high = _mm_or_si128(_mm_slli_epi32(high, 1),
                       _mm_or_si128(_mm_slli_si128(high_out, 4), _mm_srli_si128(low_out, 12)));
 
-  // Reduction: the first phase folds by x^63, x^62, x^57 (shifts 31, 30, 25 within lanes), the
-  // second by x^1, x^2, x^7.
+  // The first phase folds by x^63, x^62, x^57 (shifts 31, 30, 25 within lanes), the second by
+  // x^1, x^2, x^7.
   __m128i t = _mm_xor_si128(_mm_xor_si128(_mm_slli_epi32(low, 31), _mm_slli_epi32(low, 30)),
                             _mm_slli_epi32(low, 25));
   const __m128i carry = _mm_srli_si128(t, 4);
@@ -71,15 +68,103 @@ __attribute__((target("pclmul,sse4.1"))) Gf128 MulClmul(Gf128 x, Gf128 y) {
   t = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi32(low, 1), _mm_srli_epi32(low, 2)),
                     _mm_srli_epi32(low, 7));
   low = _mm_xor_si128(low, _mm_xor_si128(t, carry));
-  high = _mm_xor_si128(high, low);
-  return {static_cast<uint64_t>(_mm_extract_epi64(high, 1)),
-          static_cast<uint64_t>(_mm_extract_epi64(high, 0))};
+  return _mm_xor_si128(high, low);
+}
+
+__attribute__((target("pclmul,sse4.1"))) __m128i ToReg(Gf128 x) {
+  return _mm_set_epi64x(static_cast<int64_t>(x.hi), static_cast<int64_t>(x.lo));
+}
+
+__attribute__((target("pclmul,sse4.1"))) Gf128 FromReg(__m128i r) {
+  return {static_cast<uint64_t>(_mm_extract_epi64(r, 1)),
+          static_cast<uint64_t>(_mm_extract_epi64(r, 0))};
+}
+
+__attribute__((target("pclmul,sse4.1"))) Gf128 MulClmul(Gf128 x, Gf128 y) {
+  const __m128i a = ToReg(x), b = ToReg(y);
+  return FromReg(
+      Reduce(_mm_clmulepi64_si128(a, b, 0x00), _mm_clmulepi64_si128(a, b, 0x11),
+             _mm_xor_si128(_mm_clmulepi64_si128(a, b, 0x10), _mm_clmulepi64_si128(a, b, 0x01))));
 }
 
 bool HasClmul() {
   static const bool has = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
   return has;
 }
+
+bool HasWideClmul() {
+  static const bool has = HasClmul() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("vpclmulqdq");
+  return has;
+}
+
+// GCC 12 takes the intrinsics' deliberately undefined pass-through operands for uninitialized
+// reads inside target("avx512f") functions.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// The XOR of a 512-bit register's four 128-bit lanes.
+__attribute__((target("avx512f"))) __m128i SumLanes(__m512i v) {
+  v = _mm512_xor_si512(v, _mm512_shuffle_i64x2(v, v, 0x4E));  // lanes 2, 3, 0, 1
+  v = _mm512_xor_si512(v, _mm512_shuffle_i64x2(v, v, 0xB1));  // lanes 1, 0, 3, 2
+  return _mm512_castsi512_si128(v);
+}
+
+// Lane k of the result is h^(top + 1 - k) (p[i] = h^(i + 1)), as (hi, lo) like ToReg.
+__attribute__((target("avx512f"))) __m512i FourPowers(const Gf128* p, int top) {
+  return _mm512_set_epi64(static_cast<int64_t>(p[top - 3].hi), static_cast<int64_t>(p[top - 3].lo),
+                          static_cast<int64_t>(p[top - 2].hi), static_cast<int64_t>(p[top - 2].lo),
+                          static_cast<int64_t>(p[top - 1].hi), static_cast<int64_t>(p[top - 1].lo),
+                          static_cast<int64_t>(p[top].hi), static_cast<int64_t>(p[top].lo));
+}
+
+// One step over n blocks (a multiple of 4, at most kGhashStepBlocks): y' = (y ^ X_1) h^n ^
+// X_2 h^(n-1) ^ ... ^ X_n h, four blocks per 512-bit register against four powers, the products
+// summed unreduced and reduced once. Only the first register waits for the last step's
+// reduction, so with 64 blocks a step the rest of its multiplies run under that reduction.
+__attribute__((target("pclmul,sse4.1,avx512f,avx512bw,vpclmulqdq"))) __m128i GhashStep(
+    const __m512i* powers, __m128i acc, const uint8_t* data, int groups) {
+  const __m512i reverse = _mm512_set_epi64(
+      0x0001020304050607, 0x08090a0b0c0d0e0f, 0x0001020304050607, 0x08090a0b0c0d0e0f,
+      0x0001020304050607, 0x08090a0b0c0d0e0f, 0x0001020304050607, 0x08090a0b0c0d0e0f);
+  __m512i low = _mm512_setzero_si512(), high = low, mid = low;
+  for (int g = 0; g < groups; ++g) {
+    __m512i x = _mm512_shuffle_epi8(_mm512_loadu_si512(data + 64 * g), reverse);
+    if (g == 0) x = _mm512_xor_si512(x, _mm512_maskz_broadcast_i32x4(0x000F, acc));
+    low = _mm512_xor_si512(low, _mm512_clmulepi64_epi128(x, powers[g], 0x00));
+    high = _mm512_xor_si512(high, _mm512_clmulepi64_epi128(x, powers[g], 0x11));
+    mid = _mm512_ternarylogic_epi64(mid, _mm512_clmulepi64_epi128(x, powers[g], 0x10),
+                                    _mm512_clmulepi64_epi128(x, powers[g], 0x01), 0x96);
+  }
+  return Reduce(SumLanes(low), SumLanes(high), SumLanes(mid));
+}
+
+// Whole steps of kGhashStepBlocks, then one of the largest multiple of 4 left: what is left
+// (at most 3 blocks) goes to the caller. Returns the blocks taken.
+__attribute__((target("pclmul,sse4.1,avx512f,avx512bw,vpclmulqdq"))) size_t GhashWide(
+    const GhashKey& key, Gf128* y, const uint8_t* data, size_t blocks) {
+  constexpr int kGroups = kGhashStepBlocks / 4;
+  __m512i powers[kGroups];
+  for (int g = 0; g < kGroups; ++g)
+    powers[g] = FourPowers(key.powers, kGhashStepBlocks - 1 - 4 * g);
+  __m128i acc = ToReg(*y);
+  const size_t steps = blocks / kGhashStepBlocks;
+  for (size_t s = 0; s < steps; ++s) {
+    acc = GhashStep(powers, acc, data + 16 * kGhashStepBlocks * s, kGroups);
+  }
+  size_t taken = steps * kGhashStepBlocks;
+  if (const int groups = static_cast<int>((blocks - taken) / 4); groups > 0) {
+    __m512i last[kGroups];
+    for (int g = 0; g < groups; ++g) last[g] = FourPowers(key.powers, 4 * groups - 1 - 4 * g);
+    acc = GhashStep(last, acc, data + 16 * taken, groups);
+    taken += 4 * static_cast<size_t>(groups);
+  }
+  *y = FromReg(acc);
+  return taken;
+}
+#pragma GCC diagnostic pop
 #endif
 
 }  // namespace
@@ -89,6 +174,31 @@ Gf128 Mul(Gf128 x, Gf128 y) {
   if (HasClmul()) return MulClmul(x, y);
 #endif
   return MulReference(x, y);
+}
+
+GhashKey::GhashKey(Gf128 h) {
+  powers[0] = h;
+  for (int i = 1; i < kGhashStepBlocks; ++i) powers[i] = Mul(powers[i - 1], h);
+}
+
+Gf128 GhashBlocks(const GhashKey& key, Gf128 y, const uint8_t* data, size_t blocks, bool wide) {
+#if defined(__x86_64__)
+  if (wide && HasWideClmul() && blocks >= 4) {
+    const size_t taken = GhashWide(key, &y, data, blocks);
+    data += 16 * taken;
+    blocks -= taken;
+  }
+#endif
+  for (size_t i = 0; i < blocks; ++i) y = Mul(y ^ Gf128::Load(data + 16 * i), key.powers[0]);
+  return y;
+}
+
+bool WideGhash() {
+#if defined(__x86_64__)
+  return HasWideClmul();
+#else
+  return false;
+#endif
 }
 
 Gf128 Pow(Gf128 h, uint64_t m) {

@@ -11,6 +11,7 @@
 #ifndef MOE_SERVICES_DATAPLANE_GF128_H_
 #define MOE_SERVICES_DATAPLANE_GF128_H_
 
+#include <cstddef>
 #include <cstdint>
 
 namespace moe::dataplane {
@@ -36,6 +37,24 @@ Gf128 MulReference(Gf128 x, Gf128 y);
 Gf128 Pow(Gf128 h, uint64_t m);
 // GCM's final length block: the additional data's and the text's lengths in bits, 64 bits each.
 Gf128 LengthBlock(uint64_t aad_bytes, uint64_t text_bytes);
+
+// Blocks per step of the wide GHASH (a multiple of 4).
+constexpr int kGhashStepBlocks = 64;
+
+// GHASH's key h with its powers h^1 .. h^kGhashStepBlocks.
+struct GhashKey {
+  explicit GhashKey(Gf128 h);
+  Gf128 powers[kGhashStepBlocks];  // powers[i] = h^(i + 1)
+};
+
+// GHASH's state after `blocks` whole 16-byte blocks of `data` from state y: y = (y ^ X_j) h for
+// each block. With `wide` and a CPU with AVX-512 VPCLMULQDQ, kGhashStepBlocks blocks per step
+// against their powers of h (four blocks per 512-bit multiply, reduced once per step); otherwise
+// a block at a time with Mul. Both give the same state.
+Gf128 GhashBlocks(const GhashKey& key, Gf128 y, const uint8_t* data, size_t blocks,
+                  bool wide = true);
+// Whether GhashBlocks can take kGhashStepBlocks blocks per step on this CPU.
+bool WideGhash();
 
 }  // namespace moe::dataplane
 

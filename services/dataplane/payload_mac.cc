@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -67,10 +68,10 @@ struct Nonce {
   unsigned char iv[12] = {};
 };
 
-// GMAC of prefix || data[0, n) under `ctx`'s key and `nonce`.
-Gf128 Gmac(EVP_CIPHER_CTX* ctx, const Nonce& nonce, std::string_view prefix, const uint8_t* data,
-           size_t n) {
-  if (EVP_EncryptInit_ex(ctx, nullptr, nullptr, nullptr, nonce.iv) != 1) Die("EVP_EncryptInit_ex");
+// GMAC of prefix || data[0, n) under `ctx`'s key and the IV.
+Gf128 Gmac(EVP_CIPHER_CTX* ctx, const unsigned char iv[12], std::string_view prefix,
+           const uint8_t* data, size_t n) {
+  if (EVP_EncryptInit_ex(ctx, nullptr, nullptr, nullptr, iv) != 1) Die("EVP_EncryptInit_ex");
   int outl = 0;
   if (!prefix.empty() &&
       EVP_EncryptUpdate(ctx, nullptr, &outl, reinterpret_cast<const unsigned char*>(prefix.data()),
@@ -131,10 +132,39 @@ absl::StatusOr<PayloadMac> PayloadMac::Create(const std::string& key) {
 
 std::string PayloadMac::Compute(Direction direction, uint64_t sequence, const uint8_t* data,
                                 size_t n, std::string_view prefix) const {
-  if (prefix.size() + n >= kParallelMacBytes && MacPool().size() > 1) {
+  const size_t parallel_from = WideGhash() ? kParallelWideMacBytes : kParallelMacBytes;
+  if (prefix.size() + n >= parallel_from && MacPool().size() > 1) {
     return ComputeInPieces(direction, sequence, data, n, prefix, kMacPieceBytes, &MacPool());
   }
-  return TagBytes(Gmac(thread_gcm.For(id_, key_), Nonce(direction, sequence), prefix, data, n));
+  return TagBytes(Tag(Nonce(direction, sequence).iv, prefix, data, n));
+}
+
+Gf128 PayloadMac::Tag(const unsigned char iv[12], std::string_view prefix, const uint8_t* data,
+                      size_t n) const {
+  EVP_CIPHER_CTX* ctx = thread_gcm.For(id_, key_);
+  if (!WideGhash()) return Gmac(ctx, iv, prefix, data, n);
+  // GHASH over prefix || data, zero-padded to whole blocks, then the length block: the tag is
+  // GHASH ^ AES_key(IV || 1), which is the tag of nothing (whose GHASH is 0).
+  const auto* pre = reinterpret_cast<const uint8_t*>(prefix.data());
+  const size_t pre_blocks = prefix.size() / 16;
+  Gf128 y = GhashBlocks(ghash_, Gf128(), pre, pre_blocks);
+  size_t used = 0;  // bytes of data absorbed
+  if (const size_t rest = prefix.size() % 16; rest != 0) {
+    uint8_t block[16] = {};
+    std::memcpy(block, pre + 16 * pre_blocks, rest);
+    used = std::min(n, 16 - rest);
+    if (used > 0) std::memcpy(block + rest, data, used);
+    y = GhashBlocks(ghash_, y, block, 1);
+  }
+  const size_t blocks = (n - used) / 16;
+  y = GhashBlocks(ghash_, y, data + used, blocks);
+  used += 16 * blocks;
+  if (used < n) {
+    uint8_t block[16] = {};
+    std::memcpy(block, data + used, n - used);
+    y = GhashBlocks(ghash_, y, block, 1);
+  }
+  return Mul(y ^ LengthBlock(prefix.size() + n, 0), h_) ^ Gmac(ctx, iv, {}, nullptr, 0);
 }
 
 std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, const uint8_t* data,
@@ -142,7 +172,7 @@ std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, 
                                         ThreadPool* pool) const {
   const Nonce nonce(direction, sequence);
   const size_t total = prefix.size() + n;
-  auto one_pass = [&] { return TagBytes(Gmac(thread_gcm.For(id_, key_), nonce, prefix, data, n)); };
+  auto one_pass = [&] { return TagBytes(Tag(nonce.iv, prefix, data, n)); };
   if (piece_bytes % 16 != 0 || piece_bytes <= prefix.size() || total <= piece_bytes) {
     return one_pass();
   }
@@ -153,8 +183,8 @@ std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, 
     const size_t begin = static_cast<size_t>(i) * piece_bytes;
     const size_t end = std::min(total, begin + piece_bytes);
     const size_t data_begin = i == 0 ? 0 : begin - prefix.size();
-    tags[i] = Gmac(thread_gcm.For(id_, key_), nonce, i == 0 ? prefix : std::string_view(),
-                   data + data_begin, end - prefix.size() - data_begin);
+    tags[i] = Tag(nonce.iv, i == 0 ? prefix : std::string_view(), data + data_begin,
+                  end - prefix.size() - data_begin);
   };
   if (pool == nullptr) {
     for (size_t i = 0; i < pieces; ++i) hash_piece(static_cast<int64_t>(i));
@@ -165,7 +195,7 @@ std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, 
   // AES_key(nonce || 1) (the tag of nothing: L = 0). The whole message's Y = sum_i Y_i
   // H^(blocks after piece i), so its tag (Y ^ L) H ^ E = sum_i (T_i ^ E ^ L_i H) H^(blocks
   // after i) ^ L H ^ E, summed by Horner's rule (every piece but the last has piece_bytes).
-  const Gf128 mask = Gmac(thread_gcm.For(id_, key_), nonce, {}, nullptr, 0);
+  const Gf128 mask = Gmac(thread_gcm.For(id_, key_), nonce.iv, {}, nullptr, 0);
   const Gf128 h_piece = piece_bytes == kMacPieceBytes ? h_piece_ : Pow(h_, piece_bytes / 16);
   const Gf128 piece_length = Mul(LengthBlock(piece_bytes, 0), h_);
   Gf128 sum;

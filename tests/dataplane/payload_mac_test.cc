@@ -105,6 +105,26 @@ TEST(Gf128, CarrylessMultiplyIsTheSpecificationsBitByBitOne) {
   EXPECT_EQ(Gf128::Load(block), x);
 }
 
+// The wide GHASH (whole steps, a last step of 4..60 blocks, then single blocks) against one
+// block at a time with the bit-by-bit multiply, from a random state, at every count to 2 steps
+// and 3 blocks. On a CPU without AVX-512 VPCLMULQDQ both sides take the narrow path (said).
+TEST(Gf128, WideGhashIsOneBlockAtATime) {
+  if (!WideGhash()) std::printf("this CPU has no AVX-512 VPCLMULQDQ: the wide path is not run\n");
+  std::mt19937_64 rng(3);
+  const GhashKey key(Gf128{rng(), rng()});
+  std::vector<uint8_t> data(16 * (2 * kGhashStepBlocks + 3));
+  for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
+  for (size_t blocks = 0; blocks <= 2 * kGhashStepBlocks + 3; ++blocks) {
+    const Gf128 y0{rng(), rng()};
+    Gf128 want = y0;
+    for (size_t i = 0; i < blocks; ++i) {
+      want = MulReference(want ^ Gf128::Load(data.data() + 16 * i), key.powers[0]);
+    }
+    ASSERT_EQ(GhashBlocks(key, y0, data.data(), blocks), want) << blocks << " blocks";
+    ASSERT_EQ(GhashBlocks(key, y0, data.data(), blocks, /*wide=*/false), want) << blocks;
+  }
+}
+
 // Pieces of every kind of size (one block, not a block, a prefix that ends inside or exactly at
 // a block, a last piece of 1 byte, of exactly a piece), on the calling thread and on 3 threads:
 // always OpenSSL's one-pass tag.
@@ -141,13 +161,14 @@ TEST(PayloadMac, PiecesJoinToTheOnePassTag) {
   EXPECT_GE(cases, 100);
 }
 
-// What the services send: 2 MiB (a T = 256 reply of the mid preset) with its frame as prefix,
-// on the process's MAC pool. Every piece and the prefix are covered: one bit anywhere fails.
+// A payload large enough for the process's MAC pool on either GHASH (8 MiB: a K3 shard's reply
+// at about 150 tokens) with a frame as prefix. Every piece and the prefix are covered: one bit
+// anywhere fails.
 TEST(PayloadMac, ALargePayloadHashedOnThreadsIsCheckedInEveryPiece) {
   const std::string key = RandomBytes(kMacKeyBytes);
   auto mac = PayloadMac::Create(key);
   ASSERT_TRUE(mac.ok());
-  std::vector<uint8_t> data(2 * kParallelMacBytes + 5);
+  std::vector<uint8_t> data(std::max(kParallelMacBytes, kParallelWideMacBytes) + 5);
   std::mt19937_64 rng(9);
   for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
   std::string prefix = "frame of 40 bytes, as MacPrefix makes...";
