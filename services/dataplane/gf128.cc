@@ -146,13 +146,16 @@ __attribute__((target("pclmul,sse4.1,avx512f,avx512bw,vpclmulqdq"))) __m128i Gha
 __attribute__((target("pclmul,sse4.1,avx512f,avx512bw,vpclmulqdq"))) size_t GhashWide(
     const GhashKey& key, Gf128* y, const uint8_t* data, size_t blocks) {
   constexpr int kGroups = kGhashStepBlocks / 4;
-  __m512i powers[kGroups];
-  for (int g = 0; g < kGroups; ++g)
-    powers[g] = FourPowers(key.powers, kGhashStepBlocks - 1 - 4 * g);
   __m128i acc = ToReg(*y);
   const size_t steps = blocks / kGhashStepBlocks;
-  for (size_t s = 0; s < steps; ++s) {
-    acc = GhashStep(powers, acc, data + 16 * kGhashStepBlocks * s, kGroups);
+  if (steps > 0) {  // a message of under 1 KiB needs none of the 16 registers of powers
+    __m512i powers[kGroups];
+    for (int g = 0; g < kGroups; ++g) {
+      powers[g] = FourPowers(key.powers, kGhashStepBlocks - 1 - 4 * g);
+    }
+    for (size_t s = 0; s < steps; ++s) {
+      acc = GhashStep(powers, acc, data + 16 * kGhashStepBlocks * s, kGroups);
+    }
   }
   size_t taken = steps * kGhashStepBlocks;
   if (const int groups = static_cast<int>((blocks - taken) / 4); groups > 0) {

@@ -127,7 +127,7 @@ absl::StatusOr<PayloadMac> PayloadMac::Create(const std::string& key) {
   static std::atomic<uint64_t> next_id{1};
   const Gf128 hash_key = Gf128::Load(h);
   OPENSSL_cleanse(h, sizeof(h));
-  return PayloadMac(key, next_id.fetch_add(1), hash_key, Pow(hash_key, kMacPieceBytes / 16));
+  return PayloadMac(key, next_id.fetch_add(1), hash_key);
 }
 
 std::string PayloadMac::Compute(Direction direction, uint64_t sequence, const uint8_t* data,
@@ -196,7 +196,7 @@ std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, 
   // H^(blocks after piece i), so its tag (Y ^ L) H ^ E = sum_i (T_i ^ E ^ L_i H) H^(blocks
   // after i) ^ L H ^ E, summed by Horner's rule (every piece but the last has piece_bytes).
   const Gf128 mask = Gmac(thread_gcm.For(id_, key_), nonce.iv, {}, nullptr, 0);
-  const Gf128 h_piece = piece_bytes == kMacPieceBytes ? h_piece_ : Pow(h_, piece_bytes / 16);
+  const Gf128 h_piece = Pow(h_, piece_bytes / 16);
   const Gf128 piece_length = Mul(LengthBlock(piece_bytes, 0), h_);
   Gf128 sum;
   for (size_t i = 0; i + 1 < pieces; ++i) sum = Mul(sum, h_piece) ^ tags[i] ^ mask ^ piece_length;

@@ -68,16 +68,15 @@ class PayloadMac {
                               std::string_view prefix, size_t piece_bytes, ThreadPool* pool) const;
 
  private:
-  PayloadMac(std::string key, uint64_t id, Gf128 h, Gf128 h_piece)
-      : key_(std::move(key)), id_(id), h_(h), h_piece_(h_piece), ghash_(h) {}
+  PayloadMac(std::string key, uint64_t id, Gf128 h)
+      : key_(std::move(key)), id_(id), h_(h), ghash_(h) {}
   // The tag of prefix || data under the nonce's IV: GHASH on this CPU's widest carry-less
   // multiply (gf128.h) when it has AVX-512's, else OpenSSL's GMAC. The same value either way.
   Gf128 Tag(const unsigned char iv[12], std::string_view prefix, const uint8_t* data,
             size_t n) const;
   std::string key_;
-  uint64_t id_;    // names the key in each thread's cached cipher context
-  Gf128 h_;        // GHASH's key: AES_key(0^128)
-  Gf128 h_piece_;  // h_^(kMacPieceBytes / 16)
+  uint64_t id_;  // names the key in each thread's cached cipher context
+  Gf128 h_;      // GHASH's key: AES_key(0^128)
   GhashKey ghash_;
 };
 
