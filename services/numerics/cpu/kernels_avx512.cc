@@ -201,11 +201,12 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
-      // The same chunk of the rows two blocks down into L2 while this block computes, so
-      // later blocks stream in whole and ahead of time (the hardware prefetcher alone left the
-      // loop waiting on memory at the start of every row: decode 10 -> 13 GB/s in
-      // cpu_layer_bench). A prefetch never faults, also past the end of the matrix.
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
+      // The same chunk of the rows two blocks down while this block computes, so later blocks
+      // stream in whole and ahead of time (the hardware prefetcher alone left the loop waiting
+      // on memory at the start of every row: decode 10 -> 13 GB/s in cpu_layer_bench). Into
+      // L1 (T0), as the AVX2 rows do: into L2 (T1) the 1-token BF16 decode took 1.12x the time
+      // from DRAM on Zen 5 (docs/benchmarks.md). A prefetch never faults, also past the end.
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T0);
       lanes[i] = LoadChunk(row, width);
       scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
@@ -468,7 +469,7 @@ void MxBlockBf16(const uint8_t* packed, const uint8_t* scales, int64_t cols, int
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T0);
       words[i] = LoadChunk(row, width);
       scale[i] = ChunkScales(scales + (r + i) * scale_bytes + c * 4, scale_mask);
     }
@@ -524,7 +525,7 @@ inline __attribute__((always_inline)) void DecodeChunk(const uint8_t* packed, in
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T0);  // MxBlock
     words[i] = LoadChunk(row, kFull ? 128 : width);
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
