@@ -11,6 +11,13 @@ using tensor::Bf16;
 
 namespace {
 
+// Tokens per block of an expert's token-major activations; a work item runs one block. At 4,096
+// tokens the whole [slots, 4,096] activations (29 MB for K3's FC1) were walked by every work
+// item, each slot's tokens 16 KB from the next: from 1,024 tokens up the pair panel fell 15%
+// (services/numerics/cpu/README.md, "Token blocks"). A block of 512 is contiguous, its slots 2 KB
+// apart, and the work items that share it run together while it is in L3.
+constexpr int64_t kTokenBlock = 512;
+
 // The routed experts' input: z [T, D] bf16, or its MXFP8 form (W4A8).
 struct ExpertInput {
   const Bf16* bf16 = nullptr;
@@ -22,27 +29,36 @@ struct ActiveExpert {
   const ExpertWeights* w = nullptr;
   std::vector<int64_t> pairs;  // token * k + slot, ascending
   // Decode-sized batches: token rows in the table's layout, [n, ActivationSlots(.)].
-  // Prefill (token_major): [Slots128(.), ld_t] with ld_t = n rounded up to 16 (mxfp4_rows_tm).
+  // Prefill (token_major): blocks of kTokenBlock tokens, each [TokenMajorSlots(.), ld_t] with
+  // ld_t = the block's tokens rounded up to 16 (mxfp4_rows_tm), one after the other.
   bool token_major = false;
   int64_t ld_t = 0;
+  int64_t blocks = 1;     // token blocks (1 unless token_major)
   std::vector<float> zp;  // z of the expert's tokens
   std::vector<float> hp;  // h, written by FC1
+  // Tokens [First, End) of the expert's in token block b (all of them in rows form).
+  int64_t First(int64_t b) const { return token_major ? b * kTokenBlock : 0; }
+  int64_t End(int64_t b) const {
+    const int64_t n = static_cast<int64_t>(pairs.size());
+    return token_major ? std::min(n, (b + 1) * kTokenBlock) : n;
+  }
 };
 
-// FC1 rows [r0, r1) of one expert for all its tokens, SiTU fused, written into hp.
-void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, float beta,
+// FC1 rows [r0, r1) of one expert for the tokens of block b, SiTU fused, written into hp.
+void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, int64_t b, float beta,
               float linear_beta, Precision precision, W4A8H h_order) {
-  const int64_t n = static_cast<int64_t>(e.pairs.size());
+  const int64_t n = e.End(b) - e.First(b);
   const int64_t d = e.w->w1.cols, inter = e.w->w1.rows, rows = r1 - r0;
   const int64_t ld_z = ActivationSlots(k, d), ld_h = ActivationSlots(k, inter);
   // Scratch written in full by the kernels: no zero-fill (it cost about 5% at 256 tokens).
   const size_t count = static_cast<size_t>(n * rows);
   std::unique_ptr<float[]> g(new float[count]), u(new float[count]), h(new float[count]);
+  // The block's activations (token-major: its own [slots, ld_t]; otherwise b = 0, all tokens).
+  const float* zb = e.zp.data() + b * TokenMajorSlots(k, d) * e.ld_t;
+  float* hb = e.hp.data() + b * TokenMajorSlots(k, inter) * e.ld_t;
   if (e.token_major) {
-    k.mxfp4_rows_tm(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), e.ld_t, n, g.get(),
-                    rows);
-    k.mxfp4_rows_tm(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), e.ld_t, n, u.get(),
-                    rows);
+    k.mxfp4_rows_tm(e.w->w1.packed, e.w->w1.scales, d, r0, r1, zb, e.ld_t, n, g.get(), rows);
+    k.mxfp4_rows_tm(e.w->w3.packed, e.w->w3.scales, d, r0, r1, zb, e.ld_t, n, u.get(), rows);
   } else {
     k.mxfp4_rows(e.w->w1.packed, e.w->w1.scales, d, r0, r1, e.zp.data(), ld_z, n, g.get(), rows);
     k.mxfp4_rows(e.w->w3.packed, e.w->w3.scales, d, r0, r1, e.zp.data(), ld_z, n, u.get(), rows);
@@ -64,12 +80,12 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
         // Rows in pairs (a work item starts at an even row): both halves of a slot at once.
         if ((r - r0) % 2 == 1) continue;
         const bool odd = r + 1 < r1;
-        uint32_t* dst = reinterpret_cast<uint32_t*>(e.hp.data()) + TokenMajorSlot(k, r) * e.ld_t;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(hb) + TokenMajorSlot(k, r) * e.ld_t;
         for (int64_t t = t0; t < t1; ++t) {
           dst[t] = Bf16PairBits(hr[t * rows], odd ? hr[t * rows + 1] : 0.0f);
         }
       } else if (e.token_major) {
-        float* dst = e.hp.data() + TokenMajorSlot(k, r) * e.ld_t;
+        float* dst = hb + TokenMajorSlot(k, r) * e.ld_t;
         for (int64_t t = t0; t < t1; ++t) dst[t] = hr[t * rows];
       } else if (k.mx_layout != MxLayout::kBf16Pairs) {
         float* dst = e.hp.data() + ActivationSlot(k, r);
@@ -83,21 +99,23 @@ void Fc1Block(const KernelTable& k, ActiveExpert& e, int64_t r0, int64_t r1, flo
   }
 }
 
-// FC2 rows [r0, r1) -> y at the expert's (token, slot) pairs.
-void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r1, Bf16* y) {
-  const int64_t n = static_cast<int64_t>(e.pairs.size());
+// FC2 rows [r0, r1) of the tokens of block b -> y at the expert's (token, slot) pairs.
+void Fc2Block(const KernelTable& k, const ActiveExpert& e, int64_t r0, int64_t r1, int64_t b,
+              Bf16* y) {
+  const int64_t first = e.First(b), n = e.End(b) - first;
   const int64_t inter = e.w->w2.cols, d = e.w->w2.rows, rows = r1 - r0;
   const int64_t ld_h = ActivationSlots(k, inter);
   std::unique_ptr<float[]> out(new float[static_cast<size_t>(n * rows)]);
   if (e.token_major) {
-    k.mxfp4_rows_tm(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), e.ld_t, n,
-                    out.get(), rows);
+    k.mxfp4_rows_tm(e.w->w2.packed, e.w->w2.scales, inter, r0, r1,
+                    e.hp.data() + b * TokenMajorSlots(k, inter) * e.ld_t, e.ld_t, n, out.get(),
+                    rows);
   } else {
     k.mxfp4_rows(e.w->w2.packed, e.w->w2.scales, inter, r0, r1, e.hp.data(), ld_h, n, out.get(),
                  rows);
   }
   for (int64_t t = 0; t < n; ++t) {
-    Bf16* dst = y + e.pairs[t] * d;
+    Bf16* dst = y + e.pairs[first + t] * d;
     const float* src = out.get() + t * rows - r0;
     for (int64_t r = r0; r < r1; ++r) dst[r] = Bf16::FromFloat(src[r]);
   }
@@ -109,16 +127,29 @@ void RunPhases(const KernelTable& k, ThreadPool* pool, std::vector<ActiveExpert>
   const int64_t inter = active[0].w->w1.rows, d = active[0].w->w1.cols;
   const int64_t fc1_blocks = (inter + kExpertRowBlock - 1) / kExpertRowBlock;
   const int64_t fc2_blocks = (d + kExpertRowBlock - 1) / kExpertRowBlock;
-  const int64_t experts = static_cast<int64_t>(active.size());
-  pool->ParallelFor(experts * fc1_blocks, [&](int64_t item) {
-    const int64_t b = item % fc1_blocks;
-    Fc1Block(k, active[item / fc1_blocks], b * kExpertRowBlock,
-             std::min(inter, (b + 1) * kExpertRowBlock), beta, linear_beta, precision, h_order);
+  // Work items: (expert, token block, row block), row blocks innermost, so the items handed out
+  // together share a token block's activations. first[i]: the token blocks before expert i.
+  std::vector<int64_t> first(active.size() + 1, 0);
+  for (size_t i = 0; i < active.size(); ++i) first[i + 1] = first[i] + active[i].blocks;
+  // Item -> (expert, token block, row block) for `row_blocks` per token block.
+  auto locate = [&](int64_t item, int64_t row_blocks, int64_t* b, int64_t* rb) {
+    const int64_t tb = item / row_blocks;
+    *rb = item % row_blocks;
+    const size_t e =
+        static_cast<size_t>(std::upper_bound(first.begin(), first.end(), tb) - first.begin() - 1);
+    *b = tb - first[e];
+    return e;
+  };
+  pool->ParallelFor(first.back() * fc1_blocks, [&](int64_t item) {
+    int64_t b = 0, rb = 0;
+    const size_t e = locate(item, fc1_blocks, &b, &rb);
+    Fc1Block(k, active[e], rb * kExpertRowBlock, std::min(inter, (rb + 1) * kExpertRowBlock), b,
+             beta, linear_beta, precision, h_order);
   });
-  pool->ParallelFor(experts * fc2_blocks, [&](int64_t item) {
-    const int64_t b = item % fc2_blocks;
-    Fc2Block(k, active[item / fc2_blocks], b * kExpertRowBlock,
-             std::min(d, (b + 1) * kExpertRowBlock), y);
+  pool->ParallelFor(first.back() * fc2_blocks, [&](int64_t item) {
+    int64_t b = 0, rb = 0;
+    const size_t e = locate(item, fc2_blocks, &b, &rb);
+    Fc2Block(k, active[e], rb * kExpertRowBlock, std::min(d, (rb + 1) * kExpertRowBlock), b, y);
   });
 }
 
@@ -153,27 +184,33 @@ void Prepare(const KernelTable& k, ActiveExpert& e, const ExpertInput& z, int64_
     e.hp.assign(static_cast<size_t>(n * ActivationSlots(k, inter)), 0.0f);
     return;
   }
-  e.ld_t = (n + 15) / 16 * 16;
-  e.zp.assign(static_cast<size_t>(TokenMajorSlots(k, d) * e.ld_t), 0.0f);
+  // Blocks of kTokenBlock tokens (the last one shorter), each with the same ld_t.
+  e.blocks = (n + kTokenBlock - 1) / kTokenBlock;
+  e.ld_t = (std::min(n, kTokenBlock) + 15) / 16 * 16;
+  const int64_t z_block = TokenMajorSlots(k, d) * e.ld_t;
+  e.zp.assign(static_cast<size_t>(e.blocks * z_block), 0.0f);
   std::vector<float> zf(static_cast<size_t>(kTokenTile * d));
-  for (int64_t t0 = 0; t0 < n; t0 += kTokenTile) {
+  for (int64_t t0 = 0; t0 < n; t0 += kTokenTile) {  // kTokenTile divides kTokenBlock
     const int64_t t1 = std::min(n, t0 + kTokenTile);
     for (int64_t t = t0; t < t1; ++t) ZRow(e, z, k_slots, d, t, zf.data() + (t - t0) * d);
+    // The tile's block, where token t is column t - base.
+    float* zb = e.zp.data() + (t0 / kTokenBlock) * z_block;
+    const int64_t base = t0 / kTokenBlock * kTokenBlock;
     for (int64_t i = 0; i < d; ++i) {
       if (k.tm_layout == MxLayout::kBf16PairsTm) {  // columns in pairs: whole slots
         if (i % 2 == 1) continue;
-        uint32_t* dst = reinterpret_cast<uint32_t*>(e.zp.data()) + TokenMajorSlot(k, i) * e.ld_t;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(zb) + TokenMajorSlot(k, i) * e.ld_t;
         for (int64_t t = t0; t < t1; ++t) {
           const float* zr = zf.data() + (t - t0) * d;
-          dst[t] = Bf16PairBits(zr[i], i + 1 < d ? zr[i + 1] : 0.0f);
+          dst[t - base] = Bf16PairBits(zr[i], i + 1 < d ? zr[i + 1] : 0.0f);
         }
         continue;
       }
-      float* dst = e.zp.data() + TokenMajorSlot(k, i) * e.ld_t;
-      for (int64_t t = t0; t < t1; ++t) dst[t] = zf[(t - t0) * d + i];
+      float* dst = zb + TokenMajorSlot(k, i) * e.ld_t;
+      for (int64_t t = t0; t < t1; ++t) dst[t - base] = zf[(t - t0) * d + i];
     }
   }
-  e.hp.assign(static_cast<size_t>(TokenMajorSlots(k, inter) * e.ld_t), 0.0f);
+  e.hp.assign(static_cast<size_t>(e.blocks * TokenMajorSlots(k, inter) * e.ld_t), 0.0f);
 }
 
 void Run(const KernelTable& kernels, ThreadPool* pool, const ModelConfig& cfg,
