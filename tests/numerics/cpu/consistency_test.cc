@@ -185,7 +185,8 @@ TEST_P(Consistency, ExpertFfnMatchesReference) {
 // blocks in one set of work items. Oracle: each expert's tokens in slices of at most 100 (one
 // block each, cut where the blocks are not), through ExpertFfn: every token's sums run in the same
 // order whatever its batch, so the two agree bit for bit. 1,100 tokens (blocks of 512, 512 and 76,
-// a partial tile of 16), 513 (a last block of one token), 547 and 40, on 3 threads.
+// a partial tile of 16), 513 (a last block of one token), 547 and 40, on 3 threads; W4A16 and
+// W4A8.
 TEST_P(Consistency, TokenBlocksAreInvisible) {
   const ModelConfig cfg = *PresetConfig("mid");
   const MoeLayerWeights w = checkpoint::SyntheticLayer(cfg, 1, checkpoint::SyntheticOptions{});
@@ -200,32 +201,35 @@ TEST_P(Consistency, TokenBlocksAreInvisible) {
   }
   const std::vector<Bf16> z = RandomBf16(kTokens * cfg.latent, 1.0f, 21);
   ThreadPool pool(3);
-  const std::vector<Bf16> y = RunExperts(k(), &pool, cfg, w, routing, z.data());
   const std::vector<std::vector<int64_t>> pairs = PairsByExpert(routing, cfg.num_experts);
-  int64_t checked = 0;
-  for (int32_t e = 0; e < 4; ++e) {
-    const int64_t n = static_cast<int64_t>(pairs[e].size());
-    ASSERT_EQ(n, (std::vector<int64_t>{kTokens, 513, kTokens - 553, 40})[e]);
-    const int64_t slices = (n + 99) / 100;  // nearly equal, each >= 32 tokens: the panel kernel
-    for (int64_t i = 0; i < slices; ++i) {
-      const int64_t t0 = n * i / slices, t1 = n * (i + 1) / slices;
-      std::vector<Bf16> zs, want((t1 - t0) * cfg.latent);
-      for (int64_t j = t0; j < t1; ++j) {
-        const Bf16* row = z.data() + pairs[e][j] / 2 * cfg.latent;
-        zs.insert(zs.end(), row, row + cfg.latent);
-      }
-      ExpertFfn(k(), *w.Expert(e), zs.data(), t1 - t0, cfg.situ_beta, cfg.situ_linear_beta,
-                want.data());
-      for (int64_t j = t0; j < t1; ++j) {
-        for (int64_t c = 0; c < cfg.latent; ++c) {
-          ASSERT_EQ(y[pairs[e][j] * cfg.latent + c].bits, want[(j - t0) * cfg.latent + c].bits)
-              << "expert " << e << ", its token " << j << " of " << n << ", column " << c;
+  for (Precision precision : {Precision::kW4A16, Precision::kW4A8}) {
+    const std::vector<Bf16> y = RunExperts(k(), &pool, cfg, w, routing, z.data(), precision);
+    int64_t checked = 0;
+    for (int32_t e = 0; e < 4; ++e) {
+      const int64_t n = static_cast<int64_t>(pairs[e].size());
+      ASSERT_EQ(n, (std::vector<int64_t>{kTokens, 513, kTokens - 553, 40})[e]);
+      const int64_t slices = (n + 99) / 100;  // nearly equal, each >= 32 tokens: the panel kernel
+      for (int64_t i = 0; i < slices; ++i) {
+        const int64_t t0 = n * i / slices, t1 = n * (i + 1) / slices;
+        std::vector<Bf16> zs, want((t1 - t0) * cfg.latent);
+        for (int64_t j = t0; j < t1; ++j) {
+          const Bf16* row = z.data() + pairs[e][j] / 2 * cfg.latent;
+          zs.insert(zs.end(), row, row + cfg.latent);
         }
-        ++checked;
+        ExpertFfn(k(), *w.Expert(e), zs.data(), t1 - t0, cfg.situ_beta, cfg.situ_linear_beta,
+                  want.data(), precision);
+        for (int64_t j = t0; j < t1; ++j) {
+          for (int64_t c = 0; c < cfg.latent; ++c) {
+            ASSERT_EQ(y[pairs[e][j] * cfg.latent + c].bits, want[(j - t0) * cfg.latent + c].bits)
+                << PrecisionName(precision) << ", expert " << e << ", its token " << j << " of "
+                << n << ", column " << c;
+          }
+          ++checked;
+        }
       }
     }
+    EXPECT_EQ(checked, 2 * kTokens);
   }
-  EXPECT_EQ(checked, 2 * kTokens);
 }
 
 // W4A8's h rounding per ISA against numerics::RoundTripMxfp8Rows, bit for bit (+-0 apart), over
