@@ -380,6 +380,8 @@ void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, in
 // tokens per panel instead let the activations of a block (2 MB at 1,024 tokens) fall out of
 // L2 for every panel of 8 rows (services/numerics/cpu/README.md, "Token passes").
 constexpr int64_t kPanelTokens = 192;
+// Rows ahead whose weights a panel block prefetches while it decodes one.
+constexpr int64_t kPanelAhead = 8;
 
 // Prefill. Slots are walked in blocks of 512: every row of [r0, r1) is decoded once per block
 // (to fp32, or to bf16 pairs with kPairs: 2 KB a row), then the tokens (rounded up to 16) in
@@ -407,6 +409,17 @@ void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     for (int64_t row = 0; row < rows; ++row) {
       const uint8_t* p = packed + (r0 + row) * (cols / 2);
       const uint8_t* s = scales + (r0 + row) * (cols / 32);
+      // This block of the row kPanelAhead rows down (at most 8 lines and its scales) on its way
+      // while this row decodes: each row's block is a stream of its own, too short for the
+      // hardware prefetcher, and from DRAM the decode waited on every one of them.
+      if (row + kPanelAhead < rows) {
+        const uint8_t* ahead = p + kPanelAhead * (cols / 2);
+        for (int64_t c = c0; c < c1; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + c * 64), _MM_HINT_T0);
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(s + kPanelAhead * (cols / 32) + c0 * 4),
+                     _MM_HINT_T0);
+      }
       float* dst = panels + row * kn;
       if constexpr (kPairs) {
         DecodeBf16Pairs(p, s, k0, k1, reinterpret_cast<uint16_t*>(dst), 32);
