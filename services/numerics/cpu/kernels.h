@@ -120,6 +120,10 @@ void StoreTokenMajor(const KernelTable& k, float* xt, int64_t ld_t, int64_t i, i
 // Tokens per tile of the prefill's data movements (StoreTokenRows, and expert_ffn.cc's h and z
 // into token-major activations): 16 fp32 values, one cache line of each row.
 inline constexpr int64_t kTokenTile = 16;
+// Rows ahead whose block a prefill panel prefetches while it decodes one (AVX-512 and AVX2): a
+// row's block is too short a stream for the hardware prefetcher. 4 as good, 16 worse
+// (services/numerics/cpu/README.md, "Panel rows prefetched ahead").
+inline constexpr int64_t kPanelAhead = 8;
 // The panels' sums [rows, ld_t] into mxfp4_rows_tm's output: out[t * ld_out + r] =
 // acc[r * ld_t + t]. In tiles of 16 tokens (one cache line of each row's sums), so the lines of
 // out that a tile writes stay in L1 across its rows: walking all tokens per row missed once

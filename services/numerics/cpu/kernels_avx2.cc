@@ -475,15 +475,14 @@ void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
     const int64_t kn = (c1 - c0) * 64;
     const float* xb = xt + c0 * 64 * ld_t;
     for (int64_t r = 0; r < rows; ++r) {
-      // The block of the row 8 rows down on its way (2 lines and its scales), as the AVX-512
-      // panels do (kernels_avx512.cc, kPanelAhead): each row's block is too short a stream for
-      // the hardware prefetcher.
-      if (r + 8 < rows) {
-        const uint8_t* ahead = packed + (r0 + r + 8) * (cols / 2);
+      // The block of the row kPanelAhead rows down on its way (2 lines and its scales).
+      if (r + kPanelAhead < rows) {
+        const int64_t ahead = r0 + r + kPanelAhead;
         for (int64_t c = c0; c < c1; c += 2) {
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + c * 32), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(packed + ahead * (cols / 2) + c * 32),
+                       _MM_HINT_T0);
         }
-        _mm_prefetch(reinterpret_cast<const char*>(scales + (r0 + r + 8) * (cols / 32) + c0 * 2),
+        _mm_prefetch(reinterpret_cast<const char*>(scales + ahead * (cols / 32) + c0 * 2),
                      _MM_HINT_T0);
       }
       DecodeChunks(packed + (r0 + r) * (cols / 2), scales + (r0 + r) * (cols / 32), cols, c0, c1,

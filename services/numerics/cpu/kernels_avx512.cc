@@ -380,8 +380,6 @@ void PanelRows(const float* panel, int64_t kn, const float* xt, int64_t ld_t, in
 // tokens per panel instead let the activations of a block (2 MB at 1,024 tokens) fall out of
 // L2 for every panel of 8 rows (services/numerics/cpu/README.md, "Token passes").
 constexpr int64_t kPanelTokens = 192;
-// Rows ahead whose weights a panel block prefetches while it decodes one.
-constexpr int64_t kPanelAhead = 8;
 
 // Prefill. Slots are walked in blocks of 512: every row of [r0, r1) is decoded once per block
 // (to fp32, or to bf16 pairs with kPairs: 2 KB a row), then the tokens (rounded up to 16) in
@@ -410,8 +408,7 @@ void MxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       const uint8_t* p = packed + (r0 + row) * (cols / 2);
       const uint8_t* s = scales + (r0 + row) * (cols / 32);
       // This block of the row kPanelAhead rows down (at most 8 lines and its scales) on its way
-      // while this row decodes: each row's block is a stream of its own, too short for the
-      // hardware prefetcher, and from DRAM the decode waited on every one of them.
+      // while this row decodes: from DRAM the decode waited on every row's block.
       if (row + kPanelAhead < rows) {
         const uint8_t* ahead = p + kPanelAhead * (cols / 2);
         for (int64_t c = c0; c < c1; ++c) {
@@ -538,7 +535,8 @@ inline __attribute__((always_inline)) void DecodeChunk(const uint8_t* packed, in
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     const uint8_t* row = packed + (r + i) * row_bytes + c * 64;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes), _MM_HINT_T0);  // MxBlock
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes),
+                 _MM_HINT_T0);  // as in MxBlock
     words[i] = LoadChunk(row, kFull ? 128 : width);
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) part[i][t] = _mm512_setzero_ps();
