@@ -47,13 +47,28 @@ struct GhashKey {
   Gf128 powers[kGhashStepBlocks];  // powers[i] = h^(i + 1)
 };
 
+// How many blocks one carry-less multiply instruction of GhashBlocks takes.
+enum class GhashWidth {
+  kOne,  // PCLMULQDQ (or the bit-by-bit multiply), a block at a time
+  k256,  // AVX2 VPCLMULQDQ (AMD Zen 3 and later, Intel Ice Lake and later): 2 blocks
+  k512,  // AVX-512 VPCLMULQDQ (AMD Zen 4 and later, Intel Ice Lake and later): 4 blocks
+};
+// Whether this CPU has the instructions of `width` (kOne: always).
+bool GhashWidthAvailable(GhashWidth width);
+// The widest this CPU has.
+GhashWidth WidestGhash();
+// "AVX2 VPCLMULQDQ, 2 blocks a multiply": for benchmarks and logs.
+const char* GhashWidthName(GhashWidth width);
+
 // GHASH's state after `blocks` whole 16-byte blocks of `data` from state y: y = (y ^ X_j) h for
-// each block. With `wide` and a CPU with AVX-512 VPCLMULQDQ, kGhashStepBlocks blocks per step
-// against their powers of h (four blocks per 512-bit multiply, reduced once per step); otherwise
-// a block at a time with Mul. Both give the same state.
+// each block. With k512 or k256 and a CPU that has it, kGhashStepBlocks blocks per step against
+// their powers of h (4 or 2 blocks per multiply, reduced once per step; a width the CPU lacks
+// falls back to the next narrower one); otherwise a block at a time with Mul. All give the same
+// state.
 Gf128 GhashBlocks(const GhashKey& key, Gf128 y, const uint8_t* data, size_t blocks,
-                  bool wide = true);
-// Whether GhashBlocks can take kGhashStepBlocks blocks per step on this CPU.
+                  GhashWidth width = WidestGhash());
+// Whether GhashBlocks takes several blocks per multiply on this CPU (the payload MAC then hashes
+// with it instead of OpenSSL's GMAC).
 bool WideGhash();
 
 }  // namespace moe::dataplane

@@ -48,7 +48,7 @@ int Main(int argc, char** argv) {
       "GHASH: %s\n| payload MAC (AES-256-GMAC) | one pass: GB/s, us | Compute (%d CPUs): GB/s, us "
       "|\n"
       "|---|---|---|\n",
-      dataplane::WideGhash() ? "AVX-512 VPCLMULQDQ, 64 blocks a step (gf128.h)" : "OpenSSL's",
+      dataplane::WideGhash() ? dataplane::GhashWidthName(dataplane::WidestGhash()) : "OpenSSL's",
       UsableCpus());
   for (size_t bytes : {size_t{1835008}, size_t{2} << 20, size_t{29360128}}) {
     std::vector<uint8_t> payload(bytes, 3);

@@ -105,24 +105,33 @@ TEST(Gf128, CarrylessMultiplyIsTheSpecificationsBitByBitOne) {
   EXPECT_EQ(Gf128::Load(block), x);
 }
 
-// The wide GHASH (whole steps, a last step of 4..60 blocks, then single blocks) against one
-// block at a time with the bit-by-bit multiply, from a random state, at every count to 2 steps
-// and 3 blocks. On a CPU without AVX-512 VPCLMULQDQ both sides take the narrow path (said).
+// The wide GHASH of every width this CPU has (whole steps, a last step of 2..62 or 4..60 blocks,
+// then single blocks) against one block at a time with the bit-by-bit multiply, from a random
+// state, at every count to 2 steps and 3 blocks. A width the CPU lacks is said, not run.
 TEST(Gf128, WideGhashIsOneBlockAtATime) {
-  if (!WideGhash()) std::printf("this CPU has no AVX-512 VPCLMULQDQ: the wide path is not run\n");
   std::mt19937_64 rng(3);
   const GhashKey key(Gf128{rng(), rng()});
   std::vector<uint8_t> data(16 * (2 * kGhashStepBlocks + 3));
   for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
-  for (size_t blocks = 0; blocks <= 2 * kGhashStepBlocks + 3; ++blocks) {
-    const Gf128 y0{rng(), rng()};
-    Gf128 want = y0;
-    for (size_t i = 0; i < blocks; ++i) {
-      want = MulReference(want ^ Gf128::Load(data.data() + 16 * i), key.powers[0]);
+  int widths_run = 0;
+  for (GhashWidth width : {GhashWidth::k512, GhashWidth::k256, GhashWidth::kOne}) {
+    if (!GhashWidthAvailable(width)) {
+      std::printf("this CPU lacks %s: not run\n", GhashWidthName(width));
+      continue;
     }
-    ASSERT_EQ(GhashBlocks(key, y0, data.data(), blocks), want) << blocks << " blocks";
-    ASSERT_EQ(GhashBlocks(key, y0, data.data(), blocks, /*wide=*/false), want) << blocks;
+    ++widths_run;
+    for (size_t blocks = 0; blocks <= 2 * kGhashStepBlocks + 3; ++blocks) {
+      const Gf128 y0{rng(), rng()};
+      Gf128 want = y0;
+      for (size_t i = 0; i < blocks; ++i) {
+        want = MulReference(want ^ Gf128::Load(data.data() + 16 * i), key.powers[0]);
+      }
+      ASSERT_EQ(GhashBlocks(key, y0, data.data(), blocks, width), want)
+          << GhashWidthName(width) << ", " << blocks << " blocks";
+    }
   }
+  EXPECT_GE(widths_run, 1);
+  EXPECT_TRUE(GhashWidthAvailable(WidestGhash()));
 }
 
 // Pieces of every kind of size (one block, not a block, a prefix that ends inside or exactly at
