@@ -119,16 +119,26 @@ void AmxPanel(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_
 
 }  // namespace
 
-const KernelTable& AmxKernels() {
-  static const KernelTable table = [] {
-    KernelTable t = Avx512Bf16Kernels();  // decode rows, GEMM, SiTU: the BF16 set's
-    t.isa = Isa::kAvx512Amx;
-    t.name = "avx512amx";
-    t.mxfp4_rows_tm = AmxPanel;
-    t.tm_layout = MxLayout::kBf16PairsTm;
-    t.tm_chunk = 32;
-    return t;
-  }();
+namespace {
+
+// The table is built at run time from the BF16 set's, and this file is compiled for AMX: without
+// the attribute the copy is made with AVX-512 moves, and KernelsFor(kAvx512Amx) stopped a process
+// on a CPU without AVX-512 (SIGILL; AMD Zen 3). A table is data that any CPU may read (the kernel
+// choice and the tests list every set); only its kernels need the ISA.
+__attribute__((target("no-avx"))) KernelTable MakeAmxTable() {
+  KernelTable t = Avx512Bf16Kernels();  // decode rows, GEMM, SiTU: the BF16 set's
+  t.isa = Isa::kAvx512Amx;
+  t.name = "avx512amx";
+  t.mxfp4_rows_tm = AmxPanel;
+  t.tm_layout = MxLayout::kBf16PairsTm;
+  t.tm_chunk = 32;
+  return t;
+}
+
+}  // namespace
+
+__attribute__((target("no-avx"))) const KernelTable& AmxKernels() {
+  static const KernelTable table = MakeAmxTable();
   return table;
 }
 
