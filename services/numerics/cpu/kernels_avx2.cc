@@ -244,18 +244,20 @@ inline __m256 ChunkScale(const uint8_t* s, int64_t c, int64_t cols) {
 // Decode: R rows x TT tokens. The chunk is decoded in halves so that only 4 decoded vectors
 // are live next to the accumulators. Two ways to apply the block scales, chosen so that there
 // are enough independent FMA chains (4-cycle latency, 2 ports) in the 16 registers:
-//  * one token (kLate): the 8 products of a row and chunk go into two partial sums (one per
-//    half: chains of 4 FMAs, not 8), added, that the scales multiply once (one FMA per chunk
-//    instead of 8 multiplies); R = 4 rows give 8 chains (10% less time than one sum per chunk,
-//    cache-resident, on Zen 3);
-//  * 2-8 tokens: the decoded weights are scaled (8 multiplies per chunk, shared by the tokens)
+//  * one or two tokens (kLate): the 8 products of a row, token and chunk go into partial sums
+//    that the scales multiply once (one FMA per chunk and token instead of 8 multiplies per
+//    chunk): for one token two sums (one per half: chains of 4 FMAs, not 8), added; R = 4 rows
+//    give 8 chains (10% less time than one sum per chunk, cache-resident, on Zen 3); for two
+//    tokens one sum each, R = 2 rows (4 chains; 10% less time than scaling the weights, Zen 3);
+//  * 4-8 tokens: the decoded weights are scaled (8 multiplies per chunk, shared by the tokens)
 //    and each (row, token) sums the two halves in two chains (R x TT x 2 = 8 in all), or in one
 //    for 8 tokens (8 chains, and 8 accumulators leave room for the decoded vectors).
 template <int R, int TT>
 void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r, int64_t c0,
              int64_t c1, const float* xp, int64_t ld_xp, float* acc_io, bool first, bool last,
              float* out_r, int64_t ld_out) {
-  constexpr bool kLate = TT == 1;
+  constexpr bool kLate = TT <= 2;
+  constexpr int kParts = TT == 1 ? 2 : 1;  // partial sums per token, row and chunk (kLate)
   constexpr int kChains = kLate || TT >= 8 ? 1 : 2;
   const ByteLut lut = MakeByteLut();
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
@@ -281,11 +283,11 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * row_bytes + c * 32), _MM_HINT_T0);
       const __m256i bytes = LoadChunk(row, c, cols);
       const __m256 scale = ChunkScale(scales + (r + i) * scale_bytes, c, cols);
-      __m256 part[TT][kLate ? 2 : 1];
+      __m256 part[TT][kParts];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256 v[4];
-        DecodeHalf<!kLate>(lut, bytes, h, v);
+        DecodeHalf<(TT > 1)>(lut, bytes, h, v);
         if constexpr (!kLate) {
 #pragma GCC unroll 4
           for (int n = 0; n < 4; ++n) v[n] = _mm256_mul_ps(v[n], scale);
@@ -294,10 +296,12 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
         for (int t = 0; t < TT; ++t) {
           const float* xt = x + t * ld_xp + 32 * h;
           if constexpr (kLate) {
-            part[t][h] = _mm256_mul_ps(v[0], _mm256_loadu_ps(xt));
+            const int p = kParts == 2 ? h : 0;
+            const bool begin = kParts == 2 || h == 0;
+            if (begin) part[t][p] = _mm256_mul_ps(v[0], _mm256_loadu_ps(xt));
 #pragma GCC unroll 4
-            for (int n = 1; n < 4; ++n) {
-              part[t][h] = _mm256_fmadd_ps(v[n], _mm256_loadu_ps(xt + 8 * n), part[t][h]);
+            for (int n = begin ? 1 : 0; n < 4; ++n) {
+              part[t][p] = _mm256_fmadd_ps(v[n], _mm256_loadu_ps(xt + 8 * n), part[t][p]);
             }
           } else {
 #pragma GCC unroll 4
@@ -311,8 +315,9 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
       if constexpr (kLate) {
 #pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) {
-          acc[i][t][0] =
-              _mm256_fmadd_ps(_mm256_add_ps(part[t][0], part[t][1]), scale, acc[i][t][0]);
+          const __m256 sum =
+              kParts == 2 ? _mm256_add_ps(part[t][0], part[t][kParts - 1]) : part[t][0];
+          acc[i][t][0] = _mm256_fmadd_ps(sum, scale, acc[i][t][0]);
         }
       }
     }
@@ -343,7 +348,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
 template <int R, int TT>
 void MxRows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
             const float* xp, int64_t ld_xp, float* out, int64_t ld_out) {
-  constexpr int kChains = TT == 1 || TT >= 8 ? 1 : 2;
+  constexpr int kChains = TT <= 2 || TT >= 8 ? 1 : 2;
   constexpr int64_t kBlockChunks = 16384 / (TT * 64 * 4) < 1 ? 1 : 16384 / (TT * 64 * 4);
   const int64_t chunks = (cols + 63) / 64;
   // malloc, not std::vector: no inline code shared with other files (see kernels_avx512.cc).
