@@ -244,19 +244,20 @@ inline __m256 ChunkScale(const uint8_t* s, int64_t c, int64_t cols) {
 // Decode: R rows x TT tokens. The chunk is decoded in halves so that only 4 decoded vectors
 // are live next to the accumulators. Two ways to apply the block scales, chosen so that there
 // are enough independent FMA chains (4-cycle latency, 2 ports) in the 16 registers:
-//  * one or two tokens (kLate): the 8 products of a row, token and chunk go into partial sums
-//    that the scales multiply once (one FMA per chunk and token instead of 8 multiplies per
-//    chunk): for one token two sums (one per half: chains of 4 FMAs, not 8), added; R = 4 rows
-//    give 8 chains (10% less time than one sum per chunk, cache-resident, on Zen 3); for two
-//    tokens one sum each, R = 2 rows (4 chains; 10% less time than scaling the weights, Zen 3);
-//  * 4-8 tokens: the decoded weights are scaled (8 multiplies per chunk, shared by the tokens)
-//    and each (row, token) sums the two halves in two chains (R x TT x 2 = 8 in all), or in one
-//    for 8 tokens (8 chains, and 8 accumulators leave room for the decoded vectors).
+//  * 1-4 tokens (kLate): the 8 products of a row, token and chunk go into partial sums that
+//    the scales multiply once (one FMA per chunk and token instead of 8 multiplies per chunk):
+//    for one token two sums (one per half: chains of 4 FMAs, not 8), added; R = 4 rows give 8
+//    chains (10% less time than one sum per chunk, cache-resident, on Zen 3); for two tokens
+//    one sum each, R = 2 rows (4 chains), for four R = 1 (4 chains): 10% and 7% less time than
+//    scaling the decoded weights (Zen 3, alternated runs);
+//  * 8 tokens: the decoded weights are scaled (8 multiplies per chunk, shared by the tokens)
+//    and each (row, token) sums both halves in one chain (8 chains, and 8 accumulators leave
+//    room for the decoded vectors).
 template <int R, int TT>
 void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r, int64_t c0,
              int64_t c1, const float* xp, int64_t ld_xp, float* acc_io, bool first, bool last,
              float* out_r, int64_t ld_out) {
-  constexpr bool kLate = TT <= 2;
+  constexpr bool kLate = TT <= 4;
   constexpr int kParts = TT == 1 ? 2 : 1;  // partial sums per token, row and chunk (kLate)
   constexpr int kChains = kLate || TT >= 8 ? 1 : 2;
   const ByteLut lut = MakeByteLut();
@@ -348,7 +349,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
 template <int R, int TT>
 void MxRows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
             const float* xp, int64_t ld_xp, float* out, int64_t ld_out) {
-  constexpr int kChains = TT <= 2 || TT >= 8 ? 1 : 2;
+  constexpr int kChains = TT <= 4 || TT >= 8 ? 1 : 2;
   constexpr int64_t kBlockChunks = 16384 / (TT * 64 * 4) < 1 ? 1 : 16384 / (TT * 64 * 4);
   const int64_t chunks = (cols + 63) / 64;
   // malloc, not std::vector: no inline code shared with other files (see kernels_avx512.cc).
