@@ -460,6 +460,19 @@ TEST(MachineLimits, Bf16DotPeakIsMeasuredWhereTheCpuHasIt) {
   EXPECT_LT(peak, 1e14);
 }
 
+// A table is data: any CPU may read any set's table (the choice and the tests list them all);
+// only its kernels need the ISA. AmxKernels() once copied its table with AVX-512 moves and stopped
+// the process (SIGILL) on an AVX2-only AMD Zen 3; on such a CPU this test is what fails.
+TEST(KernelChoice, EveryTableIsReadableOnAnyCpu) {
+  for (const auto& e : kIsaNames.entries) {
+    const KernelTable& k = KernelsFor(e.value);
+    EXPECT_EQ(k.isa, e.value) << e.name;
+    EXPECT_STREQ(k.name, e.name);
+    EXPECT_NE(k.mxfp4_rows, nullptr) << e.name;
+  }
+  std::printf("this CPU runs up to %s; every table was read\n", IsaName(DetectIsa()));
+}
+
 TEST(KernelChoice, SetsParse) {
   EXPECT_TRUE(ParseKernelSets("auto")->automatic);
   EXPECT_EQ(ParseKernelSets("avx2")->only, Isa::kAvx2);
