@@ -259,19 +259,14 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
              float* out_r, int64_t ld_out) {
   constexpr bool kLate = TT <= 4;
   constexpr int kParts = TT == 1 ? 2 : 1;  // partial sums per token, row and chunk (kLate)
-  constexpr int kChains = kLate || TT >= 8 ? 1 : 2;
   const ByteLut lut = MakeByteLut();
   const int64_t row_bytes = cols / 2, scale_bytes = cols / 32;
-  __m256 acc[R][TT][kChains];
+  __m256 acc[R][TT];  // one chain per (row, token)
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
-#pragma GCC unroll 2
-      for (int h = 0; h < kChains; ++h) {
-        acc[i][t][h] = first ? _mm256_setzero_ps()
-                             : _mm256_loadu_ps(acc_io + ((i * TT + t) * kChains + h) * 8);
-      }
+      acc[i][t] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_io + (i * TT + t) * 8);
     }
   }
   for (int64_t c = c0; c < c1; ++c) {
@@ -307,8 +302,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
           } else {
 #pragma GCC unroll 4
             for (int n = 0; n < 4; ++n) {
-              acc[i][t][h % kChains] =
-                  _mm256_fmadd_ps(v[n], _mm256_loadu_ps(xt + 8 * n), acc[i][t][h % kChains]);
+              acc[i][t] = _mm256_fmadd_ps(v[n], _mm256_loadu_ps(xt + 8 * n), acc[i][t]);
             }
           }
         }
@@ -318,7 +312,7 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
         for (int t = 0; t < TT; ++t) {
           const __m256 sum =
               kParts == 2 ? _mm256_add_ps(part[t][0], part[t][kParts - 1]) : part[t][0];
-          acc[i][t][0] = _mm256_fmadd_ps(sum, scale, acc[i][t][0]);
+          acc[i][t] = _mm256_fmadd_ps(sum, scale, acc[i][t]);
         }
       }
     }
@@ -327,16 +321,11 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
-      if (!last) {
-#pragma GCC unroll 2
-        for (int h = 0; h < kChains; ++h) {
-          _mm256_storeu_ps(acc_io + ((i * TT + t) * kChains + h) * 8, acc[i][t][h]);
-        }
-        continue;
+      if (last) {
+        out_r[t * ld_out + i] = ReduceAdd(acc[i][t]);
+      } else {
+        _mm256_storeu_ps(acc_io + (i * TT + t) * 8, acc[i][t]);
       }
-      const __m256 sum =
-          kChains == 1 ? acc[i][t][0] : _mm256_add_ps(acc[i][t][0], acc[i][t][kChains - 1]);
-      out_r[t * ld_out + i] = ReduceAdd(sum);
     }
   }
 }
@@ -349,25 +338,24 @@ void MxBlock(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t
 template <int R, int TT>
 void MxRows(const uint8_t* packed, const uint8_t* scales, int64_t cols, int64_t r0, int64_t r1,
             const float* xp, int64_t ld_xp, float* out, int64_t ld_out) {
-  constexpr int kChains = TT <= 4 || TT >= 8 ? 1 : 2;
   constexpr int64_t kBlockChunks = 16384 / (TT * 64 * 4) < 1 ? 1 : 16384 / (TT * 64 * 4);
   const int64_t chunks = (cols + 63) / 64;
   // malloc, not std::vector: no inline code shared with other files (see kernels_avx512.cc).
   float* acc_io = chunks > kBlockChunks
-                      ? static_cast<float*>(std::malloc(
-                            sizeof(float) * static_cast<size_t>((r1 - r0) * TT * kChains * 8)))
+                      ? static_cast<float*>(
+                            std::malloc(sizeof(float) * static_cast<size_t>((r1 - r0) * TT * 8)))
                       : nullptr;
   for (int64_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     const int64_t c1 = c0 + kBlockChunks < chunks ? c0 + kBlockChunks : chunks;
     const bool first = c0 == 0, last = c1 == chunks;
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-      MxBlock<R, TT>(packed, scales, cols, r, c0, c1, xp, ld_xp,
-                     acc_io + (r - r0) * TT * kChains * 8, first, last, out + (r - r0), ld_out);
+      MxBlock<R, TT>(packed, scales, cols, r, c0, c1, xp, ld_xp, acc_io + (r - r0) * TT * 8, first,
+                     last, out + (r - r0), ld_out);
     }
     for (; r < r1; ++r) {
-      MxBlock<1, TT>(packed, scales, cols, r, c0, c1, xp, ld_xp,
-                     acc_io + (r - r0) * TT * kChains * 8, first, last, out + (r - r0), ld_out);
+      MxBlock<1, TT>(packed, scales, cols, r, c0, c1, xp, ld_xp, acc_io + (r - r0) * TT * 8, first,
+                     last, out + (r - r0), ld_out);
     }
   }
   std::free(acc_io);
