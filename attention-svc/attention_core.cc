@@ -196,6 +196,7 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
   lo.data_plane = options_.data_plane;
   lo.ucx_tls = options_.ucx_tls;
   lo.ucx_poll_us = options_.ucx_poll_us;
+  lo.ucx_poll_max_us = options_.ucx_poll_max_us;
   lo.ucx_progress_spin_us = options_.ucx_progress_spin_us;
   lo.max_message_bytes = options_.max_message_bytes;
   lo.cluster_token = options_.cluster_token;

@@ -90,6 +90,7 @@ struct AttentionServerOptions {
   dataplane::DataPlane data_plane;
   std::string ucx_tls;           // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;         // UcxOptions::poll_spin: a thread waiting for a shard's reply
+  int ucx_poll_max_us = 1000;    // UcxOptions::poll_spin_max: its window's ceiling
   int ucx_progress_spin_us = 0;  // UcxOptions::spin: the progress thread after its last activity
   // The readiness canary (readiness_canary.h): every canary_interval_ms a 4-token batch through
   // the whole path, answered within canary_timeout_ms and within the layer's tolerance of its

@@ -44,6 +44,7 @@ absl::Status ExpertLinks::StartHalf(const ExpertLinksOptions& options) {
   co.tls = options.ucx_tls;
   co.bind_host = options.bind_host;
   co.poll_spin = std::chrono::microseconds(std::max(0, options.ucx_poll_us));
+  co.poll_spin_max = std::chrono::microseconds(std::max(0, options.ucx_poll_max_us));
   co.progress_spin = dataplane::ProgressSpin(options.ucx_progress_spin_us);
   auto half = StartClientHalf(backend, co);
   if (half.ok()) {

@@ -43,6 +43,7 @@ struct ExpertLinksOptions {
   dataplane::DataPlane data_plane;      // in band, automatic, or a backend by name
   std::string ucx_tls;                  // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;
+  int ucx_poll_max_us = 1000;
   int ucx_progress_spin_us = 0;
   int max_message_bytes = 256 << 20;
   std::string cluster_token;

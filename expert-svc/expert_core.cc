@@ -199,7 +199,8 @@ void ExpertCore::MeasureLimits() {
 }
 
 void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,
-                       std::chrono::microseconds idle_spin) {
+                       std::chrono::microseconds idle_spin,
+                       std::chrono::microseconds idle_spin_max) {
   if (metrics == nullptr) {
     // Not exported, but counted all the same: every component holds its stats as a value.
     std::vector<int64_t> layers;
@@ -243,7 +244,7 @@ void ExpertCore::Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll,
         });
   }
   idle_poll_ = std::move(idle_poll);
-  idle_spin_ = idle_spin;
+  idle_window_ = std::make_unique<PollWindow>(idle_spin, idle_spin_max);
   compute_thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "expert-compute");  // for top -H and profilers
     ComputeLoop();
@@ -357,10 +358,12 @@ void ExpertCore::ComputeLoop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       // Poll the data plane for a while after a batch: the next one is admitted right here.
-      if (idle_poll_ && queue_.empty() && !stopping_ &&
-          Clock::now() - last_batch_end_ < idle_spin_) {
+      // The window is learned from the gaps between batches (a gap is measured from the end of
+      // one batch to the start of the next, slept through or not).
+      const auto idle_until = last_batch_end_ + idle_window_->Window();
+      if (idle_poll_ && queue_.empty() && !stopping_ && Clock::now() < idle_until) {
         lock.unlock();
-        idle_poll_(last_batch_end_ + idle_spin_, [this] { return has_work_.load(); });
+        idle_poll_(idle_until, [this] { return has_work_.load(); });
         lock.lock();
       }
       while (!cv_.wait_for(lock, kIdleTick, [&] { return stopping_ || !queue_.empty(); })) {
@@ -373,6 +376,7 @@ void ExpertCore::ComputeLoop() {
       b = std::move(queue_.front().first);
       out = std::move(queue_.front().second);
       queue_.pop_front();
+      idle_window_->Record(Clock::now() - last_batch_end_);
       has_work_.store(!queue_.empty() || stopping_);
       metrics_->common.QueueDepth(static_cast<int64_t>(queue_.size()));
     }

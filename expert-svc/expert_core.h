@@ -34,6 +34,7 @@
 #include "expert-svc/expert_backend.h"
 #include "expert-svc/expert_options.h"
 #include "services/checkpoint/checkpoint.h"
+#include "services/common/poll_window.h"
 #include "services/common/thread_pool.h"
 #include "services/numerics/cpu/machine_limits.h"
 #include "services/numerics/layer_weights.h"
@@ -61,8 +62,11 @@ class ExpertCore {
   // this thread, with no wake-up in between.
   using IdlePoll = std::function<void(std::chrono::steady_clock::time_point until,
                                       const std::function<bool()>& work_queued)>;
+  // The window grows from idle_spin up to idle_spin_max where the recent batches came that soon
+  // after the one before (services/common/poll_window.h).
   void Start(metrics::ExpertMetrics* metrics, IdlePoll idle_poll = nullptr,
-             std::chrono::microseconds idle_spin = std::chrono::microseconds(0));
+             std::chrono::microseconds idle_spin = std::chrono::microseconds(0),
+             std::chrono::microseconds idle_spin_max = std::chrono::microseconds(0));
   // Validates a batch and queues it; every outcome, error or answer, goes to `reply`.
   void Admit(const v1::DispatchRequest& req, std::string_view activations,
              std::unique_ptr<BatchReply> reply);
@@ -109,9 +113,9 @@ class ExpertCore {
   // neighbour): the best of every measurement is kept. Compute thread only.
   void RemeasureLimitsWhenIdle();
   std::chrono::steady_clock::time_point last_batch_end_ = std::chrono::steady_clock::now();
-  IdlePoll idle_poll_;                 // set by Start, read by the compute thread
-  std::atomic<bool> has_work_{false};  // queue_ is not empty or stopping_ (set under mu_)
-  std::chrono::microseconds idle_spin_{0};
+  IdlePoll idle_poll_;                       // set by Start, read by the compute thread
+  std::atomic<bool> has_work_{false};        // queue_ is not empty or stopping_ (set under mu_)
+  std::unique_ptr<PollWindow> idle_window_;  // set by Start (with idle_poll_)
   std::chrono::steady_clock::time_point limits_measured_ = std::chrono::steady_clock::now();
   std::unique_ptr<BatchVerifier> verifier_;
   std::unique_ptr<prometheus::Registry> own_registry_;  // metrics not exported

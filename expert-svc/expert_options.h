@@ -73,6 +73,7 @@ struct ExpertServerOptions {
   dataplane::DataPlane data_plane;
   std::string ucx_tls;               // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;             // UcxOptions::poll_spin: the compute thread between batches
+  int ucx_poll_max_us = 1000;        // its window's ceiling (services/common/poll_window.h)
   int ucx_progress_spin_us = 0;      // UcxOptions::spin: the progress thread after activity
   int max_data_plane_clients = 256;  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   // Take each batch as one data-plane message (OpenDataPlaneReply.batch_messages). False answers

@@ -136,7 +136,7 @@ absl::Status ExpertServer::Impl::Start() {
                          const std::function<bool()>& work_queued) {
           dp->PollUntil(until, work_queued);
         },
-        dp_->poll_spin());
+        dp_->poll_spin(), std::chrono::microseconds(std::max(0, options_.ucx_poll_max_us)));
   } else {
     core_->Start(metrics_.get());
   }

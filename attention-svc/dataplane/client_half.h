@@ -28,6 +28,8 @@ struct ClientHalfOptions {
   std::string tls;        // the backend's transports (UCX: UCX_TLS syntax); empty: its default
   // A thread waiting for a shard's reply polls this long before it sleeps.
   std::chrono::microseconds poll_spin{100};
+  // ...and up to this long where its recent waits were that short (UcxOptions::poll_spin_max).
+  std::chrono::microseconds poll_spin_max{1000};
   // The backend's own progress thread keeps polling this long after its last activity before
   // it sleeps (UcxOptions::spin; 0: at once).
   std::chrono::microseconds progress_spin{0};

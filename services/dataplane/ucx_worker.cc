@@ -6,6 +6,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "services/common/poll_window.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/net_interface.h"
 #include "services/dataplane/ucx_buffer_pool.h"
@@ -506,6 +508,9 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   w->tls_ = std::move(tls);
   w->chunk_bytes_ = w->impl_->chunk_bytes();
   w->poll_spin_ = options.poll_spin;
+  w->poll_spin_max_ = options.poll_spin.count() > 0
+                          ? std::max(options.poll_spin, options.poll_spin_max)
+                          : std::chrono::microseconds(0);
   return w;
 }
 
@@ -572,6 +577,20 @@ absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline,
                                         std::chrono::microseconds spin,
                                         const std::function<bool()>& stop_polling) {
   return impl_->Await(t, deadline, spin, stop_polling);
+}
+absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline, PollWindow& window,
+                                        std::chrono::steady_clock::time_point started,
+                                        const std::function<bool()>& stop_polling) {
+  const auto now = std::chrono::steady_clock::now();
+  if (window.floor().count() > 0) {
+    const auto until = std::min(std::max(now + window.floor(), started + window.Window()),
+                                now + absl::ToChronoNanoseconds(deadline - absl::Now()));
+    impl_->PollUntil(until, [&] { return t.done() || (stop_polling && stop_polling()); });
+  }
+  absl::StatusOr<size_t> n = t.Wait(deadline);
+  const auto waited = std::chrono::steady_clock::now() - started;
+  if (t.done() || waited > window.ceiling()) window.Record(waited);
+  return n;
 }
 int64_t UcxWorker::transfers_in_flight() const { return impl_->in_flight(); }
 int64_t UcxWorker::buffers_registered() const { return impl_->registered(); }

@@ -60,6 +60,10 @@
 #include "absl/time/time.h"
 #include "services/dataplane/data_plane.h"
 
+namespace moe {
+class PollWindow;
+}
+
 namespace moe::dataplane {
 
 // True when this build has UCX (libucx-dev was found).
@@ -102,6 +106,11 @@ struct UcxOptions {
   // 2 vCPUs (tests/bench/dispatch_bench.cc): a bounded poll by a thread that waits anyway beat
   // both sleeping and a spinning progress thread.
   std::chrono::microseconds poll_spin{100};
+  // ...and up to this long where its recent waits were that short (services/common/
+  // poll_window.h; a channel's callers and a shard's compute thread each learn their own): a
+  // T = 64 round trip on shared memory took 164-254 us where a fixed 100 us poll slept and took
+  // 335-465 (docs/data-plane.md). 0 where poll_spin is 0 (no polling).
+  std::chrono::microseconds poll_spin_max{1000};
   // After a poller that got what it waited for leaves, the progress thread stays asleep and
   // unarmed this long for the next poll (PollUntil): a round trip then wakes no thread, where
   // waking it to arm the worker, and the peer's signal on the next message, cost two sleeping
@@ -192,6 +201,7 @@ class UcxWorker {
   // FIFO, or overrun the peer's segments), and nothing in UCX checks it.
   const std::string& shared_memory_fifo() const { return shm_fifo_; }
   std::chrono::microseconds poll_spin() const { return poll_spin_; }
+  std::chrono::microseconds poll_spin_max() const { return poll_spin_max_; }
 
   // An endpoint to a peer worker whose address came from a trusted source (UCX may abort on a
   // malformed one): shared-memory lanes without peer error handling when UCX can give them,
@@ -290,6 +300,12 @@ class UcxWorker {
   // the completion (at once) or after the hand-off grace (PollUntil).
   absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline, std::chrono::microseconds spin,
                                const std::function<bool()>& stop_polling = nullptr);
+  // The same, polling until `started` (when the request went out) + window.Window(), at least
+  // window.floor() from now and never past `deadline`; a wait that ended (t done, or longer than
+  // the window's ceiling) is recorded in `window` from `started` on.
+  absl::StatusOr<size_t> Await(UcxTransfer& t, absl::Time deadline, PollWindow& window,
+                               std::chrono::steady_clock::time_point started,
+                               const std::function<bool()>& stop_polling = nullptr);
 
   // A registered buffer of at least `bytes`, from the pool (registration only when the pool has
   // none of that size class yet).
@@ -320,6 +336,7 @@ class UcxWorker {
   std::string address_, tls_, shm_fifo_;
   size_t chunk_bytes_ = 0;
   std::chrono::microseconds poll_spin_{0};
+  std::chrono::microseconds poll_spin_max_{0};
 };
 
 }  // namespace moe::dataplane

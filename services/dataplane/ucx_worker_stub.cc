@@ -74,6 +74,11 @@ absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer&, absl::Time, std::chrono::m
                                         const std::function<bool()>&) {
   return absl::UnimplementedError("built without UCX");
 }
+absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer&, absl::Time, PollWindow&,
+                                        std::chrono::steady_clock::time_point,
+                                        const std::function<bool()>&) {
+  return absl::UnimplementedError("built without UCX");
+}
 int64_t UcxWorker::transfers_in_flight() const { return 0; }
 int64_t UcxWorker::buffers_registered() const { return 0; }
 

@@ -8,6 +8,7 @@
 // faults per 4 MiB round trip stay below half of the reply's pages (with glibc's malloc: 3,341
 // faults, 13 MiB faulted in, per round trip on the gRPC lane; with tcmalloc 0-260;
 // services/common/allocator.h).
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -16,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -240,6 +242,71 @@ TEST(EchoDataPlane, ANodeWithAnotherSharedMemoryFifoDoesNotUseTheLane) {
     }
     ASSERT_EQ(wrong, 0u) << "batch " << i;
   }
+}
+
+// Voluntary context switches (sleeps) of this process's threads named `name`, summed.
+int64_t ThreadSleeps(const std::string& name) {
+  int64_t total = 0;
+  DIR* d = ::opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    const std::string dir = std::string("/proc/self/task/") + e->d_name;
+    std::string comm;
+    std::getline(std::ifstream(dir + "/comm"), comm);
+    if (comm != name) continue;
+    std::ifstream status(dir + "/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("voluntary_ctxt_switches:", 0) == 0) total += std::stoll(line.substr(24));
+    }
+  }
+  ::closedir(d);
+  return total;
+}
+
+// An attention node that sends its next batch 500 us after the last reply (its own compute in
+// between, as a model loop's layers do): the shard's compute thread polls for the next batch for
+// a window learned from those gaps (--ucx_poll_max_us above them) and sleeps for none; with the
+// window fixed at the floor (100 us, the ceiling at the floor) it slept between nearly every two
+// batches (the kernel's count of the "expert-compute" thread's sleeps). Every reply bit-exact.
+TEST(EchoDataPlane, TheComputeThreadPollsThroughTheGapsItLearned) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 8);
+  constexpr int kBatches = 60;
+  auto sleeps_with = [&](int poll_max_us, int64_t* sleeps) {
+    auto shard = testing::EchoShard::Start("mid", "posix", /*batch_messages=*/true,
+                                           /*progress_spin_us=*/0, poll_max_us);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    int64_t before = 0;
+    for (int i = 0; i < 20 + kBatches; ++i) {
+      if (i == 20) before = ThreadSleeps("expert-compute");  // after warm-up, learned
+      auto r = (*shard)->channel().Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(10));
+      ASSERT_TRUE(r.ok()) << r.status();
+      const auto& z = b.message.z.bf16();
+      for (size_t row = 0; row < b.message.row_source.size(); ++row) {
+        ASSERT_EQ(std::memcmp(&r->bf16[row * cfg.latent],
+                              &z[b.message.row_source[row] * cfg.latent], cfg.latent * 2),
+                  0);
+      }
+      const auto until = Clock::now() + std::chrono::microseconds(500);
+      while (Clock::now() < until) {
+      }
+    }
+    *sleeps = ThreadSleeps("expert-compute") - before;
+  };
+  int64_t fixed = 0, learned = 0;
+  sleeps_with(100, &fixed);
+  // A ceiling far above the gaps: a loaded machine may stretch them to milliseconds.
+  sleeps_with(50000, &learned);
+  std::printf(
+      "[polling] the shard's compute thread slept %lld times in %d batches 500 us apart with a "
+      "fixed 100 us poll, %lld with the learned window\n",
+      static_cast<long long>(fixed), kBatches, static_cast<long long>(learned));
+  // Alone the fixed window slept about once per batch; a loaded machine may deschedule the
+  // node past its gap, so that count is not asserted.
+  EXPECT_LE(learned, kBatches / 10);
+  EXPECT_GE(fixed, learned);
 }
 
 // Attention nodes come and go (a worker dies, a node reconnects under its name) while others keep

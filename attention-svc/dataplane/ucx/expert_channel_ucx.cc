@@ -162,6 +162,9 @@ class MessageCall final : public ExpertCall {
     // The shard's budget for the batch ends here (it answers DEADLINE_EXCEEDED by then): a
     // reply that has not come a grace later is not coming.
     absl::Time budget_end = absl::InfiniteFuture();
+    // When the request left, and the channel's poll window (learned from its round trips).
+    std::chrono::steady_clock::time_point sent_at;
+    std::shared_ptr<PollWindow> window;
   };
   MessageCall(std::string who, dataplane::UcxWorker* worker, std::shared_ptr<grpc::Channel> control,
               std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -185,7 +188,8 @@ class MessageCall final : public ExpertCall {
   const char* transport() const override { return "ucx"; }
 
   bool Answered(absl::Time until) override {
-    (void)worker_->Await(*received_, until, worker_->poll_spin(), [this] { return SendFailed(); });
+    (void)worker_->Await(*received_, until, *b_.window, b_.sent_at,
+                         [this] { return SendFailed(); });
     return received_->done() || SendFailed() || broken_->load();
   }
 
@@ -220,8 +224,8 @@ class MessageCall final : public ExpertCall {
   // OK once the reply message arrived (or its transfer failed); else why not, naming the shard.
   absl::Status AwaitReply(absl::Time deadline) {
     // Most replies land while this thread polls: nothing else is looked at first.
-    (void)worker_->Await(*received_, std::min(deadline, absl::Now() + kLivenessSlice),
-                         worker_->poll_spin(), [this] { return SendFailed(); });
+    (void)worker_->Await(*received_, std::min(deadline, absl::Now() + kLivenessSlice), *b_.window,
+                         b_.sent_at, [this] { return SendFailed(); });
     while (!received_->done()) {
       if (SendFailed()) {
         const absl::Status s = sent_->Wait(absl::InfinitePast()).status();
@@ -274,7 +278,8 @@ UcxExpertChannel::UcxExpertChannel(ChannelOptions o, dataplane::UcxWorker* worke
       on_lanes_(std::move(o.on_lanes)),
       stream_(std::make_shared<transport::ExpertStream>(shard_, endpoint_, max_message_bytes_,
                                                         cluster_token_)),
-      inband_(std::make_unique<GrpcExpertChannel>(shard_, stream_)) {}
+      inband_(std::make_unique<GrpcExpertChannel>(shard_, stream_)),
+      reply_window_(std::make_shared<PollWindow>(worker->poll_spin(), worker->poll_spin_max())) {}
 
 UcxExpertChannel::~UcxExpertChannel() {
   if (ep_ != 0) worker_->Disconnect(ep_);
@@ -490,6 +495,8 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   b.token = f.token;
   b.shape = ShapeOf(header, m);
   b.budget_end = deadline;
+  b.sent_at = std::chrono::steady_clock::now();
+  b.window = reply_window_;
   return std::make_unique<MessageCall>(absl::StrCat("expert shard ", shard_, " (", endpoint_, ")"),
                                        worker_, c.control, broken_, TransferFailed(),
                                        IntegrityFailed(), c.mac, std::move(sent),

@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "attention-svc/dataplane/client_half.h"
 #include "attention-svc/expert_channel.h"
+#include "services/common/poll_window.h"
 #include "services/dataplane/data_plane.h"
 
 namespace moe::dataplane {
@@ -91,6 +92,8 @@ class UcxExpertChannel final : public ExpertChannel {
   DataPlaneLanesFn on_lanes_;
   std::shared_ptr<transport::ExpertStream> stream_;
   std::unique_ptr<GrpcExpertChannel> inband_;  // on the same stream
+  // How long a caller polls for this shard's reply, learned from its round trips.
+  const std::shared_ptr<PollWindow> reply_window_;
   std::mutex open_mu_;
   uint64_t ep_ = 0;
   std::shared_ptr<const dataplane::PayloadMac> mac_;

@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<ClientHalf>> StartUcxClientHalf(ClientHalfOptions
   uo.tls = o.tls;
   uo.bind_host = o.bind_host;
   uo.poll_spin = o.poll_spin;
+  uo.poll_spin_max = o.poll_spin_max;
   uo.spin = o.progress_spin;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return absl::FailedPreconditionError(w.status().message());
