@@ -44,19 +44,32 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The flags both services get for a data plane ("ucx_shm+mb2": and attention-svc splits each
-// request into 2 micro-batches, see AttentionOnlyArgs).
+// The value of a data plane's "+<key>N" suffix ("ucx_shm+mb2+poll100", key "mb": "2"), or "".
+std::string Suffix(const std::string& name, const std::string& key) {
+  std::vector<std::string> parts = absl::StrSplit(name, '+');
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (parts[i].rfind(key, 0) == 0) return parts[i].substr(key.size());
+  }
+  return "";
+}
+// The flags both services get for a data plane ("ucx_shm+poll100": both poll for at most 100
+// us, the fixed window before the learned one; "+mb2": see AttentionOnlyArgs).
 std::vector<std::string> DataPlaneArgs(const std::string& name) {
   const std::string base = name.substr(0, name.find('+'));
-  if (base == "grpc") return {"--data_plane=grpc"};
-  if (base == "ucx_shm") return {"--data_plane=ucx", "--ucx_tls=posix"};
-  if (base == "ucx_tcp") return {"--data_plane=ucx", "--ucx_tls=tcp"};
-  return {};
+  std::vector<std::string> args;
+  if (base == "grpc") args = {"--data_plane=grpc"};
+  if (base == "ucx_shm") args = {"--data_plane=ucx", "--ucx_tls=posix"};
+  if (base == "ucx_tcp") args = {"--data_plane=ucx", "--ucx_tls=tcp"};
+  if (const std::string poll = Suffix(name, "poll"); !args.empty() && !poll.empty()) {
+    args.push_back("--ucx_poll_max_us=" + poll);
+  }
+  return args;
 }
+// "+mb2": attention-svc splits each request into 2 micro-batches.
 std::vector<std::string> AttentionOnlyArgs(const std::string& name) {
-  const size_t mb = name.find("+mb");
-  if (mb == std::string::npos) return {};
-  return {"--micro_batches=" + name.substr(mb + 3)};
+  const std::string mb = Suffix(name, "mb");
+  if (mb.empty()) return {};
+  return {"--micro_batches=" + mb};
 }
 
 double Quantile(std::vector<double> v, double q) {
@@ -232,7 +245,8 @@ int Main(int argc, char** argv) {
   f.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
   f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
   f.String("data_planes", &o.data_planes,
-           "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2)");
+           "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2); +pollN: "
+           "both services poll for at most N us (ucx_shm+poll100: the fixed window of before)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   absl::StatusOr<std::string> dir =
       bench::BenchCheckpoint(o.checkpoint, o.preset, "moe_cluster_bench_");

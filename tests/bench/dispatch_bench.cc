@@ -70,6 +70,7 @@ struct Options {
   int64_t iterations = 20000;
   bool raw = true;
   int progress_spin_us = 0;
+  int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us;
 };
 
 // The payload integrity check's cost on this machine: AES-256-GMAC over a k3 T = 16 reply.
@@ -168,6 +169,9 @@ int Main(int argc, char** argv) {
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
   f.Int("progress_spin_us", &o.progress_spin_us,
         "both ends' UCX progress threads poll this long after activity (--ucx_progress_spin_us)");
+  f.Int("poll_max_us", &o.poll_max_us,
+        "both ends' poll window grows up to this (--ucx_poll_max_us; 100: the fixed window of "
+        "before)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
@@ -192,8 +196,9 @@ int Main(int argc, char** argv) {
   for (absl::string_view plane_view : absl::StrSplit(o.planes, ',')) {
     const std::string plane(plane_view);
     const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
-    auto shard = testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
-                                           /*batch_messages=*/true, o.progress_spin_us);
+    auto shard =
+        testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
+                                  /*batch_messages=*/true, o.progress_spin_us, o.poll_max_us);
     if (!shard.ok()) {
       std::fprintf(stderr, "echo shard: %s\n", shard.status().ToString().c_str());
       return 1;

@@ -61,12 +61,13 @@ struct Sender {
 };
 
 absl::StatusOr<Sender> MakeSender(const std::string& tls, const std::vector<std::string>& endpoints,
-                                  const std::string& node) {
+                                  const std::string& node, int poll_max_us) {
   Sender s;
   if (!tls.empty()) {
     dataplane::UcxOptions uo;
     uo.tls = tls;
     uo.name = node;
+    uo.poll_spin_max = std::chrono::microseconds(poll_max_us);
     auto w = dataplane::UcxWorker::Create(uo);
     if (!w.ok()) return w.status();
     s.worker = std::move(*w);
@@ -111,6 +112,7 @@ struct Options {
   double seconds = 1;
   int64_t sender_tokens = 8, layers = 92;
   bool raw = true;
+  int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us;
 };
 
 // One (lane, P, T) row: hops for --seconds after 3 warm-up hops; with P = 1 on UCX, the raw
@@ -162,7 +164,7 @@ void Goodput(const ModelConfig& cfg, const Options& o, const std::string& plane,
   for (int64_t n : ss) {
     std::vector<Sender> senders;
     for (int64_t i = 0; i < n; ++i) {
-      auto s = MakeSender(tls, {endpoint}, absl::StrFormat("sender-%d", i));
+      auto s = MakeSender(tls, {endpoint}, absl::StrFormat("sender-%d", i), o.poll_max_us);
       if (!s.ok()) break;
       senders.push_back(std::move(*s));
     }
@@ -203,13 +205,15 @@ absl::Status Lane(const ModelConfig& cfg, const Options& o, const std::string& p
   std::vector<std::unique_ptr<expert_svc::ExpertServer>> shards;
   std::vector<std::string> endpoints;
   for (int i = 0; i < max_peers; ++i) {
-    auto s = expert_svc::ExpertServer::Start(
-        testing::EchoServerOptions(o.preset, cfg.top_k, tls, absl::StrFormat("echo-%d", i)));
+    expert_svc::ExpertServerOptions so =
+        testing::EchoServerOptions(o.preset, cfg.top_k, tls, absl::StrFormat("echo-%d", i));
+    so.ucx_poll_max_us = o.poll_max_us;
+    auto s = expert_svc::ExpertServer::Start(so);
     if (!s.ok()) return s.status();
     endpoints.push_back(absl::StrFormat("127.0.0.1:%d", (*s)->port()));
     shards.push_back(std::move(*s));
   }
-  auto sender = MakeSender(tls, endpoints, "hop-0");
+  auto sender = MakeSender(tls, endpoints, "hop-0", o.poll_max_us);
   if (!sender.ok()) return sender.status();
   std::printf(
       "\n%s: one hop = dispatch + combine to P shards (T tokens x k experts each)\n\n"
@@ -237,6 +241,9 @@ int Main(int argc, char** argv) {
   f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up hops)");
   f.Int64("layers", &o.layers, "MoE layers of the projected decode step (K3: 92)");
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
+  f.Int("poll_max_us", &o.poll_max_us,
+        "both ends' poll window grows up to this (--ucx_poll_max_us; 100: the fixed window of "
+        "before)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {

@@ -83,13 +83,14 @@ struct UcxNode {
   std::unique_ptr<dataplane::UcxWorker> worker;  // outlives the channel (declared first)
   std::unique_ptr<attention_svc::UcxExpertChannel> channel;
 };
-inline absl::StatusOr<UcxNode> MakeUcxNode(const std::string& endpoint, const std::string& tls,
-                                           const std::string& node,
-                                           attention_svc::DataPlaneLanesFn on_lanes = {},
-                                           std::chrono::microseconds progress_spin = {}) {
+inline absl::StatusOr<UcxNode> MakeUcxNode(
+    const std::string& endpoint, const std::string& tls, const std::string& node,
+    attention_svc::DataPlaneLanesFn on_lanes = {}, std::chrono::microseconds progress_spin = {},
+    std::chrono::microseconds poll_max = dataplane::UcxOptions{}.poll_spin_max) {
   dataplane::UcxOptions uo;
   uo.tls = tls;
   uo.spin = progress_spin;
+  uo.poll_spin_max = poll_max;
   auto w = dataplane::UcxWorker::Create(uo);
   if (!w.ok()) return w.status();
   UcxNode n;
@@ -110,11 +111,12 @@ class EchoShard {
   // ucx_tls empty: the gRPC in-band lane; else UCX with that UCX_TLS on both ends.
   // batch_messages false: the shard answers like one of the previous release (the header on the
   // Dispatch stream, the payloads as tagged messages). progress_spin_us: both ends' UCX progress
-  // threads (the server's through its --ucx_progress_spin_us).
-  static absl::StatusOr<std::unique_ptr<EchoShard>> Start(const std::string& preset,
-                                                          const std::string& ucx_tls,
-                                                          bool batch_messages = true,
-                                                          int progress_spin_us = 0) {
+  // threads (the server's through its --ucx_progress_spin_us). poll_max_us: both ends' poll
+  // window ceiling (--ucx_poll_max_us; 100, the floor: the fixed window of before).
+  static absl::StatusOr<std::unique_ptr<EchoShard>> Start(
+      const std::string& preset, const std::string& ucx_tls, bool batch_messages = true,
+      int progress_spin_us = 0,
+      int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us) {
     auto cfg = PresetConfig(preset);
     if (!cfg.ok()) return cfg.status();
     auto s = std::unique_ptr<EchoShard>(new EchoShard);
@@ -122,6 +124,7 @@ class EchoShard {
     expert_svc::ExpertServerOptions o = EchoServerOptions(preset, cfg->top_k, ucx_tls);
     o.ucx_batch_messages = batch_messages;
     o.ucx_progress_spin_us = progress_spin_us;
+    o.ucx_poll_max_us = poll_max_us;
     auto server = expert_svc::ExpertServer::Start(o);
     if (!server.ok()) return server.status();
     s->server_ = std::move(*server);
@@ -137,7 +140,7 @@ class EchoShard {
         [self](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
           self->lanes_ = l.Describe();
         },
-        std::chrono::microseconds(progress_spin_us));
+        std::chrono::microseconds(progress_spin_us), std::chrono::microseconds(poll_max_us));
     if (!node.ok()) return node.status();
     s->worker_ = std::move(node->worker);
     s->ucx_channel_ = node->channel.get();
