@@ -21,10 +21,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
@@ -113,6 +115,7 @@ struct Options {
   int64_t sender_tokens = 8, layers = 92;
   bool raw = true;
   int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us;
+  int goodput_rounds = 3;
 };
 
 // One (lane, P, T) row: hops for --seconds after 3 warm-up hops; with P = 1 on UCX, the raw
@@ -148,52 +151,80 @@ void HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const std:
   std::fflush(stdout);
 }
 
+// The first n senders hit one shard back to back for `seconds`: their hops (-1 if one failed).
+int64_t RunSenders(std::vector<Sender>& senders, int64_t n, const testing::EchoBatch& sb,
+                   double seconds, double* secs) {
+  std::atomic<int64_t> hops{0};
+  std::atomic<bool> failed{false};
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int64_t i = 0; i < n; ++i) {
+    threads.emplace_back([&, sp = &senders[i]] {
+      while (std::chrono::duration<double>(Clock::now() - start).count() < seconds) {
+        if (!Hop(*sp, 1, sb)) {
+          failed.store(true);
+          return;
+        }
+        hops.fetch_add(1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  *secs = std::chrono::duration<double>(Clock::now() - start).count();
+  return failed.load() ? -1 : hops.load();
+}
+
 // Goodput of S senders (each its own worker and channel) hitting one shard at once, back to
-// back for --seconds: one table row per S.
+// back for --seconds, every S in turn and the whole series --goodput_rounds times (interleaved,
+// so that a noisy minute on a shared machine hits every S alike; one round's S = 1 moved 1.4x
+// from one run to the next): one table row per S, the median round and every round.
 void Goodput(const ModelConfig& cfg, const Options& o, const std::string& plane,
              const std::string& tls, const std::string& endpoint) {
   std::printf(
-      "\n%s: S senders to one shard, T = %lld each, back to back for %.1f s\n\n"
-      "| lane | S | hops | goodput GB/s | vs one sender |\n|---|---|---|---|---|\n",
-      plane.c_str(), static_cast<long long>(o.sender_tokens), o.seconds);
+      "\n%s: S senders to one shard, T = %lld each, back to back for %.1f s, %d rounds\n\n"
+      "| lane | S | hops (median round) | goodput GB/s (median round) | each round GB/s | vs one "
+      "sender (medians) |\n|---|---|---|---|---|---|\n",
+      plane.c_str(), static_cast<long long>(o.sender_tokens), o.seconds, o.goodput_rounds);
   const testing::EchoBatch sb = testing::MakeEchoBatch(cfg, o.sender_tokens);
   const double bytes_per_hop =
       static_cast<double>(o.sender_tokens * cfg.latent * 2) + sb.reply_bytes;
   const std::vector<int64_t> ss = Ints(o.senders_list);
-  double one = 0;
-  for (int64_t n : ss) {
-    std::vector<Sender> senders;
-    for (int64_t i = 0; i < n; ++i) {
-      auto s = MakeSender(tls, {endpoint}, absl::StrFormat("sender-%d", i), o.poll_max_us);
-      if (!s.ok()) break;
-      senders.push_back(std::move(*s));
-    }
-    if (static_cast<int64_t>(senders.size()) < n) continue;
-    for (auto& s : senders) (void)Hop(s, 1, sb);  // open every data plane first
-    std::atomic<int64_t> hops{0};
-    std::atomic<bool> failed{false};
-    const auto start = Clock::now();
-    std::vector<std::thread> threads;
-    for (auto& s : senders) {
-      threads.emplace_back([&, sp = &s] {
-        while (std::chrono::duration<double>(Clock::now() - start).count() < o.seconds) {
-          if (!Hop(*sp, 1, sb)) {
-            failed.store(true);
-            return;
-          }
-          hops.fetch_add(1);
-        }
-      });
-    }
-    for (auto& th : threads) th.join();
-    const double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    const double goodput = hops.load() * bytes_per_hop / secs / 1e9;
-    if (n == ss.front()) one = goodput;
-    std::printf("| %s | %lld | %lld | %.2f | %s |\n", plane.c_str(), static_cast<long long>(n),
-                static_cast<long long>(hops.load()), goodput,
-                failed.load() ? "failed" : absl::StrFormat("%.2f", goodput / one).c_str());
-    std::fflush(stdout);
+  std::vector<Sender> senders;
+  for (int64_t i = 0; i < *std::max_element(ss.begin(), ss.end()); ++i) {
+    auto s = MakeSender(tls, {endpoint}, absl::StrFormat("sender-%d", i), o.poll_max_us);
+    if (!s.ok()) break;
+    senders.push_back(std::move(*s));
   }
+  for (auto& s : senders) (void)Hop(s, 1, sb);                        // open every data plane first
+  std::map<int64_t, std::vector<std::pair<double, int64_t>>> rounds;  // S -> (GB/s, hops)
+  for (int r = 0; r < o.goodput_rounds; ++r) {
+    for (int64_t n : ss) {
+      if (n > static_cast<int64_t>(senders.size())) continue;
+      double secs = 0;
+      const int64_t hops = RunSenders(senders, n, sb, o.seconds, &secs);
+      rounds[n].emplace_back(hops < 0 ? -1.0 : hops * bytes_per_hop / secs / 1e9, hops);
+    }
+  }
+  auto median = [&](int64_t n) {
+    std::vector<std::pair<double, int64_t>> v = rounds[n];
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double one = rounds.count(ss.front()) != 0 ? median(ss.front()).first : 0;
+  for (int64_t n : ss) {
+    if (rounds.count(n) == 0) continue;
+    const auto [goodput, hops] = median(n);
+    std::string each;
+    for (const auto& [g, h] : rounds[n]) {
+      absl::StrAppend(&each, each.empty() ? "" : ", ",
+                      h < 0 ? std::string("failed") : absl::StrFormat("%.2f", g));
+    }
+    std::printf(
+        "| %s | %lld | %lld | %.2f | %s | %s |\n", plane.c_str(), static_cast<long long>(n),
+        static_cast<long long>(hops), goodput, each.c_str(),
+        goodput < 0 || one <= 0 ? "failed" : absl::StrFormat("%.2f", goodput / one).c_str());
+  }
+  std::fflush(stdout);
 }
 
 // One lane: echo shards in this process, the hop table, then the goodput table.
@@ -241,10 +272,16 @@ int Main(int argc, char** argv) {
   f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up hops)");
   f.Int64("layers", &o.layers, "MoE layers of the projected decode step (K3: 92)");
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
+  f.Int("goodput_rounds", &o.goodput_rounds,
+        "the senders' series (every S in turn) this many times; medians reported");
   f.Int("poll_max_us", &o.poll_max_us,
         "both ends' poll window grows up to this (--ucx_poll_max_us; 100: the fixed window of "
         "before)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
+  if (o.goodput_rounds < 1) {
+    std::fprintf(stderr, "--goodput_rounds must be at least 1\n");
+    return 2;
+  }
   auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
     std::fprintf(stderr, "%s\n", cfg.status().ToString().c_str());
