@@ -114,8 +114,9 @@ struct UcxOptions {
   // After a poller that got what it waited for leaves, the progress thread stays asleep and
   // unarmed this long for the next poll (PollUntil): a round trip then wakes no thread, where
   // waking it to arm the worker, and the peer's signal on the next message, cost two sleeping
-  // wake-ups per side per round trip (tests/bench/hop_bench.cc). Events nobody polls for in
-  // that window (a hello, an endpoint error) wait at most twice this (at least 1 ms more).
+  // wake-ups per side per round trip (tests/bench/hop_bench.cc). While threads poll, the
+  // progress thread looks every 10 graces (UcxWorkerImpl::SleepWhilePolled): events nobody
+  // polls for after the last poll (a hello, an endpoint error) wait at most 11 graces.
   std::chrono::microseconds handoff_grace{2000};
 };
 

@@ -301,7 +301,12 @@ class UcxWorkerImpl {
   void Loop();
   // The progress thread's sleep while threads poll the worker (unarmed, on the wake fd only):
   // returns when woken, when `next` (a deadline) comes, or when no thread has polled for the
-  // hand-off grace.
+  // hand-off grace, which it looks at every kGracesPerPolledLook graces while a thread polls.
+  // Each look is a wake-up on a core that pollers spin on (at T = 1 the attention node's and the
+  // shard's hold both cores of a 2-vCPU host): one per grace (2 ms) on each worker was in the
+  // T = 1 round trip's tail (dispatch_bench p99 62-1,392 us, 51-96 with ten times fewer looks,
+  // five alternated pairs on Zen 3; docs/data-plane.md).
+  static constexpr int kGracesPerPolledLook = 10;
   void SleepWhilePolled(absl::Duration next);
   std::chrono::steady_clock::time_point LastPollEnd() const;
 

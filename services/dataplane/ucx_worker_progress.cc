@@ -98,10 +98,11 @@ void UcxWorkerImpl::SleepWhilePolled(absl::Duration next) {
   for (;;) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= until) return;
-    // While a thread polls, look again once per grace (at least 1 ms); once none does, when
-    // the grace ends: the worker is unarmed for at most twice the grace after the last poll.
+    // While a thread polls, look again once per kGracesPerPolledLook graces (at least 1 ms);
+    // once none does, when the grace ends: the worker is unarmed for at most a look and a grace
+    // after the last poll.
     const std::chrono::steady_clock::duration slice = std::max<std::chrono::steady_clock::duration>(
-        options_.handoff_grace, std::chrono::milliseconds(1));
+        options_.handoff_grace * kGracesPerPolledLook, std::chrono::milliseconds(1));
     auto wait = std::min<std::chrono::steady_clock::duration>(until - now, slice);
     if (pollers_.load() == 0) {
       const auto grace_end = LastPollEnd() + options_.handoff_grace;

@@ -50,8 +50,8 @@ int64_t ProgressThreadSleeps() {
 }
 
 // A hand-off grace long enough that, on a loaded machine too, no progress thread looks at the
-// worker while the round trips run (it looks once per grace while a thread polls).
-constexpr std::chrono::milliseconds kGrace{500};
+// worker while the round trips run (it looks once per 10 graces, 500 ms, while a thread polls).
+constexpr std::chrono::milliseconds kGrace{50};
 
 std::unique_ptr<UcxWorker> Worker(const std::string& tls, const std::string& name,
                                   std::chrono::microseconds spin = {}) {
@@ -235,6 +235,28 @@ TEST_P(UcxPolling, ProgressSpinKeepsTheProgressThreadsAwakeBetweenFragments) {
       kMaxProgressSpinUs);
   EXPECT_GE(without, 40);
   EXPECT_LT(with * 2, without);
+}
+
+// While a thread polls, the progress thread only looks whether one still does, once per 10
+// graces (UcxWorkerImpl::SleepWhilePolled): each look is a wake-up on a core a poller may spin on.
+// A 600 ms poll with a 2 ms grace woke it 21 times (its first sleep, armed, lasts up to 200 ms);
+// with one look per grace 48 times in 300 ms.
+TEST_P(UcxPolling, TheProgressThreadLooksRarelyWhileAThreadPolls) {
+  if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  UcxOptions o;
+  o.name = "looks";
+  o.tls = GetParam();
+  o.handoff_grace = std::chrono::milliseconds(2);
+  auto w = UcxWorker::Create(o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  const int64_t before = ProgressThreadSleeps();
+  ASSERT_GE(before, 0);
+  (*w)->PollUntil(std::chrono::steady_clock::now() + std::chrono::milliseconds(600),
+                  [] { return false; });
+  const int64_t looks = ProgressThreadSleeps() - before;
+  std::printf("[polling] %s: the progress thread woke %lld times during a 600 ms poll\n",
+              GetParam().c_str(), static_cast<long long>(looks));
+  EXPECT_LE(looks, 60);
 }
 
 // Voluntary context switches (sleeps) of the calling thread.
