@@ -312,11 +312,11 @@ TEST_P(UcxPolling, ALearnedWindowPollsThroughRepliesLongerThanTheFloor) {
       "poll, %lld with the learned window (%lld us)\n",
       GetParam().c_str(), static_cast<long long>(fixed_sleeps), kRoundTrips,
       static_cast<long long>(learned_sleeps), static_cast<long long>(learned.Window().count()));
-  // Alone the fixed window slept for every reply (100 of 100), and the learned one for none; a
-  // loaded machine may deschedule a poller (it yields every 8 empty polls) past the reply's
-  // arrival, so the fixed window's count is not asserted (43 of 100 in one ctest -j2 run).
+  // Alone the fixed window slept for every reply (100 of 100), and the learned one for none (100
+  // with its window held at the floor: tried); a loaded machine may deschedule a poller (it
+  // yields every 8 empty polls) past the reply's arrival, so the fixed window's count is not
+  // asserted (43 of 100 in one ctest -j2 run).
   EXPECT_LE(learned_sleeps, kRoundTrips / 10);
-  EXPECT_GE(fixed_sleeps, learned_sleeps);
   EXPECT_GT(learned.Window(), std::chrono::microseconds(500));
 }
 
