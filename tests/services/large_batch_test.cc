@@ -306,7 +306,7 @@ TEST(EchoDataPlane, TheComputeThreadPollsThroughTheGapsItLearned) {
   // Alone the fixed window slept about once per batch (60-125 times), and so did the learned one
   // with its window held at the floor (80: tried); a loaded machine may deschedule the threads
   // past the gaps, so the fixed window's count is not asserted (0 in one ctest -j2 run).
-  EXPECT_LE(learned, kBatches / 10);
+  EXPECT_LE(learned, kBatches / 4);  // 0-5 seen alone
 }
 
 // Attention nodes come and go (a worker dies, a node reconnects under its name) while others keep
