@@ -4,7 +4,6 @@
 // "ucx-progress" thread in /proc/self/task); a poller that got what it waited for and does not
 // come back leaves the worker to its progress thread after the hand-off grace, so a request
 // nobody polls for is still answered.
-#include <dirent.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -21,6 +20,7 @@
 
 #include "services/common/poll_window.h"
 #include "services/dataplane/ucx_worker.h"
+#include "tests/common/thread_sleeps.h"
 #include "tests/dataplane/ucx_test_util.h"
 
 namespace moe::dataplane {
@@ -30,24 +30,7 @@ using testing::Filled;
 using testing::TokenHeader;
 
 // Voluntary context switches (sleeps) of this process's UCX progress threads, summed.
-int64_t ProgressThreadSleeps() {
-  int64_t total = 0;
-  DIR* d = ::opendir("/proc/self/task");
-  if (d == nullptr) return -1;
-  while (dirent* e = ::readdir(d)) {
-    if (e->d_name[0] == '.') continue;
-    const std::string dir = std::string("/proc/self/task/") + e->d_name;
-    std::string comm;
-    std::getline(std::ifstream(dir + "/comm"), comm);
-    if (comm != "ucx-progress") continue;
-    std::ifstream status(dir + "/status");
-    for (std::string line; std::getline(status, line);) {
-      if (line.rfind("voluntary_ctxt_switches:", 0) == 0) total += std::stoll(line.substr(24));
-    }
-  }
-  ::closedir(d);
-  return total;
-}
+int64_t ProgressThreadSleeps() { return moe::testing::ThreadSleeps("ucx-progress"); }
 
 // A hand-off grace long enough that, on a loaded machine too, no progress thread looks at the
 // worker while the round trips run (it looks once per 10 graces, 500 ms, while a thread polls).
@@ -135,6 +118,25 @@ class PollingEcho {
   std::thread thread_;
 };
 
+// A client and a server worker of one lane (both with progress spin `spin`), an endpoint each
+// way, and the server's polling echo.
+struct EchoPair {
+  std::unique_ptr<UcxWorker> client, server;
+  uint64_t ep = 0;                    // client -> server
+  std::unique_ptr<PollingEcho> echo;  // destroyed first: it uses the server
+};
+bool MakeEchoPair(const std::string& tls, std::chrono::microseconds spin, EchoPair* p) {
+  p->client = Worker(tls, "client", spin);
+  p->server = Worker(tls, "server", spin);
+  if (p->client == nullptr || p->server == nullptr) return false;
+  auto back = p->server->Connect(p->client->address(), nullptr);
+  auto ep = p->client->Connect(p->server->address(), nullptr);
+  if (!back.ok() || !ep.ok()) return false;
+  p->ep = *ep;
+  p->echo = std::make_unique<PollingEcho>(p->server.get(), *back);
+  return true;
+}
+
 class UcxPolling : public ::testing::TestWithParam<std::string> {
  protected:
   // One request of n bytes and its reply, the client polling for up to `spin`; whether the
@@ -158,16 +160,13 @@ class UcxPolling : public ::testing::TestWithParam<std::string> {
 
 TEST_P(UcxPolling, PolledRoundTripsWakeNoProgressThread) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
-  auto client = Worker(GetParam(), "client");
-  auto server = Worker(GetParam(), "server");
-  ASSERT_TRUE(client != nullptr && server != nullptr);
-  auto back = server->Connect(client->address(), nullptr);
-  auto ep = client->Connect(server->address(), nullptr);
-  ASSERT_TRUE(back.ok() && ep.ok());
-  PollingEcho echo(server.get(), *back);
+  EchoPair p;
+  ASSERT_TRUE(MakeEchoPair(GetParam(), {}, &p));
+  UcxWorker& client = *p.client;
+  PollingEcho& echo = *p.echo;
   // Warm: the endpoints' wire-up and the first sleeps are not what is counted.
   for (uint64_t i = 0; i < 20; ++i) {
-    ASSERT_TRUE(RoundTrip(*client, *ep, i, 1024, std::chrono::milliseconds(50)));
+    ASSERT_TRUE(RoundTrip(client, p.ep, i, 1024, std::chrono::milliseconds(50)));
   }
   // 300 round trips of 1 KiB (eager) and 64 KiB (rendezvous), the caller polling for up to 50
   // ms (a loaded machine may take a poller's core for a while: it still must not be handed off).
@@ -176,12 +175,12 @@ TEST_P(UcxPolling, PolledRoundTripsWakeNoProgressThread) {
   int ok = 0;
   for (uint64_t i = 0; i < 300; ++i) {
     ok +=
-        RoundTrip(*client, *ep, 100 + i, i % 2 == 0 ? 1024 : 65536, std::chrono::milliseconds(50));
+        RoundTrip(client, p.ep, 100 + i, i % 2 == 0 ? 1024 : 65536, std::chrono::milliseconds(50));
   }
   const int64_t sleeps = ProgressThreadSleeps() - before;
   EXPECT_EQ(ok, 300);
   // Woken per message, the two progress threads slept about 4 times per round trip (1,200
-  // here); polled, only their periodic look (once per grace) and the server's rare hand-off
+  // here); polled, only their periodic look (once per 10 graces) and the server's rare hand-off
   // (20 ms without a request) remain.
   EXPECT_LT(sleeps, 60) << "progress threads slept " << sleeps << " times in 300 round trips";
   std::printf("[polling] %s: progress threads slept %lld times in 300 polled round trips\n",
@@ -191,8 +190,8 @@ TEST_P(UcxPolling, PolledRoundTripsWakeNoProgressThread) {
   // request nobody polls for is answered; so is one whose client does not poll either.
   echo.polling = false;
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  EXPECT_TRUE(RoundTrip(*client, *ep, 1000, 4096, std::chrono::milliseconds(50)));
-  EXPECT_TRUE(RoundTrip(*client, *ep, 1001, 4096, std::chrono::microseconds(0)));
+  EXPECT_TRUE(RoundTrip(client, p.ep, 1000, 4096, std::chrono::milliseconds(50)));
+  EXPECT_TRUE(RoundTrip(client, p.ep, 1001, 4096, std::chrono::microseconds(0)));
 }
 
 // Nobody polls (the server's compute thread sleeps, the client waits without polling): the
@@ -204,23 +203,20 @@ TEST_P(UcxPolling, PolledRoundTripsWakeNoProgressThread) {
 TEST_P(UcxPolling, ProgressSpinKeepsTheProgressThreadsAwakeBetweenFragments) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
   auto sleeps_in = [&](std::chrono::microseconds spin, int64_t* sleeps) {
-    auto client = Worker(GetParam(), "client", spin);
-    auto server = Worker(GetParam(), "server", spin);
-    ASSERT_TRUE(client != nullptr && server != nullptr);
-    auto back = server->Connect(client->address(), nullptr);
-    auto ep = client->Connect(server->address(), nullptr);
-    ASSERT_TRUE(back.ok() && ep.ok());
-    PollingEcho echo(server.get(), *back);
+    EchoPair p;
+    ASSERT_TRUE(MakeEchoPair(GetParam(), spin, &p));
+    UcxWorker& client = *p.client;
+    PollingEcho& echo = *p.echo;
     echo.polling = false;
     constexpr size_t kBytes = size_t{256} << 10;
     for (uint64_t i = 0; i < 5; ++i) {
-      ASSERT_TRUE(RoundTrip(*client, *ep, i, kBytes, std::chrono::microseconds(0)));
+      ASSERT_TRUE(RoundTrip(client, p.ep, i, kBytes, std::chrono::microseconds(0)));
     }
     const int64_t before = ProgressThreadSleeps();
     ASSERT_GE(before, 0);
     int ok = 0;
     for (uint64_t i = 0; i < 40; ++i) {
-      ok += RoundTrip(*client, *ep, 100 + i, kBytes, std::chrono::microseconds(0));
+      ok += RoundTrip(client, p.ep, 100 + i, kBytes, std::chrono::microseconds(0));
     }
     *sleeps = ProgressThreadSleeps() - before;
     EXPECT_EQ(ok, 40);
@@ -272,27 +268,24 @@ int64_t ThisThreadSleeps() {
 // counted by the kernel).
 TEST_P(UcxPolling, ALearnedWindowPollsThroughRepliesLongerThanTheFloor) {
   if (!UcxBuilt()) GTEST_SKIP() << "built without UCX";
-  auto client = Worker(GetParam(), "client");
-  auto server = Worker(GetParam(), "server");
-  ASSERT_TRUE(client != nullptr && server != nullptr);
-  auto back = server->Connect(client->address(), nullptr);
-  auto ep = client->Connect(server->address(), nullptr);
-  ASSERT_TRUE(back.ok() && ep.ok());
-  PollingEcho echo(server.get(), *back);
+  EchoPair p;
+  ASSERT_TRUE(MakeEchoPair(GetParam(), {}, &p));
+  UcxWorker& client = *p.client;
+  PollingEcho& echo = *p.echo;
   echo.delay = std::chrono::microseconds(500);
   constexpr int kRoundTrips = 100;
   auto sleeps_with = [&](PollWindow& window, uint64_t first_token, int64_t* sleeps) {
     auto once = [&](uint64_t token) {
       const absl::Time deadline = absl::Now() + absl::Seconds(10);
-      auto reply = client->Buffer(1024);
+      auto reply = client.Buffer(1024);
       ASSERT_TRUE(reply.ok());
-      auto got = client->ExpectMessage(token, *reply, deadline);
+      auto got = client.ExpectMessage(token, *reply, deadline);
       auto sent =
-          client->SendMessage(*ep, UcxWorker::Message::kRequest, TokenHeader(token),
-                              Filled(*client, 1024, static_cast<uint8_t>(token)), 1024, deadline);
-      auto len = client->Await(*got, deadline, window, std::chrono::steady_clock::now());
+          client.SendMessage(p.ep, UcxWorker::Message::kRequest, TokenHeader(token),
+                             Filled(client, 1024, static_cast<uint8_t>(token)), 1024, deadline);
+      auto len = client.Await(*got, deadline, window, std::chrono::steady_clock::now());
       ASSERT_TRUE(len.ok() && *len == 1024) << len.status();
-      ASSERT_TRUE(client->Await(*sent, deadline, std::chrono::microseconds(0)).ok());
+      ASSERT_TRUE(client.Await(*sent, deadline, std::chrono::microseconds(0)).ok());
       ASSERT_EQ((*reply)->data()[5], static_cast<uint8_t>(token + 5 * 7 + 1));
     };
     for (uint64_t i = 0; i < 20; ++i) once(first_token + i);  // warm, and learned

@@ -8,7 +8,6 @@
 // faults per 4 MiB round trip stay below half of the reply's pages (with glibc's malloc: 3,341
 // faults, 13 MiB faulted in, per round trip on the gRPC lane; with tcmalloc 0-260;
 // services/common/allocator.h).
-#include <dirent.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -17,7 +16,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -27,6 +25,7 @@
 #include "services/common/model_config.h"
 #include "services/dataplane/ucx_worker.h"
 #include "tests/common/echo_shard.h"
+#include "tests/common/thread_sleeps.h"
 
 namespace moe {
 namespace {
@@ -244,26 +243,6 @@ TEST(EchoDataPlane, ANodeWithAnotherSharedMemoryFifoDoesNotUseTheLane) {
   }
 }
 
-// Voluntary context switches (sleeps) of this process's threads named `name`, summed.
-int64_t ThreadSleeps(const std::string& name) {
-  int64_t total = 0;
-  DIR* d = ::opendir("/proc/self/task");
-  if (d == nullptr) return -1;
-  while (dirent* e = ::readdir(d)) {
-    if (e->d_name[0] == '.') continue;
-    const std::string dir = std::string("/proc/self/task/") + e->d_name;
-    std::string comm;
-    std::getline(std::ifstream(dir + "/comm"), comm);
-    if (comm != name) continue;
-    std::ifstream status(dir + "/status");
-    for (std::string line; std::getline(status, line);) {
-      if (line.rfind("voluntary_ctxt_switches:", 0) == 0) total += std::stoll(line.substr(24));
-    }
-  }
-  ::closedir(d);
-  return total;
-}
-
 // An attention node that sends its next batch 500 us after the last reply (its own compute in
 // between, as a model loop's layers do): the shard's compute thread polls for the next batch for
 // a window learned from those gaps (--ucx_poll_max_us above them) and sleeps for none; with the
@@ -280,7 +259,7 @@ TEST(EchoDataPlane, TheComputeThreadPollsThroughTheGapsItLearned) {
     ASSERT_TRUE(shard.ok()) << shard.status();
     int64_t before = 0;
     for (int i = 0; i < 20 + kBatches; ++i) {
-      if (i == 20) before = ThreadSleeps("expert-compute");  // after warm-up, learned
+      if (i == 20) before = testing::ThreadSleeps("expert-compute");  // after warm-up, learned
       auto r = (*shard)->channel().Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(10));
       ASSERT_TRUE(r.ok()) << r.status();
       const auto& z = b.message.z.bf16();
@@ -293,7 +272,7 @@ TEST(EchoDataPlane, TheComputeThreadPollsThroughTheGapsItLearned) {
       while (Clock::now() < until) {
       }
     }
-    *sleeps = ThreadSleeps("expert-compute") - before;
+    *sleeps = testing::ThreadSleeps("expert-compute") - before;
   };
   int64_t fixed = 0, learned = 0;
   sleeps_with(100, &fixed);
