@@ -27,8 +27,9 @@ void AddDataPlaneFlags(moe::SvcFlags& flags, moe::attention_svc::AttentionServer
             "a thread waiting for a shard's UCX reply polls for it this long before it sleeps "
             "(0: it sleeps at once; docs/data-plane.md)");
   flags.Int("ucx_poll_max_us", &o->ucx_poll_max_us,
-            "...and up to this long where its recent replies came that soon (the window covers "
-            "their 75th percentile; never below --ucx_poll_us; docs/data-plane.md)");
+            "...and up to this long where its recent replies came that soon (3 in 4 of the last "
+            "16: the window covers the longest of those; never below --ucx_poll_us; "
+            "docs/data-plane.md)");
   flags.Int("ucx_progress_spin_us", &o->ucx_progress_spin_us,
             "the UCX progress thread keeps polling this long after its last activity before it "
             "sleeps (0: at once; at most 10000): worth it where the data plane has a core to "
