@@ -508,9 +508,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   w->tls_ = std::move(tls);
   w->chunk_bytes_ = w->impl_->chunk_bytes();
   w->poll_spin_ = options.poll_spin;
-  w->poll_spin_max_ = options.poll_spin.count() > 0
-                          ? std::max(options.poll_spin, options.poll_spin_max)
-                          : std::chrono::microseconds(0);
+  w->poll_spin_max_ = options.poll_spin_max;
   return w;
 }
 
@@ -581,13 +579,14 @@ absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline,
 absl::StatusOr<size_t> UcxWorker::Await(UcxTransfer& t, absl::Time deadline, PollWindow& window,
                                         std::chrono::steady_clock::time_point started,
                                         const std::function<bool()>& stop_polling) {
-  const auto now = std::chrono::steady_clock::now();
-  if (window.floor().count() > 0) {
-    const auto until = std::min(std::max(now + window.floor(), started + window.Window()),
-                                now + absl::ToChronoNanoseconds(deadline - absl::Now()));
-    impl_->PollUntil(until, [&] { return t.done() || (stop_polling && stop_polling()); });
-  }
-  absl::StatusOr<size_t> n = t.Wait(deadline);
+  // Until started + the window, at least the floor from now (0 with a floor of 0: no polling),
+  // never past the deadline (which may be infinite).
+  auto spin = std::max<std::chrono::steady_clock::duration>(
+      window.floor(), started + window.Window() - std::chrono::steady_clock::now());
+  const absl::Duration left = std::max(deadline - absl::Now(), absl::ZeroDuration());
+  if (absl::FromChrono(spin) > left) spin = absl::ToChronoNanoseconds(left);
+  absl::StatusOr<size_t> n = impl_->Await(
+      t, deadline, std::chrono::duration_cast<std::chrono::microseconds>(spin), stop_polling);
   const auto waited = std::chrono::steady_clock::now() - started;
   if (t.done() || waited > window.ceiling()) window.Record(waited);
   return n;

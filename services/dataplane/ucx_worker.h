@@ -109,7 +109,7 @@ struct UcxOptions {
   // ...and up to this long where its recent waits were that short (services/common/
   // poll_window.h; a channel's callers and a shard's compute thread each learn their own): a
   // T = 64 round trip on shared memory took 164-254 us where a fixed 100 us poll slept and took
-  // 335-465 (docs/data-plane.md). 0 where poll_spin is 0 (no polling).
+  // 335-465 (docs/data-plane.md). A window with a poll_spin of 0 never polls (PollWindow).
   std::chrono::microseconds poll_spin_max{1000};
   // After a poller that got what it waited for leaves, the progress thread stays asleep and
   // unarmed this long for the next poll (PollUntil): a round trip then wakes no thread, where
