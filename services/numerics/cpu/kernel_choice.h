@@ -61,8 +61,9 @@ KernelSets DefaultKernelSets();
 // panels' token passes, medians and steadiness; 5: the AVX512-BF16 decode rows' scales per 4
 // chunks, plain loads of whole chunks in the AVX-512 rows (faster rows move the switch); 6: the
 // rows prefetch into L1 and the panels the rows ahead (faster panels from DRAM at 32-64 tokens);
-// 7: the AVX2 rows at 1-4 tokens scale partial sums once per chunk (faster AVX2 decode).
-inline constexpr int kKernelChoiceVersion = 7;
+// 7: the AVX2 rows at 1-4 tokens scale partial sums once per chunk (faster AVX2 decode); 8: the
+// AVX2 block scales from a 4-copy table (one shuffle instead of three per chunk).
+inline constexpr int kKernelChoiceVersion = 8;
 // A probe's repetitions may spread this much (second fastest minus second slowest of 5, over the
 // median) before the measurement counts as unsteady. Measured on an idle 2-core Zen 4: 0.01-0.12.
 inline constexpr double kProbeSpreadBound = 0.25;
