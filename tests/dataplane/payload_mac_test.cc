@@ -16,6 +16,7 @@
 
 #include "services/common/thread_pool.h"
 #include "services/dataplane/gf128.h"
+#include "tests/dataplane/gmac_oracle.h"
 
 namespace moe::dataplane {
 namespace {
@@ -60,30 +61,6 @@ TEST(PayloadMac, AnyChangeToKeyNonceDirectionOrBytesFailsTheCheck) {
   ASSERT_TRUE(other.ok());
   EXPECT_FALSE(other->Verify(Direction::kToExpert, 7, data.data(), data.size(), tag));
   EXPECT_FALSE(PayloadMac::Create("short").ok());
-}
-
-// OpenSSL's AES-256-GCM over prefix || data as additional data, in one pass with a fresh
-// context: the oracle, written from the nonce layout payload_mac.h documents.
-std::string OnePass(const std::string& key, Direction direction, uint64_t sequence,
-                    const std::string& prefix, const uint8_t* data, size_t n) {
-  unsigned char iv[12] = {static_cast<unsigned char>(direction)};
-  for (int i = 0; i < 8; ++i) iv[4 + i] = static_cast<unsigned char>(sequence >> (56 - 8 * i));
-  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
-  int outl = 0;
-  EXPECT_EQ(EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr,
-                               reinterpret_cast<const unsigned char*>(key.data()), iv),
-            1);
-  if (!prefix.empty()) {
-    EVP_EncryptUpdate(ctx, nullptr, &outl, reinterpret_cast<const unsigned char*>(prefix.data()),
-                      static_cast<int>(prefix.size()));
-  }
-  if (n > 0) EVP_EncryptUpdate(ctx, nullptr, &outl, data, static_cast<int>(n));
-  unsigned char final_block[16];
-  EVP_EncryptFinal_ex(ctx, final_block, &outl);
-  std::string tag(kMacBytes, '\0');
-  EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, 16, tag.data());
-  EVP_CIPHER_CTX_free(ctx);
-  return tag;
 }
 
 TEST(Gf128, CarrylessMultiplyIsTheSpecificationsBitByBitOne) {
