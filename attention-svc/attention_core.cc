@@ -198,6 +198,7 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
   lo.ucx_poll_us = options_.ucx_poll_us;
   lo.ucx_poll_max_us = options_.ucx_poll_max_us;
   lo.ucx_progress_spin_us = options_.ucx_progress_spin_us;
+  lo.ucx_detach_tag_from = options_.ucx_detach_tag_from_bytes;
   lo.max_message_bytes = options_.max_message_bytes;
   lo.cluster_token = options_.cluster_token;
   lo.local = local;

@@ -88,9 +88,12 @@ struct AttentionServerOptions {
   // that offers it and in-band gRPC with the rest; grpc always in band; a backend's name
   // (dataplane/registry.h: "ucx", "fake") that one or fail the batch.
   dataplane::DataPlane data_plane;
-  std::string ucx_tls;           // empty: UCX_TLS from the environment
-  int ucx_poll_us = 100;         // UcxOptions::poll_spin: a thread waiting for a shard's reply
-  int ucx_poll_max_us = 1000;    // UcxOptions::poll_spin_max: its window's ceiling
+  std::string ucx_tls;         // empty: UCX_TLS from the environment
+  int ucx_poll_us = 100;       // UcxOptions::poll_spin: a thread waiting for a shard's reply
+  int ucx_poll_max_us = 1000;  // UcxOptions::poll_spin_max: its window's ceiling
+  // Replies of at least this many bytes get their MAC after them where the lanes let the
+  // receiver pull (ChannelOptions::detach_reply_tag_from); 0: never.
+  int64_t ucx_detach_tag_from_bytes = dataplane::kDetachTagFromBytes;
   int ucx_progress_spin_us = 0;  // UcxOptions::spin: the progress thread after its last activity
   // The readiness canary (readiness_canary.h): every canary_interval_ms a 4-token batch through
   // the whole path, answered within canary_timeout_ms and within the layer's tolerance of its

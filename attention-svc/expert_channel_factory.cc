@@ -19,6 +19,7 @@ std::shared_ptr<ExpertChannel> MakeExpertChannel(const ExpertChannelConfig& c, c
     o.cluster_token = c.cluster_token;
     o.max_message_bytes = c.max_message_bytes;
     o.fallback_in_band = c.fallback_in_band;
+    o.detach_reply_tag_from = c.detach_reply_tag_from;
     o.on_event = c.on_event;
     o.on_lanes = c.on_lanes;
     return c.data_plane->MakeChannel(std::move(o));

@@ -30,6 +30,7 @@ struct ExpertChannelConfig {
   // (--data_plane=auto), and its events and lanes.
   ClientHalf* data_plane = nullptr;
   bool fallback_in_band = true;
+  size_t detach_reply_tag_from = dataplane::kDetachTagFromBytes;
   DataPlaneEventFn on_event;
   DataPlaneLanesFn on_lanes;
   // In process: the experts of a shard when they are here (null: not here). cfg, kernels and

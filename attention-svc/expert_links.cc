@@ -20,6 +20,7 @@ absl::StatusOr<std::unique_ptr<ExpertLinks>> ExpertLinks::Start(
   c.node = options.node;
   c.data_plane = links->half_.get();
   c.fallback_in_band = options.data_plane.automatic();
+  c.detach_reply_tag_from = static_cast<size_t>(std::max<int64_t>(0, options.ucx_detach_tag_from));
   c.local_weights = options.local.weights;
   c.cfg = options.cfg;
   c.kernels = options.local.kernels;

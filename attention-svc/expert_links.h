@@ -45,6 +45,8 @@ struct ExpertLinksOptions {
   int ucx_poll_us = 100;
   int ucx_poll_max_us = 1000;
   int ucx_progress_spin_us = 0;
+  // ChannelOptions::detach_reply_tag_from (0: never).
+  int64_t ucx_detach_tag_from = dataplane::kDetachTagFromBytes;
   int max_message_bytes = 256 << 20;
   std::string cluster_token;
   LocalExperts local;

@@ -32,6 +32,9 @@ struct EndpointContext;
 // Who sent a batch message (services/dataplane/data_plane.h, BatchFrame), to answer it.
 struct BatchSource {
   uint64_t client_id = 0, token = 0, sequence = 0;
+  // The request asked for its reply's MAC in a message of its own, after the reply (UCX:
+  // dataplane::kDetachTag; backends that never say detached_reply_tags never see it set).
+  bool detach_tag = false;
 };
 
 struct ServerHalfOptions {

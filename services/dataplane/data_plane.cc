@@ -25,16 +25,60 @@ std::string SealBatchFrame(const PayloadMac& mac, Direction direction, BatchFram
   return EncodeBatchFrame(f);
 }
 
+namespace {
+absl::Status ReplyIntegrityFailed() {
+  return absl::DataLossError(
+      "the reply message failed its integrity check (AES-GMAC of the connection)");
+}
+}  // namespace
+
 absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_view frame,
                                           const uint8_t* payload, size_t n, uint64_t client_id,
                                           uint64_t sequence) {
   absl::StatusOr<BatchFrame> f = ParseBatchFrame(frame, BatchKind::kReply, n);
   if (!f.ok() || f->client_id != client_id || f->sequence != sequence ||
+      (f->flags & kDetachTag) != 0 ||
       !mac.Verify(Direction::kToAttention, sequence, payload, n, f->mac, MacPrefix(frame))) {
-    return absl::DataLossError(
-        "the reply message failed its integrity check (AES-GMAC of the connection)");
+    return ReplyIntegrityFailed();
   }
   return f;
+}
+
+std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
+                          const uint8_t* payload, size_t n) {
+  // The reply's own fields, read back from the bytes its MAC covers (its sender built them).
+  absl::StatusOr<BatchFrame> r = ParseBatchFrame(reply_frame, BatchKind::kReply, n);
+  BatchFrame t;
+  t.kind = BatchKind::kReplyTag;
+  if (r.ok()) {
+    t.token = ReplyTagToken(r->token);
+    t.client_id = r->client_id;
+    t.sequence = r->sequence;
+    t.mac = mac.Compute(Direction::kToAttention, r->sequence, payload, n, MacPrefix(reply_frame));
+  }
+  return EncodeBatchFrame(t);
+}
+
+absl::StatusOr<DetachedReply> HashDetachedReply(const PayloadMac& mac, std::string_view frame,
+                                                const uint8_t* payload, size_t n,
+                                                uint64_t client_id, uint64_t sequence) {
+  absl::StatusOr<BatchFrame> f = ParseBatchFrame(frame, BatchKind::kReply, n);
+  if (!f.ok() || f->client_id != client_id || f->sequence != sequence ||
+      (f->flags & kDetachTag) == 0) {
+    return ReplyIntegrityFailed();
+  }
+  DetachedReply r{*f, mac.Compute(Direction::kToAttention, sequence, payload, n, MacPrefix(frame))};
+  return r;
+}
+
+absl::Status CheckReplyTag(const DetachedReply& reply, std::string_view tag_frame) {
+  absl::StatusOr<BatchFrame> t = ParseBatchFrame(tag_frame, BatchKind::kReplyTag, 0);
+  if (!t.ok() || t->token != ReplyTagToken(reply.frame.token) ||
+      t->client_id != reply.frame.client_id || t->sequence != reply.frame.sequence ||
+      t->header_bytes != 0 || t->flags != 0 || !ConstantTimeEqual(t->mac, reply.want)) {
+    return ReplyIntegrityFailed();
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -91,7 +135,8 @@ std::string EncodeBatchFrame(const BatchFrame& f) {
   out.append(kBatchMagic, 4);
   out.push_back(static_cast<char>(kBatchVersion));
   out.push_back(static_cast<char>(f.kind));
-  PutLe(out, 0, 2);
+  out.push_back(static_cast<char>(f.flags));
+  out.push_back('\0');
   PutLe(out, f.client_id, 8);
   PutLe(out, f.sequence, 8);
   PutLe(out, f.header_bytes, 4);
@@ -112,13 +157,16 @@ absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view b, BatchKind kind,
       static_cast<uint8_t>(b[12]) != kBatchVersion) {
     return absl::InvalidArgumentError("batch frame without the MOEB v1 magic");
   }
-  if (static_cast<uint8_t>(b[13]) != static_cast<uint8_t>(kind) || GetLe(b, 14, 2) != 0 ||
-      GetLe(b, 36, 4) != 0) {
+  const uint8_t flags = static_cast<uint8_t>(b[14]);
+  if (static_cast<uint8_t>(b[13]) != static_cast<uint8_t>(kind) || (flags & ~kDetachTag) != 0 ||
+      (flags != 0 && kind == BatchKind::kReplyTag) || b[15] != 0 || GetLe(b, 36, 4) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("batch frame of kind ", static_cast<int>(static_cast<uint8_t>(b[13])),
-                     " (expected ", static_cast<int>(kind), ") or with reserved bytes set"));
+                     " (expected ", static_cast<int>(kind), "), with unknown flags ",
+                     static_cast<int>(flags), " or with reserved bytes set"));
   }
   BatchFrame f;
+  f.flags = flags;
   f.token = GetLe(b, 0, 8);
   f.kind = kind;
   f.client_id = GetLe(b, 16, 8);
@@ -131,6 +179,15 @@ absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view b, BatchKind kind,
   }
   f.mac.assign(b.data() + kBatchFrameMacOffset, kBatchFrameBytes - kBatchFrameMacOffset);
   return f;
+}
+
+bool ReceiverPulls(const UcxLanes& lanes) {
+  for (const std::string& t : lanes.transports) {
+    if (t == "cma" || t == "knem" || t == "xpmem" || std::strcmp(TransportClass(t), "rdma") == 0) {
+      return true;
+    }
+  }
+  return false;
 }
 
 bool UsesSharedMemoryFifo(const UcxLanes& lanes) {

@@ -70,20 +70,36 @@ absl::StatusOr<Hello> ParseHello(std::string_view bytes);
 // over the frame's first kBatchFrameMacOffset bytes and the whole payload, nonce (direction,
 // sequence). A request's token is random per batch; its reply carries the same token (an
 // attention node matches replies by it), the same client id and sequence. Layout, little-endian:
-// token (8), "MOEB", version 1, kind (1: request, 2: reply), 2 zero bytes, client id (8),
-// sequence (8), header_bytes (4), 4 zero bytes, MAC (16): 56 bytes exactly.
+// token (8), "MOEB", version 1, kind (1: request, 2: reply, 3: reply tag), flags (1), a zero
+// byte, client id (8), sequence (8), header_bytes (4), 4 zero bytes, MAC (16): 56 bytes exactly.
+//
+// A detached tag (kDetachTag, servers that say detached_reply_tags in OpenDataPlaneReply): a
+// request with the flag asks for its reply's MAC in a message of its own. The reply then goes
+// out as soon as it is written, with the flag and a MAC field of zeros, and a reply-tag message
+// follows once the shard has computed the MAC (the same GMAC, over the reply frame's prefix,
+// flag included, and payload): token ReplyTagToken(token), the reply's client id and sequence,
+// header_bytes 0, no payload, the MAC in its MAC field. The attention node hashes the reply while
+// the shard does and compares when both are there: the two hashes run at once instead of one
+// after the other (and the transfer under the shard's, on lanes where the receiver pulls the
+// bytes). Nothing of the payload is read before the comparison passes, as with an attached MAC.
 constexpr size_t kBatchFrameBytes = 56;
 // A reply's protobuf header fits this (the attention node's reply buffer has this room).
 constexpr size_t kMaxReplyHeaderBytes = 16384;
 constexpr size_t kBatchFrameMacOffset = 40;
-enum class BatchKind : uint8_t { kRequest = 1, kReply = 2 };
+enum class BatchKind : uint8_t { kRequest = 1, kReply = 2, kReplyTag = 3 };
+// Frame flags (byte 14); any other bit set is refused.
+constexpr uint8_t kDetachTag = 1;
+// An attention node asks for a detached tag from this reply size by default (below it the
+// second message costs about what the overlap saves: a 256 KiB hash takes ~20 us here).
+constexpr size_t kDetachTagFromBytes = size_t{256} << 10;
 struct BatchFrame {
   uint64_t token = 0;
   BatchKind kind = BatchKind::kRequest;
   uint64_t client_id = 0;
   uint64_t sequence = 0;
   uint32_t header_bytes = 0;
-  std::string mac;  // kMacBytes (16); empty while the frame is being sealed
+  std::string mac;    // kMacBytes (16); empty while the frame is being sealed
+  uint8_t flags = 0;  // kDetachTag (requests and replies)
 };
 // The frame's bytes; the MAC's 16 bytes are zero when `mac` is empty (MacPrefix is what the MAC
 // covers, so a frame is encoded once, sealed, then encoded again with its MAC).
@@ -100,11 +116,32 @@ absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view bytes, BatchKind kin
 std::string SealBatchFrame(const PayloadMac& mac, Direction direction, BatchFrame f,
                            const uint8_t* payload, size_t n);
 // A reply message that authenticated: its frame parses as a reply to this client's batch
-// `sequence` over the n payload bytes and its MAC matches; DATA_LOSS otherwise (nothing of the
-// payload may be read then).
+// `sequence` over the n payload bytes, without kDetachTag, and its MAC matches; DATA_LOSS
+// otherwise (nothing of the payload may be read then).
 absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_view frame,
                                           const uint8_t* payload, size_t n, uint64_t client_id,
                                           uint64_t sequence);
+
+// Detached tags. The token a reply's tag message carries (the attention node expects it there;
+// its request tokens are even, so no batch's token is another's tag token).
+inline uint64_t ReplyTagToken(uint64_t token) { return token ^ 1; }
+// The tag message of a reply whose frame is `reply_frame` (kDetachTag set, MAC zeros) and
+// payload payload[0, n): what the shard sends once the reply went out.
+std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
+                          const uint8_t* payload, size_t n);
+// The attention node's half, in two steps so that the hash runs while the tag is on its way:
+// the reply frame parsed (a reply to this client's batch `sequence`, with kDetachTag, header
+// within the n bytes) and the MAC its tag message must carry; then the tag message checked
+// against it (kind 3, ReplyTagToken of the reply's token, the same client and sequence, the MAC
+// equal in constant time). DATA_LOSS for anything else.
+struct DetachedReply {
+  BatchFrame frame;
+  std::string want;  // the MAC computed here
+};
+absl::StatusOr<DetachedReply> HashDetachedReply(const PayloadMac& mac, std::string_view frame,
+                                                const uint8_t* payload, size_t n,
+                                                uint64_t client_id, uint64_t sequence);
+absl::Status CheckReplyTag(const DetachedReply& reply, std::string_view tag_frame);
 
 // The lanes UCX selected for an endpoint, read from ucp_ep_print_info's text (UCX 1.13 has no
 // query for them). kind: "shm" when every lane is a shared-memory transport (posix, sysv, cma,
@@ -122,6 +159,11 @@ struct UcxLanes {
 UcxLanes ParseUcxLanes(std::string_view print_info);
 // Whether the lanes include a transport that writes into the peer's FIFO (posix, sysv, xpmem).
 bool UsesSharedMemoryFifo(const UcxLanes& lanes);
+// Whether the lanes include one on which the receiver pulls a large message's bytes without the
+// sender's help (cma, knem, xpmem, RDMA verbs): there a sender that computes after posting a
+// send does not hold the transfer up (measured on posix + cma: a 2 MiB reply's hash after the
+// send cost ~50 us of the round trip, before it ~300); on posix alone or TCP it does.
+bool ReceiverPulls(const UcxLanes& lanes);
 // The lanes of any backend's connection (the fake's: {"fake"}, kind "fake").
 using Lanes = UcxLanes;
 // The class of one UCX transport name: "shm", "tcp", "rdma" or "other".

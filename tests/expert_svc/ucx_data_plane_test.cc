@@ -3,7 +3,8 @@
 // frame, the MAC over its prefix and the payload): an honest batch reaches the handler once with
 // its header and activations and its answer comes back sealed; a replay of that same message, a
 // forged MAC, an unknown client and a malformed frame never reach the handler, are counted by
-// kind and are never answered.
+// kind and are never answered. A request that asks for a detached tag gets its reply first,
+// with the flag and no MAC, then a tag message that authenticates it.
 #include "expert-svc/dataplane/ucx/ucx_data_plane.h"
 
 #include <gtest/gtest.h>
@@ -78,7 +79,7 @@ class BatchMessages : public ::testing::Test {
   std::shared_ptr<dataplane::UcxTransfer> Send(uint64_t client, uint64_t sequence, uint64_t token,
                                                const std::string& header,
                                                const std::string& activations, bool seal = true,
-                                               std::string frame_bytes = {}) {
+                                               std::string frame_bytes = {}, uint8_t flags = 0) {
     const std::string payload = header + activations;
     auto buf = client_->Buffer(std::max<size_t>(payload.size(), 1));
     EXPECT_TRUE(buf.ok());
@@ -89,6 +90,7 @@ class BatchMessages : public ::testing::Test {
     f.client_id = client;
     f.sequence = sequence;
     f.header_bytes = static_cast<uint32_t>(header.size());
+    f.flags = flags;
     const std::string prefix = std::string(dataplane::MacPrefix(dataplane::EncodeBatchFrame(f)));
     f.mac = seal ? mac_->Compute(dataplane::Direction::kToExpert, sequence, (*buf)->data(),
                                  payload.size(), prefix)
@@ -199,6 +201,50 @@ TEST_F(BatchMessages, ReplaysForgeriesAndStrangersNeverReachTheHandler) {
                          {"replayed", 2}, {"integrity_failed", 3}, {"message_rejected", 3}}));
   // Nothing was answered: no reply ever reached the client (it expects none, so any would be
   // dropped and counted there).
+  EXPECT_EQ(client_->messages_dropped(), 0);
+}
+
+TEST_F(BatchMessages, ARequestThatAsksForADetachedTagGetsTheTagAfterItsReply) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const uint64_t token = 0x5a5a00;
+  auto reply_buf = client_->Buffer(600000);
+  auto tag_buf = client_->Buffer(1);
+  ASSERT_TRUE(reply_buf.ok() && tag_buf.ok());
+  auto reply = client_->ExpectMessage(token, *reply_buf, deadline);
+  auto tag = client_->ExpectMessage(dataplane::ReplyTagToken(token), *tag_buf, deadline);
+  ASSERT_TRUE(
+      Send(me_.id, 11, token, "h", "z", true, {}, dataplane::kDetachTag)->Wait(deadline).ok());
+  Settle(1, {});
+  BatchSource from;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    from = last_from_;
+  }
+  EXPECT_TRUE(from.detach_tag);
+  std::string outputs(500000, '\0');  // a rendezvous-sized reply
+  for (size_t i = 0; i < outputs.size(); ++i) outputs[i] = static_cast<char>(i * 7);
+  ASSERT_TRUE(dp_->ReplyBatch(from, "reply-header", outputs, deadline, nullptr).ok());
+  auto n = client_->Await(*reply, deadline, std::chrono::microseconds(100));
+  ASSERT_TRUE(n.ok()) << n.status();
+  ASSERT_TRUE(tag->Wait(deadline).ok());
+  // The reply: the flag, a MAC field of zeros, the bytes; then its tag, which authenticates it.
+  auto f = dataplane::ParseBatchFrame(reply->header(), BatchKind::kReply, *n);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->flags, dataplane::kDetachTag);
+  EXPECT_EQ(f->mac, std::string(dataplane::kMacBytes, '\0'));
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>((*reply_buf)->data()), *n),
+            "reply-header" + outputs);
+  auto hashed =
+      dataplane::HashDetachedReply(*mac_, reply->header(), (*reply_buf)->data(), *n, me_.id, 11);
+  ASSERT_TRUE(hashed.ok()) << hashed.status();
+  EXPECT_TRUE(dataplane::CheckReplyTag(*hashed, tag->header()).ok());
+  // A request without the flag is answered with the MAC attached, as before.
+  ASSERT_TRUE(Send(me_.id, 12, token + 2, "h", "z")->Wait(deadline).ok());
+  Settle(2, {});
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    EXPECT_FALSE(last_from_.detach_tag);
+  }
   EXPECT_EQ(client_->messages_dropped(), 0);
 }
 

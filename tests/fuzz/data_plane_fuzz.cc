@@ -59,12 +59,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       __builtin_trap();
     }
   }
-  // The same bytes as a batch message's frame, for both kinds and the payload size the first
-  // byte picks: a parsed frame encodes back to the same bytes, and its header fits the payload.
-  for (auto kind : {moe::dataplane::BatchKind::kRequest, moe::dataplane::BatchKind::kReply}) {
+  // The same bytes as a batch message's frame, for every kind and the payload size the first
+  // byte picks: a parsed frame encodes back to the same bytes, its header fits the payload, and
+  // its flags are known ones (none on a reply tag).
+  for (auto kind : {moe::dataplane::BatchKind::kRequest, moe::dataplane::BatchKind::kReply,
+                    moe::dataplane::BatchKind::kReplyTag}) {
     const size_t payload = size > 0 ? data[0] * 16u : 0;
     auto f = moe::dataplane::ParseBatchFrame(in, kind, payload);
-    if (f.ok() && (moe::dataplane::EncodeBatchFrame(*f) != in || f->header_bytes > payload)) {
+    if (f.ok() && (moe::dataplane::EncodeBatchFrame(*f) != in || f->header_bytes > payload ||
+                   (f->flags & ~moe::dataplane::kDetachTag) != 0 ||
+                   (kind == moe::dataplane::BatchKind::kReplyTag && f->flags != 0))) {
       __builtin_trap();
     }
   }

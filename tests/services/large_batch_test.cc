@@ -107,13 +107,15 @@ TEST_P(LargeBatch, AFourMiBRoundTripCostsItsBytesNotACliff) {
 // The two protocols of the UCX lane carry the same batch bit for bit: batch messages (one UCX
 // active message each way, no Dispatch stream ever opened) with a shard of this release, and the
 // previous protocol (the header on the Dispatch stream, the payloads as tagged messages) with a
-// shard that answers like the previous release; eager and rendezvous sizes, shared memory and
-// TCP. What the channel really did is read back: whether it opened a Dispatch stream, and
-// how many batch messages its worker dropped (none).
+// shard that answers like the previous release; eager and rendezvous sizes, shared memory
+// (posix alone, and with cma, where the receiver pulls a large reply and the T = 200 one, 1.6 MB,
+// asks for its tag after it) and TCP. What the channel really did is read back: whether it
+// opened a Dispatch stream, how many batches asked for a detached tag, and how many batch
+// messages its worker dropped (none).
 TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
   const ModelConfig cfg = *PresetConfig("mid");
-  for (const char* tls : {"posix", "tcp"}) {
+  for (const char* tls : {"posix", "posix,cma", "tcp"}) {
     for (bool batch_messages : {true, false}) {
       SCOPED_TRACE(absl::StrCat(tls, batch_messages ? " batch messages" : " previous protocol"));
       auto shard = testing::EchoShard::Start("mid", tls, batch_messages);
@@ -135,6 +137,11 @@ TEST(EchoDataPlane, BothProtocolsCarryTheSameBatchBitExact) {
       }
       EXPECT_EQ((*shard)->ucx_channel()->dispatch_streams_opened(), batch_messages ? 0 : 1);
       EXPECT_EQ((*shard)->worker()->messages_dropped(), 0);
+      // Only the 1.6 MB reply, only from a shard that offers it, only where the receiver pulls.
+      const dataplane::UcxLanes lanes = (*shard)->ucx_channel()->lanes();
+      const bool pulls = dataplane::ReceiverPulls(lanes);
+      EXPECT_EQ(pulls, std::string(tls) == "posix,cma") << lanes.Describe();
+      EXPECT_EQ((*shard)->ucx_channel()->detached_tag_batches(), batch_messages && pulls ? 1 : 0);
     }
   }
 }

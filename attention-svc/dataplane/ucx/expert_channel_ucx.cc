@@ -165,6 +165,8 @@ class MessageCall final : public ExpertCall {
     // When the request left, and the channel's poll window (learned from its round trips).
     std::chrono::steady_clock::time_point sent_at;
     std::shared_ptr<PollWindow> window;
+    // The reply's tag message, when the request asked for it (dataplane::kDetachTag).
+    std::shared_ptr<dataplane::UcxTransfer> tag;
   };
   MessageCall(std::string who, dataplane::UcxWorker* worker, std::shared_ptr<grpc::Channel> control,
               std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -202,11 +204,13 @@ class MessageCall final : public ExpertCall {
     }
     // Nothing is read from bytes the shard did not seal under this connection's key for this
     // batch (its sequence is the nonce).
-    absl::StatusOr<dataplane::BatchFrame> frame = dataplane::OpenReplyFrame(
-        *mac_, received_->header(), reply_buffer_->data(), *n, b_.client_id, b_.sequence);
+    absl::StatusOr<dataplane::BatchFrame> frame = Authenticate(*n, deadline);
     if (!frame.ok()) {
-      if (on_integrity_failed_) on_integrity_failed_();
-      return absl::DataLossError(absl::StrCat(who_, ": ", frame.status().message()));
+      if (frame.status().code() == absl::StatusCode::kDataLoss && on_integrity_failed_) {
+        on_integrity_failed_();
+      }
+      return absl::Status(frame.status().code(),
+                          absl::StrCat(who_, ": ", frame.status().message()));
     }
     // The rows stay in the registered buffer they landed in; the reply holds it.
     return ReadBatchReply(who_, b_.shape, reinterpret_cast<const char*>(reply_buffer_->data()), *n,
@@ -220,6 +224,30 @@ class MessageCall final : public ExpertCall {
   static constexpr absl::Duration kReplyGrace = absl::Seconds(1);
 
   bool SendFailed() const { return sent_->done() && !sent_->Wait(absl::InfinitePast()).ok(); }
+
+  // The reply's frame once its MAC matched: the frame's own, or (a detached tag) the one its
+  // tag message brings, hashed here while that message is on its way. DATA_LOSS when it does
+  // not match; the tag message's failure or absence by the deadline otherwise.
+  absl::StatusOr<dataplane::BatchFrame> Authenticate(size_t n, absl::Time deadline) {
+    if (b_.tag == nullptr) {
+      return dataplane::OpenReplyFrame(*mac_, received_->header(), reply_buffer_->data(), n,
+                                       b_.client_id, b_.sequence);
+    }
+    absl::StatusOr<dataplane::DetachedReply> reply = dataplane::HashDetachedReply(
+        *mac_, received_->header(), reply_buffer_->data(), n, b_.client_id, b_.sequence);
+    if (!reply.ok()) return reply.status();
+    const absl::Time by = std::min(deadline, b_.budget_end + kReplyGrace);
+    // Polled (it follows the shard's hash of the same bytes), not learned from: the window is
+    // the round trip's.
+    (void)worker_->Await(*b_.tag, by, worker_->poll_spin_max(), [] { return false; });
+    absl::StatusOr<size_t> got = b_.tag->Wait(by);
+    if (!got.ok()) {
+      return absl::Status(got.status().code(),
+                          absl::StrCat("the reply's tag message: ", got.status().message()));
+    }
+    MOE_RETURN_IF_ERROR(dataplane::CheckReplyTag(*reply, b_.tag->header()));
+    return reply->frame;
+  }
 
   // OK once the reply message arrived (or its transfer failed); else why not, naming the shard.
   absl::Status AwaitReply(absl::Time deadline) {
@@ -274,6 +302,7 @@ UcxExpertChannel::UcxExpertChannel(ChannelOptions o, dataplane::UcxWorker* worke
       max_message_bytes_(o.max_message_bytes),
       worker_(worker),
       fallback_in_band_(o.fallback_in_band),
+      detach_reply_tag_from_(o.detach_reply_tag_from),
       on_event_(std::move(o.on_event)),
       on_lanes_(std::move(o.on_lanes)),
       stream_(std::make_shared<transport::ExpertStream>(shard_, endpoint_, max_message_bytes_,
@@ -291,7 +320,8 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   // anything is sent to its old worker.
   if (client_id_.load() != 0 && !broken_->load() &&
       (control_ == nullptr || control_->GetState(false) == GRPC_CHANNEL_READY)) {
-    return Connection{ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, control_};
+    return Connection{
+        ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, detached_tags_, control_};
   }
   if (absl::Now() < retry_after_) {
     return absl::FailedPreconditionError(absl::StrCat(without_ucx_, " (asked again every ",
@@ -362,11 +392,15 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   mac_ = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
   chunk_bytes_ = static_cast<size_t>(reply.chunk_bytes());
   batch_messages_ = reply.batch_messages();
+  // A detached tag pays where the shard's hash does not hold the transfer up.
+  detached_tags_ = reply.batch_messages() && reply.detached_reply_tags() && lanes.ok() &&
+                   dataplane::ReceiverPulls(*lanes);
   control_ = std::move(opened->control);
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");
   if (on_lanes_) on_lanes_(shard_, lanes_, peer_lanes_);
-  return Connection{ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, control_};
+  return Connection{ep_,     client_id_.load(), mac_, chunk_bytes_, batch_messages_, detached_tags_,
+                    control_};
 }
 
 dataplane::UcxLanes UcxExpertChannel::lanes() const {
@@ -476,13 +510,24 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   uint8_t* d = (*send_buffer)->data();
   dr.SerializeWithCachedSizesToArray(d);
   m.z.CopyTo(d + header_bytes);
-  // The reply's token: unpredictable outside this connection.
-  const dataplane::BatchFrame f{dataplane::RandomU64(),
-                                dataplane::BatchKind::kRequest,
-                                c.client_id,
-                                seq,
-                                static_cast<uint32_t>(header_bytes),
-                                {}};
+  // The reply's token: unpredictable outside this connection, and even (its tag message, if
+  // any, carries the odd one next to it).
+  dataplane::BatchFrame f{dataplane::RandomU64() & ~uint64_t{1},
+                          dataplane::BatchKind::kRequest,
+                          c.client_id,
+                          seq,
+                          static_cast<uint32_t>(header_bytes),
+                          {}};
+  std::shared_ptr<dataplane::UcxTransfer> tag;
+  if (c.detached_tags && detach_reply_tag_from_ > 0 && reply_bytes >= detach_reply_tag_from_) {
+    auto tag_buffer = worker_->Buffer(1);
+    if (tag_buffer.ok()) {
+      f.flags = dataplane::kDetachTag;
+      tag = worker_->ExpectMessage(dataplane::ReplyTagToken(f.token), *tag_buffer,
+                                   deadline + kLateReplyGrace);
+      detached_tag_batches_.fetch_add(1);
+    }
+  }
   const std::string frame =
       dataplane::SealBatchFrame(*c.mac, dataplane::Direction::kToExpert, f, d, total);
   // Expected before the request leaves, so the reply always finds its buffer.
@@ -497,6 +542,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   b.budget_end = deadline;
   b.sent_at = std::chrono::steady_clock::now();
   b.window = reply_window_;
+  b.tag = std::move(tag);
   return std::make_unique<MessageCall>(absl::StrCat("expert shard ", shard_, " (", endpoint_, ")"),
                                        worker_, c.control, broken_, TransferFailed(),
                                        IntegrityFailed(), c.mac, std::move(sent),

@@ -63,6 +63,9 @@ class UcxExpertChannel final : public ExpertChannel {
   // Dispatch streams this channel opened to the shard (none while batches travel as UCX
   // messages; the previous protocol and the in-band fallback use one).
   int64_t dispatch_streams_opened() const;
+  // Batches that asked for their reply's MAC after the reply (ChannelOptions::
+  // detach_reply_tag_from).
+  int64_t detached_tag_batches() const { return detached_tag_batches_.load(); }
 
  private:
   // One open data plane: what a batch needs of it, read together.
@@ -71,7 +74,8 @@ class UcxExpertChannel final : public ExpertChannel {
     uint64_t client_id = 0;
     std::shared_ptr<const dataplane::PayloadMac> mac;
     size_t chunk_bytes = 0;
-    bool batch_messages = false;             // one UCX message per batch each way
+    bool batch_messages = false;  // one UCX message per batch each way
+    bool detached_tags = false;   // the shard detaches reply tags and the lanes let it pay
     std::shared_ptr<grpc::Channel> control;  // its state: whether the shard is alive
   };
   // Opens (or reopens) the data plane; an error: send in band / fail.
@@ -88,6 +92,7 @@ class UcxExpertChannel final : public ExpertChannel {
   const int max_message_bytes_;
   dataplane::UcxWorker* const worker_;
   const bool fallback_in_band_;
+  const size_t detach_reply_tag_from_;
   DataPlaneEventFn on_event_;
   DataPlaneLanesFn on_lanes_;
   std::shared_ptr<transport::ExpertStream> stream_;
@@ -99,9 +104,11 @@ class UcxExpertChannel final : public ExpertChannel {
   std::shared_ptr<const dataplane::PayloadMac> mac_;
   size_t chunk_bytes_ = 0;
   bool batch_messages_ = false;
+  bool detached_tags_ = false;
   std::shared_ptr<grpc::Channel> control_;
   std::atomic<uint64_t> client_id_{0};
   std::atomic<uint64_t> sequence_{1};  // the MAC nonce: each batch of this connection once
+  std::atomic<int64_t> detached_tag_batches_{0};
   // When an integrity failure was last logged (unix seconds; shared with the calls).
   std::shared_ptr<std::atomic<int64_t>> last_integrity_log_ =
       std::make_shared<std::atomic<int64_t>>(0);

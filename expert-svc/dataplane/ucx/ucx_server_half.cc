@@ -148,6 +148,7 @@ class UcxServerHalf final : public ServerHalf {
     reply->set_chunk_bytes(static_cast<int64_t>(ucx_->chunk_bytes()));
     reply->set_batch_messages(batch_messages_);
     reply->set_shm_fifo(ucx_->worker().shared_memory_fifo());
+    reply->set_detached_reply_tags(batch_messages_);
     return absl::OkStatus();
   }
   absl::Status ReplyBatch(const BatchSource& to, std::string_view header, std::string_view payload,
