@@ -11,7 +11,8 @@
 // loopback, same checkpoint, same cores), one request at a time, so the ratio is the cost of
 // disaggregation per batch; then the cluster with 2 requests in flight (the attention node
 // overlaps one batch's dense work with another's experts). Each data plane gets its own
-// cluster: in-band gRPC, UCX over shared memory (UCX_TLS posix) and UCX over TCP on loopback;
+// cluster: in-band gRPC, UCX over shared memory (UCX_TLS posix; ucx_cma: posix,cma, where the
+// receiver pulls a large reply) and UCX over TCP on loopback;
 // p50/p99 are of the dispatch stage (send to every shard, wait for every reply) per request.
 // Dispatch bytes are the tensor payloads the attention node reports: one latent row per distinct
 // token and shard out, and per (token, expert) bf16 rows or per-token fp32 partial sums back. A
@@ -59,17 +60,24 @@ std::vector<std::string> DataPlaneArgs(const std::string& name) {
   std::vector<std::string> args;
   if (base == "grpc") args = {"--data_plane=grpc"};
   if (base == "ucx_shm") args = {"--data_plane=ucx", "--ucx_tls=posix"};
+  if (base == "ucx_cma") args = {"--data_plane=ucx", "--ucx_tls=posix,cma"};
   if (base == "ucx_tcp") args = {"--data_plane=ucx", "--ucx_tls=tcp"};
   if (const std::string poll = Suffix(name, "poll"); !args.empty() && !poll.empty()) {
     args.push_back("--ucx_poll_max_us=" + poll);
   }
   return args;
 }
-// "+mb2": attention-svc splits each request into 2 micro-batches.
+// "+mb2": attention-svc splits each request into 2 micro-batches; "+detach0": its replies' MACs
+// stay attached (--ucx_detach_tag_from_bytes=0).
 std::vector<std::string> AttentionOnlyArgs(const std::string& name) {
-  const std::string mb = Suffix(name, "mb");
-  if (mb.empty()) return {};
-  return {"--micro_batches=" + mb};
+  std::vector<std::string> args;
+  if (const std::string mb = Suffix(name, "mb"); !mb.empty()) {
+    args.push_back("--micro_batches=" + mb);
+  }
+  if (const std::string detach = Suffix(name, "detach"); !detach.empty()) {
+    args.push_back("--ucx_detach_tag_from_bytes=" + detach);
+  }
+  return args;
 }
 
 double Quantile(std::vector<double> v, double q) {
@@ -245,8 +253,10 @@ int Main(int argc, char** argv) {
   f.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
   f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
   f.String("data_planes", &o.data_planes,
-           "comma-separated: grpc, ucx_shm, ucx_tcp; +mbN: N micro-batches (ucx_shm+mb2); +pollN: "
-           "both services poll for at most N us (ucx_shm+poll100: the fixed window of before)");
+           "comma-separated: grpc, ucx_shm, ucx_cma (UCX_TLS posix,cma), ucx_tcp; +mbN: N "
+           "micro-batches (ucx_shm+mb2); +pollN: both services poll for at most N us "
+           "(ucx_shm+poll100: the fixed window of before); +detach0: replies' MACs attached "
+           "(ucx_cma+detach0)");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   absl::StatusOr<std::string> dir =
       bench::BenchCheckpoint(o.checkpoint, o.preset, "moe_cluster_bench_");

@@ -71,6 +71,8 @@ struct Options {
   bool raw = true;
   int progress_spin_us = 0;
   int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us;
+  int64_t detach_tag_from =
+      static_cast<int64_t>(attention_svc::ChannelOptions{}.detach_reply_tag_from);
 };
 
 // The payload integrity check's cost on this machine: AES-256-GMAC over a k3 T = 16 reply.
@@ -109,12 +111,19 @@ double HeaderRoundTripUs(const std::string& endpoint, int64_t d, double seconds)
   return Percentile(us, 0.5);
 }
 
+// UCX_TLS of a data plane's name.
+std::string PlaneTls(const std::string& plane) {
+  if (plane == "ucx_tcp") return "tcp";
+  if (plane == "ucx_cma") return "posix,cma";
+  return "posix";
+}
+
 // One (lane, T) row: round trips for --seconds after 3 warm-up ones (at least one timed,
 // however slow), their cost split by getrusage, the raw transport next to them.
 void RoundTripRow(testing::EchoShard& shard, const ModelConfig& cfg, const Options& o,
                   const std::string& plane, int64_t t, double header_us, int* port) {
   const bool ucx = plane != "grpc";
-  const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
+  const std::string tls = PlaneTls(plane);
   const int64_t d = cfg.latent, k = cfg.top_k;
   const testing::EchoBatch batch = testing::MakeEchoBatch(cfg, t);
   std::vector<double> us;
@@ -163,7 +172,9 @@ int Main(int argc, char** argv) {
   SvcFlags f("dispatch_bench", "The data plane's round trip against the raw UCX transport.");
   f.String("preset", &o.preset, "model shape: mid or k3");
   f.String("tokens", &o.tokens_list, "T values (tokens per message)");
-  f.String("data_planes", &o.planes, "grpc, ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp)");
+  f.String("data_planes", &o.planes,
+           "grpc, ucx_shm (UCX_TLS posix), ucx_cma (posix,cma: the receiver pulls large "
+           "messages), ucx_tcp (UCX_TLS tcp)");
   f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up round trips)");
   f.Int64("iterations", &o.iterations, "at most this many round trips per point");
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
@@ -172,6 +183,9 @@ int Main(int argc, char** argv) {
   f.Int("poll_max_us", &o.poll_max_us,
         "both ends' poll window grows up to this (--ucx_poll_max_us; 100: the fixed window of "
         "before)");
+  f.Int64("detach_tag_from", &o.detach_tag_from,
+          "replies of this many bytes or more get their MAC in a message after them, where the "
+          "lanes let the receiver pull (ucx_cma); 0: never, the attached MAC of before");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
@@ -195,10 +209,10 @@ int Main(int argc, char** argv) {
   int port = 14000 + static_cast<int>(getpid() % 1000) * 10;
   for (absl::string_view plane_view : absl::StrSplit(o.planes, ',')) {
     const std::string plane(plane_view);
-    const std::string tls = plane == "ucx_tcp" ? "tcp" : "posix";
-    auto shard =
-        testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
-                                  /*batch_messages=*/true, o.progress_spin_us, o.poll_max_us);
+    const std::string tls = PlaneTls(plane);
+    auto shard = testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
+                                           /*batch_messages=*/true, o.progress_spin_us,
+                                           o.poll_max_us, static_cast<size_t>(o.detach_tag_from));
     if (!shard.ok()) {
       std::fprintf(stderr, "echo shard: %s\n", shard.status().ToString().c_str());
       return 1;

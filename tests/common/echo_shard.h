@@ -86,7 +86,8 @@ struct UcxNode {
 inline absl::StatusOr<UcxNode> MakeUcxNode(
     const std::string& endpoint, const std::string& tls, const std::string& node,
     attention_svc::DataPlaneLanesFn on_lanes = {}, std::chrono::microseconds progress_spin = {},
-    std::chrono::microseconds poll_max = dataplane::UcxOptions{}.poll_spin_max) {
+    std::chrono::microseconds poll_max = dataplane::UcxOptions{}.poll_spin_max,
+    size_t detach_reply_tag_from = attention_svc::ChannelOptions{}.detach_reply_tag_from) {
   dataplane::UcxOptions uo;
   uo.tls = tls;
   uo.spin = progress_spin;
@@ -102,6 +103,7 @@ inline absl::StatusOr<UcxNode> MakeUcxNode(
   co.node = node;
   co.fallback_in_band = false;
   co.on_lanes = std::move(on_lanes);
+  co.detach_reply_tag_from = detach_reply_tag_from;
   n.channel = std::make_unique<attention_svc::UcxExpertChannel>(std::move(co), n.worker.get());
   return n;
 }
@@ -113,10 +115,11 @@ class EchoShard {
   // Dispatch stream, the payloads as tagged messages). progress_spin_us: both ends' UCX progress
   // threads (the server's through its --ucx_progress_spin_us). poll_max_us: both ends' poll
   // window ceiling (--ucx_poll_max_us; 100, the floor: the fixed window of before).
+  // detach_reply_tag_from: the channel's ChannelOptions::detach_reply_tag_from (0: never).
   static absl::StatusOr<std::unique_ptr<EchoShard>> Start(
       const std::string& preset, const std::string& ucx_tls, bool batch_messages = true,
-      int progress_spin_us = 0,
-      int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us) {
+      int progress_spin_us = 0, int poll_max_us = expert_svc::ExpertServerOptions{}.ucx_poll_max_us,
+      size_t detach_reply_tag_from = attention_svc::ChannelOptions{}.detach_reply_tag_from) {
     auto cfg = PresetConfig(preset);
     if (!cfg.ok()) return cfg.status();
     auto s = std::unique_ptr<EchoShard>(new EchoShard);
@@ -140,7 +143,8 @@ class EchoShard {
         [self](const std::string&, const dataplane::UcxLanes& l, const std::string&) {
           self->lanes_ = l.Describe();
         },
-        std::chrono::microseconds(progress_spin_us), std::chrono::microseconds(poll_max_us));
+        std::chrono::microseconds(progress_spin_us), std::chrono::microseconds(poll_max_us),
+        detach_reply_tag_from);
     if (!node.ok()) return node.status();
     s->worker_ = std::move(node->worker);
     s->ucx_channel_ = node->channel.get();
