@@ -377,7 +377,9 @@ TEST_F(KernelChoiceCache, AnUnsteadyChoiceIsUsedWithinTheHourAndMeasuredAfter) {
 }
 
 // A machine too noisy for the bound (0: every probe spreads more): measured max_attempts
-// times, used, and written marked unsteady with its machine state.
+// times, used, and written marked unsteady with its machine state. The reason named is a
+// spread, or, where a burst of load made a count fall under half of both neighbours (which
+// outranks every spread; seen once under ctest -j2 with a build beside it), that.
 TEST_F(KernelChoiceCache, AMachineTooNoisyForTheBoundIsWrittenUnsteady) {
   const std::string dir = TempDir("never_steady");
   KernelChoiceOptions o;
@@ -391,7 +393,9 @@ TEST_F(KernelChoiceCache, AMachineTooNoisyForTheBoundIsWrittenUnsteady) {
   EXPECT_EQ(c.source, "measured");
   EXPECT_FALSE(c.steady);
   EXPECT_EQ(c.attempts, 2);
-  EXPECT_NE(c.unsteady.find("repetitions spread"), std::string::npos) << c.unsteady;
+  EXPECT_TRUE(c.unsteady.find("repetitions spread") != std::string::npos ||
+              c.unsteady.find("under half of both neighbours") != std::string::npos)
+      << c.unsteady;
   EXPECT_NE(c.Summary().find("unsteady after 2 attempts"), std::string::npos) << c.Summary();
   auto file = ParseKernelChoice(ReadAll(PathIn(dir)), KernelSets{}, kLatent, kInter);
   ASSERT_TRUE(file.ok()) << file.status();
