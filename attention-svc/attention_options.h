@@ -91,8 +91,8 @@ struct AttentionServerOptions {
   std::string ucx_tls;         // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;       // UcxOptions::poll_spin: a thread waiting for a shard's reply
   int ucx_poll_max_us = 1000;  // UcxOptions::poll_spin_max: its window's ceiling
-  // Replies of at least this many bytes get their MAC after them where the lanes let the
-  // receiver pull (ChannelOptions::detach_reply_tag_from); 0: never.
+  // Replies of at least this many bytes get their MAC after them
+  // (ChannelOptions::detach_reply_tag_from); 0: never.
   int64_t ucx_detach_tag_from_bytes = dataplane::kDetachTagFromBytes;
   int ucx_progress_spin_us = 0;  // UcxOptions::spin: the progress thread after its last activity
   // The readiness canary (readiness_canary.h): every canary_interval_ms a 4-token batch through

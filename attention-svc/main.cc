@@ -32,8 +32,7 @@ void AddDataPlaneFlags(moe::SvcFlags& flags, moe::attention_svc::AttentionServer
             "docs/data-plane.md)");
   flags.Int64("ucx_detach_tag_from_bytes", &o->ucx_detach_tag_from_bytes,
               "a reply of at least this many bytes asks for its MAC in a message after it, so "
-              "that the shard and this node hash it at once; only on lanes where the receiver "
-              "pulls the bytes (cma, knem, xpmem, RDMA) and with shards that offer it (0: never; "
+              "that the shard and this node hash it at once (shards that offer it; 0: never; "
               "docs/data-plane.md)");
   flags.Int("ucx_progress_spin_us", &o->ucx_progress_spin_us,
             "the UCX progress thread keeps polling this long after its last activity before it "

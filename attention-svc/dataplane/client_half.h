@@ -51,8 +51,7 @@ struct ChannelOptions {
   // plane of this backend; otherwise such batches fail UNAVAILABLE naming the shard.
   bool fallback_in_band = true;
   // A batch whose reply has at least this many bytes asks for the reply's MAC in a message after
-  // it, so that the shard and this node hash at once (UCX: a shard that offers it, on lanes
-  // where the receiver pulls the bytes, dataplane::ReceiverPulls); 0: never.
+  // it, so that the shard and this node hash at once (UCX: of a shard that offers it); 0: never.
   size_t detach_reply_tag_from = dataplane::kDetachTagFromBytes;
   DataPlaneEventFn on_event;
   DataPlaneLanesFn on_lanes;

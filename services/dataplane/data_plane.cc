@@ -45,7 +45,7 @@ absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_vie
 }
 
 std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
-                          const uint8_t* payload, size_t n) {
+                          const uint8_t* payload, size_t n, const std::function<void()>& between) {
   // The reply's own fields, read back from the bytes its MAC covers (its sender built them).
   absl::StatusOr<BatchFrame> r = ParseBatchFrame(reply_frame, BatchKind::kReply, n);
   BatchFrame t;
@@ -54,7 +54,8 @@ std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
     t.token = ReplyTagToken(r->token);
     t.client_id = r->client_id;
     t.sequence = r->sequence;
-    t.mac = mac.Compute(Direction::kToAttention, r->sequence, payload, n, MacPrefix(reply_frame));
+    t.mac = mac.ComputeInPieces(Direction::kToAttention, r->sequence, payload, n,
+                                MacPrefix(reply_frame), kMacPieceBytes, nullptr, between);
   }
   return EncodeBatchFrame(t);
 }
@@ -179,15 +180,6 @@ absl::StatusOr<BatchFrame> ParseBatchFrame(std::string_view b, BatchKind kind,
   }
   f.mac.assign(b.data() + kBatchFrameMacOffset, kBatchFrameBytes - kBatchFrameMacOffset);
   return f;
-}
-
-bool ReceiverPulls(const UcxLanes& lanes) {
-  for (const std::string& t : lanes.transports) {
-    if (t == "cma" || t == "knem" || t == "xpmem" || std::strcmp(TransportClass(t), "rdma") == 0) {
-      return true;
-    }
-  }
-  return false;
 }
 
 bool UsesSharedMemoryFifo(const UcxLanes& lanes) {

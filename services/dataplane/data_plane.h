@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,7 +81,8 @@ absl::StatusOr<Hello> ParseHello(std::string_view bytes);
 // flag included, and payload): token ReplyTagToken(token), the reply's client id and sequence,
 // header_bytes 0, no payload, the MAC in its MAC field. The attention node hashes the reply while
 // the shard does and compares when both are there: the two hashes run at once instead of one
-// after the other (and the transfer under the shard's, on lanes where the receiver pulls the
+// after the other (and the transfer under the shard's: the shard hashes in pieces and
+// progresses its transport between them, which posix shared memory and TCP need to move the
 // bytes). Nothing of the payload is read before the comparison passes, as with an attached MAC.
 constexpr size_t kBatchFrameBytes = 56;
 // A reply's protobuf header fits this (the attention node's reply buffer has this room).
@@ -126,9 +128,12 @@ absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_vie
 // its request tokens are even, so no batch's token is another's tag token).
 inline uint64_t ReplyTagToken(uint64_t token) { return token ^ 1; }
 // The tag message of a reply whose frame is `reply_frame` (kDetachTag set, MAC zeros) and
-// payload payload[0, n): what the shard sends once the reply went out.
+// payload payload[0, n): what the shard sends once the reply went out. The payload is hashed in
+// pieces of kMacPieceBytes with `between` run between them: a sender whose transport needs its
+// progress to move the reply (posix shared memory, TCP) progresses there.
 std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
-                          const uint8_t* payload, size_t n);
+                          const uint8_t* payload, size_t n,
+                          const std::function<void()>& between = {});
 // The attention node's half, in two steps so that the hash runs while the tag is on its way:
 // the reply frame parsed (a reply to this client's batch `sequence`, with kDetachTag, header
 // within the n bytes) and the MAC its tag message must carry; then the tag message checked
@@ -159,11 +164,6 @@ struct UcxLanes {
 UcxLanes ParseUcxLanes(std::string_view print_info);
 // Whether the lanes include a transport that writes into the peer's FIFO (posix, sysv, xpmem).
 bool UsesSharedMemoryFifo(const UcxLanes& lanes);
-// Whether the lanes include one on which the receiver pulls a large message's bytes without the
-// sender's help (cma, knem, xpmem, RDMA verbs): there a sender that computes after posting a
-// send does not hold the transfer up (measured on posix + cma: a 2 MiB reply's hash after the
-// send cost ~50 us of the round trip, before it ~300); on posix alone or TCP it does.
-bool ReceiverPulls(const UcxLanes& lanes);
 // The lanes of any backend's connection (the fake's: {"fake"}, kind "fake").
 using Lanes = UcxLanes;
 // The class of one UCX transport name: "shm", "tcp", "rdma" or "other".

@@ -169,7 +169,8 @@ Gf128 PayloadMac::Tag(const unsigned char iv[12], std::string_view prefix, const
 
 std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, const uint8_t* data,
                                         size_t n, std::string_view prefix, size_t piece_bytes,
-                                        ThreadPool* pool) const {
+                                        ThreadPool* pool,
+                                        const std::function<void()>& between) const {
   const Nonce nonce(direction, sequence);
   const size_t total = prefix.size() + n;
   auto one_pass = [&] { return TagBytes(Tag(nonce.iv, prefix, data, n)); };
@@ -187,7 +188,10 @@ std::string PayloadMac::ComputeInPieces(Direction direction, uint64_t sequence, 
                   end - prefix.size() - data_begin);
   };
   if (pool == nullptr) {
-    for (size_t i = 0; i < pieces; ++i) hash_piece(static_cast<int64_t>(i));
+    for (size_t i = 0; i < pieces; ++i) {
+      hash_piece(static_cast<int64_t>(i));
+      if (between && i + 1 < pieces) between();
+    }
   } else if (!pool->TryParallelFor(static_cast<int64_t>(pieces), hash_piece)) {
     return one_pass();  // the pool is hashing another payload: no waiting for it
   }

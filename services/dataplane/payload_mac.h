@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -63,9 +64,11 @@ class PayloadMac {
   // Compute's tag, hashed in pieces of piece_bytes (a multiple of 16, more than the prefix) on
   // `pool` (the calling thread too; alone without a pool) and joined. Compute takes this path
   // from kParallelMacBytes, on a process-wide pool, unless that pool is busy with another
-  // payload; public so that tests can compare it with one pass at any size and piece.
+  // payload; public so that tests can compare it with one pass at any size and piece. Without a
+  // pool, `between` runs between consecutive pieces (a sender progresses its transport there).
   std::string ComputeInPieces(Direction direction, uint64_t sequence, const uint8_t* data, size_t n,
-                              std::string_view prefix, size_t piece_bytes, ThreadPool* pool) const;
+                              std::string_view prefix, size_t piece_bytes, ThreadPool* pool,
+                              const std::function<void()>& between = {}) const;
 
  private:
   PayloadMac(std::string key, uint64_t id, Gf128 h)

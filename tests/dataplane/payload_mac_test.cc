@@ -147,6 +147,25 @@ TEST(PayloadMac, PiecesJoinToTheOnePassTag) {
   EXPECT_GE(cases, 100);
 }
 
+// Without a pool the pieces are hashed in order on the caller's thread, and `between` runs once
+// between each two of them (a shard progresses its transport there): the tag is the one pass's.
+TEST(PayloadMac, BetweenRunsBetweenPiecesAndLeavesTheTag) {
+  const std::string key = RandomBytes(kMacKeyBytes);
+  auto mac = PayloadMac::Create(key);
+  ASSERT_TRUE(mac.ok());
+  std::vector<uint8_t> data(300001);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 29 + 3);
+  const std::string prefix(40, 'p');
+  for (size_t n : {size_t{0}, size_t{1000}, kMacPieceBytes - 40, kMacPieceBytes, data.size()}) {
+    int calls = 0;
+    const std::string tag = mac->ComputeInPieces(Direction::kToAttention, 9, data.data(), n, prefix,
+                                                 kMacPieceBytes, nullptr, [&] { ++calls; });
+    EXPECT_EQ(tag, OnePass(key, Direction::kToAttention, 9, prefix, data.data(), n)) << n;
+    const size_t pieces = (prefix.size() + n + kMacPieceBytes - 1) / kMacPieceBytes;
+    EXPECT_EQ(calls, pieces > 1 ? static_cast<int>(pieces) - 1 : 0) << n;
+  }
+}
+
 // A payload large enough for the process's MAC pool on either GHASH (8 MiB: a K3 shard's reply
 // at about 150 tokens) with a frame as prefix. Every piece and the prefix are covered: one bit
 // anywhere fails.

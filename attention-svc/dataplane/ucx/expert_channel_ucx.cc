@@ -392,9 +392,7 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   mac_ = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
   chunk_bytes_ = static_cast<size_t>(reply.chunk_bytes());
   batch_messages_ = reply.batch_messages();
-  // A detached tag pays where the shard's hash does not hold the transfer up.
-  detached_tags_ = reply.batch_messages() && reply.detached_reply_tags() && lanes.ok() &&
-                   dataplane::ReceiverPulls(*lanes);
+  detached_tags_ = reply.batch_messages() && reply.detached_reply_tags();
   control_ = std::move(opened->control);
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");

@@ -74,8 +74,8 @@ class UcxExpertChannel final : public ExpertChannel {
     uint64_t client_id = 0;
     std::shared_ptr<const dataplane::PayloadMac> mac;
     size_t chunk_bytes = 0;
-    bool batch_messages = false;  // one UCX message per batch each way
-    bool detached_tags = false;   // the shard detaches reply tags and the lanes let it pay
+    bool batch_messages = false;             // one UCX message per batch each way
+    bool detached_tags = false;              // the shard detaches reply tags when asked
     std::shared_ptr<grpc::Channel> control;  // its state: whether the shard is alive
   };
   // Opens (or reopens) the data plane; an error: send in band / fail.

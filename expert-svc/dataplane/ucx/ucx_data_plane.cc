@@ -283,7 +283,8 @@ absl::Status UcxDataPlane::ReplyBatchFrom(const BatchSource& to, std::string_vie
       },
       offset);
   worker_->SendMessage(c->endpoint, dataplane::UcxWorker::Message::kReply,
-                       dataplane::ReplyTagFrame(*c->mac, frame, held->data() + offset, total),
+                       dataplane::ReplyTagFrame(*c->mac, frame, held->data() + offset, total,
+                                                [this] { (void)worker_->Progress(); }),
                        std::move(*tag_buffer), 0, deadline,
                        [on_sent](const absl::Status& s, size_t) { on_sent(s); });
   return absl::OkStatus();
