@@ -184,8 +184,8 @@ int Main(int argc, char** argv) {
         "both ends' poll window grows up to this (--ucx_poll_max_us; 100: the fixed window of "
         "before)");
   f.Int64("detach_tag_from", &o.detach_tag_from,
-          "replies of this many bytes or more get their MAC in a message after them, where the "
-          "lanes let the receiver pull (ucx_cma); 0: never, the attached MAC of before");
+          "replies of this many bytes or more get their MAC in a message after them "
+          "(--ucx_detach_tag_from_bytes); 0: never, the attached MAC of before");
   if (int rc = f.Parse(argc, argv); rc >= 0) return rc;
   auto cfg = PresetConfig(o.preset);
   if (!cfg.ok()) {
