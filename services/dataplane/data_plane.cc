@@ -54,6 +54,9 @@ std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
     t.token = ReplyTagToken(r->token);
     t.client_id = r->client_id;
     t.sequence = r->sequence;
+    // On this thread, without the MAC pool even past its threshold: the pieces leave room for
+    // `between`, and this hash runs under the transfer and the attention node's own hash of the
+    // same bytes (which may use its pool), the longer of the two.
     t.mac = mac.ComputeInPieces(Direction::kToAttention, r->sequence, payload, n,
                                 MacPrefix(reply_frame), kMacPieceBytes, nullptr, between);
   }
