@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "services/common/status_macros.h"
 
 namespace moe::dataplane {
 
@@ -30,49 +31,51 @@ absl::Status ReplyIntegrityFailed() {
   return absl::DataLossError(
       "the reply message failed its integrity check (AES-GMAC of the connection)");
 }
+// The frame of a reply to this client's batch `sequence` over n payload bytes, with kDetachTag
+// set or not as `detached` says; DATA_LOSS otherwise.
+absl::StatusOr<BatchFrame> ReplyFrameFor(std::string_view frame, size_t n, uint64_t client_id,
+                                         uint64_t sequence, bool detached) {
+  absl::StatusOr<BatchFrame> f = ParseBatchFrame(frame, BatchKind::kReply, n);
+  if (!f.ok() || f->client_id != client_id || f->sequence != sequence ||
+      ((f->flags & kDetachTag) != 0) != detached) {
+    return ReplyIntegrityFailed();
+  }
+  return f;
+}
 }  // namespace
 
 absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_view frame,
                                           const uint8_t* payload, size_t n, uint64_t client_id,
                                           uint64_t sequence) {
-  absl::StatusOr<BatchFrame> f = ParseBatchFrame(frame, BatchKind::kReply, n);
-  if (!f.ok() || f->client_id != client_id || f->sequence != sequence ||
-      (f->flags & kDetachTag) != 0 ||
+  absl::StatusOr<BatchFrame> f = ReplyFrameFor(frame, n, client_id, sequence, false);
+  if (!f.ok() ||
       !mac.Verify(Direction::kToAttention, sequence, payload, n, f->mac, MacPrefix(frame))) {
     return ReplyIntegrityFailed();
   }
   return f;
 }
 
-std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
-                          const uint8_t* payload, size_t n, const std::function<void()>& between) {
-  // The reply's own fields, read back from the bytes its MAC covers (its sender built them).
-  absl::StatusOr<BatchFrame> r = ParseBatchFrame(reply_frame, BatchKind::kReply, n);
+std::string ReplyTagFrame(const PayloadMac& mac, const BatchFrame& reply, const uint8_t* payload,
+                          size_t n, const std::function<void()>& between) {
   BatchFrame t;
+  t.token = ReplyTagToken(reply.token);
   t.kind = BatchKind::kReplyTag;
-  if (r.ok()) {
-    t.token = ReplyTagToken(r->token);
-    t.client_id = r->client_id;
-    t.sequence = r->sequence;
-    // On this thread, without the MAC pool even past its threshold: the pieces leave room for
-    // `between`, and this hash runs under the transfer and the attention node's own hash of the
-    // same bytes (which may use its pool), the longer of the two.
-    t.mac = mac.ComputeInPieces(Direction::kToAttention, r->sequence, payload, n,
-                                MacPrefix(reply_frame), kMacPieceBytes, nullptr, between);
-  }
+  t.client_id = reply.client_id;
+  t.sequence = reply.sequence;
+  // On this thread, without the MAC pool even past its threshold: the pieces leave room for
+  // `between`, and this hash runs under the transfer and the attention node's own hash of the
+  // same bytes (which may use its pool), the longer of the two.
+  t.mac = mac.ComputeInPieces(Direction::kToAttention, reply.sequence, payload, n,
+                              MacPrefix(EncodeBatchFrame(reply)), kMacPieceBytes, nullptr, between);
   return EncodeBatchFrame(t);
 }
 
 absl::StatusOr<DetachedReply> HashDetachedReply(const PayloadMac& mac, std::string_view frame,
                                                 const uint8_t* payload, size_t n,
                                                 uint64_t client_id, uint64_t sequence) {
-  absl::StatusOr<BatchFrame> f = ParseBatchFrame(frame, BatchKind::kReply, n);
-  if (!f.ok() || f->client_id != client_id || f->sequence != sequence ||
-      (f->flags & kDetachTag) == 0) {
-    return ReplyIntegrityFailed();
-  }
-  DetachedReply r{*f, mac.Compute(Direction::kToAttention, sequence, payload, n, MacPrefix(frame))};
-  return r;
+  MOE_ASSIGN_OR_RETURN(BatchFrame f, ReplyFrameFor(frame, n, client_id, sequence, true));
+  return DetachedReply{
+      f, mac.Compute(Direction::kToAttention, sequence, payload, n, MacPrefix(frame))};
 }
 
 absl::Status CheckReplyTag(const DetachedReply& reply, std::string_view tag_frame) {

@@ -127,13 +127,12 @@ absl::StatusOr<BatchFrame> OpenReplyFrame(const PayloadMac& mac, std::string_vie
 // Detached tags. The token a reply's tag message carries (the attention node expects it there;
 // its request tokens are even, so no batch's token is another's tag token).
 inline uint64_t ReplyTagToken(uint64_t token) { return token ^ 1; }
-// The tag message of a reply whose frame is `reply_frame` (kDetachTag set, MAC zeros) and
-// payload payload[0, n): what the shard sends once the reply went out. The payload is hashed in
-// pieces of kMacPieceBytes with `between` run between them: a sender whose transport needs its
+// The tag message of the reply `reply` (kDetachTag set; its MAC field is not read) with payload
+// payload[0, n): what the shard sends once the reply went out. The payload is hashed in pieces
+// of kMacPieceBytes with `between` run between them: a sender whose transport needs its
 // progress to move the reply (posix shared memory, TCP) progresses there.
-std::string ReplyTagFrame(const PayloadMac& mac, std::string_view reply_frame,
-                          const uint8_t* payload, size_t n,
-                          const std::function<void()>& between = {});
+std::string ReplyTagFrame(const PayloadMac& mac, const BatchFrame& reply, const uint8_t* payload,
+                          size_t n, const std::function<void()>& between = {});
 // The attention node's half, in two steps so that the hash runs while the tag is on its way:
 // the reply frame parsed (a reply to this client's batch `sequence`, with kDetachTag, header
 // within the n bytes) and the MAC its tag message must carry; then the tag message checked

@@ -53,10 +53,15 @@ class DetachedTag : public ::testing::Test {
     payload_.resize(300000);  // past one GHASH step and not a whole number of blocks
     for (size_t i = 0; i < payload_.size(); ++i) payload_[i] = static_cast<uint8_t>(i * 131 + 7);
   }
-  // The reply frame a shard sends first: the flag, a MAC of zeros.
-  std::string ReplyFrame(uint64_t token, uint64_t sequence, uint8_t flags = kDetachTag) const {
-    BatchFrame f{token, BatchKind::kReply, kClient, sequence, 100, {}, flags};
-    return EncodeBatchFrame(f);
+  // The reply a shard sends first (the flag, a MAC of zeros), and its frame's bytes.
+  static BatchFrame Reply(uint64_t token, uint64_t sequence, uint8_t flags = kDetachTag) {
+    return BatchFrame{token, BatchKind::kReply, kClient, sequence, 100, {}, flags};
+  }
+  static std::string ReplyFrame(uint64_t token, uint64_t sequence, uint8_t flags = kDetachTag) {
+    return EncodeBatchFrame(Reply(token, sequence, flags));
+  }
+  std::string Tag(const BatchFrame& reply) const {
+    return ReplyTagFrame(*mac_, reply, payload_.data(), payload_.size());
   }
   absl::Status Check(const std::string& reply, const std::string& tag, uint64_t sequence = 9) {
     auto r = HashDetachedReply(*mac_, reply, payload_.data(), payload_.size(), kClient, sequence);
@@ -71,7 +76,7 @@ class DetachedTag : public ::testing::Test {
 
 TEST_F(DetachedTag, TheTagIsTheGmacOfTheReplyFrameAndPayload) {
   const std::string reply = ReplyFrame(0x7000, 9);
-  const std::string tag = ReplyTagFrame(*mac_, reply, payload_.data(), payload_.size());
+  const std::string tag = Tag(Reply(0x7000, 9));
   auto t = ParseBatchFrame(tag, BatchKind::kReplyTag, 0);
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->token, 0x7001u);
@@ -85,12 +90,10 @@ TEST_F(DetachedTag, TheTagIsTheGmacOfTheReplyFrameAndPayload) {
 
 TEST_F(DetachedTag, OnlyTheTagOfThisReplyPasses) {
   const std::string reply = ReplyFrame(0x7000, 9);
-  const std::string tag = ReplyTagFrame(*mac_, reply, payload_.data(), payload_.size());
+  const std::string tag = Tag(Reply(0x7000, 9));
   // Another batch of the same connection (sequence 10), and the same reply to another token.
-  const std::string other_batch =
-      ReplyTagFrame(*mac_, ReplyFrame(0x7000, 10), payload_.data(), payload_.size());
-  const std::string other_token =
-      ReplyTagFrame(*mac_, ReplyFrame(0x9000, 9), payload_.data(), payload_.size());
+  const std::string other_batch = Tag(Reply(0x7000, 10));
+  const std::string other_token = Tag(Reply(0x9000, 9));
   // The right MAC under a frame that names another client, sequence or token, or another kind.
   auto with = [&](int at, uint64_t v, int bytes) {
     std::string b = tag;
@@ -122,7 +125,7 @@ TEST_F(DetachedTag, OnlyTheTagOfThisReplyPasses) {
 // with the flag removed.
 TEST_F(DetachedTag, TheFlagDecidesTheCheckAndCannotBeDropped) {
   const std::string detached = ReplyFrame(0x7000, 9);
-  const std::string tag = ReplyTagFrame(*mac_, detached, payload_.data(), payload_.size());
+  const std::string tag = Tag(Reply(0x7000, 9));
   EXPECT_EQ(Check(ReplyFrame(0x7000, 9, /*flags=*/0), tag).code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(
       OpenReplyFrame(*mac_, detached, payload_.data(), payload_.size(), kClient, 9).status().code(),

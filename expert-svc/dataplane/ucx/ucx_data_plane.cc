@@ -243,47 +243,42 @@ absl::Status UcxDataPlane::ReplyBatchFrom(const BatchSource& to, std::string_vie
   if (!header.empty()) std::memcpy(d, header.data(), header.size());
   dataplane::BatchFrame f{to.token,    dataplane::BatchKind::kReply,         to.client_id,
                           to.sequence, static_cast<uint32_t>(header.size()), {}};
-  const std::string peer = absl::StrCat("client ", c->id, " (", c->node, ")");
   // A reply that does not go out is counted and logged (its batch then fails at the caller's
   // deadline).
-  auto on_sent = [this, peer](const absl::Status& s) {
-    if (!s.ok()) {
-      Rejected("reply_failed", peer,
-               absl::StrCat("shard ", options_.shard, ": a reply to ", peer,
-                            " did not go out: ", s.ToString()));
-    }
+  auto on_sent =
+      [this, peer = absl::StrCat("client ", c->id, " (", c->node, ")")](const absl::Status& s) {
+        if (!s.ok()) {
+          Rejected("reply_failed", peer,
+                   absl::StrCat("shard ", options_.shard, ": a reply to ", peer,
+                                " did not go out: ", s.ToString()));
+        }
+      };
+  dataplane::UcxWorker::Done done = [on_sent, sent = std::move(sent)](const absl::Status& s,
+                                                                      size_t) {
+    on_sent(s);
+    if (sent) sent(s);
   };
   if (!to.detach_tag) {
     worker_->SendMessage(
         c->endpoint, dataplane::UcxWorker::Message::kReply,
         dataplane::SealBatchFrame(*c->mac, dataplane::Direction::kToAttention, f, d, total),
-        std::move(buffer), total, deadline,
-        [on_sent, sent = std::move(sent)](const absl::Status& s, size_t) {
-          on_sent(s);
-          if (sent) sent(s);
-        },
-        offset);
+        std::move(buffer), total, deadline, std::move(done), offset);
     return absl::OkStatus();
   }
   // The reply leaves now; its MAC follows once computed (the attention node hashes its copy
   // meanwhile). The buffer stays held here until the hash is done.
   f.flags = dataplane::kDetachTag;
-  const std::string frame = dataplane::EncodeBatchFrame(f);
   auto tag_buffer = worker_->Buffer(1);
   if (!tag_buffer.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("no buffer for a reply's tag: ", tag_buffer.status().message()));
   }
   const std::shared_ptr<dataplane::UcxBuffer> held = buffer;
-  worker_->SendMessage(
-      c->endpoint, dataplane::UcxWorker::Message::kReply, frame, std::move(buffer), total, deadline,
-      [on_sent, sent = std::move(sent)](const absl::Status& s, size_t) {
-        on_sent(s);
-        if (sent) sent(s);
-      },
-      offset);
   worker_->SendMessage(c->endpoint, dataplane::UcxWorker::Message::kReply,
-                       dataplane::ReplyTagFrame(*c->mac, frame, held->data() + offset, total,
+                       dataplane::EncodeBatchFrame(f), std::move(buffer), total, deadline,
+                       std::move(done), offset);
+  worker_->SendMessage(c->endpoint, dataplane::UcxWorker::Message::kReply,
+                       dataplane::ReplyTagFrame(*c->mac, f, held->data() + offset, total,
                                                 [this] { (void)worker_->Progress(); }),
                        std::move(*tag_buffer), 0, deadline,
                        [on_sent](const absl::Status& s, size_t) { on_sent(s); });
