@@ -97,7 +97,8 @@ struct Options {
   std::string data_planes = "grpc,ucx_shm,ucx_tcp,ucx_shm+mb2";
   double seconds = 4;
   int shards = 2;
-  int expert_threads = 0;  // per expert-svc process (0: all cores)
+  int expert_threads = 0;     // per expert-svc process (0: the local cluster's share)
+  int attention_threads = 0;  // of attention-svc (0: the local cluster's share)
 };
 
 // The in-process layer at every T: tokens/s, stage times and calls.
@@ -184,6 +185,9 @@ absl::Status MeasurePlane(const std::string& plane, const ModelConfig& cfg, cons
   if (o.expert_threads > 0) {
     co.expert_args.push_back("--threads=" + std::to_string(o.expert_threads));
   }
+  if (o.attention_threads > 0) {
+    co.attention_args.push_back("--threads=" + std::to_string(o.attention_threads));
+  }
   auto cluster = tools::LocalCluster::Start(co);
   if (!cluster.ok()) return cluster.status();
   client::ClientOptions clo;
@@ -249,7 +253,11 @@ int Main(int argc, char** argv) {
   f.String("preset", &o.preset, "synthetic preset when no checkpoint");
   f.Double("seconds", &o.seconds, "seconds per point");
   f.Int("shards", &o.shards, "expert shards");
-  f.Int("expert_threads", &o.expert_threads, "threads per expert-svc process (0: all cores)");
+  f.Int("expert_threads", &o.expert_threads,
+        "threads per expert-svc process (0: the CPUs this process may use over the cluster's "
+        "processes)");
+  f.Int("attention_threads", &o.attention_threads,
+        "threads of attention-svc (0: the CPUs this process may use over the cluster's processes)");
   f.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
   f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
   f.String("data_planes", &o.data_planes,

@@ -340,7 +340,7 @@ class ClusterRebalance : public testing::ClusterTest {
  protected:
   void SetUp() override {
     UsePreset("mid", {{0, 40}, {40, 128}});
-    options().threads = 0;  // all cores: 400 requests of mid traffic
+    options().threads = 0;  // the default share: 400 requests of mid traffic
     options().admin_token = "s3cret";
     options().attention_args = {"--report_interval_ms=100"};
     ASSERT_NO_FATAL_FAILURE(StartCluster());
