@@ -88,9 +88,9 @@ struct AttentionServerOptions {
   // that offers it and in-band gRPC with the rest; grpc always in band; a backend's name
   // (dataplane/registry.h: "ucx", "fake") that one or fail the batch.
   dataplane::DataPlane data_plane;
-  std::string ucx_tls;         // empty: UCX_TLS from the environment
-  int ucx_poll_us = 100;       // UcxOptions::poll_spin: a thread waiting for a shard's reply
-  int ucx_poll_max_us = 1000;  // UcxOptions::poll_spin_max: its window's ceiling
+  std::string ucx_tls;    // empty: UCX_TLS from the environment
+  int ucx_poll_us = 100;  // UcxOptions::poll_spin: a thread waiting for a shard's reply
+  int ucx_poll_max_us = dataplane::kPollMaxUs;  // UcxOptions::poll_spin_max: its window's ceiling
   // Replies of at least this many bytes get their MAC after them
   // (ChannelOptions::detach_reply_tag_from); 0: never.
   int64_t ucx_detach_tag_from_bytes = dataplane::kDetachTagFromBytes;

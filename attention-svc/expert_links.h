@@ -43,7 +43,7 @@ struct ExpertLinksOptions {
   dataplane::DataPlane data_plane;      // in band, automatic, or a backend by name
   std::string ucx_tls;                  // empty: UCX_TLS from the environment
   int ucx_poll_us = 100;
-  int ucx_poll_max_us = 1000;
+  int ucx_poll_max_us = dataplane::kPollMaxUs;
   int ucx_progress_spin_us = 0;
   // ChannelOptions::detach_reply_tag_from (0: never).
   int64_t ucx_detach_tag_from = dataplane::kDetachTagFromBytes;

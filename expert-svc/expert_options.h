@@ -71,9 +71,10 @@ struct ExpertServerOptions {
   // (UCX_TLS picks the transports), grpc never, a backend's name (dataplane/registry.h: "ucx",
   // "fake") that one or fail at start. In-band batches are served in every mode.
   dataplane::DataPlane data_plane;
-  std::string ucx_tls;               // empty: UCX_TLS from the environment
-  int ucx_poll_us = 100;             // UcxOptions::poll_spin: the compute thread between batches
-  int ucx_poll_max_us = 1000;        // its window's ceiling (services/common/poll_window.h)
+  std::string ucx_tls;    // empty: UCX_TLS from the environment
+  int ucx_poll_us = 100;  // UcxOptions::poll_spin: the compute thread between batches
+  // The compute thread's window's ceiling (services/common/poll_window.h).
+  int ucx_poll_max_us = dataplane::kPollMaxUs;
   int ucx_progress_spin_us = 0;      // UcxOptions::spin: the progress thread after activity
   int max_data_plane_clients = 256;  // OpenDataPlane beyond: RESOURCE_EXHAUSTED
   // Take each batch as one data-plane message (OpenDataPlaneReply.batch_messages). False answers

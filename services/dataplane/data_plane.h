@@ -94,6 +94,13 @@ constexpr uint8_t kDetachTag = 1;
 // An attention node asks for a detached tag from this reply size by default (below it the
 // second message costs about what the overlap saves: a 256 KiB hash takes ~20 us here).
 constexpr size_t kDetachTagFromBytes = size_t{256} << 10;
+// The ceiling of a waiting thread's learned poll window by default (--ucx_poll_max_us of both
+// services; services/common/poll_window.h). 3 ms covers a local cluster's T = 1 gaps (a shard's
+// compute thread waits ~1.5 ms between batches there, past the 1 ms of before: 0.10-0.15 ms per
+// batch of sleeping hand-off; cluster_bench's +poll3000 ahead at T = 1 and 4 in 10 of 10
+// alternated pairs, 2-20% behind at T = 16 where the shards' polls took the attention node's
+// cores on one 2-vCPU host; docs/data-plane.md).
+constexpr int kPollMaxUs = 3000;
 struct BatchFrame {
   uint64_t token = 0;
   BatchKind kind = BatchKind::kRequest;

@@ -110,7 +110,7 @@ struct UcxOptions {
   // poll_window.h; a channel's callers and a shard's compute thread each learn their own): a
   // T = 64 round trip on shared memory took 164-254 us where a fixed 100 us poll slept and took
   // 335-465 (docs/data-plane.md). A window with a poll_spin of 0 never polls (PollWindow).
-  std::chrono::microseconds poll_spin_max{1000};
+  std::chrono::microseconds poll_spin_max{kPollMaxUs};
   // After a poller that got what it waited for leaves, the progress thread stays asleep and
   // unarmed this long for the next poll (PollUntil): a round trip then wakes no thread, where
   // waking it to arm the worker, and the peer's signal on the next message, cost two sleeping
