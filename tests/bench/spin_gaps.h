@@ -4,8 +4,8 @@
 // trip whose two ends poll on two CPUs for R us meets such a gap with probability about
 // 2 x rate x (R + gap); where that is 1% or more, its p99 is at least p50 plus a typical gap,
 // however the data plane is built. In the 2-vCPU Firecracker guests here each CPU lost ~250 gaps
-// of 20-50 us a second (1.7% of its time): the timer tick, so a T = 1 round trip of 14 us had a
-// p99 of 37-67 us (docs/data-plane.md).
+// of 20-50 us a second (1.7% of its time), the rate of its timer tick, so a T = 1 round trip of
+// 14 us had a p99 of 37-67 us (docs/data-plane.md).
 //
 //   const bench::SpinGaps g = bench::MeasureSpinGaps(1.0);
 //   std::printf("%s\n", g.Describe(p50_us).c_str());
