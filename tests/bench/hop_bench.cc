@@ -36,6 +36,7 @@
 #include "services/common/model_config.h"
 #include "services/dataplane/ucx_worker.h"
 #include "tests/bench/memcpy_bandwidth.h"
+#include "tests/bench/spin_gaps.h"
 #include "tests/bench/ucx_floor.h"
 #include "tests/common/echo_shard.h"
 
@@ -119,9 +120,9 @@ struct Options {
 };
 
 // One (lane, P, T) row: hops for --seconds after 3 warm-up hops; with P = 1 on UCX, the raw
-// transport's and the bare worker's round trips next to it.
-void HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const std::string& plane,
-            const std::string& tls, int64_t p, int64_t t, int* port) {
+// transport's and the bare worker's round trips next to it. Returns the p50 in us (-1: failed).
+double HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const std::string& plane,
+              const std::string& tls, int64_t p, int64_t t, int* port) {
   const testing::EchoBatch b = testing::MakeEchoBatch(cfg, t);
   const size_t zb = static_cast<size_t>(t * cfg.latent * 2), yb = b.reply_bytes;
   std::vector<double> us;
@@ -129,7 +130,7 @@ void HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const std:
   for (int64_t i = 0; i < 200003; ++i) {
     if (i >= 4 && std::chrono::duration<double>(Clock::now() - t0).count() > o.seconds) break;
     const auto s = Clock::now();
-    if (!Hop(sender, static_cast<int>(p), b)) return;
+    if (!Hop(sender, static_cast<int>(p), b)) return -1;
     if (i >= 3) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
   }
   double raw_rtt = -1, worker_rtt = -1;
@@ -149,6 +150,7 @@ void HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const std:
               p * (zb + yb) / (p50 * 1e-6) / 1e9, num(raw_rtt).c_str(), num(worker_rtt).c_str(),
               o.layers * p50 / 1e3);
   std::fflush(stdout);
+  return p50;
 }
 
 // The first n senders hit one shard back to back for `seconds`: their hops (-1 if one failed).
@@ -252,8 +254,16 @@ absl::Status Lane(const ModelConfig& cfg, const Options& o, const std::string& p
       "RTT us (one peer) | worker RTT us (one peer) | %lld-layer decode step ms |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
       plane.c_str(), static_cast<long long>(o.layers));
+  double smallest_p50 = -1;  // one peer, the first T
   for (int64_t p : ps) {
-    for (int64_t t : ts) HopRow(*sender, cfg, o, plane, tls, p, t, port);
+    for (int64_t t : ts) {
+      const double p50 = HopRow(*sender, cfg, o, plane, tls, p, t, port);
+      if (smallest_p50 < 0) smallest_p50 = p50;
+    }
+  }
+  // What bounds that hop's p99 here, whatever the data plane does (measured now, in this run).
+  if (smallest_p50 > 0 && plane != "grpc") {
+    std::printf("\n%s\n", bench::MeasureSpinGaps(1.0).Describe(smallest_p50).c_str());
   }
   Goodput(cfg, o, plane, tls, endpoints[0]);
   for (auto& s : shards) s->Shutdown(absl::Seconds(1));
