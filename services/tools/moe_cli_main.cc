@@ -88,6 +88,11 @@ struct Common {
 };
 
 // What a request asks of the server; "server": whatever the server's default is.
+// --threads of `up` and `cluster` (LocalClusterOptions::threads).
+constexpr char kThreadsHelp[] =
+    "compute threads per process (0: the CPUs moe-cli may use over the cluster's processes, at "
+    "least 1)";
+
 constexpr EnumNames<v1::ReplyMode, 3> kReplyModeFlag{
     "--reply_mode",
     {{{v1::REPLY_MODE_UNSPECIFIED, "server"},
@@ -281,9 +286,7 @@ int Up(int argc, char** argv) {
   std::string admin_token_file;
   f.String("admin_token_file", &admin_token_file,
            "file with router-svc's admin token (chmod 600; empty: admin calls refused)");
-  f.Int("threads", &co.threads,
-        "compute threads per process (0: the CPUs moe-cli may use over the cluster's "
-        "processes, at least 1)");
+  f.Int("threads", &co.threads, kThreadsHelp);
   f.IntList("layers", &co.layers,
             "MoE layers every process serves, comma-separated (empty: the checkpoint's first)");
   f.String("attention_args", &attention_args, "extra attention-svc flags, space-separated");
@@ -530,9 +533,7 @@ int Cluster(int argc, char** argv) {
   f.String("checkpoint", &co.checkpoint, "checkpoint directory");
   f.Int("shards", &co.num_shards, "expert-svc shards (equal expert ranges)");
   f.String("cluster_reply_mode", &co.reply_mode, "attention-svc default reply mode");
-  f.Int("threads", &co.threads,
-        "compute threads per process (0: the CPUs moe-cli may use over the cluster's "
-        "processes, at least 1)");
+  f.Int("threads", &co.threads, kThreadsHelp);
   f.String("bin_dir", &co.bin_dir,
            "where the service binaries are (default: next to moe-cli, else the build's)");
   f.String("work_dir", &work_dir, "logs and port files (default: a temp dir, removed at stop)");
