@@ -250,45 +250,41 @@ TEST(EchoDataPlane, ANodeWithAnotherSharedMemoryFifoDoesNotUseTheLane) {
   }
 }
 
-// The kernel's count of the "expert-compute" thread's sleeps over `batches` batches sent `gap`
-// after each reply (an attention node's own compute in between, as a model loop's layers do), on
-// an echo shard whose compute thread's window has the ceiling poll_max_us (after 20 batches of
-// warm-up: the window is learned). Every reply bit-exact.
-void ComputeThreadSleeps(int poll_max_us, std::chrono::microseconds gap, int batches,
-                         int64_t* sleeps) {
-  const ModelConfig cfg = *PresetConfig("mid");
-  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 8);
-  auto shard = testing::EchoShard::Start("mid", "posix", /*batch_messages=*/true,
-                                         /*progress_spin_us=*/0, poll_max_us);
-  ASSERT_TRUE(shard.ok()) << shard.status();
-  int64_t before = 0;
-  for (int i = 0; i < 20 + batches; ++i) {
-    if (i == 20) before = testing::ThreadSleeps("expert-compute");
-    auto r = (*shard)->channel().Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(10));
-    ASSERT_TRUE(r.ok()) << r.status();
-    const auto& z = b.message.z.bf16();
-    for (size_t row = 0; row < b.message.row_source.size(); ++row) {
-      ASSERT_EQ(std::memcmp(&r->bf16[row * cfg.latent], &z[b.message.row_source[row] * cfg.latent],
-                            cfg.latent * 2),
-                0);
-    }
-    const auto until = Clock::now() + gap;
-    while (Clock::now() < until) {
-    }
-  }
-  *sleeps = testing::ThreadSleeps("expert-compute") - before;
-}
-
-// Batches 500 us apart: the shard's compute thread polls for the next batch for a window learned
-// from those gaps (--ucx_poll_max_us above them) and sleeps for none; with the window fixed at
-// the floor (100 us, the ceiling at the floor) it slept between nearly every two batches.
+// An attention node that sends its next batch 500 us after the last reply (its own compute in
+// between, as a model loop's layers do): the shard's compute thread polls for the next batch for
+// a window learned from those gaps (--ucx_poll_max_us above them) and sleeps for none; with the
+// window fixed at the floor (100 us, the ceiling at the floor) it slept between nearly every two
+// batches (the kernel's count of the "expert-compute" thread's sleeps). Every reply bit-exact.
 TEST(EchoDataPlane, TheComputeThreadPollsThroughTheGapsItLearned) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  const ModelConfig cfg = *PresetConfig("mid");
+  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 8);
   constexpr int kBatches = 60;
+  auto sleeps_with = [&](int poll_max_us, int64_t* sleeps) {
+    auto shard = testing::EchoShard::Start("mid", "posix", /*batch_messages=*/true,
+                                           /*progress_spin_us=*/0, poll_max_us);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    int64_t before = 0;
+    for (int i = 0; i < 20 + kBatches; ++i) {
+      if (i == 20) before = testing::ThreadSleeps("expert-compute");  // after warm-up, learned
+      auto r = (*shard)->channel().Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(10));
+      ASSERT_TRUE(r.ok()) << r.status();
+      const auto& z = b.message.z.bf16();
+      for (size_t row = 0; row < b.message.row_source.size(); ++row) {
+        ASSERT_EQ(std::memcmp(&r->bf16[row * cfg.latent],
+                              &z[b.message.row_source[row] * cfg.latent], cfg.latent * 2),
+                  0);
+      }
+      const auto until = Clock::now() + std::chrono::microseconds(500);
+      while (Clock::now() < until) {
+      }
+    }
+    *sleeps = testing::ThreadSleeps("expert-compute") - before;
+  };
   int64_t fixed = 0, learned = 0;
-  ComputeThreadSleeps(100, std::chrono::microseconds(500), kBatches, &fixed);
+  sleeps_with(100, &fixed);
   // A ceiling far above the gaps: a loaded machine may stretch them to milliseconds.
-  ComputeThreadSleeps(50000, std::chrono::microseconds(500), kBatches, &learned);
+  sleeps_with(50000, &learned);
   std::printf(
       "[polling] the shard's compute thread slept %lld times in %d batches 500 us apart with a "
       "fixed 100 us poll, %lld with the learned window\n",
