@@ -153,7 +153,7 @@ absl::Status ExpertCore::LoadWeights() {
 }
 
 absl::Status ExpertCore::MakeBackends() {
-  pool_ = std::make_unique<ThreadPool>(options_.threads);
+  pool_ = std::make_unique<ThreadPool>(options_.threads, "expert-pool");
   if (options_.backend != Backend::kEcho) {
     // The kernel sets of this CPU timed at the served shape (or read from this machine's cache).
     numerics::cpu::KernelChoiceOptions ko;

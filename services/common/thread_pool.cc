@@ -1,13 +1,20 @@
 #include "services/common/thread_pool.h"
 
+#include <pthread.h>
+
 #include "services/common/cpus.h"
 
 namespace moe {
 
-ThreadPool::ThreadPool(int threads) {
+ThreadPool::ThreadPool(int threads, const char* name) {
   // 0: the CPUs this process may use (its affinity and cgroup quota, not the machine's cores).
   if (threads <= 0) threads = UsableCpus();
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < threads; ++i) {
+    workers_.emplace_back([this, name] {
+      pthread_setname_np(pthread_self(), name);  // longer than 15 characters: left unnamed
+      WorkerLoop();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {

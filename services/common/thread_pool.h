@@ -21,8 +21,9 @@ namespace moe {
 class ThreadPool {
  public:
   // threads <= 0: one per CPU this process may use (services/common/cpus.h: affinity, cgroup
-  // quota).
-  explicit ThreadPool(int threads);
+  // quota). The threads - 1 workers carry `name` (at most 15 characters: top -H, profilers and
+  // tests read it from /proc/<pid>/task/<tid>/comm).
+  explicit ThreadPool(int threads, const char* name = "moe-pool");
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;

@@ -102,7 +102,7 @@ std::string TagBytes(Gf128 tag) {
 // The pool large payloads are hashed on: one thread per CPU the process may use (the caller is
 // one of them). Never destroyed: a payload may still be hashed while the process exits.
 ThreadPool& MacPool() {
-  static ThreadPool* pool = new ThreadPool(std::min(UsableCpus(), 8));
+  static ThreadPool* pool = new ThreadPool(std::min(UsableCpus(), 8), "payload-mac");
   return *pool;
 }
 

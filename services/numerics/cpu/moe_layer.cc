@@ -49,7 +49,7 @@ absl::StatusOr<std::unique_ptr<CpuMoeLayer>> CpuMoeLayer::Create(const ModelConf
   l->cfg_ = cfg;
   l->has_experts_ = options.experts;
   l->w4a8_h_ = options.w4a8_h;
-  l->pool_ = std::make_unique<ThreadPool>(options.threads);
+  l->pool_ = std::make_unique<ThreadPool>(options.threads, "layer-compute");
   if (options.kernels != nullptr) {
     l->kernels_ = options.kernels;
   } else if (options.experts) {
