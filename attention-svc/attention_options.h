@@ -42,7 +42,7 @@ struct AttentionServerOptions {
   ReplyMode reply_mode = ReplyMode::kPerPair;
   // The routed experts' precision of requests that do not name one (W4A8: z goes out in MXFP8).
   numerics::Precision precision = numerics::Precision::kW4A16;
-  int threads = 0;  // dense compute threads (0: all cores)
+  int threads = 0;  // dense compute threads (0: the CPUs this process may use)
   numerics::cpu::KernelSets isa = numerics::cpu::DefaultKernelSets();
   int workers = 4;       // requests in progress at once (dense compute is serialized)
   int max_queued = 256;  // waiting requests beyond: RESOURCE_EXHAUSTED

@@ -42,7 +42,9 @@ struct LocalClusterOptions {
   std::string admin_token;  // empty: router-svc refuses admin calls
   // MoE layers every process serves (--layers of each service); empty: the checkpoint's first.
   std::vector<int64_t> layers;
-  int threads = 0;  // per process (0: the CPUs this process may use over the cluster processes)
+  // Compute threads per process; 0: each shard the CPUs this process may use over the cluster's
+  // processes, the attention node all of them.
+  int threads = 0;
   std::vector<std::string> router_args, expert_args, attention_args;  // extra flags
   // Extra flags of shard i alone, after expert_args (a later flag wins: e.g. another
   // --checkpoint, a shard serving other weights in a test).

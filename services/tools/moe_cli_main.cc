@@ -90,8 +90,8 @@ struct Common {
 // What a request asks of the server; "server": whatever the server's default is.
 // --threads of `up` and `cluster` (LocalClusterOptions::threads).
 constexpr char kThreadsHelp[] =
-    "compute threads per process (0: the CPUs moe-cli may use over the cluster's processes, at "
-    "least 1)";
+    "compute threads per process (0: each shard the CPUs moe-cli may use over the cluster's "
+    "processes, at least 1; the attention node all of them)";
 
 constexpr EnumNames<v1::ReplyMode, 3> kReplyModeFlag{
     "--reply_mode",

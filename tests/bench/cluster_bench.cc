@@ -98,7 +98,7 @@ struct Options {
   double seconds = 4;
   int shards = 2;
   int expert_threads = 0;     // per expert-svc process (0: the local cluster's share)
-  int attention_threads = 0;  // of attention-svc (0: the local cluster's share)
+  int attention_threads = 0;  // of attention-svc (0: the local cluster's: every CPU)
 };
 
 // The in-process layer at every T: tokens/s, stage times and calls.
@@ -257,7 +257,7 @@ int Main(int argc, char** argv) {
         "threads per expert-svc process (0: the CPUs this process may use over the cluster's "
         "processes)");
   f.Int("attention_threads", &o.attention_threads,
-        "threads of attention-svc (0: the CPUs this process may use over the cluster's processes)");
+        "threads of attention-svc (0: the CPUs this process may use)");
   f.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
   f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
   f.String("data_planes", &o.data_planes,

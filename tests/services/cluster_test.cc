@@ -11,12 +11,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "inference/grpc_inference.grpc.pb.h"
@@ -26,6 +29,7 @@
 #include "services/checkpoint/layer_loader.h"
 #include "services/checkpoint/synthetic.h"
 #include "services/client/moe_client.h"
+#include "services/common/cpus.h"
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/payload_mac.h"
 #include "services/dataplane/ucx_worker.h"
@@ -389,6 +393,38 @@ class ClusterRebalance : public testing::ClusterTest {
               oracle().weights().bias);
   }
 };
+
+// Threads of `pid` whose name (/proc/<pid>/task/<tid>/comm) is `name`.
+int ThreadsNamed(pid_t pid, const std::string& name) {
+  int n = 0;
+  const std::string dir = absl::StrCat("/proc/", pid, "/task");
+  for (const auto& task : std::filesystem::directory_iterator(dir)) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++n;
+  }
+  return n;
+}
+
+// With --threads 0 the shards share the CPUs with the attention node (each its share of the
+// three processes) and the attention node, whose dense phases run while the shards wait, gets
+// all of them: read from the processes' own pool workers (a pool of n runs n - 1 workers and
+// the caller).
+TEST_F(ClusterRebalance, TheDefaultGivesEachShardItsShareAndTheAttentionNodeEveryCpu) {
+  const int cpus = UsableCpus();
+  const int share = std::max(1, cpus / (cluster().num_shards() + 1));
+  int shards = 0;
+  for (const auto& [name, pid] : cluster().Processes()) {
+    if (name == "attention-svc") {
+      EXPECT_EQ(ThreadsNamed(pid, "layer-compute"), cpus - 1) << cpus << " CPUs";
+    } else if (absl::StartsWith(name, "shard-")) {
+      ++shards;
+      EXPECT_EQ(ThreadsNamed(pid, "expert-pool"), share - 1) << name << ", " << cpus << " CPUs";
+      EXPECT_EQ(ThreadsNamed(pid, "expert-compute"), 1) << name;
+    }
+  }
+  EXPECT_EQ(shards, 2);
+}
 
 TEST_F(ClusterRebalance, LowersMaxVioOnTheNextWindow) {
   auto before = TrafficAndItsWindow(1);
