@@ -194,7 +194,8 @@ ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t laten
 
 absl::StatusOr<std::vector<Bf16>> Gather(const DispatchPlan& plan, const numerics::Routing& routing,
                                          const LayerRoute& route,
-                                         const std::vector<ExpertReply>& replies) {
+                                         const std::vector<ExpertReply>& replies,
+                                         ThreadPool* pool) {
   const int64_t d = plan.latent, k = plan.top_k;
   if (replies.size() != plan.messages.size()) {
     return absl::InternalError(
@@ -202,7 +203,9 @@ absl::StatusOr<std::vector<Bf16>> Gather(const DispatchPlan& plan, const numeric
   }
   std::vector<Bf16> r(static_cast<size_t>(plan.tokens * d));
   if (plan.mode == ReplyMode::kPerPair) {
-    std::vector<Bf16> y(static_cast<size_t>(plan.tokens * k * d));  // [T, k, D] slot order
+    // Each pair's row where its reply holds it (slot order [T, k]); a slot no message carries
+    // (dropped by the budget, or degraded) is not read.
+    std::vector<const Bf16*> rows(static_cast<size_t>(plan.tokens * k), nullptr);
     for (size_t i = 0; i < replies.size(); ++i) {
       const DispatchMessage& m = plan.messages[i];
       const ExpertReply& rep = replies[i];
@@ -210,11 +213,9 @@ absl::StatusOr<std::vector<Bf16>> Gather(const DispatchPlan& plan, const numeric
         return absl::InternalError(absl::StrCat("shard ", route.shards[m.shard].shard, " returned ",
                                                 rep.rows, " rows for ", m.rows()));
       }
-      for (int64_t row = 0; row < m.rows(); ++row) {
-        std::copy_n(rep.bf16.data() + row * d, d, y.data() + m.pairs[row] * d);
-      }
+      for (int64_t row = 0; row < m.rows(); ++row) rows[m.pairs[row]] = rep.bf16.data() + row * d;
     }
-    numerics::ref::Combine(routing, y.data(), d, r.data());
+    numerics::CombineRows(routing, rows.data(), d, r.data(), pool);
     return r;
   }
   // Partial sums: messages are in ascending expert order, the order of the cross-server sum.

@@ -32,6 +32,10 @@
 #include "services/tensor/activations.h"
 #include "services/tensor/bf16.h"
 
+namespace moe {
+class ThreadPool;
+}
+
 namespace moe::attention_svc {
 
 enum class ReplyMode { kPerPair, kPartialSum };
@@ -127,11 +131,13 @@ struct ExpertReply {
 ExpertReply ZeroReply(const DispatchMessage& m, bool partial_sums, int64_t latent);
 
 // The combined latent r [T, latent] from the replies (replies[i] answers plan.messages[i]);
-// INTERNAL naming the shard when a reply has the wrong shape.
+// INTERNAL naming the shard when a reply has the wrong shape. Per-pair rows are combined where
+// the replies hold them, the tokens on `pool` when it is free (numerics::CombineRows).
 absl::StatusOr<std::vector<tensor::Bf16>> Gather(const DispatchPlan& plan,
                                                  const numerics::Routing& routing,
                                                  const LayerRoute& route,
-                                                 const std::vector<ExpertReply>& replies);
+                                                 const std::vector<ExpertReply>& replies,
+                                                 ThreadPool* pool = nullptr);
 
 }  // namespace moe::attention_svc
 

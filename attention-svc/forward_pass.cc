@@ -263,7 +263,8 @@ absl::Status ForwardPass::Finish(InFlight& f) {
   std::vector<Bf16> r;
   {
     numerics::StageTimer timer(&t_, &LayerTimings::combine_norm);
-    MOE_ASSIGN_OR_RETURN(r, Gather(f.plan, f.batch.routing, *spec_.route, replies));
+    MOE_ASSIGN_OR_RETURN(
+        r, Gather(f.plan, f.batch.routing, *spec_.route, replies, spec_.hosted->layer->pool()));
   }
   combine_seconds_ += Seconds(Clock::now() - combine_start);
   std::vector<Bf16> y;

@@ -10,7 +10,12 @@
 //    (each server's subtotal is rounded first), so partial-sum mode agrees with Combine within
 //    a tolerance, not bit for bit.
 //
+//  * CombineRows, ref::Combine's sums bit for bit (the same order, the same roundings) from each
+//    pair's row where it lies, with the tokens split over a thread pool: what the in-process
+//    layer and the attention node run.
+//
 //   ref::Combine(routing, y, latent, r);  // y: [T, k, D] in routing's slot order
+//   CombineRows(routing, rows, latent, r, pool);  // rows[t * k + slot] -> that pair's row
 #ifndef MOE_SERVICES_NUMERICS_COMBINE_H_
 #define MOE_SERVICES_NUMERICS_COMBINE_H_
 
@@ -28,7 +33,19 @@ void Combine(const Routing& routing, const tensor::Bf16* y, int64_t latent, tens
 
 }  // namespace moe::numerics::ref
 
+namespace moe {
+class ThreadPool;
+}
+
 namespace moe::numerics {
+
+// ref::Combine from row pointers: rows[t * k + slot] is the [latent] row of that pair (not read
+// for a slot the budget dropped, expert id < 0; null: zeros), wherever it lies (the attention
+// node's reply buffers: no [T, k, D] copy first). Tokens run in blocks on `pool` when it is free
+// (null or busy: this thread); every token's sum is ref::Combine's, bit for bit, whatever the
+// split.
+void CombineRows(const Routing& routing, const tensor::Bf16* const* rows, int64_t latent,
+                 tensor::Bf16* r, ThreadPool* pool);
 
 // One server's partial sums. rows y: [rows, latent] bf16 in the order the sum must run
 // (ascending expert id), row i for token token_index[i] (< num_tokens) with routing weight

@@ -1,10 +1,12 @@
 // Known-value tests of the scalar reference ops: SiTU, RMSNorm, the router's top-k and weights,
 // the dense projection's fixed summation order, the combine's order, and the expert FFN.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "services/common/random.h"
+#include "services/common/thread_pool.h"
 #include "services/numerics/combine.h"
 #include "services/numerics/expert_ffn.h"
 #include "services/numerics/linear.h"
@@ -208,6 +210,73 @@ TEST(Combine, WeightsScaleEachExpertOutput) {
   EXPECT_EQ(out[1].ToFloat(), 8.0f * 0.25f + 2.0f * 0.75f);
   EXPECT_EQ(out[2].ToFloat(), 0.5f * 1.0f + 0.5f * 5.0f);
   EXPECT_EQ(out[3].ToFloat(), 0.5f * 3.0f + 0.5f * 7.0f);
+}
+
+// CombineRows (what the layer and the attention node run) against the reference: rows read where
+// they lie (here a buffer in another order than [T, k, D]), tokens split over a pool or not,
+// dropped slots (id -1) never read, a row no one sent counted as zeros; every output bit equal.
+TEST(Combine, RowsWhereTheyLieOnAPoolMatchTheReferenceBitForBit) {
+  ThreadPool pool(3);
+  Rng rng(11);
+  struct Shape {
+    int64_t tokens, k, latent;
+  };
+  for (const Shape& sh : {Shape{1, 1, 1}, Shape{3, 8, 17}, Shape{37, 8, 512}, Shape{300, 16, 515},
+                          Shape{64, 2, 4096}}) {
+    const int64_t pairs = sh.tokens * sh.k;
+    Routing r;
+    r.tokens = sh.tokens;
+    r.top_k = sh.k;
+    for (int64_t t = 0; t < sh.tokens; ++t) {
+      std::vector<int32_t> ids(static_cast<size_t>(sh.k));
+      for (int64_t j = 0; j < sh.k; ++j) ids[j] = static_cast<int32_t>(j * 7 + (t % 5));
+      for (int64_t j = sh.k - 1; j > 0; --j) std::swap(ids[j], ids[rng.Next() % (j + 1)]);
+      if (sh.k > 1 && rng.Uniform() < 0.3) ids[rng.Next() % sh.k] = -1;  // dropped by a budget
+      for (int32_t id : ids) {
+        r.expert_ids.push_back(id);
+        r.weights.push_back(static_cast<float>(rng.Uniform()));
+      }
+    }
+    // Values over 2^-10 .. 2^12 so that the order of the sums shows in the last bits.
+    std::vector<Bf16> y(static_cast<size_t>(pairs * sh.latent));
+    for (Bf16& v : y)
+      v = Bf16::FromFloat(std::ldexp(rng.Normal(), static_cast<int>(rng.Next() % 23) - 10));
+    // The same rows stored in reverse pair order, and one row (a live slot) that no one sent.
+    std::vector<Bf16> lying(y.size());
+    std::vector<const Bf16*> rows(static_cast<size_t>(pairs));
+    for (int64_t p = 0; p < pairs; ++p) {
+      Bf16* dst = lying.data() + (pairs - 1 - p) * sh.latent;
+      std::copy_n(y.data() + p * sh.latent, sh.latent, dst);
+      rows[p] = dst;
+    }
+    const int64_t unsent = pairs / 2;
+    if (r.expert_ids[unsent] >= 0) {
+      rows[unsent] = nullptr;
+      std::fill_n(y.begin() + unsent * sh.latent, sh.latent, Bf16::FromFloat(0.0f));
+    }
+    std::vector<Bf16> want(static_cast<size_t>(sh.tokens * sh.latent));
+    ref::Combine(r, y.data(), sh.latent, want.data());
+    for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+      std::vector<Bf16> got(want.size(), Bf16::FromFloat(-1.0f));
+      CombineRows(r, rows.data(), sh.latent, got.data(), p);
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(got[i].bits, want[i].bits)
+            << "T " << sh.tokens << " k " << sh.k << " D " << sh.latent << " at " << i
+            << (p ? " on the pool" : "");
+      }
+    }
+  }
+  // The reference's own known case, through the rows: ascending ids 2, 5, 9 cancel to 0.
+  Routing c;
+  c.tokens = 1;
+  c.top_k = 3;
+  c.expert_ids = {9, 5, 2};
+  c.weights = {1.0f, 1.0f, 1.0f};
+  const std::vector<Bf16> y = ToBf16({-16777216.0f, 16777216.0f, 1.0f});
+  const Bf16* rows[3] = {&y[0], &y[1], &y[2]};
+  Bf16 out;
+  CombineRows(c, rows, 1, &out, &pool);
+  EXPECT_EQ(out.ToFloat(), 0.0f);
 }
 
 // The expert FFN against a straightforward re-implementation: dequantize whole matrices first,

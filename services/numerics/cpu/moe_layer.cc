@@ -101,7 +101,9 @@ absl::StatusOr<LayerOutput> CpuMoeLayer::Forward(absl::Span<const Bf16> x, int64
   std::vector<Bf16> r(static_cast<size_t>(tokens * cfg_.latent));
   {
     StageTimer timer(timings, &LayerTimings::combine_norm);
-    ref::Combine(batch.routing, y.data(), cfg_.latent, r.data());
+    std::vector<const Bf16*> rows(static_cast<size_t>(tokens * cfg_.top_k));
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = y.data() + i * cfg_.latent;
+    CombineRows(batch.routing, rows.data(), cfg_.latent, r.data(), pool_.get());
   }
   LayerOutput result;
   result.out = Finish(batch, r.data(), timings);

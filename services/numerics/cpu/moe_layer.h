@@ -89,6 +89,9 @@ class CpuMoeLayer {
   Isa isa() const { return kernels_->isa; }
   const KernelTable& kernels() const { return *kernels_; }
   int threads() const { return pool_->size(); }
+  // The layer's threads, for work beside its stages (the attention node's combine); callers of
+  // the stages serialize as above, others take it only when free (ThreadPool::TryParallelFor).
+  ThreadPool* pool() const { return pool_.get(); }
   size_t packed_dense_bytes() const;
   const MoeLayerWeights& weights() const { return weights_; }
 
