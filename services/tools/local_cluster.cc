@@ -178,13 +178,13 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   // 6 compute threads; with 2 threads each a shard's one-token loop waited for threads of the
   // other processes). The attention node gets every CPU: its router, combine and up-projection
   // run while the shards wait for its next batch, on one thread they left the other cores idle
-  // (docs/data-plane.md: T >= 16 6-10% more tokens/s on 2 CPUs, T = 1 unchanged).
-  const int usable = UsableCpus();
+  // (docs/data-plane.md: T >= 16 6-10% more tokens/s on 2 CPUs, T = 1 unchanged): 0 passed on,
+  // attention-svc sizes its pool to the CPUs it may use itself.
   const int shard_threads =
-      o.threads > 0 ? o.threads : std::max(1, usable / static_cast<int>(o.shard_ranges.size() + 1));
+      o.threads > 0 ? o.threads
+                    : std::max(1, UsableCpus() / static_cast<int>(o.shard_ranges.size() + 1));
   const std::string threads = absl::StrCat("--threads=", shard_threads);
-  const std::string attention_threads =
-      absl::StrCat("--threads=", o.threads > 0 ? o.threads : std::max(1, usable));
+  const std::string attention_threads = absl::StrCat("--threads=", std::max(0, o.threads));
   // Each process's TLS flags; "{name}" in the certificate and key paths becomes the process's
   // name (router-svc, attention-svc, shard-<i>), so that each presents its own identity.
   auto tls_for = [&o](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
