@@ -326,6 +326,7 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
   // The scores' values are checked as they are routed (below).
   MOE_RETURN_IF_ERROR(ValidateQbShapes(scores.size(), m, n, bias_, k));
   const double inv_w = bins / (hi_ - lo_);
+  if (QbThreads(m) == 1) return AccumulateDirect(scores, m, inv_w);
   // Tokens in pieces over the cores, each counted into its own histogram, added to this one
   // only when every token was finite (integer sums: the result does not depend on the split;
   // refused input changes nothing).
@@ -382,6 +383,39 @@ absl::Status QbHistogram::Accumulate(absl::Span<const float> scores, int64_t m) 
     for (size_t i = 0; i < counts_.size(); ++i) counts_[i] += part_counts[p][i];
     for (size_t i = 0; i < part_wide[p].size(); ++i) counts_[i] += part_wide[p][i];
     for (int64_t j = 0; j < n; ++j) loads_[j] += part_loads[p][j];
+  }
+  tokens_ += m;
+  return absl::OkStatus();
+}
+
+absl::Status QbHistogram::AccumulateDirect(absl::Span<const float> scores, int64_t m,
+                                           double inv_w) {
+  const int64_t n = num_experts_, k = window_.top_k, bins = window_.bins;
+  // Every token routed (and so checked) before anything is counted: refused input changes
+  // nothing. Then the counts go straight into the window's table, a tile's increments expert by
+  // expert as below: the same integer sums as the pieces' tables.
+  std::vector<float> biased(static_cast<size_t>(n)), cut(static_cast<size_t>(m));
+  std::vector<int32_t> top(static_cast<size_t>(m * (k + 1)));
+  for (int64_t t = 0; t < m; ++t) {
+    int32_t* tt = top.data() + t * (k + 1);
+    if (!RouteToken(scores.data() + t * n, bias_.data(), n, k, biased.data(), tt)) {
+      return NonFinite(scores, m, n, bias_, k);
+    }
+    cut[t] = biased[tt[k]];
+  }
+  constexpr int64_t kTile = 32;
+  std::vector<int32_t> bin(static_cast<size_t>(std::min(kTile, m) * n));
+  for (int64_t t0 = 0; t0 < m; t0 += kTile) {
+    const int64_t rows = std::min(kTile, m - t0);
+    for (int64_t t = 0; t < rows; ++t) {
+      const int32_t* tt = top.data() + (t0 + t) * (k + 1);
+      for (int64_t r = 0; r < k; ++r) ++loads_[tt[r]];
+      BinRow(scores.data() + (t0 + t) * n, cut[t0 + t], lo_, inv_w, bins, n, bin.data() + t * n);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      uint32_t* row = counts_.data() + j * bins;
+      for (int64_t t = 0; t < rows; ++t) ++row[bin[t * n + j]];
+    }
   }
   tokens_ += m;
   return absl::OkStatus();

@@ -95,6 +95,35 @@ void BM_QbHistogramAccumulateSolve(benchmark::State& state) {
 }
 BENCHMARK(BM_QbHistogramAccumulateSolve)->Arg(100)->Arg(1000)->Unit(benchmark::kMillisecond);
 
+// What an attention node pays per batch (attention-svc/node_stats.cc): one batch of T tokens
+// (the argument) counted into the open window's histogram at K3 shape, 1000 bins.
+void BM_QbHistogramAccumulateBatch(benchmark::State& state) {
+  const std::vector<float>& s = Scores();
+  const int64_t t = state.range(0);
+  QbWindow w;
+  w.top_k = kTopK;
+  auto h = QbHistogram::Create(w, std::vector<float>(kExperts, 0.0f));
+  int64_t at = 0;
+  for (auto _ : state) {
+    if (at + t > kTokens) at = 0;
+    benchmark::DoNotOptimize(
+        h->Accumulate(absl::MakeConstSpan(s).subspan(static_cast<size_t>(at * kExperts),
+                                                     static_cast<size_t>(t * kExperts)),
+                      t));
+    at += t;
+  }
+  state.counters["tokens_per_s"] =
+      benchmark::Counter(static_cast<double>(t), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_QbHistogramAccumulateBatch)
+    ->Arg(1)
+    ->Arg(4)
+    ->Arg(16)
+    ->Arg(64)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Unit(benchmark::kMicrosecond);
+
 void BM_QbHistogramWire(benchmark::State& state) {
   const std::vector<float>& s = Scores();
   QbWindow w;

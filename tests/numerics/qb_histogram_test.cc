@@ -88,6 +88,62 @@ TEST(QbHistogram, RowsSumToTokensAndMergeIsExactForAnySharding) {
   }
 }
 
+// An attention node counts every batch into its window (attention-svc/node_stats.cc), most of
+// them a few tokens. Batches that get one thread count straight into the window's table; pieces
+// of a large batch count in tables of their own. Either way each count is the one the definition
+// gives, read here token by token with plain loops: alpha_i the (k+1)-th largest s_ij + b_j, bin
+// floor((double(alpha_i - s_ij) - lo) * bins / (hi - lo)) clamped, loads the top k. Batch sizes
+// 1, 7, 32 (a tile), 33 (a tile and one), 300 and 2,500 (pieces on a machine with two cores),
+// n = 900 (not a multiple of 16), added one after another to one window. A batch whose last
+// token is not finite is refused and changes nothing, at a size of one and of two tiles.
+TEST(QbHistogram, EveryBatchSizeCountsWhatTheDefinitionGives) {
+  const int64_t n = 900, k = 16;
+  const int bins = 1000;
+  Rng rng(77);
+  std::vector<float> b(static_cast<size_t>(n));
+  for (float& v : b) v = 0.3f * static_cast<float>(rng.Normal());
+  const double lo = *std::min_element(b.begin(), b.end()) - 1.0;
+  const double hi = *std::max_element(b.begin(), b.end()) + 1.0;
+  const std::vector<int64_t> sizes = {1, 7, 32, 33, 300, 2500};
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const std::vector<float> s = SkewedScores(total, n, PowerLawOffsets(n, 2.0f, 3), 5);
+  std::vector<uint32_t> want(static_cast<size_t>(n * bins), 0);
+  for (int64_t t = 0; t < total; ++t) {
+    std::vector<float> biased(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) biased[j] = s[t * n + j] + b[j];
+    std::vector<float> sorted = biased;
+    std::nth_element(sorted.begin(), sorted.begin() + k, sorted.end(), std::greater<float>());
+    const float alpha = sorted[k];
+    for (int64_t j = 0; j < n; ++j) {
+      const float r = alpha - s[t * n + j];
+      const double pos = std::floor((static_cast<double>(r) - lo) * (bins / (hi - lo)));
+      const int64_t l = static_cast<int64_t>(std::clamp(pos, 0.0, static_cast<double>(bins - 1)));
+      ++want[j * bins + l];
+    }
+  }
+  QbHistogram h = MakeHistogram(b, k, bins);
+  int64_t at = 0;
+  for (int64_t m : sizes) {
+    ASSERT_TRUE(h.Accumulate(absl::MakeConstSpan(s).subspan(at * n, m * n), m).ok()) << m;
+    at += m;
+  }
+  EXPECT_EQ(h.tokens(), total);
+  EXPECT_EQ(h.loads(), RouteLoads(s, total, n, b, k));
+  int64_t differ = 0;
+  for (size_t i = 0; i < want.size(); ++i) differ += h.counts()[i] != want[i];
+  EXPECT_EQ(differ, 0) << "of " << want.size() << " bins";
+  const std::string before = h.Serialize();
+  for (int64_t m : {int64_t{1}, int64_t{64}}) {
+    std::vector<float> bad(s.begin(), s.begin() + m * n);
+    bad[(m - 1) * n + n - 1] = std::nanf("");
+    const absl::Status refused = h.Accumulate(bad, m);
+    ASSERT_FALSE(refused.ok()) << m;
+    EXPECT_NE(std::string(refused.message()).find(absl::StrCat("token ", m - 1)), std::string::npos)
+        << refused;
+    EXPECT_EQ(h.Serialize(), before) << "a refused batch of " << m << " changed the window";
+  }
+}
+
 TEST(QbHistogram, SolveIsWithinTwoBinWidthsOfExact) {
   Rng rng(10);
   for (int trial = 0; trial < 20; ++trial) {
