@@ -4,8 +4,8 @@
 
 namespace moe::attention_svc {
 
-void NodeStats::Accumulate(int32_t layer, const BiasEntry& bias,
-                           const numerics::cpu::RoutedBatch& batch) {
+void NodeStats::Accumulate(int32_t layer, const BiasEntry& bias, absl::Span<const float> scores,
+                           int64_t tokens, const numerics::Routing& full) {
   const uint64_t version = bias.version;
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<LayerStats>& acc = open_[layer];
@@ -32,9 +32,9 @@ void NodeStats::Accumulate(int32_t layer, const BiasEntry& bias,
     auto b = numerics::BudgetHistogram::Create(bw, o_.num_experts);
     if (b.ok()) acc->budget = *std::move(b);  // top-k 1 has no budget to report
   }
-  (void)acc->qb.Accumulate(batch.scores, batch.tokens);
+  (void)acc->qb.Accumulate(scores, tokens);
   // Dynamic k's thresholds come from the selections before any budget (the full top-k).
-  if (acc->budget.has_value()) (void)acc->budget->Accumulate(batch.routing, batch.scores.data());
+  if (acc->budget.has_value()) (void)acc->budget->Accumulate(full, scores.data());
 }
 
 void NodeStats::AddCheck(int32_t layer, double rel_diff, double mass_kept, double top1) {

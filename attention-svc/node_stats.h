@@ -4,7 +4,7 @@
 // Thread-safe; no gRPC: TakeReports hands over the messages, the server sends them.
 //
 //   NodeStats stats({cfg.num_experts, cfg.top_k, qb_bins, budget_bins});
-//   stats.Accumulate(layer, *bias, routed_batch);          // on every Forward
+//   stats.Accumulate(layer, *bias, scores, tokens, full);  // on every Forward
 //   for (auto& r : stats.TakeReports(node, auto_cap)) ...  // every report interval
 #ifndef MOE_ATTENTION_SVC_NODE_STATS_H_
 #define MOE_ATTENTION_SVC_NODE_STATS_H_
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/types/span.h"
 #include "attention-svc/routing_view.h"
 #include "moe/v1/router.pb.h"
 #include "services/numerics/cpu/moe_layer.h"
@@ -36,9 +37,11 @@ class NodeStats {
  public:
   explicit NodeStats(const NodeStatsOptions& o) : o_(o) {}
 
-  // One routed batch under `bias`. A batch of a newer bias version closes the layer's window:
-  // it is reported as it was.
-  void Accumulate(int32_t layer, const BiasEntry& bias, const numerics::cpu::RoutedBatch& batch);
+  // One routed batch under `bias`: its router scores [tokens, num_experts] and its selections
+  // before any budget (`full`, the top-k). A batch of a newer bias version closes the layer's
+  // window: it is reported as it was.
+  void Accumulate(int32_t layer, const BiasEntry& bias, absl::Span<const float> scores,
+                  int64_t tokens, const numerics::Routing& full);
   // One full-k check of a budgeted answer (the relative L2 difference, the routing mass kept
   // and the top-1 agreement): summed into the layer's next report.
   void AddCheck(int32_t layer, double rel_diff, double mass_kept, double top1);

@@ -116,7 +116,7 @@ TEST_F(RouterCoreTest, TheAttentionCoresReportsRebalanceAndARollbackRestoresTheC
   const std::vector<tensor::Bf16> x = checkpoint::SyntheticHiddenStates(cfg, tokens, 11);
   auto batch = (*layer)->RouteAndProject(x, tokens, cfg.hidden, bias0.data(), nullptr);
   ASSERT_TRUE(batch.ok()) << batch.status();
-  stats.Accumulate(1, entry, *batch);
+  stats.Accumulate(1, entry, batch->scores, batch->tokens, batch->routing);
   std::vector<v1::ReportStatsRequest> reports = stats.TakeReports("attention-0", 0);
   ASSERT_EQ(reports.size(), 1u);
   v1::ReportStatsResponse accepted;
