@@ -96,8 +96,9 @@ struct AttentionServerOptions {
   int64_t ucx_detach_tag_from_bytes = dataplane::kDetachTagFromBytes;
   int ucx_progress_spin_us = 0;  // UcxOptions::spin: the progress thread after its last activity
   // The readiness canary (readiness_canary.h): every canary_interval_ms a 4-token batch through
-  // the whole path, answered within canary_timeout_ms and within the layer's tolerance of its
-  // in-process reference, or the node is not ready. 0: off (readiness is the placement alone).
+  // the whole path, answered within canary_timeout_ms and within the layer tolerance's hard
+  // bound of its in-process reference, or the node is not ready. 0: off (readiness is the
+  // placement alone).
   int64_t canary_interval_ms = 10000;
   int64_t canary_timeout_ms = 3000;
   // Twin audits (twin_audit.h): one message in audit_share also goes to another healthy

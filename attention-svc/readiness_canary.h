@@ -3,11 +3,11 @@
 // norm, the up-projection and the shared experts) every --canary_interval_ms, and its answer is
 // compared with the layer's scalar reference computed in this process from the checkpoint's
 // weights (the expert weights are views of the mapped checkpoint, read only for the experts the
-// canary routes to). The node is ready only while the last canary matched within the layer's
-// tolerance (docs/math.md: differences within summation order); a wrong answer (a shard with a
-// valid identity that serves other weights), an error or no answer within --canary_timeout_ms
-// makes it not ready until a canary matches again. The reference is computed once per bias
-// version, off the request path.
+// canary routes to). The node is ready only while the last canary matched within the layer
+// tolerance's hard bound (tolerance.h, HardBound; docs/math.md: differences within summation
+// order); a wrong answer (a shard with a valid identity that serves other weights), an error or
+// no answer within --canary_timeout_ms makes it not ready until a canary matches again. The
+// reference is computed once per bias version, off the request path.
 //
 //   CanaryOracle oracle(cfg, &weights, /*tokens=*/4, /*seed=*/9);
 //   v1::ForwardRequest req = oracle.Request(layer);
@@ -59,7 +59,8 @@ class CanaryOracle {
   absl::StatusOr<std::vector<tensor::Bf16>> Want(const BiasEntry& bias);
 
   // The node's response against the reference under the bias entry of the version it was served
-  // with: kMatch within the layer's tolerance, kMismatch otherwise (detail: the ULP statistics),
+  // with: kMatch within the layer tolerance's hard bound (tolerance.h, HardBound), kMismatch
+  // otherwise (detail: the ULP statistics),
   // kSkipped when `bias` is not the version the response names (the bias moved in between),
   // kError when the response is not a [tokens, hidden] bf16 answer.
   CanaryOutcome Judge(const v1::ForwardResponse& resp, const BiasEntry& bias, std::string* detail);

@@ -82,12 +82,6 @@ void ReferenceRow(const numerics::ExpertWeights& w, const tensor::Activations& z
   }
 }
 
-// The hard bound alone: the consistency suite's fractions are stated over whole batches, not
-// over the few rows picked because they differ most.
-numerics::Tolerance HardBound(const numerics::Tolerance& t) {
-  return {t.max_row_ulps, 1.0, 1.0, -1};
-}
-
 }  // namespace
 
 TwinAuditor::TwinAuditor(const ModelConfig& cfg, const TwinAuditOptions& options,
@@ -146,7 +140,9 @@ absl::StatusOr<TwinAuditor::Disputed> TwinAuditor::Recompute(
   out.rows = partial ? MostDifferent<float>(replies[0]->f32, replies[1]->f32,
                                             static_cast<int64_t>(m.tokens.size()), d, n)
                      : MostDifferent<Bf16>(replies[0]->bf16, replies[1]->bf16, m.rows(), d, n);
-  out.tolerance = HardBound(partial ? kPartialSumAuditTolerance
+  // The hard bound alone: the suite's fractions are stated over whole batches, not over the
+  // few rows picked because they differ most.
+  out.tolerance = numerics::HardBound(partial ? kPartialSumAuditTolerance
                             : w4a8  ? numerics::kExpertFfnW4A8Tolerance
                                     : numerics::kExpertFfnTolerance);
   if (partial && w4a8) out.tolerance.max_row_ulps *= 2;  // as W4A8's own bound is twice W4A16's
