@@ -143,8 +143,8 @@ absl::StatusOr<TwinAuditor::Disputed> TwinAuditor::Recompute(
   // The hard bound alone: the suite's fractions are stated over whole batches, not over the
   // few rows picked because they differ most.
   out.tolerance = numerics::HardBound(partial ? kPartialSumAuditTolerance
-                            : w4a8  ? numerics::kExpertFfnW4A8Tolerance
-                                    : numerics::kExpertFfnTolerance);
+                                      : w4a8  ? numerics::kExpertFfnW4A8Tolerance
+                                              : numerics::kExpertFfnTolerance);
   if (partial && w4a8) out.tolerance.max_row_ulps *= 2;  // as W4A8's own bound is twice W4A16's
   const size_t variants = w4a8 ? 2 : 1;
   out.want.resize(variants);

@@ -101,7 +101,8 @@ constexpr MetricInfo kMetrics[] = {
      "reference, else 0",
      "the readiness canary (`--canary_interval_ms`): 1 while the last small fixed batch sent "
      "through the whole path (this node, the shards, back) matched the layer's reference "
-     "computed in process within the layer tolerance's hard bound (8 bf16 ulps of each row's scale); the node is not ready at 0",
+     "computed in process within the layer tolerance's hard bound (8 bf16 ulps of each row's "
+     "scale); the node is not ready at 0",
      "", ""},
     {"moe_canary_checks_total", "counter", "outcome",
      "Readiness canaries by outcome: match, mismatch, timeout, error, skipped",
