@@ -168,6 +168,18 @@ absl::StatusOr<Point> MeasurePoint(client::MoeClient& client, const ModelConfig&
   lo.distinct_batches = 2;
   auto two = tools::RunLoad(client, lo);
   pt.tps2 = two.ok() ? two->tokens_per_second : 0.0;
+  // Failed requests count no tokens: say what they were, not only a low figure.
+  if (!two.ok()) {
+    std::fprintf(stderr, "T=%lld, 2 in flight: %s\n", static_cast<long long>(t),
+                 two.status().ToString().c_str());
+  } else {
+    for (const auto& [code, count] : two->errors) {
+      std::fprintf(stderr, "T=%lld, 2 in flight: %lld of %lld requests failed with %s: %s\n",
+                   static_cast<long long>(t), static_cast<long long>(count),
+                   static_cast<long long>(two->requests), code.c_str(),
+                   two->first_error.at(code).c_str());
+    }
+  }
   return pt;
 }
 
