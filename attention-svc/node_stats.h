@@ -20,9 +20,9 @@
 #include "absl/types/span.h"
 #include "attention-svc/routing_view.h"
 #include "moe/v1/router.pb.h"
-#include "services/numerics/cpu/moe_layer.h"
 #include "services/numerics/dynamic_k.h"
 #include "services/numerics/qb.h"
+#include "services/numerics/router.h"
 
 namespace moe::attention_svc {
 
