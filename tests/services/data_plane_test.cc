@@ -163,6 +163,54 @@ TEST_F(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
       2);
 }
 
+// A shard that is only slow keeps its data plane: a short-deadline request queued behind a
+// long one (as a readiness canary behind a K3 prefill) fails at its deadline naming the shard,
+// and the long one, still on its way, is answered bit-exact on the same connection; the node
+// does not open the data plane again (which makes the shard drop the old client with every
+// reply it still owes). The shard is stalled with SIGSTOP while both are in flight.
+TEST_F(ClusterDataPlane, ABatchTimedOutBehindALongOneKeepsTheConnection) {
+  if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";
+  UsePreset("tiny", {{0, 8}, {8, 16}});
+  options().expert_args = UcxArgs("posix");
+  // No readiness canary: the test counts the node's connections and batches itself.
+  options().attention_args = testing::Concat(UcxArgs("posix"), {"--canary_interval_ms=0"});
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  const std::vector<Bf16> x = Hidden(4, 21), want = Want(x, 4);
+  client::ForwardOptions slow, quick;
+  slow.timeout = absl::Seconds(20);
+  quick.timeout = absl::Milliseconds(700);
+  auto first = user().Forward(layer(), x, 4, hidden(), slow);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<std::string> connected = {"shard=\"shard-0\"", "event=\"connected\""};
+  const double connections = AttentionMetric("moe_data_plane_events_total", connected);
+  EXPECT_EQ(connections, 1);
+
+  ASSERT_TRUE(cluster().SignalShard(0, SIGSTOP).ok());
+  absl::StatusOr<client::ForwardResult> long_one = absl::UnknownError("not run");
+  std::thread waiting([&] {
+    auto c = testing::ClientFor(cluster());
+    long_one = c->Forward(layer(), x, 4, hidden(), slow);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // its batch is out first
+  auto c = testing::ClientFor(cluster());
+  auto short_one = c->Forward(layer(), x, 4, hidden(), quick);
+  EXPECT_EQ(short_one.status().code(), absl::StatusCode::kDeadlineExceeded) << short_one.status();
+  EXPECT_NE(short_one.status().message().find("shard-0"), std::string::npos) << short_one.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the long one keeps waiting
+  ASSERT_TRUE(cluster().SignalShard(0, SIGCONT).ok());
+  waiting.join();
+  ASSERT_TRUE(long_one.ok()) << long_one.status();
+  EXPECT_TRUE(SameBits(long_one->out, want));
+  auto after = user().Forward(layer(), x, 4, hidden(), slow);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(SameBits(after->out, want));
+  EXPECT_EQ(AttentionMetric("moe_data_plane_events_total", connected), connections)
+      << "the node opened the data plane to shard-0 again";
+  EXPECT_EQ(AttentionMetric("moe_data_plane_events_total",
+                            {"shard=\"shard-0\"", "event=\"transfer_failed\""}),
+            0);
+}
+
 // auto falls back to in-band gRPC where a shard offers no UCX (counted), and stays exact.
 TEST_F(ClusterDataPlane, AutoFallsBackToGrpcWhereAShardHasNoUcx) {
   if (!dataplane::UcxBuilt()) GTEST_SKIP() << "built without UCX";

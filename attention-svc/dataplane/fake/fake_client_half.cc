@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention-svc/dataplane/batch_message.h"
+#include "attention-svc/dataplane/reply_liveness.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/data_plane.h"
@@ -61,6 +62,9 @@ class FakeCall final : public ExpertCall {
     uint64_t client_id = 0, sequence = 0, token = 0;
     ReplyShape shape;
     absl::Time budget_end;
+    // What the connection's other batches say when this one times out, and its ticket there.
+    std::shared_ptr<ReplyLiveness> liveness;
+    uint64_t ticket = 0;
   };
   FakeCall(std::string who, std::shared_ptr<Inbox> inbox,
            std::shared_ptr<const dataplane::PayloadMac> mac, std::shared_ptr<grpc::Channel> control,
@@ -75,6 +79,7 @@ class FakeCall final : public ExpertCall {
         shard_(std::move(shard)),
         b_(b) {}
   ~FakeCall() override {
+    b_.liveness->Finished(b_.ticket);
     std::lock_guard<std::mutex> lock(inbox_->mu);
     inbox_->replies.erase(b_.token);
   }
@@ -96,11 +101,13 @@ class FakeCall final : public ExpertCall {
         Inbox::Reply& slot = inbox_->replies[b_.token];
         if (slot.arrived) {
           r = std::move(slot);
+          b_.liveness->Replied();
           break;
         }
         const absl::Time now = absl::Now();
         if (now >= deadline) {
-          broken_->store(true);  // the shard may have dropped it unread: open again
+          // The shard may have dropped it unread: open again, unless it is only busy.
+          if (b_.liveness->TimedOutMeansGone(b_.ticket)) broken_->store(true);
           return absl::DeadlineExceededError(
               absl::StrCat(who_, " did not answer the batch before the deadline"));
         }
@@ -185,7 +192,7 @@ class FakeExpertChannel final : public ExpertChannel {
       std::lock_guard<std::mutex> l(inbox_->mu);
       inbox_->replies[f.token];  // expected before the request leaves
     }
-    FakeCall::Batch b{f.client_id, seq, f.token, shape, deadline};
+    FakeCall::Batch b{f.client_id, seq, f.token, shape, deadline, liveness_, liveness_->Sent()};
     auto call =
         std::make_unique<FakeCall>(who_, inbox_, mac_, control_, broken_, o_.on_event, o_.shard, b);
     if (absl::Status s = dataplane::FakeWire::Send(server_, std::move(frame), std::move(message));
@@ -234,6 +241,7 @@ class FakeExpertChannel final : public ExpertChannel {
     server_ = reply.worker_address();
     mac_ = std::make_shared<const dataplane::PayloadMac>(std::move(*mac));
     control_ = opened->control;
+    liveness_ = std::make_shared<ReplyLiveness>();
     sequence_ = 1;
     client_id_.store(reply.client_id());
     if (o_.on_event) o_.on_event(o_.shard, "connected");
@@ -250,6 +258,7 @@ class FakeExpertChannel final : public ExpertChannel {
   std::string server_;
   std::shared_ptr<const dataplane::PayloadMac> mac_;
   std::shared_ptr<grpc::Channel> control_;
+  std::shared_ptr<ReplyLiveness> liveness_;
   uint64_t sequence_ = 1;
   std::atomic<uint64_t> client_id_{0};
   std::shared_ptr<std::atomic<bool>> broken_ = std::make_shared<std::atomic<bool>>(false);

@@ -167,6 +167,9 @@ class MessageCall final : public ExpertCall {
     std::shared_ptr<PollWindow> window;
     // The reply's tag message, when the request asked for it (dataplane::kDetachTag).
     std::shared_ptr<dataplane::UcxTransfer> tag;
+    // What the connection's other batches say when this one times out, and its ticket there.
+    std::shared_ptr<ReplyLiveness> liveness;
+    uint64_t ticket = 0;
   };
   MessageCall(std::string who, dataplane::UcxWorker* worker, std::shared_ptr<grpc::Channel> control,
               std::shared_ptr<std::atomic<bool>> broken, std::function<void()> on_transfer_failed,
@@ -186,6 +189,7 @@ class MessageCall final : public ExpertCall {
         received_(std::move(received)),
         reply_buffer_(std::move(reply_buffer)),
         b_(batch) {}
+  ~MessageCall() override { b_.liveness->Finished(b_.ticket); }
 
   const char* transport() const override { return "ucx"; }
 
@@ -202,6 +206,7 @@ class MessageCall final : public ExpertCall {
       if (on_transfer_failed_) on_transfer_failed_();
       return absl::Status(n.status().code(), absl::StrCat(who_, ": reply: ", n.status().message()));
     }
+    b_.liveness->Replied();
     // Nothing is read from bytes the shard did not seal under this connection's key for this
     // batch (its sequence is the nonce).
     absl::StatusOr<dataplane::BatchFrame> frame = Authenticate(*n, deadline);
@@ -270,9 +275,10 @@ class MessageCall final : public ExpertCall {
       const absl::Time now = absl::Now();
       if (now >= deadline) {
         // The shard may have dropped the batch unread (it no longer knows this client: evicted
-        // as idle, or another process opened under this node name): the next batch opens the
-        // data plane again instead of waiting out its deadline too.
-        broken_->store(true);
+        // as idle, or another process opened under this node name): then the next batch opens
+        // the data plane again instead of waiting out its deadline too. Unless the shard is
+        // only busy: it answered since, or an older batch is still waiting (ReplyLiveness).
+        if (b_.liveness->TimedOutMeansGone(b_.ticket)) broken_->store(true);
         return absl::DeadlineExceededError(
             absl::StrCat(who_, " did not answer the batch before the deadline"));
       }
@@ -320,8 +326,9 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   // anything is sent to its old worker.
   if (client_id_.load() != 0 && !broken_->load() &&
       (control_ == nullptr || control_->GetState(false) == GRPC_CHANNEL_READY)) {
-    return Connection{
-        ep_, client_id_.load(), mac_, chunk_bytes_, batch_messages_, detached_tags_, control_};
+    return Connection{ep_,          client_id_.load(), mac_,
+                      chunk_bytes_, batch_messages_,   detached_tags_,
+                      control_,     liveness_};
   }
   if (absl::Now() < retry_after_) {
     return absl::FailedPreconditionError(absl::StrCat(without_ucx_, " (asked again every ",
@@ -394,11 +401,13 @@ absl::StatusOr<UcxExpertChannel::Connection> UcxExpertChannel::EnsureOpen(absl::
   batch_messages_ = reply.batch_messages();
   detached_tags_ = reply.batch_messages() && reply.detached_reply_tags();
   control_ = std::move(opened->control);
+  liveness_ = std::make_shared<ReplyLiveness>();
   client_id_.store(reply.client_id());
   if (on_event_) on_event_(shard_, "connected");
   if (on_lanes_) on_lanes_(shard_, lanes_, peer_lanes_);
-  return Connection{ep_,     client_id_.load(), mac_, chunk_bytes_, batch_messages_, detached_tags_,
-                    control_};
+  return Connection{ep_,          client_id_.load(), mac_,
+                    chunk_bytes_, batch_messages_,   detached_tags_,
+                    control_,     liveness_};
 }
 
 dataplane::UcxLanes UcxExpertChannel::lanes() const {
@@ -529,6 +538,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   const std::string frame =
       dataplane::SealBatchFrame(*c.mac, dataplane::Direction::kToExpert, f, d, total);
   // Expected before the request leaves, so the reply always finds its buffer.
+  const uint64_t ticket = c.liveness->Sent();
   auto received = worker_->ExpectMessage(f.token, *reply_buffer, deadline + kLateReplyGrace);
   auto sent = worker_->SendMessage(c.ep, dataplane::UcxWorker::Message::kRequest, frame,
                                    *send_buffer, total, deadline);
@@ -541,6 +551,8 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::SendMessage(const Connection& c,
   b.sent_at = std::chrono::steady_clock::now();
   b.window = reply_window_;
   b.tag = std::move(tag);
+  b.liveness = c.liveness;
+  b.ticket = ticket;
   return std::make_unique<MessageCall>(absl::StrCat("expert shard ", shard_, " (", endpoint_, ")"),
                                        worker_, c.control, broken_, TransferFailed(),
                                        IntegrityFailed(), c.mac, std::move(sent),

@@ -26,6 +26,7 @@
 
 #include "absl/time/time.h"
 #include "attention-svc/dataplane/client_half.h"
+#include "attention-svc/dataplane/reply_liveness.h"
 #include "attention-svc/expert_channel.h"
 #include "services/common/poll_window.h"
 #include "services/dataplane/data_plane.h"
@@ -74,9 +75,10 @@ class UcxExpertChannel final : public ExpertChannel {
     uint64_t client_id = 0;
     std::shared_ptr<const dataplane::PayloadMac> mac;
     size_t chunk_bytes = 0;
-    bool batch_messages = false;             // one UCX message per batch each way
-    bool detached_tags = false;              // the shard detaches reply tags when asked
-    std::shared_ptr<grpc::Channel> control;  // its state: whether the shard is alive
+    bool batch_messages = false;              // one UCX message per batch each way
+    bool detached_tags = false;               // the shard detaches reply tags when asked
+    std::shared_ptr<grpc::Channel> control;   // its state: whether the shard is alive
+    std::shared_ptr<ReplyLiveness> liveness;  // whether a timed-out batch means it is gone
   };
   // Opens (or reopens) the data plane; an error: send in band / fail.
   absl::StatusOr<Connection> EnsureOpen(absl::Time deadline);
@@ -106,6 +108,7 @@ class UcxExpertChannel final : public ExpertChannel {
   bool batch_messages_ = false;
   bool detached_tags_ = false;
   std::shared_ptr<grpc::Channel> control_;
+  std::shared_ptr<ReplyLiveness> liveness_;
   std::atomic<uint64_t> client_id_{0};
   std::atomic<uint64_t> sequence_{1};  // the MAC nonce: each batch of this connection once
   std::atomic<int64_t> detached_tag_batches_{0};
