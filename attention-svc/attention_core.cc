@@ -21,6 +21,14 @@ namespace {
 // The readiness canary's batch: 4 tokens of a fixed seed (readiness_canary.h).
 constexpr int64_t kCanaryTokens = 4;
 constexpr uint64_t kCanarySeed = 9;
+
+// A request that failed on the path (a shard, the data plane, a deadline), not by what its
+// caller sent or a full queue: what keeps a timed-out canary from counting as only busy.
+bool FailedOnThePath(absl::StatusCode c) {
+  using C = absl::StatusCode;
+  return c == C::kDeadlineExceeded || c == C::kUnavailable || c == C::kDataLoss ||
+         c == C::kInternal || c == C::kUnknown || c == C::kAborted;
+}
 }  // namespace
 
 namespace {
@@ -309,7 +317,15 @@ absl::Status AttentionCore::Serve(const v1::ForwardRequest& req, absl::Time dead
   const auto start = Clock::now();
   metrics_->common.QueueDepth(static_cast<int64_t>(queued()));
   metrics_->common.Started(method);
+  serving_.fetch_add(1);
   const absl::Status s = RunOne(req, deadline, resp, /*check=*/false);
+  // Counted for the readiness canary before the request is no longer in flight.
+  if (s.ok()) {
+    answered_.fetch_add(1);
+  } else if (FailedOnThePath(s.code())) {
+    path_failed_.fetch_add(1);
+  }
+  serving_.fetch_sub(1);
   if (s.ok()) {
     if (governor_ != nullptr) governor_->Observe(Seconds(Clock::now() - start));
     MaybeCheck(req, *resp);
@@ -381,15 +397,37 @@ CanaryOutcome AttentionCore::RunCanary(std::string* detail) {
   if (s.bias == nullptr) return CanaryOutcome::kError;
   v1::ForwardResponse resp;
   const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.canary_timeout_ms);
+  const ServeCounts before = Served();
   // As a full-k check: the whole top-k, no statistics, no request metrics (forward_pass.h).
   const absl::Status st = RunOne(canary_->Request(canary_layer_), deadline, &resp, /*check=*/true);
   if (!st.ok()) {
     *detail = st.ToString();
-    return st.code() == absl::StatusCode::kDeadlineExceeded || absl::Now() >= deadline
-               ? CanaryOutcome::kTimeout
-               : CanaryOutcome::kError;
+    if (st.code() != absl::StatusCode::kDeadlineExceeded && absl::Now() < deadline) {
+      return CanaryOutcome::kError;
+    }
+    if (!AnsweredOthersMeanwhile(before)) return CanaryOutcome::kTimeout;
+    const ServeCounts now = Served();
+    absl::StrAppend(detail, "; queued behind ", now.answered - before.answered,
+                    " requests answered meanwhile, none failed");
+    return CanaryOutcome::kBusy;
   }
   return canary_->Judge(resp, *s.bias, detail);
+}
+
+bool AttentionCore::AnsweredOthersMeanwhile(const ServeCounts& before) {
+  // Longer than any batch of a K3 prefill here (3.5-4 s at 256 tokens on two vCPUs).
+  constexpr auto kBusyWaitMax = std::chrono::seconds(60);
+  const auto until = std::chrono::steady_clock::now() + kBusyWaitMax;
+  std::unique_lock<std::mutex> lock(stop_mu_);
+  for (;;) {
+    const ServeCounts now = Served();
+    if (now.failed > before.failed) return false;
+    if (now.answered > before.answered) return true;
+    if (serving_.load() == 0 || stopping_ || std::chrono::steady_clock::now() >= until) {
+      return false;
+    }
+    stop_cv_.wait_for(lock, std::chrono::milliseconds(10));
+  }
 }
 
 void AttentionCore::CanaryLoop() {
@@ -412,14 +450,19 @@ void AttentionCore::CanaryLoop() {
     }
     std::string detail;
     const CanaryOutcome o = RunCanary(&detail);
-    if (o != CanaryOutcome::kSkipped) canary_ok_ = o == CanaryOutcome::kMatch;
+    if (o != CanaryOutcome::kSkipped && o != CanaryOutcome::kBusy) {
+      canary_ok_ = o == CanaryOutcome::kMatch;
+    }
     metrics_->Canary(kCanaryOutcomes.Name(o), Ready());
     {
       std::lock_guard<std::mutex> lock(canary_mu_);
       canary_last_ = kCanaryOutcomes.Name(o);
       canary_at_ = std::chrono::steady_clock::now();
     }
-    if (o != CanaryOutcome::kMatch && o != CanaryOutcome::kSkipped) {
+    if (o == CanaryOutcome::kBusy) {
+      MOE_LOG_INFO("readiness canary on layer {}: busy ({}); {}", canary_layer_, detail,
+                   Ready() ? "still ready" : "not ready yet");
+    } else if (o != CanaryOutcome::kMatch && o != CanaryOutcome::kSkipped) {
       MOE_LOG_WARN("readiness canary on layer {}: {} ({}); not ready", canary_layer_,
                    kCanaryOutcomes.Name(o), detail);
     } else if (!was && Ready()) {

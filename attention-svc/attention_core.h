@@ -123,6 +123,16 @@ class AttentionCore {
   void MaybeCheck(const v1::ForwardRequest& req, const v1::ForwardResponse& resp);
   // The readiness canary: one canary through the node now, and the loop that runs them.
   CanaryOutcome RunCanary(std::string* detail);
+  // Requests through Serve: in flight, answered, and failed on the path (the shards, the data
+  // plane, a deadline; not the caller's bad input).
+  struct ServeCounts {
+    int64_t answered = 0, failed = 0;
+  };
+  ServeCounts Served() const { return {answered_.load(), path_failed_.load()}; }
+  // After a canary timed out: whether the node answered other requests since `before` and none
+  // failed on the path. While requests are in flight and none has ended, it waits for the next
+  // one to end (bounded by kBusyWaitMax and Stop).
+  bool AnsweredOthersMeanwhile(const ServeCounts& before);
   // A twin audit caught q.shard: picked no more here, counted, logged, the sink told.
   void Quarantine(const ShardQuarantine& q);
   void CanaryLoop();
@@ -173,6 +183,7 @@ class AttentionCore {
   std::unique_ptr<CanaryOracle> canary_;
   int32_t canary_layer_ = 0;
   std::atomic<bool> canary_ok_{false};
+  std::atomic<int64_t> serving_{0}, answered_{0}, path_failed_{0};
   std::mutex readiness_mu_;
   std::function<void(bool)> on_readiness_ ABSL_GUARDED_BY(readiness_mu_);
   std::thread canary_thread_;

@@ -6,7 +6,10 @@
 // canary routes to). The node is ready only while the last canary matched within the layer
 // tolerance's hard bound (tolerance.h, HardBound; docs/math.md: differences within summation
 // order); a wrong answer (a shard with a valid identity that serves other weights), an error or
-// no answer within --canary_timeout_ms makes it not ready until a canary matches again. The
+// no answer within --canary_timeout_ms makes it not ready until a canary matches again. A canary
+// that timed out while the node answered other requests (and none failed on the path: a shard,
+// the data plane, a deadline) only queued behind them: "busy", and the readiness stays (under
+// traffic the requests themselves show the path is alive; a stalled shard fails them). The
 // reference is computed once per bias version, off the request path.
 //
 //   CanaryOracle oracle(cfg, &weights, /*tokens=*/4, /*seed=*/9);
@@ -34,14 +37,17 @@
 namespace moe::attention_svc {
 
 // What one canary found (moe_canary_checks_total{outcome}).
-enum class CanaryOutcome { kMatch, kMismatch, kTimeout, kError, kSkipped };
-inline constexpr EnumNames<CanaryOutcome, 5> kCanaryOutcomes{
+// kBusy: it timed out queued behind other requests the node answered meanwhile (none failed):
+// the readiness it had stays.
+enum class CanaryOutcome { kMatch, kMismatch, kTimeout, kError, kSkipped, kBusy };
+inline constexpr EnumNames<CanaryOutcome, 6> kCanaryOutcomes{
     "canary outcome",
     {{{CanaryOutcome::kMatch, "match"},
       {CanaryOutcome::kMismatch, "mismatch"},
       {CanaryOutcome::kTimeout, "timeout"},
       {CanaryOutcome::kError, "error"},
-      {CanaryOutcome::kSkipped, "skipped"}}}};
+      {CanaryOutcome::kSkipped, "skipped"},
+      {CanaryOutcome::kBusy, "busy"}}}};
 
 class CanaryOracle {
  public:

@@ -138,7 +138,7 @@ bool RouterCore::Release(const std::string& shard) {
 absl::Status RouterCore::ReportNode(const v1::ReportNodeRequest& req) {
   MOE_RETURN_IF_ERROR(CheckShardName(req.node()));
   static const std::set<std::string> kOutcomes = {"match",   "mismatch", "timeout", "error",
-                                                  "skipped", "off",      "pending"};
+                                                  "skipped", "busy",     "off",     "pending"};
   const int64_t counts[] = {req.audits_agree(),   req.audits_within_bound(),
                             req.audits_caught(),  req.audits_unresolved(),
                             req.audits_skipped(), req.canary_age_ms()};
@@ -147,7 +147,8 @@ absl::Status RouterCore::ReportNode(const v1::ReportNodeRequest& req) {
   if (kOutcomes.count(req.canary_outcome()) == 0 || !counts_ok || req.quarantined_size() > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "node report from ", req.node(), ": canary outcome '", req.canary_outcome().substr(0, 32),
-        "' (match, mismatch, timeout, error, skipped, off, pending), counts >= 0, at most 64 "
+        "' (match, mismatch, timeout, error, skipped, busy, off, pending), counts >= 0, at "
+        "most 64 "
         "quarantined shards"));
   }
   for (const std::string& q : req.quarantined()) MOE_RETURN_IF_ERROR(CheckShardName(q));

@@ -105,10 +105,11 @@ constexpr MetricInfo kMetrics[] = {
      "scale); the node is not ready at 0",
      "", ""},
     {"moe_canary_checks_total", "counter", "outcome",
-     "Readiness canaries by outcome: match, mismatch, timeout, error, skipped",
+     "Readiness canaries by outcome: match, mismatch, timeout, error, skipped, busy",
      "readiness canaries by outcome: `match`, `mismatch` (a wrong answer: a shard serving other "
      "weights), `timeout` (no answer within `--canary_timeout_ms`), `error` (the batch failed), "
-     "`skipped` (the bias version moved during the canary)",
+     "`skipped` (the bias version moved during the canary), `busy` (it timed out queued behind "
+     "requests the node answered meanwhile, none failing on the path: the readiness stays)",
      "", ""},
     {"moe_twin_audits_total", "counter", "outcome",
      "Twin audits (a sampled message also sent to another replica) by outcome",

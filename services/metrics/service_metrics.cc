@@ -200,7 +200,7 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry,
                      .Name("moe_canary_checks_total")
                      .Help(HelpOf("moe_canary_checks_total"))
                      .Register(registry);
-  for (const char* outcome : {"match", "mismatch", "timeout", "error", "skipped"}) {
+  for (const char* outcome : {"match", "mismatch", "timeout", "error", "skipped", "busy"}) {
     canary_checks_[outcome] = &canary.Add({{"outcome", outcome}});
   }
   AddTwinAudits(registry);

@@ -119,8 +119,8 @@ class AttentionMetrics {
   // What a measured check kept of the full layer: the routing weight mass of the kept experts
   // and the share of tokens whose top-1 direction (numerics::Top1Agreement) stayed.
   void BudgetQuality(int64_t layer, double mass_kept, double top1_agreement);
-  // A readiness canary's outcome ("match", "mismatch", "timeout", "error", "skipped") and the
-  // readiness it leaves (readiness_canary.h).
+  // A readiness canary's outcome ("match", "mismatch", "timeout", "error", "skipped", "busy") and
+  // the readiness it leaves (readiness_canary.h).
   void Canary(const std::string& outcome, bool ready);
   // A twin audit's outcome ("agree", "within_bound", "caught", "unresolved", "skipped";
   // twin_audit.h).

@@ -181,6 +181,12 @@ TEST_F(RouterCoreTest, NodeReportsReachThePageAndMalformedOnesAreRefused) {
   EXPECT_EQ(nodes[0]["audits"]["agree"], 5);
   EXPECT_EQ(nodes[0]["audits"]["caught"], 1);
   EXPECT_EQ(nodes[0]["quarantined"][0], "shard-3");
+  // Every outcome a node's canary has (readiness_canary.h), "busy" too.
+  for (const char* outcome : {"mismatch", "timeout", "error", "skipped", "busy", "off"}) {
+    v1::ReportNodeRequest o = r;
+    o.set_canary_outcome(outcome);
+    EXPECT_TRUE(core_->ReportNode(o).ok()) << outcome;
+  }
 
   auto refused = [&](v1::ReportNodeRequest bad) {
     return core_->ReportNode(bad).code() == absl::StatusCode::kInvalidArgument;

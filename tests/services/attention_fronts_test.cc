@@ -121,6 +121,72 @@ TEST_F(ClusterCanary, AStalledShardMakesTheNodeNotReadyUntilACanaryMatches) {
   ExpectOracleAnswer(8, 3);
 }
 
+// A canary queued behind requests the node answers meanwhile is "busy", not a timeout: under
+// traffic of 512-token requests (each longer than the canary's 30 ms timeout on one shard
+// thread) the node stays ready at every look, no canary counts as a timeout, and the answers
+// stay exact; a shard stalled under the same traffic (its requests fail at their deadline) still
+// makes the node not ready, and ready again after SIGCONT.
+TEST_F(ClusterCanary, ACanaryQueuedBehindAnsweredRequestsKeepsTheNodeReady) {
+  UsePreset("mid");
+  options().router_args = {"--heartbeat_interval_ms=2000"};  // the router notices after 6 s
+  options().attention_args = {"--canary_interval_ms=100", "--canary_timeout_ms=30"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  AwaitReady(true);
+  // (The first canaries may time out while the data plane opens: counted from here.)
+  const double timeouts_before =
+      AttentionMetric("moe_canary_checks_total", {"outcome=\"timeout\""});
+  constexpr int64_t kTokens = 512;
+  const std::vector<Bf16> x = Hidden(kTokens, 4), want = Want(x, kTokens);
+  std::atomic<bool> stop{false};
+  std::atomic<int> exact{0}, wrong{0}, failed{0};
+  auto traffic = [&] {
+    auto c = testing::ClientFor(cluster());
+    client::ForwardOptions fo;
+    fo.timeout = absl::Milliseconds(1500);
+    for (int i = 0; i < 200 && !stop.load(); ++i) {  // bounded in count and by stop
+      auto r = c->Forward(layer(), x, kTokens, hidden(), fo);
+      if (!r.ok()) {
+        failed.fetch_add(1);
+      } else {
+        (testing::SameBits(r->out, want) ? exact : wrong).fetch_add(1);
+      }
+    }
+  };
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 2; ++i) clients.emplace_back(traffic);
+  int looks = 0, not_ready = 0;
+  for (const absl::Time until = absl::Now() + absl::Seconds(3); absl::Now() < until; ++looks) {
+    bool server = false, model = false;
+    ASSERT_NO_FATAL_FAILURE(Ready(&server, &model));
+    not_ready += !(server && model);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const double busy = AttentionMetric("moe_canary_checks_total", {"outcome=\"busy\""});
+  const double timeouts =
+      AttentionMetric("moe_canary_checks_total", {"outcome=\"timeout\""}) - timeouts_before;
+  std::printf(
+      "[canary under load] %d looks, %d not ready; %d exact answers; canaries busy %.0f, "
+      "timeout %.0f\n",
+      looks, not_ready, exact.load(), busy, timeouts);
+  EXPECT_EQ(not_ready, 0);
+  EXPECT_GE(busy, 1) << "no canary queued behind the traffic: the test did not test";
+  EXPECT_EQ(timeouts, 0);
+  EXPECT_GT(exact.load(), 4);
+  EXPECT_EQ(failed.load(), 0);
+
+  // The same traffic with a shard stalled: its requests fail at their deadline, and so the
+  // canaries that time out meanwhile are timeouts again.
+  ASSERT_TRUE(cluster().SignalShard(1, SIGSTOP).ok());
+  AwaitReady(false);
+  ASSERT_TRUE(cluster().SignalShard(1, SIGCONT).ok());
+  AwaitReady(true);
+  stop.store(true);
+  for (auto& t : clients) t.join();
+  EXPECT_GT(AttentionMetric("moe_canary_checks_total", {"outcome=\"timeout\""}), timeouts_before);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(AttentionMetric("moe_canary_checks_total", {"outcome=\"mismatch\""}), 0);
+}
+
 // The process's own command line (/proc/PID/cmdline), one argument each.
 std::vector<std::string> CommandLine(pid_t pid) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
