@@ -14,11 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MOE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#else
-#define MOE_SIMD_CLONES
-#endif
+#include "services/tensor/simd_clones.h"  // MOE_SIMD_CLONES
 
 namespace moe::numerics {
 

@@ -84,6 +84,40 @@ TEST(Bf16, FirstNonFiniteFindsEveryInfinityAndNaN) {
   }
 }
 
+// Past the branch-free blocks (1,024 values): lengths around one, two and many blocks, each bad
+// pattern at the first and last value of each block, the first of the tail and the very last,
+// against a plain loop over std::isfinite.
+TEST(Bf16, FirstNonFiniteFindsItInEveryBlockAndTail) {
+  auto oracle = [](const std::vector<Bf16>& r) {
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (!std::isfinite(r[i].ToFloat())) return i;
+    }
+    return r.size();
+  };
+  constexpr size_t kBlock = 1024;
+  for (size_t n : {1000u, 1023u, 1024u, 1025u, 2047u, 2048u, 2049u, 5000u}) {
+    std::vector<Bf16> row(n);
+    for (size_t i = 0; i < n; ++i) row[i] = Bf16::FromBits(static_cast<uint16_t>(0x7f7f - i % 3));
+    EXPECT_EQ(FirstNonFinite(row.data(), n), n) << n;
+    std::vector<size_t> places = {0, n - 1, n / kBlock * kBlock};
+    for (size_t b = 0; b + kBlock <= n; b += kBlock) {
+      places.push_back(b);
+      places.push_back(b + kBlock - 1);
+    }
+    for (uint16_t bad : {0x7f80, 0xff80, 0x7fc0, 0xffff}) {
+      for (size_t at : places) {
+        if (at >= n) continue;
+        std::vector<Bf16> r = row;
+        r[at] = Bf16::FromBits(bad);
+        if (at + 1100 < n) r[at + 1100] = Bf16::FromBits(0x7f80);  // a later one, another block
+        ASSERT_EQ(FirstNonFinite(r.data(), n), oracle(r))
+            << n << " " << at << " " << std::hex << bad;
+        ASSERT_EQ(FirstNonFinite(r.data(), n), at);
+      }
+    }
+  }
+}
+
 TEST(DType, ParsesSafetensorsNames) {
   EXPECT_EQ(*ParseDType("BF16"), DType::kBF16);
   EXPECT_EQ(DTypeSize(DType::kBF16), 2u);
