@@ -48,7 +48,8 @@ absl::StatusOr<std::vector<numerics::Precision>> ParsePrecisionList(const std::s
 
 absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
     const v1::DispatchRequest& req, const std::string_view* oob, const DispatchLimits& limits,
-    const std::map<int64_t, numerics::MoeLayerWeights>& layers) {
+    const std::map<int64_t, numerics::MoeLayerWeights>& layers,
+    std::shared_ptr<const void> oob_owner) {
   const std::string where = absl::StrCat("shard ", limits.shard, ", batch ", req.batch_id());
   auto it = layers.find(req.layer());
   if (it == layers.end()) {
@@ -142,10 +143,17 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   }
   transport::Bf16Matrix z;
   tensor::Mxfp8Rows z8;
+  // Bf16 rows read in place (out of band, kept alive by oob_owner), else z.values.
+  const Bf16* in_place = nullptr;
   if (mxfp8) {
     MOE_ASSIGN_OR_RETURN(z8, transport::DecodeMxfp8Matrix(req.activations(), data,
                                                           where + ": activations", limits.latent));
     z.rows = z8.rows;
+  } else if (oob_owner != nullptr && req.activations().dtype() == v1::DTYPE_BF16 &&
+             reinterpret_cast<uintptr_t>(data.data()) % alignof(Bf16) == 0) {
+    MOE_ASSIGN_OR_RETURN(z, transport::CheckBf16Matrix(req.activations(), data,
+                                                       where + ": activations", limits.latent));
+    in_place = reinterpret_cast<const Bf16*>(data.data());
   } else {
     MOE_ASSIGN_OR_RETURN(z, transport::DecodeBf16Matrix(req.activations(), data,
                                                         where + ": activations", limits.latent,
@@ -171,8 +179,10 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   // NaN policy: non-finite activations are rejected (they would poison every partial sum;
   // MXFP8's NaN codes and scales are refused by its decoder).
   const int64_t d = limits.latent;
-  const size_t bad = tensor::FirstNonFinite(z.values.data(), z.values.size());
-  if (bad < z.values.size()) {
+  const Bf16* values = in_place != nullptr ? in_place : z.values.data();
+  const size_t count = mxfp8 ? 0 : static_cast<size_t>(z.rows * d);
+  const size_t bad = tensor::FirstNonFinite(values, count);
+  if (bad < count) {
     const int64_t r = static_cast<int64_t>(bad) / d, c = static_cast<int64_t>(bad) % d;
     return absl::InvalidArgumentError(absl::StrCat(
         where, ": activations row ", r,
@@ -217,11 +227,12 @@ absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
   }
   if (!mxfp8 && b->precision == numerics::Precision::kW4A8) {
     // BF16 rows in W4A8: each distinct row quantized here once, as an attention node does.
-    z8 = numerics::QuantizeMxfp8Rows(z.values.data(), z.rows, d);
+    z8 = numerics::QuantizeMxfp8Rows(values, z.rows, d);
   }
   tensor::Activations distinct =
-      b->precision == numerics::Precision::kW4A8
-          ? tensor::Activations::FromMxfp8(std::move(z8))
+      b->precision == numerics::Precision::kW4A8 ? tensor::Activations::FromMxfp8(std::move(z8))
+      : in_place != nullptr
+          ? tensor::Activations::ViewBf16(in_place, z.rows, d, std::move(oob_owner))
           : tensor::Activations::FromBf16(std::move(z.values), z.rows, d);
   b->z = std::move(distinct);
   if (gathered) b->z_rows.assign(source, source + rows);

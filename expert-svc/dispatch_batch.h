@@ -83,10 +83,13 @@ inline constexpr std::chrono::seconds kNoBudget(30);
 std::chrono::milliseconds BatchBudget(int64_t timeout_ms);
 
 // layers: the hosted layers (each with its expert range). oob: the activations' bytes when
-// they came out of band (else the request's activations.data).
+// they came out of band (else the request's activations.data). oob_owner: keeps *oob alive and
+// unchanged (the buffer it landed in); with it, bf16 activations are read where they are
+// (Activations::ViewBf16) instead of copied, when they are 2-byte aligned.
 absl::StatusOr<std::unique_ptr<Batch>> ValidateDispatch(
     const v1::DispatchRequest& req, const std::string_view* oob, const DispatchLimits& limits,
-    const std::map<int64_t, numerics::MoeLayerWeights>& layers);
+    const std::map<int64_t, numerics::MoeLayerWeights>& layers,
+    std::shared_ptr<const void> oob_owner = nullptr);
 
 }  // namespace moe::expert_svc
 

@@ -269,7 +269,8 @@ int64_t ExpertCore::queued() const {
 }
 
 void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activations,
-                       std::unique_ptr<BatchReply> reply) {
+                       std::unique_ptr<BatchReply> reply,
+                       std::shared_ptr<const void> activations_owner) {
   metrics_->wire.Add("received", WireDtype(req.activations()), "attention",
                      static_cast<int64_t>(activations.size()),
                      req.activations().shape_size() > 0 ? req.activations().shape(0) : 0,
@@ -280,7 +281,7 @@ void ExpertCore::Admit(const v1::DispatchRequest& req, std::string_view activati
       ValidateDispatch(req, &activations,
                        DispatchLimits{options_.shard, cfg_.num_experts, cfg_.latent,
                                       options_.max_message_bytes, precisions_, cfg_.top_k},
-                       layers_);
+                       layers_, std::move(activations_owner));
   if (batch.ok()) {
     // The batch's budget runs from its header's arrival (before an out-of-band payload's).
     (*batch)->arrived = arrived;

@@ -68,8 +68,11 @@ class ExpertCore {
              std::chrono::microseconds idle_spin = std::chrono::microseconds(0),
              std::chrono::microseconds idle_spin_max = std::chrono::microseconds(0));
   // Validates a batch and queues it; every outcome, error or answer, goes to `reply`.
+  // activations_owner: keeps out-of-band bf16 activations alive past the call, and then the
+  // batch computes from them in place (ValidateDispatch); null: they are copied.
   void Admit(const v1::DispatchRequest& req, std::string_view activations,
-             std::unique_ptr<BatchReply> reply);
+             std::unique_ptr<BatchReply> reply,
+             std::shared_ptr<const void> activations_owner = nullptr);
   // Answers what is queued UNAVAILABLE, stops the compute thread and the production check.
   void Stop();
 

@@ -260,7 +260,7 @@ void ExpertServer::Impl::OnBatchMessage(const BatchSource& from, std::string_vie
     reply->Send(ErrorReply(req.batch_id(), options_.shard, s));
     return;
   }
-  core_->Admit(req, activations, std::move(reply));
+  core_->Admit(req, activations, std::move(reply), from.activations_owner);
 }
 
 grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContext* context,

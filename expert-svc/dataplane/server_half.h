@@ -35,6 +35,10 @@ struct BatchSource {
   // The request asked for its reply's MAC in a message of its own, after the reply (UCX:
   // dataplane::kDetachTag; backends that never say detached_reply_tags never see it set).
   bool detach_tag = false;
+  // Keeps the activations' bytes alive and unchanged past on_batch (the buffer they landed in:
+  // the batch is computed from them in place); null: valid during the call only. Their start
+  // is 64-byte aligned where this is set.
+  std::shared_ptr<const void> activations_owner;
 };
 
 struct ServerHalfOptions {

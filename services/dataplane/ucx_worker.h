@@ -259,6 +259,7 @@ class UcxWorker {
   struct MessageSink {
     std::shared_ptr<UcxBuffer> buffer;
     Done done;
+    size_t offset = 0;  // where in buffer the message's bytes land
   };
   // The request handler (runs with the worker held, on whichever thread progresses it: must not
   // block nor wait for this worker; Buffer may be called). Set it before the address is handed

@@ -120,6 +120,7 @@ ucs_status_t UcxWorkerImpl::OnRequestAm(void* arg, const void* header, size_t he
   }
   auto t = std::make_shared<UcxTransfer>();
   t->buffer_ = std::move(sink.buffer);
+  t->offset_ = sink.offset;
   t->on_done_ = std::move(sink.done);
   t->deadline_ = absl::Now() + kMessageReceiveTimeout;
   t->what_ = "UCX request message";
@@ -153,15 +154,18 @@ ucs_status_t UcxWorkerImpl::OnReplyAm(void* arg, const void* header, size_t head
 
 void UcxWorkerImpl::Land(const std::shared_ptr<UcxTransfer>& t, void* data, size_t length,
                          const ucp_am_recv_param_t* param) {
-  if (length > t->buffer_->capacity()) {
+  const size_t room =
+      t->offset_ <= t->buffer_->capacity() ? t->buffer_->capacity() - t->offset_ : 0;
+  if (length > room) {
     Finish(t,
-           absl::InternalError(absl::StrCat(t->what_, ": ", length, " bytes do not fit the ",
-                                            t->buffer_->capacity(), "-byte buffer")),
+           absl::InternalError(absl::StrCat(t->what_, ": ", length, " bytes do not fit the ", room,
+                                            " bytes of the buffer")),
            0);
     return;  // UCX releases the data (a rendezvous one unread)
   }
+  uint8_t* to = t->buffer_->data() + t->offset_;
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
-    if (length > 0) std::memcpy(t->buffer_->data(), data, length);
+    if (length > 0) std::memcpy(to, data, length);
     Finish(t, absl::OkStatus(), length);
     return;
   }
@@ -175,7 +179,7 @@ void UcxWorkerImpl::Land(const std::shared_ptr<UcxTransfer>& t, void* data, size
   const Part part{t, length, 0};
   starting_ = true;
   starting_part_ = part;
-  AdoptRequest(part, ucp_am_recv_data_nbx(worker_, data, t->buffer_->data(), length, &p));
+  AdoptRequest(part, ucp_am_recv_data_nbx(worker_, data, to, length, &p));
 }
 
 void UcxWorkerImpl::OnAmData(void* request, ucs_status_t status, size_t length, void* user_data) {

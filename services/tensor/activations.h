@@ -4,6 +4,7 @@
 // is a new ActivationFormat and a case in the few switches over it.
 //
 //   Activations z = Activations::FromBf16(std::move(values), rows, latent);
+//   Activations v = Activations::ViewBf16(received, rows, latent, buffer);  // read in place
 //   if (z.format() == ActivationFormat::kMxfp8) use(z.mxfp8());
 //   z.CopyTo(wire_buffer);  // z.bytes() bytes: bf16 row-major, or MXFP8 codes then scales
 #ifndef MOE_SERVICES_TENSOR_ACTIVATIONS_H_
@@ -11,9 +12,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "services/tensor/bf16.h"
 #include "services/tensor/mxfp8_rows.h"
 
@@ -39,6 +42,18 @@ class Activations {
     a.bf16_ = std::move(values);
     return a;
   }
+  // Bf16 rows [rows, cols] at `data`, read where they are (a data plane's receive buffer): no
+  // copy. `owner` keeps them alive as long as this value or a copy of it.
+  static Activations ViewBf16(const Bf16* data, int64_t rows, int64_t cols,
+                              std::shared_ptr<const void> owner) {
+    Activations a;
+    a.format_ = ActivationFormat::kBf16;
+    a.rows_ = rows;
+    a.cols_ = cols;
+    a.view_ = data;
+    a.owner_ = std::move(owner);
+    return a;
+  }
   static Activations FromMxfp8(Mxfp8Rows q) {
     Activations a;
     a.format_ = ActivationFormat::kMxfp8;
@@ -53,20 +68,25 @@ class Activations {
   int64_t cols() const { return cols_; }
   bool empty() const { return rows_ == 0; }
   // The rows in their format (the other accessor is empty).
-  const std::vector<Bf16>& bf16() const { return bf16_; }
+  absl::Span<const Bf16> bf16() const {
+    return view_ != nullptr ? absl::Span<const Bf16>(view_, static_cast<size_t>(rows_ * cols_))
+                            : absl::Span<const Bf16>(bf16_);
+  }
+  // Whether the bf16 rows are a view of another buffer (ViewBf16).
+  bool viewed() const { return view_ != nullptr; }
   const Mxfp8Rows& mxfp8() const { return mxfp8_; }
 
   // The wire payload's size, and the payload itself into dst.
   int64_t bytes() const {
     return format_ == ActivationFormat::kMxfp8 ? mxfp8_.bytes()
-                                               : static_cast<int64_t>(bf16_.size() * sizeof(Bf16));
+                                               : static_cast<int64_t>(bf16().size() * sizeof(Bf16));
   }
   void CopyTo(uint8_t* dst) const {
     if (format_ == ActivationFormat::kMxfp8) {
       std::memcpy(dst, mxfp8_.codes.data(), mxfp8_.codes.size());
       std::memcpy(dst + mxfp8_.codes.size(), mxfp8_.scales.data(), mxfp8_.scales.size());
     } else {
-      std::memcpy(dst, bf16_.data(), bf16_.size() * sizeof(Bf16));
+      std::memcpy(dst, bf16().data(), bf16().size() * sizeof(Bf16));
     }
   }
 
@@ -75,7 +95,7 @@ class Activations {
     if (format_ == ActivationFormat::kMxfp8) return FromMxfp8(mxfp8_.Gather(src, n));
     std::vector<Bf16> out(static_cast<size_t>(n * cols_));
     for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(out.data() + r * cols_, bf16_.data() + src[r] * cols_, cols_ * sizeof(Bf16));
+      std::memcpy(out.data() + r * cols_, bf16().data() + src[r] * cols_, cols_ * sizeof(Bf16));
     }
     return FromBf16(std::move(out), n, cols_);
   }
@@ -84,6 +104,8 @@ class Activations {
   ActivationFormat format_ = ActivationFormat::kBf16;
   int64_t rows_ = 0, cols_ = 0;
   std::vector<Bf16> bf16_;
+  const Bf16* view_ = nullptr;  // ViewBf16: the rows, kept alive by owner_
+  std::shared_ptr<const void> owner_;
   Mxfp8Rows mxfp8_;
 };
 

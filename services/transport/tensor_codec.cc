@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "services/common/status_macros.h"
 
 namespace moe::transport {
 
@@ -89,9 +90,13 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::stri
   return DecodeBf16Matrix(t, t.data(), what, expected_cols, accept_f32, allow_empty);
 }
 
-absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_view data,
-                                            const std::string& what, int64_t expected_cols,
-                                            bool accept_f32, bool allow_empty) {
+namespace {
+
+// DecodeBf16Matrix's checks: rank, width, rows, dtype and byte count; the shape, and in *elem
+// the bytes per value of the data (2: bf16, 4: f32).
+absl::StatusOr<Bf16Matrix> CheckMatrix(const v1::Tensor& t, std::string_view data,
+                                       const std::string& what, int64_t expected_cols,
+                                       bool accept_f32, bool allow_empty, size_t* elem) {
   if (absl::Status s = CheckRank2(t, what); !s.ok()) return s;
   Bf16Matrix m;
   m.rows = t.shape(0);
@@ -104,21 +109,39 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_vie
     return absl::InvalidArgumentError(absl::StrCat(what, ": no rows (T = 0)"));
   }
   const size_t n = static_cast<size_t>(m.rows * m.cols);
-  size_t elem = 0;
   if (t.dtype() == v1::DTYPE_BF16) {
-    elem = 2;
+    *elem = 2;
   } else if (t.dtype() == v1::DTYPE_F32 && accept_f32) {
-    elem = 4;
+    *elem = 4;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ", DTypeLabel(t.dtype()),
                                                    " not accepted (expected DTYPE_BF16",
                                                    accept_f32 ? " or DTYPE_F32)" : ")"));
   }
-  if (data.size() != n * elem) {
+  if (data.size() != n * *elem) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(),
                                                    " bytes of data but shape [", m.rows, ", ",
-                                                   m.cols, "] needs ", n * elem));
+                                                   m.cols, "] needs ", n * *elem));
   }
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<Bf16Matrix> CheckBf16Matrix(const v1::Tensor& t, std::string_view data,
+                                           const std::string& what, int64_t expected_cols,
+                                           bool allow_empty) {
+  size_t elem = 0;
+  return CheckMatrix(t, data, what, expected_cols, /*accept_f32=*/false, allow_empty, &elem);
+}
+
+absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_view data,
+                                            const std::string& what, int64_t expected_cols,
+                                            bool accept_f32, bool allow_empty) {
+  size_t elem = 0;
+  MOE_ASSIGN_OR_RETURN(Bf16Matrix m,
+                       CheckMatrix(t, data, what, expected_cols, accept_f32, allow_empty, &elem));
+  const size_t n = static_cast<size_t>(m.rows * m.cols);
   m.values.resize(n);
   if (elem == 2) {
     std::memcpy(m.values.data(), data.data(), n * 2);

@@ -54,6 +54,11 @@ absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, const std::stri
 absl::StatusOr<Bf16Matrix> DecodeBf16Matrix(const v1::Tensor& t, std::string_view data,
                                             const std::string& what, int64_t expected_cols,
                                             bool accept_f32, bool allow_empty = false);
+// DecodeBf16Matrix's checks alone (rank, width, rows, DTYPE_BF16, byte count) for bf16 bytes
+// that are read where they are: the shape, values empty.
+absl::StatusOr<Bf16Matrix> CheckBf16Matrix(const v1::Tensor& t, std::string_view data,
+                                           const std::string& what, int64_t expected_cols,
+                                           bool allow_empty = false);
 // A rank-2 F32 tensor with exactly [rows, cols].
 absl::StatusOr<std::vector<float>> DecodeF32Matrix(const v1::Tensor& t, const std::string& what,
                                                    int64_t rows, int64_t cols);

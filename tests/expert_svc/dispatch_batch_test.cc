@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "services/tensor/bf16.h"
@@ -122,6 +125,57 @@ TEST(DispatchAdmission, AGoodBatchPassesEveryBound) {
       ValidateDispatch(MakeBatch(32, groups), nullptr, Limits(), Layers());
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ((*b)->rows, int64_t{32} * kTopK);
+}
+
+// Out-of-band bf16 activations with an owner are read where they landed (no copy): the batch's
+// rows are the payload's bytes themselves, kept alive by the owner after the caller let go;
+// without an owner, or at an odd address, they are copied; a non-finite value is refused
+// either way, naming its row and column.
+TEST(DispatchInPlace, ActivationsWithAnOwnerAreReadWhereTheyLanded) {
+  const int64_t rows = 3;
+  v1::DispatchRequest req = MakeBatch(rows, {{2, {0, 1, 2}}});
+  const std::string wire = req.activations().data();
+  req.mutable_activations()->clear_data();  // out of band, as a batch message
+  // The payload at offset 0 (aligned) and at offset 1 (odd) of an owned buffer.
+  auto landed = [&](size_t at) {
+    auto buf = std::make_shared<std::vector<char>>(wire.size() + 2);
+    std::memcpy(buf->data() + at, wire.data(), wire.size());
+    return buf;
+  };
+  {
+    auto owned = landed(0);
+    const std::string_view oob(owned->data(), wire.size());
+    const std::weak_ptr<const void> alive = owned;
+    auto b = ValidateDispatch(req, &oob, Limits(), Layers(), owned);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_TRUE((*b)->z.viewed());
+    EXPECT_EQ(static_cast<const void*>((*b)->z.bf16().data()),
+              static_cast<const void*>(oob.data()));
+    owned.reset();
+    EXPECT_FALSE(alive.expired()) << "the batch keeps its activations' buffer";
+    EXPECT_EQ(std::memcmp((*b)->z.bf16().data(), wire.data(), wire.size()), 0);
+    b->reset();
+    EXPECT_TRUE(alive.expired()) << "and lets it go with the batch";
+  }
+  for (const bool with_owner : {false, true}) {
+    auto owned = landed(with_owner ? 1 : 0);  // no owner, or an odd address: a copy
+    const std::string_view oob(owned->data() + (with_owner ? 1 : 0), wire.size());
+    auto b = ValidateDispatch(req, &oob, Limits(), Layers(), with_owner ? owned : nullptr);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_FALSE((*b)->z.viewed());
+    EXPECT_EQ(std::memcmp((*b)->z.bf16().data(), wire.data(), wire.size()), 0);
+  }
+  {
+    auto owned = landed(0);
+    const tensor::Bf16 inf = tensor::Bf16::FromBits(0x7f80);
+    std::memcpy(owned->data() + (2 * kLatent + 5) * sizeof(tensor::Bf16), &inf, sizeof(inf));
+    const std::string_view oob(owned->data(), wire.size());
+    auto b = ValidateDispatch(req, &oob, Limits(), Layers(), owned);
+    ASSERT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << b.status();
+    EXPECT_NE(b.status().message().find("activations row 2 column 5 is not finite"),
+              std::string::npos)
+        << b.status();
+  }
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/payload_mac.h"
@@ -47,6 +49,7 @@ class BatchMessages : public ::testing::Test {
       last_header_ = std::string(header);
       last_activations_ = std::string(activations);
       last_from_ = from;
+      views_.emplace_back(activations, from.activations_owner);
     };
     auto dp = UcxDataPlane::Start(o);
     ASSERT_TRUE(dp.ok()) << dp.status();
@@ -122,6 +125,8 @@ class BatchMessages : public ::testing::Test {
   int batches_ = 0;
   std::string last_header_, last_activations_;
   BatchSource last_from_;
+  // Each batch's activations as the handler saw them, with what keeps them alive.
+  std::vector<std::pair<std::string_view, std::shared_ptr<const void>>> views_;
 };
 
 TEST_F(BatchMessages, AnHonestBatchArrivesOnceAndItsAnswerComesBackSealed) {
@@ -157,6 +162,37 @@ TEST_F(BatchMessages, AnHonestBatchArrivesOnceAndItsAnswerComesBackSealed) {
                            dataplane::MacPrefix(frame_bytes)));
   EXPECT_FALSE(mac_->Verify(dataplane::Direction::kToAttention, 8, (*reply_buf)->data(), *n, f->mac,
                             dataplane::MacPrefix(frame_bytes)));
+}
+
+// The core computes a batch from the buffer its message landed in (BatchSource::
+// activations_owner, tensor::Activations::ViewBf16): whatever the header's length, eager or
+// rendezvous, the activations start 64-byte aligned, and they stay intact after the handler
+// returned and later batches landed, for as long as the owner is held.
+TEST_F(BatchMessages, TheActivationsLandAlignedAndStayPastTheHandler) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::vector<std::string> sent;
+  uint64_t sequence = 1;
+  for (size_t header_bytes : {1, 12, 63, 64, 65, 100}) {
+    for (size_t z_bytes : {3000, 100000}) {
+      std::string z(z_bytes, '\0');
+      for (size_t i = 0; i < z.size(); ++i) z[i] = static_cast<char>(i * 7 + sequence);
+      ASSERT_TRUE(Send(me_.id, sequence, 2 * sequence, std::string(header_bytes, 'h'), z)
+                      ->Wait(deadline)
+                      .ok());
+      sent.push_back(z);
+      ++sequence;
+    }
+  }
+  Settle(static_cast<int>(sent.size()), {});
+  std::lock_guard<std::mutex> l(mu_);
+  ASSERT_EQ(views_.size(), sent.size());
+  for (size_t i = 0; i < sent.size(); ++i) {
+    const auto& [view, owner] = views_[i];
+    ASSERT_NE(owner, nullptr) << i;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(view.data()) % UcxDataPlane::kActivationAlignment, 0u)
+        << i;
+    EXPECT_EQ(view, sent[i]) << i;  // after the handler, and after the later batches
+  }
 }
 
 TEST_F(BatchMessages, ReplaysForgeriesAndStrangersNeverReachTheHandler) {

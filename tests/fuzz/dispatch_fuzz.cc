@@ -5,7 +5,11 @@
 // trip).
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
+#include <memory>
+#include <string>
+#include <string_view>
 
 #include "expert-svc/dispatch_batch.h"
 #include "moe/v1/expert.pb.h"
@@ -40,6 +44,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       {moe::numerics::Precision::kW4A16, moe::numerics::Precision::kW4A8},
       /*top_k=*/4};
   auto b = moe::expert_svc::ValidateDispatch(req, nullptr, limits, Layers());
+  {
+    // The same batch with its activations out of band in a buffer it may keep (a batch
+    // message's: read in place): the same verdict and the same rows.
+    moe::v1::DispatchRequest oob_req = req;
+    auto owned = std::make_shared<const std::string>(req.activations().data());
+    oob_req.mutable_activations()->clear_data();
+    const std::string_view oob(*owned);
+    auto v = moe::expert_svc::ValidateDispatch(oob_req, &oob, limits, Layers(), owned);
+    if (v.ok() != b.ok() || v.status().code() != b.status().code()) __builtin_trap();
+    if (v.ok() && (*v)->z.format() == moe::tensor::ActivationFormat::kBf16) {
+      const auto x = (*b)->z.bf16(), y = (*v)->z.bf16();
+      if (x.size() != y.size() || std::memcmp(x.data(), y.data(), x.size() * 2) != 0) {
+        __builtin_trap();
+      }
+    }
+  }
   if (!b.ok()) return 0;
   const moe::expert_svc::Batch& batch = **b;
   if (batch.rows < 1 || batch.rows * limits.latent * 2 >

@@ -96,7 +96,7 @@ class FakeServerHalf final : public ServerHalf {
     }
     if (!clients_.ClaimSequence(f->client_id, f->sequence)) return Count("replayed");
     const std::string_view all(payload);
-    options_.on_batch(BatchSource{f->client_id, f->token, f->sequence},
+    options_.on_batch(BatchSource{f->client_id, f->token, f->sequence, false, nullptr},
                       all.substr(0, f->header_bytes), all.substr(f->header_bytes));
   }
 

@@ -169,14 +169,19 @@ dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame
                           !c.ok() ? c.status().ToString() : "too long, or no batch handler"));
     return sink;
   }
-  auto buffer = worker_->Buffer(std::max<size_t>(length, 1));
+  // The activations (after the header) land 64-byte aligned: the batch is computed from them
+  // where they are.
+  const size_t offset =
+      (kActivationAlignment - frame->header_bytes % kActivationAlignment) % kActivationAlignment;
+  auto buffer = worker_->Buffer(std::max<size_t>(offset + length, 1));
   if (!buffer.ok()) {
     Rejected("message_rejected", "buffers",
              absl::StrCat("no buffer for a UCX batch message: ", buffer.status().ToString()));
     return sink;
   }
   sink.buffer = *buffer;
-  sink.done = [this, buf = *buffer, f = *frame,
+  sink.offset = offset;
+  sink.done = [this, buf = *buffer, offset, f = *frame,
                prefix = std::string(dataplane::MacPrefix(frame_bytes)), mac = c->mac,
                peer = absl::StrCat("client ", c->id, " (", c->node, ")")](const absl::Status& s,
                                                                           size_t n) {
@@ -186,7 +191,8 @@ dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame
       return;
     }
     // Nothing of it is read before it authenticated under the client's key.
-    if (!mac->Verify(dataplane::Direction::kToExpert, f.sequence, buf->data(), n, f.mac, prefix)) {
+    const uint8_t* message = buf->data() + offset;
+    if (!mac->Verify(dataplane::Direction::kToExpert, f.sequence, message, n, f.mac, prefix)) {
       Rejected("integrity_failed", peer,
                absl::StrCat("shard ", options_.shard, ": a batch message of ", peer,
                             " failed its integrity check (dropped)"));
@@ -198,9 +204,9 @@ dataplane::UcxWorker::MessageSink UcxDataPlane::OnRequest(std::string_view frame
                             " repeated sequence ", f.sequence, " (dropped)"));
       return;
     }
-    const auto* d = reinterpret_cast<const char*>(buf->data());
+    const auto* d = reinterpret_cast<const char*>(message);
     options_.on_batch(
-        BatchSource{f.client_id, f.token, f.sequence, (f.flags & dataplane::kDetachTag) != 0},
+        BatchSource{f.client_id, f.token, f.sequence, (f.flags & dataplane::kDetachTag) != 0, buf},
         std::string_view(d, f.header_bytes),
         std::string_view(d + f.header_bytes, n - f.header_bytes));
   };

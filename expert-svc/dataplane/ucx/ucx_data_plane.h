@@ -69,6 +69,9 @@ class UcxDataPlane {
   // data() + kReplyPayloadOffset (the header goes in the room before it), then sent by
   // ReplyBatchFrom without a copy. RESOURCE_EXHAUSTED when the pool has none.
   static constexpr size_t kReplyPayloadOffset = dataplane::kMaxReplyHeaderBytes;
+  // A request message lands so that its activations start at this alignment (the batch is
+  // computed from the receive buffer: BatchSource::activations_owner).
+  static constexpr size_t kActivationAlignment = 64;
   absl::StatusOr<std::shared_ptr<dataplane::UcxBuffer>> ReplyBuffer(size_t bytes);
   absl::Status ReplyBatchFrom(const BatchSource& to, std::string_view header,
                               std::shared_ptr<dataplane::UcxBuffer> buffer, size_t bytes,
