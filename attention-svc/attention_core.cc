@@ -21,6 +21,8 @@ namespace {
 // The readiness canary's batch: 4 tokens of a fixed seed (readiness_canary.h).
 constexpr int64_t kCanaryTokens = 4;
 constexpr uint64_t kCanarySeed = 9;
+// The longest a canary waits after busy ones (each busy canary doubles the next one's timeout).
+constexpr int64_t kCanaryTimeoutMaxMs = 60000;
 
 // A request that failed on the path (a shard, the data plane, a deadline), not by what its
 // caller sent or a full queue: what keeps a timed-out canary from counting as only busy.
@@ -240,6 +242,7 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
         [this](TwinOutcome o) { metrics_->TwinAudit(kTwinOutcomes.Name(o)); });
   }
   metrics_->Canary("", canary_ == nullptr);
+  canary_timeout_ms_ = options_.canary_timeout_ms;
   if (canary_ != nullptr) canary_thread_ = std::thread([this] { CanaryLoop(); });
   return absl::OkStatus();
 }
@@ -396,7 +399,7 @@ CanaryOutcome AttentionCore::RunCanary(std::string* detail) {
   const RoutingView::Snapshot s = view_.Get(canary_layer_);
   if (s.bias == nullptr) return CanaryOutcome::kError;
   v1::ForwardResponse resp;
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.canary_timeout_ms);
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(canary_timeout_ms_);
   const ServeCounts before = Served();
   // As a full-k check: the whole top-k, no statistics, no request metrics (forward_pass.h).
   const absl::Status st = RunOne(canary_->Request(canary_layer_), deadline, &resp, /*check=*/true);
@@ -453,6 +456,14 @@ void AttentionCore::CanaryLoop() {
     if (o != CanaryOutcome::kSkipped && o != CanaryOutcome::kBusy) {
       canary_ok_ = o == CanaryOutcome::kMatch;
     }
+    // A canary that only queued behind the traffic gets twice the time next (up to a minute),
+    // so that one gets through under sustained load and judges the answer; any other outcome
+    // goes back to --canary_timeout_ms (a stall is found as fast as before).
+    canary_timeout_ms_ =
+        o == CanaryOutcome::kBusy
+            ? std::min<int64_t>(2 * canary_timeout_ms_,
+                                std::max<int64_t>(options_.canary_timeout_ms, kCanaryTimeoutMaxMs))
+            : options_.canary_timeout_ms;
     metrics_->Canary(kCanaryOutcomes.Name(o), Ready());
     {
       std::lock_guard<std::mutex> lock(canary_mu_);
@@ -460,8 +471,9 @@ void AttentionCore::CanaryLoop() {
       canary_at_ = std::chrono::steady_clock::now();
     }
     if (o == CanaryOutcome::kBusy) {
-      MOE_LOG_INFO("readiness canary on layer {}: busy ({}); {}", canary_layer_, detail,
-                   Ready() ? "still ready" : "not ready yet");
+      MOE_LOG_INFO("readiness canary on layer {}: busy ({}); {}, the next one waits {} ms",
+                   canary_layer_, detail, Ready() ? "still ready" : "not ready yet",
+                   canary_timeout_ms_);
     } else if (o != CanaryOutcome::kMatch && o != CanaryOutcome::kSkipped) {
       MOE_LOG_WARN("readiness canary on layer {}: {} ({}); not ready", canary_layer_,
                    kCanaryOutcomes.Name(o), detail);

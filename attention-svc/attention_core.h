@@ -184,6 +184,9 @@ class AttentionCore {
   int32_t canary_layer_ = 0;
   std::atomic<bool> canary_ok_{false};
   std::atomic<int64_t> serving_{0}, answered_{0}, path_failed_{0};
+  // The next canary's timeout: --canary_timeout_ms, doubled after each busy canary (canary
+  // thread only).
+  int64_t canary_timeout_ms_ = 0;
   std::mutex readiness_mu_;
   std::function<void(bool)> on_readiness_ ABSL_GUARDED_BY(readiness_mu_);
   std::thread canary_thread_;

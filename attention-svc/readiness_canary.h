@@ -9,7 +9,8 @@
 // no answer within --canary_timeout_ms makes it not ready until a canary matches again. A canary
 // that timed out while the node answered other requests (and none failed on the path: a shard,
 // the data plane, a deadline) only queued behind them: "busy", and the readiness stays (under
-// traffic the requests themselves show the path is alive; a stalled shard fails them). The
+// traffic the requests themselves show the path is alive; a stalled shard fails them); the next
+// canary then waits twice as long (at most a minute), so one gets through and judges. The
 // reference is computed once per bias version, off the request path.
 //
 //   CanaryOracle oracle(cfg, &weights, /*tokens=*/4, /*seed=*/9);

@@ -125,7 +125,9 @@ TEST_F(ClusterCanary, AStalledShardMakesTheNodeNotReadyUntilACanaryMatches) {
 // traffic of 512-token requests (each longer than the canary's 30 ms timeout on one shard
 // thread) the node stays ready at every look, no canary counts as a timeout, and the answers
 // stay exact; a shard stalled under the same traffic (its requests fail at their deadline) still
-// makes the node not ready, and ready again after SIGCONT.
+// makes the node not ready, and it is ready again after SIGCONT with the traffic still on (each
+// busy canary doubles the next one's timeout, so one gets through and matches: on CI, before
+// that, the node stayed not ready under the traffic).
 TEST_F(ClusterCanary, ACanaryQueuedBehindAnsweredRequestsKeepsTheNodeReady) {
   UsePreset("mid");
   options().router_args = {"--heartbeat_interval_ms=2000"};  // the router notices after 6 s
