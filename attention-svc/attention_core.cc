@@ -21,8 +21,6 @@ namespace {
 // The readiness canary's batch: 4 tokens of a fixed seed (readiness_canary.h).
 constexpr int64_t kCanaryTokens = 4;
 constexpr uint64_t kCanarySeed = 9;
-// The longest a canary waits after busy ones (each busy canary doubles the next one's timeout).
-constexpr int64_t kCanaryTimeoutMaxMs = 60000;
 
 // A request that failed on the path (a shard, the data plane, a deadline), not by what its
 // caller sent or a full queue: what keeps a timed-out canary from counting as only busy.
@@ -456,14 +454,7 @@ void AttentionCore::CanaryLoop() {
     if (o != CanaryOutcome::kSkipped && o != CanaryOutcome::kBusy) {
       canary_ok_ = o == CanaryOutcome::kMatch;
     }
-    // A canary that only queued behind the traffic gets twice the time next (up to a minute),
-    // so that one gets through under sustained load and judges the answer; any other outcome
-    // goes back to --canary_timeout_ms (a stall is found as fast as before).
-    canary_timeout_ms_ =
-        o == CanaryOutcome::kBusy
-            ? std::min<int64_t>(2 * canary_timeout_ms_,
-                                std::max<int64_t>(options_.canary_timeout_ms, kCanaryTimeoutMaxMs))
-            : options_.canary_timeout_ms;
+    canary_timeout_ms_ = NextCanaryTimeoutMs(o, canary_timeout_ms_, options_.canary_timeout_ms);
     metrics_->Canary(kCanaryOutcomes.Name(o), Ready());
     {
       std::lock_guard<std::mutex> lock(canary_mu_);

@@ -50,6 +50,18 @@ inline constexpr EnumNames<CanaryOutcome, 6> kCanaryOutcomes{
       {CanaryOutcome::kSkipped, "skipped"},
       {CanaryOutcome::kBusy, "busy"}}}};
 
+// The next canary's timeout after one with outcome `o` that had `current_ms`: a canary that only
+// queued behind the traffic (busy) gets twice the time (at most kCanaryTimeoutMaxMs, or the
+// configured one if longer), so that one gets through under sustained load and judges the
+// answer; any other outcome goes back to the configured --canary_timeout_ms (a stall is found
+// as fast as before).
+inline constexpr int64_t kCanaryTimeoutMaxMs = 60000;
+inline int64_t NextCanaryTimeoutMs(CanaryOutcome o, int64_t current_ms, int64_t configured_ms) {
+  if (o != CanaryOutcome::kBusy) return configured_ms;
+  const int64_t cap = configured_ms > kCanaryTimeoutMaxMs ? configured_ms : kCanaryTimeoutMaxMs;
+  return current_ms >= cap / 2 ? cap : 2 * current_ms;
+}
+
 class CanaryOracle {
  public:
   // w: the layer's dense part and all its experts (views), kept alive by the caller.

@@ -62,6 +62,23 @@ v1::ForwardResponse Answer(const ModelConfig& cfg, const std::vector<Bf16>& out,
   return resp;
 }
 
+// Busy canaries double the next one's timeout up to a minute (or the configured timeout, if
+// longer); any other outcome sets it back to the configured one.
+TEST(ReadinessCanary, BusyCanariesWaitTwiceAsLongNextAndAnythingElseResets) {
+  int64_t t = 3000;
+  std::vector<int64_t> seen;
+  for (int i = 0; i < 6; ++i)
+    seen.push_back(t = NextCanaryTimeoutMs(CanaryOutcome::kBusy, t, 3000));
+  EXPECT_EQ(seen, (std::vector<int64_t>{6000, 12000, 24000, 48000, 60000, 60000}));
+  for (CanaryOutcome o : {CanaryOutcome::kMatch, CanaryOutcome::kMismatch, CanaryOutcome::kTimeout,
+                          CanaryOutcome::kError, CanaryOutcome::kSkipped}) {
+    EXPECT_EQ(NextCanaryTimeoutMs(o, 48000, 3000), 3000) << kCanaryOutcomes.Name(o);
+  }
+  EXPECT_EQ(NextCanaryTimeoutMs(CanaryOutcome::kBusy, 30, 30), 60);
+  EXPECT_EQ(NextCanaryTimeoutMs(CanaryOutcome::kBusy, 90000, 90000), 90000);  // never below it
+  EXPECT_EQ(NextCanaryTimeoutMs(CanaryOutcome::kBusy, int64_t{1} << 62, 3000), 60000);
+}
+
 TEST(ReadinessCanary, TheOptimizedLayerMatchesAtK3sExpertWidthAndOtherWeightsDoNot) {
   const ModelConfig cfg = WideExperts();
   ASSERT_TRUE(ValidateConfig(cfg).ok());
