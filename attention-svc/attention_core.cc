@@ -47,7 +47,8 @@ AttentionCore::AttentionCore(const AttentionServerOptions& o, const ModelConfig&
     : options_(o),
       cfg_(cfg),
       view_(cfg.num_experts, cfg.top_k),
-      stats_(NodeStatsOptions{cfg.num_experts, cfg.top_k, o.qb_bins, o.budget_bins}) {}
+      stats_(NodeStatsOptions{cfg.num_experts, cfg.top_k, o.qb_bins, o.budget_bins}),
+      canary_timeout_ms_(o.canary_timeout_ms) {}
 
 AttentionCore::~AttentionCore() { Stop(); }
 
@@ -240,7 +241,6 @@ absl::Status AttentionCore::Start(metrics::AttentionMetrics* metrics, const Loca
         [this](TwinOutcome o) { metrics_->TwinAudit(kTwinOutcomes.Name(o)); });
   }
   metrics_->Canary("", canary_ == nullptr);
-  canary_timeout_ms_ = options_.canary_timeout_ms;
   if (canary_ != nullptr) canary_thread_ = std::thread([this] { CanaryLoop(); });
   return absl::OkStatus();
 }

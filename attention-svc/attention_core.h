@@ -186,7 +186,7 @@ class AttentionCore {
   std::atomic<int64_t> serving_{0}, answered_{0}, path_failed_{0};
   // The next canary's timeout: --canary_timeout_ms, doubled after each busy canary (canary
   // thread only).
-  int64_t canary_timeout_ms_ = 0;
+  int64_t canary_timeout_ms_;
   std::mutex readiness_mu_;
   std::function<void(bool)> on_readiness_ ABSL_GUARDED_BY(readiness_mu_);
   std::thread canary_thread_;
