@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attention-svc/dataplane/fake/fake_client_half.h"
+#include "attention-svc/dataplane/shm/shm_client_half.h"
 #include "attention-svc/dataplane/ucx/ucx_client_half.h"
 
 namespace moe::attention_svc {
@@ -11,6 +12,7 @@ const std::vector<ClientBackend>& ClientBackends() {
   static const std::vector<ClientBackend> kBackends = {
       {"ucx", &StartUcxClientHalf},
       {"fake", &StartFakeClientHalf},
+      {"shm", &StartShmClientHalf},
   };
   return kBackends;
 }

@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "expert-svc/dataplane/fake/fake_server_half.h"
+#include "expert-svc/dataplane/shm/shm_server_half.h"
 #include "expert-svc/dataplane/ucx/ucx_server_half.h"
 
 namespace moe::expert_svc {
@@ -11,6 +12,7 @@ const std::vector<ServerBackend>& ServerBackends() {
   static const std::vector<ServerBackend> kBackends = {
       {"ucx", &StartUcxServerHalf},
       {"fake", &StartFakeServerHalf},
+      {"shm", &StartShmServerHalf},
   };
   return kBackends;
 }

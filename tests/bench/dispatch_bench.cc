@@ -124,6 +124,7 @@ std::string PlaneTls(const std::string& plane) {
 // in us (-1: the batch failed).
 double RoundTripRow(testing::EchoShard& shard, const ModelConfig& cfg, const Options& o,
                     const std::string& plane, int64_t t, double header_us, int* port) {
+  // The shm lane's raw floor is UCX's shared memory (posix) in the same run.
   const bool ucx = plane != "grpc";
   const std::string tls = PlaneTls(plane);
   const int64_t d = cfg.latent, k = cfg.top_k;
@@ -177,7 +178,8 @@ int Main(int argc, char** argv) {
   f.String("tokens", &o.tokens_list, "T values (tokens per message)");
   f.String("data_planes", &o.planes,
            "grpc, ucx_shm (UCX_TLS posix), ucx_cma (posix,cma: the receiver pulls large "
-           "messages), ucx_tcp (UCX_TLS tcp)");
+           "messages), ucx_tcp (UCX_TLS tcp), shm (the project's memfd rings; its raw column is "
+           "UCX posix)");
   f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up round trips)");
   f.Int64("iterations", &o.iterations, "at most this many round trips per point");
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");
@@ -215,9 +217,11 @@ int Main(int argc, char** argv) {
   for (absl::string_view plane_view : absl::StrSplit(o.planes, ',')) {
     const std::string plane(plane_view);
     const std::string tls = PlaneTls(plane);
-    auto shard = testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
-                                           /*batch_messages=*/true, o.progress_spin_us,
-                                           o.poll_max_us, static_cast<size_t>(o.detach_tag_from));
+    auto shard = plane == "shm" ? testing::EchoShard::StartBackend(o.preset, "shm", o.poll_max_us)
+                                : testing::EchoShard::Start(o.preset, plane != "grpc" ? tls : "",
+                                                            /*batch_messages=*/true,
+                                                            o.progress_spin_us, o.poll_max_us,
+                                                            static_cast<size_t>(o.detach_tag_from));
     if (!shard.ok()) {
       std::fprintf(stderr, "echo shard: %s\n", shard.status().ToString().c_str());
       return 1;

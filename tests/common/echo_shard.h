@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attention-svc/dataplane/registry.h"
 #include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "expert-svc/expert_server.h"
@@ -151,12 +152,48 @@ class EchoShard {
     s->channel_ = std::move(node->channel);
     return s;
   }
+  // The echo shard on a data-plane backend of the registries ("shm", "fake"), the node's end
+  // through the backend's client half; the lanes are the backend's.
+  static absl::StatusOr<std::unique_ptr<EchoShard>> StartBackend(const std::string& preset,
+                                                                 const std::string& backend,
+                                                                 int poll_max_us = 1000) {
+    auto cfg = PresetConfig(preset);
+    if (!cfg.ok()) return cfg.status();
+    auto s = std::unique_ptr<EchoShard>(new EchoShard);
+    expert_svc::ExpertServerOptions o = EchoServerOptions(preset, cfg->top_k, "");
+    o.data_plane = dataplane::DataPlane{backend};
+    o.ucx_poll_max_us = poll_max_us;
+    auto server = expert_svc::ExpertServer::Start(o);
+    if (!server.ok()) return server.status();
+    s->server_ = std::move(*server);
+    s->endpoint_ = absl::StrCat("127.0.0.1:", s->server_->port());
+    attention_svc::ClientHalfOptions ho;
+    ho.node = "echo";
+    ho.poll_spin_max = std::chrono::microseconds(poll_max_us);
+    auto half = attention_svc::StartClientHalf(backend, ho);
+    if (!half.ok()) return half.status();
+    s->half_ = std::move(*half);
+    attention_svc::ChannelOptions co;
+    co.shard = "echo-0";
+    co.endpoint = s->endpoint_;
+    co.max_message_bytes = 1 << 30;
+    co.node = "echo";
+    co.fallback_in_band = false;
+    EchoShard* self = s.get();
+    co.on_lanes = [self](const std::string&, const dataplane::Lanes& l, const std::string&) {
+      self->lanes_ = l.Describe();
+    };
+    s->shared_channel_ = s->half_->MakeChannel(std::move(co));
+    s->borrowed_ = s->shared_channel_.get();
+    return s;
+  }
   ~EchoShard() {
+    shared_channel_.reset();
     channel_.reset();
     server_->Shutdown(absl::Seconds(1));
   }
 
-  attention_svc::ExpertChannel& channel() { return *channel_; }
+  attention_svc::ExpertChannel& channel() { return borrowed_ != nullptr ? *borrowed_ : *channel_; }
   const std::string& endpoint() const { return endpoint_; }
   // The lanes UCX selected for the channel (read from UCX once the data plane opened).
   const std::string& lanes() const { return lanes_; }
@@ -171,6 +208,9 @@ class EchoShard {
   std::unique_ptr<dataplane::UcxWorker> worker_;
   std::unique_ptr<attention_svc::ExpertChannel> channel_;
   attention_svc::UcxExpertChannel* ucx_channel_ = nullptr;
+  std::unique_ptr<attention_svc::ClientHalf> half_;  // StartBackend's
+  std::shared_ptr<attention_svc::ExpertChannel> shared_channel_;
+  attention_svc::ExpertChannel* borrowed_ = nullptr;
   std::string lanes_ = "gRPC";
 };
 

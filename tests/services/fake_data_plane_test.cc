@@ -31,18 +31,18 @@ using C = absl::StatusCode;
 
 TEST(DataPlaneRegistry, BothSidesNameTheSameBackends) {
   EXPECT_EQ(expert_svc::ServerBackendNames(), attention_svc::ClientBackendNames());
-  EXPECT_EQ(expert_svc::ServerBackendNames(), (std::vector<std::string>{"ucx", "fake"}));
+  EXPECT_EQ(expert_svc::ServerBackendNames(), (std::vector<std::string>{"ucx", "fake", "shm"}));
   auto unknown = expert_svc::StartServerHalf("rdma9", {});
   EXPECT_EQ(unknown.status().code(), C::kNotFound);
-  EXPECT_NE(unknown.status().message().find("ucx, fake"), std::string::npos);
+  EXPECT_NE(unknown.status().message().find("ucx, fake, shm"), std::string::npos);
   EXPECT_EQ(attention_svc::StartClientHalf("rdma9", {}).status().code(), C::kNotFound);
   // The flag takes auto, grpc and the registered names, nothing else.
-  for (const char* ok : {"auto", "grpc", "ucx", "fake"}) {
+  for (const char* ok : {"auto", "grpc", "ucx", "fake", "shm"}) {
     EXPECT_TRUE(dataplane::ParseDataPlane(ok, expert_svc::ServerBackendNames()).ok()) << ok;
   }
   auto bad = dataplane::ParseDataPlane("rdma9", expert_svc::ServerBackendNames());
   EXPECT_EQ(bad.status().code(), C::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("auto, grpc, ucx, fake"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("auto, grpc, ucx, fake, shm"), std::string::npos);
   EXPECT_EQ(dataplane::DataPlane{}.backend(), "ucx");  // auto: the default backend
   EXPECT_EQ(dataplane::DataPlane{"grpc"}.backend(), "");
   EXPECT_EQ(dataplane::DataPlane{"fake"}.backend(), "fake");

@@ -1,0 +1,410 @@
+#include "attention-svc/dataplane/shm/shm_client_half.h"
+
+#include <grpcpp/grpcpp.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "attention-svc/dataplane/batch_message.h"
+#include "attention-svc/dataplane/reply_liveness.h"
+#include "attention-svc/expert_channel_grpc.h"
+#include "services/common/status_macros.h"
+#include "services/dataplane/data_plane.h"
+#include "services/dataplane/shm_lane.h"
+
+namespace moe::attention_svc {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using dataplane::OwnedFd;
+
+// How long past the shard's budget a reply may still come, and how often a waiter checks that
+// the shard is alive.
+constexpr absl::Duration kReplyGrace = absl::Seconds(1);
+constexpr auto kLivenessSlice = std::chrono::milliseconds(20);
+
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+bool SocketClosed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+// One opened data plane to a shard: the region, its rings, and the replies read from it for
+// the calls that wait.
+struct Conn {
+  std::string who, shard;
+  uint64_t client_id = 0;
+  dataplane::ShmRegion region;
+  OwnedFd socket, shard_doorbell, node_doorbell;
+  dataplane::ShmRing requests, replies;
+  std::shared_ptr<grpc::Channel> control;
+  ReplyLiveness liveness;
+  DataPlaneEventFn on_event;
+  std::chrono::microseconds spin{100}, spin_max{1000};
+  std::atomic<int64_t> recent_us{0};  // the latest round trip
+
+  std::mutex tx_mu;  // the request ring's writer, and the sequence
+  uint64_t sequence = 1;
+
+  struct Reply {
+    bool arrived = false;
+    uint64_t sequence = 0;
+    std::shared_ptr<void> buffer;
+    const char* message = nullptr;
+    size_t n = 0;
+    uint32_t header_bytes = 0;
+  };
+  std::mutex mu;  // below
+  std::condition_variable cv;
+  std::map<uint64_t, Reply> inbox;  // by token; an entry per batch in flight
+  bool leading = false;             // a waiter reads the reply ring
+  bool broken = false;
+
+  enum class Got { kArrived, kDeadline, kGone };
+
+  // Waits for the reply of `token` (its entry in the inbox) until `deadline`.
+  Got Await(uint64_t token, absl::Time deadline) {
+    const auto start = Clock::now();
+    const int64_t recent = recent_us.load();
+    const auto spin_until =
+        start + (recent > 0 && recent <= spin_max.count()
+                     ? std::min(spin_max, std::chrono::microseconds(2 * recent) + spin)
+                     : spin);
+    std::unique_lock<std::mutex> l(mu);
+    for (;;) {
+      if (inbox[token].arrived) {
+        recent_us.store(
+            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
+        return Got::kArrived;
+      }
+      if (broken) return Got::kGone;
+      const absl::Time now = absl::Now();
+      if (now >= deadline) return Got::kDeadline;
+      if (!leading) {
+        leading = true;
+        l.unlock();
+        const bool gone = Lead(spin_until, absl::ToChronoTime(deadline));
+        l.lock();
+        leading = false;
+        if (gone) broken = true;
+        cv.notify_all();
+        continue;
+      }
+      cv.wait_until(l,
+                    absl::ToChronoTime(std::min(deadline, now + absl::FromChrono(kLivenessSlice))));
+    }
+  }
+
+  // One round of the waiter that reads the ring: spin while `spin_until`, else sleep on the
+  // doorbell one slice; read what came. True when the shard is gone.
+  bool Lead(Clock::time_point spin_until, std::chrono::system_clock::time_point deadline) {
+    if (Drain()) return false;
+    while (Clock::now() < spin_until) {
+      if (replies.MaybeReady()) {
+        Drain();
+        return false;
+      }
+      CpuRelax();
+    }
+    replies.SetSleeping(true);
+    if (!replies.MaybeReady()) {
+      const auto left = deadline - std::chrono::system_clock::now();
+      dataplane::WaitReadable(
+          node_doorbell.get(), socket.get(),
+          Clock::now() + std::min<Clock::duration>(
+                             kLivenessSlice, std::chrono::duration_cast<Clock::duration>(left)));
+      dataplane::Drain(node_doorbell.get());
+    }
+    replies.SetSleeping(false);
+    if (Drain()) return false;
+    if (SocketClosed(socket.get()) || control->GetState(false) != GRPC_CHANNEL_READY) {
+      if (on_event) on_event(shard, "transfer_failed");
+      return true;
+    }
+    return false;
+  }
+
+  // Copies each reply out of the ring into memory of its own (rows 64-byte aligned) for its
+  // call; true when any came. A broken ring marks the connection broken.
+  bool Drain() {
+    bool any = false;
+    for (int i = 0; i < 64; ++i) {
+      absl::StatusOr<std::optional<dataplane::ShmRecord>> r = replies.Peek();
+      if (!r.ok()) {
+        if (on_event) on_event(shard, "integrity_failed");
+        std::lock_guard<std::mutex> l(mu);
+        broken = true;
+        return true;
+      }
+      if (!r->has_value()) break;
+      any = true;
+      const dataplane::ShmRecord rec = **r;
+      Reply got;
+      if (rec.header_bytes <= dataplane::kMaxReplyHeaderBytes) {
+        const size_t lead = (rec.header_bytes + 63) / 64 * 64;
+        got.buffer.reset(
+            std::aligned_alloc(64, std::max<size_t>(64, lead + (rec.payload_bytes + 63) / 64 * 64)),
+            std::free);
+      }
+      if (got.buffer != nullptr) {
+        const size_t lead = (rec.header_bytes + 63) / 64 * 64;
+        auto* base = static_cast<char*>(got.buffer.get());
+        std::memcpy(base + lead - rec.header_bytes, rec.header, rec.header_bytes);
+        std::memcpy(base + lead, rec.payload, rec.payload_bytes);
+        got = Reply{true,
+                    rec.sequence,
+                    got.buffer,
+                    base + lead - rec.header_bytes,
+                    rec.header_bytes + rec.payload_bytes,
+                    rec.header_bytes};
+      }
+      replies.Release(rec);
+      std::lock_guard<std::mutex> l(mu);
+      auto it = inbox.find(rec.token);
+      if (got.arrived && it != inbox.end() && !it->second.arrived) it->second = std::move(got);
+    }
+    if (any) {
+      std::lock_guard<std::mutex> l(mu);
+      cv.notify_all();
+    }
+    return any;
+  }
+};
+
+class ShmCall final : public ExpertCall {
+ public:
+  ShmCall(std::shared_ptr<Conn> conn, uint64_t token, uint64_t sequence, uint64_t ticket,
+          ReplyShape shape, absl::Time budget_end)
+      : c_(std::move(conn)),
+        token_(token),
+        sequence_(sequence),
+        ticket_(ticket),
+        shape_(shape),
+        budget_end_(budget_end) {}
+  ~ShmCall() override {
+    c_->liveness.Finished(ticket_);
+    std::lock_guard<std::mutex> lock(c_->mu);
+    c_->inbox.erase(token_);
+  }
+
+  const char* transport() const override { return "shm"; }
+
+  bool Answered(absl::Time until) override {
+    return c_->Await(token_, std::min(until, budget_end_ + kReplyGrace)) != Conn::Got::kDeadline ||
+           absl::Now() >= budget_end_ + kReplyGrace;
+  }
+
+  absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
+    switch (c_->Await(token_, std::min(deadline, budget_end_ + kReplyGrace))) {
+      case Conn::Got::kArrived:
+        break;
+      case Conn::Got::kDeadline:
+        // The shard may have dropped it unread: open again, unless it is only busy.
+        if (c_->liveness.TimedOutMeansGone(ticket_)) {
+          std::lock_guard<std::mutex> l(c_->mu);
+          c_->broken = true;
+        }
+        return absl::DeadlineExceededError(
+            absl::StrCat(c_->who, " did not answer the batch before the deadline"));
+      case Conn::Got::kGone:
+        return absl::UnavailableError(absl::StrCat(c_->who, " is gone (its connection closed)"));
+    }
+    Conn::Reply r;
+    {
+      std::lock_guard<std::mutex> l(c_->mu);
+      r = std::move(c_->inbox[token_]);
+    }
+    c_->liveness.Replied();
+    if (r.sequence != sequence_) {
+      if (c_->on_event) c_->on_event(c_->shard, "integrity_failed");
+      return absl::DataLossError(
+          absl::StrCat(c_->who, ": a reply for batch ", r.sequence, " came for batch ", sequence_));
+    }
+    return ReadBatchReply(c_->who, shape_, r.message, r.n, r.header_bytes, r.buffer);
+  }
+
+ private:
+  std::shared_ptr<Conn> c_;
+  const uint64_t token_, sequence_, ticket_;
+  const ReplyShape shape_;
+  const absl::Time budget_end_;
+};
+
+class ShmExpertChannel final : public ExpertChannel {
+ public:
+  ShmExpertChannel(ChannelOptions o, const ClientHalfOptions& half)
+      : o_(std::move(o)),
+        who_(absl::StrCat("expert shard ", o_.shard, " (", o_.endpoint, ")")),
+        spin_(half.poll_spin),
+        spin_max_(std::max(half.poll_spin, half.poll_spin_max)),
+        inband_(std::make_unique<GrpcExpertChannel>(o_.shard, o_.endpoint, o_.max_message_bytes,
+                                                    o_.cluster_token)) {}
+
+  const std::string& shard() const override { return o_.shard; }
+  const char* transport() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return conn_ != nullptr ? "shm" : "grpc";
+  }
+
+  std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
+                                   const DispatchMessage& m) override {
+    const absl::Time deadline =
+        absl::Now() + absl::Milliseconds(header.timeout_ms > 0 ? header.timeout_ms : 30000);
+    const ReplyShape shape = ShapeOf(header, m);
+    const size_t bytes = static_cast<size_t>(m.activation_bytes());
+    const uint64_t half_ring = kShmClientRing / 2;
+    const bool fits =
+        dataplane::ShmRing::RecordBytes(dataplane::kMaxReplyHeaderBytes, bytes) <= half_ring &&
+        dataplane::ShmRing::RecordBytes(dataplane::kMaxReplyHeaderBytes, shape.bytes()) <=
+            half_ring;
+    absl::StatusOr<std::shared_ptr<Conn>> conn =
+        fits ? EnsureOpen(deadline)
+             : absl::OutOfRangeError(absl::StrCat(who_, ": a batch of ", bytes,
+                                                  " bytes and its reply of ", shape.bytes(),
+                                                  " do not fit half a shm ring (", half_ring, ")"));
+    if (!conn.ok()) {
+      if (o_.fallback_in_band) {
+        if (o_.on_event) o_.on_event(o_.shard, "fallback");
+        return inband_->Send(header, m);
+      }
+      return FailedExpertCall(absl::UnavailableError(conn.status().message()));
+    }
+    Conn& c = **conn;
+    std::lock_guard<std::mutex> lock(c.tx_mu);
+    const uint64_t seq = c.sequence++;
+    const std::string h =
+        BatchMessageHeader(header, m, c.client_id, seq, bytes, shape.bytes()).SerializeAsString();
+    {
+      std::lock_guard<std::mutex> l(c.mu);
+      c.inbox[seq];  // expected before the request leaves
+    }
+    auto call = std::make_unique<ShmCall>(*conn, seq, seq, c.liveness.Sent(), shape, deadline);
+    for (int spins = 0;; ++spins) {
+      absl::StatusOr<dataplane::ShmRing::Slot> s = c.requests.Reserve(h.size(), bytes);
+      if (s.ok()) {
+        std::memcpy(s->header, h.data(), h.size());
+        m.z.CopyTo(s->payload);
+        c.requests.Publish(*s, {seq, seq});
+        return call;
+      }
+      if (s.status().code() != absl::StatusCode::kResourceExhausted || absl::Now() >= deadline) {
+        std::lock_guard<std::mutex> l(c.mu);
+        c.broken = s.status().code() == absl::StatusCode::kDataLoss;
+        return FailedExpertCall(
+            absl::UnavailableError(absl::StrCat(who_, ": ", s.status().message())));
+      }
+      // Full: the shard frees its ring as it reads; wait for room within the batch's budget.
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 10 : 200));
+    }
+  }
+
+ private:
+  absl::StatusOr<std::shared_ptr<Conn>> EnsureOpen(absl::Time deadline) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (conn_ != nullptr) {
+      bool broken;
+      {
+        std::lock_guard<std::mutex> l(conn_->mu);
+        broken = conn_->broken;
+      }
+      if (!broken && conn_->control->GetState(false) == GRPC_CHANNEL_READY) return conn_;
+    }
+    conn_.reset();
+    MOE_ASSIGN_OR_RETURN(OpenedDataPlane opened,
+                         OpenDataPlane(who_, o_.endpoint, o_.max_message_bytes, o_.cluster_token,
+                                       o_.node, "shm", deadline));
+    const v1::OpenDataPlaneReply& reply = opened.reply;
+    if (reply.hello_secret().size() != dataplane::kHelloSecretBytes ||
+        reply.worker_address().empty()) {
+      return absl::UnavailableError(
+          absl::StrCat(who_, ": OpenDataPlane answered without a hello secret or address"));
+    }
+    auto c = std::make_shared<Conn>();
+    c->who = who_;
+    c->shard = o_.shard;
+    c->client_id = reply.client_id();
+    c->control = opened.control;
+    c->on_event = o_.on_event;
+    c->spin = spin_;
+    c->spin_max = spin_max_;
+    MOE_ASSIGN_OR_RETURN(c->region, dataplane::ShmRegion::Create(kShmClientRing));
+    MOE_ASSIGN_OR_RETURN(c->shard_doorbell, dataplane::NewEventFd());
+    MOE_ASSIGN_OR_RETURN(c->node_doorbell, dataplane::NewEventFd());
+    c->requests = c->region.Ring(dataplane::ShmSide::kNode, dataplane::ShmDirection::kToShard,
+                                 c->shard_doorbell.get());
+    c->replies = c->region.Ring(dataplane::ShmSide::kNode, dataplane::ShmDirection::kToNode, -1);
+    absl::StatusOr<OwnedFd> socket = dataplane::ConnectAbstract(reply.worker_address());
+    if (!socket.ok())
+      return absl::UnavailableError(absl::StrCat(who_, ": ", socket.status().message()));
+    c->socket = std::move(*socket);
+    std::string hello = dataplane::EncodeHello({reply.client_id(), reply.hello_secret()});
+    const uint64_t ring = kShmClientRing;
+    hello.append(reinterpret_cast<const char*>(&ring), sizeof ring);
+    MOE_RETURN_IF_ERROR(dataplane::SendWithFds(
+        c->socket.get(), hello, {c->region.fd(), c->shard_doorbell.get(), c->node_doorbell.get()}));
+    std::string peer_lanes;
+    for (;;) {
+      absl::StatusOr<dataplane::Datagram> ack = dataplane::ReceiveWithFds(c->socket.get(), 64, 0);
+      if (ack.ok() && absl::StartsWith(ack->bytes, "MOEA")) {
+        peer_lanes = ack->bytes.substr(4);
+        break;
+      }
+      if ((!ack.ok() && !absl::IsUnavailable(ack.status())) || absl::Now() >= opened.open_by) {
+        return absl::UnavailableError(absl::StrCat(who_, ": the shm hello was not acknowledged"));
+      }
+      dataplane::WaitReadable(
+          c->socket.get(), -1,
+          Clock::now() + absl::ToChronoNanoseconds(opened.open_by - absl::Now()));
+    }
+    c->replies.SetSleeping(false);
+    conn_ = c;
+    if (o_.on_event) o_.on_event(o_.shard, "connected");
+    if (o_.on_lanes) o_.on_lanes(o_.shard, dataplane::Lanes{{"shm"}, "shm"}, peer_lanes);
+    return conn_;
+  }
+
+  const ChannelOptions o_;
+  const std::string who_;
+  const std::chrono::microseconds spin_, spin_max_;
+  std::unique_ptr<GrpcExpertChannel> inband_;
+  mutable std::mutex mu_;  // the connection below
+  std::shared_ptr<Conn> conn_;
+};
+
+class ShmClientHalf final : public ClientHalf {
+ public:
+  explicit ShmClientHalf(ClientHalfOptions o) : o_(std::move(o)) {}
+  const char* name() const override { return "shm"; }
+  std::string Describe() const override {
+    return absl::StrCat("memfd rings of ", kShmClientRing >> 20, " MiB each way per shard");
+  }
+  std::shared_ptr<ExpertChannel> MakeChannel(ChannelOptions options) override {
+    return std::make_shared<ShmExpertChannel>(std::move(options), o_);
+  }
+
+ private:
+  const ClientHalfOptions o_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ClientHalf>> StartShmClientHalf(ClientHalfOptions options) {
+  return std::make_unique<ShmClientHalf>(std::move(options));
+}
+
+}  // namespace moe::attention_svc

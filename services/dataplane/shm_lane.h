@@ -1,0 +1,208 @@
+// The project's own shared-memory lane (docs/data-plane.md, "The shm data plane"): an attention
+// node and an expert shard on one host share one sealed memfd of two rings, one per direction,
+// and wake each other through eventfds only when the other side said it sleeps. The node makes
+// the memfd and both eventfds and passes them to the shard over a Unix socket, in a hello that
+// carries the client's secret from the authenticated OpenDataPlane call; nobody else holds the
+// descriptors, so no byte in the rings is MACed, and each batch is one record each way, with no
+// copy but the writer's into its ring and the reader's out of it.
+//
+// Each side treats every byte of the region as hostile and changing under it: it keeps its own
+// position privately (never reads it back), reads the peer's position once and bounds it, and
+// copies a record's 64-byte head before checking it. A region not sealed against shrinking (a
+// SIGBUS on the mapper's next touch) is refused before it is mapped.
+//
+//   MOE_ASSIGN_OR_RETURN(ShmRegion r, ShmRegion::Create(8 << 20));       // the node
+//   ShmRing to_shard = r.Ring(ShmSide::kNode, ShmDirection::kToShard, doorbell_of_shard);
+//   MOE_ASSIGN_OR_RETURN(ShmRing::Slot s, to_shard.Reserve(header.size(), payload_bytes));
+//   ... write the header at s.header, the payload at s.payload ...
+//   to_shard.Publish(s, {.token = t, .sequence = q});
+//   MOE_ASSIGN_OR_RETURN(std::optional<ShmRecord> rec, from_node.Peek());  // the shard
+#ifndef MOE_SERVICES_DATAPLANE_SHM_LANE_H_
+#define MOE_SERVICES_DATAPLANE_SHM_LANE_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace moe::dataplane {
+
+// A file descriptor that closes itself.
+class OwnedFd {
+ public:
+  OwnedFd() = default;
+  explicit OwnedFd(int fd) : fd_(fd) {}
+  OwnedFd(OwnedFd&& o) noexcept : fd_(o.release()) {}
+  OwnedFd& operator=(OwnedFd&& o) noexcept;
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+  ~OwnedFd();
+  int get() const { return fd_; }
+  int release() {
+    const int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  bool valid() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+constexpr size_t kShmControlBytes = 4096;
+constexpr size_t kShmRecordAlign = 64;
+constexpr size_t kShmRecordHeadBytes = 64;
+// Each ring's capacity lies in [kShmMinRing, kShmMaxRing], a multiple of 4096.
+constexpr uint64_t kShmMinRing = uint64_t{1} << 20;
+constexpr uint64_t kShmMaxRing = uint64_t{1} << 32;
+
+// The control page: each position on its own cache line; who writes it in the comment.
+enum ShmControlOffset : size_t {
+  kShmMagicAt = 0,            // the node, once
+  kShmToShardHead = 64,       // the node
+  kShmToShardTail = 128,      // the shard
+  kShmToShardSleeping = 192,  // the shard
+  kShmToNodeHead = 256,       // the shard
+  kShmToNodeTail = 320,       // the node
+  kShmToNodeSleeping = 384,   // the node
+};
+
+enum class ShmSide { kNode, kShard };
+enum class ShmDirection { kToShard, kToNode };
+
+// What a record's head says, and where its bytes are (in the mapped region: they may change
+// under the reader, who copies what it keeps).
+struct ShmRecord {
+  uint64_t token = 0, sequence = 0;
+  const uint8_t* header = nullptr;  // header_bytes
+  uint32_t header_bytes = 0;
+  const uint8_t* payload = nullptr;  // 64-byte aligned
+  uint64_t payload_bytes = 0;
+  uint64_t record_bytes = 0;  // what Release frees
+};
+
+struct ShmRecordHead {
+  uint64_t token = 0, sequence = 0;
+};
+
+// One direction's ring as one side sees it: the producer or the consumer.
+class ShmRing {
+ public:
+  struct Slot {
+    uint8_t* header = nullptr;
+    uint8_t* payload = nullptr;  // 64-byte aligned
+    uint32_t header_bytes = 0;
+    uint64_t payload_bytes = 0;
+    uint64_t pad = 0, record_bytes = 0;  // the wrap's filler before it, and its own size
+  };
+  ShmRing() = default;
+
+  // The bytes a record of these sizes takes in the ring.
+  static uint64_t RecordBytes(size_t header_bytes, uint64_t payload_bytes);
+
+  // Producer. RESOURCE_EXHAUSTED while the ring lacks room (the consumer frees it as it reads);
+  // OUT_OF_RANGE for a record larger than half the ring (it would never fit); DATA_LOSS when the
+  // consumer's position is impossible (the peer broke the region).
+  absl::StatusOr<Slot> Reserve(size_t header_bytes, uint64_t payload_bytes);
+  // Makes the reserved record visible, then wakes the consumer if it sleeps.
+  void Publish(const Slot& slot, const ShmRecordHead& head);
+
+  // Consumer. The next record, nullopt while there is none, DATA_LOSS for anything a producer
+  // keeping the protocol cannot write (the caller drops the connection).
+  absl::StatusOr<std::optional<ShmRecord>> Peek();
+  // Frees the record Peek returned (in order).
+  void Release(const ShmRecord& record);
+  // Whether a record may be waiting (cheap: one load).
+  bool MaybeReady() const;
+  // The consumer says whether it sleeps (the producer then rings its doorbell).
+  void SetSleeping(bool sleeping);
+
+  uint64_t capacity() const { return capacity_; }
+
+ private:
+  friend class ShmRegion;
+  uint8_t* data_ = nullptr;
+  uint64_t capacity_ = 0;
+  std::atomic<uint64_t>* head_ = nullptr;      // the producer's position (it writes)
+  std::atomic<uint64_t>* tail_ = nullptr;      // the consumer's position (it writes)
+  std::atomic<uint32_t>* sleeping_ = nullptr;  // the consumer sleeps on its doorbell
+  int doorbell_ = -1;                          // the consumer's eventfd (the producer writes it)
+  uint64_t mine_ = 0;                          // this side's own position, never read back
+};
+
+// The mapped region: a control page, then the ring to the shard, then the ring to the node.
+class ShmRegion {
+ public:
+  ShmRegion() = default;
+  ShmRegion(ShmRegion&& o) noexcept;
+  ShmRegion& operator=(ShmRegion&& o) noexcept;
+  ~ShmRegion();
+
+  // The node: a new memfd of two rings of `ring_bytes`, sealed against shrinking and growing.
+  static absl::StatusOr<ShmRegion> Create(uint64_t ring_bytes);
+  // The shard: the memfd a node sent, checked (a memfd, sealed, exactly the size two rings of
+  // `ring_bytes` take) before it is mapped; INVALID_ARGUMENT naming what is wrong otherwise.
+  static absl::StatusOr<ShmRegion> Map(OwnedFd fd, uint64_t ring_bytes);
+
+  // `side`'s view of `direction`'s ring; `doorbell`: the consumer's eventfd (the producer
+  // writes it; the consumer's own view may pass -1).
+  ShmRing Ring(ShmSide side, ShmDirection direction, int doorbell) const;
+  int fd() const { return fd_.get(); }
+  uint64_t ring_bytes() const { return ring_bytes_; }
+  size_t bytes() const { return kShmControlBytes + 2 * ring_bytes_; }
+  // For hostile tests: the mapped bytes.
+  uint8_t* base() const { return base_; }
+
+ private:
+  OwnedFd fd_;
+  uint8_t* base_ = nullptr;
+  uint64_t ring_bytes_ = 0;
+};
+
+// A new eventfd (non-blocking, close-on-exec).
+absl::StatusOr<OwnedFd> NewEventFd();
+// Whether `fd` is an eventfd (what a peer says is a doorbell must be one: a write to anything
+// else could block or reach a file).
+bool IsEventFd(int fd);
+// Adds one to a doorbell; never blocks.
+void Ring(int doorbell);
+// Empties a doorbell.
+void Drain(int doorbell);
+
+// One datagram over a SOCK_SEQPACKET Unix socket with up to `fds.size()` descriptors.
+absl::Status SendWithFds(int socket, std::string_view bytes, const std::vector<int>& fds);
+// One datagram and the descriptors it carried (at most max_fds: more, or a truncated message,
+// is INVALID_ARGUMENT, and every descriptor that arrived is closed). Non-blocking sockets:
+// UNAVAILABLE when nothing is there.
+struct Datagram {
+  std::string bytes;
+  std::vector<OwnedFd> fds;
+};
+absl::StatusOr<Datagram> ReceiveWithFds(int socket, size_t max_bytes, size_t max_fds);
+
+// A listening SOCK_SEQPACKET socket in the abstract namespace (of this network namespace:
+// nothing on disk), at a random name; its address for a peer is "@" + name.
+struct UnixListener {
+  OwnedFd fd;
+  std::string address;
+};
+absl::StatusOr<UnixListener> ListenAbstract(const std::string& prefix);
+// Connects to an address ListenAbstract gave (non-blocking after).
+absl::StatusOr<OwnedFd> ConnectAbstract(const std::string& address);
+// The uid of a connected Unix socket's peer (SO_PEERCRED).
+absl::StatusOr<uint32_t> PeerUid(int socket);
+
+// Waits until `fd` is readable, or the socket `hangup` closed, or `until`; spurious returns
+// are fine (the caller looks again).
+void WaitReadable(int fd, int hangup, std::chrono::steady_clock::time_point until);
+
+}  // namespace moe::dataplane
+
+#endif  // MOE_SERVICES_DATAPLANE_SHM_LANE_H_
