@@ -4,6 +4,7 @@
 #include <mutex>
 #include <random>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "services/common/status_macros.h"
 #include "services/placement/placement.h"
@@ -19,9 +20,16 @@ absl::StatusOr<uint64_t> PlacementRegistry::Register(const std::string& shard,
     return absl::InvalidArgumentError("registration needs a shard name and an endpoint");
   }
   if (ranges.empty()) return absl::InvalidArgumentError("registration without ranges");
-  if (data_plane != "grpc" && data_plane != "ucx") {
+  // grpc or a backend of expert-svc's registry (ucx, shm, fake): a short lowercase name; the
+  // router only shows it.
+  const bool named = !data_plane.empty() && data_plane.size() <= 16 &&
+                     std::all_of(data_plane.begin(), data_plane.end(), [](char c) {
+                       return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+                     });
+  if (!named) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shard ", shard, ": data plane '", data_plane, "' is not grpc or ucx"));
+        absl::StrCat("shard ", shard, ": data plane '", absl::CHexEscape(data_plane.substr(0, 32)),
+                     "' is not a backend's name (grpc, ucx, shm: up to 16 of a-z, 0-9, _)"));
   }
   for (const LayerRange& r : ranges) {
     if (r.lo < 0 || r.lo >= r.hi || r.hi > num_experts_) {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -394,6 +395,18 @@ absl::StatusOr<uint32_t> PeerUid(int socket) {
   socklen_t len = sizeof c;
   if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0) return Errno("SO_PEERCRED");
   return c.uid;
+}
+
+void PollPause(int* empty_looks) {
+  if (++*empty_looks % 8 == 0) {
+    std::this_thread::yield();
+  } else {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 }
 
 void WaitReadable(int fd, int hangup, std::chrono::steady_clock::time_point until) {

@@ -62,6 +62,7 @@ std::vector<std::string> DataPlaneArgs(const std::string& name) {
   if (base == "ucx_shm") args = {"--data_plane=ucx", "--ucx_tls=posix"};
   if (base == "ucx_cma") args = {"--data_plane=ucx", "--ucx_tls=posix,cma"};
   if (base == "ucx_tcp") args = {"--data_plane=ucx", "--ucx_tls=tcp"};
+  if (base == "shm") args = {"--data_plane=shm"};
   if (const std::string poll = Suffix(name, "poll"); !args.empty() && !poll.empty()) {
     args.push_back("--ucx_poll_max_us=" + poll);
   }
@@ -92,7 +93,7 @@ struct Point {
 };
 
 struct Options {
-  std::string checkpoint, preset = "mid", reply_mode = "per_pair";
+  std::string checkpoint, preset = "mid", reply_mode = "per_pair", work_dir;
   std::vector<int64_t> sizes = {1, 16, 64, 256};
   std::string data_planes = "grpc,ucx_shm,ucx_tcp,ucx_shm+mb2";
   double seconds = 4;
@@ -190,6 +191,7 @@ absl::Status MeasurePlane(const std::string& plane, const ModelConfig& cfg, cons
   co.checkpoint = o.checkpoint;
   co.num_shards = o.shards;
   co.reply_mode = o.reply_mode;
+  if (!o.work_dir.empty()) co.work_dir = o.work_dir + "/" + plane;
   co.expert_args = DataPlaneArgs(plane);
   co.attention_args = DataPlaneArgs(plane);
   for (const std::string& a : AttentionOnlyArgs(plane)) co.attention_args.push_back(a);
@@ -262,6 +264,8 @@ int Main(int argc, char** argv) {
   Options o;
   SvcFlags f("cluster_bench", "The disaggregated layer on loopback vs in process.");
   f.String("checkpoint", &o.checkpoint, "checkpoint directory (empty: synthetic --preset)");
+  f.String("work_dir", &o.work_dir,
+           "keep each data plane's cluster (its logs) in <work_dir>/<plane> (empty: removed)");
   f.String("preset", &o.preset, "synthetic preset when no checkpoint");
   f.Double("seconds", &o.seconds, "seconds per point");
   f.Int("shards", &o.shards, "expert shards");
@@ -273,7 +277,8 @@ int Main(int argc, char** argv) {
   f.String("reply_mode", &o.reply_mode, "per_pair|partial_sum");
   f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
   f.String("data_planes", &o.data_planes,
-           "comma-separated: grpc, ucx_shm, ucx_cma (UCX_TLS posix,cma), ucx_tcp; +mbN: N "
+           "comma-separated: grpc, ucx_shm, ucx_cma (UCX_TLS posix,cma), ucx_tcp, shm (the "
+           "project's memfd rings); +mbN: N "
            "micro-batches (ucx_shm+mb2); +pollN: both services poll for at most N us "
            "(ucx_shm+poll100: the fixed window of before); +detach0: replies' MACs attached "
            "(ucx_cma+detach0)");

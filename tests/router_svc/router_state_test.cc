@@ -119,6 +119,23 @@ TEST(PlacementRegistry, HeartbeatsCarryTheLanesUcxSelected) {
   EXPECT_EQ(*reg.Heartbeat(*a, t0, "mixed (posix, tcp)"), true);
 }
 
+// A shard registers with grpc or its data-plane backend's name (ucx, shm, ...: shown on the
+// page); anything that is not such a short lowercase name is refused, escaped in the error.
+TEST(PlacementRegistry, ADataPlaneIsABackendsNameOrRefused) {
+  PlacementRegistry reg(16);
+  const Clock::time_point t0;
+  for (const char* ok : {"grpc", "ucx", "shm", "fake"}) {
+    EXPECT_TRUE(reg.Register(std::string("s-") + ok, "h:1", {{1, 0, 16}}, t0, ok).ok()) << ok;
+  }
+  for (const std::string& bad :
+       {std::string(""), std::string("UCX"), std::string("shm\n"), std::string("<b>x</b>"),
+        std::string(17, 'a'), std::string("s\x01m", 3)}) {
+    auto r = reg.Register("s-bad", "h:1", {{1, 0, 16}}, t0, bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(r.status().message().find('\n'), std::string::npos);
+  }
+}
+
 // A shard caught answering wrong bytes: out of the placement under its name until released,
 // never the last replica of an expert.
 TEST(PlacementRegistry, QuarantineKeepsALiarOutButNeverARangeDown) {

@@ -17,6 +17,7 @@
 #include "attention-svc/dataplane/batch_message.h"
 #include "attention-svc/dataplane/reply_liveness.h"
 #include "attention-svc/expert_channel_grpc.h"
+#include "services/common/poll_window.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/shm_lane.h"
@@ -32,12 +33,6 @@ using dataplane::OwnedFd;
 // the shard is alive.
 constexpr absl::Duration kReplyGrace = absl::Seconds(1);
 constexpr auto kLivenessSlice = std::chrono::milliseconds(20);
-
-inline void CpuRelax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
 
 bool SocketClosed(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
@@ -55,14 +50,13 @@ struct Conn {
   std::shared_ptr<grpc::Channel> control;
   ReplyLiveness liveness;
   DataPlaneEventFn on_event;
-  std::chrono::microseconds spin{100}, spin_max{1000};
-  std::atomic<int64_t> recent_us{0};  // the latest round trip
+  std::shared_ptr<PollWindow> window;  // the channel's: its callers' recent waits
 
   std::mutex tx_mu;  // the request ring's writer, and the sequence
   uint64_t sequence = 1;
 
   struct Reply {
-    bool arrived = false;
+    bool arrived = false, recorded = false;
     uint64_t sequence = 0;
     std::shared_ptr<void> buffer;
     const char* message = nullptr;
@@ -77,19 +71,18 @@ struct Conn {
 
   enum class Got { kArrived, kDeadline, kGone };
 
-  // Waits for the reply of `token` (its entry in the inbox) until `deadline`.
-  Got Await(uint64_t token, absl::Time deadline) {
-    const auto start = Clock::now();
-    const int64_t recent = recent_us.load();
-    const auto spin_until =
-        start + (recent > 0 && recent <= spin_max.count()
-                     ? std::min(spin_max, std::chrono::microseconds(2 * recent) + spin)
-                     : spin);
+  // Waits for the reply of `token` (its entry in the inbox), sent at `sent`, until `deadline`:
+  // polls the ring for the channel's learned window (services/common/poll_window.h), then
+  // sleeps on the doorbell.
+  Got Await(uint64_t token, Clock::time_point sent, absl::Time deadline) {
+    const auto spin_until = std::max(Clock::now() + window->floor(), sent + window->Window());
     std::unique_lock<std::mutex> l(mu);
     for (;;) {
       if (inbox[token].arrived) {
-        recent_us.store(
-            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
+        if (!inbox[token].recorded) {
+          inbox[token].recorded = true;
+          window->Record(Clock::now() - sent);
+        }
         return Got::kArrived;
       }
       if (broken) return Got::kGone;
@@ -114,12 +107,12 @@ struct Conn {
   // doorbell one slice; read what came. True when the shard is gone.
   bool Lead(Clock::time_point spin_until, std::chrono::system_clock::time_point deadline) {
     if (Drain()) return false;
-    while (Clock::now() < spin_until) {
+    for (int empty = 0; Clock::now() < spin_until;) {
       if (replies.MaybeReady()) {
         Drain();
         return false;
       }
-      CpuRelax();
+      dataplane::PollPause(&empty);
     }
     replies.SetSleeping(true);
     if (!replies.MaybeReady()) {
@@ -167,6 +160,7 @@ struct Conn {
         std::memcpy(base + lead - rec.header_bytes, rec.header, rec.header_bytes);
         std::memcpy(base + lead, rec.payload, rec.payload_bytes);
         got = Reply{true,
+                    false,
                     rec.sequence,
                     got.buffer,
                     base + lead - rec.header_bytes,
@@ -190,7 +184,8 @@ class ShmCall final : public ExpertCall {
  public:
   ShmCall(std::shared_ptr<Conn> conn, uint64_t token, uint64_t sequence, uint64_t ticket,
           ReplyShape shape, absl::Time budget_end)
-      : c_(std::move(conn)),
+      : sent_(Clock::now()),
+        c_(std::move(conn)),
         token_(token),
         sequence_(sequence),
         ticket_(ticket),
@@ -205,12 +200,13 @@ class ShmCall final : public ExpertCall {
   const char* transport() const override { return "shm"; }
 
   bool Answered(absl::Time until) override {
-    return c_->Await(token_, std::min(until, budget_end_ + kReplyGrace)) != Conn::Got::kDeadline ||
+    return c_->Await(token_, sent_, std::min(until, budget_end_ + kReplyGrace)) !=
+               Conn::Got::kDeadline ||
            absl::Now() >= budget_end_ + kReplyGrace;
   }
 
   absl::StatusOr<ExpertReply> Wait(absl::Time deadline) override {
-    switch (c_->Await(token_, std::min(deadline, budget_end_ + kReplyGrace))) {
+    switch (c_->Await(token_, sent_, std::min(deadline, budget_end_ + kReplyGrace))) {
       case Conn::Got::kArrived:
         break;
       case Conn::Got::kDeadline:
@@ -239,6 +235,7 @@ class ShmCall final : public ExpertCall {
   }
 
  private:
+  const Clock::time_point sent_;
   std::shared_ptr<Conn> c_;
   const uint64_t token_, sequence_, ticket_;
   const ReplyShape shape_;
@@ -250,8 +247,7 @@ class ShmExpertChannel final : public ExpertChannel {
   ShmExpertChannel(ChannelOptions o, const ClientHalfOptions& half)
       : o_(std::move(o)),
         who_(absl::StrCat("expert shard ", o_.shard, " (", o_.endpoint, ")")),
-        spin_(half.poll_spin),
-        spin_max_(std::max(half.poll_spin, half.poll_spin_max)),
+        window_(std::make_shared<PollWindow>(half.poll_spin, half.poll_spin_max)),
         inband_(std::make_unique<GrpcExpertChannel>(o_.shard, o_.endpoint, o_.max_message_bytes,
                                                     o_.cluster_token)) {}
 
@@ -340,8 +336,7 @@ class ShmExpertChannel final : public ExpertChannel {
     c->client_id = reply.client_id();
     c->control = opened.control;
     c->on_event = o_.on_event;
-    c->spin = spin_;
-    c->spin_max = spin_max_;
+    c->window = window_;
     MOE_ASSIGN_OR_RETURN(c->region, dataplane::ShmRegion::Create(kShmClientRing));
     MOE_ASSIGN_OR_RETURN(c->shard_doorbell, dataplane::NewEventFd());
     MOE_ASSIGN_OR_RETURN(c->node_doorbell, dataplane::NewEventFd());
@@ -380,7 +375,7 @@ class ShmExpertChannel final : public ExpertChannel {
 
   const ChannelOptions o_;
   const std::string who_;
-  const std::chrono::microseconds spin_, spin_max_;
+  const std::shared_ptr<PollWindow> window_;
   std::unique_ptr<GrpcExpertChannel> inband_;
   mutable std::mutex mu_;  // the connection below
   std::shared_ptr<Conn> conn_;

@@ -41,8 +41,9 @@ struct Client {
   OwnedFd socket, doorbell /* ours: the node rings it */, node_doorbell;
   dataplane::ShmRegion region;
   dataplane::ShmRing requests, replies;
-  std::mutex rx_mu;  // the request ring's reader
-  std::mutex tx_mu;  // the reply ring's writer
+  std::mutex rx_mu;                  // the request ring's reader
+  std::mutex tx_mu;                  // the reply ring's writer
+  std::atomic<bool> dropped{false};  // its rings are read no more
 };
 
 class ShmServerHalf final : public ServerHalf {
@@ -133,12 +134,18 @@ class ShmServerHalf final : public ServerHalf {
     polling_.fetch_add(1);
     std::vector<std::shared_ptr<Client>> all = All();
     for (auto& c : all) c->requests.SetSleeping(false);
-    while (Clock::now() < until && !stop()) {
+    uint64_t seen = generation_.load();
+    for (int empty = 0; Clock::now() < until && !stop();) {
       bool any = false;
       for (auto& c : all) {
         if (c->requests.MaybeReady()) any |= DrainIfFree(c);
       }
-      if (!any) all = All();  // a client that said hello meanwhile
+      if (!any) dataplane::PollPause(&empty);
+      if (generation_.load() != seen) {  // a client said hello or left meanwhile
+        seen = generation_.load();
+        all = All();
+        for (auto& c : all) c->requests.SetSleeping(false);
+      }
     }
     polling_.fetch_sub(1);
     for (auto& c : all) c->requests.SetSleeping(true);
@@ -211,7 +218,10 @@ class ShmServerHalf final : public ServerHalf {
   // its hello: the connection ends).
   void OnSocket(uint64_t conn) {
     auto p = pending_.find(conn);
-    if (p == pending_.end()) return DropConn(conn, "its socket closed or spoke after its hello");
+    if (p == pending_.end()) {
+      DropConn(conn, "its socket closed or spoke after its hello");
+      return;
+    }
     absl::StatusOr<dataplane::Datagram> d =
         dataplane::ReceiveWithFds(p->second.socket.get(), dataplane::kHelloBytes + 8, 3);
     if (!d.ok() && absl::IsUnavailable(d.status())) return;
@@ -263,27 +273,32 @@ class ShmServerHalf final : public ServerHalf {
       by_conn_[conn] = c;
       by_id_[c->id] = c;
     }
+    generation_.fetch_add(1);
     MOE_RETURN_IF_ERROR(dataplane::SendWithFds(c->socket.get(), "MOEAshm", {}));
     MOE_LOG_INFO("shard {}: data-plane client {} ({}) said hello over shm (rings of {} bytes)",
                  options_.shard, c->id, c->node, ring);
     return absl::OkStatus();
   }
 
-  void DropConn(uint64_t conn, absl::string_view why) {
+  // False when it was dropped already (by another thread that saw the same).
+  bool DropConn(uint64_t conn, absl::string_view why) {
     std::shared_ptr<Client> c;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = by_conn_.find(conn);
-      if (it == by_conn_.end()) return;
+      if (it == by_conn_.end()) return false;
       c = it->second;
       by_conn_.erase(it);
       auto id = by_id_.find(c->id);
       if (id != by_id_.end() && id->second == c) by_id_.erase(id);
     }
+    generation_.fetch_add(1);
     (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c->socket.get(), nullptr);
     (void)::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c->doorbell.get(), nullptr);
+    c->dropped.store(true);
     MOE_LOG_INFO("shard {}: shm data-plane client {} ({}) gone: {}", options_.shard, c->id, c->node,
                  std::string(why));
+    return true;
   }
 
   bool DrainIfFree(const std::shared_ptr<Client>& c) {
@@ -298,11 +313,10 @@ class ShmServerHalf final : public ServerHalf {
   // Copies each request out of the ring, frees its place, and hands the copy to the core.
   bool DrainLocked(Client& c) {
     bool any = false;
-    for (int n = 0; n < kMaxPerDrain; ++n) {
+    for (int n = 0; n < kMaxPerDrain && !c.dropped.load(); ++n) {
       absl::StatusOr<std::optional<dataplane::ShmRecord>> r = c.requests.Peek();
       if (!r.ok()) {
-        Count("message_rejected");
-        DropConn(c.conn, r.status().message());
+        if (DropConn(c.conn, r.status().message())) Count("message_rejected");
         return any;
       }
       if (!r->has_value()) return any;
@@ -361,7 +375,9 @@ class ShmServerHalf final : public ServerHalf {
   dataplane::UnixListener listener_;
   OwnedFd epoll_, stop_fd_;
   std::atomic<bool> stop_{false};
-  std::atomic<int> polling_{0};  // compute threads in PollUntil (they read the rings)
+  std::atomic<int> polling_{0};
+  std::atomic<uint64_t> generation_{0};  // changes when a client comes or goes  // compute threads
+                                         // in PollUntil (they read the rings)
   std::thread thread_;
   // The loop's thread only: connections that have not said hello yet.
   struct Pending {
