@@ -16,7 +16,7 @@
 //
 //   scripts/bench.sh --cluster    or
 //   build/tests/hop_bench [--preset mid] [--tokens 1,8,32,128,256] [--peers 1,2,4]
-//                         [--senders 1,2,4,8] [--data_planes ucx_shm,ucx_tcp,grpc]
+//                         [--senders 1,2,4,8] [--data_planes shm,ucx_shm,ucx_tcp,grpc]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "attention-svc/dataplane/registry.h"
 #include "attention-svc/dataplane/ucx/expert_channel_ucx.h"
 #include "attention-svc/expert_channel_grpc.h"
 #include "expert-svc/expert_server.h"
@@ -57,16 +58,26 @@ std::vector<int64_t> Ints(const std::string& list) {
   return out;
 }
 
-// The attention side of one sender: a worker (UCX lanes) and a channel to each shard.
+// The attention side of one sender: a worker (UCX lanes) or a backend's client half (shm), and
+// a channel to each shard.
 struct Sender {
   std::unique_ptr<dataplane::UcxWorker> worker;
-  std::vector<std::unique_ptr<attention_svc::ExpertChannel>> channels;
+  std::unique_ptr<attention_svc::ClientHalf> half;
+  std::vector<std::shared_ptr<attention_svc::ExpertChannel>> channels;
 };
 
+// tls "shm": the shm backend's half; empty: gRPC in band; else UCX with that UCX_TLS.
 absl::StatusOr<Sender> MakeSender(const std::string& tls, const std::vector<std::string>& endpoints,
                                   const std::string& node, int poll_max_us) {
   Sender s;
-  if (!tls.empty()) {
+  if (tls == "shm") {
+    attention_svc::ClientHalfOptions ho;
+    ho.node = node;
+    ho.poll_spin_max = std::chrono::microseconds(poll_max_us);
+    auto half = attention_svc::StartClientHalf("shm", ho);
+    if (!half.ok()) return half.status();
+    s.half = std::move(*half);
+  } else if (!tls.empty()) {
     dataplane::UcxOptions uo;
     uo.tls = tls;
     uo.name = node;
@@ -87,8 +98,12 @@ absl::StatusOr<Sender> MakeSender(const std::string& tls, const std::vector<std:
       co.max_message_bytes = 1 << 30;
       co.node = node;
       co.fallback_in_band = false;
-      s.channels.push_back(
-          std::make_unique<attention_svc::UcxExpertChannel>(std::move(co), s.worker.get()));
+      if (s.half != nullptr) {
+        s.channels.push_back(s.half->MakeChannel(std::move(co)));
+      } else {
+        s.channels.push_back(
+            std::make_unique<attention_svc::UcxExpertChannel>(std::move(co), s.worker.get()));
+      }
     }
   }
   return s;
@@ -111,7 +126,7 @@ bool Hop(Sender& s, int peers, const testing::EchoBatch& b) {
 
 struct Options {
   std::string preset = "mid", tokens_list = "1,8,32,128,256", peers_list = "1,2,4",
-              senders_list = "1,2,4,8", planes = "ucx_shm,ucx_tcp,grpc";
+              senders_list = "1,2,4,8", planes = "shm,ucx_shm,ucx_tcp,grpc";
   double seconds = 1;
   int64_t sender_tokens = 8, layers = 92;
   bool raw = true;
@@ -135,12 +150,13 @@ double HopRow(Sender& sender, const ModelConfig& cfg, const Options& o, const st
   }
   double raw_rtt = -1, worker_rtt = -1;
   if (!tls.empty() && p == 1) {
+    const std::string raw_tls = tls == "shm" ? "posix" : tls;
     if (o.raw) {
-      const auto lz = bench::PerfTest(tls, "tag_lat", zb, (*port)++);
-      const auto ly = bench::PerfTest(tls, "tag_lat", yb, (*port)++);
+      const auto lz = bench::PerfTest(raw_tls, "tag_lat", zb, (*port)++);
+      const auto ly = bench::PerfTest(raw_tls, "tag_lat", yb, (*port)++);
       if (lz.first > 0 && ly.first > 0) raw_rtt = lz.first + ly.first;
     }
-    worker_rtt = bench::WorkerRoundTripUs(tls, zb, yb, std::min(o.seconds, 0.5));
+    worker_rtt = bench::WorkerRoundTripUs(raw_tls, zb, yb, std::min(o.seconds, 0.5));
   }
   const double p50 = Percentile(us, 0.5), p99 = Percentile(us, 0.99);
   auto num = [](double v) { return v > 0 ? absl::StrFormat("%.1f", v) : std::string("-"); };
@@ -231,15 +247,20 @@ void Goodput(const ModelConfig& cfg, const Options& o, const std::string& plane,
 
 // One lane: echo shards in this process, the hop table, then the goodput table.
 absl::Status Lane(const ModelConfig& cfg, const Options& o, const std::string& plane, int* port) {
-  const std::string tls = plane == "ucx_shm" ? "posix" : plane == "ucx_tcp" ? "tcp" : "";
-  if (!tls.empty() && !dataplane::UcxBuilt()) return absl::OkStatus();
+  // shm: the project's memfd rings; its raw columns are UCX shared memory's.
+  const std::string tls = plane == "ucx_shm"   ? "posix"
+                          : plane == "ucx_tcp" ? "tcp"
+                          : plane == "shm"     ? "shm"
+                                               : "";
+  if (!tls.empty() && tls != "shm" && !dataplane::UcxBuilt()) return absl::OkStatus();
   const std::vector<int64_t> ts = Ints(o.tokens_list), ps = Ints(o.peers_list);
   const int max_peers = static_cast<int>(*std::max_element(ps.begin(), ps.end()));
   std::vector<std::unique_ptr<expert_svc::ExpertServer>> shards;
   std::vector<std::string> endpoints;
   for (int i = 0; i < max_peers; ++i) {
-    expert_svc::ExpertServerOptions so =
-        testing::EchoServerOptions(o.preset, cfg.top_k, tls, absl::StrFormat("echo-%d", i));
+    expert_svc::ExpertServerOptions so = testing::EchoServerOptions(
+        o.preset, cfg.top_k, tls == "shm" ? "" : tls, absl::StrFormat("echo-%d", i));
+    if (tls == "shm") so.data_plane = dataplane::DataPlane{"shm"};
     so.ucx_poll_max_us = o.poll_max_us;
     auto s = expert_svc::ExpertServer::Start(so);
     if (!s.ok()) return s.status();
@@ -278,7 +299,8 @@ int Main(int argc, char** argv) {
   f.String("peers", &o.peers_list, "shards one hop reaches (P)");
   f.String("senders", &o.senders_list, "senders hitting one shard at once (goodput)");
   f.Int64("sender_tokens", &o.sender_tokens, "T of the senders' batches");
-  f.String("data_planes", &o.planes, "ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp), grpc");
+  f.String("data_planes", &o.planes,
+           "ucx_shm (UCX_TLS posix), ucx_tcp (UCX_TLS tcp), grpc, shm (the project's memfd rings)");
   f.Double("seconds", &o.seconds, "seconds per point (after 3 warm-up hops)");
   f.Int64("layers", &o.layers, "MoE layers of the projected decode step (K3: 92)");
   f.Bool("raw", &o.raw, "also run ucx_perftest for the raw transport");

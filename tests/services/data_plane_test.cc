@@ -163,6 +163,47 @@ TEST_F(ClusterDataPlane, KillingAShardMidTransferIsNamedAndRecovered) {
       2);
 }
 
+// The project's shared-memory lane (--data_plane=shm on every service, docs/data-plane.md "The
+// shm data plane") in a real cluster: answers bit-exact with the in-process layer, every byte on
+// shm (none in band); under a kill -9 of a shard, answers bit-exact or failed naming it, none
+// hung; after the restart the node opens the lane again (a second "connected").
+TEST_F(ClusterDataPlane, TheShmLaneServesBitExactAndRecoversFromAKill) {
+  UsePreset("mid", {{0, 40}, {40, 128}});
+  options().router_args = {"--heartbeat_interval_ms=200"};
+  options().expert_args = {"--data_plane=shm"};
+  options().attention_args = {"--data_plane=shm"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster());
+  constexpr int64_t kRows = 64;
+  ShardFailureTraffic t(*this, "shard-1", 3, kRows);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  const int ok_before = t.ok.load();
+  ASSERT_TRUE(cluster().SignalShard(1, SIGKILL).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  t.Stop();
+  std::printf(
+      "[shm kill] ok %d (before the kill %d), wrong %d, failed naming shard-1 %d, "
+      "other failures %d, hung %d\n",
+      t.ok.load(), ok_before, t.wrong.load(), t.named.load(), t.unnamed.load(), t.hung.load());
+  EXPECT_GT(ok_before, 0);
+  EXPECT_EQ(t.wrong.load(), 0);
+  EXPECT_EQ(t.hung.load(), 0);
+  EXPECT_GT(t.named.load(), 0) << "the kill must have been in the path";
+  EXPECT_EQ(t.unnamed.load(), 0) << t.first_unnamed;
+
+  ASSERT_TRUE(cluster().RestartShard(1).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectServedAgain(t.x(0), kRows, t.want(0)));
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_GT(
+        ShardMetric(i, "moe_wire_bytes_total", {"direction=\"received\"", "transport=\"shm\""}), 0)
+        << "shard-" << i << " on shm";
+  }
+  EXPECT_GT(AttentionMetric("moe_wire_bytes_total", {"peer=\"expert\"", "transport=\"shm\""}), 0);
+  EXPECT_EQ(AttentionMetric("moe_wire_bytes_total", {"peer=\"expert\"", "transport=\"grpc\""}), 0);
+  EXPECT_GE(
+      AttentionMetric("moe_data_plane_events_total", {"shard=\"shard-1\"", "event=\"connected\""}),
+      2);
+}
+
 // A shard that is only slow keeps its data plane: a short-deadline request queued behind a
 // long one (as a readiness canary behind a K3 prefill) fails at its deadline naming the shard,
 // and the long one, still on its way, is answered bit-exact on the same connection; the node
