@@ -46,7 +46,7 @@ class MessageReply final : public BatchReply {
 
   uint8_t* OutputBuffer(size_t bytes) override {
     if (static_cast<int64_t>(bytes) != reply_bytes_) return nullptr;  // Send says why
-    buffer_ = data_plane_->NewReplyBuffer(bytes);
+    buffer_ = data_plane_->NewReplyBuffer(from_, bytes);
     return buffer_ != nullptr ? buffer_->payload() : nullptr;
   }
 

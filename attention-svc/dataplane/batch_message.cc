@@ -109,8 +109,18 @@ ExpertReply ReplyRows(const void* payload, int64_t rows, int64_t latent, bool f3
 absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& b,
                                            const char* d, size_t n, uint32_t header_bytes,
                                            std::shared_ptr<const void> buffer) {
+  if (header_bytes > n) {
+    return absl::InternalError(absl::StrCat(who, " sent a reply header that does not parse"));
+  }
+  return ReadBatchReply(who, b, std::string_view(d, header_bytes), d + header_bytes,
+                        n - header_bytes, std::move(buffer));
+}
+
+absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& b,
+                                           std::string_view header, const char* rows_at,
+                                           size_t rows_bytes, std::shared_ptr<const void> buffer) {
   v1::DispatchReply reply;
-  if (header_bytes > n || !reply.ParseFromArray(d, static_cast<int>(header_bytes))) {
+  if (!reply.ParseFromArray(header.data(), static_cast<int>(header.size()))) {
     return absl::InternalError(absl::StrCat(who, " sent a reply header that does not parse"));
   }
   MOE_RETURN_IF_ERROR(transport::BatchStatus(reply, who));
@@ -118,7 +128,7 @@ absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplySh
   const bool f32 = b.mode == ReplyMode::kPartialSum;
   const int64_t rows = f32 ? b.tokens : b.rows;
   const int64_t want = b.bytes();
-  const int64_t got = static_cast<int64_t>(n) - header_bytes;
+  const int64_t got = static_cast<int64_t>(rows_bytes);
   const v1::Tensor& t = reply.outputs();
   if (!reply.out_of_band() || t.dtype() != (f32 ? v1::DTYPE_F32 : v1::DTYPE_BF16) ||
       t.shape_size() != 2 || t.shape(0) != rows || t.shape(1) != b.latent ||
@@ -128,7 +138,7 @@ absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplySh
         t.shape_size() > 0 ? t.shape(0) : -1, ", ", t.shape_size() > 1 ? t.shape(1) : -1,
         "] (expected ", want, " bytes, [", rows, ", ", b.latent, "])"));
   }
-  return ReplyRows(d + header_bytes, rows, b.latent, f32, std::move(buffer));
+  return ReplyRows(rows_at, rows, b.latent, f32, std::move(buffer));
 }
 
 }  // namespace moe::attention_svc

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -67,6 +68,13 @@ ReplyShape ShapeOf(const DispatchHeader& header, const DispatchMessage& m);
 // read in place when `buffer` keeps the message alive (the reply holds it), else copied.
 absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& shape,
                                            const char* message, size_t n, uint32_t header_bytes,
+                                           std::shared_ptr<const void> buffer = nullptr);
+
+// The same, with the header and the rows apart (the header already copied where the rows are
+// read in place from memory a peer may still write: shm's ring).
+absl::StatusOr<ExpertReply> ReadBatchReply(const std::string& who, const ReplyShape& shape,
+                                           std::string_view header, const char* rows_at,
+                                           size_t rows_bytes,
                                            std::shared_ptr<const void> buffer = nullptr);
 
 // A call that failed before anything left (no data plane where one is required, no buffer, a

@@ -94,9 +94,12 @@ class ServerHalf {
   // nothing.
   virtual absl::Status ReplyBatch(const BatchSource& to, std::string_view header,
                                   std::string_view payload, absl::Time deadline) = 0;
-  // Where a reply's payload of `bytes` can be written so that ReplyBatchFrom sends it without
-  // a copy; null where the backend has no such place (ReplyBatch copies the payload).
-  virtual std::unique_ptr<ReplyBuffer> NewReplyBuffer(size_t bytes) { return nullptr; }
+  // Where the payload of `bytes` of a reply to `to` can be written so that ReplyBatchFrom sends
+  // it without a copy (UCX: a registered buffer; shm: its slot in the client's reply ring);
+  // null where the backend has no such place now (ReplyBatch copies the payload).
+  virtual std::unique_ptr<ReplyBuffer> NewReplyBuffer(const BatchSource& to, size_t bytes) {
+    return nullptr;
+  }
   // ReplyBatch of a payload already written into `filled` (this half's NewReplyBuffer).
   virtual absl::Status ReplyBatchFrom(const BatchSource& to, std::string_view header,
                                       std::unique_ptr<ReplyBuffer> filled, absl::Time deadline);

@@ -81,41 +81,67 @@ absl::StatusOr<ShmRing::Slot> ShmRing::Reserve(size_t header_bytes, uint64_t pay
   }
   const uint64_t rec = RecordBytes(header_bytes, payload_bytes);
   const uint64_t tail = tail_->load(std::memory_order_acquire);
-  const uint64_t used = mine_ - tail;
-  if (used > capacity_ || tail % kShmRecordAlign != 0) {
+  // The reader can have freed only what was published.
+  if (mine_ - tail > capacity_ || tail % kShmRecordAlign != 0) {
     return Corrupt(absl::StrCat("the reader's position ", tail, " against the writer's ", mine_));
   }
-  const uint64_t off = mine_ % capacity_;
+  const uint64_t used = read_ - tail;
+  const uint64_t off = read_ % capacity_;
   const uint64_t pad = off + rec > capacity_ ? capacity_ - off : 0;
   if (used + pad + rec > capacity_) return absl::ResourceExhaustedError("the ring is full");
-  const uint64_t at = (off + pad) % capacity_;
   Slot s;
-  s.header = data_ + at + kShmRecordHeadBytes;
+  s.start = read_;
+  s.header = data_ + (off + pad) % capacity_ + kShmRecordHeadBytes;
   s.payload = s.header + RoundUp(header_bytes);
   s.header_bytes = static_cast<uint32_t>(header_bytes);
   s.payload_bytes = payload_bytes;
   s.pad = pad;
   s.record_bytes = rec;
+  read_ = s.end();
+  open_.emplace_back(read_, false);
   return s;
 }
 
-void ShmRing::Publish(const Slot& s, const ShmRecordHead& h) {
-  const uint64_t off = mine_ % capacity_;
-  if (s.pad != 0) {
-    RecordHead pad{};
-    pad.record_bytes = s.pad;
-    pad.kind = kKindPad;
-    std::memcpy(data_ + off, &pad, sizeof pad);
+uint8_t* ShmRing::HeaderAt(const Slot& s, size_t header_bytes) {
+  return s.payload - RoundUp(header_bytes);
+}
+
+void ShmRing::WriteFiller(uint64_t at, uint64_t bytes) {
+  RecordHead pad{};
+  pad.record_bytes = bytes;
+  pad.kind = kKindPad;
+  std::memcpy(data_ + at % capacity_, &pad, sizeof pad);
+}
+
+bool ShmRing::Complete(uint64_t end) {
+  for (auto& [e, done] : open_) {
+    if (e == end) done = true;
   }
+  const uint64_t before = mine_;
+  while (!open_.empty() && open_.front().second) {
+    mine_ = open_.front().first;
+    open_.pop_front();
+  }
+  return mine_ != before;
+}
+
+void ShmRing::Publish(const Slot& s, const ShmRecordHead& h) { Publish(s, h, s.header_bytes); }
+
+void ShmRing::Publish(const Slot& s, const ShmRecordHead& h, size_t header_bytes) {
+  if (s.pad != 0) WriteFiller(s.start, s.pad);
+  header_bytes = std::min<size_t>(header_bytes, s.header_bytes);
+  const uint64_t gap = RoundUp(s.header_bytes) - RoundUp(header_bytes);
+  const uint64_t at = s.start + s.pad;
+  if (gap != 0) WriteFiller(at, gap);
   RecordHead head{};
-  head.record_bytes = s.record_bytes;
+  head.record_bytes = s.record_bytes - gap;
   head.kind = kKindRecord;
-  head.header_bytes = s.header_bytes;
+  head.header_bytes = static_cast<uint32_t>(header_bytes);
   head.payload_bytes = s.payload_bytes;
   head.token = h.token;
   head.sequence = h.sequence;
-  std::memcpy(data_ + (off + s.pad) % capacity_, &head, sizeof head);
-  mine_ += s.pad + s.record_bytes;
+  std::memcpy(data_ + (at + gap) % capacity_, &head, sizeof head);
+  if (!Complete(s.end())) return;  // an earlier slot is still being filled
   head_->store(mine_, std::memory_order_release);
   // Either the consumer sees the new position when it looks again after saying it sleeps, or
   // this sees that it sleeps (both sides fence between their store and their load).
@@ -123,24 +149,33 @@ void ShmRing::Publish(const Slot& s, const ShmRecordHead& h) {
   if (sleeping_->load(std::memory_order_relaxed) != 0) dataplane::Ring(doorbell_);
 }
 
+void ShmRing::Abandon(const Slot& s) {
+  if (s.pad != 0) WriteFiller(s.start, s.pad);
+  WriteFiller(s.start + s.pad, s.record_bytes);
+  if (!Complete(s.end())) return;
+  head_->store(mine_, std::memory_order_release);
+}
+
 absl::StatusOr<std::optional<ShmRecord>> ShmRing::Peek() {
-  for (int i = 0; i < 2; ++i) {
+  // Fillers are skipped as they come; each is at least 64 bytes, so this ends within a ring.
+  for (;;) {
     const uint64_t head = head_->load(std::memory_order_acquire);
-    const uint64_t avail = head - mine_;
+    const uint64_t avail = head - read_;
     if (avail == 0) return std::nullopt;
-    if (avail > capacity_ || avail % kShmRecordAlign != 0) {
-      return Corrupt(absl::StrCat("the writer's position ", head, " against the reader's ", mine_));
+    if (avail > capacity_ - (read_ - mine_) || avail % kShmRecordAlign != 0) {
+      return Corrupt(absl::StrCat("the writer's position ", head, " against the reader's ", read_));
     }
-    const uint64_t off = mine_ % capacity_;
+    const uint64_t off = read_ % capacity_;
     RecordHead h;
     std::memcpy(&h, data_ + off, sizeof h);  // read once; checked on this copy only
     if (h.record_bytes < kShmRecordHeadBytes || h.record_bytes % kShmRecordAlign != 0 ||
         h.record_bytes > avail || off + h.record_bytes > capacity_) {
       return Corrupt(absl::StrCat("a record of ", h.record_bytes, " bytes at ", off));
     }
-    if (h.kind == kKindPad && i == 0) {
-      mine_ += h.record_bytes;
-      tail_->store(mine_, std::memory_order_release);
+    if (h.kind == kKindPad) {
+      read_ += h.record_bytes;
+      open_.emplace_back(read_, true);
+      if (Complete(read_)) tail_->store(mine_, std::memory_order_release);
       continue;
     }
     if (h.kind != kKindRecord || h.header_bytes > kMaxHeaderBytes || h.payload_bytes > capacity_ ||
@@ -156,17 +191,18 @@ absl::StatusOr<std::optional<ShmRecord>> ShmRing::Peek() {
     r.payload = r.header + RoundUp(h.header_bytes);
     r.payload_bytes = h.payload_bytes;
     r.record_bytes = h.record_bytes;
+    read_ += h.record_bytes;
+    r.end = read_;
+    open_.emplace_back(read_, false);
     return r;
   }
-  return Corrupt("two fillers in a row");
 }
 
 void ShmRing::Release(const ShmRecord& r) {
-  mine_ += r.record_bytes;
-  tail_->store(mine_, std::memory_order_release);
+  if (Complete(r.end)) tail_->store(mine_, std::memory_order_release);
 }
 
-bool ShmRing::MaybeReady() const { return head_->load(std::memory_order_acquire) != mine_; }
+bool ShmRing::MaybeReady() const { return head_->load(std::memory_order_acquire) != read_; }
 
 void ShmRing::SetSleeping(bool sleeping) {
   sleeping_->store(sleeping ? 1 : 0, std::memory_order_relaxed);

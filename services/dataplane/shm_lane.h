@@ -24,9 +24,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -86,6 +88,7 @@ struct ShmRecord {
   const uint8_t* payload = nullptr;  // 64-byte aligned
   uint64_t payload_bytes = 0;
   uint64_t record_bytes = 0;  // what Release frees
+  uint64_t end = 0;           // its end in the ring's stream (Release's key)
 };
 
 struct ShmRecordHead {
@@ -98,27 +101,43 @@ class ShmRing {
   struct Slot {
     uint8_t* header = nullptr;
     uint8_t* payload = nullptr;  // 64-byte aligned
-    uint32_t header_bytes = 0;
+    uint32_t header_bytes = 0;   // the header's room (at `header` when it is all used)
     uint64_t payload_bytes = 0;
+    uint64_t start = 0;                  // the slot's position in the ring's stream
     uint64_t pad = 0, record_bytes = 0;  // the wrap's filler before it, and its own size
+    uint64_t end() const { return start + pad + record_bytes; }
   };
   ShmRing() = default;
 
   // The bytes a record of these sizes takes in the ring.
   static uint64_t RecordBytes(size_t header_bytes, uint64_t payload_bytes);
 
-  // Producer. RESOURCE_EXHAUSTED while the ring lacks room (the consumer frees it as it reads);
+  // Producer. Slots are handed out in ring order and may be filled in any order; each becomes
+  // visible once it and every slot before it are published or abandoned.
+  // RESOURCE_EXHAUSTED while the ring lacks room (the consumer frees it as it reads);
   // OUT_OF_RANGE for a record larger than half the ring (it would never fit); DATA_LOSS when the
   // consumer's position is impossible (the peer broke the region).
   absl::StatusOr<Slot> Reserve(size_t header_bytes, uint64_t payload_bytes);
-  // Makes the reserved record visible, then wakes the consumer if it sleeps.
+  // Where a header of `header_bytes` (at most the slot's room) goes so that it ends where the
+  // payload starts.
+  static uint8_t* HeaderAt(const Slot& slot, size_t header_bytes);
+  // Publishes the record (its header of `header_bytes`, at most the room reserved, written at
+  // HeaderAt; the room it did not use becomes a filler before it), then wakes the consumer if
+  // it sleeps and the record became visible.
   void Publish(const Slot& slot, const ShmRecordHead& head);
+  void Publish(const Slot& slot, const ShmRecordHead& head, size_t header_bytes);
+  // A slot that will carry nothing: fillers, so that the slots after it are not held back.
+  void Abandon(const Slot& slot);
 
-  // Consumer. The next record, nullopt while there is none, DATA_LOSS for anything a producer
-  // keeping the protocol cannot write (the caller drops the connection).
+  // Consumer. The next record after the last one returned (nullopt while there is none;
+  // fillers are skipped), DATA_LOSS for anything a producer keeping the protocol cannot write
+  // (the caller drops the connection).
   absl::StatusOr<std::optional<ShmRecord>> Peek();
-  // Frees the record Peek returned (in order).
+  // Frees a record Peek returned, in any order: the ring's space is freed up to the oldest one
+  // still held.
   void Release(const ShmRecord& record);
+  // Bytes returned by Peek and not yet freed.
+  uint64_t held() const { return read_ - mine_; }
   // Whether a record may be waiting (cheap: one load).
   bool MaybeReady() const;
   // The consumer says whether it sleeps (the producer then rings its doorbell).
@@ -128,13 +147,20 @@ class ShmRing {
 
  private:
   friend class ShmRegion;
+  // Marks the slot or record ending at `end` done, and moves `mine_` over the done ones.
+  bool Complete(uint64_t end);
+  void WriteFiller(uint64_t at, uint64_t bytes);
+
   uint8_t* data_ = nullptr;
   uint64_t capacity_ = 0;
   std::atomic<uint64_t>* head_ = nullptr;      // the producer's position (it writes)
   std::atomic<uint64_t>* tail_ = nullptr;      // the consumer's position (it writes)
   std::atomic<uint32_t>* sleeping_ = nullptr;  // the consumer sleeps on its doorbell
   int doorbell_ = -1;                          // the consumer's eventfd (the producer writes it)
-  uint64_t mine_ = 0;                          // this side's own position, never read back
+  // This side's own positions, never read back from the region: published (producer) or freed
+  // (consumer); reserved (producer) or read (consumer); and the slots or records in between.
+  uint64_t mine_ = 0, read_ = 0;
+  std::deque<std::pair<uint64_t, bool>> open_;  // (end, done), in ring order
 };
 
 // The mapped region: a control page, then the ring to the shard, then the ring to the node.

@@ -41,7 +41,7 @@ bool SocketClosed(int fd) {
 
 // One opened data plane to a shard: the region, its rings, and the replies read from it for
 // the calls that wait.
-struct Conn {
+struct Conn : std::enable_shared_from_this<Conn> {
   std::string who, shard;
   uint64_t client_id = 0;
   dataplane::ShmRegion region;
@@ -58,11 +58,14 @@ struct Conn {
   struct Reply {
     bool arrived = false, recorded = false;
     uint64_t sequence = 0;
-    std::shared_ptr<void> buffer;
-    const char* message = nullptr;
-    size_t n = 0;
-    uint32_t header_bytes = 0;
+    std::string header;          // copied out of the ring
+    const char* rows = nullptr;  // in the ring (held) or in a buffer of its own
+    size_t rows_bytes = 0;
+    std::shared_ptr<void> buffer;  // keeps `rows`: frees the ring's record, or the copy
   };
+  // The reply ring's reader state: Drain (one waiter at a time) and the replies' buffers, freed
+  // from any thread. Taken after `mu`, never before it.
+  std::mutex ring_mu;
   std::mutex mu;  // below
   std::condition_variable cv;
   std::map<uint64_t, Reply> inbox;  // by token; an entry per batch in flight
@@ -137,39 +140,50 @@ struct Conn {
   bool Drain() {
     bool any = false;
     for (int i = 0; i < 64; ++i) {
-      absl::StatusOr<std::optional<dataplane::ShmRecord>> r = replies.Peek();
-      if (!r.ok()) {
-        if (on_event) on_event(shard, "integrity_failed");
-        std::lock_guard<std::mutex> l(mu);
-        broken = true;
-        return true;
-      }
-      if (!r->has_value()) break;
-      any = true;
-      const dataplane::ShmRecord rec = **r;
       Reply got;
-      if (rec.header_bytes <= dataplane::kMaxReplyHeaderBytes) {
-        const size_t lead = (rec.header_bytes + 63) / 64 * 64;
-        got.buffer.reset(
-            std::aligned_alloc(64, std::max<size_t>(64, lead + (rec.payload_bytes + 63) / 64 * 64)),
-            std::free);
+      uint64_t token = 0;
+      {
+        std::lock_guard<std::mutex> ring(ring_mu);
+        absl::StatusOr<std::optional<dataplane::ShmRecord>> r = replies.Peek();
+        if (!r.ok()) {
+          if (on_event) on_event(shard, "integrity_failed");
+          std::lock_guard<std::mutex> l(mu);
+          broken = true;
+          return true;
+        }
+        if (!r->has_value()) break;
+        any = true;
+        const dataplane::ShmRecord rec = **r;
+        token = rec.token;
+        if (rec.header_bytes <= dataplane::kMaxReplyHeaderBytes) {
+          got.arrived = true;
+          got.sequence = rec.sequence;
+          got.header.assign(reinterpret_cast<const char*>(rec.header), rec.header_bytes);
+          got.rows_bytes = rec.payload_bytes;
+          // Read in place while the replies held leave the shard half the ring; else copied.
+          if (replies.held() <= replies.capacity() / 2) {
+            got.rows = reinterpret_cast<const char*>(rec.payload);
+            got.buffer = std::shared_ptr<void>(const_cast<uint8_t*>(rec.payload),
+                                               [self = shared_from_this(), rec](void*) {
+                                                 std::lock_guard<std::mutex> ring(self->ring_mu);
+                                                 self->replies.Release(rec);
+                                               });
+          } else {
+            got.buffer.reset(
+                std::aligned_alloc(64, std::max<size_t>(64, (rec.payload_bytes + 63) / 64 * 64)),
+                std::free);
+            if (got.buffer != nullptr)
+              std::memcpy(got.buffer.get(), rec.payload, rec.payload_bytes);
+            got.rows = static_cast<const char*>(got.buffer.get());
+            got.arrived = got.buffer != nullptr;
+            replies.Release(rec);
+          }
+        } else {
+          replies.Release(rec);
+        }
       }
-      if (got.buffer != nullptr) {
-        const size_t lead = (rec.header_bytes + 63) / 64 * 64;
-        auto* base = static_cast<char*>(got.buffer.get());
-        std::memcpy(base + lead - rec.header_bytes, rec.header, rec.header_bytes);
-        std::memcpy(base + lead, rec.payload, rec.payload_bytes);
-        got = Reply{true,
-                    false,
-                    rec.sequence,
-                    got.buffer,
-                    base + lead - rec.header_bytes,
-                    rec.header_bytes + rec.payload_bytes,
-                    rec.header_bytes};
-      }
-      replies.Release(rec);
       std::lock_guard<std::mutex> l(mu);
-      auto it = inbox.find(rec.token);
+      auto it = inbox.find(token);
       if (got.arrived && it != inbox.end() && !it->second.arrived) it->second = std::move(got);
     }
     if (any) {
@@ -231,7 +245,7 @@ class ShmCall final : public ExpertCall {
       return absl::DataLossError(
           absl::StrCat(c_->who, ": a reply for batch ", r.sequence, " came for batch ", sequence_));
     }
-    return ReadBatchReply(c_->who, shape_, r.message, r.n, r.header_bytes, r.buffer);
+    return ReadBatchReply(c_->who, shape_, r.header, r.rows, r.rows_bytes, r.buffer);
   }
 
  private:

@@ -46,6 +46,24 @@ struct Client {
   std::atomic<bool> dropped{false};  // its rings are read no more
 };
 
+// A reply's slot in its client's ring, reserved before the outputs are computed into it:
+// published by ReplyBatchFrom, or given up (a filler) if it is dropped unsent.
+class ShmReplyBuffer final : public ReplyBuffer {
+ public:
+  ShmReplyBuffer(std::shared_ptr<Client> c, dataplane::ShmRing::Slot slot)
+      : client(std::move(c)), slot(slot) {}
+  ~ShmReplyBuffer() override {
+    if (sent) return;
+    std::lock_guard<std::mutex> lock(client->tx_mu);
+    client->replies.Abandon(slot);
+  }
+  uint8_t* payload() override { return slot.payload; }
+
+  const std::shared_ptr<Client> client;
+  const dataplane::ShmRing::Slot slot;
+  bool sent = false;
+};
+
 class ShmServerHalf final : public ServerHalf {
  public:
   explicit ShmServerHalf(ServerHalfOptions o)
@@ -121,6 +139,34 @@ class ShmServerHalf final : public ServerHalf {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 10 : 200));
     }
+  }
+
+  std::unique_ptr<ReplyBuffer> NewReplyBuffer(const BatchSource& to, size_t bytes) override {
+    std::shared_ptr<Client> c = ById(to.client_id);
+    if (c == nullptr) return nullptr;
+    std::lock_guard<std::mutex> lock(c->tx_mu);
+    // Room for the largest header: the one sent may be shorter (a filler takes the rest).
+    absl::StatusOr<dataplane::ShmRing::Slot> s =
+        c->replies.Reserve(dataplane::kMaxReplyHeaderBytes, bytes);
+    if (!s.ok()) return nullptr;  // full now: ReplyBatch waits for room, and copies
+    return std::make_unique<ShmReplyBuffer>(std::move(c), *s);
+  }
+
+  absl::Status ReplyBatchFrom(const BatchSource& to, std::string_view header,
+                              std::unique_ptr<ReplyBuffer> filled, absl::Time deadline) override {
+    auto* mine = dynamic_cast<ShmReplyBuffer*>(filled.get());
+    if (mine == nullptr || mine->client->id != to.client_id) {
+      return ServerHalf::ReplyBatchFrom(to, header, nullptr, deadline);
+    }
+    if (header.size() > dataplane::kMaxReplyHeaderBytes) {
+      return absl::InternalError(absl::StrCat("a reply header of ", header.size(), " bytes"));
+    }
+    std::lock_guard<std::mutex> lock(mine->client->tx_mu);
+    std::memcpy(dataplane::ShmRing::HeaderAt(mine->slot, header.size()), header.data(),
+                header.size());
+    mine->client->replies.Publish(mine->slot, {to.token, to.sequence}, header.size());
+    mine->sent = true;
+    return absl::OkStatus();
   }
 
   std::string lanes() const override {

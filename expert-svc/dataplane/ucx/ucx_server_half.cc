@@ -155,7 +155,7 @@ class UcxServerHalf final : public ServerHalf {
                           absl::Time deadline) override {
     return ucx_->ReplyBatch(to, header, payload, deadline, nullptr);
   }
-  std::unique_ptr<ReplyBuffer> NewReplyBuffer(size_t bytes) override {
+  std::unique_ptr<ReplyBuffer> NewReplyBuffer(const BatchSource&, size_t bytes) override {
     absl::StatusOr<std::shared_ptr<dataplane::UcxBuffer>> b = ucx_->ReplyBuffer(bytes);
     if (!b.ok()) return nullptr;  // ReplyBatch then finds none either and says so
     return std::make_unique<UcxReplyBuffer>(std::move(*b), bytes);
