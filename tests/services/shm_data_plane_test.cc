@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -460,6 +461,61 @@ TEST(ShmDataPlane, AMemberThatBreaksItsRingsLosesOnlyItsConnection) {
   grpc::ClientContext ctx;
   v1::ExpertServerInfo info;
   EXPECT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok()) << "the shard is up";
+}
+
+// The node's side of a ring a shard broke: this process is the node, so the test maps the
+// channel's own memfd (found in /proc/self/fd) and keeps writing an impossible position into
+// the ring back while a batch waits. The batch fails naming the shard (counted
+// "integrity_failed"), nothing crashes, and the next batch opens a new region, bit-exact.
+TEST(ShmDataPlane, ANodeWhoseReplyRingBreaksFailsThatBatchAndOpensAgain) {
+  const ModelConfig cfg = *PresetConfig("mid");
+  ShmShard shard = StartShmShard(cfg);
+  auto half = attention_svc::StartClientHalf("shm", {});
+  ASSERT_TRUE(half.ok());
+  std::vector<std::string> events;
+  std::mutex events_mu;
+  attention_svc::ChannelOptions co = ChannelTo(shard, false);
+  co.on_event = [&](const std::string&, const std::string& e) {
+    std::lock_guard<std::mutex> lock(events_mu);
+    events.push_back(e);
+  };
+  std::shared_ptr<attention_svc::ExpertChannel> shm = (*half)->MakeChannel(co);
+  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 16);
+  ASSERT_TRUE(shm->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30)).ok());
+  // The channel's region: the one memfd of that name this process holds.
+  void* mapped = nullptr;
+  size_t bytes = 0;
+  for (int fd = 0; fd < 4096 && mapped == nullptr; ++fd) {
+    char link[128] = {};
+    const std::string path = "/proc/self/fd/" + std::to_string(fd);
+    const ssize_t n = ::readlink(path.c_str(), link, sizeof link - 1);
+    if (n <= 0 || std::string(link).find("memfd:moe-shm-data-plane") == std::string::npos) continue;
+    bytes = dataplane::kShmControlBytes + 2 * attention_svc::kShmClientRing;
+    mapped = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mapped == MAP_FAILED) mapped = nullptr;
+  }
+  ASSERT_NE(mapped, nullptr) << "the channel's memfd";
+  std::atomic<bool> stop{false};
+  std::thread breaker([&] {
+    auto* head = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint8_t*>(mapped) +
+                                                          dataplane::kShmToNodeHead);
+    for (int i = 0; i < 100000000 && !stop.load(std::memory_order_relaxed); ++i) {
+      head->store(uint64_t{1} << 40, std::memory_order_relaxed);
+    }
+  });
+  auto broken = shm->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
+  stop.store(true);
+  breaker.join();
+  ::munmap(mapped, bytes);
+  EXPECT_FALSE(broken.ok());
+  EXPECT_NE(broken.status().message().find("echo-0"), std::string::npos) << broken.status();
+  for (int i = 0; i < 3; ++i) {
+    auto r = shm->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(WrongRows(b, *r, cfg.latent), 0u);
+  }
+  std::lock_guard<std::mutex> lock(events_mu);
+  EXPECT_EQ(events, (std::vector<std::string>{"connected", "integrity_failed", "connected"}));
 }
 
 }  // namespace
