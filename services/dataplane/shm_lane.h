@@ -3,8 +3,10 @@
 // and wake each other through eventfds only when the other side said it sleeps. The node makes
 // the memfd and both eventfds and passes them to the shard over a Unix socket, in a hello that
 // carries the client's secret from the authenticated OpenDataPlane call; nobody else holds the
-// descriptors, so no byte in the rings is MACed, and each batch is one record each way, with no
-// copy but the writer's into its ring and the reader's out of it.
+// descriptors, so no byte in the rings is MACed, and each batch is one record each way. A
+// writer reserves a slot, fills it (a shard computes a reply into it), and publishes it; slots
+// appear in ring order. A reader frees records in any order (a node holds a reply's record
+// while it reads the rows in place).
 //
 // Each side treats every byte of the region as hostile and changing under it: it keeps its own
 // position privately (never reads it back), reads the peer's position once and bounds it, and

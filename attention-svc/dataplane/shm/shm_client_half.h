@@ -3,7 +3,8 @@
 // each way) and two eventfds handed to the shard in a hello on its Unix socket. A batch is one
 // record written straight into the ring to the shard; the thread that waits for a reply reads
 // the ring from the shard itself (one waiter at a time reads for all, the others sleep until it
-// hands over), spinning a bounded while, then sleeping on its eventfd. A batch or a reply larger
+// hands over), spinning a bounded while, then sleeping on its eventfd; a reply's rows are read
+// in place while the replies held leave half the ring free. A batch or a reply larger
 // than half a ring goes in band (counted "fallback") or fails where in-band is not allowed.
 //
 //   MOE_ASSIGN_OR_RETURN(std::unique_ptr<ClientHalf> h, StartShmClientHalf(options));

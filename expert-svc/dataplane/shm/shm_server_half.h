@@ -3,8 +3,8 @@
 // says hello with its secret and hands over a sealed memfd of two rings and two eventfds. One
 // thread of this half waits on every client's doorbell; the compute thread between batches polls
 // the rings itself. Each request is copied out of the ring into this process's own memory before
-// anything reads it (the node can write the ring at any time), then handed to the core; replies
-// are written into the node's ring. For a node and a shard on one host (a pod's containers, a
+// anything reads it (the node can write the ring at any time), then handed to the core; a
+// reply's outputs are computed into their slot in the node's ring (NewReplyBuffer). For a node and a shard on one host (a pod's containers, a
 // local cluster): nothing leaves the host, and only a process of the same user that holds the
 // secret can say hello.
 //
