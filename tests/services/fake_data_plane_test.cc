@@ -21,6 +21,7 @@
 #include "services/dataplane/fake_wire.h"
 #include "services/dataplane/ucx_worker.h"
 #include "services/transport/channel.h"
+#include "tests/common/backend_shard.h"
 #include "tests/common/echo_shard.h"
 #include "tests/common/metrics_text.h"
 
@@ -53,46 +54,12 @@ TEST(DataPlaneRegistry, BothSidesNameTheSameBackends) {
 }
 
 // An echo shard on the fake data plane, with its metrics.
-struct FakeShard {
-  std::unique_ptr<expert_svc::ExpertServer> server;
-  std::string endpoint, metrics;
-};
-FakeShard StartFakeShard(const ModelConfig& cfg) {
-  expert_svc::ExpertServerOptions o = testing::EchoServerOptions("mid", cfg.top_k, "");
-  o.data_plane = dataplane::DataPlane{"fake"};
-  o.metrics_port = 0;
-  std::string dir = ::testing::TempDir() + "/fake_dp_XXXXXX";
-  o.metrics_port_file = std::string(::mkdtemp(dir.data())) + "/metrics_port";
-  auto server = expert_svc::ExpertServer::Start(o);
-  EXPECT_TRUE(server.ok()) << server.status();
-  FakeShard s;
-  s.server = std::move(*server);
-  s.endpoint = absl::StrCat("127.0.0.1:", s.server->port());
-  int port = 0;
-  std::ifstream(o.metrics_port_file) >> port;
-  s.metrics = absl::StrCat("127.0.0.1:", port);
-  return s;
-}
-
+using FakeShard = testing::BackendShard;
+FakeShard StartFakeShard(const ModelConfig& cfg) { return testing::StartBackendShard(cfg, "fake"); }
 attention_svc::ChannelOptions ChannelTo(const FakeShard& s, bool fallback) {
-  attention_svc::ChannelOptions co;
-  co.shard = "echo-0";
-  co.endpoint = s.endpoint;
-  co.node = "attention-fake";
-  co.max_message_bytes = 1 << 30;
-  co.fallback_in_band = fallback;
-  return co;
+  return testing::BackendChannel(s, "attention-fake", fallback);
 }
-
-// Rows the echo backend answers: each pair's activations.
-size_t WrongRows(const testing::EchoBatch& b, const attention_svc::ExpertReply& r, int64_t d) {
-  const auto& z = b.message.z.bf16();
-  size_t wrong = 0;
-  for (size_t i = 0; i < b.message.row_source.size(); ++i) {
-    wrong += std::memcmp(&r.bf16[i * d], &z[b.message.row_source[i] * d], d * 2) != 0;
-  }
-  return wrong;
-}
+using testing::WrongEchoRows;
 
 TEST(FakeDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
   const ModelConfig cfg = *PresetConfig("mid");
@@ -122,7 +89,7 @@ TEST(FakeDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
     // The request and the reply crossed the wire (and the hello and its ack, the first time).
     EXPECT_GE(dataplane::FakeWire::delivered() - before, 2) << "T " << t;
     ASSERT_EQ(reply->bf16.size() * 2, b.reply_bytes);
-    EXPECT_EQ(WrongRows(b, *reply, cfg.latent), 0u) << "T " << t;
+    EXPECT_EQ(WrongEchoRows(b, *reply, cfg.latent), 0u) << "T " << t;
     auto in = inband.Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(in.ok()) << in.status();
     ASSERT_EQ(in->bf16.size(), reply->bf16.size());
@@ -166,7 +133,7 @@ TEST(FakeDataPlane, StrangersOnTheWireAreDroppedAndCounted) {
   for (int i = 0; i < 3; ++i) {  // the canary, after and between
     auto r = fake->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(WrongRows(b, *r, cfg.latent), 0u);
+    EXPECT_EQ(WrongEchoRows(b, *r, cfg.latent), 0u);
   }
   const std::string fam = "moe_expert_data_plane_events_total";
   EXPECT_EQ(testing::ScrapeSum(shard.metrics, fam, {"event=\"integrity_failed\""}), 1);
@@ -191,7 +158,7 @@ TEST(FakeDataPlane, ANodeOfAnotherBackendGoesInBandOrFailsNamingBoth) {
   auto r = call->Wait(absl::Now() + absl::Seconds(30));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_STREQ(call->transport(), "grpc");
-  EXPECT_EQ(WrongRows(b, *r, cfg.latent), 0u);
+  EXPECT_EQ(WrongEchoRows(b, *r, cfg.latent), 0u);
   EXPECT_EQ(events, std::vector<std::string>{"fallback"});
   auto strict = (*ucx)->MakeChannel(ChannelTo(shard, /*fallback=*/false));
   auto refused = strict->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));

@@ -28,6 +28,7 @@
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/shm_lane.h"
 #include "services/transport/channel.h"
+#include "tests/common/backend_shard.h"
 #include "tests/common/echo_shard.h"
 #include "tests/common/metrics_text.h"
 
@@ -37,63 +38,33 @@ namespace {
 using C = absl::StatusCode;
 using dataplane::OwnedFd;
 
-struct ShmShard {
-  std::unique_ptr<expert_svc::ExpertServer> server;
-  std::string endpoint, metrics;
-};
-ShmShard StartShmShard(const ModelConfig& cfg) {
-  expert_svc::ExpertServerOptions o = testing::EchoServerOptions("mid", cfg.top_k, "");
-  o.data_plane = dataplane::DataPlane{"shm"};
-  o.metrics_port = 0;
-  std::string dir = ::testing::TempDir() + "/shm_dp_XXXXXX";
-  o.metrics_port_file = std::string(::mkdtemp(dir.data())) + "/metrics_port";
-  auto server = expert_svc::ExpertServer::Start(o);
-  EXPECT_TRUE(server.ok()) << server.status();
-  ShmShard s;
-  s.server = std::move(*server);
-  s.endpoint = absl::StrCat("127.0.0.1:", s.server->port());
-  int port = 0;
-  std::ifstream(o.metrics_port_file) >> port;
-  s.metrics = absl::StrCat("127.0.0.1:", port);
-  return s;
-}
-
+using ShmShard = testing::BackendShard;
+ShmShard StartShmShard(const ModelConfig& cfg) { return testing::StartBackendShard(cfg, "shm"); }
 attention_svc::ChannelOptions ChannelTo(const ShmShard& s, bool fallback) {
-  attention_svc::ChannelOptions co;
-  co.shard = "echo-0";
-  co.endpoint = s.endpoint;
-  co.node = "attention-shm";
-  co.max_message_bytes = 1 << 30;
-  co.fallback_in_band = fallback;
-  return co;
+  return testing::BackendChannel(s, "attention-shm", fallback);
 }
-
-size_t WrongRows(const testing::EchoBatch& b, const attention_svc::ExpertReply& r, int64_t d) {
-  const auto& z = b.message.z.bf16();
-  if (r.bf16.size() != b.message.row_source.size() * d) return b.message.row_source.size() + 1;
-  size_t wrong = 0;
-  for (size_t i = 0; i < b.message.row_source.size(); ++i) {
-    wrong += std::memcmp(&r.bf16[i * d], &z[b.message.row_source[i] * d], d * 2) != 0;
-  }
-  return wrong;
-}
+using testing::WrongEchoRows;
 
 double Events(const ShmShard& s, const std::string& event) {
   return testing::ScrapeSum(s.metrics, "moe_expert_data_plane_events_total",
                             {"event=\"" + event + "\""});
 }
 
+// The shard's GetInfo (empty when it does not answer).
+v1::ExpertServerInfo Info(const ShmShard& shard) {
+  auto stub = v1::ExpertService::NewStub(transport::MakeChannel(shard.endpoint));
+  grpc::ClientContext ctx;
+  v1::ExpertServerInfo info;
+  EXPECT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
+  return info;
+}
+
 TEST(ShmDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
   const ModelConfig cfg = *PresetConfig("mid");
   ShmShard shard = StartShmShard(cfg);
-  {
-    auto stub = v1::ExpertService::NewStub(transport::MakeChannel(shard.endpoint));
-    grpc::ClientContext ctx;
-    v1::ExpertServerInfo info;
-    ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
-    EXPECT_EQ(info.data_plane(), "shm");
-    EXPECT_EQ(info.ucx_address().substr(0, 9), "@moe-shm-");
-  }
+  const v1::ExpertServerInfo info = Info(shard);
+  EXPECT_EQ(info.data_plane(), "shm");
+  EXPECT_EQ(info.ucx_address().substr(0, 9), "@moe-shm-");
   auto half = attention_svc::StartClientHalf("shm", {});
   ASSERT_TRUE(half.ok()) << half.status();
   std::vector<std::string> events;
@@ -111,7 +82,7 @@ TEST(ShmDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
     auto reply = call->Wait(absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(reply.ok()) << reply.status();
     EXPECT_STREQ(call->transport(), "shm");
-    EXPECT_EQ(WrongRows(b, *reply, cfg.latent), 0u) << "T " << t;
+    EXPECT_EQ(WrongEchoRows(b, *reply, cfg.latent), 0u) << "T " << t;
     auto in = inband.Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(in.ok()) << in.status();
     ASSERT_EQ(in->bf16.size(), reply->bf16.size());
@@ -133,7 +104,7 @@ TEST(ShmDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
   auto r = call->Wait(absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_STREQ(call->transport(), "grpc");
-  EXPECT_EQ(WrongRows(big, *r, cfg.latent), 0u);
+  EXPECT_EQ(WrongEchoRows(big, *r, cfg.latent), 0u);
 }
 
 // Four threads with batches of mixed sizes in flight on one channel: the rings wrap many times,
@@ -161,7 +132,7 @@ TEST(ShmDataPlane, ManyBatchesInFlightFromManyThreadsEachGetTheirOwnReply) {
           ADD_FAILURE() << r.status();
           continue;
         }
-        wrong += WrongRows(b, *r, cfg.latent) != 0;
+        wrong += WrongEchoRows(b, *r, cfg.latent) != 0;
         bytes += b.reply_bytes;
       }
     });
@@ -264,7 +235,7 @@ struct Canary {
     thread = std::thread([this, ch, &b, d] {
       for (int i = 0; i < 100000 && !stop.load(); ++i) {
         auto r = ch->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
-        if (r.ok() && WrongRows(b, *r, d) == 0) {
+        if (r.ok() && WrongEchoRows(b, *r, d) == 0) {
           ++good;
         } else {
           ++bad;
@@ -278,21 +249,29 @@ struct Canary {
   }
 };
 
-TEST(ShmDataPlane, HellosFromStrangersAndBadDescriptorsFromMembersAreRefused) {
+// A shm shard under attack: a canary channel sending batches throughout, and the shard's address
+// (as GetInfo gives it to members; /proc/net/unix shows it to anyone on the host).
+struct AttackedShard {
   const ModelConfig cfg = *PresetConfig("mid");
   ShmShard shard = StartShmShard(cfg);
-  auto half = attention_svc::StartClientHalf("shm", {});
-  ASSERT_TRUE(half.ok());
+  std::unique_ptr<attention_svc::ClientHalf> half = *attention_svc::StartClientHalf("shm", {});
   const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 8);
-  Canary canary((*half)->MakeChannel(ChannelTo(shard, false)), b, cfg.latent);
-  std::string address;
-  {
-    auto stub = v1::ExpertService::NewStub(transport::MakeChannel(shard.endpoint));
-    grpc::ClientContext ctx;
-    v1::ExpertServerInfo info;
-    ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
-    address = info.ucx_address();
+  const std::string address = Info(shard).ucx_address();
+  Canary canary{half->MakeChannel(ChannelTo(shard, false)), b, cfg.latent};
+
+  // Stops the canary: it was answered, every answer bit-exact.
+  void ExpectCanaryExact() {
+    canary.Stop();
+    EXPECT_GT(canary.good.load(), 0);
+    EXPECT_EQ(canary.bad.load(), 0);
   }
+};
+
+TEST(ShmDataPlane, HellosFromStrangersAndBadDescriptorsFromMembersAreRefused) {
+  AttackedShard a;
+  ShmShard& shard = a.shard;
+  const std::string& address = a.address;
+  ASSERT_FALSE(address.empty());
   const uint64_t ring = dataplane::kShmMinRing;
   auto good_region = [&] { return *dataplane::ShmRegion::Create(ring); };
   struct Case {
@@ -373,26 +352,15 @@ TEST(ShmDataPlane, HellosFromStrangersAndBadDescriptorsFromMembersAreRefused) {
     EXPECT_TRUE(ClosedByShard(silent->get()));
     EXPECT_EQ(Events(shard, "hello_rejected"), before + 1);
   }
-  canary.Stop();
-  EXPECT_GT(canary.good.load(), 0);
-  EXPECT_EQ(canary.bad.load(), 0);
+  a.ExpectCanaryExact();
 }
 
 TEST(ShmDataPlane, AMemberThatBreaksItsRingsLosesOnlyItsConnection) {
-  const ModelConfig cfg = *PresetConfig("mid");
-  ShmShard shard = StartShmShard(cfg);
-  auto half = attention_svc::StartClientHalf("shm", {});
-  ASSERT_TRUE(half.ok());
-  const testing::EchoBatch b = testing::MakeEchoBatch(cfg, 8);
-  Canary canary((*half)->MakeChannel(ChannelTo(shard, false)), b, cfg.latent);
-  std::string address;
-  {
-    auto stub = v1::ExpertService::NewStub(transport::MakeChannel(shard.endpoint));
-    grpc::ClientContext ctx;
-    v1::ExpertServerInfo info;
-    ASSERT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok());
-    address = info.ucx_address();
-  }
+  AttackedShard a;
+  ShmShard& shard = a.shard;
+  const testing::EchoBatch& b = a.b;
+  const std::string& address = a.address;
+  ASSERT_FALSE(address.empty());
   {  // The raw peer itself works: a batch it writes is answered in its reply ring.
     RawPeer p = GoodPeer(shard.endpoint, address, "raw-good");
     PutBatch(p, b, 1);
@@ -454,13 +422,8 @@ TEST(ShmDataPlane, AMemberThatBreaksItsRingsLosesOnlyItsConnection) {
     p.requests.Publish(*s, {1, 1});
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   }
-  canary.Stop();
-  EXPECT_GT(canary.good.load(), 0);
-  EXPECT_EQ(canary.bad.load(), 0);
-  auto stub = v1::ExpertService::NewStub(transport::MakeChannel(shard.endpoint));
-  grpc::ClientContext ctx;
-  v1::ExpertServerInfo info;
-  EXPECT_TRUE(stub->GetInfo(&ctx, v1::GetExpertInfoRequest(), &info).ok()) << "the shard is up";
+  a.ExpectCanaryExact();
+  EXPECT_EQ(Info(shard).data_plane(), "shm") << "the shard is up";
 }
 
 // The node's side of a ring a shard broke: this process is the node, so the test maps the
@@ -512,7 +475,7 @@ TEST(ShmDataPlane, ANodeWhoseReplyRingBreaksFailsThatBatchAndOpensAgain) {
   for (int i = 0; i < 3; ++i) {
     auto r = shm->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(WrongRows(b, *r, cfg.latent), 0u);
+    EXPECT_EQ(WrongEchoRows(b, *r, cfg.latent), 0u);
   }
   std::lock_guard<std::mutex> lock(events_mu);
   EXPECT_EQ(events, (std::vector<std::string>{"connected", "integrity_failed", "connected"}));
