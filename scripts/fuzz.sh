@@ -2,7 +2,8 @@
 # Builds the libFuzzer targets with clang (ASan + UBSan) and runs each for a bounded time from a
 # seed corpus: the safetensors parser, expert-svc's DispatchRequest validation, attention-svc's
 # ForwardRequest input decoding, the QB and dynamic k histogram wire forms, the page's query
-# parser, the data plane's UCX hello, lanes and batch-frame parsers and its replay window.
+# parser, the data plane's UCX hello, lanes and batch-frame parsers and its replay window, and
+# the shm lane's ring reader and writer against whatever a peer writes into the ring.
 # Allocations past 512 MiB count as findings (a small input must not claim a large buffer).
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] (default 20: the test command; a campaign: 600)
 set -euo pipefail
@@ -14,7 +15,7 @@ if ! command -v clang++ >/dev/null; then
 fi
 BUILD=${MOE_FUZZ_BUILD_DIR:-build-fuzz}
 TARGETS=(safetensors_fuzz dispatch_fuzz forward_fuzz qb_histogram_fuzz budget_histogram_fuzz
-  http_query_fuzz data_plane_fuzz)
+  http_query_fuzz data_plane_fuzz shm_ring_fuzz)
 CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DMOE_BUILD_FUZZERS=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD" --target "${TARGETS[@]}"
@@ -30,6 +31,10 @@ printf '#  lane[0]:  2:posix/memory.0 md[1] -> md[1]/posix am\n#  lane[1]:  0:tc
 # A batch message's frame: token, MOEB, version 1, kind 1, client 1, sequence 1, header 2, MAC.
 printf '\001\000\000\000\000\000\000\000MOEB\001\001\000\000\001\000\000\000\000\000\000\000\001\000\000\000\000\000\000\000\002\000\000\000\000\000\000\000abcdefghijklmnop' \
   >"$CORPUS/data_plane/frame"
+# A ring holding one record of a 10-byte header and 100 bytes of payload, read from its start.
+mkdir -p "$CORPUS/shm_ring"
+printf '\000\001\000\000\000\000\000\000\000\000\000\000\000\000\000\000\000\000\000\000\000\001\000\000\000\000\000\000\001\000\000\000\012\000\000\000\144\000\000\000\000\000\000\000' \
+  >"$CORPUS/shm_ring/record"
 for t in "${TARGETS[@]}"; do
   name=${t%_fuzz}
   log="$BUILD/$t.log"
