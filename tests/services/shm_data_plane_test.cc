@@ -427,8 +427,8 @@ TEST(ShmDataPlane, AMemberThatBreaksItsRingsLosesOnlyItsConnection) {
 }
 
 // The node's side of a ring a shard broke: this process is the node, so the test maps the
-// channel's own memfd (found in /proc/self/fd) and keeps writing an impossible position into
-// the ring back while a batch waits. The batch fails naming the shard (counted
+// channel's own memfd (found in /proc/self/fd) and writes an impossible position into the ring
+// back (with the shard held off it) before a batch waits. The batch fails naming the shard (counted
 // "integrity_failed"), nothing crashes, and the next batch opens a new region, bit-exact.
 TEST(ShmDataPlane, ANodeWhoseReplyRingBreaksFailsThatBatchAndOpensAgain) {
   const ModelConfig cfg = *PresetConfig("mid");
@@ -458,17 +458,17 @@ TEST(ShmDataPlane, ANodeWhoseReplyRingBreaksFailsThatBatchAndOpensAgain) {
     if (mapped == MAP_FAILED) mapped = nullptr;
   }
   ASSERT_NE(mapped, nullptr) << "the channel's memfd";
-  std::atomic<bool> stop{false};
-  std::thread breaker([&] {
-    auto* head = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<uint8_t*>(mapped) +
-                                                          dataplane::kShmToNodeHead);
-    for (int i = 0; i < 100000000 && !stop.load(std::memory_order_relaxed); ++i) {
-      head->store(uint64_t{1} << 40, std::memory_order_relaxed);
-    }
-  });
+  // The shard is told its reply ring is full (a reader position a ring behind what it
+  // published: it waits, then drops its reply, and never writes the ring's position again), and
+  // the position the node reads is impossible.
+  auto* control = static_cast<uint8_t*>(mapped);
+  uint64_t published = 0;
+  std::memcpy(&published, control + dataplane::kShmToNodeHead, 8);
+  const uint64_t behind = published - attention_svc::kShmClientRing + 64;
+  std::memcpy(control + dataplane::kShmToNodeTail, &behind, 8);
+  const uint64_t impossible = uint64_t{1} << 40;
+  std::memcpy(control + dataplane::kShmToNodeHead, &impossible, 8);
   auto broken = shm->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
-  stop.store(true);
-  breaker.join();
   ::munmap(mapped, bytes);
   EXPECT_FALSE(broken.ok());
   EXPECT_NE(broken.status().message().find("echo-0"), std::string::npos) << broken.status();

@@ -19,7 +19,8 @@
 
 namespace moe::attention_svc {
 
-// Each ring's bytes (the node's memory: pages are touched as the rings wrap).
+// Each ring's bytes (pages come as the rings wrap; each is charged to whoever writes it first:
+// the ring to the shard to the node, the ring back to the shard).
 constexpr uint64_t kShmClientRing = uint64_t{64} << 20;
 
 absl::StatusOr<std::unique_ptr<ClientHalf>> StartShmClientHalf(ClientHalfOptions options);
