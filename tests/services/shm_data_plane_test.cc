@@ -90,21 +90,21 @@ TEST(ShmDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
   }
   EXPECT_EQ(events, std::vector<std::string>{"connected"});
   EXPECT_EQ(lanes, "shm/shm");
-  // A batch whose reply does not fit half a ring: in band where that is allowed, else refused
-  // naming the shard, never sent.
+  // A batch whose reply does not fit half a ring goes in band, counted, bit-exact, also on a
+  // channel that may not fall back for a shard without the lane (a long prefill must not fail).
   const int64_t big_t = attention_svc::kShmClientRing / 2 / (cfg.top_k * cfg.latent * 2) + 1;
   const testing::EchoBatch big = testing::MakeEchoBatch(cfg, big_t);
-  auto strict = shm->Send(big.header, big.message);
-  auto refused = strict->Wait(absl::Now() + absl::Seconds(30));
-  EXPECT_EQ(refused.status().code(), C::kUnavailable);
-  EXPECT_NE(refused.status().message().find("do not fit half a shm ring"), std::string::npos)
-      << refused.status();
-  auto automatic = (*half)->MakeChannel(ChannelTo(shard, /*fallback=*/true));
-  auto call = automatic->Send(big.header, big.message);
+  auto call = shm->Send(big.header, big.message);
   auto r = call->Wait(absl::Now() + absl::Seconds(60));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_STREQ(call->transport(), "grpc");
   EXPECT_EQ(WrongEchoRows(big, *r, cfg.latent), 0u);
+  EXPECT_EQ(events, (std::vector<std::string>{"connected", "fallback"}));
+  // The next batch that fits is on shm again.
+  const testing::EchoBatch small = testing::MakeEchoBatch(cfg, 4);
+  auto again = shm->Send(small.header, small.message);
+  ASSERT_TRUE(again->Wait(absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_STREQ(again->transport(), "shm");
 }
 
 // Four threads with batches of mixed sizes in flight on one channel: the rings wrap many times,

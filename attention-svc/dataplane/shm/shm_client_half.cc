@@ -282,11 +282,13 @@ class ShmExpertChannel final : public ExpertChannel {
         dataplane::ShmRing::RecordBytes(dataplane::kMaxReplyHeaderBytes, bytes) <= half_ring &&
         dataplane::ShmRing::RecordBytes(dataplane::kMaxReplyHeaderBytes, shape.bytes()) <=
             half_ring;
-    absl::StatusOr<std::shared_ptr<Conn>> conn =
-        fits ? EnsureOpen(deadline)
-             : absl::OutOfRangeError(absl::StrCat(who_, ": a batch of ", bytes,
-                                                  " bytes and its reply of ", shape.bytes(),
-                                                  " do not fit half a shm ring (", half_ring, ")"));
+    if (!fits) {
+      // Larger than the rings take (a long prefill): in band, over the same authenticated
+      // channel, whatever --data_plane says (the lane exists; this batch does not fit it).
+      if (o_.on_event) o_.on_event(o_.shard, "fallback");
+      return inband_->Send(header, m);
+    }
+    absl::StatusOr<std::shared_ptr<Conn>> conn = EnsureOpen(deadline);
     if (!conn.ok()) {
       if (o_.fallback_in_band) {
         if (o_.on_event) o_.on_event(o_.shard, "fallback");

@@ -5,7 +5,7 @@
 // the ring from the shard itself (one waiter at a time reads for all, the others sleep until it
 // hands over), spinning a bounded while, then sleeping on its eventfd; a reply's rows are read
 // in place while the replies held leave half the ring free. A batch or a reply larger
-// than half a ring goes in band (counted "fallback") or fails where in-band is not allowed.
+// than half a ring goes in band (counted "fallback"), whatever --data_plane says.
 //
 //   MOE_ASSIGN_OR_RETURN(std::unique_ptr<ClientHalf> h, StartShmClientHalf(options));
 #ifndef MOE_ATTENTION_SVC_DATAPLANE_SHM_SHM_CLIENT_HALF_H_
