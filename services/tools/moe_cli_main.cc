@@ -543,7 +543,15 @@ int Cluster(int argc, char** argv) {
   f.Int("max_rebalances", &max_rebalances,
         "Rebalance after each window until MaxVio is within 1.5x of the noise floor, at most "
         "this often");
+  std::string data_plane;
+  f.String("data_plane", &data_plane,
+           "every service's --data_plane (auto, grpc, ucx, shm: docs/data-plane.md; empty: the "
+           "services' default, auto)");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
+  if (!data_plane.empty()) {
+    co.expert_args.push_back("--data_plane=" + data_plane);
+    co.attention_args.push_back("--data_plane=" + data_plane);
+  }
   co.work_dir = work_dir;
   co.admin_token = "local-admin";
   co.router_args = {"--window_tokens=1000000"};
