@@ -141,19 +141,21 @@ void ShmRing::Publish(const Slot& s, const ShmRecordHead& h, size_t header_bytes
   head.token = h.token;
   head.sequence = h.sequence;
   std::memcpy(data_ + (at + gap) % capacity_, &head, sizeof head);
-  if (!Complete(s.end())) return;  // an earlier slot is still being filled
-  head_->store(mine_, std::memory_order_release);
-  // Either the consumer sees the new position when it looks again after saying it sleeps, or
-  // this sees that it sleeps (both sides fence between their store and their load).
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (sleeping_->load(std::memory_order_relaxed) != 0) dataplane::Ring(doorbell_);
+  if (Complete(s.end())) Advertise();  // else an earlier slot is still being filled
 }
 
 void ShmRing::Abandon(const Slot& s) {
   if (s.pad != 0) WriteFiller(s.start, s.pad);
   WriteFiller(s.start + s.pad, s.record_bytes);
-  if (!Complete(s.end())) return;
+  if (Complete(s.end())) Advertise();
+}
+
+void ShmRing::Advertise() {
   head_->store(mine_, std::memory_order_release);
+  // Either the consumer sees the new position when it looks again after saying it sleeps, or
+  // this sees that it sleeps (both sides fence between their store and their load).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (sleeping_->load(std::memory_order_relaxed) != 0) dataplane::Ring(doorbell_);
 }
 
 absl::StatusOr<std::optional<ShmRecord>> ShmRing::Peek() {

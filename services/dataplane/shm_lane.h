@@ -151,6 +151,8 @@ class ShmRing {
   friend class ShmRegion;
   // Marks the slot or record ending at `end` done, and moves `mine_` over the done ones.
   bool Complete(uint64_t end);
+  // The producer's new position to the consumer, and its doorbell if it sleeps.
+  void Advertise();
   void WriteFiller(uint64_t at, uint64_t bytes);
 
   uint8_t* data_ = nullptr;

@@ -250,6 +250,31 @@ TEST(ShmRing, SlotsFilledOutOfOrderAppearInOrderAndHeldRecordsFreeInOrder) {
   EXPECT_TRUE(producer.Reserve(0, kRing / 2 - 128).ok());
 }
 
+// A sleeping consumer is woken when a record becomes visible, also when it becomes so because an
+// earlier slot was given up (not only when the record itself is published).
+TEST(ShmRing, GivingUpASlotWakesASleepingReaderOfTheOnesAfterIt) {
+  auto region = ShmRegion::Create(kRing);
+  ASSERT_TRUE(region.ok());
+  auto bell = NewEventFd();
+  ASSERT_TRUE(bell.ok());
+  ShmRing producer = region->Ring(ShmSide::kShard, ShmDirection::kToNode, bell->get());
+  ShmRing consumer = region->Ring(ShmSide::kNode, ShmDirection::kToNode, -1);
+  consumer.SetSleeping(true);
+  auto rung = [&] {
+    uint64_t n = 0;
+    return ::read(bell->get(), &n, sizeof n) == sizeof n && n > 0;
+  };
+  auto a = producer.Reserve(0, 64), b = producer.Reserve(0, 64);
+  ASSERT_TRUE(a.ok() && b.ok());
+  producer.Publish(*b, {2, 2});
+  EXPECT_FALSE(rung()) << "B is not visible while A is open";
+  producer.Abandon(*a);
+  EXPECT_TRUE(rung()) << "giving A up made B visible: the sleeping reader is woken";
+  auto r = consumer.Peek();
+  ASSERT_TRUE(r.ok() && r->has_value());
+  EXPECT_EQ((*r)->token, 2u);
+}
+
 TEST(ShmRegion, OnlyASealedMemfdOfTheRightSizeIsMapped) {
   auto memfd = [](int seals, off_t size) {
     OwnedFd fd(::memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
