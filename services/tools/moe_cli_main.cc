@@ -520,6 +520,22 @@ void PrintConvergence(const std::vector<RebalanceStep>& steps, bool converged, i
   }
 }
 
+// Every service's --data_plane, where one is given (empty: the services' default).
+void UseDataPlane(const std::string& data_plane, LocalClusterOptions* co) {
+  if (data_plane.empty()) return;
+  co->expert_args.push_back("--data_plane=" + data_plane);
+  co->attention_args.push_back("--data_plane=" + data_plane);
+}
+
+// Where the cluster's processes listen and log.
+void PrintWhere(const LocalCluster& c) {
+  std::printf("router-svc %s, attention-svc %s, logs in %s\n", c.router_endpoint().c_str(),
+              c.attention_endpoint().c_str(), c.work_dir().c_str());
+  for (int i = 0; i < c.num_shards(); ++i) {
+    std::printf("  %s at %s\n", c.shard_name(i).c_str(), c.shard_endpoint(i).c_str());
+  }
+}
+
 int Cluster(int argc, char** argv) {
   LoadFlags l;
   LocalClusterOptions co;
@@ -548,10 +564,7 @@ int Cluster(int argc, char** argv) {
            "every service's --data_plane (auto, grpc, ucx, shm: docs/data-plane.md; empty: the "
            "services' default, auto)");
   if (int rc = f.Parse(argc, argv, 2); rc >= 0) return rc;
-  if (!data_plane.empty()) {
-    co.expert_args.push_back("--data_plane=" + data_plane);
-    co.attention_args.push_back("--data_plane=" + data_plane);
-  }
+  UseDataPlane(data_plane, &co);
   co.work_dir = work_dir;
   co.admin_token = "local-admin";
   co.router_args = {"--window_tokens=1000000"};
@@ -564,13 +577,7 @@ int Cluster(int argc, char** argv) {
               co.checkpoint.c_str());
   auto cluster = LocalCluster::Start(co);
   if (!cluster.ok()) return Fail(cluster.status());
-  std::printf("router-svc %s, attention-svc %s, logs in %s\n",
-              (*cluster)->router_endpoint().c_str(), (*cluster)->attention_endpoint().c_str(),
-              (*cluster)->work_dir().c_str());
-  for (int i = 0; i < (*cluster)->num_shards(); ++i) {
-    std::printf("  %s at %s\n", (*cluster)->shard_name(i).c_str(),
-                (*cluster)->shard_endpoint(i).c_str());
-  }
+  PrintWhere(**cluster);
   client::ClientOptions cl;
   cl.attention = (*cluster)->attention_endpoint();
   cl.router = (*cluster)->router_endpoint();
