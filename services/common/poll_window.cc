@@ -1,6 +1,7 @@
 #include "services/common/poll_window.h"
 
 #include <algorithm>
+#include <thread>
 
 namespace moe {
 
@@ -38,6 +39,18 @@ void PollWindow::Record(std::chrono::steady_clock::duration waited) {
   std::lock_guard<std::mutex> lock(mu_);
   waits_us_[static_cast<size_t>(recorded_ % kSamples)] = us;
   ++recorded_;
+}
+
+void PollPause(int* empty_looks) {
+  if (++*empty_looks % 8 == 0) {
+    std::this_thread::yield();
+  } else {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 }
 
 }  // namespace moe

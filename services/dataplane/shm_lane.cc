@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -26,7 +27,6 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free &&
                   std::atomic<uint32_t>::is_always_lock_free,
               "the rings' positions are shared between processes: they must be lock-free");
 
-constexpr uint64_t kMagic = 0x6d6f652d73686d31;  // "moe-shm1"
 constexpr uint32_t kKindRecord = 1, kKindPad = 2;
 // A record's protobuf header is small (a Dispatch request or reply without payload).
 constexpr uint32_t kMaxHeaderBytes = 1 << 20;
@@ -255,8 +255,6 @@ absl::StatusOr<ShmRegion> ShmRegion::Create(uint64_t ring_bytes) {
   void* p = ::mmap(nullptr, r.bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, r.fd_.get(), 0);
   if (p == MAP_FAILED) return Errno("mmap");
   r.base_ = static_cast<uint8_t*>(p);
-  const uint64_t magic = kMagic;
-  std::memcpy(r.base_ + kShmMagicAt, &magic, sizeof magic);
   return r;
 }
 
@@ -287,7 +285,7 @@ absl::StatusOr<ShmRegion> ShmRegion::Map(OwnedFd fd, uint64_t ring_bytes) {
   return r;
 }
 
-ShmRing ShmRegion::Ring(ShmSide side, ShmDirection direction, int doorbell) const {
+ShmRing ShmRegion::Ring(ShmDirection direction, int doorbell) const {
   ShmRing r;
   r.capacity_ = ring_bytes_;
   const bool to_shard = direction == ShmDirection::kToShard;
@@ -300,8 +298,23 @@ ShmRing ShmRegion::Ring(ShmSide side, ShmDirection direction, int doorbell) cons
   r.sleeping_ = reinterpret_cast<std::atomic<uint32_t>*>(
       at(to_shard ? kShmToShardSleeping : kShmToNodeSleeping));
   r.doorbell_ = doorbell;
-  (void)side;  // both views start at position 0 of a fresh region
   return r;
+}
+
+absl::StatusOr<ShmRing::Slot> ReserveWithin(ShmRing& ring, size_t header_bytes,
+                                            uint64_t payload_bytes, absl::Time deadline) {
+  for (int tries = 0;; ++tries) {
+    absl::StatusOr<ShmRing::Slot> s = ring.Reserve(header_bytes, payload_bytes);
+    if (s.ok() || !absl::IsResourceExhausted(s.status()) || absl::Now() >= deadline) return s;
+    std::this_thread::sleep_for(std::chrono::microseconds(tries < 100 ? 10 : 200));
+  }
+}
+
+std::shared_ptr<void> CopyAligned(const uint8_t* src, uint64_t bytes) {
+  std::shared_ptr<void> copy(std::aligned_alloc(64, std::max<uint64_t>(RoundUp(bytes), 64)),
+                             std::free);
+  if (copy != nullptr) std::memcpy(copy.get(), src, bytes);
+  return copy;
 }
 
 absl::StatusOr<OwnedFd> NewEventFd() {
@@ -433,18 +446,6 @@ absl::StatusOr<uint32_t> PeerUid(int socket) {
   socklen_t len = sizeof c;
   if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &c, &len) != 0) return Errno("SO_PEERCRED");
   return c.uid;
-}
-
-void PollPause(int* empty_looks) {
-  if (++*empty_looks % 8 == 0) {
-    std::this_thread::yield();
-  } else {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
 }
 
 void WaitReadable(int fd, int hangup, std::chrono::steady_clock::time_point until) {

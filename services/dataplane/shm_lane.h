@@ -14,7 +14,7 @@
 // SIGBUS on the mapper's next touch) is refused before it is mapped.
 //
 //   MOE_ASSIGN_OR_RETURN(ShmRegion r, ShmRegion::Create(8 << 20));       // the node
-//   ShmRing to_shard = r.Ring(ShmSide::kNode, ShmDirection::kToShard, doorbell_of_shard);
+//   ShmRing to_shard = r.Ring(ShmDirection::kToShard, doorbell_of_shard);
 //   MOE_ASSIGN_OR_RETURN(ShmRing::Slot s, to_shard.Reserve(header.size(), payload_bytes));
 //   ... write the header at s.header, the payload at s.payload ...
 //   to_shard.Publish(s, {.token = t, .sequence = q});
@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -35,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace moe::dataplane {
 
@@ -69,7 +71,6 @@ constexpr uint64_t kShmMaxRing = uint64_t{1} << 32;
 
 // The control page: each position on its own cache line; who writes it in the comment.
 enum ShmControlOffset : size_t {
-  kShmMagicAt = 0,            // the node, once
   kShmToShardHead = 64,       // the node
   kShmToShardTail = 128,      // the shard
   kShmToShardSleeping = 192,  // the shard
@@ -78,7 +79,6 @@ enum ShmControlOffset : size_t {
   kShmToNodeSleeping = 384,   // the node
 };
 
-enum class ShmSide { kNode, kShard };
 enum class ShmDirection { kToShard, kToNode };
 
 // What a record's head says, and where its bytes are (in the mapped region: they may change
@@ -181,9 +181,10 @@ class ShmRegion {
   // `ring_bytes` take) before it is mapped; INVALID_ARGUMENT naming what is wrong otherwise.
   static absl::StatusOr<ShmRegion> Map(OwnedFd fd, uint64_t ring_bytes);
 
-  // `side`'s view of `direction`'s ring; `doorbell`: the consumer's eventfd (the producer
-  // writes it; the consumer's own view may pass -1).
-  ShmRing Ring(ShmSide side, ShmDirection direction, int doorbell) const;
+  // A view of `direction`'s ring (the producer's or the consumer's: each uses its half, from
+  // position 0 of the fresh region); `doorbell`: the consumer's eventfd (the producer writes
+  // it; the consumer's own view may pass -1).
+  ShmRing Ring(ShmDirection direction, int doorbell) const;
   int fd() const { return fd_.get(); }
   uint64_t ring_bytes() const { return ring_bytes_; }
   size_t bytes() const { return kShmControlBytes + 2 * ring_bytes_; }
@@ -195,6 +196,15 @@ class ShmRegion {
   uint8_t* base_ = nullptr;
   uint64_t ring_bytes_ = 0;
 };
+
+// Reserve, waiting for room (the consumer frees it as it reads) until `deadline`: short sleeps
+// first, then longer ones. RESOURCE_EXHAUSTED at the deadline; Reserve's other errors at once.
+absl::StatusOr<ShmRing::Slot> ReserveWithin(ShmRing& ring, size_t header_bytes,
+                                            uint64_t payload_bytes, absl::Time deadline);
+
+// `bytes` of `src` (in a ring: a peer may still write them) copied into memory of this process,
+// 64-byte aligned; null if it cannot be had.
+std::shared_ptr<void> CopyAligned(const uint8_t* src, uint64_t bytes);
 
 // A new eventfd (non-blocking, close-on-exec).
 absl::StatusOr<OwnedFd> NewEventFd();
@@ -228,12 +238,6 @@ absl::StatusOr<UnixListener> ListenAbstract(const std::string& prefix);
 absl::StatusOr<OwnedFd> ConnectAbstract(const std::string& address);
 // The uid of a connected Unix socket's peer (SO_PEERCRED).
 absl::StatusOr<uint32_t> PeerUid(int socket);
-
-// Between two empty looks of a poller: a pause, and every 8th time the CPU to whoever else is
-// runnable on it (where processes share cores, the peer computing the answer), as the UCX
-// worker's pollers do (ucx_worker.cc, PollUntil: without it the shm lane's T = 1 in a local
-// cluster on 2 vCPUs took 1.2 ms a batch against UCX's 0.7).
-void PollPause(int* empty_looks);
 
 // Waits until `fd` is readable, or the socket `hangup` closed, or `until`; spurious returns
 // are fine (the caller looks again).

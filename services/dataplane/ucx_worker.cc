@@ -341,37 +341,19 @@ void UcxWorkerImpl::EndPolling(bool hand_off) {
   if (wake) Wake();
 }
 
-namespace {
-// A spin-wait hint: the core's other hardware thread gets the pipeline meanwhile.
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-}  // namespace
-
 bool UcxWorkerImpl::PollUntil(std::chrono::steady_clock::time_point until,
                               const std::function<bool()>& stop) {
   if (t_holder == this) return false;
   BeginPolling();
-  // After every kPollsPerYield empty polls the CPU goes to whoever else is runnable on it (the
-  // peer's threads where processes share cores), so a poll costs no one a time slice; between
-  // them a pause. A yield after every empty poll spent most of a poller's time in sched_yield
-  // (a syscall: in a VM guest the paravirtual interrupt enable of every return was the top
-  // symbol of a T = 1 round trip in perf); one in 8 (about a microsecond apart) took a T = 1
-  // round trip's p50 from 30-34 to 25-30 us in 6 of 7 alternated pairs (docs/data-plane.md).
-  constexpr int kPollsPerYield = 8;
+  // Between empty polls a pause, and the CPU to whoever else is runnable every 8th
+  // (PollPause), so a poll costs no one a time slice.
   bool stopped = false;
   int empty = 0;
   while (!(stopped = stop()) && std::chrono::steady_clock::now() < until) {
     if (TryProgress()) {
       empty = 0;
-    } else if (++empty % kPollsPerYield == 0) {
-      std::this_thread::yield();
     } else {
-      CpuRelax();
+      PollPause(&empty);
     }
   }
   EndPolling(/*hand_off=*/!stopped);

@@ -38,8 +38,8 @@ TEST(ShmRing, RecordsOfEverySizeCrossAWrappingRingBitExactWithSleepsAndWakes) {
   ASSERT_TRUE(region.ok()) << region.status();
   auto bell = NewEventFd();
   ASSERT_TRUE(bell.ok());
-  ShmRing producer = region->Ring(ShmSide::kNode, ShmDirection::kToShard, bell->get());
-  ShmRing consumer = region->Ring(ShmSide::kShard, ShmDirection::kToShard, -1);
+  ShmRing producer = region->Ring(ShmDirection::kToShard, bell->get());
+  ShmRing consumer = region->Ring(ShmDirection::kToShard, -1);
   constexpr int kRecords = 3000;
   std::atomic<int> sleeps{0};
   std::atomic<int> wrong{0};
@@ -105,7 +105,7 @@ TEST(ShmRing, RecordsOfEverySizeCrossAWrappingRingBitExactWithSleepsAndWakes) {
 TEST(ShmRing, TheWriterRefusesWhatCannotFitAndAReaderPositionItNeverGave) {
   auto region = ShmRegion::Create(kRing);
   ASSERT_TRUE(region.ok());
-  ShmRing producer = region->Ring(ShmSide::kNode, ShmDirection::kToShard, -1);
+  ShmRing producer = region->Ring(ShmDirection::kToShard, -1);
   EXPECT_EQ(producer.Reserve(0, kRing / 2).status().code(), C::kOutOfRange);
   EXPECT_EQ(producer.Reserve(2 << 20, 0).status().code(), C::kOutOfRange);
   // Fill it: two records of just under half the ring, then nothing fits.
@@ -147,7 +147,7 @@ TEST(ShmRing, TheReaderRefusesEveryImpossibleRecord) {
   for (const Case& c : cases) {
     auto region = ShmRegion::Create(kRing);
     ASSERT_TRUE(region.ok());
-    ShmRing consumer = region->Ring(ShmSide::kShard, ShmDirection::kToShard, -1);
+    ShmRing consumer = region->Ring(ShmDirection::kToShard, -1);
     uint8_t* data = region->base() + kShmControlBytes;
     Put(data, 0, c.record_bytes);
     std::memcpy(data + 8, &c.kind, 4);
@@ -161,8 +161,8 @@ TEST(ShmRing, TheReaderRefusesEveryImpossibleRecord) {
   // A record whose end passes the ring's end (a writer must pad instead).
   auto region = ShmRegion::Create(kRing);
   ASSERT_TRUE(region.ok());
-  ShmRing consumer = region->Ring(ShmSide::kShard, ShmDirection::kToShard, -1);
-  ShmRing producer = region->Ring(ShmSide::kNode, ShmDirection::kToShard, -1);
+  ShmRing consumer = region->Ring(ShmDirection::kToShard, -1);
+  ShmRing producer = region->Ring(ShmDirection::kToShard, -1);
   auto s = producer.Reserve(0, kRing / 2 - 128);
   ASSERT_TRUE(s.ok());
   producer.Publish(*s, {1, 1});
@@ -192,8 +192,8 @@ uint64_t Get(const uint8_t* base, size_t offset) {
 TEST(ShmRing, SlotsFilledOutOfOrderAppearInOrderAndHeldRecordsFreeInOrder) {
   auto region = ShmRegion::Create(kRing);
   ASSERT_TRUE(region.ok());
-  ShmRing producer = region->Ring(ShmSide::kShard, ShmDirection::kToNode, -1);
-  ShmRing consumer = region->Ring(ShmSide::kNode, ShmDirection::kToNode, -1);
+  ShmRing producer = region->Ring(ShmDirection::kToNode, -1);
+  ShmRing consumer = region->Ring(ShmDirection::kToNode, -1);
   auto a = producer.Reserve(100, 1000), b = producer.Reserve(16384, 5000),
        c = producer.Reserve(10, 64), d = producer.Reserve(0, 200);
   ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok());
@@ -257,8 +257,8 @@ TEST(ShmRing, GivingUpASlotWakesASleepingReaderOfTheOnesAfterIt) {
   ASSERT_TRUE(region.ok());
   auto bell = NewEventFd();
   ASSERT_TRUE(bell.ok());
-  ShmRing producer = region->Ring(ShmSide::kShard, ShmDirection::kToNode, bell->get());
-  ShmRing consumer = region->Ring(ShmSide::kNode, ShmDirection::kToNode, -1);
+  ShmRing producer = region->Ring(ShmDirection::kToNode, bell->get());
+  ShmRing consumer = region->Ring(ShmDirection::kToNode, -1);
   consumer.SetSleeping(true);
   auto rung = [&] {
     uint64_t n = 0;

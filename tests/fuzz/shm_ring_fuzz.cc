@@ -15,7 +15,6 @@ namespace {
 using moe::dataplane::ShmDirection;
 using moe::dataplane::ShmRegion;
 using moe::dataplane::ShmRing;
-using moe::dataplane::ShmSide;
 
 void Check(bool ok) {
   if (!ok) __builtin_trap();
@@ -38,8 +37,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   uint32_t at_in = 0;
   std::memcpy(&at_in, data + 16, 4);
   const uint64_t start = at_in % (cap / 64) * 64;
-  ShmRing reader = region->Ring(ShmSide::kShard, ShmDirection::kToShard, -1);
-  ShmRing lawful = region->Ring(ShmSide::kNode, ShmDirection::kToShard, -1);
+  ShmRing reader = region->Ring(ShmDirection::kToShard, -1);
+  ShmRing lawful = region->Ring(ShmDirection::kToShard, -1);
   for (uint64_t left = start; left > 0;) {
     const uint64_t rec = std::min<uint64_t>(left, cap / 2);
     auto s = lawful.Reserve(0, rec - 64);
@@ -73,7 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The writer of the other ring, against the reader's position the input claims.
   std::memset(base + moe::dataplane::kShmToNodeTail, 0, 8);
   std::memcpy(base + moe::dataplane::kShmToNodeTail, data + 8, 8);
-  ShmRing writer = region->Ring(ShmSide::kShard, ShmDirection::kToNode, -1);
+  ShmRing writer = region->Ring(ShmDirection::kToNode, -1);
   uint8_t* back = ring + cap;
   for (int i = 0; i < 8; ++i) {
     auto s = writer.Reserve(data[i] * 37u, (data[8 + i] + 1u) * 4099u);

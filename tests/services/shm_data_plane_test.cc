@@ -201,9 +201,8 @@ RawPeer GoodPeer(const std::string& endpoint, const std::string& address, const 
   p.region = *dataplane::ShmRegion::Create(dataplane::kShmMinRing);
   p.shard_bell = *dataplane::NewEventFd();
   p.node_bell = *dataplane::NewEventFd();
-  p.requests = p.region.Ring(dataplane::ShmSide::kNode, dataplane::ShmDirection::kToShard,
-                             p.shard_bell.get());
-  p.replies = p.region.Ring(dataplane::ShmSide::kNode, dataplane::ShmDirection::kToNode, -1);
+  p.requests = p.region.Ring(dataplane::ShmDirection::kToShard, p.shard_bell.get());
+  p.replies = p.region.Ring(dataplane::ShmDirection::kToNode, -1);
   p.socket = *dataplane::ConnectAbstract(address);
   EXPECT_TRUE(dataplane::SendWithFds(
                   p.socket.get(), Hello(p.opened, p.opened.hello_secret(), dataplane::kShmMinRing),

@@ -6,11 +6,9 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -115,7 +113,7 @@ struct Conn : std::enable_shared_from_this<Conn> {
         Drain();
         return false;
       }
-      dataplane::PollPause(&empty);
+      PollPause(&empty);
     }
     replies.SetSleeping(true);
     if (!replies.MaybeReady()) {
@@ -169,11 +167,7 @@ struct Conn : std::enable_shared_from_this<Conn> {
                                                  self->replies.Release(rec);
                                                });
           } else {
-            got.buffer.reset(
-                std::aligned_alloc(64, std::max<size_t>(64, (rec.payload_bytes + 63) / 64 * 64)),
-                std::free);
-            if (got.buffer != nullptr)
-              std::memcpy(got.buffer.get(), rec.payload, rec.payload_bytes);
+            got.buffer = dataplane::CopyAligned(rec.payload, rec.payload_bytes);
             got.rows = static_cast<const char*>(got.buffer.get());
             got.arrived = got.buffer != nullptr;
             replies.Release(rec);
@@ -306,23 +300,18 @@ class ShmExpertChannel final : public ExpertChannel {
       c.inbox[seq];  // expected before the request leaves
     }
     auto call = std::make_unique<ShmCall>(*conn, seq, seq, c.liveness.Sent(), shape, deadline);
-    for (int spins = 0;; ++spins) {
-      absl::StatusOr<dataplane::ShmRing::Slot> s = c.requests.Reserve(h.size(), bytes);
-      if (s.ok()) {
-        std::memcpy(s->header, h.data(), h.size());
-        m.z.CopyTo(s->payload);
-        c.requests.Publish(*s, {seq, seq});
-        return call;
-      }
-      if (s.status().code() != absl::StatusCode::kResourceExhausted || absl::Now() >= deadline) {
-        std::lock_guard<std::mutex> l(c.mu);
-        c.broken = s.status().code() == absl::StatusCode::kDataLoss;
-        return FailedExpertCall(
-            absl::UnavailableError(absl::StrCat(who_, ": ", s.status().message())));
-      }
-      // Full: the shard frees its ring as it reads; wait for room within the batch's budget.
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 10 : 200));
+    absl::StatusOr<dataplane::ShmRing::Slot> s =
+        dataplane::ReserveWithin(c.requests, h.size(), bytes, deadline);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> l(c.mu);
+      c.broken = absl::IsDataLoss(s.status());
+      return FailedExpertCall(
+          absl::UnavailableError(absl::StrCat(who_, ": ", s.status().message())));
     }
+    std::memcpy(s->header, h.data(), h.size());
+    m.z.CopyTo(s->payload);
+    c.requests.Publish(*s, {seq, seq});
+    return call;
   }
 
  private:
@@ -356,9 +345,8 @@ class ShmExpertChannel final : public ExpertChannel {
     MOE_ASSIGN_OR_RETURN(c->region, dataplane::ShmRegion::Create(kShmClientRing));
     MOE_ASSIGN_OR_RETURN(c->shard_doorbell, dataplane::NewEventFd());
     MOE_ASSIGN_OR_RETURN(c->node_doorbell, dataplane::NewEventFd());
-    c->requests = c->region.Ring(dataplane::ShmSide::kNode, dataplane::ShmDirection::kToShard,
-                                 c->shard_doorbell.get());
-    c->replies = c->region.Ring(dataplane::ShmSide::kNode, dataplane::ShmDirection::kToNode, -1);
+    c->requests = c->region.Ring(dataplane::ShmDirection::kToShard, c->shard_doorbell.get());
+    c->replies = c->region.Ring(dataplane::ShmDirection::kToNode, -1);
     absl::StatusOr<OwnedFd> socket = dataplane::ConnectAbstract(reply.worker_address());
     if (!socket.ok())
       return absl::UnavailableError(absl::StrCat(who_, ": ", socket.status().message()));

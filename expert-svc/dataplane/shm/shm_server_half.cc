@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -14,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "expert-svc/data_plane_clients.h"
 #include "services/common/logging.h"
+#include "services/common/poll_window.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/shm_lane.h"
@@ -121,24 +121,18 @@ class ShmServerHalf final : public ServerHalf {
     std::lock_guard<std::mutex> lock(c->tx_mu);
     // A node that does not read its replies costs this thread at most kFullRingWait a batch.
     deadline = std::min(deadline, absl::Now() + kFullRingWait);
-    for (int spins = 0;; ++spins) {
-      absl::StatusOr<dataplane::ShmRing::Slot> s =
-          c->replies.Reserve(header.size(), payload.size());
-      if (s.ok()) {
-        std::memcpy(s->header, header.data(), header.size());
-        std::memcpy(s->payload, payload.data(), payload.size());
-        c->replies.Publish(*s, {to.token, to.sequence});
-        return absl::OkStatus();
-      }
-      if (s.status().code() == absl::StatusCode::kDataLoss) DropConn(c->conn, s.status().message());
-      // Full: the node reads replies as they come; wait for room within the batch's deadline.
-      if (s.status().code() != absl::StatusCode::kResourceExhausted || absl::Now() >= deadline) {
-        Count("reply_failed");
-        return absl::Status(s.status().code(), absl::StrCat("reply to client ", to.client_id, ": ",
-                                                            s.status().message()));
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 10 : 200));
+    absl::StatusOr<dataplane::ShmRing::Slot> s =
+        dataplane::ReserveWithin(c->replies, header.size(), payload.size(), deadline);
+    if (!s.ok()) {
+      if (absl::IsDataLoss(s.status())) DropConn(c->conn, s.status().message());
+      Count("reply_failed");
+      return absl::Status(s.status().code(), absl::StrCat("reply to client ", to.client_id, ": ",
+                                                          s.status().message()));
     }
+    std::memcpy(s->header, header.data(), header.size());
+    std::memcpy(s->payload, payload.data(), payload.size());
+    c->replies.Publish(*s, {to.token, to.sequence});
+    return absl::OkStatus();
   }
 
   std::unique_ptr<ReplyBuffer> NewReplyBuffer(const BatchSource& to, size_t bytes) override {
@@ -186,7 +180,7 @@ class ShmServerHalf final : public ServerHalf {
       for (auto& c : all) {
         if (c->requests.MaybeReady()) any |= DrainIfFree(c);
       }
-      if (!any) dataplane::PollPause(&empty);
+      if (!any) PollPause(&empty);
       if (generation_.load() != seen) {  // a client said hello or left meanwhile
         seen = generation_.load();
         all = All();
@@ -309,9 +303,8 @@ class ShmServerHalf final : public ServerHalf {
     c->doorbell = std::move(d.fds[1]);
     c->node_doorbell = std::move(d.fds[2]);
     c->region = std::move(region);
-    c->requests = c->region.Ring(dataplane::ShmSide::kShard, dataplane::ShmDirection::kToShard, -1);
-    c->replies = c->region.Ring(dataplane::ShmSide::kShard, dataplane::ShmDirection::kToNode,
-                                c->node_doorbell.get());
+    c->requests = c->region.Ring(dataplane::ShmDirection::kToShard, -1);
+    c->replies = c->region.Ring(dataplane::ShmDirection::kToNode, c->node_doorbell.get());
     c->requests.SetSleeping(true);
     Watch(c->doorbell.get(), conn * 2 + 1);
     {
@@ -379,15 +372,12 @@ class ShmServerHalf final : public ServerHalf {
         continue;
       }
       std::string header(reinterpret_cast<const char*>(rec.header), rec.header_bytes);
-      const size_t bytes = (rec.payload_bytes + 63) / 64 * 64;
-      std::shared_ptr<void> owner(std::aligned_alloc(64, std::max<size_t>(bytes, 64)), std::free);
+      std::shared_ptr<void> owner = dataplane::CopyAligned(rec.payload, rec.payload_bytes);
+      c.requests.Release(rec);
       if (owner == nullptr) {
-        c.requests.Release(rec);
         Count("message_rejected");
         continue;
       }
-      std::memcpy(owner.get(), rec.payload, rec.payload_bytes);
-      c.requests.Release(rec);
       options_.on_batch(BatchSource{c.id, rec.token, rec.sequence, false, owner}, header,
                         std::string_view(static_cast<const char*>(owner.get()), rec.payload_bytes));
     }
