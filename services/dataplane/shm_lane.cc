@@ -87,7 +87,8 @@ absl::StatusOr<ShmRing::Slot> ShmRing::Reserve(size_t header_bytes, uint64_t pay
   }
   const uint64_t used = read_ - tail;
   const uint64_t off = read_ % capacity_;
-  const uint64_t pad = off + rec > capacity_ ? capacity_ - off : 0;
+  const bool reuse = used == 0 && off >= kShmReuseFrom && rec <= off;
+  const uint64_t pad = off + rec > capacity_ || reuse ? capacity_ - off : 0;
   if (used + pad + rec > capacity_) return absl::ResourceExhaustedError("the ring is full");
   Slot s;
   s.start = read_;

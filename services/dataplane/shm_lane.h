@@ -67,6 +67,11 @@ constexpr size_t kShmRecordAlign = 64;
 constexpr size_t kShmRecordHeadBytes = 64;
 // Each ring's capacity lies in [kShmMinRing, kShmMaxRing], a multiple of 4096.
 constexpr uint64_t kShmMinRing = uint64_t{1} << 20;
+// A writer that finds its ring empty (the reader freed everything) once it is this far in
+// starts the next record at the ring's start again, behind a filler to the end: the pages in
+// use stay those of the batches in flight, warm in cache and few in each process's memory,
+// instead of every page of the ring in turn.
+constexpr uint64_t kShmReuseFrom = uint64_t{1} << 20;
 constexpr uint64_t kShmMaxRing = uint64_t{1} << 32;
 
 // The control page: each position on its own cache line; who writes it in the comment.

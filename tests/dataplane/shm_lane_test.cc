@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <random>
@@ -273,6 +274,52 @@ TEST(ShmRing, GivingUpASlotWakesASleepingReaderOfTheOnesAfterIt) {
   auto r = consumer.Peek();
   ASSERT_TRUE(r.ok() && r->has_value());
   EXPECT_EQ((*r)->token, 2u);
+}
+
+// kShmReuseFrom: a writer that finds its ring empty past the first MiB starts at the ring's start
+// again, so a steady stream of batches keeps to the same pages; with a record held it goes on.
+TEST(ShmRing, AnEmptyRingPastItsFirstMebibyteIsWrittenFromItsStartAgain) {
+  constexpr uint64_t kBig = kShmMinRing * 8;
+  auto region = ShmRegion::Create(kBig);
+  ASSERT_TRUE(region.ok());
+  ShmRing producer = region->Ring(ShmDirection::kToShard, -1);
+  ShmRing consumer = region->Ring(ShmDirection::kToShard, -1);
+  uint8_t* first = nullptr;
+  uint8_t* furthest = nullptr;
+  for (int i = 0; i < 200; ++i) {  // 200 x 40 KiB: 8 MiB through, the ring's size
+    auto s = producer.Reserve(100, 40 << 10);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (first == nullptr) first = s->payload;
+    furthest = std::max(furthest, s->payload);
+    std::memset(s->payload, i, s->payload_bytes);
+    producer.Publish(*s, {static_cast<uint64_t>(i), 1});
+    auto r = consumer.Peek();
+    ASSERT_TRUE(r.ok() && r->has_value()) << i;
+    EXPECT_EQ((*r)->token, static_cast<uint64_t>(i));
+    EXPECT_EQ((*r)->payload[(40 << 10) - 1], static_cast<uint8_t>(i));
+    consumer.Release(**r);
+  }
+  EXPECT_LT(furthest - first, static_cast<ptrdiff_t>(kShmReuseFrom + (64 << 10)))
+      << "the records stayed in the first MiB and one record";
+  // A record the reader holds keeps the writer going forward (nothing behind it is free).
+  auto held_slot = producer.Reserve(0, 40 << 10);
+  ASSERT_TRUE(held_slot.ok());
+  producer.Publish(*held_slot, {1000, 1});
+  auto held = consumer.Peek();
+  ASSERT_TRUE(held.ok() && held->has_value());
+  uint8_t* last = held_slot->payload;
+  for (int i = 0; i < 40; ++i) {
+    auto s = producer.Reserve(0, 40 << 10);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_GT(s->payload, last) << i;
+    last = s->payload;
+    producer.Publish(*s, {static_cast<uint64_t>(2000 + i), 1});
+    auto r = consumer.Peek();
+    ASSERT_TRUE(r.ok() && r->has_value());
+    consumer.Release(**r);
+  }
+  EXPECT_GT(last - first, static_cast<ptrdiff_t>(kShmReuseFrom)) << "past the first MiB";
+  consumer.Release(**held);
 }
 
 TEST(ShmRegion, OnlyASealedMemfdOfTheRightSizeIsMapped) {
