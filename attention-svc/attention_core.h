@@ -107,7 +107,14 @@ class AttentionCore {
   std::vector<int32_t> layers() const;
   const ModelConfig& config() const { return cfg_; }
   const AttentionServerOptions& options() const { return options_; }
-  ClientHalf* data_plane() const { return links_ != nullptr ? links_->data_plane() : nullptr; }
+  // The data plane's halves (none: in band); they live as long as the core.
+  std::vector<ClientHalf*> data_planes() const {
+    std::vector<ClientHalf*> out;
+    if (links_ != nullptr) {
+      for (const auto& h : links_->data_planes()) out.push_back(h.get());
+    }
+    return out;
+  }
   size_t queued() const { return workers_ != nullptr ? workers_->queued() : 0; }
 
  private:

@@ -13,12 +13,12 @@ namespace moe::attention_svc {
 absl::StatusOr<std::unique_ptr<ExpertLinks>> ExpertLinks::Start(
     const ExpertLinksOptions& options, metrics::AttentionMetrics* metrics) {
   std::unique_ptr<ExpertLinks> links(new ExpertLinks(metrics));
-  MOE_RETURN_IF_ERROR(links->StartHalf(options));
+  MOE_RETURN_IF_ERROR(links->StartHalves(options));
   ExpertChannelConfig& c = links->config_;
   c.max_message_bytes = options.max_message_bytes;
   c.cluster_token = options.cluster_token;
   c.node = options.node;
-  c.data_plane = links->half_.get();
+  for (const auto& h : links->halves_) c.data_planes.push_back(h.get());
   c.fallback_in_band = options.data_plane.automatic();
   c.detach_reply_tag_from = static_cast<size_t>(std::max<int64_t>(0, options.ucx_detach_tag_from));
   c.local_weights = options.local.weights;
@@ -37,26 +37,27 @@ absl::StatusOr<std::unique_ptr<ExpertLinks>> ExpertLinks::Start(
   return links;
 }
 
-absl::Status ExpertLinks::StartHalf(const ExpertLinksOptions& options) {
-  if (options.data_plane.in_band()) return absl::OkStatus();
-  const std::string backend = options.data_plane.backend();
-  ClientHalfOptions co;
-  co.node = options.node;
-  co.tls = options.ucx_tls;
-  co.bind_host = options.bind_host;
-  co.poll_spin = std::chrono::microseconds(std::max(0, options.ucx_poll_us));
-  co.poll_spin_max = std::chrono::microseconds(std::max(0, options.ucx_poll_max_us));
-  co.progress_spin = dataplane::ProgressSpin(options.ucx_progress_spin_us);
-  auto half = StartClientHalf(backend, co);
-  if (half.ok()) {
-    half_ = std::move(*half);
-    MOE_LOG_INFO("{} data plane up ({})", half_->name(), half_->Describe());
-  } else if (!options.data_plane.automatic()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--data_plane=", backend, ": ", half.status().message()));
-  } else {
-    MOE_LOG_WARN("no {} data plane ({}): in band only", backend, half.status().ToString());
+absl::Status ExpertLinks::StartHalves(const ExpertLinksOptions& options) {
+  for (const std::string& backend : options.data_plane.backends()) {
+    ClientHalfOptions co;
+    co.node = options.node;
+    co.tls = options.ucx_tls;
+    co.bind_host = options.bind_host;
+    co.poll_spin = std::chrono::microseconds(std::max(0, options.ucx_poll_us));
+    co.poll_spin_max = std::chrono::microseconds(std::max(0, options.ucx_poll_max_us));
+    co.progress_spin = dataplane::ProgressSpin(options.ucx_progress_spin_us);
+    auto half = StartClientHalf(backend, co);
+    if (half.ok()) {
+      MOE_LOG_INFO("{} data plane up ({})", (*half)->name(), (*half)->Describe());
+      halves_.push_back(std::move(*half));
+    } else if (!options.data_plane.automatic()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--data_plane=", backend, ": ", half.status().message()));
+    } else {
+      MOE_LOG_WARN("no {} data plane ({})", backend, half.status().ToString());
+    }
   }
+  if (options.data_plane.automatic() && halves_.empty()) MOE_LOG_WARN("in band only");
   return absl::OkStatus();
 }
 

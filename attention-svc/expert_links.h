@@ -1,8 +1,8 @@
-// The attention node's links to the expert shards: its half of the out-of-band data plane
-// (dataplane/client_half.h, started by --data_plane's name; none: in band) and one channel per
-// shard (shard@endpoint), made on first use by MakeExpertChannel and closed when the shard is
-// no longer placed. Channels and the half go together: Close drops every channel before the
-// half goes. Thread-safe; what travels is the channels' business.
+// The attention node's links to the expert shards: its halves of the out-of-band data plane
+// (dataplane/client_half.h, started by --data_plane's name: under auto shm then UCX; none: in
+// band) and one channel per shard (shard@endpoint), made on first use by MakeExpertChannel and
+// closed when the shard is no longer placed. Channels and the halves go together: Close drops
+// every channel before the halves go. Thread-safe; what travels is the channels' business.
 //
 //   MOE_ASSIGN_OR_RETURN(auto links, ExpertLinks::Start(options, metrics));  // metrics required
 //   std::shared_ptr<ExpertChannel> ch = links->ChannelFor(shard_ref);
@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -55,8 +56,9 @@ struct ExpertLinksOptions {
 
 class ExpertLinks {
  public:
-  // Starts the data plane's half when asked for one: a backend named by --data_plane that
-  // cannot start is FAILED_PRECONDITION; under auto the node goes in band and says so.
+  // Starts the data plane's halves when asked for one: a backend named by --data_plane that
+  // cannot start is FAILED_PRECONDITION; under auto the node goes without it (in band when
+  // none starts) and says so.
   static absl::StatusOr<std::unique_ptr<ExpertLinks>> Start(const ExpertLinksOptions& options,
                                                             metrics::AttentionMetrics* metrics);
   // The channel of one shard, made once per shard@endpoint (its failover and hedge series
@@ -66,18 +68,19 @@ class ExpertLinks {
   void KeepOnly(const std::function<bool(const std::string& shard_at_endpoint)>& placed);
   // Drops every channel (calls in flight finish on their own references).
   void Close();
-  ClientHalf* data_plane() const { return half_.get(); }
-  ~ExpertLinks() = default;  // the channels go before the half (declared after it)
+  // The halves started, in the order the node prefers them.
+  const std::vector<std::unique_ptr<ClientHalf>>& data_planes() const { return halves_; }
+  ~ExpertLinks() = default;  // the channels go before the halves (declared after them)
 
  private:
   explicit ExpertLinks(metrics::AttentionMetrics* m) : metrics_(m) {}
-  absl::Status StartHalf(const ExpertLinksOptions& options);
+  absl::Status StartHalves(const ExpertLinksOptions& options);
 
   metrics::AttentionMetrics* const metrics_;
   // Every channel's configuration, made once at Start (the half, the callbacks).
   ExpertChannelConfig config_;
-  // Declared before the channels so that it outlives them.
-  std::unique_ptr<ClientHalf> half_;
+  // Declared before the channels so that they outlive them.
+  std::vector<std::unique_ptr<ClientHalf>> halves_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<ExpertChannel>> channels_ ABSL_GUARDED_BY(mu_);
 };

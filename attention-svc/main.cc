@@ -17,8 +17,9 @@ void AddDataPlaneFlags(moe::SvcFlags& flags, moe::attention_svc::AttentionServer
       [](const std::string& name) {
         return moe::dataplane::ParseDataPlane(name, moe::attention_svc::ClientBackendNames());
       },
-      "auto|grpc|ucx|fake|shm: expert payloads on UCX where the shard offers it (auto), never, "
-      "or always on the named backend (shm: memfd rings to shards on this host; fake: shards in "
+      "auto|grpc|ucx|fake|shm: expert payloads on shm to shards on this host that offer it, "
+      "else on UCX where the shard offers it, else in band (auto); never out of band (grpc); or "
+      "always on the named backend (shm: memfd rings to shards on this host; fake: shards in "
       "this process only; attention-svc/dataplane/registry.h)");
   flags.Int("micro_batches", &o->micro_batches,
             "split each request into this many micro-batches, two in flight (1: off)");

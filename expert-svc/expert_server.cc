@@ -10,6 +10,7 @@
 #include <shared_mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "expert-svc/batch_endpoint.h"
 #include "expert-svc/dataplane/registry.h"
 #include "expert-svc/dispatch_batch.h"
@@ -72,8 +73,12 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   // One request off a Dispatch stream: to its endpoint (in band or UCX), then to the core.
   void OnDispatch(v1::DispatchRequest req, DispatchReactor* stream);
   // One batch that came as a data-plane message (authenticated by the backend): to the core.
-  void OnBatchMessage(const BatchSource& from, std::string_view header,
+  void OnBatchMessage(size_t half, const BatchSource& from, std::string_view header,
                       std::string_view activations);
+  // The half of `transport` ("": the first); null when not offered. Under dp_mu_.
+  ServerHalf* HalfFor(const std::string& transport) const;
+  // What GetInfo and the router say: the first half's name, or "grpc".
+  std::string FirstName() const { return dp_.empty() ? "grpc" : dp_[0]->name(); }
 
   ExpertServerOptions options_;
   std::unique_ptr<ExpertCore> core_;
@@ -84,16 +89,23 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
   std::unique_ptr<client::RouterLink> router_;  // registration and heartbeats
   bool stopped_ = false;
 
-  // The out-of-band data plane (dataplane/server_half.h): null when not offered, and why.
-  // dp_mu_ (shared by the gRPC handlers) keeps it alive while they use it; Shutdown takes it
-  // exclusively to stop it.
+  // The out-of-band data plane's halves (dataplane/server_half.h), one per backend offered,
+  // the first the one registered and opened for callers that name none; empty when none is
+  // offered, and why. dp_mu_ (shared by the gRPC handlers) keeps them alive while they use
+  // them; Shutdown takes it exclusively to stop them.
   std::shared_mutex dp_mu_;
-  std::unique_ptr<ServerHalf> dp_;
+  std::vector<std::unique_ptr<ServerHalf>> dp_;
   std::string no_dp_;
-  // The same, for the batch messages' handler (runs on the backend's thread, which Shutdown
-  // joins while holding dp_mu_: it must not take that lock). Set before any client can open.
-  std::atomic<ServerHalf*> dp_raw_{nullptr};
-  // moe_ucx_messages_dropped_total, read from dp_ at every scrape (stopped before dp_ goes).
+  // The same, for the batch messages' handlers and the compute thread's poll (they run on the
+  // backends' threads, which Shutdown joins while holding dp_mu_: they must not take that
+  // lock): filled before any client can open and never changed after; usable while dp_live_.
+  std::vector<ServerHalf*> dp_raw_;
+  std::atomic<bool> dp_live_{false};
+  // The half whose batch came last: the one the compute thread polls between batches (the
+  // other halves' own threads deliver theirs meanwhile).
+  std::atomic<size_t> dp_polled_{0};
+  // moe_ucx_messages_dropped_total, read from the halves at every scrape (stopped before they
+  // go).
   std::shared_ptr<metrics::ScrapedCounter> dp_drops_;
 };
 
@@ -129,14 +141,16 @@ absl::Status ExpertServer::Impl::Start() {
   MOE_RETURN_IF_ERROR(StartDataPlane());
   // Between batches the compute thread polls the data plane for a while: the next batch message
   // lands and is admitted on it, with no thread woken in between.
-  if (dp_ != nullptr && dp_->poll_spin() > std::chrono::microseconds(0)) {
+  std::chrono::microseconds poll_spin(0);
+  for (ServerHalf* h : dp_raw_) poll_spin = std::max(poll_spin, h->poll_spin());
+  if (poll_spin > std::chrono::microseconds(0)) {
     core_->Start(
         metrics_.get(),
-        [dp = dp_.get()](std::chrono::steady_clock::time_point until,
-                         const std::function<bool()>& work_queued) {
-          dp->PollUntil(until, work_queued);
+        [this](std::chrono::steady_clock::time_point until,
+               const std::function<bool()>& work_queued) {
+          if (dp_live_.load()) dp_raw_[dp_polled_.load()]->PollUntil(until, work_queued);
         },
-        dp_->poll_spin(), std::chrono::microseconds(std::max(0, options_.ucx_poll_max_us)));
+        poll_spin, std::chrono::microseconds(std::max(0, options_.ucx_poll_max_us)));
   } else {
     core_->Start(metrics_.get());
   }
@@ -156,7 +170,7 @@ absl::Status ExpertServer::Impl::Start() {
     v1::RegisterExpertServerRequest req;
     req.set_shard(options_.shard);
     req.set_endpoint(options_.advertise);
-    req.set_data_plane(dp_ != nullptr ? dp_->name() : "grpc");
+    req.set_data_plane(FirstName());
     for (const auto& [l, w] : core_->layers()) {
       v1::ExpertRange* r = req.add_ranges();
       r->set_layer(static_cast<int32_t>(l));
@@ -169,7 +183,13 @@ absl::Status ExpertServer::Impl::Start() {
         std::move(req), [this] { return core_->queued(); },
         [this]() -> std::string {
           std::shared_lock<std::shared_mutex> lock(dp_mu_);
-          return dp_ != nullptr ? dp_->lanes() : "";
+          std::string lanes;
+          for (const auto& h : dp_) {
+            if (std::string l = h->lanes(); !l.empty()) {
+              absl::StrAppend(&lanes, lanes.empty() ? "" : "; ", l);
+            }
+          }
+          return lanes;
         },
         // Said once per kind of refusal (a restarted shard meets its old lease for up to 3
         // heartbeat intervals; another process under its name for as long as that one lives).
@@ -227,7 +247,7 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   EndpointContext ctx;
   ctx.shard = options_.shard;
   ctx.stream = stream;
-  ctx.data_plane = dp_.get();
+  ctx.data_plane = HalfFor("");  // a previous protocol's requests: the first backend's
   ctx.on_error = [this](const absl::Status& s) {
     metrics_->common.Error("Dispatch", absl::StatusCodeToString(s.code()));
   };
@@ -238,10 +258,18 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
   });
 }
 
-void ExpertServer::Impl::OnBatchMessage(const BatchSource& from, std::string_view header,
-                                        std::string_view activations) {
-  ServerHalf* dp = dp_raw_.load();
-  if (dp == nullptr) return;
+ServerHalf* ExpertServer::Impl::HalfFor(const std::string& transport) const {
+  for (const auto& h : dp_) {
+    if (transport.empty() || transport == h->name()) return h.get();
+  }
+  return nullptr;
+}
+
+void ExpertServer::Impl::OnBatchMessage(size_t half, const BatchSource& from,
+                                        std::string_view header, std::string_view activations) {
+  if (!dp_live_.load()) return;
+  ServerHalf* dp = dp_raw_[half];
+  dp_polled_.store(half);
   v1::DispatchRequest req;
   const bool parsed = req.ParseFromArray(header.data(), static_cast<int>(header.size()));
   const v1::OutOfBand& o = req.out_of_band();
@@ -279,13 +307,14 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::GetInfo(grpc::CallbackServerContex
   }
   {
     std::shared_lock<std::shared_mutex> lock(dp_mu_);
-    response->set_data_plane(dp_ != nullptr ? dp_->name() : "grpc");
-    if (dp_ != nullptr) {
-      response->set_ucx_tls(dp_->tls());
+    response->set_data_plane(FirstName());
+    for (const auto& h : dp_) response->add_data_planes(h->name());
+    if (!dp_.empty()) {
+      response->set_ucx_tls(dp_[0]->tls());
       // UCX authenticates nobody: the data plane's address only for members.
       if (FromAttention(*context) &&
           transport::CheckPeerMember(*context, "attention", "", "GetInfo").ok()) {
-        response->set_ucx_address(dp_->address());
+        response->set_ucx_address(dp_[0]->address());
       }
     }
   }
@@ -310,11 +339,20 @@ grpc::ServerUnaryReactor* ExpertServer::Impl::OpenDataPlane(grpc::CallbackServer
     return reactor;
   }
   std::shared_lock<std::shared_mutex> dp_lock(dp_mu_);
-  if (dp_ == nullptr) {
+  if (dp_.empty()) {
     return finish(absl::FailedPreconditionError(
         absl::StrCat("shard ", options_.shard, " has no out-of-band data plane (", no_dp_, ")")));
   }
-  if (absl::Status s = dp_->Open(request->node(), response); !s.ok()) {
+  ServerHalf* half = HalfFor(request->transport());
+  if (half == nullptr) {
+    std::vector<std::string> offered;
+    for (const auto& h : dp_) offered.emplace_back(h->name());
+    return finish(absl::FailedPreconditionError(absl::StrCat(
+        "shard ", options_.shard, " does not offer the ", request->transport().substr(0, 32),
+        " data plane (it offers ", absl::StrJoin(offered, ", "),
+        no_dp_.empty() ? "" : absl::StrCat("; ", no_dp_), ")")));
+  }
+  if (absl::Status s = half->Open(request->node(), response); !s.ok()) {
     response->Clear();
     return finish(
         absl::Status(s.code(), absl::StrCat("shard ", options_.shard, ": ", s.message())));
@@ -327,41 +365,61 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
     no_dp_ = "started with --data_plane=grpc";
     return absl::OkStatus();
   }
-  const std::string backend = options_.data_plane.backend();
-  ServerHalfOptions o;
-  o.shard = options_.shard;
-  o.tls = options_.ucx_tls;
-  o.bind_host = options_.host;
-  o.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
-  o.progress_spin = dataplane::ProgressSpin(options_.ucx_progress_spin_us);
-  o.max_clients = options_.max_data_plane_clients;
-  o.max_message_bytes = options_.max_message_bytes;
-  o.on_event = [this](const std::string& event) { metrics_->DataPlaneEvent(event); };
-  if (options_.ucx_batch_messages) {
-    o.on_batch = [this](const BatchSource& from, std::string_view header,
-                        std::string_view activations) {
-      OnBatchMessage(from, header, activations);
-    };
-  }
-  auto dp = StartServerHalf(backend, std::move(o));
-  if (!dp.ok()) {
-    no_dp_ = absl::StrCat(backend, ": ", dp.status().message());
-    if (!options_.data_plane.automatic()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("--data_plane=", backend, ": ", dp.status().message()));
+  // The first backend offered is the one old callers know (UCX under auto).
+  std::vector<std::string> backends = options_.data_plane.backends();
+  std::stable_partition(backends.begin(), backends.end(), [](const std::string& b) {
+    return b == dataplane::DataPlane::kDefaultBackend;
+  });
+  std::vector<std::string> missing;
+  for (const std::string& backend : backends) {
+    ServerHalfOptions o;
+    o.shard = options_.shard;
+    o.tls = options_.ucx_tls;
+    o.bind_host = options_.host;
+    o.poll_spin = std::chrono::microseconds(std::max(0, options_.ucx_poll_us));
+    o.progress_spin = dataplane::ProgressSpin(options_.ucx_progress_spin_us);
+    o.max_clients = options_.max_data_plane_clients;
+    o.max_message_bytes = options_.max_message_bytes;
+    o.on_event = [this](const std::string& event) { metrics_->DataPlaneEvent(event); };
+    if (options_.ucx_batch_messages) {
+      o.on_batch = [this, half = dp_.size()](const BatchSource& from, std::string_view header,
+                                             std::string_view activations) {
+        OnBatchMessage(half, from, header, activations);
+      };
     }
-    MOE_LOG_WARN("shard {}: no {} data plane ({}): in band only", options_.shard, backend,
-                 dp.status().ToString());
+    auto dp = StartServerHalf(backend, std::move(o));
+    if (!dp.ok()) {
+      if (!options_.data_plane.automatic()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--data_plane=", backend, ": ", dp.status().message()));
+      }
+      missing.push_back(absl::StrCat(backend, ": ", dp.status().message()));
+      MOE_LOG_WARN("shard {}: no {} data plane ({})", options_.shard, backend,
+                   dp.status().ToString());
+      continue;
+    }
+    MOE_LOG_INFO("shard {}: {} data plane up ({})", options_.shard, (*dp)->name(),
+                 (*dp)->Describe());
+    std::unique_lock<std::shared_mutex> lock(dp_mu_);
+    dp_raw_.push_back(dp->get());
+    dp_.push_back(std::move(*dp));
+  }
+  no_dp_ = absl::StrJoin(missing, "; ");
+  if (dp_.empty()) {
+    MOE_LOG_WARN("shard {}: in band only", options_.shard);
     return absl::OkStatus();
   }
-  std::unique_lock<std::shared_mutex> lock(dp_mu_);
-  dp_ = std::move(*dp);
-  dp_raw_.store(dp_.get());
+  dp_live_.store(true);
   if (metrics_server_ != nullptr) {
-    dp_drops_ = metrics::UcxMessagesDropped([dp = dp_.get()] { return dp->DroppedByKind(); });
+    dp_drops_ = metrics::UcxMessagesDropped([this] {
+      std::vector<std::pair<std::string, double>> all;
+      for (ServerHalf* h : dp_raw_) {
+        for (auto& d : h->DroppedByKind()) all.push_back(std::move(d));
+      }
+      return all;
+    });
     metrics_server_->Add(dp_drops_);
   }
-  MOE_LOG_INFO("shard {}: {} data plane up ({})", options_.shard, dp_->name(), dp_->Describe());
   return absl::OkStatus();
 }
 
@@ -375,8 +433,8 @@ void ExpertServer::Impl::Shutdown(absl::Duration grace) {
     // Unfinished transfers fail (their batches are answered UNAVAILABLE) while the streams live.
     if (dp_drops_ != nullptr) dp_drops_->Stop();
     std::unique_lock<std::shared_mutex> lock(dp_mu_);
-    dp_raw_.store(nullptr);
-    dp_.reset();
+    dp_live_.store(false);
+    dp_.clear();
   }
   if (server_ != nullptr) server_->Shutdown(grace);
 }

@@ -50,9 +50,9 @@ int main(int argc, char** argv) {
       [](const std::string& name) {
         return moe::dataplane::ParseDataPlane(name, moe::expert_svc::ServerBackendNames());
       },
-      "auto|grpc|ucx|fake|shm: offer an out-of-band data plane (auto: UCX when built with it; "
-      "shm: memfd rings for attention nodes on this host; fake: an in-process wire, for tests; "
-      "expert-svc/dataplane/registry.h)");
+      "auto|grpc|ucx|fake|shm: offer an out-of-band data plane (auto: UCX when built with it, "
+      "and shm; shm: memfd rings for attention nodes on this host; fake: an in-process wire, "
+      "for tests; expert-svc/dataplane/registry.h)");
   flags.String("ucx_tls", &o.ucx_tls, "UCX transports (UCX_TLS syntax; empty: $UCX_TLS)");
   flags.Int("ucx_poll_us", &o.ucx_poll_us,
             "after a batch the compute thread polls the UCX data plane this long for the next one "

@@ -33,6 +33,7 @@ absl::StatusOr<OpenedDataPlane> OpenDataPlane(const std::string& who, const std:
   if (!cluster_token.empty()) ctx.AddMetadata(transport::kClusterTokenMetadata, cluster_token);
   v1::OpenDataPlaneRequest req;
   req.set_node(node);
+  req.set_transport(backend);
   const absl::Status s = transport::FromGrpc(stub->OpenDataPlane(&ctx, req, &out.reply));
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(who, ": OpenDataPlane: ", s.message()));
   const std::string& offered = out.reply.transport().empty() ? "ucx" : out.reply.transport();

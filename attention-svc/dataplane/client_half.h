@@ -50,6 +50,12 @@ struct ChannelOptions {
   // --data_plane=auto: a batch goes in band (counted "fallback") while the shard offers no data
   // plane of this backend; otherwise such batches fail UNAVAILABLE naming the shard.
   bool fallback_in_band = true;
+  // --data_plane=auto: the channel of the node's next backend to this shard (the attention
+  // node's ExpertLinks chains them in DataPlane::backends() order). A backend that cannot open
+  // to the shard (the shard does not offer it, or it cannot be reached from here) sends its
+  // batches there instead of in band, as it does those it does not carry (too large); null:
+  // fallback_in_band decides.
+  std::shared_ptr<ExpertChannel> next;
   // A batch whose reply has at least this many bytes asks for the reply's MAC in a message after
   // it, so that the shard and this node hash at once (UCX: of a shard that offers it); 0: never.
   size_t detach_reply_tag_from = dataplane::kDetachTagFromBytes;

@@ -2,10 +2,13 @@
 // formats of the out-of-band path that are parsed from peer bytes: the UCX hello and the lanes
 // UCX reports for an endpoint. Pure code (no UCX), so the fuzzers and the stub build have it.
 //
-//   auto: the default backend (UCX) when this build and the peer have it, else in-band gRPC
-//   grpc: in band only; a backend's name ("ucx", "fake"): that one or fail (the attention node
-//   names the shard). Each service's registry (expert-svc/dataplane, attention-svc/dataplane)
-//   says which names exist.
+//   auto: the backends of kAutoBackends this build has. A shard offers each (UCX first: what it
+//   registers and what callers that name none get); a node uses, per shard, the first the
+//   shard offers that it can reach (shm where both share a host and network namespace, UCX
+//   otherwise), else in-band gRPC.
+//   grpc: in band only; a backend's name ("ucx", "shm", "fake"): that one or fail (the
+//   attention node names the shard). Each service's registry (expert-svc/dataplane,
+//   attention-svc/dataplane) says which names exist.
 //
 //   std::string h = EncodeHello({.client_id = id, .secret = opened.hello()});
 //   MOE_ASSIGN_OR_RETURN(Hello got, ParseHello(bytes_from_a_peer));  // exact size, magic
@@ -36,12 +39,20 @@ inline std::chrono::microseconds ProgressSpin(int us) {
 }
 
 struct DataPlane {
+  // What a shard registers under auto, and what an OpenDataPlane naming no backend gets (the
+  // callers of before OpenDataPlaneRequest.transport speak only it).
   static constexpr const char* kDefaultBackend = "ucx";
   std::string name = "auto";  // "auto", "grpc" or a backend's name
   bool automatic() const { return name == "auto"; }
   bool in_band() const { return name == "grpc"; }
-  // The backend to start: the named one, the default under auto, "" for grpc.
-  std::string backend() const { return automatic() ? kDefaultBackend : in_band() ? "" : name; }
+  // The backends to start, in the order an attention node prefers them: the named one; under
+  // auto shm (one host and network namespace: T = 16 in a third of UCX's time,
+  // docs/data-plane.md) then UCX; none for grpc.
+  std::vector<std::string> backends() const {
+    if (in_band()) return {};
+    if (automatic()) return {"shm", kDefaultBackend};
+    return {name};
+  }
 };
 
 inline std::string DataPlaneName(const DataPlane& d) { return d.name; }

@@ -171,8 +171,10 @@ constexpr MetricInfo kMetrics[] = {
      "Out-of-band data plane events per expert shard: connected, fallback (a batch "
      "sent in band), transfer_failed, integrity_failed (a reply payload whose MAC "
      "did not match)",
-     "attention-svc's data plane per shard: `connected` (OpenDataPlane and the UCX "
-     "hello done), `fallback` (a batch sent in band because the shard has no UCX), "
+     "attention-svc's data plane per shard: `connected` (OpenDataPlane and the "
+     "backend's hello done: UCX or shm), `fallback` (a batch sent in band: the shard "
+     "offers no data plane this node speaks, or the batch is larger than the shm rings "
+     "take and no other backend is there), "
      "`transfer_failed` (a payload did not go out or come back), `integrity_failed` "
      "(a reply payload whose MAC did not match)",
      "", ""},

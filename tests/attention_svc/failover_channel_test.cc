@@ -296,7 +296,7 @@ TEST(MakeExpertChannel, ChoosesInProcessThenTheDataPlaneThenGrpc) {
     if (name == "ucx" && !dataplane::UcxBuilt()) continue;
     auto half = StartClientHalf(name, {});
     ASSERT_TRUE(half.ok()) << name << ": " << half.status();
-    c.data_plane = half->get();
+    c.data_planes = {half->get()};
     const std::shared_ptr<ExpertChannel> channel = MakeExpertChannel(c, there);
     if (name == "ucx") {
       EXPECT_NE(dynamic_cast<UcxExpertChannel*>(channel.get()), nullptr);

@@ -188,11 +188,15 @@ def placement(ctx):
 
 
 def rss(pid):
+    """(private, shared) resident bytes: RssAnon + RssFile (what a process grows by itself),
+    and RssShmem (shared memory it maps: the shm lane's rings, UCX's FIFOs)."""
+    kb = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                kb[key] = int(value.split()[0])
+    return ((kb.get("RssAnon", 0) + kb.get("RssFile", 0)) * 1024, kb.get("RssShmem", 0) * 1024)
 
 
 class Canary(threading.Thread):

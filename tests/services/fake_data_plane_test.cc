@@ -44,9 +44,10 @@ TEST(DataPlaneRegistry, BothSidesNameTheSameBackends) {
   auto bad = dataplane::ParseDataPlane("rdma9", expert_svc::ServerBackendNames());
   EXPECT_EQ(bad.status().code(), C::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("auto, grpc, ucx, fake, shm"), std::string::npos);
-  EXPECT_EQ(dataplane::DataPlane{}.backend(), "ucx");  // auto: the default backend
-  EXPECT_EQ(dataplane::DataPlane{"grpc"}.backend(), "");
-  EXPECT_EQ(dataplane::DataPlane{"fake"}.backend(), "fake");
+  // auto: shm, then UCX (a node's order of preference; a shard offers both, UCX first).
+  EXPECT_EQ(dataplane::DataPlane{}.backends(), (std::vector<std::string>{"shm", "ucx"}));
+  EXPECT_EQ(dataplane::DataPlane{"grpc"}.backends(), std::vector<std::string>{});
+  EXPECT_EQ(dataplane::DataPlane{"fake"}.backends(), std::vector<std::string>{"fake"});
   // --ucx_progress_spin_us reaches the backends within [0, 10 ms].
   EXPECT_EQ(dataplane::ProgressSpin(-5).count(), 0);
   EXPECT_EQ(dataplane::ProgressSpin(30).count(), 30);
@@ -163,7 +164,8 @@ TEST(FakeDataPlane, ANodeOfAnotherBackendGoesInBandOrFailsNamingBoth) {
   auto strict = (*ucx)->MakeChannel(ChannelTo(shard, /*fallback=*/false));
   auto refused = strict->Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
   EXPECT_EQ(refused.status().code(), C::kUnavailable);
-  EXPECT_NE(refused.status().message().find("offers the fake data plane, this node speaks ucx"),
+  // The shard names what the node asked for and what it offers.
+  EXPECT_NE(refused.status().message().find("does not offer the ucx data plane (it offers fake"),
             std::string::npos)
       << refused.status();
 }

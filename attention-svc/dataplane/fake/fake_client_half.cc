@@ -155,7 +155,9 @@ class FakeExpertChannel final : public ExpertChannel {
   ~FakeExpertChannel() override { dataplane::FakeWire::Close(me_); }
 
   const std::string& shard() const override { return o_.shard; }
-  const char* transport() const override { return client_id_.load() != 0 ? "fake" : "grpc"; }
+  const char* transport() const override {
+    return client_id_.load() != 0 ? "fake" : o_.next != nullptr ? o_.next->transport() : "grpc";
+  }
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
                                    const DispatchMessage& m) override {
@@ -163,6 +165,7 @@ class FakeExpertChannel final : public ExpertChannel {
         absl::Now() + absl::Milliseconds(header.timeout_ms > 0 ? header.timeout_ms : 30000);
     absl::Status open = EnsureOpen(deadline);
     if (!open.ok()) {
+      if (o_.next != nullptr) return o_.next->Send(header, m);
       if (o_.fallback_in_band) {
         if (o_.on_event) o_.on_event(o_.shard, "fallback");
         return inband_->Send(header, m);

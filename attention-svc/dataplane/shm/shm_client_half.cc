@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -15,6 +16,7 @@
 #include "attention-svc/dataplane/batch_message.h"
 #include "attention-svc/dataplane/reply_liveness.h"
 #include "attention-svc/expert_channel_grpc.h"
+#include "services/common/logging.h"
 #include "services/common/poll_window.h"
 #include "services/common/status_macros.h"
 #include "services/dataplane/data_plane.h"
@@ -31,6 +33,10 @@ using dataplane::OwnedFd;
 // the shard is alive.
 constexpr absl::Duration kReplyGrace = absl::Seconds(1);
 constexpr auto kLivenessSlice = std::chrono::milliseconds(20);
+// A shard this node cannot use shm with (it does not offer it, or its socket is not in this
+// network namespace, or not of this user) is asked again this often; its batches go to the next
+// backend meanwhile (ChannelOptions::next). One OpenDataPlane call each time.
+constexpr absl::Duration kRetryUnreachable = absl::Seconds(30);
 
 bool SocketClosed(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
@@ -262,7 +268,7 @@ class ShmExpertChannel final : public ExpertChannel {
   const std::string& shard() const override { return o_.shard; }
   const char* transport() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return conn_ != nullptr ? "shm" : "grpc";
+    return conn_ != nullptr ? "shm" : o_.next != nullptr ? o_.next->transport() : "grpc";
   }
 
   std::unique_ptr<ExpertCall> Send(const DispatchHeader& header,
@@ -277,13 +283,16 @@ class ShmExpertChannel final : public ExpertChannel {
         dataplane::ShmRing::RecordBytes(dataplane::kMaxReplyHeaderBytes, shape.bytes()) <=
             half_ring;
     if (!fits) {
-      // Larger than the rings take (a long prefill): in band, over the same authenticated
-      // channel, whatever --data_plane says (the lane exists; this batch does not fit it).
+      // Larger than the rings take (a long prefill): the next backend's, or in band over the
+      // same authenticated channel, whatever --data_plane says (the lane exists; this batch
+      // does not fit it).
+      if (o_.next != nullptr) return o_.next->Send(header, m);
       if (o_.on_event) o_.on_event(o_.shard, "fallback");
       return inband_->Send(header, m);
     }
     absl::StatusOr<std::shared_ptr<Conn>> conn = EnsureOpen(deadline);
     if (!conn.ok()) {
+      if (o_.next != nullptr) return o_.next->Send(header, m);
       if (o_.fallback_in_band) {
         if (o_.on_event) o_.on_event(o_.shard, "fallback");
         return inband_->Send(header, m);
@@ -326,9 +335,15 @@ class ShmExpertChannel final : public ExpertChannel {
       if (!broken && conn_->control->GetState(false) == GRPC_CHANNEL_READY) return conn_;
     }
     conn_.reset();
-    MOE_ASSIGN_OR_RETURN(OpenedDataPlane opened,
-                         OpenDataPlane(who_, o_.endpoint, o_.max_message_bytes, o_.cluster_token,
-                                       o_.node, "shm", deadline));
+    if (absl::Now() < retry_after_) return absl::FailedPreconditionError(unreachable_);
+    absl::StatusOr<OpenedDataPlane> open = OpenDataPlane(
+        who_, o_.endpoint, o_.max_message_bytes, o_.cluster_token, o_.node, "shm", deadline);
+    if (!open.ok()) {
+      return absl::IsFailedPrecondition(open.status()) || absl::IsUnimplemented(open.status())
+                 ? Unreachable(open.status().message())
+                 : open.status();
+    }
+    const OpenedDataPlane& opened = *open;
     const v1::OpenDataPlaneReply& reply = opened.reply;
     if (reply.hello_secret().size() != dataplane::kHelloSecretBytes ||
         reply.worker_address().empty()) {
@@ -347,9 +362,17 @@ class ShmExpertChannel final : public ExpertChannel {
     MOE_ASSIGN_OR_RETURN(c->node_doorbell, dataplane::NewEventFd());
     c->requests = c->region.Ring(dataplane::ShmDirection::kToShard, c->shard_doorbell.get());
     c->replies = c->region.Ring(dataplane::ShmDirection::kToNode, -1);
+    // Only a shard in this network namespace (one host: a pod's containers, a local cluster)
+    // has its socket here; only one of this user gets the hello's secret and the memory.
     absl::StatusOr<OwnedFd> socket = dataplane::ConnectAbstract(reply.worker_address());
-    if (!socket.ok())
-      return absl::UnavailableError(absl::StrCat(who_, ": ", socket.status().message()));
+    if (!socket.ok()) {
+      return Unreachable(absl::StrCat(who_, ": its shm socket is not in this network namespace (",
+                                      socket.status().message(), ")"));
+    }
+    if (absl::StatusOr<uint32_t> uid = dataplane::PeerUid(socket->get());
+        !uid.ok() || *uid != ::geteuid()) {
+      return Unreachable(absl::StrCat(who_, ": its shm socket is not this user's"));
+    }
     c->socket = std::move(*socket);
     std::string hello = dataplane::EncodeHello({reply.client_id(), reply.hello_secret()});
     const uint64_t ring = kShmClientRing;
@@ -377,12 +400,26 @@ class ShmExpertChannel final : public ExpertChannel {
     return conn_;
   }
 
+  // Remembers that the shard cannot be reached over shm (see kRetryUnreachable); said once per
+  // reason in the log.
+  absl::Status Unreachable(absl::string_view why) {
+    retry_after_ = absl::Now() + kRetryUnreachable;
+    if (why != unreachable_) {
+      unreachable_ = std::string(why);
+      MOE_LOG_INFO("data plane to {}: no shm ({}){}", o_.shard, unreachable_,
+                   o_.next != nullptr ? ": the node's next data plane instead" : "");
+    }
+    return absl::FailedPreconditionError(unreachable_);
+  }
+
   const ChannelOptions o_;
   const std::string who_;
   const std::shared_ptr<PollWindow> window_;
   std::unique_ptr<GrpcExpertChannel> inband_;
-  mutable std::mutex mu_;  // the connection below
+  mutable std::mutex mu_;  // the connection below, and when to try again without one
   std::shared_ptr<Conn> conn_;
+  absl::Time retry_after_ = absl::InfinitePast();
+  std::string unreachable_;
 };
 
 class ShmClientHalf final : public ClientHalf {

@@ -308,6 +308,7 @@ UcxExpertChannel::UcxExpertChannel(ChannelOptions o, dataplane::UcxWorker* worke
       max_message_bytes_(o.max_message_bytes),
       worker_(worker),
       fallback_in_band_(o.fallback_in_band),
+      next_(std::move(o.next)),
       detach_reply_tag_from_(o.detach_reply_tag_from),
       on_event_(std::move(o.on_event)),
       on_lanes_(std::move(o.on_lanes)),
@@ -429,6 +430,7 @@ std::unique_ptr<ExpertCall> UcxExpertChannel::Send(const DispatchHeader& header,
       absl::Milliseconds(std::max<int64_t>(1, header.timeout_ms > 0 ? header.timeout_ms : 30000));
   const absl::StatusOr<Connection> open = EnsureOpen(deadline);
   if (!open.ok()) {
+    if (next_ != nullptr) return next_->Send(header, m);
     if (fallback_in_band_) {
       if (on_event_) on_event_(shard_, "fallback");
       return inband_->Send(header, m);

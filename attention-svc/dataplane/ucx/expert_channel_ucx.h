@@ -56,7 +56,9 @@ class UcxExpertChannel final : public ExpertChannel {
                                    const DispatchMessage& message) override;
   const std::string& shard() const override { return shard_; }
   // "ucx" once the data plane is open, "grpc" while batches go in band.
-  const char* transport() const override { return client_id_.load() != 0 ? "ucx" : "grpc"; }
+  const char* transport() const override {
+    return client_id_.load() != 0 ? "ucx" : next_ != nullptr ? next_->transport() : "grpc";
+  }
   // The lanes UCX selected for our endpoint to the shard (read from UCX when the data plane
   // opened), and the shard's own view of its endpoint back (its hello acknowledgement).
   dataplane::UcxLanes lanes() const;
@@ -94,6 +96,7 @@ class UcxExpertChannel final : public ExpertChannel {
   const int max_message_bytes_;
   dataplane::UcxWorker* const worker_;
   const bool fallback_in_band_;
+  const std::shared_ptr<ExpertChannel> next_;  // ChannelOptions::next
   const size_t detach_reply_tag_from_;
   DataPlaneEventFn on_event_;
   DataPlaneLanesFn on_lanes_;
