@@ -4,7 +4,7 @@
 //   scripts/bench.sh --cluster     or
 //   build/tests/cluster_bench [--checkpoint DIR | --preset mid] [--tokens 1,16,64,256]
 //                             [--seconds 4] [--shards 2] [--reply_mode per_pair|partial_sum]
-//                             [--data_planes grpc,ucx_shm,ucx_tcp,ucx_shm+mb2]
+//                             [--data_planes grpc,auto,ucx_shm,ucx_tcp,ucx_shm+mb2]
 //
 // For each batch size T: tokens/s of CpuMoeLayer::Forward in this process (all cores) and of
 // Forward through attention-svc with the experts on expert-svc shards (real processes on
@@ -63,6 +63,7 @@ std::vector<std::string> DataPlaneArgs(const std::string& name) {
   if (base == "ucx_cma") args = {"--data_plane=ucx", "--ucx_tls=posix,cma"};
   if (base == "ucx_tcp") args = {"--data_plane=ucx", "--ucx_tls=tcp"};
   if (base == "shm") args = {"--data_plane=shm"};
+  if (base == "auto") args = {"--data_plane=auto"};  // what users run: shm on one host
   if (const std::string poll = Suffix(name, "poll"); !args.empty() && !poll.empty()) {
     args.push_back("--ucx_poll_max_us=" + poll);
   }
@@ -95,7 +96,7 @@ struct Point {
 struct Options {
   std::string checkpoint, preset = "mid", reply_mode = "per_pair", work_dir;
   std::vector<int64_t> sizes = {1, 16, 64, 256};
-  std::string data_planes = "grpc,ucx_shm,ucx_tcp,ucx_shm+mb2";
+  std::string data_planes = "grpc,auto,ucx_shm,ucx_tcp,ucx_shm+mb2";
   double seconds = 4;
   int shards = 2;
   int expert_threads = 0;     // per expert-svc process (0: the local cluster's share)
@@ -278,7 +279,7 @@ int Main(int argc, char** argv) {
   f.IntList("tokens", &o.sizes, "batch sizes, comma-separated");
   f.String("data_planes", &o.data_planes,
            "comma-separated: grpc, ucx_shm, ucx_cma (UCX_TLS posix,cma), ucx_tcp, shm (the "
-           "project's memfd rings); +mbN: N "
+           "project's memfd rings), auto (the default: shm on one host); +mbN: N "
            "micro-batches (ucx_shm+mb2); +pollN: both services poll for at most N us "
            "(ucx_shm+poll100: the fixed window of before); +detach0: replies' MACs attached "
            "(ucx_cma+detach0)");

@@ -13,7 +13,7 @@
 //
 //   scripts/bench.sh --dispatch    or
 //   build/tests/dispatch_bench [--preset mid|k3] [--tokens 1,16,64,256] [--seconds 2]
-//                              [--data_planes grpc,ucx_shm,ucx_tcp] [--raw=true]
+//                              [--data_planes grpc,shm,ucx_shm,ucx_tcp] [--raw=true]
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -66,7 +66,7 @@ double Percentile(std::vector<double> v, double q) {
 }
 
 struct Options {
-  std::string preset = "mid", tokens_list = "1,16,64,256", planes = "grpc,ucx_shm,ucx_tcp";
+  std::string preset = "mid", tokens_list = "1,16,64,256", planes = "grpc,shm,ucx_shm,ucx_tcp";
   double seconds = 2;
   int64_t iterations = 20000;
   bool raw = true;
