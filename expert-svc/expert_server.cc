@@ -184,9 +184,16 @@ absl::Status ExpertServer::Impl::Start() {
         [this]() -> std::string {
           std::shared_lock<std::shared_mutex> lock(dp_mu_);
           std::string lanes;
+          // Where several halves have clients, each by name: "ucx (shm (posix)), shm" (only
+          // what router-svc takes: letters, digits, spaces and ( ) , . _ -).
           for (const auto& h : dp_) {
-            if (std::string l = h->lanes(); !l.empty()) {
-              absl::StrAppend(&lanes, lanes.empty() ? "" : "; ", l);
+            const std::string l = h->lanes();
+            if (l.empty()) continue;
+            absl::StrAppend(&lanes, lanes.empty() ? "" : ", ");
+            if (dp_.size() == 1) {
+              absl::StrAppend(&lanes, l);
+            } else {
+              absl::StrAppend(&lanes, h->name(), l == h->name() ? "" : absl::StrCat(" (", l, ")"));
             }
           }
           return lanes;
@@ -197,7 +204,7 @@ absl::Status ExpertServer::Impl::Start() {
           const std::string what = absl::StatusCodeToString(s.code());
           if (what == last) return;
           last = what;
-          MOE_LOG_WARN("shard {}: router-svc refused the registration, retrying: {}",
+          MOE_LOG_WARN("shard {}: router-svc refused the registration or a heartbeat, retrying: {}",
                        options_.shard, s.ToString());
         });
   }

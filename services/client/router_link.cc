@@ -143,7 +143,12 @@ void RouterLink::KeepRegistered(v1::RegisterExpertServerRequest req,
         if (lanes) hb.set_data_plane_lanes(lanes());
         v1::HeartbeatResponse resp;
         const grpc::Status s = stub_->Heartbeat(&ctx, hb, &resp);
-        if (s.error_code() == grpc::StatusCode::NOT_FOUND) lease = 0;  // register again
+        if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+          lease = 0;  // register again
+        } else if (!s.ok() && s.error_code() != grpc::StatusCode::UNAVAILABLE &&
+                   s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && refused) {
+          refused(transport::FromGrpc(s));  // the lease lapses unless the next one passes
+        }
       }
       std::lock_guard<std::mutex> lock(mu_);
       lease_ = lease;

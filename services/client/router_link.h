@@ -59,7 +59,9 @@ class RouterLink {
   // queue length each heartbeat carries.
   // lanes(), when given, is sent with each heartbeat (the data plane's lanes, for the page).
   // refused(), when given, hears each refused registration (it is retried), e.g. ALREADY_EXISTS
-  // while an earlier process's lease of the same name lives, or PERMISSION_DENIED.
+  // while an earlier process's lease of the same name lives, or PERMISSION_DENIED, and each
+  // heartbeat refused for anything but an unreachable router (e.g. INVALID_ARGUMENT: the lease
+  // lapses unless a later one passes).
   void KeepRegistered(v1::RegisterExpertServerRequest req, std::function<int64_t()> queued,
                       std::function<std::string()> lanes = nullptr,
                       std::function<void(const absl::Status&)> refused = nullptr);

@@ -520,6 +520,18 @@ void PrintConvergence(const std::vector<RebalanceStep>& steps, bool converged, i
   }
 }
 
+// The lanes each shard's data plane last reported to router-svc (its heartbeat): which backend
+// the traffic took (by backend where a shard offers several: "shm" on one host by default,
+// "ucx (shm (posix))"; "" in band).
+void PrintDataPlanes(client::MoeClient& c) {
+  absl::StatusOr<v1::Placement> p = c.GetPlacement();
+  if (!p.ok()) return;
+  for (const v1::ShardInfo& s : p->shards()) {
+    std::printf("  %-10s data plane lanes: %s\n", s.shard().c_str(),
+                s.data_plane_lanes().empty() ? "none (in band)" : s.data_plane_lanes().c_str());
+  }
+}
+
 // Every service's --data_plane, where one is given (empty: the services' default).
 void UseDataPlane(const std::string& data_plane, LocalClusterOptions* co) {
   if (data_plane.empty()) return;
@@ -603,6 +615,7 @@ int Cluster(int argc, char** argv) {
   auto floor_of = [&](const v1::LoadStats& st) { return WindowFloor(*cfg, st); };
   auto before = phase("traffic with the checkpoint's bias");
   if (!before.ok() && !g_stop.load()) return Fail(before.status());
+  if (before.ok()) PrintDataPlanes(**client);
   if (before.ok() && !g_stop.load()) {
     std::vector<RebalanceStep> steps{{before->window_balance().max_vio(), floor_of(*before),
                                       before->window_tokens(), before->bias_version()}};

@@ -21,6 +21,11 @@ done
 grep -q "fallback" "$work/logs/attention-svc.log" && fail "a batch went in band"
 grep "data plane to shard-" "$work/logs/attention-svc.log" | grep -v ": lanes shm (shm) (the shard's side: shm)" &&
   fail "a shard's data plane opened on another lane (UCX)"
+# The report says so too (the lanes the shards heartbeat to router-svc).
+for shard in shard-0 shard-1; do
+  echo "$out" | grep -Eq "^  $shard +data plane lanes: shm$" ||
+    fail "the report does not say $shard is on shm: $(echo "$out" | grep 'data plane lanes')"
+done
 echo "$out" | grep -Eq '(converged|not converged)' || echo "$out" | grep -q 'requests' ||
   fail "no traffic report"
 echo "OK: by default both shards on shm"
