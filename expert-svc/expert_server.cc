@@ -77,6 +77,10 @@ class ExpertServer::Impl final : public v1::ExpertService::CallbackService {
                       std::string_view activations);
   // The half of `transport` ("": the first); null when not offered. Under dp_mu_.
   ServerHalf* HalfFor(const std::string& transport) const;
+  // The lanes of the halves' latest clients, for the router's heartbeat; where several halves
+  // have clients, each by name: "ucx (shm (posix)), shm" (only what router-svc takes: letters,
+  // digits, spaces and ( ) , . _ -).
+  std::string Lanes();
   // What GetInfo and the router say: the first half's name, or "grpc".
   std::string FirstName() const { return dp_.empty() ? "grpc" : dp_[0]->name(); }
 
@@ -180,24 +184,7 @@ absl::Status ExpertServer::Impl::Start() {
     router_ = std::make_unique<client::RouterLink>(options_.router, client::RouterLinkTimings{},
                                                    options_.cluster_token);
     router_->KeepRegistered(
-        std::move(req), [this] { return core_->queued(); },
-        [this]() -> std::string {
-          std::shared_lock<std::shared_mutex> lock(dp_mu_);
-          std::string lanes;
-          // Where several halves have clients, each by name: "ucx (shm (posix)), shm" (only
-          // what router-svc takes: letters, digits, spaces and ( ) , . _ -).
-          for (const auto& h : dp_) {
-            const std::string l = h->lanes();
-            if (l.empty()) continue;
-            absl::StrAppend(&lanes, lanes.empty() ? "" : ", ");
-            if (dp_.size() == 1) {
-              absl::StrAppend(&lanes, l);
-            } else {
-              absl::StrAppend(&lanes, h->name(), l == h->name() ? "" : absl::StrCat(" (", l, ")"));
-            }
-          }
-          return lanes;
-        },
+        std::move(req), [this] { return core_->queued(); }, [this] { return Lanes(); },
         // Said once per kind of refusal (a restarted shard meets its old lease for up to 3
         // heartbeat intervals; another process under its name for as long as that one lives).
         [this, last = std::string()](const absl::Status& s) mutable {
@@ -263,6 +250,22 @@ void ExpertServer::Impl::OnDispatch(v1::DispatchRequest req, DispatchReactor* st
                                            std::unique_ptr<BatchReply> reply) {
     core_->Admit(r, bytes, std::move(reply));
   });
+}
+
+std::string ExpertServer::Impl::Lanes() {
+  std::shared_lock<std::shared_mutex> lock(dp_mu_);
+  std::string lanes;
+  for (const auto& h : dp_) {
+    const std::string l = h->lanes();
+    if (l.empty()) continue;
+    absl::StrAppend(&lanes, lanes.empty() ? "" : ", ");
+    if (dp_.size() == 1) {
+      absl::StrAppend(&lanes, l);
+    } else {
+      absl::StrAppend(&lanes, h->name(), l == h->name() ? "" : absl::StrCat(" (", l, ")"));
+    }
+  }
+  return lanes;
 }
 
 ServerHalf* ExpertServer::Impl::HalfFor(const std::string& transport) const {
