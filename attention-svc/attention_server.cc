@@ -82,13 +82,7 @@ absl::Status AttentionServer::Impl::Start() {
   MOE_RETURN_IF_ERROR(StartMetrics());
   MOE_RETURN_IF_ERROR(core_->Start(metrics_.get()));
   if (metrics_server_ != nullptr && !core_->data_planes().empty()) {
-    dp_drops_ = metrics::UcxMessagesDropped([halves = core_->data_planes()] {
-      std::vector<std::pair<std::string, double>> all;
-      for (ClientHalf* h : halves) {
-        for (auto& d : h->DroppedByKind()) all.push_back(std::move(d));
-      }
-      return all;
-    });
+    dp_drops_ = metrics::UcxMessagesDropped(core_->data_planes());
     metrics_server_->Add(dp_drops_);
   }
   router_ = std::make_unique<client::RouterLink>(options_.router, client::RouterLinkTimings{},

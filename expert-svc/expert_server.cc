@@ -421,13 +421,7 @@ absl::Status ExpertServer::Impl::StartDataPlane() {
   }
   dp_live_.store(true);
   if (metrics_server_ != nullptr) {
-    dp_drops_ = metrics::UcxMessagesDropped([this] {
-      std::vector<std::pair<std::string, double>> all;
-      for (ServerHalf* h : dp_raw_) {
-        for (auto& d : h->DroppedByKind()) all.push_back(std::move(d));
-      }
-      return all;
-    });
+    dp_drops_ = metrics::UcxMessagesDropped(dp_raw_);
     metrics_server_->Add(dp_drops_);
   }
   return absl::OkStatus();

@@ -45,6 +45,18 @@ class ScrapedCounter final : public prometheus::Collectable {
 
 // moe_ucx_messages_dropped_total{kind}, read at every scrape (UcxWorker::DroppedByKind).
 std::shared_ptr<ScrapedCounter> UcxMessagesDropped(ScrapedCounter::Read read);
+// The same, read from each of a service's data-plane halves (anything with DroppedByKind()),
+// their counts side by side; the halves must outlive the counter's Stop().
+template <typename Half>
+std::shared_ptr<ScrapedCounter> UcxMessagesDropped(std::vector<Half*> halves) {
+  return UcxMessagesDropped([halves = std::move(halves)] {
+    std::vector<std::pair<std::string, double>> all;
+    for (Half* h : halves) {
+      for (auto& d : h->DroppedByKind()) all.push_back(std::move(d));
+    }
+    return all;
+  });
+}
 
 }  // namespace moe::metrics
 

@@ -350,20 +350,9 @@ class ShmExpertChannel final : public ExpertChannel {
       return absl::UnavailableError(
           absl::StrCat(who_, ": OpenDataPlane answered without a hello secret or address"));
     }
-    auto c = std::make_shared<Conn>();
-    c->who = who_;
-    c->shard = o_.shard;
-    c->client_id = reply.client_id();
-    c->control = opened.control;
-    c->on_event = o_.on_event;
-    c->window = window_;
-    MOE_ASSIGN_OR_RETURN(c->region, dataplane::ShmRegion::Create(kShmClientRing));
-    MOE_ASSIGN_OR_RETURN(c->shard_doorbell, dataplane::NewEventFd());
-    MOE_ASSIGN_OR_RETURN(c->node_doorbell, dataplane::NewEventFd());
-    c->requests = c->region.Ring(dataplane::ShmDirection::kToShard, c->shard_doorbell.get());
-    c->replies = c->region.Ring(dataplane::ShmDirection::kToNode, -1);
     // Only a shard in this network namespace (one host: a pod's containers, a local cluster)
-    // has its socket here; only one of this user gets the hello's secret and the memory.
+    // has its socket here; only one of this user gets the hello's secret and the memory. Both
+    // are known before any memory is made for the rings.
     absl::StatusOr<OwnedFd> socket = dataplane::ConnectAbstract(reply.worker_address());
     if (!socket.ok()) {
       return Unreachable(absl::StrCat(who_, ": its shm socket is not in this network namespace (",
@@ -373,7 +362,19 @@ class ShmExpertChannel final : public ExpertChannel {
         !uid.ok() || *uid != ::geteuid()) {
       return Unreachable(absl::StrCat(who_, ": its shm socket is not this user's"));
     }
+    auto c = std::make_shared<Conn>();
+    c->who = who_;
+    c->shard = o_.shard;
+    c->client_id = reply.client_id();
+    c->control = opened.control;
+    c->on_event = o_.on_event;
+    c->window = window_;
     c->socket = std::move(*socket);
+    MOE_ASSIGN_OR_RETURN(c->region, dataplane::ShmRegion::Create(kShmClientRing));
+    MOE_ASSIGN_OR_RETURN(c->shard_doorbell, dataplane::NewEventFd());
+    MOE_ASSIGN_OR_RETURN(c->node_doorbell, dataplane::NewEventFd());
+    c->requests = c->region.Ring(dataplane::ShmDirection::kToShard, c->shard_doorbell.get());
+    c->replies = c->region.Ring(dataplane::ShmDirection::kToNode, -1);
     std::string hello = dataplane::EncodeHello({reply.client_id(), reply.hello_secret()});
     const uint64_t ring = kShmClientRing;
     hello.append(reinterpret_cast<const char*>(&ring), sizeof ring);
