@@ -5,6 +5,8 @@
 //   testing::BackendShard shard = testing::StartBackendShard(cfg, "shm");
 //   auto ch = half->MakeChannel(testing::BackendChannel(shard, "attention-shm", false));
 //   EXPECT_EQ(testing::WrongEchoRows(batch, reply, cfg.latent), 0u);
+//   ASSERT_NO_FATAL_FAILURE(testing::ExpectServedBitExactOn(*ch, cfg, shard.endpoint, "shm",
+//                                                           {1, 16}));
 #ifndef MOE_TESTS_COMMON_BACKEND_SHARD_H_
 #define MOE_TESTS_COMMON_BACKEND_SHARD_H_
 
@@ -13,11 +15,13 @@
 
 #include <cstring>
 #include <fstream>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "attention-svc/dataplane/client_half.h"
+#include "attention-svc/expert_channel_grpc.h"
 #include "expert-svc/expert_server.h"
 #include "tests/common/echo_shard.h"
 
@@ -66,6 +70,28 @@ inline size_t WrongEchoRows(const EchoBatch& b, const attention_svc::ExpertReply
     wrong += std::memcmp(&r.bf16[i * d], &z[b.message.row_source[i] * d], d * 2) != 0;
   }
   return wrong;
+}
+
+// Sends batches of `tokens` each on `ch` and checks every reply: it came on `lane`, each row is
+// its pair's activations, and it equals the in-band lane's answer to the same batch from the
+// shard at `endpoint` bit for bit. Wrap in ASSERT_NO_FATAL_FAILURE.
+inline void ExpectServedBitExactOn(attention_svc::ExpertChannel& ch, const ModelConfig& cfg,
+                                   const std::string& endpoint, const char* lane,
+                                   std::initializer_list<int64_t> tokens) {
+  attention_svc::GrpcExpertChannel inband("echo-0", endpoint, 1 << 30, "");
+  for (int64_t t : tokens) {
+    const EchoBatch b = MakeEchoBatch(cfg, t);
+    auto call = ch.Send(b.header, b.message);
+    auto reply = call->Wait(absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_STREQ(call->transport(), lane) << "T " << t;
+    EXPECT_EQ(WrongEchoRows(b, *reply, cfg.latent), 0u) << "T " << t;
+    auto in = inband.Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(in.ok()) << in.status();
+    ASSERT_EQ(in->bf16.size(), reply->bf16.size());
+    EXPECT_EQ(std::memcmp(in->bf16.data(), reply->bf16.data(), in->bf16.size() * 2), 0) << t;
+  }
+  EXPECT_STREQ(ch.transport(), lane);
 }
 
 }  // namespace moe::testing

@@ -26,7 +26,6 @@
 #include "attention-svc/dataplane/registry.h"
 #include "attention-svc/dataplane/shm/shm_client_half.h"
 #include "attention-svc/expert_channel_factory.h"
-#include "attention-svc/expert_channel_grpc.h"
 #include "moe/v1/expert.grpc.pb.h"
 #include "services/dataplane/data_plane.h"
 #include "services/dataplane/ucx_worker.h"
@@ -74,25 +73,11 @@ struct AutoNode {
   }
 };
 
-// Sends batches of 1, 16 and 200 tokens: each must come back bit-exact (against the in-band
-// lane too) on `lane`.
+// Batches of 1, 16 and 200 tokens on `ch`: each bit-exact (against the in-band lane too) on
+// `lane`.
 void ExpectServedOn(attention_svc::ExpertChannel& ch, const std::string& endpoint,
                     const char* lane) {
-  const ModelConfig cfg = *PresetConfig("mid");
-  attention_svc::GrpcExpertChannel inband("echo-0", endpoint, 1 << 30, "");
-  for (int64_t t : {1, 16, 200}) {
-    const testing::EchoBatch b = testing::MakeEchoBatch(cfg, t);
-    auto call = ch.Send(b.header, b.message);
-    auto reply = call->Wait(absl::Now() + absl::Seconds(30));
-    ASSERT_TRUE(reply.ok()) << reply.status();
-    EXPECT_STREQ(call->transport(), lane) << "T " << t;
-    EXPECT_EQ(WrongEchoRows(b, *reply, cfg.latent), 0u) << "T " << t;
-    auto in = inband.Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
-    ASSERT_TRUE(in.ok()) << in.status();
-    ASSERT_EQ(in->bf16.size(), reply->bf16.size());
-    EXPECT_EQ(std::memcmp(in->bf16.data(), reply->bf16.data(), in->bf16.size() * 2), 0) << t;
-  }
-  EXPECT_STREQ(ch.transport(), lane);
+  testing::ExpectServedBitExactOn(ch, *PresetConfig("mid"), endpoint, lane, {1, 16, 200});
 }
 
 absl::StatusOr<v1::OpenDataPlaneReply> Open(const std::string& endpoint,
@@ -140,7 +125,7 @@ TEST(AutoDataPlane, AShardOffersBothAndANodeOnItsHostUsesShm) {
 
   AutoNode node;
   std::shared_ptr<attention_svc::ExpertChannel> ch = node.ChannelTo(shard.endpoint);
-  ExpectServedOn(*ch, shard.endpoint, "shm");
+  ASSERT_NO_FATAL_FAILURE(ExpectServedOn(*ch, shard.endpoint, "shm"));
   EXPECT_EQ(node.events, std::vector<std::string>{"connected"}) << "nothing in band, once";
   EXPECT_EQ(node.lanes, "shm");
   EXPECT_GT(WireBytes(shard, "shm"), 0);
@@ -163,8 +148,8 @@ TEST(AutoDataPlane, AShardThatOffersOnlyUcxIsServedOnUcxAndAskedAgainOnlyAfterTh
   BackendShard shard = testing::StartBackendShard(cfg, "ucx");
   AutoNode node;
   std::shared_ptr<attention_svc::ExpertChannel> ch = node.ChannelTo(shard.endpoint);
-  ExpectServedOn(*ch, shard.endpoint, "ucx");
-  ExpectServedOn(*ch, shard.endpoint, "ucx");
+  ASSERT_NO_FATAL_FAILURE(ExpectServedOn(*ch, shard.endpoint, "ucx"));
+  ASSERT_NO_FATAL_FAILURE(ExpectServedOn(*ch, shard.endpoint, "ucx"));
   EXPECT_EQ(node.events, std::vector<std::string>{"connected"});
   // Six batches, one question for shm (FAILED_PRECONDITION), the rest straight to UCX.
   EXPECT_EQ(RefusedOpens(shard), 1);
@@ -213,8 +198,8 @@ TEST(AutoDataPlane, AShardWhoseSocketIsNotInThisNamespaceIsServedOnUcx) {
   ElsewhereShard elsewhere(shard.endpoint, absl::StrCat("@moe-shm-elsewhere-", ::getpid()));
   AutoNode node;
   std::shared_ptr<attention_svc::ExpertChannel> ch = node.ChannelTo(elsewhere.endpoint());
-  ExpectServedOn(*ch, shard.endpoint, "ucx");
-  ExpectServedOn(*ch, shard.endpoint, "ucx");
+  ASSERT_NO_FATAL_FAILURE(ExpectServedOn(*ch, shard.endpoint, "ucx"));
+  ASSERT_NO_FATAL_FAILURE(ExpectServedOn(*ch, shard.endpoint, "ucx"));
   EXPECT_EQ(elsewhere.shm_opens(), 1) << "asked once, then UCX until the back-off ends";
   EXPECT_EQ(node.events, std::vector<std::string>{"connected"});
   EXPECT_EQ(WireBytes(shard, "shm"), 0);
@@ -258,7 +243,7 @@ TEST(AutoDataPlane, ASocketOfAnotherUserIsNotUsed) {
   ElsewhereShard squatted(shard.endpoint, "@" + name);
   AutoNode node;
   std::shared_ptr<attention_svc::ExpertChannel> ch = node.ChannelTo(squatted.endpoint());
-  ExpectServedOn(*ch, shard.endpoint, "ucx");
+  ASSERT_NO_FATAL_FAILURE(ExpectServedOn(*ch, shard.endpoint, "ucx"));
   EXPECT_EQ(squatted.shm_opens(), 1);
   EXPECT_EQ(::read(heard[0], &r, 1), -1) << "the squatter heard from the node";
   ::close(heard[0]);

@@ -75,19 +75,8 @@ TEST(ShmDataPlane, CarriesBatchesThroughTheRealServerBitExact) {
     lanes = l.kind + "/" + theirs;
   };
   std::shared_ptr<attention_svc::ExpertChannel> shm = (*half)->MakeChannel(co);
-  attention_svc::GrpcExpertChannel inband("echo-0", shard.endpoint, 1 << 30, "");
-  for (int64_t t : {1, 16, 200, 1}) {
-    const testing::EchoBatch b = testing::MakeEchoBatch(cfg, t);
-    auto call = shm->Send(b.header, b.message);
-    auto reply = call->Wait(absl::Now() + absl::Seconds(30));
-    ASSERT_TRUE(reply.ok()) << reply.status();
-    EXPECT_STREQ(call->transport(), "shm");
-    EXPECT_EQ(WrongEchoRows(b, *reply, cfg.latent), 0u) << "T " << t;
-    auto in = inband.Send(b.header, b.message)->Wait(absl::Now() + absl::Seconds(30));
-    ASSERT_TRUE(in.ok()) << in.status();
-    ASSERT_EQ(in->bf16.size(), reply->bf16.size());
-    EXPECT_EQ(std::memcmp(in->bf16.data(), reply->bf16.data(), in->bf16.size() * 2), 0) << t;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      testing::ExpectServedBitExactOn(*shm, cfg, shard.endpoint, "shm", {1, 16, 200, 1}));
   EXPECT_EQ(events, std::vector<std::string>{"connected"});
   EXPECT_EQ(lanes, "shm/shm");
   // A batch whose reply does not fit half a ring goes in band, counted, bit-exact, also on a
