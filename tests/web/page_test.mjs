@@ -157,10 +157,20 @@ try {
     }).on('error', reject);
   });
   for (const cell of lanesCells) {
-    const m = /^ucx · ((shm|tcp|rdma|mixed).*)$/.exec(cell);
-    assert(m, `the data plane cell "${cell}" does not name UCX and its lanes`);
-    assert(metricsText.includes(`shard_lanes="${m[1]}"`),
-           `the page's lanes "${m[1]}" are not what the attention node read from UCX`);
+    // The shard's first backend (UCX, what it registers), then the lanes of its clients: of one
+    // backend as it says them ("shm (posix)"), of several (--data_plane=auto: UCX and shm) each
+    // by name, "ucx (shm (sysv, cma)), shm" or "shm" (a node that opened UCX once, e.g. for a
+    // batch while its shm connection was being made, keeps that client).
+    const m = /^ucx · (.+)$/.exec(cell);
+    assert(m, `the data plane cell "${cell}" does not name the shard's first backend, UCX`);
+    const named = /^(?:ucx \((.+)\))?(?:, )?(shm)?$/.exec(m[1]);
+    const lanes = named && (named[1] || named[2]) ? [named[1], named[2]].filter(Boolean) : [m[1]];
+    for (const l of lanes) {
+      assert(/^(shm|tcp|rdma|mixed)/.test(l), `the data plane cell "${cell}" has no lanes in "${l}"`);
+    }
+    // The attention node's view of the shard: the lanes of the connection it opened last.
+    assert(lanes.some((l) => metricsText.includes(`shard_lanes="${l}"`)),
+           `the page's lanes "${m[1]}" are not what the attention node read (${lanes.join(' | ')})`);
   }
   console.log(`data plane: ${lanesCells.join('; ')}`);
 
