@@ -292,6 +292,7 @@ class ShmExpertChannel final : public ExpertChannel {
     }
     absl::StatusOr<std::shared_ptr<Conn>> conn = EnsureOpen(deadline);
     if (!conn.ok()) {
+      if (!absl::IsFailedPrecondition(conn.status())) SayOnce(conn.status());  // else Unreachable
       if (o_.next != nullptr) return o_.next->Send(header, m);
       if (o_.fallback_in_band) {
         if (o_.on_event) o_.on_event(o_.shard, "fallback");
@@ -413,6 +414,16 @@ class ShmExpertChannel final : public ExpertChannel {
     return absl::FailedPreconditionError(unreachable_);
   }
 
+  // A connection that did not open this time (the shard busy or restarting; the next batch
+  // tries again): said in the log once per reason, where this batch went with it.
+  void SayOnce(const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (s.message() == failed_) return;
+    failed_ = std::string(s.message());
+    MOE_LOG_INFO("data plane to {}: shm did not open ({}); this batch {}", o_.shard, failed_,
+                 o_.next != nullptr ? "on the node's next data plane" : "in band or failed");
+  }
+
   const ChannelOptions o_;
   const std::string who_;
   const std::shared_ptr<PollWindow> window_;
@@ -421,6 +432,7 @@ class ShmExpertChannel final : public ExpertChannel {
   std::shared_ptr<Conn> conn_;
   absl::Time retry_after_ = absl::InfinitePast();
   std::string unreachable_;
+  std::string failed_;  // SayOnce's last
 };
 
 class ShmClientHalf final : public ClientHalf {
